@@ -1,0 +1,40 @@
+# The two commands the README opens with. Each sets itself up (virtual environment,
+# dependencies, tiny model) and is quick when that is already done.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEPS := pyproject.toml Makefile
+
+.PHONY: run test lint typecheck setup bench clean
+
+$(PY):
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# torch is pinned to 2.13.0, the CPU build this machine image provides.
+$(STAMP): $(PY) $(DEPS)
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[test]"
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m pdserve demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) -m bench.engine
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,346 @@
+"""Engine benchmark: pdserve's ``engine.LLM`` against Hugging Face ``generate()``, and its
+batch-1 decode step against the memory-bandwidth roofline, in one invocation on the same
+random-weight 55M-parameter fp32 Llama (``engine.tiny_model`` preset ``bench55m``).
+
+What is measured (``python -m bench.engine``, defaults in brackets):
+
+- Throughput, both sides: output tokens ÷ wall time from submitting the requests to the
+  last token, prefill included, for [32] requests of [64] random prompt token ids and
+  [64] output tokens each. Hugging Face runs one ``generate(do_sample=False,
+  min_new_tokens=L, max_new_tokens=L)`` over the batch of equal-length prompts (no
+  padding); pdserve runs ``LLM.generate`` with greedy, ``ignore_eos`` sampling, prefix
+  caching on as users run it. Every run draws fresh prompts, so pdserve gets no prefix
+  cache hits (``num_cached_tokens == 0`` is checked). Each side gets a warm-up run (not
+  timed), then the two alternate for [3] repeats; the median is reported and
+  ``ratio_vs_hf = pdserve_tok_s / hf_generate_tok_s``.
+- Batch-1 decode step: the wall time of ``EngineCore.step()`` while a single request
+  (same prompt length) decodes; median over all timed steps.
+- Roofline: bytes a decode step must read (every weight except the input embedding, which
+  is only gathered, plus the K/V of the context) ÷ the machine's read bandwidth, measured
+  in the same run as the best of several ``torch.sum`` passes over a ≥ 1 GiB fp32 buffer
+  with the same thread count, interleaved with the step timing and the throughput runs.
+  ``roofline_fraction = roofline_step_ms / batch1_step_ms`` (1.0 = at the roofline).
+
+Both sides use the same torch thread count [2] (``--threads``). The table is printed;
+``--json PATH`` also writes every figure as JSON. Targets: ``ratio_vs_hf >= 2.0`` and
+``roofline_fraction >= 0.6``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import engine
+from bench.common import (
+    MIB,
+    BandwidthProbe,
+    format_table,
+    load_average,
+    machine_info,
+    timed,
+    torch_threads,
+    write_json,
+)
+from engine.tiny_model import _generator_fingerprint, default_model_cache_dir, make_tiny_model
+
+BENCH_PRESET = "bench55m"
+FIRST_SAFE_TOKEN_ID = 3  # 0..2 are <pad>, <s>, </s>
+TARGET_RATIO_VS_HF = 2.0
+TARGET_ROOFLINE_FRACTION = 0.6
+
+
+@dataclass
+class Results:
+    """Raw measurements of one invocation."""
+
+    pdserve_runs_tok_s: list[float] = field(default_factory=list)
+    hf_runs_tok_s: list[float] = field(default_factory=list)
+    batch1_steps_s: list[float] = field(default_factory=list)
+    batch1_context_lens: list[int] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- setup
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint dir (default: the bench55m Llama, built once into the cache)")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per side (median taken)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face generate()")
+    p.add_argument("--batch1-steps", type=int, default=48,
+                   help="timed batch-1 decode steps (split into 3 blocks between bandwidth passes)")
+    p.add_argument("--bandwidth-mib", type=int, default=1024, help="bandwidth buffer size (MiB)")
+    p.add_argument("--bandwidth-passes", type=int, default=3, help="passes per bandwidth sample")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    for name in ("num_requests", "prompt_len", "output_len", "repeats", "threads",
+                 "batch1_steps", "bandwidth_mib", "bandwidth_passes"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def ensure_bench_model() -> Path:
+    """The bench55m Llama (seed 0) in the model cache, built on first use: written to a
+    temporary sibling and renamed into place, so a present directory is complete."""
+    cache_dir = default_model_cache_dir()
+    final = cache_dir / f"{BENCH_PRESET}-llama-seed0-{_generator_fingerprint()}"
+    if final.is_dir():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
+    try:
+        print(f"building {final} (once) ...", flush=True)
+        make_tiny_model(tmp, arch="llama", preset=BENCH_PRESET, seed=0)
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+class PromptSource:
+    """Distinct random token-id prompts: every call draws new ones (no prefix-cache hits)."""
+
+    def __init__(self, seed: int, vocab_size: int, prompt_len: int) -> None:
+        self.rng = random.Random(seed)
+        self.high = vocab_size  # exclusive
+        self.prompt_len = prompt_len
+
+    def draw(self, num: int) -> list[list[int]]:
+        return [[self.rng.randrange(FIRST_SAFE_TOKEN_ID, self.high) for _ in range(self.prompt_len)]
+                for _ in range(num)]
+
+
+# ---------------------------------------------------------------- the two sides
+
+
+def load_hf(model_dir: Path, dtype: str) -> Any:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def run_hf(model: Any, prompts: list[list[int]], output_len: int) -> float:
+    """One batched greedy ``generate()``; returns output tokens per second."""
+    input_ids = torch.tensor(prompts, dtype=torch.long)
+    mask = torch.ones_like(input_ids)
+    elapsed, out = timed(lambda: model.generate(
+        input_ids=input_ids, attention_mask=mask, do_sample=False,
+        min_new_tokens=output_len, max_new_tokens=output_len, pad_token_id=0))
+    expected = (len(prompts), input_ids.shape[1] + output_len)
+    if tuple(out.shape) != expected:
+        raise RuntimeError(f"HF generate returned shape {tuple(out.shape)}, expected {expected}")
+    return len(prompts) * output_len / elapsed
+
+
+def run_pdserve(llm: engine.LLM, prompts: list[list[int]], output_len: int) -> float:
+    """``LLM.generate`` over all prompts at once; returns output tokens per second."""
+    params = engine.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    elapsed, results = timed(lambda: llm.generate(prompts, params))
+    cached = [r.num_cached_tokens for r in results]
+    if any(cached):
+        raise RuntimeError(f"pdserve prompts hit the prefix cache (num_cached_tokens {cached})")
+    lengths = {len(r.token_ids) for r in results}
+    if lengths != {output_len}:
+        raise RuntimeError(f"pdserve produced {sorted(lengths)} tokens, expected {output_len}")
+    return len(prompts) * output_len / elapsed
+
+
+def time_batch1_block(llm: engine.LLM, prompt: list[int], num_steps: int,
+                      results: Results) -> None:
+    """Decode one request alone; record each decode step's time (the prefill step and
+    the first token are not timed) and the context length it attended over."""
+    core = llm.core
+    rid = core.new_request_id()
+    core.add_request(rid, prompt, engine.SamplingParams(
+        max_tokens=num_steps + 1, temperature=0.0, ignore_eos=True))
+    core.step()  # prefill + first token
+    context = len(prompt) + 1  # the token fed to the next step is at position len(prompt)
+    while core.has_unfinished():
+        elapsed, _ = timed(core.step)
+        results.batch1_steps_s.append(elapsed)
+        results.batch1_context_lens.append(context)
+        context += 1
+
+
+# ---------------------------------------------------------------- roofline
+
+
+def weight_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(parameter count, all weight bytes, bytes a decode step reads): every parameter
+    once, minus the input embedding unless it doubles as the (tied) output head."""
+    params = {id(p): p for p in model.parameters()}.values()
+    total = sum(p.numel() * p.element_size() for p in params)
+    count = sum(p.numel() for p in params)
+    embedding = model.get_submodule("embed_tokens").weight
+    lm_head = model.get_submodule("lm_head").weight
+    read = total if embedding is lm_head else total - embedding.numel() * embedding.element_size()
+    return count, total, read
+
+
+def kv_bytes_read(llm: engine.LLM, context_len: int) -> int:
+    """K and V bytes one decode step reads at ``context_len`` tokens, all layers."""
+    kv = llm.core.executor.runner.kv_cache  # [layers, 2, blocks, block, heads, head_dim]
+    layers, two, _, _, heads, head_dim = kv.shape
+    return layers * two * heads * head_dim * kv.element_size() * context_len
+
+
+# ---------------------------------------------------------------- the run
+
+
+def measure(args: argparse.Namespace, model_dir: Path, probe: BandwidthProbe) -> tuple[Results, engine.LLM]:
+    """Warm-ups, then alternating timed runs, then batch-1 decode blocks; bandwidth passes
+    in between."""
+    results = Results()
+    llm = engine.LLM(model_dir, dtype=args.dtype)
+    hf = None if args.skip_hf else load_hf(model_dir, args.dtype)
+    prompts = PromptSource(args.seed, llm.tokenizer.vocab_size, args.prompt_len)
+    warm_len = min(args.output_len, 8)
+    probe.measure(args.bandwidth_passes)
+    if hf is not None:
+        run_hf(hf, prompts.draw(args.num_requests), warm_len)
+    run_pdserve(llm, prompts.draw(args.num_requests), warm_len)
+    for repeat in range(args.repeats):
+        batch = prompts.draw(args.num_requests)
+        if hf is not None:
+            results.hf_runs_tok_s.append(run_hf(hf, batch, args.output_len))
+        results.pdserve_runs_tok_s.append(run_pdserve(llm, batch, args.output_len))
+        print(f"repeat {repeat + 1}/{args.repeats}: pdserve {results.pdserve_runs_tok_s[-1]:.1f} "
+              f"tok/s" + (f", HF {results.hf_runs_tok_s[-1]:.1f} tok/s" if hf else ""), flush=True)
+        probe.measure(args.bandwidth_passes)
+    del hf
+    time_batch1_block(llm, prompts.draw(1)[0], 4, Results())  # warm-up
+    for block in range(3):
+        probe.measure(args.bandwidth_passes)
+        steps = args.batch1_steps // 3 + (block < args.batch1_steps % 3)
+        if steps:
+            time_batch1_block(llm, prompts.draw(1)[0], steps, results)
+    probe.measure(args.bandwidth_passes)
+    return results, llm
+
+
+def summarize_run(args: argparse.Namespace, model_dir: Path, results: Results, llm: engine.LLM,
+                  probe: BandwidthProbe) -> dict[str, Any]:
+    params, total_bytes, read_bytes = weight_bytes(llm.core.executor.runner.model)
+    context = statistics.median(results.batch1_context_lens)
+    kv_bytes = kv_bytes_read(llm, round(context))
+    bandwidth = probe.best_gbps
+    step_ms = statistics.median(results.batch1_steps_s) * 1e3
+    roofline_ms = (read_bytes + kv_bytes) / (bandwidth * 1e9) * 1e3
+    pdserve = statistics.median(results.pdserve_runs_tok_s)
+    hf = statistics.median(results.hf_runs_tok_s) if results.hf_runs_tok_s else None
+    return {
+        "pdserve_tok_s": pdserve,
+        "hf_generate_tok_s": hf,
+        "ratio_vs_hf": pdserve / hf if hf else None,
+        "batch1_step_ms": step_ms,
+        "roofline_step_ms": roofline_ms,
+        "roofline_fraction": roofline_ms / step_ms,
+        "pdserve_runs_tok_s": results.pdserve_runs_tok_s,
+        "hf_runs_tok_s": results.hf_runs_tok_s,
+        "batch1_steps_ms": [s * 1e3 for s in results.batch1_steps_s],
+        "batch1_median_context_len": context,
+        "bandwidth_gbps": bandwidth,
+        "bandwidth_samples_gbps": probe.samples_gbps,
+        "bandwidth_buffer_bytes": probe.num_bytes,
+        "model_dir": str(model_dir),
+        "model_params": params,
+        "weight_bytes": total_bytes,
+        "weight_bytes_per_step": read_bytes,
+        "kv_bytes_per_step": kv_bytes,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "num_requests": args.num_requests,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+        "targets": {"ratio_vs_hf": TARGET_RATIO_VS_HF, "roofline_fraction": TARGET_ROOFLINE_FRACTION},
+    }
+
+
+def render(out: dict[str, Any]) -> str:
+    n, pl, ol = out["num_requests"], out["prompt_len"], out["output_len"]
+    machine = out["machine"]
+    head = [
+        f"model     {out['model_dir']}",
+        f"          {out['model_params'] / 1e6:.1f}M params, {out['weight_bytes'] / 1e6:.1f} MB, "
+        f"{out['dtype']}; {out['weight_bytes_per_step'] / 1e6:.1f} MB read per decode step",
+        f"machine   {machine['cpu_model']}, {machine['cpu_count']} CPUs, torch threads "
+        f"{out['threads']}, load avg at start {machine['load_avg_1m_5m_15m']}, "
+        f"at end {out['load_avg_end']}",
+        f"bandwidth {out['bandwidth_gbps']:.2f} GB/s (best of "
+        f"{[round(x, 1) for x in out['bandwidth_samples_gbps']]}, "
+        f"{out['bandwidth_buffer_bytes'] / MIB:.0f} MiB torch.sum passes)",
+    ]
+    hf, ratio = out["hf_generate_tok_s"], out["ratio_vs_hf"]
+    runs = [round(x, 1) for x in out["pdserve_runs_tok_s"]]
+    rows: list[list[Any]] = [
+        [f"pdserve engine.LLM, {n} req x {pl} in / {ol} out", "tok/s", out["pdserve_tok_s"],
+         "", str(runs)],
+        [f"HF generate(), batch {n}", "tok/s", hf if hf is not None else "skipped", "",
+         str([round(x, 1) for x in out["hf_runs_tok_s"]])],
+        ["ratio_vs_hf", "x", ratio if ratio is not None else "-", f">= {TARGET_RATIO_VS_HF}", ""],
+        ["batch-1 decode step (median)", "ms", out["batch1_step_ms"], "",
+         f"{len(out['batch1_steps_ms'])} steps, ctx ~{out['batch1_median_context_len']:.0f}"],
+        ["roofline step (bytes / bandwidth)", "ms", out["roofline_step_ms"], "",
+         f"{(out['weight_bytes_per_step'] + out['kv_bytes_per_step']) / 1e6:.1f} MB"],
+        ["roofline_fraction", "", out["roofline_fraction"], f">= {TARGET_ROOFLINE_FRACTION}", ""],
+    ]
+    table = format_table(rows, ["metric", "unit", "value", "target", "runs / notes"])
+    return "\n".join(head) + "\n\n" + table
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the table, write ``--json``; returns the results dict."""
+    args = parse_args(argv)
+    started = time.perf_counter()
+    machine = machine_info()
+    model_dir = args.model if args.model is not None else ensure_bench_model()
+    with torch_threads(args.threads):
+        probe = BandwidthProbe(args.bandwidth_mib * MIB, args.threads)
+        results, llm = measure(args, model_dir, probe)
+        try:
+            out = summarize_run(args, model_dir, results, llm, probe)
+        finally:
+            llm.shutdown()
+            probe.release()
+    out["machine"] = machine
+    out["load_avg_end"] = [round(x, 2) for x in load_average()]
+    out["elapsed_s"] = time.perf_counter() - started
+    print(render(out), flush=True)
+    if args.json is not None:
+        write_json(args.json, out)
+        print(f"wrote {args.json}")
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,43 @@
+"""Attention backends over the paged KV cache, behind one interface:
+``backend.forward(q, k, v, kv_cache, metadata, scale) -> out``."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.attention.flash_backend import FlashAttentionBackend, flash_available
+from engine.attention.metadata import (
+    AttentionMetadata,
+    ForwardContext,
+    PrefillSpan,
+    forward_context,
+    get_forward_context,
+)
+from engine.attention.torch_backend import TorchAttentionBackend
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+
+def select_backend(device: torch.device, block_size: int) -> AttentionBackend:
+    """flash-attn on CUDA when importable and the block size fits its kernels; else torch SDPA."""
+    if flash_available(device, block_size):
+        return FlashAttentionBackend()
+    return TorchAttentionBackend()
+
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "ForwardContext",
+    "PrefillSpan",
+    "forward_context",
+    "get_forward_context",
+    "select_backend",
+]

@@ -1,0 +1,76 @@
+"""Attention over the paged KV cache with torch SDPA (CPU, and CUDA without flash-attn).
+
+KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata, PrefillSpan
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter the step's K/V ``[T, Hk, D]`` into their slots."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q ``[T, Hq, D]``, k/v ``[T, Hk, D]`` → output ``[T, Hq, D]``; writes k/v to the cache."""
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
+        for span in meta.prefills:
+            rows = slice(span.query_start, span.query_start + span.num_query_tokens)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, span, scale)
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        num_seqs = q.shape[0]
+        block_size = kv_cache.shape[2]
+        num_blocks = -(-meta.max_decode_context_len // block_size)
+        tables = meta.decode_block_tables[:, :num_blocks]
+        # [B, blocks, block_size, Hk, D] -> [B, Hk, L, D]
+        keys = kv_cache[0][tables].flatten(1, 2).transpose(1, 2)
+        values = kv_cache[1][tables].flatten(1, 2).transpose(1, 2)
+        length = keys.shape[2]
+        mask = torch.arange(length, device=q.device) < meta.decode_context_lens.unsqueeze(1)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, Hq, 1, D]
+            keys, values, attn_mask=mask.view(num_seqs, 1, 1, length), scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 span: PrefillSpan, scale: float) -> torch.Tensor:
+        n, ctx = span.num_query_tokens, span.context_len
+        if ctx == n:  # nothing cached before this chunk: attend over the chunk itself
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
+            mask = None
+        else:
+            block_size = kv_cache.shape[2]
+            blocks = span.block_table[: -(-ctx // block_size)]
+            keys = kv_cache[0][blocks].flatten(0, 1)[:ctx].transpose(0, 1)  # [Hk, ctx, D]
+            values = kv_cache[1][blocks].flatten(0, 1)[:ctx].transpose(0, 1)
+            # query i sits at position ctx - n + i and sees keys 0..that position
+            q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+        )
+        return out.squeeze(0).transpose(0, 1)

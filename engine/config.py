@@ -1,0 +1,223 @@
+"""Frozen configuration dataclasses, one per concern, composed into ``EngineConfig``.
+
+Torch-free: the router reads ``ModelConfig`` (context length, vocabulary, KV layout)
+without loading any weights. Derived values are properties; values computed at run
+time (the number of KV blocks that fit) live in ``CacheConfig.num_kv_blocks`` only
+when the user fixes them, otherwise in the runner's ``KVCacheSpec``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Hugging Face architectures this engine implements, and the family each belongs to.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration or checkpoint that this engine cannot serve; the message says why."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (``rope_type == "llama3"``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs from a checkpoint's ``config.json``."""
+
+    model_dir: str
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    dtype: str = "float32"
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """Global KV layout: (layers, KV heads, head size) — what must match to exchange KV."""
+        return (self.num_layers, self.num_kv_heads, self.head_dim)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_position_embeddings
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size, pool size (None = fit to memory), prefix caching."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    hash_seed: int = 0
+    # Fraction of free memory the KV pool may take when num_kv_blocks is None.
+    memory_fraction: float = 0.25
+    max_kv_bytes: int = 2 << 30
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ConfigError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism of one engine (one worker)."""
+
+    tensor_parallel_size: int = 1
+    # Seconds a collective may wait before a dead or hung peer becomes an error.
+    collective_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences per step and tokens per step (chunk budget)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine (offline ``LLM`` or a worker) is built from."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        tp = self.parallel.tensor_parallel_size
+        m = self.model
+        for name, value in (("num_attention_heads", m.num_heads), ("intermediate_size", m.intermediate_size)):
+            if value % tp:
+                raise ConfigError(f"{name}={value} is not divisible by tensor_parallel_size={tp}")
+        if m.num_kv_heads % tp and tp % m.num_kv_heads:
+            raise ConfigError(
+                f"num_key_value_heads={m.num_kv_heads} and tensor_parallel_size={tp}: "
+                "one must divide the other"
+            )
+
+
+def load_model_config(model_dir: str | Path, *, dtype: str = "float32") -> ModelConfig:
+    """Read ``config.json`` of a Hugging Face checkpoint directory.
+
+    Raises ``ConfigError`` naming the missing file, the unknown architecture or the
+    unsupported feature (e.g. a sliding window, which this engine does not implement).
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"missing config.json in model directory {model_dir}")
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    raw: dict[str, Any] = json.loads(path.read_text())
+    architecture = _architecture(raw, path)
+    _refuse_sliding_window(raw)
+    num_heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    head_dim = raw.get("head_dim") or hidden // num_heads
+    family = SUPPORTED_ARCHITECTURES[architecture]
+    # transformers >= 5 writes "rope_parameters"; older checkpoints "rope_scaling" + "rope_theta".
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    return ModelConfig(
+        model_dir=str(model_dir),
+        architecture=architecture,
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        vocab_size=int(raw["vocab_size"]),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        rope_scaling=_rope_scaling(rope),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+        dtype=dtype,
+    )
+
+
+def _architecture(raw: dict[str, Any], path: Path) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return str(arch)
+    raise ConfigError(
+        f"{path}: unsupported architecture {archs or '(none given)'}; "
+        f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _refuse_sliding_window(raw: dict[str, Any]) -> None:
+    window = raw.get("sliding_window")
+    if raw.get("use_sliding_window") is False or window is None:
+        return
+    if window >= raw.get("max_position_embeddings", window):
+        return  # a window as long as the context is no window at all
+    raise ConfigError(
+        f"sliding_window={window} is not implemented by pdserve's attention; "
+        "use a checkpoint without a sliding window"
+    )
+
+
+def _rope_scaling(raw: dict[str, Any]) -> RopeScaling | None:
+    kind = raw.get("rope_type", raw.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: llama3)")
+    return RopeScaling(
+        factor=float(raw["factor"]),
+        low_freq_factor=float(raw["low_freq_factor"]),
+        high_freq_factor=float(raw["high_freq_factor"]),
+        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+    )

@@ -1,0 +1,187 @@
+"""Tensor-parallel building blocks. Each layer owns its sharding and its weight loader
+and receives the TP group explicitly (never the default process group).
+
+Sharding rules (t = TP size, rank i):
+- column-parallel: output rows [i*out/t, (i+1)*out/t); row-parallel: input columns likewise,
+  followed by an all-reduce of the partial outputs.
+- KV heads (H of them): heads [i*H/t, (i+1)*H/t) when t <= H; when t > H each rank holds
+  the single head floor(i*H/t) (heads are replicated over t/H ranks).
+- vocabulary: padded to a multiple of t, rank i holds rows [i*V/t, (i+1)*V/t).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import Group
+
+
+def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, end) of rank's equal share of ``total`` (which ``size`` divides)."""
+    assert total % size == 0, f"{total} is not divisible by {size}"
+    per = total // size
+    return rank * per, (rank + 1) * per
+
+
+def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, end) of the KV heads rank holds (the engine's head rule, see module doc)."""
+    if size <= num_kv_heads:
+        return shard_range(num_kv_heads, rank, size)
+    head = rank * num_kv_heads // size
+    return head, head + 1
+
+
+def _new_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows sharded; output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, tp: Group, *, bias: bool = False) -> None:
+        super().__init__()
+        self.tp = tp
+        self.out_start, self.out_end = shard_range(out_features, tp.rank, tp.size)
+        self.weight = _new_param(self.out_end - self.out_start, in_features)
+        self.bias = _new_param(self.out_end - self.out_start) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_weight(self, name: str, loaded: torch.Tensor) -> None:
+        """``name`` is "weight" or "bias"; ``loaded`` is the full, unsharded tensor."""
+        param = getattr(self, name)
+        param.data.copy_(loaded[self.out_start : self.out_end])
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of the same input fused into one matmul
+    (gate_proj and up_proj). Local weight rows: [shard of part 0; shard of part 1; ...]."""
+
+    def __init__(self, in_features: int, out_parts: list[int], tp: Group) -> None:
+        super().__init__()
+        self.tp = tp
+        self.out_parts = out_parts
+        self.local_parts = [p // tp.size for p in out_parts]
+        self.weight = _new_param(sum(self.local_parts), in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def load_weight(self, part: int, loaded: torch.Tensor) -> None:
+        start, end = shard_range(self.out_parts[part], self.tp.rank, self.tp.size)
+        offset = sum(self.local_parts[:part])
+        self.weight.data[offset : offset + end - start].copy_(loaded[start:end])
+
+
+class QKVParallelLinear(nn.Module):
+    """Fused q/k/v projection. Local output: [q heads of this rank | its k heads | its v heads],
+    each head ``head_dim`` wide; KV heads follow ``kv_head_range`` (replicated when t > H)."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 tp: Group, *, bias: bool = False) -> None:
+        super().__init__()
+        self.tp = tp
+        self.head_dim = head_dim
+        self.q_heads = shard_range(num_heads, tp.rank, tp.size)
+        self.kv_heads = kv_head_range(num_kv_heads, tp.rank, tp.size)
+        self.num_local_heads = self.q_heads[1] - self.q_heads[0]
+        self.num_local_kv_heads = self.kv_heads[1] - self.kv_heads[0]
+        self.q_size = self.num_local_heads * head_dim
+        self.kv_size = self.num_local_kv_heads * head_dim
+        out = self.q_size + 2 * self.kv_size
+        self.weight = _new_param(out, hidden)
+        self.bias = _new_param(out) if bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = F.linear(x, self.weight, self.bias)
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # type: ignore[return-value]
+
+    def load_weight(self, name: str, part: str, loaded: torch.Tensor) -> None:
+        """``part`` is "q", "k" or "v"; ``loaded`` the full checkpoint tensor (weight or bias)."""
+        heads = self.q_heads if part == "q" else self.kv_heads
+        offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[part]
+        rows = loaded[heads[0] * self.head_dim : heads[1] * self.head_dim]
+        getattr(self, name).data[offset : offset + rows.shape[0]].copy_(rows)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns sharded; partial outputs are all-reduced.
+    The bias is added once, after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, tp: Group, *, bias: bool = False) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_start, self.in_end = shard_range(in_features, tp.rank, tp.size)
+        self.weight = _new_param(out_features, self.in_end - self.in_start)
+        self.bias = _new_param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+    def load_weight(self, name: str, loaded: torch.Tensor) -> None:
+        if name == "bias":
+            assert self.bias is not None
+            self.bias.data.copy_(loaded)
+        else:
+            self.weight.data.copy_(loaded[:, self.in_start : self.in_end])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with vocabulary rows sharded (padded to a multiple of the TP size)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: Group) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * per_rank
+        self.vocab_end = min(self.vocab_start + per_rank, vocab_size)
+        self.weight = _new_param(per_rank, hidden)
+        self.weight.data.zero_()
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.weight)
+        local = token_ids - self.vocab_start
+        outside = (token_ids < self.vocab_start) | (token_ids >= self.vocab_end)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+    def load_weight(self, name: str, loaded: torch.Tensor) -> None:
+        rows = loaded[self.vocab_start : self.vocab_end]
+        self.weight.data[: rows.shape[0]].copy_(rows)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary, column-parallel over vocabulary rows.
+    ``forward`` returns full logits ``[num_tokens, vocab_size]`` on every rank."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        logits = self.tp.all_gather(logits, dim=-1)
+        return logits[..., : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _new_param(dim)
+        self.weight.data.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def load_weight(self, name: str, loaded: torch.Tensor) -> None:
+        self.weight.data.copy_(loaded)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: silu(gate) * up over the last dim split in halves."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

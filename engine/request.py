@@ -1,0 +1,88 @@
+"""A request's state inside one engine. Torch-free."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.kvcache import BlockHash, hash_block_tokens, root_hash
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)prefill
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; KV is written from outside
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+    PREFILLED = "prefilled"  # prefill-only request: first token sampled, KV pinned
+
+
+@dataclass(eq=False)
+class Request:
+    """Token state of one sequence.
+
+    Invariant: ``num_computed_tokens <= num_tokens``; the KV of tokens
+    ``[0, num_computed_tokens)`` is in the request's blocks. A step computes tokens
+    ``[num_computed_tokens, num_tokens)`` (or a chunk of them) and, when that reaches
+    ``num_tokens``, samples the token at position ``num_tokens``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    prefill_only: bool = False
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_prefill_chunks: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def full_block_hashes(self, num_blocks: int, block_size: int, seed: int) -> list[BlockHash]:
+        """Chained hashes of the first ``num_blocks`` full blocks (extended incrementally)."""
+        while len(self.block_hashes) < num_blocks:
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if i else root_hash(seed)
+            tokens = self.all_token_ids[i * block_size : (i + 1) * block_size]
+            self.block_hashes.append(hash_block_tokens(parent, tokens))
+        return self.block_hashes[:num_blocks]
+
+    def check_token_stop(self, max_model_len: int) -> FinishReason | None:
+        """Why the request stops after its latest output token, or None to go on."""
+        last = self.output_token_ids[-1]
+        if last in self.params.stop_token_ids:
+            return FinishReason.STOP
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,147 @@
+"""The model runner: the only place where block ids become tensors.
+
+KV-cache layout (per rank), one contiguous tensor::
+
+    kv_cache[layer, 0 = K | 1 = V, block_id, offset_in_block, local_kv_head, head_dim]
+
+A token at sequence position p lives in block ``block_ids[p // block_size]`` at offset
+``p % block_size``; its slot is ``block_id * block_size + offset``. A KV transfer copies
+whole blocks of this layout (all layers, or one layer at a time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.attention import (
+    AttentionMetadata,
+    ForwardContext,
+    PrefillSpan,
+    forward_context,
+    select_backend,
+)
+from engine.attention.metadata import LayerHook
+from engine.config import EngineConfig
+from engine.distributed import Group
+from engine.loader import iter_weights
+from engine.models import build_model
+from engine.models.layers import kv_head_range
+from engine.scheduler import ScheduledChunk
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[name]
+
+
+def kv_bytes_per_block(config: EngineConfig, tp_rank: int = 0) -> int:
+    """Bytes one block takes on one rank (all layers, K and V)."""
+    m = config.model
+    start, end = kv_head_range(m.num_kv_heads, tp_rank, config.parallel.tensor_parallel_size)
+    elem = torch.tensor([], dtype=torch_dtype(m.dtype)).element_size()
+    return m.num_layers * 2 * config.cache.block_size * (end - start) * m.head_dim * elem
+
+
+def resolve_num_kv_blocks(config: EngineConfig) -> int:
+    """The KV pool size: the configured one, else what fits the memory budget, capped at
+    what ``max_num_seqs`` full-length sequences could use."""
+    if config.cache.num_kv_blocks is not None:
+        return config.cache.num_kv_blocks
+    per_block = kv_bytes_per_block(config)
+    if torch.device(config.device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        budget = int(free * config.cache.memory_fraction)
+    else:
+        budget = min(config.cache.max_kv_bytes, int(_available_ram() * config.cache.memory_fraction))
+    blocks_per_seq = -(-config.model.max_model_len // config.cache.block_size)
+    useful = config.scheduler.max_num_seqs * blocks_per_seq
+    return max(1, min(budget // per_block, useful))
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+class ModelRunner:
+    """Holds one rank's model shard and KV cache; runs one step of scheduled chunks."""
+
+    def __init__(self, config: EngineConfig, tp: Group, num_kv_blocks: int) -> None:
+        self.config = config
+        self.tp = tp
+        self.device = torch.device(config.device)
+        self.dtype = torch_dtype(config.model.dtype)
+        self.block_size = config.cache.block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.backend = select_backend(self.device, self.block_size)
+        with torch.device(self.device):
+            self.model = build_model(config.model, tp, self.backend).to(self.dtype)
+        self.model.load_weights(iter_weights(config.model.model_dir, self.dtype))
+        self.model.eval()
+        local_kv_heads = self.model.num_local_kv_heads
+        m = config.model
+        # zero-filled: masked-out slots are multiplied by 0 and must not hold NaNs
+        self.kv_cache = torch.zeros(
+            m.num_layers, 2, num_kv_blocks, self.block_size, local_kv_heads, m.head_dim,
+            dtype=self.dtype, device=self.device)
+        self.model.set_kv_cache(self.kv_cache)
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter elements this rank holds (a tied embedding counts once)."""
+        return sum(p.numel() for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[ScheduledChunk],
+                layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """Run one forward over ``chunks`` (decodes first, then prefills); returns logits
+        ``[num sampling chunks, vocab]`` for the last token of each chunk with ``sample``."""
+        token_ids, positions, meta, sample_rows = self._prepare(chunks)
+        with forward_context(ForwardContext(meta, layer_hook)):
+            hidden = self.model(token_ids, positions)
+        return self.model.compute_logits(hidden[sample_rows]).float()
+
+    def _prepare(self, chunks: Sequence[ScheduledChunk]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        decodes = [c for c in chunks if c.is_decode]
+        spans = []
+        for c in chunks:
+            start = len(token_ids)
+            token_ids.extend(c.token_ids)
+            pos = range(c.start_position, c.start_position + len(c.token_ids))
+            positions.extend(pos)
+            slots.extend(c.block_ids[p // bs] * bs + p % bs for p in pos)
+            if c.sample:
+                sample_rows.append(len(token_ids) - 1)
+            if not c.is_decode:
+                spans.append(PrefillSpan(start, len(c.token_ids), pos.stop,
+                                         self._tensor(c.block_ids)))
+        context_lens = [c.start_position + 1 for c in decodes]
+        width = max((len(c.block_ids) for c in decodes), default=0)
+        tables = [list(c.block_ids) + [0] * (width - len(c.block_ids)) for c in decodes]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=self._tensor(tables).view(len(decodes), width),
+            decode_context_lens=self._tensor(context_lens),
+            max_decode_context_len=max(context_lens, default=0),
+            prefills=spans,
+        )
+        return self._tensor(token_ids), self._tensor(positions), meta, self._tensor(sample_rows)
+
+    def _tensor(self, values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny checkpoints built once per session, one torch thread per process.
+
+Several processes share 2 cores in these tests (TP ranks, later workers), so every
+process runs one torch thread; OpenMP pools fighting over cores make tiny matmuls
+three orders of magnitude slower.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+try:
+    import torch
+
+    torch.set_num_threads(1)
+except ImportError:  # torch-free tests still run
+    torch = None  # type: ignore[assignment]
+
+from tests.factories import make_model_dir  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_cuda = torch is not None and torch.cuda.is_available()
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``model_factory(arch="llama", **overrides)`` → a tiny checkpoint dir, cached per args."""
+    cache: dict[tuple[str, int, str], Path] = {}
+    root = tmp_path_factory.mktemp("models")
+
+    def build(arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+        key = (arch, seed, json.dumps(overrides, sort_keys=True))
+        if key not in cache:
+            cache[key] = make_model_dir(root / f"m{len(cache)}-{arch}", arch, seed, overrides)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_factory: Callable[..., Path]) -> Path:
+    return model_factory("llama")

@@ -1,0 +1,198 @@
+"""EngineCore lifecycles through the real model: continuous batching, chunked prefill,
+prefill-only requests with pinned blocks, KV written from outside, layer hooks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core import EngineCore
+from tests.factories import PROMPTS
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> LLM:
+    with LLM(llama_dir, num_kv_blocks=128, max_num_seqs=4, max_num_batched_tokens=64) as engine:
+        yield engine
+
+
+def _drain(core: EngineCore) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def test_requests_join_while_others_decode(llm: LLM, llama_dir: Path) -> None:
+    # 1. eight prompts, at most four running: the others must join mid-decode
+    before = llm.stats.num_admissions_during_decode
+    results = llm.generate(PROMPTS[:8], GREEDY)
+    assert llm.stats.num_admissions_during_decode > before
+    # 2. same tokens as running each prompt alone
+    with LLM(llama_dir, num_kv_blocks=128, max_num_seqs=1) as solo:
+        for prompt, res in zip(PROMPTS[:8], results, strict=True):
+            assert solo.generate([prompt], GREEDY)[0].token_ids == res.token_ids
+    llm.core.check_integrity()
+
+
+def test_long_prompt_is_prefilled_in_chunks(llm: LLM) -> None:
+    core = llm.core
+    prompt = list(range(3, 3 + 150))  # 150 tokens, budget 64 per step
+    core.add_request("long", prompt, GREEDY)
+    chunk_sizes = []
+    while core.has_unfinished():
+        out = core.scheduler.schedule()
+        chunk_sizes += [len(c.token_ids) for c in out.prefills if c.request_id == "long"]
+        sampled = core._execute(out)
+        core.scheduler.update(out, sampled)
+    assert chunk_sizes == [64, 64, 22]
+    with LLM(llm.config.model.model_dir, num_kv_blocks=128, max_num_batched_tokens=512,
+             enable_prefix_caching=False) as whole:
+        ref = whole.generate([prompt], GREEDY)[0].token_ids
+    assert core.scheduler.requests["long"].output_token_ids == ref
+    core.scheduler.forget(["long"])
+
+
+def test_prefill_only_pins_blocks_until_released(llm: LLM) -> None:
+    core = llm.core
+    prompt = llm.encode(PROMPTS[3])
+    core.add_request("p1", prompt, GREEDY, prefill_only=True)
+    outs = [o for o in _step_all(core) if o.request_id == "p1"]
+    assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "prefilled"
+    assert len(outs[0].new_token_ids) == 1
+    assert outs[0].block_ids is not None
+    assert len(outs[0].block_ids) == -(-len(prompt) // 16)
+    assert core.kv_usage().pinned == len(outs[0].block_ids)
+    assert core.release_pinned("p1") and not core.release_pinned("p1")
+    assert core.kv_usage().pinned == 0
+    core.check_integrity()
+
+
+def _step_all(core: EngineCore) -> list:
+    outs = []
+    while core.has_unfinished():
+        outs += core.step()
+    return outs
+
+
+def test_kv_written_from_outside_continues_like_local(llama_dir: Path) -> None:
+    """Prefill on one engine, copy the KV blocks into another engine's reserved blocks,
+    admit there: the continuation equals a plain local generation."""
+    with LLM(llama_dir, num_kv_blocks=64) as prefill, LLM(llama_dir, num_kv_blocks=64) as decode:
+        prompt = prefill.encode(PROMPTS[0])
+        expected = prefill.generate([prompt], GREEDY)[0].token_ids
+        # 1. prefill-only on the "prefill" engine
+        prefill.core.add_request("x", prompt, GREEDY, prefill_only=True)
+        (out,) = _step_all(prefill.core)
+        src_blocks = list(out.block_ids)
+        # 2. reserve on the "decode" engine, copy the KV block by block
+        dst_blocks = decode.core.reserve_for_kv("x", prompt, GREEDY)
+        assert dst_blocks is not None and len(dst_blocks) == len(src_blocks)
+        src_kv = prefill.core.executor.runner.kv_cache
+        dst_kv = decode.core.executor.runner.kv_cache
+        dst_kv[:, :, dst_blocks] = src_kv[:, :, src_blocks]
+        assert prefill.core.release_pinned("x")
+        # 3. admit with the first token sampled by the prefill side, then decode
+        first = decode.core.admit_with_kv("x", out.new_token_ids[0])
+        rest = _drain(decode.core).get("x", [])
+        assert first.new_token_ids + rest == expected
+        for engine in (prefill, decode):
+            engine.core.check_integrity()
+            assert engine.core.kv_usage().in_use == 0
+
+
+def test_reservation_refused_when_pool_is_full(llama_dir: Path) -> None:
+    with LLM(llama_dir, num_kv_blocks=4) as llm:
+        core = llm.core
+        assert core.reserve_for_kv("a", list(range(3, 50)), GREEDY) is not None  # 3 blocks
+        assert core.reserve_for_kv("b", list(range(3, 40)), GREEDY) is None  # needs 3, 1 free
+        assert core.kv_usage().in_use == 3
+        assert core.abort_request("a")
+        assert core.kv_usage().in_use == 0
+        core.check_integrity()
+
+
+def test_layer_hook_runs_after_each_layer_in_order(llm: LLM) -> None:
+    core = llm.core
+    seen: list[int] = []
+    kv = core.executor.runner.kv_cache
+    written: list[bool] = []
+
+    def hook(layer: int) -> None:
+        seen.append(layer)
+        written.append(bool(kv[layer].abs().sum() > 0))
+
+    core.layer_hook = hook
+    try:
+        kv.zero_()
+        core.add_request("h", llm.encode("hook me"), SamplingParams(max_tokens=1))
+        _step_all(core)
+    finally:
+        core.layer_hook = None
+    n = llm.config.model.num_layers
+    assert seen == list(range(n))
+    assert all(written), "a layer's KV was not written when its hook ran"
+
+
+def test_abort_frees_blocks_mid_decode(llm: LLM) -> None:
+    core = llm.core
+    core.add_request("a1", llm.encode(PROMPTS[0]), SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        core.step()
+    assert core.kv_usage().in_use > 0
+    assert core.abort_request("a1") and not core.abort_request("a1")
+    assert not core.has_unfinished()
+    assert core.kv_usage().in_use == 0
+    core.check_integrity()
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([], "empty"),
+    ([10**7], "token ids must be in"),
+    ([5] * 2040, "context limit"),
+])
+def test_bad_prompts_rejected(llm: LLM, bad: list[int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.core.add_request("bad", bad, GREEDY)
+    assert "bad" not in llm.core.scheduler.requests
+
+
+def test_request_larger_than_pool_rejected(llama_dir: Path) -> None:
+    with LLM(llama_dir, num_kv_blocks=2) as llm, pytest.raises(ValueError, match="KV blocks"):
+        llm.generate([list(range(3, 40))], GREEDY)
+
+
+def test_stop_strings_and_stop_tokens(llm: LLM) -> None:
+    prompt = PROMPTS[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    # stop at the third generated token id
+    stop_id = free.token_ids[2]
+    by_id = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0,
+                                                  stop_token_ids=[stop_id], ignore_eos=True))[0]
+    assert by_id.finish_reason == "stop"
+    assert by_id.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+    # stop string taken from the middle of the free-running text
+    text = free.text.replace("\ufffd", "")
+    if len(text) >= 6:
+        stop = text[3:6]
+        res = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, stop=[stop],
+                                                    ignore_eos=True))[0]
+        assert res.finish_reason == "stop"
+        assert stop not in res.text
+        assert free.text.startswith(res.text)
+    llm.core.check_integrity()
+
+
+def test_seeded_sampling_independent_of_batch(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], params)[0].token_ids
+    crowd = llm.generate(PROMPTS[:5], [GREEDY, params, GREEDY, params, GREEDY])
+    assert crowd[1].token_ids == alone
+    assert crowd[3].token_ids != alone or PROMPTS[3] == PROMPTS[1]
+    torch.manual_seed(0)
