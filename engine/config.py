@@ -158,7 +158,7 @@ def load_model_config(model_dir: str | Path, *, dtype: str = "float32") -> Model
         raise ConfigError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
     raw: dict[str, Any] = json.loads(path.read_text())
     architecture = _architecture(raw, path)
-    _refuse_sliding_window(raw)
+    _refuse_sliding_window(raw, SUPPORTED_ARCHITECTURES[architecture])
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     head_dim = raw.get("head_dim") or hidden // num_heads
@@ -197,9 +197,10 @@ def _architecture(raw: dict[str, Any], path: Path) -> str:
     )
 
 
-def _refuse_sliding_window(raw: dict[str, Any]) -> None:
+def _refuse_sliding_window(raw: dict[str, Any], family: str) -> None:
     window = raw.get("sliding_window")
-    if raw.get("use_sliding_window") is False or window is None:
+    # Qwen honours use_sliding_window; Mistral applies sliding_window whenever it is set.
+    if window is None or (family != "llama" and raw.get("use_sliding_window") is False):
         return
     if window >= raw.get("max_position_embeddings", window):
         return  # a window as long as the context is no window at all

@@ -36,21 +36,39 @@ class StepMessage:
 
     @classmethod
     def decode(cls, data: bytes) -> StepMessage:
+        """Inverse of ``encode``; raises ``ValueError`` on a malformed payload."""
         words = array("q")
         words.frombytes(data)
-        op, num_chunks = Op(words[0]), words[1]
-        chunks, pos = [], 2
-        for _ in range(num_chunks):
-            start, num_tokens, num_blocks, sample = words[pos : pos + 4]
-            pos += 4
-            tokens = tuple(words[pos : pos + num_tokens])
-            pos += num_tokens
-            blocks = tuple(words[pos : pos + num_blocks])
-            pos += num_blocks
+        reader = _Reader(words)
+        op = Op(reader.take(1)[0])
+        chunks = []
+        for _ in range(reader.count()):
+            start, num_tokens, num_blocks, sample = reader.take(1)[0], reader.count(), reader.count(), reader.take(1)[0]
+            tokens = tuple(reader.take(num_tokens))
+            blocks = tuple(reader.take(num_blocks))
             chunks.append(ScheduledChunk("", tokens, start, blocks, bool(sample)))
-        if pos != len(words):
-            raise ValueError(f"malformed step message: {len(words) - pos} trailing words")
+        if reader.pos != len(words):
+            raise ValueError(f"malformed step message: {len(words) - reader.pos} trailing words")
         return cls(op, tuple(chunks))
+
+
+class _Reader:
+    def __init__(self, words: array) -> None:
+        self.words = words
+        self.pos = 0
+
+    def take(self, n: int) -> array:
+        if self.pos + n > len(self.words):
+            raise ValueError("malformed step message: truncated")
+        out = self.words[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def count(self) -> int:
+        n = self.take(1)[0]
+        if n < 0:
+            raise ValueError(f"malformed step message: negative count {n}")
+        return n
 
 
 def step_message(chunks: Sequence[ScheduledChunk]) -> StepMessage:

@@ -137,37 +137,50 @@ class LlamaForCausalLM(nn.Module):
         return self.decoder_layers[0].self_attn.qkv_proj.num_local_kv_heads
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors; raises ``ValueError`` naming missing or unknown ones."""
+        """Load Hugging Face-named tensors; raises ``ValueError`` naming missing or unknown ones.
+
+        Names are compared at the checkpoint's granularity: a fused parameter (qkv_proj,
+        gate_up_proj) counts as loaded only when every one of its parts was.
+        """
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            loaded.add(self._load_one(name, tensor))
-        expected = {n for n, _ in self.named_parameters(remove_duplicate=True)}
-        missing = sorted(expected - loaded)
+            self._load_one(name, tensor)
+            loaded.add(name.removeprefix("model."))
+        missing = sorted(self._expected_checkpoint_names() - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}")
 
-    def _load_one(self, name: str, tensor: torch.Tensor) -> str:
-        """Load one checkpoint tensor; returns the name of the parameter it filled."""
+    def _expected_checkpoint_names(self) -> set[str]:
+        fused = {target: [k for k, (t, _) in _STACKED.items() if t == target]
+                 for target, _ in _STACKED.values()}
+        names = set()
+        for name, _ in self.named_parameters(remove_duplicate=True):
+            module_path, _, param = name.rpartition(".")
+            owner, _, leaf = module_path.rpartition(".")
+            for part in fused.get(leaf, [leaf]):
+                names.add(f"{owner}.{part}.{param}" if owner else f"{part}.{param}")
+        return names
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        """Load one checkpoint tensor into the parameter (or fused part) it belongs to."""
         path = name.removeprefix("model.")
         module_path, _, param = path.rpartition(".")
         owner, _, leaf = module_path.rpartition(".")
-        module: Any
-        if leaf in _STACKED:
-            target, part = _STACKED[leaf]
-            module = self.get_submodule(f"{owner}.{target}")
-            module.load_weight(param, part, tensor) if target == "qkv_proj" else module.load_weight(
-                part, tensor)
-            return f"{owner}.{target}.{param}"
+        target, part = _STACKED.get(leaf, (leaf, None))
         try:
-            module = self.get_submodule(module_path)
+            module: Any = self.get_submodule(f"{owner}.{target}" if owner else target)
         except AttributeError:
             raise ValueError(f"unexpected weight in checkpoint: {name}") from None
-        if not hasattr(module, "load_weight"):
+        if not isinstance(getattr(module, param, None), nn.Parameter):
             raise ValueError(f"unexpected weight in checkpoint: {name}")
-        module.load_weight(param, tensor)
-        return path
+        if target == "qkv_proj":
+            module.load_weight(param, part, tensor)
+        elif part is not None:
+            module.load_weight(part, tensor)
+        else:
+            module.load_weight(param, tensor)

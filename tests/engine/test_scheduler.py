@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,7 +39,7 @@ def make_request(request_id: str = "r0", num_prompt_tokens: int = 6, *,
         start = next(_prompt_starts)
         prompt = range(start, start + num_prompt_tokens)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
-                            stop_token_ids=list(stop_token_ids))
+                            stop_token_ids=tuple(stop_token_ids))
     return Request(request_id, list(prompt), params, eos_token_ids=(EOS,),
                    prefill_only=prefill_only)
 
@@ -98,7 +99,7 @@ def step(sched: Scheduler, tokens: Mapping[str, int] | None = None
 
 def drain(sched: Scheduler, max_steps: int = 500) -> list[SchedulerOutput]:
     """Step until nothing is unfinished; fails instead of looping forever."""
-    outs = []
+    outs: list[SchedulerOutput] = []
     while sched.has_unfinished():
         assert len(outs) < max_steps, "scheduler made no progress (deadlock?)"
         outs.append(step(sched)[0])
@@ -114,7 +115,7 @@ def assert_all_released(sched: Scheduler) -> None:
 
 
 def generate(prompts: Mapping[str, Sequence[int]], max_tokens: int,
-             **sched_kwargs: int) -> tuple[dict[str, list[int]], Scheduler]:
+             **sched_kwargs: Any) -> tuple[dict[str, list[int]], Scheduler]:
     """Run every prompt to completion; returns each request's output tokens."""
     sched = make_scheduler(**sched_kwargs)
     requests = [make_request(rid, prompt=p, max_tokens=max_tokens, ignore_eos=True)
@@ -362,7 +363,7 @@ def test_prefix_cache_hit_shares_blocks_with_running_request() -> None:
     # 1. while "first" decodes, "second" reuses its 3 full blocks (now held by both)
     second = make_request("second", prompt=prompt, max_tokens=4)
     sched.add(second)
-    out, _ = step(sched)
+    step(sched)
     assert second.num_cached_tokens == 12
     shared = sched.blocks.block_ids("first")[:3]
     assert sched.blocks.block_ids("second")[:3] == shared
@@ -485,24 +486,22 @@ def test_admit_with_kv_first_token_can_finish_at_once(max_tokens: int, first_tok
     assert_all_released(sched)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "admit_with_kv(first_token_id=None) requeues a request that still holds its blocks; "
-    "_schedule_waiting then passes cached blocks to a second allocate (ValueError) and "
-    "would anyway reset num_computed_tokens, discarding the transferred KV"))
-def test_admit_with_kv_without_first_token_computes_only_the_rest() -> None:
+def test_admit_with_partial_kv_computes_the_rest_here() -> None:
     sched = make_scheduler()
-    request = make_request("kv", 10, max_tokens=2)
+    request = make_request("kv", 10, max_tokens=3)
     block_ids = sched.reserve(request, 10)
     assert block_ids is not None
-    # 1. the KV of the first 8 tokens arrived; the last 2 are computed here
-    sched.admit_with_kv("kv", 8, first_token_id=None)
+    # 1. only the first 8 tokens' KV arrived (with the first token sampled elsewhere)
+    sched.admit_with_kv("kv", 8, first_token_id=40)
+    # 2. the rest of the prompt and the first token are computed here, from position 8
     out = sched.schedule()
     (chunk,) = out.chunks
-    assert (chunk.start_position, chunk.token_ids) == (8, tuple(request.prompt_token_ids[8:]))
-    assert chunk.sample and chunk.block_ids == tuple(block_ids)
+    assert chunk.start_position == 8 and chunk.sample
+    assert chunk.token_ids == (*request.prompt_token_ids[8:], 40)
+    assert chunk.block_ids == tuple(block_ids)
     sched.update(out, fake_execute(sched, out))
     drain(sched)
-    assert len(request.output_token_ids) == 2
+    assert len(request.output_token_ids) == 3
     assert_all_released(sched)
 
 

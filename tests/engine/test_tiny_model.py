@@ -225,14 +225,10 @@ def test_tokenizer_round_trip_and_specials(model_dirs: dict[str, Path], arch: st
 def test_some_tokens_are_partial_utf8(model_dirs: dict[str, Path], arch: str) -> None:
     tok = transformers.AutoTokenizer.from_pretrained(model_dirs[arch])
     ids = tok.encode("今天天气很好 龘 🦩 Привет", add_special_tokens=False)
-    assert any(tok.decode([i]) == "\ufffd" for i in ids)
-    # ...and merges also produced multi-byte tokens (whole characters or more).
-    assert any(
-        len(tok.decode([i])) >= 1
-        and "\ufffd" not in tok.decode([i])
-        and len(tok.decode([i]).encode()) >= 2
-        for i in ids
-    )
+    pieces = [tok.decode([i]) for i in ids]
+    assert "\ufffd" in pieces  # a lone partial UTF-8 sequence
+    # ...and merges also made tokens of whole non-ASCII characters.
+    assert any("\ufffd" not in p and any(ord(c) > 127 for c in p) for p in pieces)
 
 
 # ---------------------------------------------------------------- sharding, determinism
