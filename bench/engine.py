@@ -9,10 +9,11 @@ What is measured (``python -m bench.engine``, defaults in brackets):
   [64] output tokens each. Hugging Face runs one ``generate(do_sample=False,
   min_new_tokens=L, max_new_tokens=L)`` over the batch of equal-length prompts (no
   padding); pdserve runs ``LLM.generate`` with greedy, ``ignore_eos`` sampling, prefix
-  caching on as users run it. Every run draws fresh prompts, so pdserve gets no prefix
-  cache hits (``num_cached_tokens == 0`` is checked). Each side gets a warm-up run (not
-  timed), then the two alternate for [3] repeats; the median is reported and
-  ``ratio_vs_hf = pdserve_tok_s / hf_generate_tok_s``.
+  caching on as users run it. Every round draws fresh prompts (the same for both sides),
+  so pdserve gets no prefix cache hits (``num_cached_tokens == 0`` is checked). Each side
+  gets a warm-up run (not timed), then both run back to back for [3] repeats, in
+  alternating order; the medians are reported and
+  ``ratio_vs_hf = pdserve_tok_s / hf_generate_tok_s`` (per-repeat ratios in the JSON).
 - Batch-1 decode step: the wall time of ``EngineCore.step()`` while a single request
   (same prompt length) decodes; median over all timed steps.
 - Roofline: bytes a decode step must read (every weight except the input embedding, which
@@ -54,12 +55,16 @@ from bench.common import (
     torch_threads,
     write_json,
 )
+from engine.executor import LocalExecutor, TPExecutor
+from engine.runner import ModelRunner
 from engine.tiny_model import _generator_fingerprint, default_model_cache_dir, make_tiny_model
 
 BENCH_PRESET = "bench55m"
 FIRST_SAFE_TOKEN_ID = 3  # 0..2 are <pad>, <s>, </s>
 TARGET_RATIO_VS_HF = 2.0
 TARGET_ROOFLINE_FRACTION = 0.6
+NOISY_SPREAD = 1.5  # max/min of one side's runs above this: warn
+NOISY_START_LOAD = 1.5  # 1-minute load average at start above this: warn
 
 
 @dataclass
@@ -70,6 +75,7 @@ class Results:
     hf_runs_tok_s: list[float] = field(default_factory=list)
     batch1_steps_s: list[float] = field(default_factory=list)
     batch1_context_lens: list[int] = field(default_factory=list)
+    load_1m_runs: list[float] = field(default_factory=list)  # 1-minute load after each repeat
 
 
 # ---------------------------------------------------------------- setup
@@ -200,15 +206,23 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
     params = {id(p): p for p in model.parameters()}.values()
     total = sum(p.numel() * p.element_size() for p in params)
     count = sum(p.numel() for p in params)
-    embedding = model.get_submodule("embed_tokens").weight
-    lm_head = model.get_submodule("lm_head").weight
+    embedding = model.get_parameter("embed_tokens.weight")
+    lm_head = model.get_parameter("lm_head.weight")
     read = total if embedding is lm_head else total - embedding.numel() * embedding.element_size()
     return count, total, read
 
 
+def model_runner(llm: engine.LLM) -> ModelRunner:
+    """The (leader rank's) model runner, which holds the torch model and the KV cache."""
+    executor = llm.core.executor
+    if not isinstance(executor, LocalExecutor | TPExecutor):
+        raise TypeError(f"cannot find the model runner of a {type(executor).__name__}")
+    return executor.runner
+
+
 def kv_bytes_read(llm: engine.LLM, context_len: int) -> int:
     """K and V bytes one decode step reads at ``context_len`` tokens, all layers."""
-    kv = llm.core.executor.runner.kv_cache  # [layers, 2, blocks, block, heads, head_dim]
+    kv = model_runner(llm).kv_cache  # [layers, 2, blocks, block, heads, head_dim]
     layers, two, _, _, heads, head_dim = kv.shape
     return layers * two * heads * head_dim * kv.element_size() * context_len
 
@@ -216,13 +230,25 @@ def kv_bytes_read(llm: engine.LLM, context_len: int) -> int:
 # ---------------------------------------------------------------- the run
 
 
-def measure(args: argparse.Namespace, model_dir: Path, probe: BandwidthProbe) -> tuple[Results, engine.LLM]:
-    """Warm-ups, then alternating timed runs, then batch-1 decode blocks; bandwidth passes
-    in between."""
+def measure(args: argparse.Namespace, model_dir: Path, probe: BandwidthProbe
+            ) -> tuple[Results, engine.LLM]:
+    """Throughput runs of both sides, then batch-1 decode blocks; bandwidth passes in
+    between. Returns the measurements and the (still running) engine."""
     results = Results()
     llm = engine.LLM(model_dir, dtype=args.dtype)
-    hf = None if args.skip_hf else load_hf(model_dir, args.dtype)
     prompts = PromptSource(args.seed, llm.tokenizer.vocab_size, args.prompt_len)
+    hf = None if args.skip_hf else load_hf(model_dir, args.dtype)
+    measure_throughput(args, llm, hf, prompts, probe, results)
+    del hf
+    measure_batch1(args, llm, prompts, probe, results)
+    return results, llm
+
+
+def measure_throughput(args: argparse.Namespace, llm: engine.LLM, hf: Any, prompts: PromptSource,
+                       probe: BandwidthProbe, results: Results) -> None:
+    """One untimed warm-up per side, then ``repeats`` rounds of both sides on the same fresh
+    prompts (HF first in even rounds, pdserve first in odd ones), with a bandwidth sample
+    after each round."""
     warm_len = min(args.output_len, 8)
     probe.measure(args.bandwidth_passes)
     if hf is not None:
@@ -230,26 +256,35 @@ def measure(args: argparse.Namespace, model_dir: Path, probe: BandwidthProbe) ->
     run_pdserve(llm, prompts.draw(args.num_requests), warm_len)
     for repeat in range(args.repeats):
         batch = prompts.draw(args.num_requests)
+        if repeat % 2:
+            results.pdserve_runs_tok_s.append(run_pdserve(llm, batch, args.output_len))
         if hf is not None:
             results.hf_runs_tok_s.append(run_hf(hf, batch, args.output_len))
-        results.pdserve_runs_tok_s.append(run_pdserve(llm, batch, args.output_len))
+        if not repeat % 2:
+            results.pdserve_runs_tok_s.append(run_pdserve(llm, batch, args.output_len))
+        results.load_1m_runs.append(round(load_average()[0], 2))
         print(f"repeat {repeat + 1}/{args.repeats}: pdserve {results.pdserve_runs_tok_s[-1]:.1f} "
-              f"tok/s" + (f", HF {results.hf_runs_tok_s[-1]:.1f} tok/s" if hf else ""), flush=True)
+              f"tok/s" + (f", HF {results.hf_runs_tok_s[-1]:.1f} tok/s" if hf else "")
+              + f" (load {results.load_1m_runs[-1]})", flush=True)
         probe.measure(args.bandwidth_passes)
-    del hf
-    time_batch1_block(llm, prompts.draw(1)[0], 4, Results())  # warm-up
+
+
+def measure_batch1(args: argparse.Namespace, llm: engine.LLM, prompts: PromptSource,
+                   probe: BandwidthProbe, results: Results) -> None:
+    """A short untimed warm-up, then the timed decode steps in 3 blocks (one request each),
+    each block preceded and the last one followed by a bandwidth sample."""
+    time_batch1_block(llm, prompts.draw(1)[0], 4, Results())
     for block in range(3):
         probe.measure(args.bandwidth_passes)
         steps = args.batch1_steps // 3 + (block < args.batch1_steps % 3)
         if steps:
             time_batch1_block(llm, prompts.draw(1)[0], steps, results)
     probe.measure(args.bandwidth_passes)
-    return results, llm
 
 
 def summarize_run(args: argparse.Namespace, model_dir: Path, results: Results, llm: engine.LLM,
                   probe: BandwidthProbe) -> dict[str, Any]:
-    params, total_bytes, read_bytes = weight_bytes(llm.core.executor.runner.model)
+    params, total_bytes, read_bytes = weight_bytes(model_runner(llm).model)
     context = statistics.median(results.batch1_context_lens)
     kv_bytes = kv_bytes_read(llm, round(context))
     bandwidth = probe.best_gbps
@@ -266,6 +301,9 @@ def summarize_run(args: argparse.Namespace, model_dir: Path, results: Results, l
         "roofline_fraction": roofline_ms / step_ms,
         "pdserve_runs_tok_s": results.pdserve_runs_tok_s,
         "hf_runs_tok_s": results.hf_runs_tok_s,
+        # each repeat runs both sides back to back: per-repeat ratios resist drifting load
+        "ratio_vs_hf_runs": [p / h for p, h in zip(results.pdserve_runs_tok_s, results.hf_runs_tok_s)],
+        "load_1m_runs": results.load_1m_runs,
         "batch1_steps_ms": [s * 1e3 for s in results.batch1_steps_s],
         "batch1_median_context_len": context,
         "bandwidth_gbps": bandwidth,
@@ -299,6 +337,7 @@ def render(out: dict[str, Any]) -> str:
         f"bandwidth {out['bandwidth_gbps']:.2f} GB/s (best of "
         f"{[round(x, 1) for x in out['bandwidth_samples_gbps']]}, "
         f"{out['bandwidth_buffer_bytes'] / MIB:.0f} MiB torch.sum passes)",
+        f"load      1-min load after each repeat {out['load_1m_runs']}",
     ]
     hf, ratio = out["hf_generate_tok_s"], out["ratio_vs_hf"]
     runs = [round(x, 1) for x in out["pdserve_runs_tok_s"]]
@@ -307,7 +346,8 @@ def render(out: dict[str, Any]) -> str:
          "", str(runs)],
         [f"HF generate(), batch {n}", "tok/s", hf if hf is not None else "skipped", "",
          str([round(x, 1) for x in out["hf_runs_tok_s"]])],
-        ["ratio_vs_hf", "x", ratio if ratio is not None else "-", f">= {TARGET_RATIO_VS_HF}", ""],
+        ["ratio_vs_hf (of medians)", "x", ratio if ratio is not None else "-",
+         f">= {TARGET_RATIO_VS_HF}", "per repeat " + str([round(x, 2) for x in out["ratio_vs_hf_runs"]])],
         ["batch-1 decode step (median)", "ms", out["batch1_step_ms"], "",
          f"{len(out['batch1_steps_ms'])} steps, ctx ~{out['batch1_median_context_len']:.0f}"],
         ["roofline step (bytes / bandwidth)", "ms", out["roofline_step_ms"], "",
@@ -315,7 +355,24 @@ def render(out: dict[str, Any]) -> str:
         ["roofline_fraction", "", out["roofline_fraction"], f">= {TARGET_ROOFLINE_FRACTION}", ""],
     ]
     table = format_table(rows, ["metric", "unit", "value", "target", "runs / notes"])
-    return "\n".join(head) + "\n\n" + table
+    warnings = [f"WARNING: {w}" for w in out["noise_warnings"]]
+    return "\n".join(head) + "\n\n" + table + "".join("\n" + w for w in warnings)
+
+
+def noise_warnings(out: dict[str, Any]) -> list[str]:
+    """Signs that other work shared the cores (2 OpenMP threads stall badly when a core is
+    taken: one HF run has been seen at 1/30 of its quiet speed)."""
+    found = []
+    for key in ("pdserve_runs_tok_s", "hf_runs_tok_s"):
+        runs = out[key]
+        if len(runs) > 1 and max(runs) > NOISY_SPREAD * min(runs):
+            found.append(f"{key} spread {min(runs):.1f}..{max(runs):.1f} (> {NOISY_SPREAD}x)")
+    start_load = out["machine"]["load_avg_1m_5m_15m"][0]
+    if start_load > NOISY_START_LOAD:
+        found.append(f"1-min load {start_load} at start (> {NOISY_START_LOAD})")
+    if found:
+        found.append("the machine was busy: rerun when it is quiet before trusting the ratios")
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -335,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out["machine"] = machine
     out["load_avg_end"] = [round(x, 2) for x in load_average()]
     out["elapsed_s"] = time.perf_counter() - started
+    out["noise_warnings"] = noise_warnings(out)
     print(render(out), flush=True)
     if args.json is not None:
         write_json(args.json, out)

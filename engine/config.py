@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 
 _DTYPES = ("float32", "float16", "bfloat16")
+_LINEAR_KERNELS = ("auto", "onednn", "torch")
 
 
 class ConfigError(ValueError):
@@ -84,7 +85,7 @@ class CacheConfig:
     hash_seed: int = 0
     # Fraction of free memory the KV pool may take when num_kv_blocks is None.
     memory_fraction: float = 0.25
-    max_kv_bytes: int = 2 << 30
+    max_kv_bytes: int = 512 << 20  # CPU only: cap of the KV pool when num_kv_blocks is None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -131,8 +132,12 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
+    # "auto": oneDNN pre-packed weights on CPU in fp32, else torch's F.linear; or force one.
+    linear_kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.linear_kernel not in _LINEAR_KERNELS:
+            raise ConfigError(f"linear_kernel must be one of {_LINEAR_KERNELS}, got {self.linear_kernel!r}")
         tp = self.parallel.tensor_parallel_size
         m = self.model
         for name, value in (("num_attention_heads", m.num_heads), ("intermediate_size", m.intermediate_size)):

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
+ABORT_TAG = (1 << 31) - 1
+"""A point-to-point tag no message uses: ``Group.abort`` times out a receive on it."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,43 @@ class Group:
         self._pg.recv([tensor], src, tag).wait()
         return tensor
 
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Any:
+        """Start sending ``tensor``; returns the backend's work (``wait(timeout)`` on it).
+        ``tensor`` must stay alive and unchanged until the work completes or the group
+        is aborted."""
+        assert self._pg is not None, "isend on a single-rank or destroyed group"
+        return self._pg.send([tensor], dst, tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Any:
+        """Start receiving into ``tensor`` (same contract as ``isend``)."""
+        assert self._pg is not None, "irecv on a single-rank or destroyed group"
+        return self._pg.recv([tensor], src, tag)
+
+    def abort(self) -> None:
+        """Break every connection of this group now and drop the backend.
+
+        Operations pending here (in any thread) fail at once, and so do the peers'
+        ("connection closed by peer"). Gloo has no abort that closes connections
+        (``shutdown`` leaves them open until the peers time out), but an operation that
+        times out makes gloo close every pair of the group: so a receive on
+        ``ABORT_TAG`` is timed out after 1 ms. Idempotent.
+        """
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        try:
+            if self.backend == "gloo":
+                peer = (self.rank + 1) % self.size
+                pg.recv([torch.zeros(1)], peer, ABORT_TAG).wait(datetime.timedelta(milliseconds=1))
+            else:
+                pg.abort()
+        except RuntimeError:
+            pass  # the expected timeout, or the group was already broken
+        try:
+            pg.shutdown()
+        except RuntimeError:
+            pass
+
     def barrier(self) -> None:
         if self._pg is not None:
             self.all_reduce(torch.zeros(1, device=self._device()))
@@ -136,12 +175,15 @@ def make_group(
     device: torch.device | str = "cpu",
     bind_host: str = LOOPBACK,
     timeout_s: float = 60.0,
+    threads: int | None = None,
 ) -> Group:
     """Build a group of ``size`` ranks under ``prefix`` in ``store``; blocks until all join.
 
     Every member calls this with the same ``prefix`` and ``size`` and a distinct ``rank``.
     ``bind_host`` is the address this rank's gloo transport binds to (loopback in tests;
-    gloo would otherwise pick an interface from the host name).
+    gloo would otherwise pick an interface from the host name). ``threads``: gloo's
+    worker threads for collectives (its default when None; point-to-point-only groups
+    need one).
     """
     if size == 1:
         return Group.single()
@@ -158,5 +200,7 @@ def make_group(
         gloo_opts = gloo._Options()  # type: ignore[attr-defined]
         gloo_opts._timeout = timeout
         gloo_opts._devices = [gloo.create_device(hostname=bind_host)]
+        if threads is not None:
+            gloo_opts._threads = threads
         pg = gloo(prefixed, rank, size, gloo_opts)
     return Group(pg, rank, size, backend)

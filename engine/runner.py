@@ -27,7 +27,7 @@ from engine.config import EngineConfig
 from engine.distributed import Group
 from engine.loader import iter_weights
 from engine.models import build_model
-from engine.models.layers import kv_head_range
+from engine.models.layers import kv_head_range, onednn_linear_available, pack_linear_weights
 from engine.scheduler import ScheduledChunk
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -87,6 +87,9 @@ class ModelRunner:
             self.model = build_model(config.model, tp, self.backend).to(self.dtype)
         self.model.load_weights(iter_weights(config.model.model_dir, self.dtype))
         self.model.eval()
+        self.linear_kernel = self._choose_linear_kernel(config.linear_kernel)
+        if self.linear_kernel == "onednn":
+            pack_linear_weights(self.model)
         local_kv_heads = self.model.num_local_kv_heads
         m = config.model
         # zero-filled: masked-out slots are multiplied by 0 and must not hold NaNs
@@ -94,6 +97,14 @@ class ModelRunner:
             m.num_layers, 2, num_kv_blocks, self.block_size, local_kv_heads, m.head_dim,
             dtype=self.dtype, device=self.device)
         self.model.set_kv_cache(self.kv_cache)
+
+    def _choose_linear_kernel(self, wanted: str) -> str:
+        available = onednn_linear_available(self.device, self.dtype)
+        if wanted == "onednn" and not available:
+            raise ValueError("linear_kernel='onednn' needs a CPU, fp32 and a oneDNN-enabled torch")
+        if wanted == "auto":
+            return "onednn" if available else "torch"
+        return wanted
 
     @property
     def num_parameters(self) -> int:
@@ -131,14 +142,17 @@ class ModelRunner:
                 spans.append(PrefillSpan(start, len(c.token_ids), pos.stop,
                                          self._tensor(c.block_ids)))
         context_lens = [c.start_position + 1 for c in decodes]
-        width = max((len(c.block_ids) for c in decodes), default=0)
-        tables = [list(c.block_ids) + [0] * (width - len(c.block_ids)) for c in decodes]
+        max_context = max(context_lens, default=0)
+        width = -(-max_context // bs)  # blocks that hold any decode key
+        tables = [list(c.block_ids[:width]) + [0] * (width - len(c.block_ids)) for c in decodes]
+        lens = self._tensor(context_lens)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(decodes),
             decode_block_tables=self._tensor(tables).view(len(decodes), width),
-            decode_context_lens=self._tensor(context_lens),
-            max_decode_context_len=max(context_lens, default=0),
+            decode_context_lens=lens,
+            max_decode_context_len=max_context,
+            decode_key_mask=torch.arange(width * bs, device=self.device) < lens.unsqueeze(1),
             prefills=spans,
         )
         return self._tensor(token_ids), self._tensor(positions), meta, self._tensor(sample_rows)

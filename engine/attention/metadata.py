@@ -34,6 +34,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor  # [num_decodes] int64, including the new token
     max_decode_context_len: int
+    # [num_decodes, max_blocks * block_size] bool: key slot j of sequence i is valid
+    decode_key_mask: torch.Tensor
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 

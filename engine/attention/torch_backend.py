@@ -39,17 +39,16 @@ class TorchAttentionBackend:
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         num_seqs = q.shape[0]
-        block_size = kv_cache.shape[2]
-        num_blocks = -(-meta.max_decode_context_len // block_size)
-        tables = meta.decode_block_tables[:, :num_blocks]
-        # [B, blocks, block_size, Hk, D] -> [B, Hk, L, D]
-        keys = kv_cache[0][tables].flatten(1, 2).transpose(1, 2)
-        values = kv_cache[1][tables].flatten(1, 2).transpose(1, 2)
-        length = keys.shape[2]
-        mask = torch.arange(length, device=q.device) < meta.decode_context_lens.unsqueeze(1)
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        flat_tables = meta.decode_block_tables.reshape(-1)
+        length = meta.decode_block_tables.shape[1] * block_size
+        # [B * blocks, block_size, Hk, D] -> [B, Hk, L, D]
+        keys = kv_cache[0].index_select(0, flat_tables).view(num_seqs, length, num_kv_heads, head_dim)
+        values = kv_cache[1].index_select(0, flat_tables).view(num_seqs, length, num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, Hq, 1, D]
-            keys, values, attn_mask=mask.view(num_seqs, 1, 1, length), scale=scale,
+            keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=meta.decode_key_mask.view(num_seqs, 1, 1, length), scale=scale,
             enable_gqa=True,
         )
         return out.squeeze(2)

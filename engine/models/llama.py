@@ -39,12 +39,11 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
         self.kv_cache = torch.empty(0)  # [2, num_blocks, block_size, local KV heads, head_dim]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x)
         q = q.view(num_tokens, -1, self.head_dim)
@@ -52,7 +51,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.rotate(q, k, rope)
         meta = get_forward_context().attn
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(out.view(num_tokens, -1))
@@ -78,8 +77,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -102,6 +101,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                  cfg.rope_scaling)
+        self.rotary = rotary
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp, rotary, backend) for _ in range(cfg.num_layers))
@@ -113,8 +113,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hook = get_forward_context().layer_hook
         h = self.embed_tokens(token_ids)
+        rope = self.rotary.cos_sin(positions, h.dtype)
         for idx, layer in enumerate(self.layers):
-            h = layer(positions, h)
+            h = layer(rope, h)
             if hook is not None:
                 hook(idx)
         return self.norm(h)

@@ -113,3 +113,15 @@ def test_shared_prefix_is_cached_and_unchanged(case: Any) -> None:
     assert second[0].token_ids == first[0].token_ids
     for res, (ref, ref_logits) in zip(second, _reference(hf, llm, prompts), strict=True):
         assert_greedy_match(res.token_ids, ref, ref_logits)
+
+
+def test_torch_and_onednn_linear_kernels_agree(llama_dir: Path) -> None:
+    """The packed oneDNN path (default on CPU fp32) and plain F.linear give the same tokens."""
+    prompts = PROMPTS[:4]
+    with LLM(llama_dir, num_kv_blocks=128, linear_kernel="torch") as plain:
+        assert plain.core.executor.runner.linear_kernel == "torch"
+        ref = plain.generate(prompts, GREEDY)
+    with LLM(llama_dir, num_kv_blocks=128, linear_kernel="auto") as packed:
+        assert packed.core.executor.runner.linear_kernel == "onednn"
+        out = packed.generate(prompts, GREEDY)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
