@@ -25,7 +25,13 @@ try:
 except ImportError:  # torch-free tests still run
     torch = None  # type: ignore[assignment]
 
+from hypothesis import settings  # noqa: E402
+
 from tests.factories import make_model_dir  # noqa: E402
+
+# Timing-based health checks are noise on shared 2-core machines.
+settings.register_profile("pdserve", deadline=None)
+settings.load_profile("pdserve")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
