@@ -2,8 +2,8 @@
 
 Torch-free: the router reads ``ModelConfig`` (context length, vocabulary, KV layout)
 without loading any weights. Derived values are properties; values computed at run
-time (the number of KV blocks that fit) live in ``CacheConfig.num_kv_blocks`` only
-when the user fixes them, otherwise in the runner's ``KVCacheSpec``.
+time (the number of KV blocks that fit) are not config: ``CacheConfig.num_kv_blocks``
+is only what the user asks for; the resolved count is the executor's ``num_kv_blocks``.
 """
 
 from __future__ import annotations

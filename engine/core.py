@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request. For a finished prefill-only request,
+    ``block_ids`` are its KV blocks, pinned until the caller calls ``release_pinned``."""
 
     request_id: str
     new_token_ids: list[int]
@@ -48,6 +49,16 @@ class RequestOutput:
 
 
 class EngineCore:
+    """Scheduler + block manager + executor of one engine; see the module docstring.
+
+    Not thread-safe: one thread adds, aborts and steps. Every method that takes a
+    request id raises ``ValueError`` for input that could never run, before anything is
+    allocated. Block ownership: a request's blocks belong to the engine until it
+    finishes (then they are freed, or pinned for prefill-only requests); blocks handed
+    out by ``reserve_for_kv`` may be written by the caller until ``admit_with_kv`` or
+    ``abort_request`` — the caller must stop writing before aborting.
+    """
+
     def __init__(self, config: EngineConfig, tokenizer: TokenizerInfo | None = None,
                  executor: Executor | None = None) -> None:
         self.config = config
@@ -75,6 +86,7 @@ class EngineCore:
         """Queue a request. Raises ``ValueError`` (naming the limit) for one that can never run."""
         request = self._make_request(request_id, prompt_token_ids, params, prefill_only)
         self.scheduler.add(request)
+        self._open_stream(request)
 
     def reserve_for_kv(self, request_id: str, prompt_token_ids: Sequence[int],
                        params: SamplingParams) -> list[int] | None:
@@ -83,15 +95,25 @@ class EngineCore:
         they do not fit now — then nothing is held."""
         request = self._make_request(request_id, prompt_token_ids, params, False)
         block_ids = self.scheduler.reserve(request, request.num_prompt_tokens)
-        if block_ids is None:
-            self._streams.pop(request_id, None)
+        if block_ids is not None:
+            self._open_stream(request)
         return block_ids
 
     def admit_with_kv(self, request_id: str, first_token_id: int) -> RequestOutput:
-        """The reserved request's prompt KV is in its blocks: join the running batch."""
+        """The reserved request's prompt KV is in its blocks and ``first_token_id`` was
+        sampled by the prefill side: join the running batch (or finish at once)."""
+        request = self.scheduler.reserved.get(request_id)
+        if request is None:
+            raise ValueError(f"request {request_id!r} has no KV reservation")
+        if not 0 <= first_token_id < self.config.model.vocab_size:
+            raise ValueError(
+                f"first token id {first_token_id} is outside [0, {self.config.model.vocab_size})")
         update = self.scheduler.admit_with_kv(
-            request_id, len(self.scheduler.reserved[request_id].prompt_token_ids), first_token_id)
-        return self._output(update)
+            request_id, request.num_prompt_tokens, first_token_id)
+        out = self._output(update)
+        if out.finished:
+            self.scheduler.forget([request_id])
+        return out
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if unknown or finished."""
@@ -128,16 +150,7 @@ class EngineCore:
     def _output(self, update: StepUpdate) -> RequestOutput:
         request = update.request
         new_ids = [update.new_token_id] if update.new_token_id is not None else []
-        delta, finished = "", update.finished
-        stream = self._streams.get(request.request_id)
-        if stream is not None:
-            delta, stopped = stream.add(new_ids)
-            if stopped and not finished:
-                self.scheduler.finish(request.request_id, FinishReason.STOP)
-                finished = True
-            if finished:
-                delta += stream.flush()
-                del self._streams[request.request_id]
+        delta, finished = self._detokenize(request, new_ids, update.finished)
         pinned = request.finish_reason is FinishReason.PREFILLED
         return RequestOutput(
             request_id=request.request_id,
@@ -150,19 +163,39 @@ class EngineCore:
             block_ids=tuple(self.block_manager.pinned_block_ids(request.request_id)) if pinned else None,
         )
 
+    def _detokenize(self, request: Request, new_ids: list[int], finished: bool) -> tuple[str, bool]:
+        """Text delta for ``new_ids``; a matched stop string finishes the request."""
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            return "", finished
+        delta, stopped = stream.add(new_ids)
+        if stopped and not finished:
+            self.scheduler.finish(request.request_id, FinishReason.STOP)
+            finished = True
+        elif stopped:  # the stop string came with the token that hit max_tokens
+            request.finish_reason = FinishReason.STOP
+        if finished:
+            delta += stream.flush()
+            del self._streams[request.request_id]
+        return delta, finished
+
     def _make_request(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams, prefill_only: bool) -> Request:
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or self.block_manager.is_pinned(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._validate_prompt(prompt_token_ids, params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
+        self._validate_prompt(prompt_token_ids, params, prefill_only)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
-        request = Request(request_id, list(prompt_token_ids), params, eos, prefill_only)
-        if self.tokenizer is not None:
-            self._streams[request_id] = TextStream(
-                self.tokenizer.tokenizer, request.prompt_token_ids, stop=params.stop)
-        return request
+        return Request(request_id, list(prompt_token_ids), params, eos, prefill_only)
 
-    def _validate_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def _open_stream(self, request: Request) -> None:
+        if self.tokenizer is not None:
+            self._streams[request.request_id] = TextStream(
+                self.tokenizer.tokenizer, request.prompt_token_ids, stop=request.params.stop)
+
+    def _validate_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                         prefill_only: bool) -> None:
         m = self.config.model
         n = len(prompt_token_ids)
         if n == 0:
@@ -174,10 +207,13 @@ class EngineCore:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                 f"limit of {m.max_model_len} tokens")
-        needed = self.block_manager.num_blocks_needed(n + params.max_tokens)
+        # a prefill-only request holds its prompt's blocks, never the output's
+        num_tokens = n if prefill_only else n + params.max_tokens
+        needed = self.block_manager.num_blocks_needed(num_tokens)
         if needed > self.block_manager.num_blocks:
+            what = "prompt" if prefill_only else "prompt + max_tokens"
             raise ValueError(
-                f"prompt + max_tokens needs {needed} KV blocks but the pool has only "
+                f"{what} needs {needed} KV blocks but the pool has only "
                 f"{self.block_manager.num_blocks}")
 
     # --- introspection ------------------------------------------------------------

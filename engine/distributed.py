@@ -76,24 +76,34 @@ class Group:
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    def _live(self) -> Any:
+        """The backend, or None for a single rank; raises once a multi-rank group is
+        destroyed (a dead group must never silently act as a single rank)."""
+        if self._pg is None and self.size > 1:
+            raise RuntimeError(f"this {self.backend} group of {self.size} ranks was destroyed")
+        return self._pg
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place; returns it."""
-        if self._pg is not None:
-            self._pg.allreduce([tensor]).wait()
+        pg = self._live()
+        if pg is not None:
+            pg.allreduce([tensor]).wait()
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` (same shape on all ranks) along ``dim``."""
-        if self._pg is None:
+        pg = self._live()
+        if pg is None:
             return tensor
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._pg.allgather([parts], [tensor]).wait()
+        pg.allgather([parts], [tensor]).wait()
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self._pg is not None:
-            self._pg.broadcast([tensor], src).wait()
+        pg = self._live()
+        if pg is not None:
+            pg.broadcast([tensor], src).wait()
         return tensor
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:

@@ -12,6 +12,8 @@ import logging
 import multiprocessing as mp
 import os
 import struct
+import threading
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Protocol
@@ -29,10 +31,15 @@ from engine.distributed import (
     make_group,
 )
 from engine.messages import Op, StepMessage, step_message
-from engine.runner import ModelRunner
+from engine.runner import LayerHookError, ModelRunner
 from engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
+
+
+class ExecutorFailed(RuntimeError):
+    """A step failed part-way on a tensor-parallel executor: its group was torn down and
+    the executor (and the engine on it) cannot run further steps."""
 
 TP_GROUP_PREFIX = "tp/"
 # follower -> leader once loaded: (rank, number of parameter elements it holds)
@@ -40,6 +47,14 @@ _READY = struct.Struct("<qq")
 
 
 class Executor(Protocol):
+    """Runs one step on every rank of an engine and returns the leader's logits.
+
+    ``execute(chunks, layer_hook)`` → logits ``[num sampling chunks, vocab]`` (rows in
+    ``chunks`` order). ``layer_hook`` runs on the leader only, after each layer's KV is
+    written; an exception it raises is re-raised after the step, so all ranks stay in
+    step. ``shutdown()`` stops every rank; idempotent.
+    """
+
     num_kv_blocks: int
 
     def execute(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None
@@ -70,12 +85,14 @@ class TPExecutor:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, *,
                  startup_timeout_s: float = 300.0) -> None:
         self.num_kv_blocks = num_kv_blocks
+        self._broken: str | None = None
         size = config.parallel.tensor_parallel_size
         threads = _threads_per_rank(size)
         torch.set_num_threads(threads)
         timeout = config.parallel.collective_timeout_s
-        self._store = create_store_server(LOOPBACK, 0, timeout_s=timeout)
-        address = StoreAddress(LOOPBACK, self._store.port)
+        store = create_store_server(LOOPBACK, 0, timeout_s=timeout)
+        self._store: object | None = store
+        address = StoreAddress(LOOPBACK, store.port)
         ctx = mp.get_context("spawn")
         self._procs: list[mp.process.BaseProcess] = []
         self._conns: list[Connection] = []
@@ -94,7 +111,7 @@ class TPExecutor:
             self._conns.append(send_end)
             ready.append(ready_recv)
         try:
-            tp = make_group(self._store, TP_GROUP_PREFIX, 0, size, device=config.device, timeout_s=timeout)
+            tp = make_group(store, TP_GROUP_PREFIX, 0, size, device=config.device, timeout_s=timeout)
             self.runner = ModelRunner(config, tp, num_kv_blocks)
             self._await_ready(ready, startup_timeout_s)
         except BaseException:
@@ -117,19 +134,41 @@ class TPExecutor:
 
     def execute(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None
                 ) -> torch.Tensor:
-        payload = step_message(chunks).encode()
+        if self._broken is not None:
+            raise ExecutorFailed(f"tensor-parallel executor is unusable: {self._broken}")
+        try:
+            payload = step_message(chunks).encode()
+            for conn in self._conns:
+                conn.send_bytes(payload)
+            return self.runner.execute(chunks, layer_hook)
+        except LayerHookError:
+            raise  # the step completed on every rank; the group is consistent
+        except BaseException as exc:
+            # Followers may be inside this step's collectives: break the group so they
+            # fail at once instead of pairing with the next step's collectives.
+            self._broken = f"a step failed: {exc!r}"
+            self.runner.tp.abort()
+            self._release_followers()
+            raise ExecutorFailed(self._broken) from exc
+
+    def _release_followers(self) -> None:
+        """Close the step pipes: followers waiting for a step see EOF and exit."""
         for conn in self._conns:
-            conn.send_bytes(payload)
-        return self.runner.execute(chunks, layer_hook)
+            try:
+                conn.close()
+            except OSError:
+                pass
 
     def shutdown(self) -> None:
         """Stop the followers (politely, then by force); idempotent."""
+        if self._broken is None:
+            self._broken = "shut down"
         bye = StepMessage(Op.SHUTDOWN).encode()
         for conn in self._conns:
             try:
                 conn.send_bytes(bye)
                 conn.close()
-            except OSError:
+            except (OSError, ValueError):  # already closed or broken
                 pass
         for proc in self._procs:
             proc.join(timeout=10)
@@ -140,6 +179,7 @@ class TPExecutor:
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.tp.destroy()
+        self._store = None  # closes the rendezvous store's listening socket
 
 
 def _threads_per_rank(size: int) -> int:
@@ -150,8 +190,10 @@ def follower_main(config: EngineConfig, rank: int, address: StoreAddress, num_kv
                   threads: int, steps: Connection, ready: Connection, parent_pid: int) -> None:
     """Entry point of a follower rank: execute every step the leader sends until told to
     stop or the leader goes away (its pipe closes, or a collective fails)."""
-    _die_with_parent(parent_pid)
+    _watch_parent(parent_pid)
     torch.set_num_threads(threads)
+    if torch.device(config.device).type == "cuda":
+        torch.cuda.set_device(rank)  # one GPU per rank: NCCL refuses two ranks on one
     size = config.parallel.tensor_parallel_size
     timeout = config.parallel.collective_timeout_s
     store = connect_store(address, timeout_s=timeout)
@@ -170,17 +212,17 @@ def follower_main(config: EngineConfig, rank: int, address: StoreAddress, num_kv
     tp.destroy()
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to kill this process when its parent dies (Linux), and stop at once
-    if the parent is already gone."""
-    try:
-        import ctypes
-        import signal
+def _watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
+    """Exit this follower soon after its leader process is gone, however it died.
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except (OSError, AttributeError):
-        log.debug("PR_SET_PDEATHSIG unavailable; relying on the step pipe closing")
-    if os.getppid() != parent_pid:
+    A watchdog thread, not PR_SET_PDEATHSIG: that signal fires when the *thread* that
+    spawned us exits, and engines are often built on short-lived threads. A leader that
+    dies mid-step is also noticed at once by the gloo collectives ("connection closed").
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
         os._exit(1)
+
+    threading.Thread(target=watch, name="pdserve-parent-watch", daemon=True).start()

@@ -28,6 +28,9 @@ Prompt = str | Sequence[int]
 
 @dataclass
 class GenerationResult:
+    """One prompt's completion: tokens, text (stop string excluded), why it ended
+    (``"stop"`` or ``"length"``) and how many prompt tokens came from the prefix cache."""
+
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
@@ -76,6 +79,7 @@ class LLM:
         """One result per prompt, in order. ``sampling``: one for all or one per prompt."""
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings or of token-id lists")
+        self._check_idle()
         params = self._per_prompt(sampling, len(prompts))
         ids: list[str] = []
         results: dict[str, GenerationResult] = {}
@@ -106,15 +110,23 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[str]:
         """Yield the completion's text as it is generated (never half a UTF-8 character)."""
+        self._check_idle()
         rid = self.core.new_request_id()
         self.core.add_request(rid, self.encode(prompt), sampling or SamplingParams())
         try:
-            while self.core.has_unfinished():
+            finished = False
+            while not finished:
                 for out in self.core.step():
-                    if out.request_id == rid and out.text_delta:
+                    finished = out.finished
+                    if out.text_delta:
                         yield out.text_delta
         finally:
             self.core.abort_request(rid)
+
+    def _check_idle(self) -> None:
+        if self.core.has_unfinished():
+            raise RuntimeError("this LLM is still running another generate() or an unfinished "
+                               "stream(); finish or close it first")
 
     @staticmethod
     def _per_prompt(sampling: SamplingParams | Sequence[SamplingParams] | None,

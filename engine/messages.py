@@ -23,6 +23,10 @@ class Op(enum.IntEnum):
 
 @dataclass(frozen=True)
 class StepMessage:
+    """One instruction from the leader: run ``chunks`` (``STEP``) or stop (``SHUTDOWN``).
+    Followers receive no request ids, sampling parameters or text: only what the
+    forward pass needs."""
+
     op: Op
     chunks: tuple[ScheduledChunk, ...] = ()
 

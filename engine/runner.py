@@ -61,6 +61,14 @@ def resolve_num_kv_blocks(config: EngineConfig) -> int:
     return max(1, min(budget // per_block, useful))
 
 
+def _rank_device(device: str, rank: int, size: int) -> torch.device:
+    """CUDA ranks of a TP group each take their own GPU (``cuda:rank``)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and size > 1 and dev.index is None:
+        return torch.device("cuda", rank)
+    return dev
+
+
 def _available_ram() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -72,17 +80,36 @@ def _available_ram() -> int:
     return 4 << 30
 
 
+class LayerHookError(RuntimeError):
+    """The layer hook raised during a step; the step itself completed on every rank."""
+
+
+class _DeferredErrors:
+    """Wraps a layer hook: records its first exception instead of raising it mid-forward."""
+
+    def __init__(self, hook: LayerHook) -> None:
+        self.hook = hook
+        self.error: BaseException | None = None
+
+    def __call__(self, layer_idx: int) -> None:
+        if self.error is None:
+            try:
+                self.hook(layer_idx)
+            except Exception as exc:  # re-raised by ModelRunner.execute after the step
+                self.error = exc
+
+
 class ModelRunner:
     """Holds one rank's model shard and KV cache; runs one step of scheduled chunks."""
 
     def __init__(self, config: EngineConfig, tp: Group, num_kv_blocks: int) -> None:
         self.config = config
         self.tp = tp
-        self.device = torch.device(config.device)
+        self.device = _rank_device(config.device, tp.rank, tp.size)
         self.dtype = torch_dtype(config.model.dtype)
         self.block_size = config.cache.block_size
         self.num_kv_blocks = num_kv_blocks
-        self.backend = select_backend(self.device, self.block_size)
+        self.backend = select_backend(self.device, self.block_size, self.dtype)
         with torch.device(self.device):
             self.model = build_model(config.model, tp, self.backend).to(self.dtype)
         self.model.load_weights(iter_weights(config.model.model_dir, self.dtype))
@@ -115,11 +142,18 @@ class ModelRunner:
     def execute(self, chunks: Sequence[ScheduledChunk],
                 layer_hook: LayerHook | None = None) -> torch.Tensor:
         """Run one forward over ``chunks`` (decodes first, then prefills); returns logits
-        ``[num sampling chunks, vocab]`` for the last token of each chunk with ``sample``."""
+        ``[num sampling chunks, vocab]`` for the last token of each chunk with ``sample``.
+
+        An exception from ``layer_hook`` does not interrupt the forward (other ranks are
+        in its collectives); the first one is re-raised once the step is complete."""
         token_ids, positions, meta, sample_rows = self._prepare(chunks)
-        with forward_context(ForwardContext(meta, layer_hook)):
+        hook = _DeferredErrors(layer_hook) if layer_hook is not None else None
+        with forward_context(ForwardContext(meta, hook)):
             hidden = self.model(token_ids, positions)
-        return self.model.compute_logits(hidden[sample_rows]).float()
+        logits = self.model.compute_logits(hidden[sample_rows]).float()
+        if hook is not None and hook.error is not None:
+            raise LayerHookError(f"layer hook failed: {hook.error!r}") from hook.error
+        return logits
 
     def _prepare(self, chunks: Sequence[ScheduledChunk]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 DEMO_PROMPT = "Once upon a time, in a city of caf\u00e9s and \u65e5\u672c\u8a9e signs,"
 
@@ -66,11 +66,21 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"pdserve demo: {exc}", file=sys.stderr)
         return 2
     print(f"loading {model_dir} ...", flush=True)
-    with LLM(model_dir, tensor_parallel_size=args.tensor_parallel_size) as llm:
-        print(f"\nprompt: {args.prompt}\ncompletion (random weights, so expect noise): ",
-              end="", flush=True)
-        start = time.monotonic()
-        for delta in llm.stream(args.prompt, params):
-            print(delta, end="", flush=True)
-        print(f"\n\n[{args.max_tokens} tokens in {time.monotonic() - start:.2f}s]")
+    try:
+        with LLM(model_dir, tensor_parallel_size=args.tensor_parallel_size) as llm:
+            print(f"\nprompt: {args.prompt}\ncompletion (random weights, so expect noise): ",
+                  end="", flush=True)
+            start = time.monotonic()
+            text = "".join(_echo(llm.stream(args.prompt, params)))
+            num_tokens = len(llm.encode(text)) if text else 0
+            print(f"\n\n[~{num_tokens} tokens in {time.monotonic() - start:.2f}s]")
+    except ValueError as exc:  # bad model directory, prompt too long, bad TP size ...
+        print(f"\npdserve demo: {exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _echo(deltas: Iterator[str]) -> Iterator[str]:
+    for delta in deltas:
+        print(delta, end="", flush=True)
+        yield delta

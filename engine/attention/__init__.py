@@ -25,9 +25,10 @@ class AttentionBackend(Protocol):
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
 
-def select_backend(device: torch.device, block_size: int) -> AttentionBackend:
-    """flash-attn on CUDA when importable and the block size fits its kernels; else torch SDPA."""
-    if flash_available(device, block_size):
+def select_backend(device: torch.device, block_size: int, dtype: torch.dtype) -> AttentionBackend:
+    """flash-attn on CUDA (fp16/bf16) when importable and the block size fits its kernels;
+    else torch SDPA."""
+    if flash_available(device, block_size, dtype):
         return FlashAttentionBackend()
     return TorchAttentionBackend()
 

@@ -17,9 +17,10 @@ from engine.attention.torch_backend import write_kv
 FLASH_PAGE_MULTIPLE = 256
 
 
-def flash_available(device: torch.device, block_size: int) -> bool:
+def flash_available(device: torch.device, block_size: int, dtype: torch.dtype) -> bool:
     return (
         device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
         and block_size % FLASH_PAGE_MULTIPLE == 0
         and importlib.util.find_spec("flash_attn") is not None
     )

@@ -10,6 +10,7 @@ The flat token batch of one step is laid out as::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,6 +30,9 @@ class PrefillSpan:
 
 @dataclass
 class AttentionMetadata:
+    """Everything attention needs to find each token's sequence and KV, built by the
+    model runner once per step from block ids (tensors on the step's device)."""
+
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
@@ -51,23 +55,25 @@ class ForwardContext:
     layer_hook: LayerHook | None = None
 
 
-_current: ForwardContext | None = None
+# Per thread: two engines in one process (a test, a prefill and a decode engine) may run
+# forwards on different threads at the same time.
+_local = threading.local()
 
 
 @contextmanager
 def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    """Install ``ctx`` for one forward pass; refuses nesting and always clears."""
-    global _current
-    if _current is not None:
+    """Install ``ctx`` for one forward pass on this thread; refuses nesting, always clears."""
+    if getattr(_local, "ctx", None) is not None:
         raise RuntimeError("forward_context is already set: nested forward passes are not allowed")
-    _current = ctx
+    _local.ctx = ctx
     try:
         yield ctx
     finally:
-        _current = None
+        _local.ctx = None
 
 
 def get_forward_context() -> ForwardContext:
-    if _current is None:
+    ctx: ForwardContext | None = getattr(_local, "ctx", None)
+    if ctx is None:
         raise RuntimeError("no forward_context is set: attention must run inside a model forward")
-    return _current
+    return ctx

@@ -56,7 +56,7 @@ def test_long_prompt_is_prefilled_in_chunks(llm: LLM) -> None:
              enable_prefix_caching=False) as whole:
         ref = whole.generate([prompt], GREEDY)[0].token_ids
     assert core.scheduler.requests["long"].output_token_ids == ref
-    core.scheduler.forget(["long"])
+    core.abort_request("long")  # finished already: drops what the bypassed output path kept
 
 
 def test_prefill_only_pins_blocks_until_released(llm: LLM) -> None:
@@ -196,3 +196,92 @@ def test_seeded_sampling_independent_of_batch(llm: LLM) -> None:
     assert crowd[1].token_ids == alone
     assert crowd[3].token_ids != alone or PROMPTS[3] == PROMPTS[1]
     torch.manual_seed(0)
+
+
+def test_admit_that_finishes_at_once_frees_the_id(llm: LLM) -> None:
+    core = llm.core
+    prompt = llm.encode(PROMPTS[2])
+    one = SamplingParams(max_tokens=1, temperature=0)
+    assert core.reserve_for_kv("once", prompt, one) is not None
+    out = core.admit_with_kv("once", 5)
+    assert out.finished and out.finish_reason == "length" and out.new_token_ids == [5]
+    assert core.kv_usage().in_use == 0
+    # the id can be used again, and nothing is left behind
+    assert core.reserve_for_kv("once", prompt, one) is not None
+    assert core.abort_request("once")
+    assert "once" not in core.scheduler.requests and not core._streams
+    core.check_integrity()
+
+
+def test_bad_admissions_and_reused_pinned_ids_are_refused(llm: LLM) -> None:
+    core = llm.core
+    prompt = llm.encode(PROMPTS[0])
+    with pytest.raises(ValueError, match="no KV reservation"):
+        core.admit_with_kv("nobody", 5)
+    assert core.reserve_for_kv("r", prompt, GREEDY) is not None
+    with pytest.raises(ValueError, match="first token id"):
+        core.admit_with_kv("r", 10**6)
+    assert core.abort_request("r")
+    core.add_request("pinned", prompt, GREEDY, prefill_only=True)
+    _step_all(core)
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request("pinned", prompt, GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        core.reserve_for_kv("pinned", prompt, GREEDY)
+    assert core.release_pinned("pinned")
+    assert not core._streams
+    core.check_integrity()
+
+
+def test_stop_string_on_the_last_token_reports_stop(llm: LLM) -> None:
+    # find a prompt whose 8th (last) token adds text that appears nowhere before it
+    for prompt in PROMPTS:
+        free = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0,
+                                                     ignore_eos=True))[0]
+        before = llm.generate([prompt], SamplingParams(max_tokens=7, temperature=0,
+                                                       ignore_eos=True))[0].text
+        added = free.text[len(before):].replace("\ufffd", "")
+        if free.text.startswith(before) and added and added[-1] not in before:
+            tail = added[-1]
+            break
+    else:
+        raise AssertionError("no prompt gives a last token with new text")
+    res = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, stop=[tail],
+                                                ignore_eos=True))[0]
+    assert res.token_ids == free.token_ids
+    assert res.finish_reason == "stop"
+    assert tail not in res.text
+
+
+def test_stream_and_generate_do_not_interleave(llm: LLM) -> None:
+    stream = llm.stream(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    next(stream)
+    with pytest.raises(RuntimeError, match="still running"):
+        llm.generate([PROMPTS[1]], GREEDY)
+    stream.close()
+    assert not llm.core.has_unfinished()
+    assert llm.generate([PROMPTS[1]], GREEDY)[0].finish_reason == "length"
+
+
+def test_two_engines_run_forwards_on_two_threads(llama_dir: Path) -> None:
+    import threading
+
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    with LLM(llama_dir, num_kv_blocks=64) as a, LLM(llama_dir, num_kv_blocks=64) as b:
+        expected = a.generate([PROMPTS[0]], GREEDY)[0].token_ids
+
+        def run(i: int, engine: LLM) -> None:
+            try:
+                for _ in range(5):
+                    results[i] = engine.generate([PROMPTS[0]], GREEDY)[0].token_ids
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i, e)) for i, e in enumerate((a, b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert not errors, errors
+    assert results == {0: expected, 1: expected}

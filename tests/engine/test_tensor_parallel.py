@@ -90,3 +90,74 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_failing_layer_hook_keeps_ranks_in_step(llama_dir: Path) -> None:
+    """A hook error surfaces after the step completed on every rank: the engine stays usable."""
+    from engine.runner import LayerHookError
+
+    with LLM(llama_dir, num_kv_blocks=64, tensor_parallel_size=2) as llm:
+        expected = llm.generate(PROMPTS[:2], GREEDY)
+
+        def failing_hook(layer: int) -> None:
+            raise RuntimeError(f"boom at layer {layer}")
+
+        llm.core.layer_hook = failing_hook
+        with pytest.raises(LayerHookError, match="boom at layer 0"):
+            llm.generate(PROMPTS[:2], GREEDY)
+        llm.core.layer_hook = None
+        again = llm.generate(PROMPTS[:2], GREEDY)
+        assert [r.token_ids for r in again] == [r.token_ids for r in expected]
+        llm.core.check_integrity()
+        assert llm.core.kv_usage().in_use == 0
+
+
+def test_dead_follower_fails_the_engine_fast_and_for_good(llama_dir: Path) -> None:
+    """A follower killed between steps: the next step fails within seconds (gloo sees the
+    closed connection), the group is torn down, and later calls fail at once."""
+    import time
+
+    from engine.executor import ExecutorFailed
+
+    llm = LLM(llama_dir, num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        follower = llm.core.executor._procs[0]
+        follower.kill()
+        follower.join(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(ExecutorFailed):
+            llm.generate(PROMPTS[:2], GREEDY)
+        assert time.monotonic() - start < 30
+        start = time.monotonic()
+        with pytest.raises(ExecutorFailed, match="unusable"):
+            llm.generate(PROMPTS[:2], GREEDY)
+        assert time.monotonic() - start < 1
+        llm.core.check_integrity()
+        assert llm.core.kv_usage().in_use == 0
+    finally:
+        llm.shutdown()
+
+
+def test_use_after_shutdown_raises_instead_of_running_one_rank(llama_dir: Path) -> None:
+    from engine.executor import ExecutorFailed
+
+    llm = LLM(llama_dir, num_kv_blocks=64, tensor_parallel_size=2)
+    llm.shutdown()
+    with pytest.raises(ExecutorFailed, match="shut down"):
+        llm.generate(PROMPTS[:1], GREEDY)
+
+
+def test_engine_built_on_a_short_lived_thread_keeps_its_followers(llama_dir: Path) -> None:
+    import threading
+
+    holder: dict[str, LLM] = {}
+    thread = threading.Thread(
+        target=lambda: holder.setdefault("llm", LLM(llama_dir, num_kv_blocks=64,
+                                                    tensor_parallel_size=2)))
+    thread.start()
+    thread.join(timeout=120)
+    llm = holder["llm"]
+    try:
+        assert len(llm.generate(PROMPTS[:2], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    finally:
+        llm.shutdown()
