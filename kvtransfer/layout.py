@@ -1,0 +1,143 @@
+"""What two workers must agree on to exchange KV: the model fingerprint and KV layout.
+
+Torch-free: worker registration and the router may read it without loading torch.
+``KVLayout`` covers the model files, dtype, block size, block-hash algorithm and seed and
+the global KV layout (layers, KV heads, head size). Tensor-parallel sizes are *not* part
+of it: they may differ between prefill and decode, and KV is re-sharded in transit.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import astuple, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import xxhash
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+"""Bytes per element of the KV dtypes the engine supports."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The model fingerprint plus the global KV layout; equal layouts can exchange KV.
+
+    ``model_fingerprint`` names the model files (see ``fingerprint_model_dir``);
+    ``hash_algorithm`` and ``hash_seed`` are the prefix-cache block-hash settings.
+    """
+
+    model_fingerprint: str
+    dtype: str
+    block_size: int
+    hash_algorithm: str
+    hash_seed: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def element_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    def diff(self, other: KVLayout) -> str | None:
+        """``None`` when equal, else ``"field: mine != theirs"`` for the first differing field."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                return f"{f.name}: {mine!r} != {theirs!r}"
+        return None
+
+    def digest(self) -> int:
+        """A 63-bit digest of every field (carried in each wire header)."""
+        return xxhash.xxh3_64_intdigest(encode_layout(self)) >> 1
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, model_fingerprint: str) -> KVLayout:
+        """The layout of an engine built from ``config`` (``model_fingerprint`` from
+        ``fingerprint_model_dir(config.model.model_dir)``)."""
+        from engine.kvcache.block_hash import HASH_ALGORITHM
+
+        layers, kv_heads, head_dim = config.model.kv_layout
+        return cls(
+            model_fingerprint=model_fingerprint, dtype=config.model.dtype,
+            block_size=config.cache.block_size, hash_algorithm=HASH_ALGORITHM,
+            hash_seed=config.cache.hash_seed, num_layers=layers, num_kv_heads=kv_heads,
+            head_dim=head_dim,
+        )
+
+
+_STR_FIELDS = frozenset({"model_fingerprint", "dtype", "hash_algorithm"})
+
+
+def encode_layout(layout: KVLayout) -> bytes:
+    """Field by field: strings length-prefixed UTF-8, ints little-endian int64."""
+    parts: list[bytes] = []
+    for f, value in zip(fields(layout), astuple(layout), strict=True):
+        if f.name in _STR_FIELDS:
+            raw = str(value).encode("utf-8")
+            parts.append(struct.pack("<I", len(raw)) + raw)
+        else:
+            parts.append(struct.pack("<q", int(value)))
+    return b"".join(parts)
+
+
+def decode_layout(data: bytes, offset: int = 0) -> tuple[KVLayout, int]:
+    """The layout encoded at ``data[offset:]`` and the offset just past it.
+
+    Raises ``ValueError`` on truncated or malformed input.
+    """
+    values: dict[str, object] = {}
+    try:
+        for f in fields(KVLayout):
+            if f.name in _STR_FIELDS:
+                (length,) = struct.unpack_from("<I", data, offset)
+                raw = data[offset + 4 : offset + 4 + length]
+                if len(raw) != length:
+                    raise ValueError("truncated string")
+                values[f.name] = raw.decode("utf-8")
+                offset += 4 + length
+            else:
+                (values[f.name],) = struct.unpack_from("<q", data, offset)
+                offset += 8
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(f"malformed KV layout: {exc}") from exc
+    return KVLayout(**values), offset  # type: ignore[arg-type]
+
+
+def fingerprint_model_dir(model_dir: str | Path) -> str:
+    """XXH3-128 hex digest of a checkpoint's identity: ``config.json`` and
+    ``tokenizer.json`` in full, and every ``*.safetensors`` file's name, size and
+    header (tensor names, dtypes, shapes, offsets). Weight bytes are not read, so this
+    stays fast for large checkpoints; two checkpoints with equal headers and configs
+    but different weight values are not told apart.
+    """
+    root = Path(model_dir)
+    hasher = xxhash.xxh3_128(b"pdserve/model-fingerprint/v1")
+    for name in ("config.json", "tokenizer.json"):
+        path = root / name
+        if path.is_file():
+            _update_named(hasher, name, path.read_bytes())
+    for path in sorted(root.glob("*.safetensors")):
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = f.read(min(header_len, 100 << 20))
+        _update_named(hasher, f"{path.name}:{path.stat().st_size}", header)
+    return hasher.hexdigest()
+
+
+def _update_named(hasher: xxhash.xxh3_128, name: str, payload: bytes) -> None:
+    raw = name.encode("utf-8")
+    hasher.update(struct.pack("<QQ", len(raw), len(payload)))
+    hasher.update(raw)
+    hasher.update(payload)
