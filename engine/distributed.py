@@ -11,6 +11,7 @@ so a dead or hung peer becomes an error instead of a hang.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -32,11 +33,30 @@ class StoreAddress:
 
 
 def create_store_server(host: str = LOOPBACK, port: int = 0, *, timeout_s: float = 60.0) -> dist.TCPStore:
-    """Start a rendezvous store on ``host`` (port 0 = the OS picks; read ``store.port``)."""
-    return dist.TCPStore(
-        host, port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    """Start a rendezvous store on ``host`` (port 0 = the OS picks; read ``store.port``).
+
+    It listens on ``host`` only: ``TCPStore`` on its own listens on every interface,
+    so the listening socket is made here and handed over (the store closes it).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(512)
+        bound_port = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    fd = listener.detach()
+    try:
+        return dist.TCPStore(
+            host, bound_port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False, master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def connect_store(address: StoreAddress, *, timeout_s: float = 60.0) -> dist.TCPStore:

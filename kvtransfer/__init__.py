@@ -1,0 +1,62 @@
+"""pdserve's KV data plane: moves a request's KV cache from a prefill worker's ranks to a
+decode worker's ranks over ``torch.distributed`` point-to-point operations.
+
+Roles (each module's docstring says who owns what, when):
+
+- ``KVSender`` (``sender``, ``send_lane``) — one per prefill rank. ``send()`` queues
+  layers of a request's KV (callable from the layer hook, layer by layer); ``wait()``
+  returns once the decode ranks verified it. The blocks stay the caller's to pin until
+  then.
+- ``KVReceiver`` (``receiver``, ``recv_channel``) — one per decode rank; rank 0 hosts the
+  worker's rendezvous store. ``expect()`` says which blocks a transfer fills;
+  ``wait()`` returns once every part arrived, verified, in those blocks.
+- The transport beneath them: ``channel`` (two-rank groups from
+  ``engine.distributed.make_group``, opened on demand through the receiver's store;
+  gloo for CPU tensors, gloo + nccl for CUDA tensors), ``pool`` (a bound on open
+  channels, least recently used idle ones closed), ``protocol`` (typed wire and
+  rendezvous messages), ``packing`` (paged blocks <-> contiguous parts), ``checksum``,
+  ``plan`` (head re-sharding between TP sizes) and ``layout`` (what must match).
+
+``import kvtransfer`` and its ``layout``, ``protocol`` and ``config`` modules do not import
+torch; the roles load lazily on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kvtransfer.config import TransferConfig
+from kvtransfer.layout import KVLayout, fingerprint_model_dir
+
+if TYPE_CHECKING:
+    from kvtransfer.errors import (
+        ChannelClosed,
+        ChannelError,
+        ChecksumMismatch,
+        LayoutMismatch,
+        TransferError,
+        TransferRejected,
+        TransferTimeout,
+    )
+    from kvtransfer.receiver import KVReceiver
+    from kvtransfer.sender import KVSender
+
+_LAZY = {
+    "KVSender": "kvtransfer.sender",
+    "KVReceiver": "kvtransfer.receiver",
+    **{name: "kvtransfer.errors" for name in (
+        "TransferError", "TransferTimeout", "ChannelError", "ChannelClosed",
+        "ChecksumMismatch", "LayoutMismatch", "TransferRejected")},
+}
+
+__all__ = ["KVLayout", "KVReceiver", "KVSender", "TransferConfig", "fingerprint_model_dir",
+           "TransferError", "TransferTimeout", "ChannelError", "ChannelClosed",
+           "ChecksumMismatch", "LayoutMismatch", "TransferRejected"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtransfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

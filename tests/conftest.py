@@ -17,6 +17,8 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# TCPStore reverse-resolves 127.0.0.1; a dropped DNS query would stall it for 5 s.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 try:
     import torch

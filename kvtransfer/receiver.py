@@ -1,0 +1,354 @@
+"""Receiver: the decode side of the KV data plane, one per decode rank.
+
+The decode worker's rank 0 hosts the rendezvous store (``TCPStore``) and advertises its
+KV layout and TP size there; every rank's receiver accepts channels from prefill ranks
+through it (an accept thread per rank) and reads each channel on its own threads
+(``kvtransfer.recv_channel``). ``expect()`` announces a transfer: where its KV goes.
+
+Ownership of the KV blocks: from ``expect()`` until ``wait()`` returns or raises, or
+``abort()`` returns, the receiver may write the given blocks of ``kv_cache`` at any
+moment; the caller must neither use them as KV nor free them. Afterwards the receiver
+never writes them again. Only after ``wait()`` returns normally do the blocks hold the
+transfer's KV (every payload verified before it was written); after a failure they
+hold unspecified bytes and the caller frees them.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.distributed import StoreAddress, backend_for, connect_store, create_store_server
+from kvtransfer.channel import (
+    RECEIVER,
+    accept_key,
+    advertise,
+    join_channel,
+    layout_refusal,
+    reply_key,
+)
+from kvtransfer.config import TransferConfig
+from kvtransfer.errors import ChannelError, TransferError, TransferRejected, TransferTimeout
+from kvtransfer.layout import KVLayout
+from kvtransfer.packing import num_blocks_for
+from kvtransfer.plan import check_tp_size
+from kvtransfer.pool import ChannelPool
+from kvtransfer.protocol import OpenReply, OpenRequest, OpenStatus, PartHeader, Status, WorkerInfo
+from kvtransfer.recv_channel import RecvChannel, deliver_part
+
+log = logging.getLogger(__name__)
+ACCEPT_POLL_S = 0.01
+
+
+class State(enum.Enum):
+    ACTIVE = "active"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class ReceiverStats:
+    channels_accepted: int = 0
+    channels_refused: int = 0
+    busy_replies: int = 0
+    parts_received: int = 0
+    bytes_received: int = 0
+    late_parts: int = 0  # for transfers already finished (completed, failed or aborted)
+    duplicate_parts: int = 0  # the same rows and heads twice for a live transfer
+    unknown_parts: int = 0  # for transfers never expected (within the park timeout)
+    checksum_failures: int = 0
+
+
+@dataclass
+class Incoming:
+    """One expected transfer. ``lock`` is held while its blocks are written."""
+
+    transfer_id: int
+    kv_cache: torch.Tensor
+    block_ids: torch.Tensor  # [num_blocks] int64 on kv_cache's device
+    num_tokens: int
+    num_blocks: int
+    deadline: float
+    units_per_layer: int  # (K|V, block, head) slabs each layer needs
+    units: list[int]
+    seen: set[tuple[int, ...]] = field(default_factory=set)
+    channels: set[int] = field(default_factory=set)
+    state: State = State.ACTIVE
+    error: TransferError | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class KVReceiver:
+    """Receives KV into this decode rank (``tp_rank`` of ``tp_size``).
+
+    ``store_address``: where the worker's rendezvous store listens. With ``host_store``
+    (default: rank 0) this receiver starts it there (port 0 = any; see ``address``) and
+    advertises the layout; other ranks connect to ``leader.address``.
+    Contract: transfer ids are never reused; parts for finished or unknown transfers
+    are ignored and counted (``stats``); open channels never exceed
+    ``config.max_channels`` (a sender asking for more is told to retry).
+    """
+
+    def __init__(self, layout: KVLayout, store_address: StoreAddress, *, tp_rank: int = 0,
+                 tp_size: int = 1, host_store: bool | None = None,
+                 device: str | torch.device = "cpu", config: TransferConfig | None = None
+                 ) -> None:
+        check_tp_size(layout.num_kv_heads, tp_size)
+        self.layout = layout
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.device = torch.device(device)
+        self.backend = backend_for(self.device)
+        self.config = config or TransferConfig()
+        self.stats = ReceiverStats()
+        self.pool = ChannelPool(self.config.max_channels, self.config.idle_timeout_s)
+        self.cond = threading.Condition()
+        self._expected: dict[int, Incoming] = {}
+        self._finished: OrderedDict[int, bool] = OrderedDict()  # id -> completed
+        self._dropped: OrderedDict[int, bool] = OrderedDict()  # never expected in time
+        self._channels: dict[int, RecvChannel] = {}
+        self._closed = False
+        self._server: Any = None
+        if tp_rank == 0 if host_store is None else host_store:
+            self._server = create_store_server(store_address.host, store_address.port,
+                                               timeout_s=self.config.timeout_s)
+            store_address = StoreAddress(store_address.host, int(self._server.port))
+            advertise(self._server, WorkerInfo(layout, tp_size))
+        self.address = store_address
+        self._accept_store: Any = connect_store(store_address, timeout_s=self.config.timeout_s)
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
+                                          name=f"kvtransfer-accept-{tp_rank}")
+        self._acceptor.start()
+
+    # ---------------------------------------------------------------- public API
+
+    def expect(self, transfer_id: int, kv_cache: torch.Tensor, block_ids: Sequence[int],
+               num_tokens: int, timeout_s: float | None = None) -> None:
+        """Announce a transfer: its tokens ``[0, num_tokens)`` go into ``block_ids`` (in
+        order) of this rank's ``kv_cache``, all layers, this rank's KV heads. It fails
+        unless complete ``timeout_s`` (default ``config.timeout_s``) from now."""
+        from engine.models.layers import kv_head_range
+
+        num_blocks = num_blocks_for(num_tokens, self.layout.block_size)
+        if num_tokens < 1 or len(block_ids) < num_blocks:
+            raise ValueError(f"{num_tokens} tokens need {num_blocks} blocks, got {len(block_ids)}")
+        ids = list(block_ids[:num_blocks])
+        if min(ids) < 0 or max(ids) >= kv_cache.shape[2]:
+            raise ValueError(f"block ids out of range [0, {kv_cache.shape[2]})")
+        start, end = kv_head_range(self.layout.num_kv_heads, self.tp_rank, self.tp_size)
+        if kv_cache.dim() != 6 or kv_cache.shape[4] != end - start:
+            raise ValueError(f"kv_cache of shape {tuple(kv_cache.shape)}: expected "
+                             f"{end - start} local KV heads on axis 4")
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        record = Incoming(transfer_id, kv_cache,
+                          torch.tensor(ids, dtype=torch.int64, device=kv_cache.device),
+                          num_tokens, num_blocks, time.monotonic() + timeout,
+                          2 * num_blocks * (end - start), [0] * self.layout.num_layers)
+        with self.cond:
+            if self._closed:
+                raise RuntimeError("receiver is closed")
+            if transfer_id in self._expected or transfer_id in self._finished:
+                raise ValueError(f"transfer id {transfer_id} was used before")
+            if transfer_id in self._dropped:  # its parts came too early and were ignored
+                record.state = State.FAILED
+                record.error = TransferRejected(
+                    f"parts arrived more than {self.config.park_s:.1f}s before expect() and "
+                    "were dropped", transfer_id)
+            self._expected[transfer_id] = record
+            self.cond.notify_all()
+
+    def wait(self, transfer_id: int, timeout_s: float | None = None) -> None:
+        """Block until the transfer's KV is complete and verified in its blocks.
+
+        Raises its ``TransferError`` (``TransferTimeout`` at its deadline, or after
+        ``timeout_s``). Either way the transfer is finished and its blocks are the
+        caller's again."""
+        with self.cond:
+            record = self._expected.get(transfer_id)
+            if record is None:
+                raise KeyError(f"unknown transfer {transfer_id}")
+            deadline = record.deadline
+            if timeout_s is not None:
+                deadline = min(deadline, time.monotonic() + timeout_s)
+            while record.state == State.ACTIVE and time.monotonic() < deadline:
+                self.cond.wait(deadline - time.monotonic())
+        if record.state == State.ACTIVE:
+            self.fail(record, TransferTimeout("KV incomplete at the deadline", transfer_id))
+            self._close_stalled(record)
+        self._forget(record)
+        if record.error is not None:
+            raise record.error
+
+    def done(self, transfer_id: int) -> bool:
+        """True once ``wait()`` would return or raise without blocking."""
+        record = self._expected.get(transfer_id)
+        if record is None:
+            raise KeyError(f"unknown transfer {transfer_id}")
+        return record.state != State.ACTIVE or time.monotonic() >= record.deadline
+
+    def abort(self, transfer_id: int) -> bool:
+        """Stop a transfer; returns once no block of it is written any more."""
+        record = self._expected.get(transfer_id)
+        if record is None:
+            return False
+        self.fail(record, TransferRejected("aborted by the receiver", transfer_id))
+        self._forget(record)
+        return True
+
+    @property
+    def num_pending(self) -> int:
+        with self.cond:
+            return len(self._expected)
+
+    @property
+    def num_open_channels(self) -> int:
+        return len(self.pool)
+
+    def threads(self) -> list[threading.Thread]:
+        with self.cond:
+            found = [t for c in self._channels.values() for t in c.threads()]
+        return [t for t in [self._acceptor, *found] if t.is_alive()]
+
+    def close(self) -> None:
+        """Stop accepting, close every channel, fail what is pending, join all threads."""
+        with self.cond:
+            self._closed = True
+            records = list(self._expected.values())
+            self.cond.notify_all()
+        for record in records:
+            self.abort(record.transfer_id)
+        self._acceptor.join(timeout=10)
+        self.pool.close_all("receiver closed")
+        for thread in self.threads():
+            thread.join(timeout=10)
+        self._accept_store = self._server = None
+
+    # ---------------------------------------------------------------- used by channels
+
+    def fail(self, record: Incoming, error: TransferError) -> None:
+        """Fail an active transfer; no block of it is written after this returns."""
+        with record.lock:
+            if record.state == State.ACTIVE:
+                record.state, record.error = State.FAILED, error
+        with self.cond:
+            self.cond.notify_all()
+
+    def resolve(self, header: PartHeader) -> Incoming | Status:
+        """The transfer a part belongs to, or the status to acknowledge it with when it
+        is ignored. A part of a transfer not yet expected waits ``config.park_s`` for
+        its ``expect()``."""
+        deadline = time.monotonic() + self.config.park_s
+        with self.cond:
+            while True:
+                record = self._expected.get(header.transfer_id)
+                if record is not None:
+                    return record
+                completed = self._finished.get(header.transfer_id)
+                if completed is not None:
+                    self.stats.late_parts += 1
+                    return Status.DONE_BEFORE if completed else Status.NOT_EXPECTED
+                remaining = deadline - time.monotonic()
+                if self._closed or remaining <= 0 or header.transfer_id in self._dropped:
+                    self.stats.unknown_parts += 1
+                    self._remember(self._dropped, header.transfer_id, True)
+                    return Status.NOT_EXPECTED
+                self.cond.wait(remaining)
+
+    def deliver(self, header: PartHeader, payload: torch.Tensor, record: Incoming,
+                channel_id: int) -> Status:
+        status = deliver_part(self, header, payload, record, channel_id)
+        with self.cond:
+            self.cond.notify_all()
+        return status
+
+    def channel_closed(self, channel: RecvChannel, reason: str | None) -> None:
+        """A channel ended; with a ``reason`` (it broke), its unfinished transfers fail."""
+        with self.cond:
+            self._channels.pop(channel.channel_id, None)
+            affected = [r for r in self._expected.values()
+                        if r.state == State.ACTIVE and channel.channel_id in r.channels]
+        for record in affected:
+            if reason is not None:
+                self.fail(record, ChannelError(reason, record.transfer_id))
+
+    # ---------------------------------------------------------------- internals
+
+    def _accept_loop(self) -> None:
+        """Answer open requests until closed. Polls (a blocking ``queue_pop`` confuses the
+        store's other waiters: replies and group rendezvous then time out at random)."""
+        store = self._accept_store
+        while not self._closed:
+            try:
+                raw = store.queue_pop(accept_key(self.tp_rank), block=False)
+            except dist.QueueEmptyError:
+                time.sleep(ACCEPT_POLL_S)
+                continue
+            except RuntimeError:
+                return  # the store went away (its host died or closed)
+            try:
+                request = OpenRequest.decode(raw)
+            except ValueError:
+                continue  # not ours to answer: without a channel id there is no reply key
+            self._on_open_request(store, request)
+
+    def _on_open_request(self, store: Any, request: OpenRequest) -> None:
+        refusal = layout_refusal(self.layout, request, self.backend)
+        if refusal is None:
+            try:
+                check_tp_size(self.layout.num_kv_heads, request.sender_tp_size)
+            except ValueError as exc:
+                refusal = str(exc)
+        if refusal is not None:
+            self.stats.channels_refused += 1
+            reply = OpenReply(OpenStatus.LAYOUT_MISMATCH, self.tp_size, 0, refusal)
+            store.set(reply_key(request.channel_id), reply.encode())
+            return
+        try:
+            self.pool.reserve(0.0, wait=False)
+        except ChannelError:
+            self.stats.busy_replies += 1
+            reply = OpenReply(OpenStatus.BUSY, self.tp_size, 0, "all channels in use")
+            store.set(reply_key(request.channel_id), reply.encode())
+            return
+        store.set(reply_key(request.channel_id),
+                  OpenReply(OpenStatus.ACCEPTED, self.tp_size,
+                            self.config.part_bytes, "").encode())
+        try:  # on this thread's store client: no new connection per channel
+            channel = join_channel(store, request.channel_id, RECEIVER, self.device, self.config)
+        except ChannelError as exc:
+            self.pool.cancel()
+            log.warning("channel %d not established: %s", request.channel_id, exc)
+            return
+        self.pool.add(request.channel_id, channel)
+        self.pool.checkin(channel)
+        reader = RecvChannel(self, request, channel)
+        with self.cond:
+            self._channels[request.channel_id] = reader
+        self.stats.channels_accepted += 1
+        reader.start()
+
+    def _close_stalled(self, record: Incoming) -> None:
+        """A transfer that stopped mid-way: its sender is presumed hung; cut its channels."""
+        for channel in self.pool.open_channels():
+            if channel.channel_id in record.channels:
+                channel.close(f"stalled: transfer {record.transfer_id} incomplete at its deadline")
+
+    def _forget(self, record: Incoming) -> None:
+        with self.cond:
+            if self._expected.pop(record.transfer_id, None) is not None:
+                self._remember(self._finished, record.transfer_id, record.state == State.DONE)
+
+    def _remember(self, ids: OrderedDict[int, bool], transfer_id: int, value: bool) -> None:
+        """Record an id in a bounded, oldest-first-forgotten map (lock held)."""
+        ids[transfer_id] = value
+        while len(ids) > self.config.remember_finished:
+            ids.popitem(last=False)

@@ -1,0 +1,332 @@
+"""Sender: the prefill side of the KV data plane, one per prefill rank.
+
+``send()`` queues a request's KV (some or all layers) for the decode worker whose
+rendezvous store is at ``dest``; it returns at once, so a prefill rank can call it from
+the layer hook for layer l while it computes layer l + 1. Each route of the plan
+(``kvtransfer.plan``) has a lane: a thread that exists while the lane has work, owns the
+lane's messages in order, and moves them over the lane's channel (see ``SendLane``).
+
+Ownership of the KV blocks: from the first ``send()`` of a transfer until ``wait()``
+returns or raises, or ``abort()`` returns, the sender may read the given blocks of
+``kv_cache`` at any moment; the caller keeps them pinned and unchanged. Afterwards the
+sender never reads them again (a part whose transfer was aborted meanwhile goes out
+marked cancelled, without payload). The caller frees the blocks after that point.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.distributed import StoreAddress, backend_for, connect_store
+from kvtransfer.buffers import BufferPool
+from kvtransfer.channel import read_worker_info
+from kvtransfer.config import TransferConfig
+from kvtransfer.errors import ChannelError, LayoutMismatch, TransferError, TransferTimeout
+from kvtransfer.layout import KVLayout
+from kvtransfer.packing import num_blocks_for
+from kvtransfer.plan import Route, check_tp_size, routes_from
+from kvtransfer.pool import ChannelPool
+from kvtransfer.protocol import PartHeader, WorkerInfo
+from kvtransfer.send_lane import LaneKey, SendLane
+
+log = logging.getLogger(__name__)
+
+FaultHook = Callable[[PartHeader, torch.Tensor], None]
+"""Test hook: called with each part's header and payload after the checksum, before
+sending (it may flip a byte, stop or kill the process, or abort the transfer)."""
+
+
+@dataclass
+class SenderStats:
+    channels_opened: int = 0
+    retries: int = 0
+    parts_sent: int = 0
+    bytes_sent: int = 0
+
+
+@dataclass
+class Outgoing:
+    """One transfer on the sender. ``lock`` is held while its blocks are read."""
+
+    transfer_id: int
+    dest: StoreAddress
+    kv_cache: torch.Tensor
+    block_ids: torch.Tensor  # [num_blocks] int64 on kv_cache's device
+    num_tokens: int
+    num_blocks: int
+    receiver_tp: int
+    routes: list[Route]
+    layers_sent: set[int] = field(default_factory=set)
+    jobs_open: int = 0
+    error: TransferError | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One message: ``route``'s heads of layers ``[layer_start, layer_end)``."""
+
+    record: Outgoing
+    route: Route
+    layer_start: int
+    layer_end: int
+
+
+class KVSender:
+    """Pushes KV from this prefill rank (``tp_rank`` of ``tp_size``) to decode workers.
+
+    Contract: transfer ids are unique for the sender's lifetime (a reused id is a
+    ``ValueError``). ``wait()`` returns once every layer was sent on every route and the
+    receivers acknowledged it, verified; it raises a ``TransferError`` otherwise, within
+    about ``config.timeout_s`` of the peer going silent. Open channels never exceed
+    ``config.max_channels``.
+    """
+
+    def __init__(self, layout: KVLayout, *, tp_rank: int = 0, tp_size: int = 1,
+                 name: str = "prefill", config: TransferConfig | None = None,
+                 fault_hook: FaultHook | None = None) -> None:
+        check_tp_size(layout.num_kv_heads, tp_size)
+        self.layout = layout
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.name = name
+        self.config = config or TransferConfig()
+        self.fault_hook = fault_hook
+        self.stats = SenderStats()
+        self.pool = ChannelPool(self.config.max_channels, self.config.idle_timeout_s)
+        self.buffers = BufferPool(max_free=2 * self.config.max_channels + 2)
+        self._cond = threading.Condition()
+        self._records: dict[int, Outgoing] = {}
+        self._finished: OrderedDict[int, None] = OrderedDict()
+        self._lanes: dict[LaneKey, SendLane] = {}
+        self._peers: dict[StoreAddress, WorkerInfo] = {}
+        self._closed = False
+
+    # ---------------------------------------------------------------- public API
+
+    def send(self, transfer_id: int, kv_cache: torch.Tensor, block_ids: Sequence[int],
+             num_tokens: int, dest: StoreAddress, layers: range | None = None) -> None:
+        """Queue layers ``layers`` (default: all) of a request's KV for ``dest``.
+
+        ``kv_cache`` is this rank's cache (``[layers, 2, blocks, block_size, local KV
+        heads, head_dim]``); the request's tokens ``[0, num_tokens)`` live in
+        ``block_ids`` in order. Later calls for the same transfer add other layers
+        (same blocks, tokens and destination). Raises ``ValueError`` for bad arguments;
+        network failures surface in ``wait()``. The first call for a destination reads
+        its advertised layout and TP size (bounded by ``config.timeout_s``); later calls
+        do not touch the network.
+        """
+        layers = range(self.layout.num_layers) if layers is None else layers
+        if layers.step != 1 or layers.start < 0 or layers.stop > self.layout.num_layers:
+            raise ValueError(f"layers {layers} outside [0, {self.layout.num_layers})")
+        peer = self._peer_info(dest) if transfer_id not in self._records else None
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("sender is closed")
+            record = self._records.get(transfer_id)
+            if record is None:
+                record = self._new_record(transfer_id, kv_cache, block_ids, num_tokens, dest,
+                                          peer)
+            self._check_layers(record, layers, kv_cache, num_tokens, dest)
+            record.layers_sent.update(layers)
+            if record.error is not None or len(layers) == 0:
+                return
+            for route in record.routes:
+                self._submit(Job(record, route, layers.start, layers.stop))
+
+    def wait(self, transfer_id: int, timeout_s: float | None = None) -> None:
+        """Block until every layer was sent and acknowledged.
+
+        Raises the transfer's ``TransferError``, or ``TransferTimeout`` after
+        ``timeout_s`` (then the transfer is aborted). Without ``timeout_s`` the wait is
+        still bounded: queued messages fail within ``config.timeout_s`` of a silent peer,
+        and layers not queued yet are waited for at most ``config.timeout_s``. Either
+        way the transfer is finished: its blocks are the caller's again, and its id
+        cannot be reused.
+        """
+        start = time.monotonic()
+        with self._cond:
+            record = self._records.get(transfer_id)
+            if record is None:
+                raise KeyError(f"unknown transfer {transfer_id}")
+            while not self._is_done(record):
+                deadline = None if timeout_s is None else start + timeout_s
+                if len(record.layers_sent) < self.layout.num_layers:
+                    unsent = start + self.config.timeout_s
+                    deadline = unsent if deadline is None else min(deadline, unsent)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+        if not self._is_done(record):
+            missing = self.layout.num_layers - len(record.layers_sent)
+            why = f"{missing} layers never sent" if missing else "not acknowledged in time"
+            self.fail(record, TransferTimeout(why, transfer_id))
+        self._forget(transfer_id)
+        if record.error is not None:
+            raise record.error
+
+    def abort(self, transfer_id: int) -> bool:
+        """Stop a transfer; returns once the sender no longer reads its blocks.
+        False if unknown or already finished."""
+        record = self._records.get(transfer_id)
+        if record is None:
+            return False
+        self.fail(record, TransferError("aborted by the sender", transfer_id))
+        self._forget(transfer_id)
+        return True
+
+    @property
+    def num_pending(self) -> int:
+        with self._cond:
+            return len(self._records)
+
+    @property
+    def num_open_channels(self) -> int:
+        return len(self.pool)
+
+    def threads(self) -> list[threading.Thread]:
+        with self._cond:
+            return [lane.thread for lane in self._lanes.values() if lane.thread is not None]
+
+    def close(self) -> None:
+        """Abort every transfer, close every channel and join the lanes' threads."""
+        with self._cond:
+            self._closed = True
+            records = list(self._records.values())
+        for record in records:
+            self.abort(record.transfer_id)
+        self.pool.close_all("sender closed")
+        for thread in self.threads():
+            thread.join(timeout=self.config.timeout_s)
+        with self._cond:
+            for lane in self._lanes.values():
+                lane.store = None  # drop the rendezvous connections
+        self.buffers.clear()
+
+    # ---------------------------------------------------------------- used by lanes
+
+    def fail(self, record: Outgoing, error: TransferError) -> None:
+        """Record the transfer's first error; no block is read after this returns."""
+        with record.lock:
+            if record.error is None:
+                record.error = error
+        with self._cond:
+            self._cond.notify_all()
+
+    def job_done(self, record: Outgoing) -> None:
+        with self._cond:
+            record.jobs_open -= 1
+            self._cond.notify_all()
+
+    def next_job(self, lane: SendLane) -> Job | None:
+        """The lane's next job; None (and the lane has no thread) when there is none."""
+        with self._cond:
+            if lane.jobs:
+                return lane.jobs.popleft()
+            lane.thread = None
+            return None
+
+    def forget_peer(self, dest: StoreAddress) -> None:
+        with self._cond:
+            self._peers.pop(dest, None)
+
+    # ---------------------------------------------------------------- internals
+
+    def _new_record(self, transfer_id: int, kv_cache: torch.Tensor, block_ids: Sequence[int],
+                    num_tokens: int, dest: StoreAddress, peer: WorkerInfo | TransferError | None
+                    ) -> Outgoing:
+        if transfer_id in self._finished:
+            raise ValueError(f"transfer id {transfer_id} was used before")
+        self._check_cache(kv_cache)
+        num_blocks = num_blocks_for(num_tokens, self.layout.block_size)
+        if num_tokens < 1 or len(block_ids) < num_blocks:
+            raise ValueError(f"{num_tokens} tokens need {num_blocks} blocks, got {len(block_ids)}")
+        ids = list(block_ids[:num_blocks])
+        if min(ids) < 0 or max(ids) >= kv_cache.shape[2]:
+            raise ValueError(f"block ids out of range [0, {kv_cache.shape[2]})")
+        record = Outgoing(transfer_id, dest, kv_cache,
+                          torch.tensor(ids, dtype=torch.int64, device=kv_cache.device),
+                          num_tokens, num_blocks, 0, [])
+        self._records[transfer_id] = record
+        try:
+            if not isinstance(peer, WorkerInfo):
+                raise peer or TransferError("no peer information")
+            record.receiver_tp = peer.tp_size
+            record.routes = routes_from(self.layout.num_kv_heads, self.tp_rank, self.tp_size,
+                                        record.receiver_tp)
+        except (TransferError, ValueError) as exc:
+            err = exc if isinstance(exc, TransferError) else LayoutMismatch(str(exc))
+            err.transfer_id = transfer_id
+            record.error = err
+        return record
+
+    def _peer_info(self, dest: StoreAddress) -> WorkerInfo | TransferError:
+        """The decode worker's advertised layout and TP size (cached), or why not."""
+        info = self._peers.get(dest)
+        if info is not None:
+            return info
+        try:
+            store = connect_store(dest, timeout_s=self.config.timeout_s)
+            info = read_worker_info(store, self.config.timeout_s)
+        except RuntimeError as exc:
+            return ChannelError(f"decode worker at {dest.host}:{dest.port} unreachable: "
+                                f"{str(exc).splitlines()[0][:200]}")
+        diff = self.layout.diff(info.layout)
+        if diff is not None:
+            return LayoutMismatch(f"decode worker at {dest.host}:{dest.port} has another "
+                                  f"KV layout: {diff} (sender != receiver)")
+        with self._cond:
+            self._peers[dest] = info
+        return info
+
+    def _check_cache(self, kv_cache: torch.Tensor) -> None:
+        from engine.models.layers import kv_head_range
+
+        start, end = kv_head_range(self.layout.num_kv_heads, self.tp_rank, self.tp_size)
+        lay = self.layout
+        want = (lay.num_layers, 2, lay.block_size, end - start, lay.head_dim)
+        got = tuple(kv_cache.shape[:2]) + tuple(kv_cache.shape[3:])
+        if kv_cache.dim() != 6 or got != want or not kv_cache.is_contiguous():
+            raise ValueError(f"kv_cache of shape {tuple(kv_cache.shape)} does not match the "
+                             f"layout [layers, 2, blocks, block_size, heads, head_dim] = {want}")
+        if str(kv_cache.dtype).removeprefix("torch.") != lay.dtype:
+            raise ValueError(f"kv_cache dtype {kv_cache.dtype} != layout dtype {lay.dtype}")
+
+    def _check_layers(self, record: Outgoing, layers: range, kv_cache: torch.Tensor,
+                      num_tokens: int, dest: StoreAddress) -> None:
+        if record.layers_sent.intersection(layers):
+            raise ValueError(f"transfer {record.transfer_id}: layers {layers} sent twice")
+        if kv_cache is not record.kv_cache or num_tokens != record.num_tokens or dest != record.dest:
+            raise ValueError(f"transfer {record.transfer_id}: cache, tokens or destination changed")
+
+    def _submit(self, job: Job) -> None:
+        """Queue ``job`` on its route's lane, starting the lane's thread if needed."""
+        key = LaneKey(job.record.dest, job.route.receiver_rank)
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = SendLane(self, key, backend_for(job.record.kv_cache.device))
+        job.record.jobs_open += 1
+        lane.jobs.append(job)
+        if lane.thread is None:
+            lane.start()
+
+    def _is_done(self, record: Outgoing) -> bool:
+        if record.error is not None:
+            return True
+        return record.jobs_open == 0 and len(record.layers_sent) == self.layout.num_layers
+
+    def _forget(self, transfer_id: int) -> None:
+        with self._cond:
+            if self._records.pop(transfer_id, None) is not None:
+                self._finished[transfer_id] = None
+                while len(self._finished) > self.config.remember_finished:
+                    self._finished.popitem(last=False)
+

@@ -1,0 +1,213 @@
+"""Faults between real processes: a peer killed or hung mid-transfer, a corrupted
+payload, a mismatched layout, more peers than the channel bound, unknown and late
+parts. Each failure must surface within the timeout, and the next transfer succeed."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+
+import pytest
+
+from tests.kvtransfer.agent import Agent, RemoteError
+from tests.kvtransfer.conftest import AgentsFactory
+from tests.kvtransfer.topology import (
+    CONFIG,
+    assert_received,
+    expect,
+    make_decode,
+    make_layout,
+    make_prefill,
+    make_request,
+    reports,
+    send,
+    transfer,
+    wait_all,
+)
+
+pytestmark = pytest.mark.timeout(120)
+SLACK_S = 2.0  # scheduling noise on a shared 2-core machine
+
+
+CHANNEL_ERRORS = ("ChannelError", "ChannelClosed")
+
+
+def _raises(agent: Agent, method: str, transfer_id: int, *kinds: str) -> tuple[str, float]:
+    """Call ``method`` expecting an error of one of ``kinds``; its message and how long
+    it took."""
+    start = time.monotonic()
+    with pytest.raises(RemoteError) as info:
+        agent.call(method, transfer_id)
+    assert info.value.kind in kinds, info.value
+    return info.value.message, time.monotonic() - start
+
+
+def _wait_dead(agent: Agent) -> None:
+    agent.proc.join(timeout=10)
+    assert not agent.alive
+
+
+def test_sender_killed_mid_transfer(agents: AgentsFactory) -> None:
+    # 1. the prefill rank kills itself before sending the 4th part (120 tokens: 12 parts)
+    sender, receiver = agents(2)
+    decode = make_decode([receiver])
+    prefill = make_prefill([sender], fault=("kill", 51, 3))
+    req = make_request(51, 120)
+    expect(decode, req, timeout_s=60)  # far off: the error must come from the channel
+    send(prefill, decode, req)
+    # 2. the decode rank reports the failure within the channel timeout
+    _, elapsed = _raises(receiver, "recv_wait", 51, *CHANNEL_ERRORS)
+    assert elapsed < CONFIG.timeout_s + SLACK_S
+    _wait_dead(sender)
+    # 3. a restarted prefill rank opens a new channel to the same receiver; it works
+    sender2 = agents(2)[0]
+    prefill2 = make_prefill([sender2])
+    req2 = make_request(52, 120)
+    transfer(prefill2, decode, req2)
+    assert_received(decode, req2)
+    assert receiver.call("report")["stats"]["channels_accepted"] == 2
+
+
+def test_sender_hung_mid_transfer(agents: AgentsFactory) -> None:
+    # 1. the prefill rank stops (SIGSTOP) before sending the 4th part
+    sender, receiver = agents(2)
+    decode = make_decode([receiver])
+    prefill = make_prefill([sender], fault=("stop", 61, 3))
+    req = make_request(61, 120)
+    expect(decode, req, timeout_s=60)
+    send(prefill, decode, req)
+    # 2. the decode rank gives up within the timeout and cuts the channel
+    _, elapsed = _raises(receiver, "recv_wait", 61, *CHANNEL_ERRORS)
+    assert elapsed < CONFIG.timeout_s + SLACK_S
+    # 3. the prefill rank resumes: its transfer fails, its next one rebuilds the channel
+    sender.signal(signal.SIGCONT)
+    _raises(sender, "send_wait", 61, *CHANNEL_ERRORS)
+    req2 = make_request(62, 120)
+    transfer(prefill, decode, req2)
+    assert_received(decode, req2)
+    assert sender.call("report")["stats"]["channels_opened"] == 2
+
+
+def test_receiver_killed_while_sender_waits(agents: AgentsFactory) -> None:
+    sender, receiver = agents(2)
+    decode, prefill = make_decode([receiver]), make_prefill([sender])
+    req = make_request(65, 64)
+    send(prefill, decode, req)  # never expected: the receiver holds the first part
+    time.sleep(0.3)
+    receiver.signal(signal.SIGKILL)
+    _, elapsed = _raises(sender, "send_wait", 65, *CHANNEL_ERRORS)
+    assert elapsed < CONFIG.timeout_s + SLACK_S
+    _wait_dead(receiver)
+    # a restarted decode worker (new address): the same sender reaches it
+    decode2 = make_decode([agents(2)[1]])
+    req2 = make_request(66, 64)
+    transfer(prefill, decode2, req2)
+    assert_received(decode2, req2)
+
+
+def test_corrupted_payload_is_detected_and_not_used(agents: AgentsFactory) -> None:
+    sender, receiver = agents(2)
+    decode = make_decode([receiver])
+    prefill = make_prefill([sender], fault=("corrupt", 71, 0))  # one bit of part 0
+    req = make_request(71, 120)
+    expect(decode, req)
+    send(prefill, decode, req)
+    _raises(receiver, "recv_wait", 71, "ChecksumMismatch")
+    _raises(sender, "send_wait", 71, "ChecksumMismatch")
+    assert receiver.call("written_blocks") == []  # nothing of it reached a block
+    assert receiver.call("report")["stats"]["checksum_failures"] == 1
+    # the channel itself is fine: the next transfer uses it
+    req2 = make_request(72, 120)
+    transfer(prefill, decode, req2)
+    assert_received(decode, req2)
+    assert sender.call("report")["stats"]["channels_opened"] == 1
+
+
+def test_sender_abort_mid_transfer_fails_the_receiver(agents: AgentsFactory) -> None:
+    """After abort() the sender reads no block: later parts go out marked cancelled."""
+    sender, receiver = agents(2)
+    decode = make_decode([receiver])
+    prefill = make_prefill([sender], fault=("abort", 77, 2))  # abort while sending part 2
+    req = make_request(77, 120)
+    expect(decode, req)
+    send(prefill, decode, req)
+    message, _ = _raises(receiver, "recv_wait", 77, "TransferRejected")
+    assert "aborted" in message.splitlines()[0]
+    req2 = make_request(78, 120)  # the channel is intact
+    transfer(prefill, decode, req2)
+    assert_received(decode, req2)
+    assert sender.call("report")["stats"]["channels_opened"] == 1
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("block_size", 32), ("model_fingerprint", "another-model"), ("hash_seed", 7),
+    ("num_kv_heads", 4), ("dtype", "float16"),
+])
+def test_mismatched_layout_is_refused(agents: AgentsFactory, field: str, value: object) -> None:
+    sender, receiver = agents(2)
+    decode = make_decode([receiver])
+    prefill = make_prefill([sender], layout=make_layout(**{field: value}))
+    req = make_request(75, 40, block_size=prefill.layout.block_size)
+    send(prefill, decode, req)
+    message, _ = _raises(sender, "send_wait", 75, "LayoutMismatch")
+    assert field in message.splitlines()[0]
+    assert receiver.call("report")["open_channels"] == 0
+
+
+def test_receiver_refuses_a_mismatched_open_request(agents: AgentsFactory) -> None:
+    """The receiver checks too (a sender may skip or race its own check)."""
+    prober, receiver = agents(2)
+    decode = make_decode([receiver])
+    answer = prober.call("raw_open", decode.address, make_layout(head_dim=64))
+    assert answer.startswith("LayoutMismatch") and "head_dim: 32 != 64" in answer
+    answer = prober.call("raw_open", decode.address, decode.layout, "nccl")
+    assert answer.startswith("LayoutMismatch") and "backend: gloo != nccl" in answer
+    assert prober.call("raw_open", decode.address, decode.layout) == "accepted"
+    assert receiver.call("report")["stats"]["channels_refused"] == 2
+
+
+def test_more_peers_than_the_channel_bound(agents: AgentsFactory) -> None:
+    """Two prefill and two decode workers, every process allowed one open channel:
+    each round pairs them differently, so idle channels are closed and reopened."""
+    config = dataclasses.replace(CONFIG, max_channels=1)
+    s1, s2, r1, r2 = everyone = agents(4)
+    d1, d2 = make_decode([r1], config=config), make_decode([r2], config=config)
+    p1, p2 = make_prefill([s1], config=config), make_prefill([s2], config=config)
+    for round_ in range(4):
+        pairs = [(p1, d1), (p2, d2)] if round_ % 2 == 0 else [(p1, d2), (p2, d1)]
+        reqs = [make_request(300 + 2 * round_ + i, 50) for i in range(2)]
+        for (prefill, decode), req in zip(pairs, reqs):
+            expect(decode, req)
+            send(prefill, decode, req)
+        for (prefill, decode), req in zip(pairs, reqs):
+            wait_all(prefill, decode, req)
+            assert_received(decode, req)
+        assert all(r["open_channels"] <= 1 for r in reports(everyone))
+    stats = [r["stats"] for r in reports(everyone)]
+    assert [s["channels_opened"] for s in stats[:2]] == [4, 4]  # type: ignore[index]
+    assert [s["channels_accepted"] for s in stats[2:]] == [4, 4]  # type: ignore[index]
+
+
+def test_unknown_and_late_parts_are_ignored_and_counted(agents: AgentsFactory) -> None:
+    sender, receiver = agents(2)
+    decode, prefill = make_decode([receiver]), make_prefill([sender])
+    # 1. never expected: held for the park timeout, then ignored
+    send(prefill, decode, make_request(81, 40))
+    _raises(sender, "send_wait", 81, "TransferRejected")
+    # 2. expected, but its deadline passes before anything is sent
+    late = make_request(82, 40)
+    expect(decode, late, timeout_s=0.3)
+    _, elapsed = _raises(receiver, "recv_wait", 82, "TransferTimeout")
+    assert elapsed < 0.3 + SLACK_S
+    send(prefill, decode, late)  # arrives after the deadline: ignored, counted
+    _raises(sender, "send_wait", 82, "TransferRejected")
+    # 3. ids are never reused; the channel still works
+    with pytest.raises(RemoteError, match="used before"):
+        expect(decode, late)
+    req = make_request(83, 40)
+    transfer(prefill, decode, req)
+    assert_received(decode, req)
+    stats = receiver.call("report")["stats"]
+    assert stats["unknown_parts"] >= 1 and stats["late_parts"] >= 1
+    assert sender.call("report")["stats"]["channels_opened"] == 1

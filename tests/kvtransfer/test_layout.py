@@ -1,0 +1,94 @@
+"""KVLayout: what must match between prefill and decode, and how a mismatch is named."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from kvtransfer.layout import KVLayout, decode_layout, encode_layout, fingerprint_model_dir
+from tests.kvtransfer.topology import LAYOUT
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHANGES = {"model_fingerprint": "other", "dtype": "bfloat16", "block_size": 32,
+           "hash_algorithm": "sha256", "hash_seed": 1, "num_layers": 4, "num_kv_heads": 8,
+           "head_dim": 64}
+
+
+def test_equal_layouts_have_no_diff() -> None:
+    assert LAYOUT.diff(dataclasses.replace(LAYOUT)) is None
+
+
+@pytest.mark.parametrize("field", sorted(CHANGES))
+def test_diff_names_the_field(field: str) -> None:
+    other = dataclasses.replace(LAYOUT, **{field: CHANGES[field]})
+    diff = LAYOUT.diff(other)
+    assert diff is not None and diff.startswith(f"{field}:"), diff
+    assert LAYOUT.digest() != other.digest()
+
+
+def test_diff_names_the_first_differing_field() -> None:
+    other = dataclasses.replace(LAYOUT, block_size=8, head_dim=16)
+    assert LAYOUT.diff(other) == "block_size: 16 != 8"
+
+
+def test_encoding_round_trips_and_rejects_garbage() -> None:
+    data = encode_layout(LAYOUT)
+    assert decode_layout(data) == (LAYOUT, len(data))
+    with pytest.raises(ValueError):
+        decode_layout(data[:-3])
+
+
+@pytest.mark.parametrize("bad", [{"dtype": "int8"}, {"block_size": 0}, {"num_kv_heads": -1}])
+def test_invalid_layouts_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        dataclasses.replace(LAYOUT, **bad)
+
+
+def test_from_engine_config() -> None:
+    model = ModelConfig(model_dir="/m", architecture="LlamaForCausalLM", hidden_size=64,
+                        intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
+                        head_dim=16, vocab_size=100, max_position_embeddings=128,
+                        rms_norm_eps=1e-6, rope_theta=10000.0)
+    config = EngineConfig(model=model, cache=CacheConfig(block_size=8, hash_seed=5))
+    layout = KVLayout.from_engine_config(config, "fp")
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == model.kv_layout
+    assert (layout.block_size, layout.hash_seed, layout.hash_algorithm) == (8, 5, "xxh3_128")
+
+
+def _write_checkpoint(root: Path, config: dict[str, object], tensors: dict[str, object],
+                      weights: bytes) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    header = json.dumps(tensors).encode()
+    (root / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + weights)
+    return root
+
+
+def test_model_fingerprint(tmp_path: Path) -> None:
+    tensors = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    a = fingerprint_model_dir(_write_checkpoint(tmp_path / "a", {"x": 1}, tensors, b"\0" * 8))
+    same = fingerprint_model_dir(_write_checkpoint(tmp_path / "b", {"x": 1}, tensors, b"\0" * 8))
+    other_config = fingerprint_model_dir(_write_checkpoint(tmp_path / "c", {"x": 2}, tensors,
+                                                           b"\0" * 8))
+    other_shape = fingerprint_model_dir(_write_checkpoint(
+        tmp_path / "d", {"x": 1}, {"w": {"dtype": "F32", "shape": [1, 2], "data_offsets": [0, 8]}},
+        b"\0" * 8))
+    assert a == same and len({a, other_config, other_shape}) == 3
+
+
+def test_layout_and_protocol_import_without_torch() -> None:
+    code = ("import sys\nsys.modules['torch'] = None\n"
+            "import kvtransfer, kvtransfer.layout, kvtransfer.protocol, kvtransfer.config\n"
+            "assert kvtransfer.KVLayout is kvtransfer.layout.KVLayout\n"
+            "assert not [m for m in sys.modules if m.startswith('torch.')]\nprint('ok')\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

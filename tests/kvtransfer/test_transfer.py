@@ -1,0 +1,104 @@
+"""Byte-exact KV delivery between real processes on loopback (gloo), with heterogeneous
+tensor parallelism, layer-by-layer sending and concurrent transfers."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kvtransfer.conftest import AgentsFactory
+from tests.kvtransfer.topology import (
+    assert_received,
+    expect,
+    make_decode,
+    make_layout,
+    make_prefill,
+    make_request,
+    reports,
+    send,
+    transfer,
+    wait_all,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize(
+    ("p", "r", "kv_heads"),
+    [(1, 1, 2), (1, 2, 2), (2, 1, 2), (2, 2, 2), (1, 2, 1), (2, 1, 1), (2, 2, 1)],
+    ids=["1-1", "1-2", "2-1", "2-2", "1-2-replicated", "2-1-replicated", "2-2-replicated"],
+)
+def test_byte_exact_across_tp_sizes(agents: AgentsFactory, p: int, r: int, kv_heads: int) -> None:
+    layout = make_layout(num_kv_heads=kv_heads)
+    ranks = agents(p + r)
+    prefill, decode = make_prefill(ranks[:p], layout), make_decode(ranks[p:], layout)
+    # 77 tokens: 5 blocks, the last one partial; blocks scattered on both sides
+    req = make_request(11, 77)
+    transfer(prefill, decode, req)
+    assert_received(decode, req)
+    for agent in decode.ranks:  # nothing written outside the request's blocks
+        assert set(agent.call("written_blocks")) <= set(req.dst_blocks)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision(agents: AgentsFactory, dtype: str) -> None:
+    layout = make_layout(dtype=dtype)
+    a, b = agents(2)
+    prefill, decode = make_prefill([a], layout), make_decode([b], layout)
+    req = make_request(21, 40)
+    transfer(prefill, decode, req)
+    assert_received(decode, req)
+
+
+def test_layer_by_layer(agents: AgentsFactory) -> None:
+    a, b, c = agents(3)
+    prefill, decode = make_prefill([a]), make_decode([b, c])
+    req = make_request(31, 100)
+    expect(decode, req)
+    for layer in range(decode.layout.num_layers):  # as a layer hook would
+        send(prefill, decode, req, layers=range(layer, layer + 1))
+    wait_all(prefill, decode, req)
+    assert_received(decode, req)
+
+
+def test_sent_before_expected(agents: AgentsFactory) -> None:
+    """Parts that arrive before expect() wait for it (up to the park timeout)."""
+    a, b = agents(2)
+    prefill, decode = make_prefill([a]), make_decode([b])
+    req = make_request(41, 33)
+    send(prefill, decode, req)
+    expect(decode, req)
+    wait_all(prefill, decode, req)
+    assert_received(decode, req)
+
+
+def test_many_transfers_over_one_channel(agents: AgentsFactory) -> None:
+    a, b = agents(2)
+    prefill, decode = make_prefill([a]), make_decode([b])
+    requests = [make_request(100 + i, 20 + 9 * i) for i in range(8)]
+    for req in requests:
+        expect(decode, req)
+    for req in requests:  # all queued before any is waited for
+        send(prefill, decode, req)
+    for req in requests:
+        wait_all(prefill, decode, req)
+    # blocks overlap between requests: check each request right after a fresh send
+    assert_received(decode, requests[-1])
+    assert reports([a])[0]["stats"]["channels_opened"] == 1  # type: ignore[index]
+
+
+def test_concurrent_transfers_over_several_channels(agents: AgentsFactory) -> None:
+    """Two prefill workers push to both ranks of one decode worker at the same time."""
+    s1, s2, d0, d1 = agents(4)
+    p1, p2, decode = make_prefill([s1]), make_prefill([s2]), make_decode([d0, d1])
+    reqs = [make_request(200 + i, 30 + 7 * i) for i in range(6)]
+    for req in reqs:
+        expect(decode, req)
+    for i, req in enumerate(reqs):
+        send(p1 if i % 2 else p2, decode, req)
+    for i, req in enumerate(reqs):
+        wait_all(p1 if i % 2 else p2, decode, req)
+    for agent in (d0, d1):
+        assert agent.call("report")["stats"]["channels_accepted"] == 2
+    final = make_request(299, 64)
+    transfer(p1, decode, final)
+    assert_received(decode, final)
