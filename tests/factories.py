@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 PROMPTS = [
     "Hello world, this is a test of the engine",
@@ -54,3 +58,11 @@ def assert_greedy_match(ours: list[int], ref: list[int], ref_logits: list[Any],
             f"diverged at token {i}: ours {a}, reference {b}, reference top-2 gap {gap:.2e}\n"
             f"ours={ours}\nref ={ref}")
         return
+
+
+def run_without_torch(body: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``body`` in a fresh interpreter (repo root as cwd) where ``import torch``
+    raises ImportError; the caller asserts on the result."""
+    code = "import sys\nsys.modules['torch'] = None  # `import torch` now raises\n" + body
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout_s)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.factories import run_without_torch
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE = REPO_ROOT / "engine"
 TORCH_FREE_FILES = sorted(
@@ -16,13 +18,6 @@ TORCH_FREE_FILES = sorted(
     + [ENGINE / name for name in ("scheduler.py", "request.py", "config.py", "sampling_params.py")]
 )
 TORCH_PACKAGES = ("torch", "flash_attn", "triton")
-
-
-def _run_without_torch(body: str) -> subprocess.CompletedProcess[str]:
-    """Run ``body`` in a fresh interpreter where ``import torch`` raises ImportError."""
-    code = "import sys\nsys.modules['torch'] = None\n" + body
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=60)
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -53,7 +48,7 @@ def _module_file(name: str) -> Path | None:
 @pytest.mark.parametrize("imports", ["import engine",
                                      "import engine.kvcache, engine.scheduler, engine.config"])
 def test_torch_free_modules_import_without_torch(imports: str) -> None:
-    result = _run_without_torch(
+    result = run_without_torch(
         f"{imports}\n"
         "import engine as e\n"
         "assert sys.modules['torch'] is None  # still blocked: nothing replaced or loaded it\n"
@@ -79,7 +74,7 @@ def test_import_engine_does_not_load_torch() -> None:
 
 def test_engine_llm_is_loaded_lazily() -> None:
     # Accessing engine.LLM imports torch: blocked, it must fail only at that point.
-    result = _run_without_torch(
+    result = run_without_torch(
         "import engine\n"
         "try:\n"
         "    engine.LLM\n"

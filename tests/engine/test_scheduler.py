@@ -8,8 +8,6 @@ the wrong positions (or from the wrong tokens) produces different outputs. Torch
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from engine.kvcache import BlockManager
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, StepUpdate
+from tests.factories import run_without_torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 4
@@ -535,9 +534,7 @@ def test_prefill_only_request_pins_its_blocks(budget: int) -> None:
 
 # ---------------------------------------------------------------------- torch-free
 def test_scheduler_modules_import_without_torch() -> None:
-    code = (
-        "import sys\n"
-        "sys.modules['torch'] = None  # `import torch` now raises ImportError\n"
+    result = run_without_torch(
         "import engine.scheduler, engine.request, engine.config, engine.sampling_params\n"
         "import engine.kvcache\n"
         "from engine.config import CacheConfig, SchedulerConfig\n"
@@ -547,7 +544,5 @@ def test_scheduler_modules_import_without_torch() -> None:
         "assert len(s.schedule().chunks) == 1\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"

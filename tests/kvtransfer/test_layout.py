@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvtransfer.layout import KVLayout, decode_layout, encode_layout, fingerprint_model_dir
+from tests.factories import run_without_torch
 from tests.kvtransfer.topology import LAYOUT
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -84,11 +83,9 @@ def test_model_fingerprint(tmp_path: Path) -> None:
 
 
 def test_layout_and_protocol_import_without_torch() -> None:
-    code = ("import sys\nsys.modules['torch'] = None\n"
-            "import kvtransfer, kvtransfer.layout, kvtransfer.protocol, kvtransfer.config\n"
-            "assert kvtransfer.KVLayout is kvtransfer.layout.KVLayout\n"
-            "assert not [m for m in sys.modules if m.startswith('torch.')]\nprint('ok')\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=60)
+    result = run_without_torch(
+        "import kvtransfer, kvtransfer.layout, kvtransfer.protocol, kvtransfer.config\n"
+        "assert kvtransfer.KVLayout is kvtransfer.layout.KVLayout\n"
+        "assert not [m for m in sys.modules if m.startswith('torch.')]\nprint('ok')\n")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"

@@ -9,11 +9,8 @@ import logging
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +30,7 @@ from pdserve.registry import (
     WorkerRecord,
     redact_url,
 )
+from tests.factories import run_without_torch
 from tests.pdserve.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -113,12 +111,10 @@ def test_key_schema_and_name_checks() -> None:
 
 
 def test_registry_is_torch_free() -> None:
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import pdserve.registry, pdserve.cluster_view, pdserve.redis_server\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'numpy'))\n"
-            "assert not bad, bad\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],
-                            capture_output=True, text=True, timeout=60)
+    result = run_without_torch(
+        "import pdserve.registry, pdserve.cluster_view, pdserve.redis_server\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'numpy'))\n"
+        "assert not bad, bad\n")
     assert result.returncode == 0, result.stderr
 
 
