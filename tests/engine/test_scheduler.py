@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +20,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, StepUpdate
 from tests.factories import run_without_torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 4
 EOS = 2
 

@@ -14,7 +14,6 @@ from kvtransfer.layout import KVLayout, decode_layout, encode_layout, fingerprin
 from tests.factories import run_without_torch
 from tests.kvtransfer.topology import LAYOUT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CHANGES = {"model_fingerprint": "other", "dtype": "bfloat16", "block_size": 32,
            "hash_algorithm": "sha256", "hash_seed": 1, "num_layers": 4, "num_kv_heads": 8,
            "head_dim": 64}
