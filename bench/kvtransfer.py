@@ -61,7 +61,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 128])
     p.add_argument("--repeats", type=int, default=5, help="timed runs per size and side")
-    p.add_argument("--part-mib", type=int, default=4, help="pdserve part / raw chunk size")
+    p.add_argument("--part-mib", type=float, default=4, help="pdserve part / raw chunk size")
     p.add_argument("--pin", action=argparse.BooleanOptionalAction,
                    default=(os.cpu_count() or 1) >= 2, help="sender on core 0, receiver on 1")
     p.add_argument("--bandwidth-mib", type=int, default=256, help="bandwidth probe buffer")
@@ -81,7 +81,7 @@ class Side:
         if args["pin"]:
             os.sched_setaffinity(0, {0 if role == "sender" else 1})
         self.role = role
-        config = TransferConfig(timeout_s=args["timeout_s"], part_bytes=args["part_mib"] * MIB)
+        config = TransferConfig(timeout_s=args["timeout_s"], part_bytes=int(args["part_mib"] * MIB))
         num_blocks = args["num_blocks"]
         shape = (LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
                  LAYOUT.head_dim)
@@ -335,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     context = {
         "KV geometry": f"{LAYOUT.num_layers} layers x {LAYOUT.num_kv_heads} KV heads x "
                        f"{LAYOUT.head_dim} dims, fp32, blocks of {LAYOUT.block_size} tokens "
-                       f"({TOKEN_BYTES // 1024} KiB/token), parts of {args.part_mib} MiB",
+                       f"({TOKEN_BYTES // 1024} KiB/token), parts of {args.part_mib:g} MiB",
         "processes": "2 (sender, receiver), 1 torch thread each, "
                      + ("pinned to cores 0 and 1" if args.pin else "not pinned"),
         "median of": f"{args.repeats} runs per size and side, interleaved",
