@@ -134,6 +134,8 @@ class EngineConfig:
     device: str = "cpu"
     # "auto": oneDNN pre-packed weights on CPU in fp32, else torch's F.linear; or force one.
     linear_kernel: str = "auto"
+    # "package.module:factory" built on every rank (see engine.rank_plugin), or None.
+    rank_plugin: str | None = None
 
     def __post_init__(self) -> None:
         if self.linear_kernel not in _LINEAR_KERNELS:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.attention.metadata import LayerHook
@@ -74,6 +74,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.block_manager,
                                    config.model.max_model_len)
         self.layer_hook: LayerHook | None = None
+        # Builds the payload every rank's plugin step_hook receives with a step (or None).
+        self.step_payload: Callable[[SchedulerOutput], bytes] | None = None
         self._streams: dict[str, TextStream] = {}
         self._ids = itertools.count()
 
@@ -129,6 +131,10 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def call_ranks(self, request: bytes) -> list[bytes]:
+        """Ask every rank's plugin (``EngineConfig.rank_plugin``); replies in rank order."""
+        return self.executor.call(request)
+
     # --- one step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute and sample one step; returns the outputs it produced."""
@@ -140,7 +146,8 @@ class EngineCore:
         return outputs
 
     def _execute(self, out: SchedulerOutput) -> list[int]:
-        logits = self.executor.execute(out.chunks, self.layer_hook)
+        payload = self.step_payload(out) if self.step_payload is not None else b""
+        logits = self.executor.execute(out.chunks, self.layer_hook, payload)
         requests = self.scheduler.requests
         sampling = [c for c in out.chunks if c.sample]
         params = [requests[c.request_id].params for c in sampling]

@@ -31,6 +31,7 @@ from engine.distributed import (
     make_group,
 )
 from engine.messages import Op, StepMessage, step_message
+from engine.rank_plugin import RankContext, RankPlugin, load_rank_plugin, run_call, unframe_reply
 from engine.runner import LayerHookError, ModelRunner
 from engine.scheduler import ScheduledChunk
 
@@ -49,18 +50,52 @@ _READY = struct.Struct("<qq")
 class Executor(Protocol):
     """Runs one step on every rank of an engine and returns the leader's logits.
 
-    ``execute(chunks, layer_hook)`` → logits ``[num sampling chunks, vocab]`` (rows in
-    ``chunks`` order). ``layer_hook`` runs on the leader only, after each layer's KV is
-    written; an exception it raises is re-raised after the step, so all ranks stay in
-    step. ``shutdown()`` stops every rank; idempotent.
+    ``execute(chunks, layer_hook, payload)`` → logits ``[num sampling chunks, vocab]``
+    (rows in ``chunks`` order). ``layer_hook`` runs on the leader only, after each
+    layer's KV is written; an exception it raises is re-raised after the step, so all
+    ranks stay in step. ``payload`` goes to every rank's plugin ``step_hook``.
+    ``call(request)`` asks every rank's plugin (rank order). ``shutdown()`` stops every
+    rank; idempotent.
     """
 
     num_kv_blocks: int
 
-    def execute(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None
-                ) -> torch.Tensor: ...
+    def execute(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None,
+                payload: bytes = b"") -> torch.Tensor: ...
+
+    def call(self, request: bytes) -> list[bytes]: ...
 
     def shutdown(self) -> None: ...
+
+
+def _chain(*hooks: LayerHook | None) -> LayerHook | None:
+    present = [h for h in hooks if h is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+
+    def run_all(layer_idx: int) -> None:
+        for hook in present:
+            hook(layer_idx)
+
+    return run_all
+
+
+def _make_plugin(config: EngineConfig, runner: ModelRunner) -> RankPlugin | None:
+    if config.rank_plugin is None:
+        return None
+    ctx = RankContext(runner.tp.rank, runner.tp.size, config, runner.kv_cache)
+    return load_rank_plugin(config.rank_plugin, ctx)
+
+
+def _plugin_hook(plugin: RankPlugin | None, chunks: Sequence[ScheduledChunk],
+                 payload: bytes) -> LayerHook | None:
+    return plugin.step_hook(chunks, payload) if plugin is not None else None
+
+
+def _require_plugin(plugin: RankPlugin | None) -> RankPlugin:
+    if plugin is None:
+        raise RuntimeError("this engine has no rank_plugin to call")
+    return plugin
 
 
 class LocalExecutor:
@@ -70,13 +105,19 @@ class LocalExecutor:
         self.num_kv_blocks = num_kv_blocks
         self.runner = ModelRunner(config, Group.single(), num_kv_blocks)
         self.rank_num_parameters = [self.runner.num_parameters]
+        self.plugin = _make_plugin(config, self.runner)
 
-    def execute(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None
-                ) -> torch.Tensor:
-        return self.runner.execute(chunks, layer_hook)
+    def execute(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None,
+                payload: bytes = b"") -> torch.Tensor:
+        return self.runner.execute(chunks, _chain(layer_hook, _plugin_hook(self.plugin, chunks, payload)))
+
+    def call(self, request: bytes) -> list[bytes]:
+        return [unframe_reply(0, run_call(_require_plugin(self.plugin), request))]
 
     def shutdown(self) -> None:
-        pass
+        plugin, self.plugin = self.plugin, None
+        if plugin is not None:
+            plugin.close()
 
 
 class TPExecutor:
@@ -113,6 +154,8 @@ class TPExecutor:
         try:
             tp = make_group(store, TP_GROUP_PREFIX, 0, size, device=config.device, timeout_s=timeout)
             self.runner = ModelRunner(config, tp, num_kv_blocks)
+            self.plugin = _make_plugin(config, self.runner)
+            self._replies = ready  # followers answer plugin calls on their ready pipe
             self._await_ready(ready, startup_timeout_s)
         except BaseException:
             self.shutdown()
@@ -130,17 +173,16 @@ class TPExecutor:
                 proc.join(timeout=1)
                 raise RuntimeError(f"TP rank {rank} did not start (exit code {proc.exitcode})")
             self.rank_num_parameters.append(_READY.unpack(got)[1])
-            conn.close()
 
-    def execute(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None
-                ) -> torch.Tensor:
-        if self._broken is not None:
-            raise ExecutorFailed(f"tensor-parallel executor is unusable: {self._broken}")
+    def execute(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None,
+                payload: bytes = b"") -> torch.Tensor:
+        self._check_usable()
         try:
-            payload = step_message(chunks).encode()
+            message = step_message(chunks, payload).encode()
             for conn in self._conns:
-                conn.send_bytes(payload)
-            return self.runner.execute(chunks, layer_hook)
+                conn.send_bytes(message)
+            hook = _chain(layer_hook, _plugin_hook(self.plugin, chunks, payload))
+            return self.runner.execute(chunks, hook)
         except LayerHookError:
             raise  # the step completed on every rank; the group is consistent
         except BaseException as exc:
@@ -150,6 +192,30 @@ class TPExecutor:
             self.runner.tp.abort()
             self._release_followers()
             raise ExecutorFailed(self._broken) from exc
+
+    def call(self, request: bytes, timeout_s: float = 60.0) -> list[bytes]:
+        """Every rank's plugin reply to ``request``, in rank order (between steps)."""
+        self._check_usable()
+        plugin = _require_plugin(self.plugin)
+        message = StepMessage(Op.CALL, payload=request).encode()
+        try:
+            for conn in self._conns:
+                conn.send_bytes(message)
+            framed = [run_call(plugin, request)]
+            for rank, conn in enumerate(self._replies, start=1):
+                if not conn.poll(timeout_s):
+                    raise TimeoutError(f"rank {rank} did not answer a plugin call in {timeout_s}s")
+                framed.append(conn.recv_bytes())
+        except (OSError, EOFError, TimeoutError) as exc:
+            self._broken = f"a plugin call failed: {exc!r}"
+            self.runner.tp.abort()
+            self._release_followers()
+            raise ExecutorFailed(self._broken) from exc
+        return [unframe_reply(rank, reply) for rank, reply in enumerate(framed)]
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise ExecutorFailed(f"tensor-parallel executor is unusable: {self._broken}")
 
     def _release_followers(self) -> None:
         """Close the step pipes: followers waiting for a step see EOF and exit."""
@@ -175,7 +241,12 @@ class TPExecutor:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
-        self._conns, self._procs = [], []
+        for conn in getattr(self, "_replies", []):
+            conn.close()
+        self._conns, self._procs, self._replies = [], [], []
+        plugin, self.plugin = getattr(self, "plugin", None), None
+        if plugin is not None:
+            plugin.close()
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.tp.destroy()
@@ -199,17 +270,33 @@ def follower_main(config: EngineConfig, rank: int, address: StoreAddress, num_kv
     store = connect_store(address, timeout_s=timeout)
     tp = make_group(store, TP_GROUP_PREFIX, rank, size, device=config.device, timeout_s=timeout)
     runner = ModelRunner(config, tp, num_kv_blocks)
+    plugin = _make_plugin(config, runner)
     ready.send_bytes(_READY.pack(rank, runner.num_parameters))
-    ready.close()
+    try:
+        _serve_steps(runner, plugin, steps, replies=ready)
+    finally:
+        if plugin is not None:
+            plugin.close()
+        tp.destroy()
+
+
+def _serve_steps(runner: ModelRunner, plugin: RankPlugin | None, steps: Connection,
+                 replies: Connection) -> None:
+    """A follower's loop: run steps and answer plugin calls until SHUTDOWN or EOF."""
     while True:
         try:
             msg = StepMessage.decode(steps.recv_bytes())
         except EOFError:
-            break
+            return
         if msg.op is Op.SHUTDOWN:
-            break
-        runner.execute(msg.chunks)
-    tp.destroy()
+            return
+        if msg.op is Op.CALL:
+            replies.send_bytes(run_call(_require_plugin(plugin), msg.payload))
+            continue
+        try:
+            runner.execute(msg.chunks, _plugin_hook(plugin, msg.chunks, msg.payload))
+        except LayerHookError:
+            log.exception("rank %d: a plugin layer hook failed; the step completed", runner.tp.rank)
 
 
 def _watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:

@@ -51,18 +51,25 @@ def test_encoding_layout() -> None:
     chunks = [ScheduledChunk("", (7, 8, 9), 4, (2,), False),
               ScheduledChunk("", (11,), 10, (3, 5), True)]
     assert step_message(chunks).encode() == words(
-        int(Op.STEP), 2, 4, 3, 1, 0, 7, 8, 9, 2, 10, 1, 2, 1, 11, 3, 5)
+        int(Op.STEP), 2, 4, 3, 1, 0, 7, 8, 9, 2, 10, 1, 2, 1, 11, 3, 5, 0)
+
+
+@pytest.mark.parametrize("payload", [b"", b"x", b"12345678", b"123456789", bytes(range(256))])
+def test_payload_round_trip(payload: bytes) -> None:
+    msg = StepMessage(Op.CALL, (), payload)
+    assert len(msg.encode()) % 8 == 0
+    assert StepMessage.decode(msg.encode()) == msg
 
 
 def test_shutdown() -> None:
     data = StepMessage(Op.SHUTDOWN).encode()
-    assert data == words(int(Op.SHUTDOWN), 0)
+    assert data == words(int(Op.SHUTDOWN), 0, 0)
     assert StepMessage.decode(data) == StepMessage(Op.SHUTDOWN, ())
 
 
 @pytest.mark.parametrize("data", [
-    words(int(Op.STEP), 0, 99),  # one trailing word
-    words(int(Op.STEP), 1, 0, 1, 0, 1, 5, 6),  # one token declared, two present
+    words(int(Op.STEP), 0, 0, 99),  # one trailing word after an empty payload
+    words(int(Op.STEP), 1, 0, 1, 0, 1, 5, 0, 6),  # one token declared, an extra word after
     words(int(Op.SHUTDOWN), 0, 0, 0),
 ], ids=["empty_step", "chunk", "shutdown"])
 def test_trailing_words_are_rejected(data: bytes) -> None:
