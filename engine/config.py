@@ -134,8 +134,10 @@ class EngineConfig:
     device: str = "cpu"
     # "auto": oneDNN pre-packed weights on CPU in fp32, else torch's F.linear; or force one.
     linear_kernel: str = "auto"
-    # "package.module:factory" built on every rank (see engine.rank_plugin), or None.
+    # "package.module:factory" built on every rank (see engine.rank_plugin), or None,
+    # and an opaque string handed to it (e.g. JSON of the plugin's own config dataclass).
     rank_plugin: str | None = None
+    rank_plugin_config: str = ""
 
     def __post_init__(self) -> None:
         if self.linear_kernel not in _LINEAR_KERNELS:

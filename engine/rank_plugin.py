@@ -44,6 +44,11 @@ class RankContext:
     config: EngineConfig
     kv_cache: torch.Tensor
 
+    @property
+    def plugin_config(self) -> str:
+        """``EngineConfig.rank_plugin_config``: the plugin's own settings, as a string."""
+        return self.config.rank_plugin_config
+
 
 class RankPlugin(Protocol):
     def handle(self, request: bytes) -> bytes:
