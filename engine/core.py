@@ -179,7 +179,8 @@ class EngineCore:
         if stopped and not finished:
             self.scheduler.finish(request.request_id, FinishReason.STOP)
             finished = True
-        elif stopped:  # the stop string came with the token that hit max_tokens
+        elif stopped and request.finish_reason is not FinishReason.PREFILLED:
+            # the stop string came with the token that hit max_tokens
             request.finish_reason = FinishReason.STOP
         if finished:
             delta += stream.flush()

@@ -285,3 +285,19 @@ def test_two_engines_run_forwards_on_two_threads(llama_dir: Path) -> None:
             t.join(timeout=60)
     assert not errors, errors
     assert results == {0: expected, 1: expected}
+
+
+def test_prefill_only_first_token_matching_a_stop_string_still_reports_pinned_blocks(
+        llm: LLM) -> None:
+    core = llm.core
+    prompt = llm.encode(PROMPTS[0])
+    first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0]
+    stop = first.text.replace("\ufffd", "")[:1]
+    if not stop:
+        pytest.skip("the first token has no printable text")
+    core.add_request("pf", prompt, SamplingParams(max_tokens=5, temperature=0, stop=[stop]),
+                     prefill_only=True)
+    (out,) = [o for o in _step_all(core) if o.request_id == "pf"]
+    assert out.finish_reason == "prefilled" and out.block_ids
+    assert core.release_pinned("pf")
+    core.check_integrity()

@@ -1,0 +1,132 @@
+"""Factories for KV-handoff scenarios: a prefill engine and a decode engine, each with
+its KV plugin, wired together in one test process (TP ranks > 0 are real processes),
+and the drive loop and leak check every scenario ends with."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from decode_worker.kv_plugin import PLUGIN as DECODE_PLUGIN
+from decode_worker.kv_plugin import DecodeHandoff, DecodeKVConfig
+from engine import SamplingParams
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    load_model_config,
+)
+from engine.core import EngineCore
+from engine.distributed import LOOPBACK, free_port
+from engine.tokenizer import load_tokenizer
+from kvtransfer import fingerprint_model_dir
+from prefill_worker.kv_plugin import PLUGIN as PREFILL_PLUGIN
+from prefill_worker.kv_plugin import PrefillHandoff, PrefillKVConfig
+from tests.workers.kv_faults import SPEC as FAULT_SPEC
+
+TIMEOUT_S = 10.0
+NUM_KV_BLOCKS = 64
+MAX_BATCHED_TOKENS = 32  # small, so that long prompts are prefilled in several chunks
+
+
+@dataclass
+class Pair:
+    prefill: EngineCore
+    decode: EngineCore
+    p: PrefillHandoff
+    d: DecodeHandoff
+
+    def shutdown(self) -> None:
+        self.prefill.shutdown()
+        self.decode.shutdown()
+
+
+def _config(model_dir: Path, tp: int, plugin: str, plugin_config: str) -> EngineConfig:
+    return EngineConfig(
+        model=load_model_config(model_dir), cache=CacheConfig(num_kv_blocks=NUM_KV_BLOCKS),
+        parallel=ParallelConfig(tensor_parallel_size=tp),
+        scheduler=SchedulerConfig(max_num_batched_tokens=MAX_BATCHED_TOKENS),
+        rank_plugin=plugin, rank_plugin_config=plugin_config)
+
+
+def make_pair(model_dir: Path, prefill_tp: int, decode_tp: int) -> Pair:
+    """Prefill engine (its senders corrupt transfer ``CORRUPT_TRANSFER_ID``) and decode
+    engine (its receivers' store on a fresh loopback port)."""
+    fingerprint = fingerprint_model_dir(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    d_cfg = DecodeKVConfig(LOOPBACK, free_port(), fingerprint, timeout_s=TIMEOUT_S)
+    p_cfg = PrefillKVConfig(fingerprint, timeout_s=TIMEOUT_S, fault_hook=FAULT_SPEC)
+    decode = EngineCore(_config(model_dir, decode_tp, DECODE_PLUGIN, d_cfg.to_json()), tokenizer)
+    try:
+        prefill = EngineCore(_config(model_dir, prefill_tp, PREFILL_PLUGIN, p_cfg.to_json()),
+                             tokenizer)
+    except BaseException:
+        decode.shutdown()
+        raise
+    return Pair(prefill, decode, PrefillHandoff(prefill), DecodeHandoff(decode))
+
+
+_ids = itertools.count(1)
+
+
+def new_ids() -> tuple[str, int]:
+    n = next(_ids)
+    return f"req-{n}", n
+
+
+def poll_until(pair: Pair, request_ids: set[str], timeout_s: float = 2 * TIMEOUT_S
+               ) -> dict[str, tuple[bool, str]]:
+    """Decode-side poll until every one of ``request_ids`` reported (ok, reason)."""
+    results: dict[str, tuple[bool, str]] = {}
+    deadline = time.monotonic() + timeout_s
+    while not request_ids <= results.keys():
+        assert time.monotonic() < deadline, f"no KV status for {request_ids - results.keys()}"
+        results.update({r.request_id: (r.ok, r.reason) for r in pair.d.poll()})
+        time.sleep(0.01)
+    return results
+
+
+def run_handoffs(pair: Pair, prompts: Sequence[list[int]],
+                 params: Sequence[SamplingParams]) -> list[list[int]]:
+    """The router's part: reserve on decode, prefill, admit with the first token, decode
+    to the end. Returns each request's tokens (first token included)."""
+    rids = []
+    for prompt, p in zip(prompts, params, strict=True):
+        rid, tid = new_ids()
+        target = pair.d.reserve(rid, prompt, p, tid)
+        assert target is not None, "decode side out of blocks"
+        pair.p.submit(rid, prompt, p, tid, target.address)
+        rids.append(rid)
+    first: dict[str, int] = {}
+    while pair.prefill.has_unfinished():
+        for out in pair.prefill.step():
+            result = pair.p.complete(out)
+            assert result.ok and result.first_token_id is not None, result.reason
+            first[out.request_id] = result.first_token_id
+    assert all(ok for ok, _ in poll_until(pair, set(rids)).values())
+    tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+    for rid in rids:
+        tokens[rid] += pair.d.admit(rid, first[rid]).new_token_ids
+    while pair.decode.has_unfinished():
+        for out in pair.decode.step():
+            tokens[out.request_id] += out.new_token_ids
+    return [tokens[rid] for rid in rids]
+
+
+def assert_no_leaks(pair: Pair) -> None:
+    """Every block free or cached on both engines, nothing pending on any rank, channels
+    within their bound."""
+    for core in (pair.prefill, pair.decode):
+        core.check_integrity()
+        usage = core.kv_usage()
+        assert (usage.in_use, usage.pinned) == (0, 0), usage
+        assert not core.has_unfinished()
+    assert (pair.p.num_pending, pair.d.num_pending) == (0, 0)
+    counts = [(s.pending, s.open_channels, s.max_channels) for s in pair.p.rank_stats()]
+    counts += [(s.pending, s.open_channels, s.max_channels) for s in pair.d.rank_stats()]
+    for pending, open_channels, max_channels in counts:  # one tuple per rank
+        assert pending == 0 and open_channels <= max_channels, counts
