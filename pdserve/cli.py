@@ -38,7 +38,37 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--tensor-parallel-size", type=int, default=1)
     demo.set_defaults(func=_demo)
+    _add_worker_parsers(sub)
     return parser
+
+
+def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
+    from pdserve.worker_common import add_worker_args
+
+    prefill = sub.add_parser("prefill", help="run a prefill worker (gRPC, pushes KV)")
+    add_worker_args(prefill)
+    prefill.set_defaults(func=_prefill)
+    decode = sub.add_parser("decode", help="run a decode worker (gRPC, receives KV, streams)")
+    add_worker_args(decode)
+    decode.add_argument("--kv-port", type=int, default=0,
+                        help="KV rendezvous store port (0: a free port)")
+    decode.set_defaults(func=_decode)
+
+
+def _prefill(args: argparse.Namespace) -> int:
+    from pdserve.worker_common import configure_worker_logging
+    from prefill_worker.server import main as prefill_main
+
+    configure_worker_logging("prefill")
+    return prefill_main(args)
+
+
+def _decode(args: argparse.Namespace) -> int:
+    from decode_worker.server import main as decode_main
+    from pdserve.worker_common import configure_worker_logging
+
+    configure_worker_logging("decode")
+    return decode_main(args)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:

@@ -30,7 +30,8 @@ class DecodeWorkerStub:
 
     Life of one request on it (router-owned handoff):
     Reserve ─▶ [prefill worker pushes KV + first token] ─▶ Generate streams ─▶ done
-    Generate may be opened right after Reserve, before or while the KV arrives.
+    Generate is opened once Prefill returned (it carries the first token); the KV may
+    still be in flight then.
     """
 
     def __init__(self, channel):
@@ -66,7 +67,8 @@ class DecodeWorkerServicer:
 
     Life of one request on it (router-owned handoff):
     Reserve ─▶ [prefill worker pushes KV + first token] ─▶ Generate streams ─▶ done
-    Generate may be opened right after Reserve, before or while the KV arrives.
+    Generate is opened once Prefill returned (it carries the first token); the KV may
+    still be in flight then.
     """
 
     def Reserve(self, request, context):
@@ -168,7 +170,8 @@ class DecodeWorker:
 
     Life of one request on it (router-owned handoff):
     Reserve ─▶ [prefill worker pushes KV + first token] ─▶ Generate streams ─▶ done
-    Generate may be opened right after Reserve, before or while the KV arrives.
+    Generate is opened once Prefill returned (it carries the first token); the KV may
+    still be in flight then.
     """
 
     @staticmethod

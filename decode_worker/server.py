@@ -1,0 +1,180 @@
+"""The decode worker process: ``pdserve decode --model DIR [--port P]
+[--tensor-parallel-size r] [--kv-port K] [--ready-file PATH] [--redis-url URL]``.
+
+Start-up order (gRPC and fork do not mix): build the engine — it spawns the r-1 follower
+ranks and rank 0's plugin starts the KV rendezvous store — run one warm-up step, start
+the engine loop, and only then create the gRPC server. ``DecodeServicer`` is the thin
+protobuf adapter; everything engine-side happens on the ``DecodeLoop`` thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import uuid
+from collections.abc import Iterator
+
+import grpc
+
+from decode_worker.engine_loop import Abort, DecodeLoop, Info, Open, Reserve
+from decode_worker.kv_plugin import PLUGIN, DecodeKVConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    load_model_config,
+)
+from engine.core import EngineCore
+from engine.distributed import free_port
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
+from kvtransfer import KVLayout, fingerprint_model_dir
+from pdserve.internal.v1 import worker_pb2 as pb
+from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.registry import WorkerLoad
+from pdserve.worker_common import (
+    Endpoint,
+    Identity,
+    WorkerError,
+    abort_with,
+    info_to_proto,
+    sampling_kwargs,
+    serve_until_signal,
+)
+
+log = logging.getLogger(__name__)
+CALL_TIMEOUT_S = 30.0  # a command the loop does not answer in this long: UNAVAILABLE
+
+
+class DecodeServicer(pb_grpc.DecodeWorkerServicer):
+    """protobuf ⇄ ``DecodeLoop`` commands; see ``worker.proto`` for each RPC's contract."""
+
+    def __init__(self, loop: DecodeLoop, identity: Identity) -> None:
+        self.loop = loop
+        self.identity = identity
+
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext
+                ) -> pb.ReserveResponse:
+        try:
+            if request.transfer_id == 0:
+                raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id must not be 0")
+            params = _params(request.sampling)
+            target = self.loop.call(Reserve(request.request_id, list(request.prompt_token_ids),
+                                            params, request.transfer_id), CALL_TIMEOUT_S)
+        except WorkerError as exc:
+            abort_with(context, exc)
+        if target is None:
+            usage = self.loop.call(Info(), CALL_TIMEOUT_S).kv
+            return pb.ReserveResponse(
+                accepted=False, reason=f"out of KV blocks ({usage.free + usage.cached} of "
+                f"{usage.total} free)")
+        return pb.ReserveResponse(
+            accepted=True, num_blocks=-(-target.num_tokens // self.loop.core.config.cache.block_size),
+            target=pb.KVTarget(kv_address=f"{target.address.host}:{target.address.port}",
+                               tensor_parallel_size=target.tp_size,
+                               transfer_id=target.transfer_id))
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext
+                 ) -> Iterator[pb.TokenChunk]:
+        rid = request.request_id
+        try:
+            stream = self.loop.call(Open(rid, request.first_token_id), CALL_TIMEOUT_S)
+        except WorkerError as exc:
+            abort_with(context, exc)
+        # however the call ends (cancel, deadline, error), the request is freed
+        context.add_callback(lambda: self._abort_quietly(rid))
+        num_completion = 0
+        while True:
+            try:
+                out = stream.get(context.time_remaining())
+            except WorkerError as exc:
+                self._abort_quietly(rid)
+                abort_with(context, exc)
+            num_completion += len(out.new_token_ids)
+            chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.text_delta)
+            if out.finished:
+                chunk.finish_reason = out.finish_reason or "stop"
+                chunk.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens,
+                                              completion_tokens=num_completion,
+                                              cached_tokens=out.num_cached_tokens))
+            yield chunk
+            if out.finished:
+                return
+
+    def _abort_quietly(self, request_id: str) -> None:
+        try:
+            self.loop.call(Abort(request_id, "the Generate call ended"), CALL_TIMEOUT_S)
+        except WorkerError:
+            pass  # the loop is gone: it freed everything when it stopped
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext
+              ) -> pb.AbortResponse:
+        try:
+            return pb.AbortResponse(found=self.loop.call(Abort(request.request_id),
+                                                         CALL_TIMEOUT_S))
+        except WorkerError as exc:
+            abort_with(context, exc)
+            raise
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.WorkerInfo:
+        try:
+            return info_to_proto(self.identity, self.loop.call(Info(), CALL_TIMEOUT_S))
+        except WorkerError as exc:
+            abort_with(context, exc)
+            raise
+
+
+def _params(msg: pb.SamplingParams) -> SamplingParams:
+    try:
+        return SamplingParams(**sampling_kwargs(msg))
+    except ValueError as exc:
+        raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
+
+def build_engine(args: argparse.Namespace, fingerprint: str) -> tuple[EngineCore, DecodeKVConfig]:
+    """The decode engine with its KV plugin; spawns the follower ranks (call before any
+    gRPC object exists)."""
+    kv = DecodeKVConfig(args.host, args.kv_port or free_port(args.host), fingerprint,
+                        timeout_s=args.transfer_timeout)
+    config = EngineConfig(
+        model=load_model_config(args.model),
+        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        rank_plugin=PLUGIN, rank_plugin_config=kv.to_json())
+    return EngineCore(config, load_tokenizer(args.model)), kv
+
+
+def warm_up(core: EngineCore) -> None:
+    """One local request through every rank; its blocks end free or cached."""
+    core.add_request("warm-up", [0], SamplingParams(max_tokens=1, temperature=0))
+    while core.has_unfinished():
+        core.step()
+
+
+def main(args: argparse.Namespace) -> int:
+    fingerprint = fingerprint_model_dir(args.model)
+    core, kv = build_engine(args, fingerprint)
+    try:
+        warm_up(core)
+    except BaseException:
+        core.shutdown()
+        raise
+    loop = DecodeLoop(core, args.transfer_timeout)
+    loop.start()
+    identity = Identity(args.worker_id or f"decode-{uuid.uuid4().hex[:12]}", "decode",
+                        args.tensor_parallel_size, fingerprint)
+    servicer = DecodeServicer(loop, identity)
+
+    def load() -> WorkerLoad:
+        info = loop.call(Info(), CALL_TIMEOUT_S)
+        return WorkerLoad(info.kv.free + info.kv.cached, info.kv.total, info.running,
+                          info.waiting)
+
+    endpoint = Endpoint(identity, KVLayout.from_engine_config(core.config, fingerprint),
+                        f"{kv.store_host}:{kv.store_port}",
+                        lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server),
+                        load)
+    return serve_until_signal(args, loop, endpoint)

@@ -1,0 +1,413 @@
+"""What the prefill and decode worker processes share, torch-free: the engine-loop thread
+skeleton, per-request output streams, the ready file, readiness/health, Redis registration
+and the SIGTERM wait.
+
+Threading model of a worker: one ``EngineLoop`` thread owns the engine (``EngineCore`` is
+not thread-safe). gRPC handler threads never touch the engine; they send typed commands
+through ``EngineLoop.call`` (a thread-safe queue; the reply comes back through a
+``Future``) and read their request's results from an ``OutputStream`` that only the loop
+writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvtransfer.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+IDLE_POLL_S = 0.005  # how often the loop re-checks KV transfers when it has nothing to step
+
+
+class WorkerError(Exception):
+    """A failure reported to a gRPC caller: ``code`` is the status, ``message`` its text."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Command(Generic[T]):
+    """Base of the typed commands a loop accepts; ``T`` is the reply type."""
+
+
+class EngineLoop:
+    """A thread that owns an engine: runs commands between steps, steps while there is
+    work, and sleeps on its command queue otherwise.
+
+    Subclasses implement ``_handle(command)`` (runs on the loop thread; its return value
+    or exception goes to the caller), ``_has_work()``, ``_is_polling()`` (waiting on
+    something outside the engine, e.g. a KV transfer: re-check every ``IDLE_POLL_S``),
+    ``_tick()`` (one round of work) and ``_close()`` (abort everything, release the
+    engine; called once, on the loop thread, when the loop stops).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._commands: queue.SimpleQueue[tuple[Command[Any], Future[Any]] | None] = (
+            queue.SimpleQueue())
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stopped = threading.Event()
+        self.error: BaseException | None = None  # why the loop died, if it did
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    def call(self, command: Command[T], timeout_s: float | None = None) -> T:
+        """Run ``command`` on the loop thread and return its reply (or raise its error).
+        ``WorkerError(UNAVAILABLE)`` when the loop is not running or does not answer in
+        ``timeout_s``."""
+        if not self.alive:
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
+        future: Future[T] = Future()
+        self._commands.put((command, future))
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                              f"engine loop did not answer {type(command).__name__}") from None
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask the loop to close (abort everything, shut the engine down) and wait."""
+        if self._thread.is_alive():
+            self._commands.put(None)
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            while self._serve_commands():
+                if self._has_work():
+                    self._tick()
+        except BaseException as exc:  # the loop is dead: health turns NOT_SERVING
+            log.exception("engine loop failed")
+            self.error = exc
+        finally:
+            self._stopped.set()
+            self._fail_queued()
+            self._close()
+
+    def _serve_commands(self) -> bool:
+        """Run queued commands; block for one when idle. False once asked to stop."""
+        block = not self._has_work()
+        timeout = IDLE_POLL_S if self._is_polling() else None
+        while True:
+            try:
+                item = self._commands.get(block=block, timeout=timeout if block else None)
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            command, future = item
+            block = False
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._handle(command))
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(
+                    WorkerError(grpc.StatusCode.UNAVAILABLE, "the engine loop stopped"))
+
+    def _handle(self, command: Command[Any]) -> Any:
+        raise NotImplementedError
+
+    def _has_work(self) -> bool:
+        raise NotImplementedError
+
+    def _is_polling(self) -> bool:
+        return False
+
+    def _tick(self) -> None:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+
+class OutputStream(Generic[T]):
+    """One request's results, written by the loop thread, read by one handler thread.
+
+    Bounded by construction: the loop puts at most ``capacity`` items (one per token plus
+    the end), so ``put`` never blocks the loop; a put beyond it is a bug and raises.
+    The end of the stream is an item for which the reader's own check says so, or a
+    ``WorkerError`` (put with ``fail``).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._queue: queue.Queue[T | WorkerError] = queue.Queue(maxsize=capacity)
+
+    def put(self, item: T) -> None:
+        self._queue.put_nowait(item)
+
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
+        try:
+            self._queue.put_nowait(WorkerError(code, message))
+        except queue.Full:  # the reader has not drained; an error replaces the last item
+            self._queue.get_nowait()
+            self._queue.put_nowait(WorkerError(code, message))
+
+    def get(self, timeout_s: float | None) -> T:
+        """The next item; raises the ``WorkerError`` put by ``fail``, or
+        ``WorkerError(DEADLINE_EXCEEDED)`` after ``timeout_s``."""
+        try:
+            item = self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+        if isinstance(item, WorkerError):
+            raise item
+        return item
+
+
+# ------------------------------------------------------------------------ process glue
+
+@dataclass(frozen=True)
+class ReadyInfo:
+    """What ``--ready-file`` holds (JSON) once the worker is ready."""
+
+    grpc_address: str
+    kv_address: str
+    worker_id: str
+    role: str
+
+    def write(self, path: str | Path) -> None:
+        """Atomic: readers never see a partial file."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(self), sort_keys=True))
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, path: str | Path) -> ReadyInfo:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def abort_with(context: grpc.ServicerContext, error: WorkerError) -> None:
+    """Ends the RPC with ``error``'s status (raises)."""
+    context.abort(error.code, error.message)
+
+
+def start_health(server: grpc.Server) -> health.HealthServicer:
+    """Adds ``grpc.health.v1`` to ``server``; NOT_SERVING until ``set_serving``."""
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    set_serving(servicer, False)
+    return servicer
+
+
+def set_serving(servicer: health.HealthServicer, serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    servicer.set("", status)
+
+
+def watch_loop(servicer: health.HealthServicer, loop: EngineLoop,
+               stop: threading.Event, period_s: float = 0.5) -> None:
+    """Daemon thread: health turns NOT_SERVING once the engine loop is dead (zombie)."""
+    def run() -> None:
+        while not stop.wait(period_s):
+            if not loop.alive:
+                set_serving(servicer, False)
+                return
+    threading.Thread(target=run, name="pdserve-health-watch", daemon=True).start()
+
+
+def wait_for_signal(stop: threading.Event) -> None:
+    """Sets ``stop`` on SIGTERM or SIGINT (main thread only) and waits for it."""
+    def handler(signum: int, _frame: object) -> None:
+        log.info("received signal %d: shutting down", signum)
+        stop.set()
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    while not stop.wait(0.5):
+        pass
+
+
+def run_guarded(what: str, fn: Callable[[], object]) -> None:
+    """Shutdown step that must not stop the next one: log and go on."""
+    try:
+        fn()
+    except Exception:
+        log.exception("shutdown: %s failed", what)
+
+
+# ------------------------------------------------------------------------ protobuf edge
+
+def sampling_kwargs(msg: Any) -> dict[str, Any]:
+    """``pdserve.internal.v1.SamplingParams`` → keyword arguments of the engine's
+    ``SamplingParams`` (which validates them)."""
+    return dict(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p,
+                top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None,
+                stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+                ignore_eos=msg.ignore_eos)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a worker is, for ``Info``, the ready file and registration."""
+
+    worker_id: str
+    role: str
+    tensor_parallel_size: int
+    model_fingerprint: str
+
+
+def info_to_proto(identity: Identity, info: Any) -> Any:
+    """A loop's info snapshot (``kv``, ``pending_transfers``, ``open_kv_channels``,
+    ``running``, ``waiting``) → ``WorkerInfo``."""
+    from pdserve.internal.v1 import worker_pb2 as pb
+
+    kv = info.kv
+    return pb.WorkerInfo(
+        worker_id=identity.worker_id, role=identity.role,
+        tensor_parallel_size=identity.tensor_parallel_size,
+        model_fingerprint=identity.model_fingerprint,
+        kv=pb.KVCacheUsage(total_blocks=kv.total, free_blocks=kv.free,
+                           cached_blocks=kv.cached, pinned_blocks=kv.pinned,
+                           in_use_blocks=kv.in_use),
+        pending_transfers=info.pending_transfers, open_kv_channels=info.open_kv_channels,
+        running_requests=info.running, waiting_requests=info.waiting)
+
+
+def add_worker_args(parser: Any) -> None:
+    """Options both worker commands take (an ``argparse`` parser)."""
+    parser.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
+    parser.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (0: the OS picks)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--ready-file", help="write the addresses here as JSON once ready")
+    parser.add_argument("--redis-url", help="register in this Redis (else run unregistered)")
+    parser.add_argument("--cluster", default="default", help="Redis key namespace")
+    parser.add_argument("--worker-id", help="default: ROLE-<random>")
+    parser.add_argument("--num-kv-blocks", type=int, help="default: fit to memory")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--transfer-timeout", type=float, default=30.0,
+                        help="seconds a KV transfer may take")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds in-flight RPCs get on SIGTERM before they are aborted")
+
+
+# ------------------------------------------------------------------------ serving
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What ``serve_until_signal`` needs besides the running loop."""
+
+    identity: Identity
+    layout: KVLayout
+    kv_address: str  # "" when the worker has no KV endpoint (prefill)
+    add_servicers: Callable[[grpc.Server], None]
+    load_fn: Callable[[], Any]  # -> pdserve.registry.WorkerLoad
+
+
+def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
+    """Serve gRPC (+ health) on ``args.host:args.port`` until SIGTERM/SIGINT, then stop.
+
+    Order: server up → registration (``--redis-url``; a fingerprint mismatch exits 3
+    naming the field) → SERVING → ready file → wait. Stop: NOT_SERVING, deregister,
+    refuse new RPCs and give in-flight ones ``args.grace`` seconds, cancel the rest (their
+    cancellation aborts their requests), then stop the loop (aborts what is left, shuts
+    the engine and its ranks down). Returns the exit code.
+    """
+    server = grpc.server(ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdserve-rpc"))
+    endpoint.add_servicers(server)
+    health_servicer = start_health(server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    server.start()
+    identity = endpoint.identity
+    grpc_address = f"{args.host}:{port}"
+    heartbeat = None
+    stop = threading.Event()
+    try:
+        if args.redis_url:
+            heartbeat = _register(args, endpoint, grpc_address)
+            if heartbeat is None:
+                return 3
+        set_serving(health_servicer, True)
+        watch_loop(health_servicer, loop, stop)
+        if args.ready_file:
+            ReadyInfo(grpc_address, endpoint.kv_address, identity.worker_id,
+                      identity.role).write(args.ready_file)
+        log.info("%s worker %s ready on %s", identity.role, identity.worker_id, grpc_address)
+        wait_for_signal(stop)
+    finally:
+        stop.set()
+        set_serving(health_servicer, False)
+        if heartbeat is not None:
+            run_guarded("deregistering", heartbeat.stop)
+        start = time.monotonic()
+        server.stop(args.grace).wait(args.grace + 5.0)
+        log.info("gRPC server stopped in %.2fs", time.monotonic() - start)
+        loop.stop()
+    return 0
+
+
+def _register(args: Any, endpoint: Endpoint, grpc_address: str) -> Any:
+    """Start the heartbeat; None (after a message naming the field) on a fingerprint
+    mismatch."""
+    from pdserve.cluster_view import Heartbeat
+    from pdserve.registry import FingerprintMismatch, Registry, WorkerRecord
+
+    identity = endpoint.identity
+    load = endpoint.load_fn()
+    record = WorkerRecord(
+        worker_id=identity.worker_id, role=identity.role, grpc_address=grpc_address,
+        kv_address=endpoint.kv_address or grpc_address,
+        tensor_parallel_size=identity.tensor_parallel_size, layout=endpoint.layout,
+        free_kv_blocks=load.free_kv_blocks, total_kv_blocks=load.total_kv_blocks,
+        num_running=load.num_running, num_waiting=load.num_waiting, started_at=time.time())
+    registry = Registry(args.redis_url, cluster=args.cluster)
+    try:
+        return Heartbeat(registry, record, endpoint.load_fn).start()
+    except FingerprintMismatch as exc:
+        print(f"pdserve {identity.role}: not joining the cluster: {exc} "
+              f"(differing field: {exc.field})", file=sys.stderr)
+        return None
+
+
+def configure_worker_logging(role: str) -> None:
+    """Structured-enough logs on stderr: time, level, role, pid, logger, request id (when a
+    record carries one), message."""
+    class _Fields(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            record.role = role
+            record.rid = getattr(record, "request_id", "-")
+            return True
+
+    handler = logging.StreamHandler()
+    handler.addFilter(_Fields())
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(levelname)s role=%(role)s pid=%(process)d %(name)s "
+        "request_id=%(rid)s %(message)s"))
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), handlers=[handler])

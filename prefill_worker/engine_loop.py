@@ -1,0 +1,154 @@
+"""The prefill worker's engine loop: the one thread that drives the prefill ``EngineCore``
+and its ``PrefillHandoff``.
+
+Life of one request here: ``Submit`` (queued as a prefill-only request with a send order
+to the decode store) → the engine prefills it in chunks with others (continuous
+batching); the step that samples its first token sends its KV layer by layer → the loop
+calls ``PrefillHandoff.complete`` (waits until every rank's send is done, then unpins the
+blocks into the prefix cache) → the request's ``OutputStream`` gets one ``PrefillDone``.
+``Abort`` at any point stops the send, unpins or frees the blocks and fails the stream
+with ABORTED.
+
+Known limit: ``complete`` blocks the loop until the decode side has received the KV
+(bounded by the transfer timeout); on loopback that is milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from engine.core import EngineCore, RequestOutput
+from engine.distributed import StoreAddress
+from engine.kvcache import KVCacheUsage
+from engine.sampling_params import SamplingParams
+from pdserve.worker_common import Command, EngineLoop, OutputStream, WorkerError
+from prefill_worker.kv_plugin import PrefillHandoff
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    first_token_id: int
+    num_cached_tokens: int
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Submit(Command[None]):
+    """Queue a prefill whose KV goes to ``dest``; ``stream`` gets one ``PrefillDone``."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+    transfer_id: int
+    dest: StoreAddress
+    stream: OutputStream[PrefillDone]
+
+
+@dataclass(frozen=True)
+class Abort(Command[bool]):
+    request_id: str
+    reason: str = "aborted"
+
+
+@dataclass(frozen=True)
+class AbortAll(Command[int]):
+    reason: str = "the worker is shutting down"
+
+
+@dataclass(frozen=True)
+class Info(Command["PrefillInfo"]):
+    pass
+
+
+@dataclass(frozen=True)
+class PrefillInfo:
+    kv: KVCacheUsage
+    pending_transfers: int  # submitted, not completed + every rank's pending sends
+    open_kv_channels: int  # summed over ranks
+    running: int
+    waiting: int
+
+
+class PrefillLoop(EngineLoop):
+    """Owns ``core`` (built with the prefill KV plugin) from ``start`` until ``stop``."""
+
+    def __init__(self, core: EngineCore) -> None:
+        super().__init__("pdserve-prefill-loop")
+        self.core = core
+        self.handoff = PrefillHandoff(core)
+        self._streams: dict[str, OutputStream[PrefillDone]] = {}
+
+    def _handle(self, command: Command) -> object:
+        if isinstance(command, Submit):
+            self._submit(command)
+            return None
+        if isinstance(command, Abort):
+            return self._abort(command.request_id, grpc.StatusCode.ABORTED, command.reason)
+        if isinstance(command, AbortAll):
+            ids = list(self._streams)
+            for rid in ids:
+                self._abort(rid, grpc.StatusCode.UNAVAILABLE, command.reason)
+            return len(ids)
+        if isinstance(command, Info):
+            return self._info()
+        raise TypeError(f"unknown command {command!r}")
+
+    def _submit(self, cmd: Submit) -> None:
+        if cmd.request_id in self._streams:
+            raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
+                              f"request {cmd.request_id!r} is already being prefilled")
+        try:
+            self.handoff.submit(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                cmd.transfer_id, cmd.dest)
+        except ValueError as exc:
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        self._streams[cmd.request_id] = cmd.stream
+
+    def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
+        stream = self._streams.pop(request_id, None)
+        found = self.handoff.abort(request_id)
+        if stream is not None:
+            stream.fail(code, reason)
+        return found or stream is not None
+
+    def _info(self) -> PrefillInfo:
+        stats = self.handoff.rank_stats()
+        sched = self.core.scheduler
+        return PrefillInfo(
+            kv=self.core.kv_usage(),
+            pending_transfers=self.handoff.num_pending + sum(s.pending for s in stats),
+            open_kv_channels=sum(s.open_channels for s in stats),
+            running=len(sched.running), waiting=len(sched.waiting))
+
+    def _has_work(self) -> bool:
+        return self.core.has_unfinished()
+
+    def _tick(self) -> None:
+        for out in self.core.step():
+            if out.finished:
+                self._complete(out)
+
+    def _complete(self, out: RequestOutput) -> None:
+        stream = self._streams.pop(out.request_id, None)
+        if stream is None:  # not a submitted request (warm-up)
+            return
+        result = self.handoff.complete(out)
+        if not result.ok or result.first_token_id is None:
+            log.warning("KV send failed: %s", result.reason, extra={"request_id": out.request_id})
+            stream.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {result.reason}")
+            return
+        stream.put(PrefillDone(result.first_token_id, result.num_cached_tokens,
+                               out.num_prompt_tokens))
+
+    def _close(self) -> None:
+        try:
+            for rid in list(self._streams):
+                self._abort(rid, grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+        finally:
+            self.core.shutdown()
