@@ -25,9 +25,17 @@ import grpc
 
 from decode_worker.kv_plugin import DecodeHandoff, KVTarget
 from engine.core import EngineCore, RequestOutput
-from engine.kvcache import KVCacheUsage
 from engine.sampling_params import SamplingParams
-from pdserve.worker_common import Command, EngineLoop, OutputStream, WorkerError
+from pdserve.worker_common import (
+    Abort,
+    AbortAll,
+    Command,
+    EngineLoop,
+    Info,
+    LoopInfo,
+    OutputStream,
+    WorkerError,
+)
 
 log = logging.getLogger(__name__)
 MAX_REMEMBERED_FAILURES = 1024
@@ -50,29 +58,6 @@ class Open(Command[OutputStream[RequestOutput]]):
     first_token_id: int
 
 
-@dataclass(frozen=True)
-class Abort(Command[bool]):
-    request_id: str
-    reason: str = "aborted"
-
-
-@dataclass(frozen=True)
-class AbortAll(Command[int]):
-    reason: str = "the worker is shutting down"
-
-
-@dataclass(frozen=True)
-class Info(Command["DecodeInfo"]):
-    pass
-
-
-@dataclass(frozen=True)
-class DecodeInfo:
-    kv: KVCacheUsage
-    pending_transfers: int  # leader's armed handoffs + every rank's pending receives
-    open_kv_channels: int  # summed over ranks
-    running: int
-    waiting: int  # reserved (waiting for KV or for Generate) + engine-waiting
 
 
 @dataclass
@@ -168,10 +153,10 @@ class DecodeLoop(EngineLoop):
         log.info("aborted", extra={"request_id": request_id, "role": "decode"})
         return True
 
-    def _info(self) -> DecodeInfo:
+    def _info(self) -> LoopInfo:
         stats = self.handoff.rank_stats()
         sched = self.core.scheduler
-        return DecodeInfo(
+        return LoopInfo(
             kv=self.core.kv_usage(),
             pending_transfers=self.handoff.num_pending + sum(s.pending for s in stats),
             open_kv_channels=sum(s.open_channels for s in stats),

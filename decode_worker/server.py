@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from decode_worker.engine_loop import Abort, DecodeLoop, Info, Open, Reserve
+from decode_worker.engine_loop import DecodeLoop, Open, Reserve
 from decode_worker.kv_plugin import PLUGIN, DecodeKVConfig
 from engine.config import (
     CacheConfig,
@@ -34,21 +34,24 @@ from pdserve.internal.v1 import worker_pb2 as pb
 from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.registry import WorkerLoad
 from pdserve.worker_common import (
+    CALL_TIMEOUT_S,
     Endpoint,
     Identity,
+    Info,
+    LoopServicerMixin,
     WorkerError,
     abort_with,
-    info_to_proto,
-    sampling_kwargs,
+    sampling_params_from_proto,
     serve_until_signal,
 )
 
 log = logging.getLogger(__name__)
-CALL_TIMEOUT_S = 30.0  # a command the loop does not answer in this long: UNAVAILABLE
 
 
-class DecodeServicer(pb_grpc.DecodeWorkerServicer):
+class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
     """protobuf ⇄ ``DecodeLoop`` commands; see ``worker.proto`` for each RPC's contract."""
+
+    loop: DecodeLoop
 
     def __init__(self, loop: DecodeLoop, identity: Identity) -> None:
         self.loop = loop
@@ -59,7 +62,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         try:
             if request.transfer_id == 0:
                 raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id must not be 0")
-            params = _params(request.sampling)
+            params = sampling_params_from_proto(request.sampling)
             target = self.loop.call(Reserve(request.request_id, list(request.prompt_token_ids),
                                             params, request.transfer_id), CALL_TIMEOUT_S)
         except WorkerError as exc:
@@ -83,13 +86,13 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         except WorkerError as exc:
             abort_with(context, exc)
         # however the call ends (cancel, deadline, error), the request is freed
-        context.add_callback(lambda: self._abort_quietly(rid))
+        context.add_callback(lambda: self._abort_quietly(rid, "the Generate call ended"))
         num_completion = 0
         while True:
             try:
                 out = stream.get(context.time_remaining())
             except WorkerError as exc:
-                self._abort_quietly(rid)
+                self._abort_quietly(rid, "the Generate call ended")
                 abort_with(context, exc)
             num_completion += len(out.new_token_ids)
             chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.text_delta)
@@ -102,34 +105,6 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             if out.finished:
                 return
 
-    def _abort_quietly(self, request_id: str) -> None:
-        try:
-            self.loop.call(Abort(request_id, "the Generate call ended"), CALL_TIMEOUT_S)
-        except WorkerError:
-            pass  # the loop is gone: it freed everything when it stopped
-
-    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext
-              ) -> pb.AbortResponse:
-        try:
-            return pb.AbortResponse(found=self.loop.call(Abort(request.request_id),
-                                                         CALL_TIMEOUT_S))
-        except WorkerError as exc:
-            abort_with(context, exc)
-            raise
-
-    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.WorkerInfo:
-        try:
-            return info_to_proto(self.identity, self.loop.call(Info(), CALL_TIMEOUT_S))
-        except WorkerError as exc:
-            abort_with(context, exc)
-            raise
-
-
-def _params(msg: pb.SamplingParams) -> SamplingParams:
-    try:
-        return SamplingParams(**sampling_kwargs(msg))
-    except ValueError as exc:
-        raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 def build_engine(args: argparse.Namespace, fingerprint: str) -> tuple[EngineCore, DecodeKVConfig]:

@@ -28,6 +28,8 @@ from typing import Any, Generic, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from engine.kvcache import KVCacheUsage
+from engine.sampling_params import SamplingParams
 from kvtransfer.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -45,9 +47,41 @@ class WorkerError(Exception):
         self.message = message
 
 
+CALL_TIMEOUT_S = 30.0  # a command the loop does not answer in this long: UNAVAILABLE
+
+
 @dataclass(frozen=True)
 class Command(Generic[T]):
     """Base of the typed commands a loop accepts; ``T`` is the reply type."""
+
+
+@dataclass(frozen=True)
+class Abort(Command[bool]):
+    """Stop a request wherever it is and release what it holds; False if unknown."""
+
+    request_id: str
+    reason: str = "aborted"
+
+
+@dataclass(frozen=True)
+class AbortAll(Command[int]):
+    reason: str = "the worker is shutting down"
+
+
+@dataclass(frozen=True)
+class Info(Command["LoopInfo"]):
+    pass
+
+
+@dataclass(frozen=True)
+class LoopInfo:
+    """A worker's state for ``Info`` and the leak checks."""
+
+    kv: KVCacheUsage
+    pending_transfers: int  # the leader's open handoffs + every rank's pending transfers
+    open_kv_channels: int  # summed over ranks
+    running: int
+    waiting: int
 
 
 class EngineLoop:
@@ -279,6 +313,43 @@ class Identity:
     role: str
     tensor_parallel_size: int
     model_fingerprint: str
+
+
+class LoopServicerMixin:
+    """``Abort`` and ``Info`` RPCs over an ``EngineLoop``, shared by both worker kinds."""
+
+    loop: EngineLoop
+    identity: Identity
+
+    def _abort_quietly(self, request_id: str, reason: str) -> None:
+        try:
+            self.loop.call(Abort(request_id, reason), CALL_TIMEOUT_S)
+        except WorkerError:
+            pass  # the loop is gone: it released everything when it stopped
+
+    def Abort(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC name
+        from pdserve.internal.v1 import worker_pb2 as pb
+
+        try:
+            return pb.AbortResponse(found=self.loop.call(Abort(request.request_id), CALL_TIMEOUT_S))
+        except WorkerError as exc:
+            abort_with(context, exc)
+            raise
+
+    def Info(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC name
+        try:
+            return info_to_proto(self.identity, self.loop.call(Info(), CALL_TIMEOUT_S))
+        except WorkerError as exc:
+            abort_with(context, exc)
+            raise
+
+
+def sampling_params_from_proto(msg: Any) -> SamplingParams:
+    """Validated engine ``SamplingParams``; bad values → ``INVALID_ARGUMENT``."""
+    try:
+        return SamplingParams(**sampling_kwargs(msg))
+    except ValueError as exc:
+        raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 def info_to_proto(identity: Identity, info: Any) -> Any:

@@ -23,9 +23,17 @@ import grpc
 
 from engine.core import EngineCore, RequestOutput
 from engine.distributed import StoreAddress
-from engine.kvcache import KVCacheUsage
 from engine.sampling_params import SamplingParams
-from pdserve.worker_common import Command, EngineLoop, OutputStream, WorkerError
+from pdserve.worker_common import (
+    Abort,
+    AbortAll,
+    Command,
+    EngineLoop,
+    Info,
+    LoopInfo,
+    OutputStream,
+    WorkerError,
+)
 from prefill_worker.kv_plugin import PrefillHandoff
 
 log = logging.getLogger(__name__)
@@ -50,29 +58,6 @@ class Submit(Command[None]):
     stream: OutputStream[PrefillDone]
 
 
-@dataclass(frozen=True)
-class Abort(Command[bool]):
-    request_id: str
-    reason: str = "aborted"
-
-
-@dataclass(frozen=True)
-class AbortAll(Command[int]):
-    reason: str = "the worker is shutting down"
-
-
-@dataclass(frozen=True)
-class Info(Command["PrefillInfo"]):
-    pass
-
-
-@dataclass(frozen=True)
-class PrefillInfo:
-    kv: KVCacheUsage
-    pending_transfers: int  # submitted, not completed + every rank's pending sends
-    open_kv_channels: int  # summed over ranks
-    running: int
-    waiting: int
 
 
 class PrefillLoop(EngineLoop):
@@ -117,10 +102,10 @@ class PrefillLoop(EngineLoop):
             stream.fail(code, reason)
         return found or stream is not None
 
-    def _info(self) -> PrefillInfo:
+    def _info(self) -> LoopInfo:
         stats = self.handoff.rank_stats()
         sched = self.core.scheduler
-        return PrefillInfo(
+        return LoopInfo(
             kv=self.core.kv_usage(),
             pending_transfers=self.handoff.num_pending + sum(s.pending for s in stats),
             open_kv_channels=sum(s.open_channels for s in stats),

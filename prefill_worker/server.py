@@ -32,23 +32,24 @@ from pdserve.internal.v1 import worker_pb2 as pb
 from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.registry import WorkerLoad
 from pdserve.worker_common import (
+    CALL_TIMEOUT_S,
     Endpoint,
     Identity,
+    Info,
+    LoopServicerMixin,
     OutputStream,
     WorkerError,
     abort_with,
-    info_to_proto,
-    sampling_kwargs,
+    sampling_params_from_proto,
     serve_until_signal,
 )
-from prefill_worker.engine_loop import Abort, Info, PrefillDone, PrefillLoop, Submit
+from prefill_worker.engine_loop import PrefillDone, PrefillLoop, Submit
 from prefill_worker.kv_plugin import PLUGIN, PrefillKVConfig
 
 log = logging.getLogger(__name__)
-CALL_TIMEOUT_S = 30.0  # a command the loop does not answer in this long: UNAVAILABLE
 
 
-class PrefillServicer(pb_grpc.PrefillWorkerServicer):
+class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
     """protobuf ⇄ ``PrefillLoop`` commands; see ``worker.proto`` for each RPC's contract."""
 
     def __init__(self, loop: PrefillLoop, identity: Identity) -> None:
@@ -60,50 +61,22 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         rid = request.request_id
         stream: OutputStream[PrefillDone] = OutputStream(1)
         try:
-            submit = Submit(rid, list(request.prompt_token_ids), _params(request.sampling),
+            submit = Submit(rid, list(request.prompt_token_ids), sampling_params_from_proto(request.sampling),
                             request.target.transfer_id, _dest(request.target), stream)
             self.loop.call(submit, CALL_TIMEOUT_S)
         except WorkerError as exc:
             abort_with(context, exc)
         # a cancelled or expired call stops the request and releases its blocks
-        context.add_callback(lambda: self._abort_quietly(rid))
+        context.add_callback(lambda: self._abort_quietly(rid, "the Prefill call ended"))
         try:
             done = stream.get(context.time_remaining())
         except WorkerError as exc:
-            self._abort_quietly(rid)
+            self._abort_quietly(rid, "the Prefill call ended")
             abort_with(context, exc)
         return pb.PrefillResponse(first_token_id=done.first_token_id,
                                   num_cached_tokens=done.num_cached_tokens,
                                   num_prompt_tokens=done.num_prompt_tokens)
 
-    def _abort_quietly(self, request_id: str) -> None:
-        try:
-            self.loop.call(Abort(request_id, "the Prefill call ended"), CALL_TIMEOUT_S)
-        except WorkerError:
-            pass  # the loop is gone: it released everything when it stopped
-
-    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext
-              ) -> pb.AbortResponse:
-        try:
-            return pb.AbortResponse(found=self.loop.call(Abort(request.request_id),
-                                                         CALL_TIMEOUT_S))
-        except WorkerError as exc:
-            abort_with(context, exc)
-            raise
-
-    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.WorkerInfo:
-        try:
-            return info_to_proto(self.identity, self.loop.call(Info(), CALL_TIMEOUT_S))
-        except WorkerError as exc:
-            abort_with(context, exc)
-            raise
-
-
-def _params(msg: pb.SamplingParams) -> SamplingParams:
-    try:
-        return SamplingParams(**sampling_kwargs(msg))
-    except ValueError as exc:
-        raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 def _dest(target: pb.KVTarget) -> StoreAddress:
