@@ -87,6 +87,7 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
             abort_with(context, exc)
         # however the call ends (cancel, deadline, error), the request is freed
         context.add_callback(lambda: self._abort_quietly(rid, "the Generate call ended"))
+        # usage.cached_tokens is the prefill worker's count, handed on by the router
         num_completion = 0
         while True:
             try:
@@ -100,7 +101,7 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                 chunk.finish_reason = out.finish_reason or "stop"
                 chunk.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens,
                                               completion_tokens=num_completion,
-                                              cached_tokens=out.num_cached_tokens))
+                                              cached_tokens=request.num_cached_tokens))
             yield chunk
             if out.finished:
                 return

@@ -143,8 +143,10 @@ def _proto_params(p: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
-def _route(c: Cluster, prompt: Sequence[int], params: SamplingParams) -> tuple[list[int], Any]:
-    """The router's handoff: Reserve → Prefill → Generate. Returns (tokens, last chunk)."""
+def _route(c: Cluster, prompt: Sequence[int], params: SamplingParams
+           ) -> tuple[list[int], Any, Any]:
+    """The router's handoff: Reserve → Prefill → Generate. Returns (tokens, last chunk,
+    PrefillResponse)."""
     n = next(_ids)
     rid, sampling = f"req-{n}", _proto_params(params)
     reserved = c.d.Reserve(pb.ReserveRequest(request_id=rid, prompt_token_ids=prompt,
@@ -156,14 +158,16 @@ def _route(c: Cluster, prompt: Sequence[int], params: SamplingParams) -> tuple[l
                                               sampling=sampling, target=reserved.target),
                             timeout=RPC_TIMEOUT_S)
         chunks = list(c.d.Generate(pb.GenerateRequest(
-            request_id=rid, first_token_id=first.first_token_id), timeout=RPC_TIMEOUT_S))
+            request_id=rid, first_token_id=first.first_token_id,
+            num_cached_tokens=first.num_cached_tokens), timeout=RPC_TIMEOUT_S))
     except BaseException:
         c.d.Abort(pb.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
         c.p.Abort(pb.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
         raise
     assert chunks and chunks[0].token_ids[0] == first.first_token_id
     assert all(not ch.finish_reason for ch in chunks[:-1]) and chunks[-1].finish_reason
-    return [t for ch in chunks for t in ch.token_ids], chunks[-1]
+    assert chunks[-1].usage.cached_tokens == first.num_cached_tokens  # the prefill's count
+    return [t for ch in chunks for t in ch.token_ids], chunks[-1], first
 
 
 def _assert_no_leaks(c: Cluster) -> None:
@@ -180,8 +184,10 @@ def _assert_no_leaks(c: Cluster) -> None:
 # ------------------------------------------------------------------------ scenarios
 
 def _workload(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
+    # 16 prompts from 1 to ~100 tokens (several prefill chunks), some sharing prefixes
     texts = [PROMPTS[0], PROMPTS[2], PROMPTS[3], LONG, PROMPTS[1], PROMPTS[6], LONG + "!",
-             PROMPTS[9]]
+             PROMPTS[9], PROMPTS[4], PROMPTS[5], PROMPTS[7], PROMPTS[8], PROMPTS[0] + " again",
+             PROMPTS[3] + " twice", "x", PROMPTS[9] + PROMPTS[1]]
     prompts = [llm.encode(t) for t in texts]
     # temperatures exact in float32, so the protobuf float carries them unchanged
     params = [SamplingParams(max_tokens=6 + i % 3, temperature=0, ignore_eos=True) if i % 2
@@ -209,10 +215,30 @@ def test_concurrent_handoffs_match_llm(cluster: Cluster, llama_dir: Path) -> Non
         expected = [r.token_ids for r in llm.generate(prompts, params)]
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda a: _route(cluster, *a), zip(prompts, params, strict=True)))
-    assert [tokens for tokens, _ in results] == expected
-    for (tokens, last), prompt in zip(results, prompts, strict=True):
+    assert [tokens for tokens, _, _ in results] == expected
+    for (tokens, last, first), prompt in zip(results, prompts, strict=True):
         assert last.usage.completion_tokens == len(tokens)
-        assert last.usage.prompt_tokens == len(prompt)
+        assert last.usage.prompt_tokens == first.num_prompt_tokens == len(prompt)
+    _assert_no_leaks(cluster)
+
+
+def test_shared_prefix_reports_cached_tokens(cluster: Cluster, llama_dir: Path) -> None:
+    # 1. a prompt of 4+ blocks, new to the prefill worker's cache; 2. two prompts sharing
+    # its first blocks: the prefill worker serves those from its prefix cache
+    with LLM(llama_dir) as llm:
+        base = llm.encode("shared prefix " + PROMPTS[7] * 3)
+        prompts = [base, base[:50] + llm.encode(" then " + PROMPTS[6]), base + [5, 6, 7]]
+        params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                  SamplingParams(max_tokens=6, temperature=0.75, seed=7, ignore_eos=True),
+                  SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
+        expected = [r.token_ids for r in llm.generate(prompts, params)]
+    assert len(base) >= 64
+    results = [_route(cluster, prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+    assert [tokens for tokens, _, _ in results] == expected
+    cached = [first.num_cached_tokens for _, _, first in results]
+    assert cached[0] == 0, cached
+    assert (cached[1], cached[2]) == (48, len(base) // 16 * 16), cached  # whole blocks of 16
+    assert [last.usage.cached_tokens for _, last, _ in results] == cached
     _assert_no_leaks(cluster)
 
 
@@ -234,6 +260,77 @@ def test_abort_between_reserve_and_prefill_frees_everything(cluster: Cluster) ->
                                 timeout=RPC_TIMEOUT_S))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     _assert_no_leaks(cluster)
+
+
+def _reserve_then_prefill(c: Cluster, prompts: Sequence[Sequence[int]], params: SamplingParams
+                          ) -> list[tuple[str, Any]]:
+    """Reserve each prompt on decode, then start all their Prefill calls back to back
+    without waiting: [(request id, call future)]."""
+    sampling, requests = _proto_params(params), []
+    for prompt in prompts:
+        n = next(_ids)
+        reserved = c.d.Reserve(pb.ReserveRequest(request_id=f"req-{n}", prompt_token_ids=prompt,
+                                                 sampling=sampling, transfer_id=n),
+                               timeout=RPC_TIMEOUT_S)
+        assert reserved.accepted, reserved.reason
+        requests.append(pb.PrefillRequest(request_id=f"req-{n}", prompt_token_ids=prompt,
+                                          sampling=sampling, target=reserved.target))
+    return [(r.request_id, c.p.Prefill.future(r, timeout=RPC_TIMEOUT_S)) for r in requests]
+
+
+def _wait_prefill_idle(c: Cluster) -> None:
+    deadline = time.monotonic() + 10.0
+    while True:  # a cancellation reaches the server's callback asynchronously
+        info = c.p.Info(pb.InfoRequest(), timeout=RPC_TIMEOUT_S)
+        if info.running_requests == info.waiting_requests == info.kv.pinned_blocks == 0:
+            return
+        assert time.monotonic() < deadline, info
+        time.sleep(0.02)
+
+
+def test_abort_while_queued_or_prefilling_frees_everything(cluster: Cluster) -> None:
+    # 1. two prompts of 12 prefill chunks each at once: one prefilling, one queued behind
+    # it; 2. once Info shows both, Abort the first and cancel the second's Prefill call;
+    # 3. the router's part: abort both reservations on decode. A round where either
+    # finished first (the window missed) is repeated with new prompts.
+    params = SamplingParams(max_tokens=4, temperature=0)
+    for attempt in range(5):
+        prompts = [[1 + (attempt * 131 + k * 17 + i * 7) % 600 for i in range(384)]
+                   for k in range(2)]
+        calls = _reserve_then_prefill(cluster, prompts, params)
+        (rid_a, call_a), (rid_b, call_b) = calls
+        hit = found_a = False
+        try:
+            deadline = time.monotonic() + 10.0
+            while not (call_a.done() or call_b.done()) and time.monotonic() < deadline:
+                info = cluster.p.Info(pb.InfoRequest(), timeout=RPC_TIMEOUT_S)
+                if info.running_requests >= 1 and info.waiting_requests >= 1:
+                    hit = True
+                    break
+            if hit:
+                call_b.cancel()
+                found_a = cluster.p.Abort(pb.AbortRequest(request_id=rid_a),
+                                          timeout=RPC_TIMEOUT_S).found
+        finally:
+            for rid, call in calls:
+                if not (hit and found_a):  # a missed window (or a failure): end it all
+                    cluster.p.Abort(pb.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
+                cluster.d.Abort(pb.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
+                try:
+                    call.result(timeout=RPC_TIMEOUT_S)
+                except (grpc.RpcError, grpc.FutureCancelledError):
+                    pass
+        if hit and found_a:
+            assert call_a.exception().code() == grpc.StatusCode.ABORTED
+            assert call_b.cancelled()
+            _wait_prefill_idle(cluster)
+            assert not cluster.p.Abort(pb.AbortRequest(request_id=rid_b),
+                                       timeout=RPC_TIMEOUT_S).found  # the call's end freed it
+            _assert_no_leaks(cluster)
+            return
+        _wait_prefill_idle(cluster)
+        _assert_no_leaks(cluster)
+    pytest.fail("the prefill worker never showed one request prefilling and one queued")
 
 
 def test_reserve_refused_when_out_of_blocks(cluster: Cluster) -> None:

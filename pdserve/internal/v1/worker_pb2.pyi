@@ -61,12 +61,14 @@ class ReserveResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., num_blocks: _Optional[int] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id")
+    __slots__ = ("request_id", "first_token_id", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage")
