@@ -378,6 +378,10 @@ def add_worker_args(parser: Any) -> None:
     parser.add_argument("--ready-file", help="write the addresses here as JSON once ready")
     parser.add_argument("--redis-url", help="register in this Redis (else run unregistered)")
     parser.add_argument("--cluster", default="default", help="Redis key namespace")
+    parser.add_argument("--heartbeat-interval", type=float,
+                        help="seconds between registration heartbeats (default: 3)")
+    parser.add_argument("--registration-ttl", type=float,
+                        help="seconds the record outlives the last heartbeat (default: 10)")
     parser.add_argument("--worker-id", help="default: ROLE-<random>")
     parser.add_argument("--num-kv-blocks", type=int, help="default: fit to memory")
     parser.add_argument("--block-size", type=int, default=16)
@@ -406,10 +410,11 @@ def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
     """Serve gRPC (+ health) on ``args.host:args.port`` until SIGTERM/SIGINT, then stop.
 
     Order: server up → registration (``--redis-url``; a fingerprint mismatch exits 3
-    naming the field) → SERVING → ready file → wait. Stop: NOT_SERVING, deregister,
-    refuse new RPCs and give in-flight ones ``args.grace`` seconds, cancel the rest (their
-    cancellation aborts their requests), then stop the loop (aborts what is left, shuts
-    the engine and its ranks down). Returns the exit code.
+    naming the field, as do invalid ``--heartbeat-interval``/``--registration-ttl``) →
+    SERVING → ready file → wait. Stop: NOT_SERVING, deregister, refuse new RPCs and give
+    in-flight ones ``args.grace`` seconds, cancel the rest (their cancellation aborts
+    their requests), then stop the loop (aborts what is left, shuts the engine and its
+    ranks down). Returns the exit code.
     """
     server = grpc.server(ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdserve-rpc"))
     endpoint.add_servicers(server)
@@ -446,7 +451,7 @@ def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
 
 def _register(args: Any, endpoint: Endpoint, grpc_address: str) -> Any:
     """Start the heartbeat; None (after a message naming the field) on a fingerprint
-    mismatch."""
+    mismatch or invalid heartbeat/TTL settings."""
     from pdserve.cluster_view import Heartbeat
     from pdserve.registry import FingerprintMismatch, Registry, WorkerRecord
 
@@ -458,7 +463,13 @@ def _register(args: Any, endpoint: Endpoint, grpc_address: str) -> Any:
         tensor_parallel_size=identity.tensor_parallel_size, layout=endpoint.layout,
         free_kv_blocks=load.free_kv_blocks, total_kv_blocks=load.total_kv_blocks,
         num_running=load.num_running, num_waiting=load.num_waiting, started_at=time.time())
-    registry = Registry(args.redis_url, cluster=args.cluster)
+    timing = {k: v for k, v in (("heartbeat_s", args.heartbeat_interval),
+                                ("ttl_s", args.registration_ttl)) if v is not None}
+    try:
+        registry = Registry(args.redis_url, cluster=args.cluster, **timing)
+    except ValueError as exc:  # e.g. a heartbeat interval not shorter than the TTL
+        print(f"pdserve {identity.role}: {exc}", file=sys.stderr)
+        return None
     try:
         return Heartbeat(registry, record, endpoint.load_fn).start()
     except FingerprintMismatch as exc:

@@ -19,13 +19,14 @@ from typing import Any
 
 import grpc
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
 from pdserve.internal.v1 import worker_pb2 as pb
 from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.redis_server import RedisServer
-from pdserve.registry import Registry
+from pdserve.registry import Registry, RegistryError
 from pdserve.worker_common import ReadyInfo
 from tests.factories import PROMPTS, REPO_ROOT
 
@@ -381,6 +382,36 @@ def test_cancelled_generate_frees_everything(cluster: Cluster) -> None:
     _assert_no_leaks(cluster)
 
 
+def test_abort_between_prefill_and_generate_frees_everything(cluster: Cluster) -> None:
+    # 1. reserve, prefill (its KV is on the decode worker once Prefill returns),
+    # 2. abort on decode instead of opening Generate, 3. Generate finds nothing
+    prompt, n = list(range(1, 60)), next(_ids)
+    rid = f"req-{n}"
+    sampling = _proto_params(SamplingParams(max_tokens=4, temperature=0))
+    reserved = cluster.d.Reserve(pb.ReserveRequest(
+        request_id=rid, prompt_token_ids=prompt, transfer_id=n, sampling=sampling),
+        timeout=RPC_TIMEOUT_S)
+    assert reserved.accepted and reserved.num_blocks == 4, reserved
+    try:
+        first = cluster.p.Prefill(pb.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+            target=reserved.target), timeout=RPC_TIMEOUT_S)
+        assert first.num_prompt_tokens == len(prompt)
+        info = cluster.d.Info(pb.InfoRequest(), timeout=RPC_TIMEOUT_S)
+        assert info.kv.in_use_blocks >= 4 and info.running_requests == 0, info
+        abort = pb.AbortRequest(request_id=rid)
+        assert cluster.d.Abort(abort, timeout=RPC_TIMEOUT_S).found
+        assert not cluster.d.Abort(abort, timeout=RPC_TIMEOUT_S).found  # idempotent
+    finally:
+        cluster.d.Abort(pb.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
+    with pytest.raises(grpc.RpcError) as err:
+        list(cluster.d.Generate(pb.GenerateRequest(
+            request_id=rid, first_token_id=first.first_token_id,
+            num_cached_tokens=first.num_cached_tokens), timeout=RPC_TIMEOUT_S))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    _assert_no_leaks(cluster)
+
+
 def test_sigterm_stops_both_workers(cluster: Cluster) -> None:
     # runs last: the module's workers are gone afterwards
     for w in (cluster.decode, cluster.prefill):
@@ -431,6 +462,98 @@ def test_registers_once_ready_and_refuses_a_differing_fingerprint(
                 if w.proc.poll() is None:
                     w.proc.kill()
                     w.proc.wait(STOP_TIMEOUT_S)
+
+
+HEARTBEAT_S, TTL_S = 0.2, 1.0  # the short-TTL workers below
+
+
+def _wait_until(cond: Any, timeout_s: float, what: str) -> float:
+    """Poll ``cond()`` (Redis errors count as False) until true; the seconds it took."""
+    start = time.monotonic()
+    while True:
+        try:
+            if cond():
+                return time.monotonic() - start
+        except RegistryError:
+            pass
+        assert time.monotonic() - start < timeout_s, f"not within {timeout_s}s: {what}"
+        time.sleep(0.02)
+
+
+def _spawn_registered(llama_dir: Path, tmp: Path, redis_url: str, worker_id: str) -> Worker:
+    worker = _spawn("prefill", llama_dir, tmp, "--redis-url", redis_url, "--worker-id",
+                    worker_id, "--heartbeat-interval", str(HEARTBEAT_S),
+                    "--registration-ttl", str(TTL_S))
+    try:
+        _wait_ready(worker, tmp)
+    except BaseException:
+        _stop(worker)
+        raise
+    return worker
+
+
+def _stop(worker: Worker) -> None:
+    if worker.proc.poll() is None:
+        worker.proc.send_signal(signal.SIGCONT)  # harmless unless it was stopped
+        worker.proc.terminate()
+        try:
+            worker.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            worker.proc.kill()
+            worker.proc.wait(STOP_TIMEOUT_S)
+    if worker.channel is not None:
+        worker.channel.close()
+
+
+def _ids_of(registry: Registry) -> list[str]:
+    return [r.worker_id for r in registry.list_workers()]
+
+
+def test_frozen_worker_expires_and_comes_back(llama_dir: Path, tmp_path: Path) -> None:
+    # 1. SIGSTOP: no more heartbeats, the record is gone after its TTL;
+    # 2. SIGCONT: the next beat (due at once) writes it again
+    with RedisServer(start_timeout_s=10.0) as redis_server, Registry(redis_server.url) as registry:
+        worker = _spawn_registered(llama_dir, tmp_path, redis_server.url, "prefill-frozen")
+        try:
+            assert _ids_of(registry) == ["prefill-frozen"]
+            worker.proc.send_signal(signal.SIGSTOP)
+            gone = _wait_until(lambda: _ids_of(registry) == [], TTL_S + 10.0, "expiry")
+            assert gone <= TTL_S + 1.0, gone
+            worker.proc.send_signal(signal.SIGCONT)
+            back = _wait_until(lambda: _ids_of(registry) == ["prefill-frozen"],
+                               10.0, "re-registration")
+            assert back <= HEARTBEAT_S + 1.0, back
+            stub = pb_grpc.PrefillWorkerStub(worker.channel)
+            assert stub.Info(pb.InfoRequest(), timeout=RPC_TIMEOUT_S).worker_id == \
+                "prefill-frozen"
+        finally:
+            _stop(worker)
+
+
+def test_worker_reregisters_after_redis_restart(llama_dir: Path, tmp_path: Path) -> None:
+    # Redis comes back empty: the heartbeat writes the record and the fingerprint again
+    with RedisServer(start_timeout_s=10.0) as redis_server, Registry(redis_server.url) as registry:
+        worker = _spawn_registered(llama_dir, tmp_path, redis_server.url, "prefill-r")
+        try:
+            assert _ids_of(registry) == ["prefill-r"]
+            layout = registry.cluster_layout()
+            assert layout is not None
+            with redis.Redis.from_url(redis_server.url) as client:
+                client.set("sentinel", "1")
+            redis_server.restart()
+            with redis.Redis.from_url(redis_server.url) as client:
+                assert client.get("sentinel") is None  # the data is gone
+            back = _wait_until(lambda: _ids_of(registry) == ["prefill-r"]
+                               and registry.cluster_layout() == layout, 10.0, "re-registration")
+            assert back <= HEARTBEAT_S + 2.0, back  # one beat (+ a reconnect)
+            (record,) = registry.list_workers()
+            assert worker.ready is not None and record.grpc_address == worker.ready.grpc_address
+            stub = pb_grpc.PrefillWorkerStub(worker.channel)
+            info = stub.Info(pb.InfoRequest(), timeout=RPC_TIMEOUT_S)
+            assert (info.worker_id, info.kv.total_blocks) == ("prefill-r", NUM_KV_BLOCKS)
+            assert worker.proc.poll() is None, worker.log_tail()
+        finally:
+            _stop(worker)
 
 
 def test_worker_common_is_torch_free() -> None:
