@@ -125,11 +125,7 @@ def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield Cluster(*workers)
     finally:
         for w in workers:
-            if w.channel is not None:
-                w.channel.close()
-            if w.proc.poll() is None:
-                w.proc.kill()
-                w.proc.wait(STOP_TIMEOUT_S)
+            _stop(w)
             for pid in w.rank_pids:
                 if _alive(pid):
                     os.kill(pid, signal.SIGKILL)
@@ -457,11 +453,7 @@ def test_registers_once_ready_and_refuses_a_differing_fingerprint(
             assert registry.list_workers() == []
         finally:
             for w in workers:
-                if w.channel is not None:
-                    w.channel.close()
-                if w.proc.poll() is None:
-                    w.proc.kill()
-                    w.proc.wait(STOP_TIMEOUT_S)
+                _stop(w)
 
 
 HEARTBEAT_S, TTL_S = 0.2, 1.0  # the short-TTL workers below
