@@ -53,6 +53,17 @@ def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
     decode.add_argument("--kv-port", type=int, default=0,
                         help="KV rendezvous store port (0: a free port)")
     decode.set_defaults(func=_decode)
+    from router.server import add_router_args
+
+    router = sub.add_parser("router", help="run the router (public gRPC API, torch-free)")
+    add_router_args(router)
+    router.set_defaults(func=_router)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from router.server import main as router_main
+
+    return router_main(args)
 
 
 def _prefill(args: argparse.Namespace) -> int:
