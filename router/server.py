@@ -1,10 +1,128 @@
-"""``pdserve router``: serves ``pdserve.v1.Generation`` (placeholder, being written)."""
+"""``pdserve router``: the public gRPC server (``pdserve.v1``), health and reflection.
+
+``Router`` owns the asyncio gRPC server, the ``WorkerPool`` and its refresh task.
+Health (``grpc.health.v1``, service "" and ``pdserve.v1.Generation``) is SERVING while at
+least one prefill and one decode worker are routable. The router reads only
+``config.json`` and ``tokenizer.json`` of ``--model`` (no weights) and imports no torch.
+
+Start-up fails at once, before touching Redis, when the port cannot be bound. SIGTERM or
+SIGINT: stop accepting, give in-flight streams ``grace_s`` to finish (then they are
+cancelled, which aborts them on the workers), close every channel, exit 0.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
 
-DEFAULT_PORT = 50051
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvtransfer.layout import fingerprint_model_dir
+from pdserve.registry import Registry, RegistryAuthError
+from router.config import DEFAULT_PORT, AdmissionConfig, DiscoveryConfig, RouterConfig
+from router.service import SERVICE_NAME, GenerationService
+from router.validation import ModelLimits, load_router_tokenizer
+from router.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+class RouterStartError(RuntimeError):
+    """The router could not start (port taken, bad model directory, Redis refused)."""
+
+
+class Router:
+    """One router process's server; ``start`` → ``wait_closed``/``stop``."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        try:
+            self.limits = ModelLimits.from_model_dir(config.model_dir, config.model_name)
+            tokenizer = load_router_tokenizer(config.model_dir)
+            fingerprint = fingerprint_model_dir(config.model_dir)
+        except (OSError, ValueError) as exc:
+            raise RouterStartError(f"cannot read model directory {config.model_dir}: {exc}"
+                                   ) from None
+        d = config.discovery
+        self.registry = Registry(d.redis_url, cluster=d.cluster)
+        self.pool = WorkerPool(self.registry, fingerprint, keep_missing_s=d.keep_missing_s,
+                               suspect_s=d.suspect_s)
+        a = config.admission
+        self.service = GenerationService(self.pool, self.limits, tokenizer,
+                                         handoff=config.handoff, max_inflight=a.max_inflight,
+                                         default_timeout_s=a.default_timeout_s)
+        self._health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._refresher: asyncio.Task[None] | None = None
+        self.address = config.address
+
+    async def start(self) -> str:
+        """Binds, reads the workers once, starts serving; returns ``host:port``."""
+        server = grpc.aio.server(options=(
+            ("grpc.max_receive_message_length", self.config.admission.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ))
+        server.add_generic_rpc_handlers((self.service.handlers(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        try:
+            port = server.add_insecure_port(self.config.address)
+        except RuntimeError as exc:
+            raise RouterStartError(f"cannot listen on {self.config.address}: {exc}") from None
+        if port == 0:
+            raise RouterStartError(f"cannot listen on {self.config.address} (port in use?)")
+        self.address = f"{self.config.host}:{port}"
+        try:
+            await asyncio.to_thread(self.registry.ping)
+        except RegistryAuthError as exc:
+            raise RouterStartError(str(exc)) from None
+        except Exception as exc:  # unreachable: keep going, the refresh loop retries
+            logger.warning("Redis not reachable yet (%s); routing starts once it is", exc)
+        await self._refresh()
+        await server.start()
+        self._server = server
+        self._refresher = asyncio.create_task(self._refresh_forever())
+        return self.address
+
+    async def _refresh(self) -> None:
+        await self.pool.refresh()
+        serving = bool(self.pool.routable("prefill") and self.pool.routable("decode"))
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.discovery.refresh_interval_s)
+            try:
+                await self._refresh()
+            except Exception:  # the loop must survive anything; log and go on
+                logger.exception("refreshing the worker view failed")
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stops accepting, lets streams finish for ``grace_s``, releases everything."""
+        if self._refresher is not None:
+            self._refresher.cancel()
+        if self._server is not None:
+            await self._health.enter_graceful_shutdown()
+            await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
+        await self.service.drain_background()
+        await self.pool.close()
+        self.registry.close()
+
+    async def wait_closed(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
@@ -13,14 +131,58 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "tokenizer.json only, never the weights)")
     parser.add_argument("--redis-url", required=True, help="the cluster's Redis")
     parser.add_argument("--host", default="127.0.0.1", help="address the API binds to")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="API port (0: the OS picks)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="API port (0: the OS picks)")
     parser.add_argument("--cluster", default="default", help="Redis key namespace")
     parser.add_argument("--ready-file",
-                        help="write {\"grpc_address\", \"role\", \"model\"} as JSON once serving")
+                        help='write {"grpc_address", "role", "model"} as JSON once serving')
     parser.add_argument("--model-name", help="name clients may give (default: the directory name)")
     parser.add_argument("--max-inflight", type=int, default=256,
                         help="requests in flight at once; more get RESOURCE_EXHAUSTED")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds in-flight requests get to finish on SIGTERM")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        model_dir=Path(args.model), host=args.host, port=args.port,
+        model_name=args.model_name, grace_s=args.grace,
+        discovery=DiscoveryConfig(redis_url=args.redis_url, cluster=args.cluster),
+        admission=AdmissionConfig(max_inflight=args.max_inflight))
 
 
 def main(args: argparse.Namespace) -> int:
-    raise NotImplementedError("the router is being written")
+    """Runs the router until SIGTERM/SIGINT; exit 0 then, 1 when it cannot start."""
+    from pdserve.worker_common import configure_worker_logging
+
+    configure_worker_logging("router")
+    try:
+        config = config_from_args(args)
+        return asyncio.run(_serve(config, args.ready_file))
+    except (RouterStartError, ValueError) as exc:
+        print(f"pdserve router: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _serve(config: RouterConfig, ready_file: str | None) -> int:
+    router = Router(config)
+    address = await router.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready_file:
+        _write_ready(Path(ready_file), address, router.limits.name)
+    logger.info("serving %s on %s (%d prefill, %d decode workers known)", router.limits.name,
+                address, len(router.pool.routable("prefill")), len(router.pool.routable("decode")))
+    await stop.wait()
+    logger.info("stopping: %d requests in flight get %.1fs", router.service.inflight,
+                config.grace_s)
+    await router.stop()
+    return 0
+
+
+def _write_ready(path: Path, address: str, model: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"grpc_address": address, "role": "router", "model": model}))
+    os.replace(tmp, path)

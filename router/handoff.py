@@ -1,0 +1,307 @@
+"""One request's trip through the cluster: Reserve → Prefill → Generate, with retries.
+
+``Handoff.stream()`` is the router's state machine for DESIGN.md's request lifecycle:
+
+1. Reserve KV blocks on a decode worker (least busy first; a refusal moves on to the next
+   worker; all refusing → RESOURCE_EXHAUSTED; none reachable → UNAVAILABLE).
+2. Prefill on a prefill worker in rendezvous order of the prompt's affinity key (bounded
+   load), naming the reservation's KV target; it pushes the KV and the first token.
+3. Generate on the decode worker and relay its chunks.
+
+Before the first token reaches the client, a failure of a worker (unreachable, KV
+transfer failed or corrupt, worker draining) aborts the attempt on both workers and
+starts a new one with a new transfer id, excluding the failed worker, up to
+``max_attempts``; then UNAVAILABLE. After the first token nothing is retried (the client
+has seen tokens): UNAVAILABLE naming how many tokens were streamed. The client's
+deadline is handed to every worker call; a passed deadline is DEADLINE_EXCEEDED.
+
+Ownership: the workers own their blocks. Whenever an attempt ends other than by a clean
+finish — error, retry, client cancel (``GeneratorExit``/``CancelledError`` reaching the
+generator) — its worker calls are cancelled and ``Abort(request_id)`` (idempotent) goes
+to both workers from a background task, so cleanup happens even while the caller is
+being cancelled. After a clean finish the decode worker has freed everything and the
+prefill worker unpins on the decode side's acknowledgement; nothing more is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.internal.v1 import worker_pb2 as pb
+from router.routing import DecodeCandidate, affinity_key, pick_prefill, rank_decode
+from router.validation import ValidRequest
+from router.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+# Codes of a failed worker call worth another attempt elsewhere (before the first token).
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
+                       grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED})
+ABORT_TIMEOUT_S = 5.0
+
+
+class RouteError(Exception):
+    """The request failed; ``code`` is the status the client gets, ``message`` says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _Retry(Exception):
+    """This attempt failed before any token reached the client; another may succeed."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """New tokens of a request and their text; the last has ``finish_reason`` and usage."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class HandoffConfig:
+    max_attempts: int = 3
+    reserve_timeout_s: float = 10.0  # Reserve returns at once; this bounds a hung worker
+    affinity_blocks: int = 4
+    load_epsilon: float = 0.25
+
+
+@dataclass
+class _Attempt:
+    number: int
+    decode_id: str
+    transfer_id: int
+    target: pb.KVTarget
+    prefill_id: str | None = None
+    calls: list[grpc.aio.Call] = field(default_factory=list)
+    finished: bool = False
+
+
+class Handoff:
+    """Drives one validated request to completion; iterate ``stream()`` once."""
+
+    def __init__(self, pool: WorkerPool, request: ValidRequest, *, deadline: float,
+                 config: HandoffConfig, transfer_ids: Iterator[int],
+                 background: Callable[[asyncio.Future[object]], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._pool = pool
+        self._req = request
+        self._deadline = deadline
+        self._config = config
+        self._transfer_ids = transfer_ids
+        self._background = background
+        self._clock = clock
+        self._excluded: set[str] = set()  # workers that failed this request
+        self._log = logging.LoggerAdapter(logger, {"request_id": request.request_id})
+        self._sampling = _sampling_proto(request)
+        layout = pool.layout()
+        if layout is None:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy worker is registered")
+        self._block_size = layout.block_size
+        self._key = affinity_key(request.block_hashes(layout.block_size, layout.hash_seed),
+                                 request.prompt_token_ids, config.affinity_blocks)
+
+    async def stream(self) -> AsyncGenerator[OutputChunk, None]:
+        """The request's output chunks; raises ``RouteError`` on failure."""
+        failures: list[str] = []
+        for number in range(1, self._config.max_attempts + 1):
+            attempt = await self._reserve(number)
+            try:
+                with self._pool.busy(attempt.decode_id):
+                    first = await self._prefill(attempt)
+                    async for chunk in self._generate(attempt, first):
+                        yield chunk
+                    return
+            except _Retry as retry:
+                failures.append(str(retry))
+                self._log.warning("attempt %d failed, %s: %s", number,
+                                  "retrying" if number < self._config.max_attempts
+                                  else "giving up", retry)
+            finally:
+                self._end(attempt)
+        raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                         f"the workers failed {len(failures)} times before the first token: "
+                         + "; ".join(failures))
+
+    # ----------------------------------------------------------------- steps
+
+    async def _reserve(self, number: int) -> _Attempt:
+        need = self._req.num_blocks(self._block_size)
+        candidates = [DecodeCandidate(r.worker_id, self._pool.inflight(r.worker_id),
+                                      r.free_kv_blocks, r.total_kv_blocks)
+                      for r in self._pool.routable("decode") if r.worker_id not in self._excluded]
+        order = rank_decode(candidates, need)
+        if not order:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                             f"no healthy decode worker can hold {need} KV blocks")
+        refusals: list[str] = []
+        any_refused = False  # a worker answered "no room" (vs. none answering at all)
+        for decode_id in order:
+            transfer_id = next(self._transfer_ids)
+            request = pb.ReserveRequest(request_id=self._req.request_id,
+                                        prompt_token_ids=self._req.prompt_token_ids,
+                                        sampling=self._sampling, transfer_id=transfer_id)
+            try:
+                reply = await self._pool.decode_stub(decode_id).Reserve(
+                    request, timeout=self._timeout(self._config.reserve_timeout_s))
+            except grpc.aio.AioRpcError as exc:
+                self._abort_later(decode_id, "decode")  # it may hold a reservation
+                self._check_deadline(exc)
+                self._worker_failed(decode_id, exc)
+                refusals.append(f"{decode_id}: {exc.code().name} {exc.details()}")
+                continue
+            if reply.accepted:
+                self._log.info("attempt %d: %d blocks reserved on %s (transfer %d)", number,
+                               reply.num_blocks, decode_id, transfer_id)
+                return _Attempt(number, decode_id, transfer_id, reply.target)
+            refusals.append(f"{decode_id}: {reply.reason}")
+            any_refused = True
+        raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED if any_refused
+                         else grpc.StatusCode.UNAVAILABLE,
+                         f"no decode worker could reserve {need} KV blocks now: "
+                         + "; ".join(refusals))
+
+    async def _prefill(self, attempt: _Attempt) -> pb.PrefillResponse:
+        workers = {r.worker_id: self._pool.inflight(r.worker_id)
+                   for r in self._pool.routable("prefill") if r.worker_id not in self._excluded}
+        order = pick_prefill(self._key, workers, self._config.load_epsilon)
+        if not order:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        prefill_id = attempt.prefill_id = order[0]
+        request = pb.PrefillRequest(request_id=self._req.request_id,
+                                    prompt_token_ids=self._req.prompt_token_ids,
+                                    sampling=self._sampling, target=attempt.target)
+        call = self._pool.prefill_stub(prefill_id).Prefill(request, timeout=self._timeout())
+        attempt.calls.append(call)
+        try:
+            with self._pool.busy(prefill_id):
+                reply: pb.PrefillResponse = await call
+        except grpc.aio.AioRpcError as exc:
+            self._check_deadline(exc)
+            self._worker_failed(prefill_id, exc)
+            raise _Retry(f"prefill on {prefill_id}: {exc.code().name} {exc.details()}") from None
+        self._log.info("prefilled on %s (%d of %d prompt tokens cached)", prefill_id,
+                       reply.num_cached_tokens, reply.num_prompt_tokens)
+        return reply
+
+    async def _generate(self, attempt: _Attempt, first: pb.PrefillResponse
+                        ) -> AsyncIterator[OutputChunk]:
+        request = pb.GenerateRequest(request_id=self._req.request_id,
+                                     first_token_id=first.first_token_id,
+                                     num_cached_tokens=first.num_cached_tokens)
+        call = self._pool.decode_stub(attempt.decode_id).Generate(request,
+                                                                   timeout=self._timeout())
+        attempt.calls.append(call)
+        num_streamed = 0
+        try:
+            async for message in call:
+                chunk = _chunk(message)
+                num_streamed += len(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    attempt.finished = True
+                yield chunk
+        except grpc.aio.AioRpcError as exc:
+            self._check_deadline(exc)
+            if num_streamed == 0 and exc.code() in RETRYABLE:
+                self._excluded.add(attempt.decode_id)
+                raise _Retry(f"generate on {attempt.decode_id}: {exc.code().name} "
+                             f"{exc.details()}") from None
+            raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                             f"decode worker {attempt.decode_id} failed after {num_streamed} "
+                             f"streamed tokens: {exc.code().name} {exc.details()}") from None
+        if not attempt.finished:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, f"decode worker {attempt.decode_id} "
+                             "ended the stream without a finish reason")
+
+    # ----------------------------------------------------------------- helpers
+
+    def _end(self, attempt: _Attempt) -> None:
+        """Cancels the attempt's calls and, unless it finished cleanly, aborts it on both
+        workers in the background (idempotent there)."""
+        for call in attempt.calls:
+            call.cancel()
+        if attempt.finished:
+            return
+        self._abort_later(attempt.decode_id, "decode")
+        if attempt.prefill_id is not None:
+            self._abort_later(attempt.prefill_id, "prefill")
+
+    def _abort_later(self, worker_id: str, role: str) -> None:
+        try:
+            stub = (self._pool.decode_stub(worker_id) if role == "decode"
+                    else self._pool.prefill_stub(worker_id))
+        except KeyError:  # forgotten meanwhile: nothing to reach
+            return
+        call = stub.Abort(pb.AbortRequest(request_id=self._req.request_id),
+                          timeout=ABORT_TIMEOUT_S)
+        self._background(asyncio.ensure_future(self._await_abort(call, worker_id)))
+
+    async def _await_abort(self, call: grpc.aio.UnaryUnaryCall, worker_id: str) -> object:
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            self._log.warning("abort on %s failed: %s %s", worker_id, exc.code().name,
+                              exc.details())
+            return None
+
+    def _timeout(self, cap_s: float | None = None) -> float:
+        remaining = self._deadline - self._clock()
+        if remaining <= 0:
+            raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        return remaining if cap_s is None else min(remaining, cap_s)
+
+    def _check_deadline(self, exc: grpc.aio.AioRpcError) -> None:
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._clock() >= self._deadline:
+            raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             "the request's deadline passed while the workers were serving it")
+
+    def _worker_failed(self, worker_id: str, exc: grpc.aio.AioRpcError) -> None:
+        self._excluded.add(worker_id)
+        if _unreachable(exc):
+            self._pool.mark_failed(worker_id, f"{exc.code().name} {exc.details()}")
+
+
+def _unreachable(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the call failed in transport (worker down or hung), not in the worker."""
+    details = (exc.details() or "").lower()
+    return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or (
+        exc.code() == grpc.StatusCode.UNAVAILABLE and any(
+            s in details for s in ("failed to connect", "connection refused", "socket closed",
+                                   "connection reset", "goaway")))
+
+
+def _sampling_proto(request: ValidRequest) -> pb.SamplingParams:
+    p = request.sampling
+    message = pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
+                                top_p=p.top_p, top_k=p.top_k, stop=p.stop,
+                                stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos)
+    if p.seed is not None:
+        message.seed = p.seed
+    return message
+
+
+def _chunk(message: pb.TokenChunk) -> OutputChunk:
+    if not message.finish_reason:
+        return OutputChunk(tuple(message.token_ids), message.text)
+    usage = message.usage
+    return OutputChunk(tuple(message.token_ids), message.text, message.finish_reason,
+                       Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens))

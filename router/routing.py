@@ -1,0 +1,87 @@
+"""Choosing workers: prefix affinity for prefill, load for decode. Pure functions.
+
+Prefill: rendezvous (highest-random-weight) hashing. Every prefill worker gets a weight
+``xxh3_64(affinity_key | worker_id)``; the highest weight wins, so a key keeps its worker
+while workers come and go (only the keys of a departed worker move). The key is the
+chained hash of the prompt's leading full blocks, so requests sharing those blocks
+share a worker and find them in its prefix cache. Bounded load ("consistent hashing with
+bounded loads"): a worker whose load would exceed ``ceil((1 + epsilon) * mean)`` is
+skipped for the next one in rendezvous order, so a hot prefix spills over to a stable
+second choice instead of overloading one worker.
+
+Decode: the least running work (the router's own in-flight count on the worker), then
+the most free KV blocks (from its last heartbeat).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import xxhash
+
+from engine.kvcache.block_hash import BlockHash
+
+AFFINITY_BLOCKS = 4
+"""Leading full blocks that make the prefill affinity key (64 tokens at block size 16)."""
+DEFAULT_EPSILON = 0.25
+
+
+def affinity_key(block_hashes: Sequence[BlockHash], prompt_token_ids: Sequence[int],
+                 num_blocks: int = AFFINITY_BLOCKS) -> bytes:
+    """The key of a prompt: its ``num_blocks``-th full-block hash (chained, so it names
+    every block before it), or the last one there is; a prompt with no full block is
+    keyed by its tokens (it has nothing cacheable, the key only spreads such prompts)."""
+    if block_hashes:
+        return block_hashes[min(num_blocks, len(block_hashes)) - 1]
+    return struct.pack(f"<{len(prompt_token_ids)}q", *prompt_token_ids)
+
+
+def rendezvous_order(key: bytes, worker_ids: Sequence[str]) -> list[str]:
+    """``worker_ids`` from the highest rendezvous weight for ``key`` to the lowest."""
+    return sorted(worker_ids, key=lambda w: (_weight(key, w), w), reverse=True)
+
+
+def pick_prefill(key: bytes, loads: Mapping[str, int],
+                 epsilon: float = DEFAULT_EPSILON) -> list[str]:
+    """Prefill workers to try, best first: rendezvous order for ``key`` with the workers
+    over the load bound moved to the end (in rendezvous order too).
+
+    ``loads`` maps every candidate worker id to its current load (requests in flight).
+    The bound for one more request is ``ceil((1 + epsilon) * (total + 1) / n)``: a worker
+    is within it when its load + 1 does not exceed it. At least one worker always is.
+    """
+    if not loads:
+        return []
+    # Exact arithmetic on epsilon as written: in floats (1 + 0.1) * 50 / 5 is 11.000…02,
+    # which would ceil to 12 and let a worker one request past the bound.
+    bound = math.ceil((1 + Fraction(str(epsilon))) * (sum(loads.values()) + 1) / len(loads))
+    order = rendezvous_order(key, list(loads))
+    within = [w for w in order if loads[w] + 1 <= bound]
+    return within + [w for w in order if w not in within]
+
+
+@dataclass(frozen=True)
+class DecodeCandidate:
+    worker_id: str
+    inflight: int  # requests the router has in flight on it
+    free_kv_blocks: int  # from its last heartbeat
+    total_kv_blocks: int
+
+
+def rank_decode(candidates: Sequence[DecodeCandidate], num_blocks: int) -> list[str]:
+    """Decode workers to try, best first: least in flight, then most free blocks, then id.
+
+    Workers whose whole KV pool is smaller than ``num_blocks`` can never hold the request
+    and are left out.
+    """
+    fit = [c for c in candidates if c.total_kv_blocks >= num_blocks]
+    fit.sort(key=lambda c: (c.inflight, -c.free_kv_blocks, c.worker_id))
+    return [c.worker_id for c in fit]
+
+
+def _weight(key: bytes, worker_id: str) -> int:
+    return xxhash.xxh3_64_intdigest(key + b"\x00" + worker_id.encode("utf-8"))

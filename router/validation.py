@@ -1,0 +1,175 @@
+"""Checking a client's request before any work: every "Bad input" row of RELIABILITY.md.
+
+Torch-free and protobuf-free: ``router.api`` turns the public message into a
+``ClientRequest``; ``validate`` turns that into a ``ValidRequest`` (token ids, engine
+sampling parameters, block hashes) or raises ``InvalidRequest`` with a message that names
+the limit. Nothing is allocated anywhere before a request passes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import tokenizers
+
+from engine.config import load_model_config
+from engine.kvcache.block_hash import BlockHash, compute_block_hashes
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import TOKENIZER_FILE, load_tokenizer
+
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+DEFAULT_MAX_TOKENS = 16
+
+
+class InvalidRequest(ValueError):
+    """The request breaks a limit; the message names it (becomes INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the router knows of the served model (read from its directory, no weights)."""
+
+    name: str
+    context_length: int
+    vocab_size: int  # the model's embedding rows: token ids must be below this
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, name: str | None = None) -> ModelLimits:
+        config = load_model_config(model_dir)
+        eos = load_tokenizer(model_dir).eos_token_ids
+        return cls(name=name or Path(model_dir).resolve().name,
+                   context_length=config.max_model_len, vocab_size=config.vocab_size,
+                   eos_token_ids=eos)
+
+
+def load_router_tokenizer(model_dir: str | Path) -> tokenizers.Tokenizer:
+    path = Path(model_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{TOKENIZER_FILE} not found in model directory {model_dir}")
+    return tokenizers.Tokenizer.from_file(str(path))
+
+
+@dataclass(frozen=True)
+class ClientRequest:
+    """A client's request as sent; ``None`` means "not given" (the default applies)."""
+
+    request_id: str = ""
+    model: str = ""
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    unknown_fields: tuple[int, ...] = ()  # field numbers this API does not define
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request that passed every check."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def num_blocks(self, block_size: int) -> int:
+        """KV blocks the whole sequence can need: prompt + max_tokens, rounded up."""
+        return -(-(self.num_prompt_tokens + self.sampling.max_tokens) // block_size)
+
+    def block_hashes(self, block_size: int, hash_seed: int) -> list[BlockHash]:
+        """The prefix-cache keys of the prompt's full blocks, as the workers compute them."""
+        return compute_block_hashes(self.prompt_token_ids, block_size, seed=hash_seed)
+
+
+def validate(request: ClientRequest, limits: ModelLimits,
+             tokenizer: tokenizers.Tokenizer) -> ValidRequest:
+    """``ValidRequest`` for ``request`` or ``InvalidRequest`` naming what is wrong."""
+    if request.unknown_fields:
+        raise InvalidRequest(f"fields {list(request.unknown_fields)} are not part of the "
+                             "public API (internal fields cannot be set by clients)")
+    request_id = _request_id(request.request_id)
+    if request.model and request.model != limits.name:
+        raise InvalidRequest(f"unknown model {request.model!r}; this cluster serves "
+                             f"{limits.name!r}")
+    token_ids = _prompt_token_ids(request, limits, tokenizer)
+    sampling = _sampling(request, limits)
+    total = len(token_ids) + sampling.max_tokens
+    if total > limits.context_length:
+        raise InvalidRequest(f"prompt ({len(token_ids)} tokens) + max_tokens "
+                             f"({sampling.max_tokens}) = {total} is over the context length "
+                             f"{limits.context_length}")
+    return ValidRequest(request_id, token_ids, sampling)
+
+
+def _request_id(request_id: str) -> str:
+    if not request_id:
+        return uuid.uuid4().hex
+    if not REQUEST_ID_RE.fullmatch(request_id):
+        raise InvalidRequest(f"request_id must be 1..128 characters from [A-Za-z0-9._:-], "
+                             f"got {json.dumps(request_id[:40])}")
+    return request_id
+
+
+def _prompt_token_ids(request: ClientRequest, limits: ModelLimits,
+                      tokenizer: tokenizers.Tokenizer) -> tuple[int, ...]:
+    if request.text is not None and request.token_ids is not None:
+        raise InvalidRequest("give the prompt as text or as token ids, not both")
+    if request.token_ids is not None:
+        token_ids = request.token_ids
+        _check_vocab("prompt token id", token_ids, limits.vocab_size)
+    else:
+        text = request.text or ""
+        if len(text) > 64 * limits.context_length:  # cheap bound before tokenizing
+            raise InvalidRequest(f"prompt of {len(text)} characters cannot fit the context "
+                                 f"length of {limits.context_length} tokens")
+        token_ids = tuple(tokenizer.encode(text).ids) if text else ()
+    if not token_ids:
+        raise InvalidRequest("prompt is empty: give non-empty text or at least one token id")
+    if len(token_ids) >= limits.context_length:
+        raise InvalidRequest(f"prompt of {len(token_ids)} tokens leaves no room in the "
+                             f"context length of {limits.context_length} tokens")
+    return token_ids
+
+
+def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
+    max_tokens = DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+    if max_tokens > limits.context_length:
+        raise InvalidRequest(f"max_tokens must be at most the context length "
+                             f"{limits.context_length}, got {max_tokens}")
+    for name in ("temperature", "top_p"):
+        value = getattr(request, name)
+        if value is not None and not math.isfinite(value):
+            raise InvalidRequest(f"{name} must be finite, got {value}")
+    _check_vocab("stop token id", request.stop_token_ids, limits.vocab_size)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=-1 if request.top_k is None else request.top_k,
+            seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos)
+    except ValueError as exc:  # the engine's own limits, named in its message
+        raise InvalidRequest(str(exc)) from None
+
+
+def _check_vocab(what: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    for position, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(f"{what} {token_id} at position {position} is outside the "
+                                 f"vocabulary [0, {vocab_size})")

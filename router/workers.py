@@ -1,0 +1,155 @@
+"""The router's workers: who is there, how to reach them, how busy the router keeps them.
+
+``WorkerPool`` owns a last-known-good ``WorkerView`` of the Redis registry, one gRPC
+channel per routable worker, the router's own in-flight count per worker and a short
+"suspect" list of workers whose calls just failed. A worker is routable when its record
+is in the view (or left it less than ``keep_missing_s`` ago, so a Redis restart that
+empties the registry for one heartbeat does not stop traffic), its model fingerprint is
+the router's, and it is not suspect. Channels of workers that stop being routable for
+good are closed. Used from one asyncio loop; ``refresh`` runs the Redis read in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import grpc
+
+from kvtransfer.layout import KVLayout
+from pdserve.cluster_view import WorkerView
+from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.registry import Registry, WorkerRecord
+
+logger = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.enable_retries", 0),
+)
+
+
+@dataclass
+class _Known:
+    record: WorkerRecord
+    channel: grpc.aio.Channel
+    last_seen: float
+
+
+class WorkerPool:
+    """Routable workers of one model, their channels and the router's load on them."""
+
+    def __init__(self, registry: Registry, model_fingerprint: str, *,
+                 keep_missing_s: float = 6.0, suspect_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._view = WorkerView(registry, clock=clock)
+        self._fingerprint = model_fingerprint
+        self._keep_missing_s = keep_missing_s
+        self._suspect_s = suspect_s
+        self._clock = clock
+        self._known: dict[str, _Known] = {}
+        self._suspect_until: dict[str, float] = {}
+        self._inflight: dict[str, int] = {}
+        self._foreign: set[str] = set()  # ids logged as serving another model
+
+    # ----------------------------------------------------------------- the view
+
+    async def refresh(self) -> None:
+        """Read Redis (in a thread) and update the routable set; never raises for Redis."""
+        snapshot = await asyncio.to_thread(self._view.refresh)
+        now = self._clock()
+        if not snapshot.stale:
+            for record in snapshot.workers:
+                self._see(record, now)
+        for worker_id, known in list(self._known.items()):
+            if now - known.last_seen > self._keep_missing_s and not snapshot.stale:
+                del self._known[worker_id]
+                logger.info("worker %s left the registry; closing its channel", worker_id)
+                await known.channel.close()
+
+    def _see(self, record: WorkerRecord, now: float) -> None:
+        if record.layout.model_fingerprint != self._fingerprint:
+            if record.worker_id not in self._foreign:
+                self._foreign.add(record.worker_id)
+                logger.warning("ignoring worker %s: it serves model fingerprint %s, the router "
+                               "serves %s", record.worker_id, record.layout.model_fingerprint,
+                               self._fingerprint)
+            return
+        known = self._known.get(record.worker_id)
+        if known is None or known.record.grpc_address != record.grpc_address:
+            if known is not None:
+                asyncio.get_running_loop().create_task(known.channel.close())
+            channel = grpc.aio.insecure_channel(record.grpc_address, options=CHANNEL_OPTIONS)
+            logger.info("worker %s (%s, TP %d) at %s", record.worker_id, record.role,
+                        record.tensor_parallel_size, record.grpc_address)
+            self._known[record.worker_id] = _Known(record, channel, now)
+        else:
+            known.record, known.last_seen = record, now
+
+    @property
+    def view_age_s(self) -> float:
+        return self._view.age_s()
+
+    @property
+    def num_channels(self) -> int:
+        return len(self._known)
+
+    def layout(self) -> KVLayout | None:
+        """The KV layout the workers share (block size, hash seed), ``None`` if none known."""
+        for known in self._known.values():
+            return known.record.layout
+        return None
+
+    def routable(self, role: str) -> list[WorkerRecord]:
+        now = self._clock()
+        return [k.record for w, k in sorted(self._known.items())
+                if k.record.role == role and self._suspect_until.get(w, 0.0) <= now]
+
+    def max_decode_blocks(self) -> int:
+        """The largest KV pool of any known decode worker (0 if none)."""
+        return max((k.record.total_kv_blocks for k in self._known.values()
+                    if k.record.role == "decode"), default=0)
+
+    # ----------------------------------------------------------------- calls and load
+
+    def mark_failed(self, worker_id: str, why: str) -> None:
+        """Skip ``worker_id`` for ``suspect_s`` (a call to it failed as if it were down)."""
+        if self._suspect_until.get(worker_id, 0.0) <= self._clock():
+            logger.warning("not routing to %s for %.1fs: %s", worker_id, self._suspect_s, why)
+        self._suspect_until[worker_id] = self._clock() + self._suspect_s
+
+    def decode_stub(self, worker_id: str) -> pb_grpc.DecodeWorkerStub:
+        return pb_grpc.DecodeWorkerStub(self._known[worker_id].channel)
+
+    def prefill_stub(self, worker_id: str) -> pb_grpc.PrefillWorkerStub:
+        return pb_grpc.PrefillWorkerStub(self._known[worker_id].channel)
+
+    def inflight(self, worker_id: str) -> int:
+        return self._inflight.get(worker_id, 0)
+
+    @contextmanager
+    def busy(self, worker_id: str) -> Iterator[None]:
+        """Counts one request of the router's in flight on ``worker_id`` while inside."""
+        self._inflight[worker_id] = self._inflight.get(worker_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._inflight[worker_id] - 1
+            if left:
+                self._inflight[worker_id] = left
+            else:
+                del self._inflight[worker_id]
+
+    @property
+    def total_inflight(self) -> int:
+        return sum(self._inflight.values())
+
+    async def close(self) -> None:
+        known, self._known = self._known, {}
+        await asyncio.gather(*(k.channel.close() for k in known.values()))

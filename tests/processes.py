@@ -1,0 +1,110 @@
+"""Real pdserve processes for tests: spawn through the CLI, wait for the ready file, stop.
+
+Every process gets a log file (its tail goes into assertion messages), one torch thread,
+gloo on loopback, and is stopped with SIGTERM → SIGKILL by ``Proc.stop`` (bounded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.factories import REPO_ROOT
+
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Proc:
+    """One spawned ``python -m pdserve ROLE ...`` process and its ready file."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    ready_path: Path
+    ready: dict[str, Any] = field(default_factory=dict)
+    child_pids: list[int] = field(default_factory=list)
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    @property
+    def address(self) -> str:
+        return str(self.ready["grpc_address"])
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> Proc:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready_path.exists():
+            assert self.proc.poll() is None, f"{self.name} exited:\n{self.log_tail()}"
+            assert time.monotonic() < deadline, f"{self.name} not ready:\n{self.log_tail()}"
+            time.sleep(0.1)
+        self.ready = json.loads(self.ready_path.read_text())
+        self.child_pids = children(self.proc.pid)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Stops the process (and SIGKILLs any child left); returns its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # harmless unless it was stopped
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(STOP_TIMEOUT_S)
+        for pid in self.child_pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        return self.proc.returncode
+
+
+def spawn(name: str, args: list[str], tmp: Path) -> Proc:
+    """``python -m pdserve ARGS --ready-file ...`` with its output in ``tmp/NAME.log``."""
+    log_path, ready_path = tmp / f"{name}.log", tmp / f"{name}.ready.json"
+    ready_path.unlink(missing_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", *args, "--ready-file", str(ready_path)],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+    return Proc(name, proc, log_path, ready_path)
+
+
+def children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str,
+               period_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(period_s)

@@ -1,0 +1,123 @@
+"""A real cluster for router tests: Redis, prefill and decode workers, the router.
+
+All processes are started through the ``pdserve`` command line on loopback with small
+KV pools, and stopped (bounded) by ``Cluster.close``. ``assert_no_leaks`` asks every
+worker's ``Info`` until nothing is held (aborts travel asynchronously).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from pdserve.internal.v1 import worker_pb2 as wpb
+from pdserve.internal.v1 import worker_pb2_grpc as wpb_grpc
+from pdserve.redis_server import RedisServer
+from tests.processes import Proc, spawn, wait_until
+
+NUM_KV_BLOCKS = 64
+RPC_TIMEOUT_S = 30.0
+WORKER_FLAGS = ("--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-batched-tokens", "32",
+                "--transfer-timeout", "10", "--grace", "2", "--heartbeat-interval", "0.5",
+                "--registration-ttl", "3")
+
+
+@dataclass
+class Cluster:
+    model_dir: Path
+    tmp: Path
+    redis: RedisServer
+    prefill: list[Proc] = field(default_factory=list)
+    decode: list[Proc] = field(default_factory=list)
+    router: Proc | None = None
+    _channels: dict[str, grpc.Channel] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        assert self.router is not None
+        return self.router.address
+
+    def start_worker(self, role: str, index: int, *extra: str) -> Proc:
+        name = f"{role}-{index}"
+        proc = spawn(name, [role, "--model", str(self.model_dir), "--redis-url", self.redis.url,
+                            "--worker-id", name, *WORKER_FLAGS, *extra], self.tmp)
+        (self.prefill if role == "prefill" else self.decode).append(proc)
+        return proc
+
+    def start_router(self, *extra: str) -> Proc:
+        self.router = spawn("router", ["router", "--model", str(self.model_dir), "--port", "0",
+                                       "--redis-url", self.redis.url, "--grace", "2", *extra],
+                             self.tmp)
+        return self.router.wait_ready()
+
+    def workers(self) -> list[Proc]:
+        return [*self.prefill, *self.decode]
+
+    def info(self, worker: Proc) -> wpb.WorkerInfo:
+        channel = self._channels.get(worker.address)
+        if channel is None:
+            channel = self._channels[worker.address] = grpc.insecure_channel(worker.address)
+        stub = (wpb_grpc.PrefillWorkerStub(channel) if worker.ready["role"] == "prefill"
+                else wpb_grpc.DecodeWorkerStub(channel))
+        return stub.Info(wpb.InfoRequest(), timeout=RPC_TIMEOUT_S)
+
+    def assert_no_leaks(self, timeout_s: float = 15.0) -> None:
+        """Every live worker: all blocks free or cached, nothing pending, running or waiting."""
+        for worker in self.workers():
+            if worker.proc.poll() is not None:
+                continue
+            last: list[wpb.WorkerInfo] = []
+
+            def idle(worker: Proc = worker, last: list[wpb.WorkerInfo] = last) -> bool:
+                info = self.info(worker)
+                last[:] = [info]
+                kv = info.kv
+                assert kv.free_blocks + kv.cached_blocks + kv.pinned_blocks + \
+                    kv.in_use_blocks == kv.total_blocks == NUM_KV_BLOCKS, info
+                return (kv.in_use_blocks, kv.pinned_blocks, info.pending_transfers,
+                        info.running_requests, info.waiting_requests) == (0, 0, 0, 0, 0)
+
+            try:
+                wait_until(idle, timeout_s, f"{worker.name} to free everything", period_s=0.1)
+            except AssertionError:
+                raise AssertionError(f"{worker.name} still holds state: {last}") from None
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        for proc in ([self.router] if self.router else []) + self.workers():
+            proc.stop()
+        self.redis.stop()
+
+
+def start_cluster(model_dir: Path, tmp: Path, *, num_prefill: int, num_decode: int,
+                  decode_tp: int, router_args: tuple[str, ...] = ()) -> Cluster:
+    redis = RedisServer(start_timeout_s=10.0)
+    redis.start()
+    cluster = Cluster(model_dir, tmp, redis)
+    try:
+        for i in range(num_decode):
+            cluster.start_worker("decode", i, "--tensor-parallel-size", str(decode_tp))
+        for i in range(num_prefill):
+            cluster.start_worker("prefill", i)
+        for worker in cluster.workers():
+            worker.wait_ready()
+        cluster.start_router(*router_args)
+        wait_until(lambda: _router_sees_all(cluster), 30.0, "the router to see every worker")
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+def _router_sees_all(cluster: Cluster) -> bool:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(cluster.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                          timeout=5.0)
+    time.sleep(0.6)  # one more refresh: health needs one worker per role, we want all
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

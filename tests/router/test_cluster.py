@@ -1,0 +1,286 @@
+"""pdserve end to end: Redis, 2 prefill workers, 1 decode worker with 2 ranks and the
+router, all real processes on loopback, driven through ``pdserve.Client``.
+
+Every test ends with the leak check on every worker (``Cluster.assert_no_leaks``). The
+test that kills a prefill worker runs last in the module (it changes the cluster).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from pdserve.client import Client, PdserveError
+from pdserve.internal.v1 import worker_pb2 as wpb
+from pdserve.v1 import generate_pb2 as pb
+from tests.factories import PROMPTS
+from tests.router.cluster import NUM_KV_BLOCKS, Cluster, start_cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+TIMEOUT_S = 60.0
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+LONG_PREFIX = " ".join(PROMPTS[3:5] + PROMPTS[3:4])  # > 4 blocks of 16 tokens
+
+
+@pytest.fixture(scope="module")
+def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = start_cluster(llama_dir, tmp_path_factory.mktemp("router"), num_prefill=2,
+                      num_decode=1, decode_tp=2)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def client(cluster: Cluster) -> Iterator[Client]:
+    with Client(cluster.address) as c:
+        yield c
+    cluster.assert_no_leaks()
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> Iterator[LLM]:
+    with LLM(llama_dir) as engine:
+        yield engine
+
+
+# ------------------------------------------------------------------------ correctness
+
+def test_concurrent_requests_match_llm(client: Client, llm: LLM) -> None:
+    texts = [PROMPTS[i % len(PROMPTS)] + " #" * (i // len(PROMPTS)) for i in range(16)]
+    texts[5] = LONG_PREFIX + " five"
+    # temperature 0.75 is exact in float32, so the proto float carries it unchanged
+    params = [SamplingParams(max_tokens=5 + i % 4, temperature=0, ignore_eos=True) if i % 4
+              else SamplingParams(max_tokens=6, temperature=0.75, seed=i, ignore_eos=True)
+              for i in range(16)]
+    expected = llm.generate(texts, params)
+
+    def ask(i: int) -> list[int]:
+        p = params[i]
+        return list(client.complete(texts[i], max_tokens=p.max_tokens,
+                                    temperature=p.temperature, seed=p.seed, ignore_eos=True,
+                                    timeout=TIMEOUT_S).token_ids)
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, range(16)))
+    assert got == [r.token_ids for r in expected]
+
+
+def test_stream_chunks_text_and_usage(client: Client, llm: LLM) -> None:
+    prompt_ids = llm.encode(PROMPTS[1])
+    chunks = list(client.generate(prompt_token_ids=prompt_ids, max_tokens=12, temperature=0,
+                                  ignore_eos=True, request_id="stream-1", timeout=TIMEOUT_S))
+    reference = llm.generate([prompt_ids], SamplingParams(max_tokens=12, temperature=0,
+                                                          ignore_eos=True))[0]
+    assert [c.request_id for c in chunks] == ["stream-1"] * len(chunks)
+    assert all(c.finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage is not None
+    assert [t for c in chunks for t in c.token_ids] == reference.token_ids
+    assert "".join(c.text for c in chunks) == reference.text
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), 12)
+
+
+def test_streamed_text_never_splits_a_character(client: Client, llm: LLM) -> None:
+    # sampled at temperature 1.5 the tiny model emits byte-level tokens; find outputs whose
+    # tokens split a multi-byte character and check the stream joins them correctly
+    tokenizer = llm.tokenizer.tokenizer
+    split_seen = False
+    for seed in range(12):
+        chunks = list(client.generate("日本語 🙂 café", max_tokens=24, temperature=1.5,
+                                      seed=seed, ignore_eos=True, timeout=TIMEOUT_S))
+        token_ids = [t for c in chunks for t in c.token_ids]
+        whole = tokenizer.decode(token_ids)
+        streamed = "".join(c.text for c in chunks)
+        assert streamed == whole
+        assert all(not c.text.endswith("\ufffd") or "\ufffd" in whole for c in chunks)
+        per_token = "".join(tokenizer.decode([t]) for t in token_ids)
+        split_seen |= per_token.count("\ufffd") > whole.count("\ufffd")
+        if split_seen and whole.count("\ufffd") == 0:
+            break
+    assert split_seen, "no sampled output split a multi-byte character: the test saw nothing"
+
+
+# ------------------------------------------------------------------------ routing
+
+def _cached_blocks(cluster: Cluster) -> list[int]:
+    return [cluster.info(p).kv.cached_blocks for p in cluster.prefill]
+
+
+def test_shared_prefix_goes_to_one_prefill_worker(cluster: Cluster, client: Client) -> None:
+    before = _cached_blocks(cluster)
+    results = [client.complete(f"{LONG_PREFIX} question {i}", max_tokens=2, temperature=0,
+                               timeout=TIMEOUT_S) for i in range(4)]
+    grew = [a > b for a, b in zip(_cached_blocks(cluster), before, strict=True)]
+    cached = [r.usage.cached_tokens for r in results]
+    prefix_tokens = results[0].usage.prompt_tokens - 4  # " question i" is a few tokens
+    assert all(c >= 16 * (prefix_tokens // 16 - 1) for c in cached[1:]), cached
+    assert sum(grew) == 1, (before, _cached_blocks(cluster))  # only one worker cached anything
+
+
+def test_different_prefixes_spread_over_both_prefill_workers(cluster: Cluster,
+                                                             client: Client) -> None:
+    before = _cached_blocks(cluster)
+    for i in range(12):
+        client.complete(f"topic {i * 7919} " + PROMPTS[i % len(PROMPTS)] * 2, max_tokens=1,
+                        temperature=0, timeout=TIMEOUT_S)
+    after = _cached_blocks(cluster)
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+# ------------------------------------------------------------------------ bad input
+
+def _bad_requests() -> list[tuple[str, dict[str, object], str]]:
+    """(case, Client.complete keyword arguments, text the error message must contain)."""
+    return [
+        ("empty text", {"prompt": ""}, "empty"),
+        ("empty token ids", {"prompt_token_ids": []}, "empty"),
+        ("over context", {"prompt_token_ids": [5] * 2048}, "2048"),
+        ("prompt+max_tokens over context", {"prompt_token_ids": [5] * 2000, "max_tokens": 60},
+         "2060"),
+        ("max_tokens 0", {"max_tokens": 0}, "max_tokens"),
+        ("max_tokens negative", {"max_tokens": -3}, "max_tokens"),
+        ("max_tokens absurd", {"max_tokens": 10**12}, "2048"),
+        ("temperature nan", {"temperature": math.nan}, "temperature"),
+        ("temperature inf", {"temperature": math.inf}, "temperature"),
+        ("temperature negative", {"temperature": -0.5}, "temperature"),
+        ("top_p 0", {"top_p": 0.0}, "top_p"),
+        ("top_p > 1", {"top_p": 1.5}, "top_p"),
+        ("top_k -2", {"top_k": -2}, "top_k"),
+        ("top_k 0", {"top_k": 0}, "top_k"),
+        ("too many stops", {"stop": [f"s{i}" for i in range(17)]}, "16"),
+        ("empty stop", {"stop": [""]}, "stop"),
+        ("long stop", {"stop": ["x" * 257]}, "256"),
+        ("token id over vocab", {"prompt_token_ids": [1, 704]}, "704"),
+        ("negative token id", {"prompt_token_ids": [-1]}, "vocabulary"),
+        ("stop token id over vocab", {"stop_token_ids": [10**6]}, "vocabulary"),
+        ("unknown model", {"model": "gpt-17"}, "gpt-17"),
+        ("bad request id", {"request_id": "a b"}, "request_id"),
+        ("needs more KV blocks than any decode worker", {"prompt_token_ids": [5] * 1000,
+                                                          "max_tokens": 100},
+         str(NUM_KV_BLOCKS)),
+    ]
+
+
+@pytest.mark.parametrize("case,kwargs,needle", _bad_requests(), ids=[c for c, _, _ in
+                                                                   _bad_requests()])
+def test_bad_input_is_invalid_argument(client: Client, case: str, kwargs: dict[str, object],
+                                       needle: str) -> None:
+    args: dict[str, object] = {"prompt": "hello", "max_tokens": 2}
+    if "prompt_token_ids" in kwargs:
+        args.pop("prompt")
+    args.update(kwargs)
+    with pytest.raises(PdserveError) as excinfo:
+        client.complete(timeout=TIMEOUT_S, **args)  # type: ignore[arg-type]
+    assert excinfo.value.code == INVALID, excinfo.value
+    assert needle in excinfo.value.details, excinfo.value.details
+    assert client.complete("still serving", max_tokens=2, timeout=TIMEOUT_S).finish_reason
+
+
+def _raw_generate(cluster: Cluster, payload: bytes) -> grpc.RpcError:
+    with grpc.insecure_channel(cluster.address) as channel:
+        call = channel.unary_stream("/pdserve.v1.Generation/Generate",
+                                    request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as excinfo:
+            list(call(payload, timeout=TIMEOUT_S))
+    return excinfo.value
+
+
+def test_malformed_messages_are_refused(cluster: Cluster, client: Client) -> None:
+    bad_utf8 = b"\x1a\x02\xff\xfe"  # field 3 (text), 2 bytes that are not UTF-8
+    assert _raw_generate(cluster, bad_utf8).code() == INVALID
+    internal = wpb.ReserveRequest(request_id="x", prompt_token_ids=[1, 2], transfer_id=7)
+    error = _raw_generate(cluster, internal.SerializeToString())
+    assert error.code() == INVALID and "internal fields" in (error.details() or "")
+    oversized = pb.GenerateRequest(text="x" * (5 << 20)).SerializeToString()
+    assert _raw_generate(cluster, oversized).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert client.complete("fine", max_tokens=1, timeout=TIMEOUT_S).finish_reason == "length"
+
+
+def test_model_info(client: Client, llama_dir: Path) -> None:
+    info = client.model_info(timeout=TIMEOUT_S)
+    assert (info.model, info.context_length, info.vocab_size, info.block_size) == \
+        (llama_dir.name, 2048, 704, 16)
+    assert client.complete("named", model=llama_dir.name, max_tokens=1,
+                           timeout=TIMEOUT_S).finish_reason == "length"
+
+
+# ------------------------------------------------------------------------ cancel, deadline, budget
+
+def test_cancel_mid_stream_frees_everything(client: Client) -> None:
+    stream = client.generate("cancel me " * 8, max_tokens=900, ignore_eos=True,
+                             timeout=TIMEOUT_S)
+    first = next(stream)
+    assert first.token_ids
+    stream.close()  # cancels the call; the fixture's leak check follows
+
+
+def test_deadline_exceeded_frees_everything(client: Client) -> None:
+    with pytest.raises(PdserveError) as excinfo:
+        client.complete("slow " * 8, max_tokens=900, ignore_eos=True, timeout=0.5)
+    assert excinfo.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_inflight_budget(cluster: Cluster, tmp_path: Path) -> None:
+    # a second router on the same cluster, allowed one request at a time
+    from tests.processes import spawn
+
+    router = spawn("router-budget", ["router", "--model", str(cluster.model_dir), "--port", "0",
+                                     "--redis-url", cluster.redis.url, "--max-inflight", "1"],
+                   tmp_path).wait_ready()
+    try:
+        with Client(router.address) as budget_client:
+            stream = budget_client.generate("hold " * 8, max_tokens=900, ignore_eos=True,
+                                            timeout=TIMEOUT_S)
+            _wait_first_chunk(budget_client, stream)
+            start = time.monotonic()
+            with pytest.raises(PdserveError) as excinfo:
+                budget_client.complete("one too many", max_tokens=2, timeout=TIMEOUT_S)
+            assert excinfo.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max-inflight" in excinfo.value.details
+            assert time.monotonic() - start < 5.0  # refused at once, not queued
+            stream.close()
+            time.sleep(0.5)
+            assert budget_client.complete("room again", max_tokens=2,
+                                          timeout=TIMEOUT_S).finish_reason
+    finally:
+        assert router.stop() == 0, router.log_tail()
+    cluster.assert_no_leaks()
+
+
+def _wait_first_chunk(client: Client, stream: Iterator[object]) -> None:
+    done = threading.Event()
+    first: list[object] = []
+
+    def pull() -> None:
+        first.append(next(stream))  # type: ignore[call-overload]
+        done.set()
+
+    threading.Thread(target=pull, daemon=True).start()
+    assert done.wait(TIMEOUT_S) and first
+
+
+# ------------------------------------------------------------------------ faults (last)
+
+def test_killed_prefill_worker_is_routed_around(cluster: Cluster, client: Client) -> None:
+    victim = cluster.prefill[1]
+    victim.stop(sig=9)
+    # every prompt succeeds, also those whose affinity points at the dead worker
+    for i in range(8):
+        result = client.complete(f"after the kill {i} " + PROMPTS[i], max_tokens=3,
+                                 temperature=0, timeout=TIMEOUT_S)
+        assert result.finish_reason == "length" and len(result.token_ids) == 3
+    # the dead worker was still registered (its TTL had not passed): it was tried, failed
+    # to connect, and the request went on to the other worker
+    assert cluster.router is not None
+    assert f"not routing to {victim.name}" in cluster.router.log_tail(50_000)
