@@ -41,9 +41,11 @@ from router.workers import WorkerPool
 logger = logging.getLogger(__name__)
 
 # Codes of a failed worker call worth another attempt elsewhere (before the first token).
+# NOT_FOUND: the decode worker dropped the reservation (its transfer deadline passed).
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
-                       grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED})
+                       grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
+                       grpc.StatusCode.NOT_FOUND})
 ABORT_TIMEOUT_S = 5.0
 
 
@@ -94,6 +96,7 @@ class _Attempt:
     prefill_id: str | None = None
     calls: list[grpc.aio.Call] = field(default_factory=list)
     finished: bool = False
+    decode_aborted: bool = False
 
 
 class Handoff:
@@ -136,6 +139,7 @@ class Handoff:
                 self._log.warning("attempt %d failed, %s: %s", number,
                                   "retrying" if number < self._config.max_attempts
                                   else "giving up", retry)
+                await self._abort_decode_now(attempt)  # the next Reserve may go to it again
             finally:
                 self._end(attempt)
         raise RouteError(grpc.StatusCode.UNAVAILABLE,
@@ -193,12 +197,20 @@ class Handoff:
         call = self._pool.prefill_stub(prefill_id).Prefill(request, timeout=self._timeout())
         attempt.calls.append(call)
         try:
-            with self._pool.busy(prefill_id):
+            with self._pool.busy(prefill_id), self._pool.watched(prefill_id, call):
                 reply: pb.PrefillResponse = await call
+        except asyncio.CancelledError:
+            _reraise_if_we_are_cancelled()
+            self._excluded.add(prefill_id)
+            raise _Retry(f"prefill worker {prefill_id} stopped answering health checks"
+                         ) from None
         except grpc.aio.AioRpcError as exc:
             self._check_deadline(exc)
             self._worker_failed(prefill_id, exc)
-            raise _Retry(f"prefill on {prefill_id}: {exc.code().name} {exc.details()}") from None
+            why = f"prefill on {prefill_id}: {exc.code().name} {exc.details()}"
+            if exc.code() not in RETRYABLE:  # the worker refused what the router sent
+                raise RouteError(grpc.StatusCode.INTERNAL, why) from None
+            raise _Retry(why) from None
         self._log.info("prefilled on %s (%d of %d prompt tokens cached)", prefill_id,
                        reply.num_cached_tokens, reply.num_prompt_tokens)
         return reply
@@ -213,12 +225,21 @@ class Handoff:
         attempt.calls.append(call)
         num_streamed = 0
         try:
-            async for message in call:
-                chunk = _chunk(message)
-                num_streamed += len(chunk.token_ids)
-                if chunk.finish_reason is not None:
-                    attempt.finished = True
-                yield chunk
+            with self._pool.watched(attempt.decode_id, call):
+                async for message in call:
+                    chunk = _chunk(message)
+                    num_streamed += len(chunk.token_ids)
+                    if chunk.finish_reason is not None:
+                        attempt.finished = True
+                    yield chunk
+        except asyncio.CancelledError:
+            _reraise_if_we_are_cancelled()
+            self._excluded.add(attempt.decode_id)
+            why = f"decode worker {attempt.decode_id} stopped answering health checks"
+            if num_streamed == 0:
+                raise _Retry(why) from None
+            raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                             f"{why} after {num_streamed} streamed tokens") from None
         except grpc.aio.AioRpcError as exc:
             self._check_deadline(exc)
             if num_streamed == 0 and exc.code() in RETRYABLE:
@@ -241,9 +262,23 @@ class Handoff:
             call.cancel()
         if attempt.finished:
             return
-        self._abort_later(attempt.decode_id, "decode")
+        if not attempt.decode_aborted:
+            self._abort_later(attempt.decode_id, "decode")
         if attempt.prefill_id is not None:
             self._abort_later(attempt.prefill_id, "prefill")
+
+    async def _abort_decode_now(self, attempt: _Attempt) -> None:
+        """Cancels the attempt's calls and waits (bounded) for the decode worker's Abort,
+        so a new reservation of this request there is not ALREADY_EXISTS."""
+        for call in attempt.calls:
+            call.cancel()
+        attempt.decode_aborted = True
+        try:
+            call = self._pool.decode_stub(attempt.decode_id).Abort(
+                pb.AbortRequest(request_id=self._req.request_id), timeout=ABORT_TIMEOUT_S)
+        except KeyError:  # forgotten meanwhile: nothing to reach
+            return
+        await self._await_abort(call, attempt.decode_id)
 
     def _abort_later(self, worker_id: str, role: str) -> None:
         try:
@@ -278,6 +313,14 @@ class Handoff:
         self._excluded.add(worker_id)
         if _unreachable(exc):
             self._pool.mark_failed(worker_id, f"{exc.code().name} {exc.details()}")
+
+
+def _reraise_if_we_are_cancelled() -> None:
+    """Inside ``except CancelledError``: re-raise when this task itself is being cancelled
+    (client cancel, deadline); return when only the worker call was (``WorkerPool.watched``)."""
+    task = asyncio.current_task()
+    if task is None or task.cancelling():
+        raise  # noqa: PLE0704 -- re-raises the CancelledError being handled
 
 
 def _unreachable(exc: grpc.aio.AioRpcError) -> bool:

@@ -5,7 +5,9 @@ channel per routable worker, the router's own in-flight count per worker and a s
 "suspect" list of workers whose calls just failed. A worker is routable when its record
 is in the view (or left it less than ``keep_missing_s`` ago, so a Redis restart that
 empties the registry for one heartbeat does not stop traffic), its model fingerprint is
-the router's, and it is not suspect. Channels of workers that stop being routable for
+the router's, its ``grpc.health.v1`` check answered SERVING at the last refresh (a
+zombie whose engine loop died answers NOT_SERVING; a hung one does not answer), and it
+is not suspect. Channels of workers that stop being routable for
 good are closed. Used from one asyncio loop; ``refresh`` runs the Redis read in a thread.
 """
 
@@ -19,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtransfer.layout import KVLayout
 from pdserve.cluster_view import WorkerView
@@ -40,6 +43,7 @@ class _Known:
     record: WorkerRecord
     channel: grpc.aio.Channel
     last_seen: float
+    serving: bool = False
 
 
 class WorkerPool:
@@ -47,15 +51,17 @@ class WorkerPool:
 
     def __init__(self, registry: Registry, model_fingerprint: str, *,
                  keep_missing_s: float = 6.0, suspect_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 health_timeout_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._view = WorkerView(registry, clock=clock)
         self._fingerprint = model_fingerprint
         self._keep_missing_s = keep_missing_s
         self._suspect_s = suspect_s
+        self._health_timeout_s = health_timeout_s
         self._clock = clock
         self._known: dict[str, _Known] = {}
         self._suspect_until: dict[str, float] = {}
         self._inflight: dict[str, int] = {}
+        self._calls: dict[str, set[grpc.aio.Call]] = {}  # see ``watched``
         self._foreign: set[str] = set()  # ids logged as serving another model
 
     # ----------------------------------------------------------------- the view
@@ -72,6 +78,22 @@ class WorkerPool:
                 del self._known[worker_id]
                 logger.info("worker %s left the registry; closing its channel", worker_id)
                 await known.channel.close()
+        await asyncio.gather(*(self._check_health(w, k) for w, k in list(self._known.items())))
+
+    async def _check_health(self, worker_id: str, known: _Known) -> None:
+        try:
+            reply = await health_pb2_grpc.HealthStub(known.channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=self._health_timeout_s)
+            serving, why = reply.status == health_pb2.HealthCheckResponse.SERVING, "NOT_SERVING"
+        except grpc.aio.AioRpcError as exc:
+            serving, why = False, f"{exc.code().name} {exc.details()}"
+        if serving != known.serving:
+            log = logger.info if serving else logger.warning
+            log("worker %s is %s", worker_id, "serving" if serving else f"not serving: {why}")
+        known.serving = serving
+        if not serving:
+            for call in self._calls.get(worker_id, ()):
+                call.cancel()
 
     def _see(self, record: WorkerRecord, now: float) -> None:
         if record.layout.model_fingerprint != self._fingerprint:
@@ -109,7 +131,8 @@ class WorkerPool:
     def routable(self, role: str) -> list[WorkerRecord]:
         now = self._clock()
         return [k.record for w, k in sorted(self._known.items())
-                if k.record.role == role and self._suspect_until.get(w, 0.0) <= now]
+                if k.record.role == role and k.serving
+                and self._suspect_until.get(w, 0.0) <= now]
 
     def max_decode_blocks(self) -> int:
         """The largest KV pool of any known decode worker (0 if none)."""
@@ -145,6 +168,20 @@ class WorkerPool:
                 self._inflight[worker_id] = left
             else:
                 del self._inflight[worker_id]
+
+    @contextmanager
+    def watched(self, worker_id: str, call: grpc.aio.Call) -> Iterator[None]:
+        """While inside, ``call`` is cancelled if ``worker_id`` fails a health check (so a
+        hung worker cannot hold a request until its deadline). The caller tells this
+        cancel from its own with ``asyncio.current_task().cancelling()``."""
+        calls = self._calls.setdefault(worker_id, set())
+        calls.add(call)
+        try:
+            yield
+        finally:
+            calls.discard(call)
+            if not calls:
+                del self._calls[worker_id]
 
     @property
     def total_inflight(self) -> int:

@@ -8,6 +8,7 @@ test that kills a prefill worker runs last in the module (it changes the cluster
 from __future__ import annotations
 
 import math
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from pdserve.client import Client, PdserveError
 from pdserve.internal.v1 import worker_pb2 as wpb
 from pdserve.v1 import generate_pb2 as pb
 from tests.factories import PROMPTS
+from tests.processes import wait_until
 from tests.router.cluster import NUM_KV_BLOCKS, Cluster, start_cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -270,7 +272,80 @@ def _wait_first_chunk(client: Client, stream: Iterator[object]) -> None:
     assert done.wait(TIMEOUT_S) and first
 
 
-# ------------------------------------------------------------------------ faults (last)
+# ------------------------------------------------------------------------ faults
+
+def test_router_killed_mid_stream(cluster: Cluster, tmp_path: Path) -> None:
+    # the client sees UNAVAILABLE; the workers notice the broken streams and free everything
+    from tests.processes import spawn
+
+    router = spawn("router-doomed", ["router", "--model", str(cluster.model_dir), "--port", "0",
+                                     "--redis-url", cluster.redis.url], tmp_path).wait_ready()
+    with Client(router.address) as doomed:
+        stream = doomed.generate("doomed " * 8, max_tokens=900, ignore_eos=True,
+                                 timeout=TIMEOUT_S)
+        _wait_first_chunk(doomed, stream)
+        router.stop(sig=9)
+        with pytest.raises(PdserveError) as excinfo:
+            for _ in stream:
+                pass
+    assert excinfo.value.code == grpc.StatusCode.UNAVAILABLE
+    cluster.assert_no_leaks()
+
+
+def test_redis_restart_keeps_traffic_flowing(cluster: Cluster, client: Client) -> None:
+    # Redis loses everything; the router keeps its last-known-good view, the workers
+    # register again within a heartbeat, and no request fails meanwhile
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def traffic() -> None:
+        while not done.is_set():
+            try:
+                client.complete("keep going", max_tokens=2, timeout=TIMEOUT_S)
+            except BaseException as exc:  # collected and asserted below
+                errors.append(exc)
+
+    thread = threading.Thread(target=traffic, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    cluster.redis.restart()
+    time.sleep(2.0)  # several heartbeats and router refreshes
+    done.set()
+    thread.join(TIMEOUT_S)
+    assert not errors, errors
+    from pdserve.registry import Registry
+
+    with Registry(cluster.redis.url) as registry:
+        names = {r.worker_id for r in registry.list_workers()}
+    assert names == {w.name for w in cluster.workers()}
+
+
+def test_hung_prefill_worker_is_routed_around(cluster: Cluster, client: Client) -> None:
+    # SIGSTOP: the worker stops answering health checks; requests waiting on it are taken
+    # back and retried elsewhere (well before their deadline), new ones avoid it
+    assert cluster.router is not None
+    victim = cluster.prefill[0]
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        def ask(i: int) -> tuple[int, float]:
+            start = time.monotonic()
+            result = client.complete(f"while hung {i} " + PROMPTS[i], max_tokens=2,
+                                     temperature=0, timeout=TIMEOUT_S)
+            return len(result.token_ids), time.monotonic() - start
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(ask, range(8)))
+        assert all(n == 2 for n, _ in results), results
+        assert max(s for _, s in results) < 15.0, results  # not held until the deadline
+        assert f"worker {victim.name} is not serving" in cluster.router.log_tail(50_000)
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: f"worker {victim.name} is serving" in
+               cluster.router.log_tail(50_000).rpartition("is not serving")[2], 30.0,
+               "the router to route to the resumed worker again")
+
+
+# ------------------------------------------------------------------------ (last: kills a worker)
 
 def test_killed_prefill_worker_is_routed_around(cluster: Cluster, client: Client) -> None:
     victim = cluster.prefill[1]
