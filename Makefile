@@ -21,8 +21,10 @@ $(STAMP): $(PY) $(DEPS)
 
 setup: $(STAMP)
 
+# A local cluster (Redis, a prefill and a decode worker, the router) with the tiny model:
+# streams one completion through it, then serves until Ctrl-C.
 run: $(STAMP)
-	$(PY) -m pdserve demo
+	$(PY) -m pdserve up --demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

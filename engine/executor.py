@@ -254,6 +254,11 @@ class TPExecutor:
 
 
 def _threads_per_rank(size: int) -> int:
+    """``OMP_NUM_THREADS`` when set (a launcher sharing the cores between several workers
+    decides), else the machine's cores split evenly between the ``size`` ranks."""
+    configured = os.environ.get("OMP_NUM_THREADS", "")
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
     return max(1, (os.cpu_count() or 1) // size)
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 DEMO_PROMPT = "Once upon a time, in a city of caf\u00e9s and \u65e5\u672c\u8a9e signs,"
 
@@ -39,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--tensor-parallel-size", type=int, default=1)
     demo.set_defaults(func=_demo)
     _add_worker_parsers(sub)
+    _add_cluster_parsers(sub)
     return parser
 
 
@@ -58,6 +60,116 @@ def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
     router = sub.add_parser("router", help="run the router (public gRPC API, torch-free)")
     add_router_args(router)
     router.set_defaults(func=_router)
+
+
+def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="run a whole cluster locally (Redis, workers, router)")
+    up.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    up.add_argument("--decode", type=int, default=1, help="decode workers")
+    up.add_argument("--prefill-tp", type=int, default=1, help="ranks per prefill worker")
+    up.add_argument("--decode-tp", type=int, default=1, help="ranks per decode worker")
+    up.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to")
+    up.add_argument("--port", type=int, default=50051, help="the API port (0: any free port)")
+    up.add_argument("--redis-url", help="use this Redis (default: a private redis-server)")
+    up.add_argument("--cluster", default="default", help="Redis key namespace")
+    up.add_argument("--log-dir", help="children's logs (default: a fresh temp dir)")
+    up.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (default: fit)")
+    up.add_argument("--max-inflight", type=int, help="the router's in-flight request limit")
+    up.add_argument("--no-router", dest="router", action="store_false",
+                    help="start Redis and the workers only (run your own router)")
+    up.add_argument("--demo", action="store_true",
+                    help="once ready, stream one demo completion through the cluster")
+    up.set_defaults(func=_up)
+
+    gen = sub.add_parser("generate", help="stream a completion from a running cluster",
+                         epilog="exit codes: 0 done, 2 INVALID_ARGUMENT, 1 any other error")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default="127.0.0.1:50051", help="the router (HOST:PORT)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--timeout", type=float, help="deadline of the whole call, in seconds")
+    gen.set_defaults(func=_generate)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdserve.local_cluster import LocalClusterConfig, serve
+
+    try:
+        config = LocalClusterConfig(
+            model_dir=Path(args.model) if args.model else None, num_prefill=args.prefill,
+            num_decode=args.decode, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+            host=args.host, port=args.port, redis_url=args.redis_url, cluster=args.cluster,
+            log_dir=Path(args.log_dir) if args.log_dir else None,
+            num_kv_blocks=args.num_kv_blocks, max_inflight=args.max_inflight,
+            start_router=args.router)
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    if args.demo and not args.router:
+        print("pdserve up: --demo needs the router", file=sys.stderr)
+        return 2
+    return serve(config, on_ready=_cluster_demo if args.demo else None)
+
+
+def _cluster_demo(cluster: Any) -> int:
+    """Streams ``DEMO_PROMPT`` through a ready ``LocalCluster``; returns an exit code."""
+    from pdserve.client import Client
+
+    noise = " (random weights, so expect noise)" if cluster.config.model_dir is None else ""
+    print(f"\nprompt: {DEMO_PROMPT}\ncompletion{noise}: ", end="", flush=True)
+    with Client(cluster.router_address) as client:
+        code = _stream(client, "pdserve up", DEMO_PROMPT, max_tokens=48, temperature=0.8,
+                       seed=0, ignore_eos=True, timeout=120.0)
+    print(flush=True)
+    return code
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pdserve.client import Client
+
+    with Client(args.address) as client:
+        return _stream(client, "pdserve generate", args.prompt, max_tokens=args.max_tokens,
+                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                       seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                       timeout=args.timeout)
+
+
+def _stream(client: Any, who: str, prompt: str, **params: Any) -> int:
+    """Prints the text deltas as they arrive, then a summary line on stderr. Returns the
+    exit code: 0, 2 for INVALID_ARGUMENT, 1 for any other error (printed on stderr)."""
+    from pdserve.client import PdserveError
+
+    start = time.monotonic()
+    first_s = None
+    last = None
+    try:
+        for chunk in client.generate(prompt, **params):
+            first_s = time.monotonic() - start if first_s is None else first_s
+            print(chunk.text, end="", flush=True)
+            last = chunk
+    except PdserveError as exc:
+        print("" if first_s is None else "\n", end="", flush=True)  # end a partial line
+        print(f"{who}: {exc.code.name}: {exc.details}", file=sys.stderr, flush=True)
+        return 2 if exc.code.name == "INVALID_ARGUMENT" else 1
+    except KeyboardInterrupt:  # leaving the loop cancelled the call
+        print(flush=True)
+        return 130
+    print(flush=True)
+    usage = last.usage if last is not None else None
+    counts = (f"prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens}"
+              f" cached_tokens={usage.cached_tokens}" if usage is not None else "usage=?")
+    print(f"[finish_reason={last.finish_reason if last is not None else None} {counts} "
+          f"time={time.monotonic() - start:.2f}s ttft={first_s or 0.0:.2f}s]",
+          file=sys.stderr, flush=True)
+    return 0
 
 
 def _router(args: argparse.Namespace) -> int:

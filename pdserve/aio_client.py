@@ -1,0 +1,180 @@
+"""The asyncio twin of ``pdserve.Client``, on ``grpc.aio``.
+
+    async with pdserve.AsyncClient("localhost:50051") as client:
+        async for chunk in client.generate("The capital of France is", max_tokens=8):
+            print(chunk.text, end="", flush=True)
+        result = await client.complete(prompt_token_ids=[1, 2, 3], temperature=0.0)
+
+Result types, ``PdserveError`` and the proto mapping are those of ``pdserve.client``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from pdserve.client import (
+    ChannelOptions,
+    Completion,
+    CompletionBuilder,
+    GenerationChunk,
+    ModelInfo,
+    PdserveError,
+    build_request,
+    channel_options,
+    chunk_from_response,
+    error_from_rpc,
+    model_info_from_proto,
+)
+from pdserve.v1 import generate_pb2, generate_pb2_grpc
+
+__all__ = ["AsyncClient", "AsyncGenerationStream"]
+
+
+class AsyncGenerationStream:
+    """The chunks of one ``Generate`` call, as an async iterator (``async for``).
+
+    The call starts at the first ``__anext__``. Failures raise ``PdserveError`` from it.
+    The call is cancelled, so the server frees the request, when the stream is closed
+    (``aclose()`` / ``cancel()``, or ``async with`` around it), when the task awaiting a
+    chunk is cancelled, or when the stream is garbage-collected unfinished (e.g. after
+    ``break`` in an ``async for`` that held the only reference). After closing, iteration
+    stops; a chunk awaited by another task at that moment, or while the client is
+    closed, raises ``PdserveError(CANCELLED)``.
+    """
+
+    def __init__(self, stub: generate_pb2_grpc.GenerationStub,
+                 request: generate_pb2.GenerateRequest, timeout: float | None) -> None:
+        self._stub = stub
+        self._request = request
+        self._timeout = timeout
+        self._call: Any = None  # grpc.aio.UnaryStreamCall once started
+        self._finished = False
+        self._closed = False
+
+    def __aiter__(self) -> AsyncGenerationStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        if self._call is None:
+            self._call = self._stub.Generate(self._request, timeout=self._timeout)
+        try:
+            response = await self._call.read()
+        except grpc.RpcError as error:
+            self._finished = True
+            raise error_from_rpc(error) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and not task.cancelling():
+                # The call was cancelled under this task (stream or client closed).
+                self._finished = True
+                raise PdserveError(grpc.StatusCode.CANCELLED,
+                                   "the stream or its client was closed") from None
+            self.cancel()
+            raise
+        if response is grpc.aio.EOF:
+            self._finished = True
+            raise StopAsyncIteration
+        return chunk_from_response(response)
+
+    def cancel(self) -> None:
+        """Cancels the call (a no-op once it has ended) and ends the iteration."""
+        self._closed = True
+        if self._call is not None and not self._finished:
+            self._call.cancel()
+
+    async def aclose(self) -> None:
+        """Same as ``cancel()``, awaitable like an async generator's ``aclose``."""
+        self.cancel()
+
+    async def __aenter__(self) -> AsyncGenerationStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        if getattr(self, "_call", None) is not None and not self._finished:
+            self._call.cancel()
+
+
+class AsyncClient:
+    """An asyncio client of one pdserve router at ``address`` (``"host:port"``).
+
+    Create it inside the event loop that will use it (a ``grpc.aio`` channel belongs to
+    one loop). ``options`` are extra channel options overriding the SDK's defaults. Use
+    ``async with`` or ``await close()``. Every call failure raises ``PdserveError``.
+    """
+
+    def __init__(self, address: str, *, options: ChannelOptions = ()) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=channel_options(options))
+        self._stub = generate_pb2_grpc.GenerationStub(self._channel)
+
+    def generate(
+        self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+        max_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+        seed: int | None = None, stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+        request_id: str | None = None, model: str | None = None, timeout: float | None = None,
+    ) -> AsyncGenerationStream:
+        """Streams the completion of one prompt: ``async for chunk in client.generate(...)``.
+
+        Not a coroutine: it checks the arguments (``ValueError`` unless exactly one of
+        ``prompt`` / ``prompt_token_ids`` is given, raised here before any network use)
+        and returns an ``AsyncGenerationStream``. Arguments, chunks, cancellation and
+        errors as for ``Client.generate``; ``timeout`` (seconds) bounds the whole call.
+        """
+        request = build_request(
+            prompt, prompt_token_ids, max_tokens=max_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos, request_id=request_id, model=model)
+        return AsyncGenerationStream(self._stub, request, timeout)
+
+    async def complete(
+        self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+        max_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+        seed: int | None = None, stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+        request_id: str | None = None, model: str | None = None, timeout: float | None = None,
+    ) -> Completion:
+        """Generates to the end and returns the whole ``Completion``.
+
+        Arguments and errors as for ``generate``; cancelling the awaiting task cancels
+        the call.
+        """
+        stream = self.generate(
+            prompt, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id,
+            model=model, timeout=timeout)
+        builder = CompletionBuilder()
+        async with stream:
+            async for chunk in stream:
+                builder.add(chunk)
+        return builder.result()
+
+    async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        """The served model and its limits; ``PdserveError`` on failure."""
+        try:
+            info = await self._stub.GetModelInfo(generate_pb2.ModelInfoRequest(),
+                                                 timeout=timeout)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+        return model_info_from_proto(info)
+
+    async def close(self) -> None:
+        """Closes the channel; calls still running fail with ``PdserveError(CANCELLED)``."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

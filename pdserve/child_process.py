@@ -1,0 +1,125 @@
+"""Child processes that die with the process that started them, even when it is SIGKILLed.
+
+Torch-free. On Linux a child is exec'ed from a tiny trampoline that first sets
+``PR_SET_PDEATHSIG=SIGKILL`` (no ``preexec_fn``, so no fork-with-threads hazards) and bails
+out if its parent is already gone (the race before ``prctl``); the death signal survives
+``execve``. Because that signal fires when the *thread* that forked the child exits, every
+spawn happens on one long-lived daemon thread (``_SpawnThread``): spawning from a
+short-lived thread (an executor, a test helper) would kill the child with that thread.
+
+Each child runs in its own session (so its process group id is its pid): a terminal's
+Ctrl-C reaches only the parent, which then stops its children in order. Grandchildren are
+the child's business (worker rank processes die with their worker), but ``terminate``
+SIGKILLs the whole group of a child that ignored SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from queue import SimpleQueue
+from typing import Any
+
+# Runs as ``python -I -S -c _TRAMPOLINE PARENT_PID EXECUTABLE ARGS...``.
+_TRAMPOLINE = (
+    "import ctypes, os, signal, sys\n"
+    "if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:\n"
+    "    sys.exit('prctl(PR_SET_PDEATHSIG) failed')\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('parent exited before the child started')\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def spawn(argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[bytes]:
+    """Start ``argv`` (``argv[0]`` a path to an executable) as a child that is SIGKILLed
+    when this process dies, in its own session, with stdin from /dev/null and no inherited
+    file descriptors. Other ``Popen`` arguments (``stdout``, ``stderr``, ``cwd``, ``env``)
+    pass through. The caller owns the returned process: stop it with ``terminate``.
+    """
+    argv = list(argv)
+    if sys.platform.startswith("linux"):
+        argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *argv]
+    kwargs: dict[str, Any] = {"stdin": subprocess.DEVNULL, "close_fds": True,
+                              "start_new_session": True, **popen_kwargs}
+    return _SPAWNER.popen(argv, **kwargs)
+
+
+def terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL (to its whole process group) after ``grace_s``; reaps it."""
+    terminate_all([proc], grace_s)
+
+
+def terminate_all(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """``terminate`` for several children at once: all get SIGTERM together and share one
+    grace period, so stopping N children takes ``grace_s`` at most, not N times it."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+    for proc in procs:
+        proc.wait(10.0)
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the child and everything in its process group. Only while the child is not
+    yet reaped: its pid (= the group id, see ``spawn``) cannot have been reused then."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # not a group leader after all
+        proc.kill()
+
+
+class _SpawnThread:
+    """Runs every ``Popen`` on one daemon thread that lives as long as the process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: SimpleQueue[tuple[Future[subprocess.Popen[bytes]], list[str],
+                                      dict[str, Any]]] = SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        future: Future[subprocess.Popen[bytes]] = Future()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():  # also after a fork
+                self._thread = threading.Thread(target=self._serve, daemon=True,
+                                                name="pdserve-spawner")
+                self._thread.start()
+            self._jobs.put((future, argv, kwargs))
+        try:
+            return future.result()
+        except BaseException:  # e.g. Ctrl-C while waiting: the child must not go unowned
+            future.add_done_callback(_kill_unowned)
+            raise
+
+    def _serve(self) -> None:
+        while True:
+            future, argv, kwargs = self._jobs.get()
+            try:
+                future.set_result(subprocess.Popen(argv, **kwargs))
+            except BaseException as exc:  # handed to the caller
+                future.set_exception(exc)
+
+
+def _kill_unowned(future: Future[subprocess.Popen[bytes]]) -> None:
+    if future.exception() is None:
+        proc = future.result()
+        kill_group(proc)
+        proc.wait()
+
+
+_SPAWNER = _SpawnThread()

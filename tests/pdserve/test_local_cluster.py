@@ -1,0 +1,268 @@
+"""``pdserve up`` with real processes on loopback: a taken port fails before anything
+starts; Ctrl-C/SIGTERM stop every child (exit 0); SIGKILL of ``pdserve up`` leaves no
+descendant alive; a child that dies is reported by name with its log, and everything else
+stops; ``pdserve generate`` streams from the cluster and reports gRPC errors.
+
+Every descendant of a ``pdserve up`` process is recorded while it runs (a /proc walk every
+50 ms), so the tests can check that none survives it, whatever reparented them since.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.local_cluster import ChildExited, LocalCluster, LocalClusterConfig
+from tests.factories import REPO_ROOT
+from tests.pdserve.conftest import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+START_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 30.0
+NUM_KV_BLOCKS = 32
+READY_LINE = "(Ctrl-C to stop)"
+
+
+# ------------------------------------------------------------------------ process helpers
+
+def _proc_table() -> dict[int, tuple[int, str, str]]:
+    """pid → (ppid, start time, state) of every process."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            table[int(entry.name)] = (int(fields[1]), fields[19], fields[0])
+    return table
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid → start time of every live descendant of ``root``."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found[pid] = table[pid][1]
+        todo += children.get(pid, [])
+    return found
+
+
+def _alive(pid: int, start_time: str) -> bool:
+    """The same process (not a reused pid) still exists and is not a zombie."""
+    entry = _proc_table().get(pid)
+    return entry is not None and entry[1] == start_time and entry[2] != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+class Up:
+    """A ``pdserve up`` process: its output (stdout + stderr) line by line, and every
+    descendant seen while it ran (pid → start time, cmdline)."""
+
+    def __init__(self, model_dir: Path, log_dir: Path, *args: str) -> None:
+        argv = [sys.executable, "-m", "pdserve", "up", "--model", str(model_dir),
+                "--port", "0", "--num-kv-blocks", str(NUM_KV_BLOCKS),
+                "--log-dir", str(log_dir), *args]
+        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.seen: dict[int, tuple[str, str]] = {}
+        self._threads = [threading.Thread(target=self._read, daemon=True),
+                         threading.Thread(target=self._track, daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout_s: float = START_TIMEOUT_S) -> str:
+        """The first output line containing ``text``; fails if ``pdserve up`` exits first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for line in list(self.lines):
+                if text in line:
+                    return line
+            assert self.proc.poll() is None, f"pdserve up exited:\n{self.output}"
+            assert time.monotonic() < deadline, f"no {text!r} in:\n{self.output}"
+            time.sleep(0.05)
+
+    def exit_code(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        code = self.proc.wait(timeout_s)
+        for thread in self._threads:
+            thread.join(5)
+        return code
+
+    def survivors(self) -> list[str]:
+        return [f"{pid} {cmd}" for pid, (start, cmd) in self.seen.items() if _alive(pid, start)]
+
+    def pids_running(self, fragment: str) -> list[int]:
+        return [pid for pid, (start, cmd) in self.seen.items()
+                if fragment in cmd and _alive(pid, start)]
+
+    def close(self) -> None:
+        """Test cleanup: nothing of ours outlives the test, whatever happened."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        for pid, (start, _) in self.seen.items():
+            if _alive(pid, start):
+                os.kill(pid, signal.SIGKILL)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def _track(self) -> None:
+        while self.proc.poll() is None:
+            for pid, start in _descendants(self.proc.pid).items():
+                if pid not in self.seen:
+                    self.seen[pid] = (start, _cmdline(pid))
+            time.sleep(0.05)
+
+
+def _generate(address: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pdserve", "generate", *args,
+                           "--address", address, "--timeout", "60"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=90)
+
+
+# ------------------------------------------------------------------------ scenarios
+
+def test_a_taken_port_fails_at_once_and_starts_nothing(llama_dir: Path, tmp_path: Path
+                                                       ) -> None:
+    log_dir = tmp_path / "logs"
+    with socket.create_server(("127.0.0.1", 0)) as squatter:
+        taken = squatter.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "pdserve", "up", "--model", str(llama_dir),
+             "--port", str(taken), "--log-dir", str(log_dir)],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0
+    assert f"port {taken}" in result.stderr and "not available" in result.stderr
+    assert "starting" not in result.stdout  # neither Redis nor any worker
+    assert not log_dir.exists()  # no child ever wrote a log
+
+
+@pytest.fixture(scope="module")
+def served(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    """One cluster (1 prefill, 1 decode) for the client tests; the last test stops it."""
+    up = Up(llama_dir, tmp_path_factory.mktemp("up"), "--demo")
+    try:
+        up.wait_for(READY_LINE)
+        yield up
+    finally:
+        up.close()
+
+
+def _address(up: Up) -> str:
+    match = re.search(r"serving at (\S+:\d+)", up.output)
+    assert match, up.output
+    return match.group(1)
+
+
+def test_up_demo_streams_a_completion(served: Up) -> None:
+    out = served.output
+    assert "decode-0 ready at 127.0.0.1:" in out and "prefill-0 ready at 127.0.0.1:" in out
+    assert "router ready at 127.0.0.1:" in out
+    completion = re.search(r"^completion: (.*)$", out, re.MULTILINE)
+    assert completion and completion.group(1).strip(), out  # some text came back
+    assert "finish_reason=length" in out and "completion_tokens=48" in out
+
+
+def test_generate_streams_text_and_a_summary(served: Up) -> None:
+    result = _generate(_address(served), "Hello there", "--max-tokens", "8",
+                       "--temperature", "0", "--ignore-eos")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "finish_reason=length" in result.stderr and "completion_tokens=8" in result.stderr
+    assert "prompt_tokens=" in result.stderr and "cached_tokens=" in result.stderr
+
+
+def test_generate_reports_invalid_argument(served: Up) -> None:
+    result = _generate(_address(served), "Hello", "--max-tokens", "0")
+    assert result.returncode == 2, result.stderr
+    assert "INVALID_ARGUMENT" in result.stderr and "max_tokens" in result.stderr
+    assert result.stdout == ""
+
+
+def test_sigint_stops_every_child_with_exit_code_0(served: Up) -> None:
+    assert served.pids_running("redis-server") and served.pids_running("--worker-id decode-0")
+    served.proc.send_signal(signal.SIGINT)
+    assert served.exit_code() == 0, served.output
+    assert "all processes stopped" in served.output
+    assert served.survivors() == []
+
+
+def test_sigterm_while_starting_stops_everything(llama_dir: Path, tmp_path: Path) -> None:
+    up = Up(llama_dir, tmp_path)
+    try:
+        up.wait_for("starting prefill-0")
+        assert wait_until(lambda: up.pids_running("--worker-id decode-0"), 30.0)
+        up.proc.send_signal(signal.SIGTERM)  # the workers are loading
+        assert up.exit_code() == 0, up.output
+        assert READY_LINE not in up.output
+        assert up.pids_running("--worker-id") == []  # they were seen, and are gone
+        assert up.survivors() == []
+    finally:
+        up.close()
+
+
+def test_sigkill_of_up_leaves_no_descendant(llama_dir: Path, tmp_path: Path) -> None:
+    up = Up(llama_dir, tmp_path, "--decode-tp", "2")
+    try:
+        up.wait_for(READY_LINE)
+        time.sleep(0.2)  # one more /proc walk
+        decode = up.pids_running("--worker-id decode-0")
+        assert decode and up.pids_running("redis-server")
+        ranks = [pid for pid, (start, _) in up.seen.items()
+                 if _alive(pid, start) and _proc_table()[pid][0] == decode[0]]
+        assert ranks, "the decode worker's second rank"
+        assert up.pids_running("pdserve router")
+        up.proc.kill()
+        up.exit_code()
+        assert wait_until(lambda: not up.survivors(), 10.0), up.survivors()
+    finally:
+        up.close()
+
+
+def test_a_child_that_dies_is_named_and_everything_stops(llama_dir: Path, tmp_path: Path
+                                                         ) -> None:
+    lines: list[str] = []
+    config = LocalClusterConfig(model_dir=llama_dir, port=0, num_kv_blocks=NUM_KV_BLOCKS,
+                                log_dir=tmp_path, stop_grace_s=5.0)
+    with LocalCluster(config, progress=lines.append) as cluster:
+        pids = cluster.pids()
+        assert {"redis", "prefill-0", "decode-0"} <= set(pids)
+        assert (tmp_path / "decode-0.log").is_file() and (tmp_path / "redis.log").is_file()
+        os.kill(pids["decode-0"], signal.SIGKILL)
+        with pytest.raises(ChildExited, match=r"decode-0 exited unexpectedly \(killed by "
+                                              r"SIGKILL\)") as info:
+            cluster.wait(30.0)
+        assert info.value.name == "decode-0"
+        assert "decode worker decode-0 ready" in str(info.value)  # the tail of its log
+    assert cluster.pids() == {}
+    assert not set(pids.values()) & set(_proc_table())  # stopped and reaped
+    assert lines[-1] == "all processes stopped"
