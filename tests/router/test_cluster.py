@@ -7,6 +7,7 @@ test that kills a prefill worker runs last in the module (it changes the cluster
 
 from __future__ import annotations
 
+import asyncio
 import math
 import signal
 import threading
@@ -113,6 +114,30 @@ def test_streamed_text_never_splits_a_character(client: Client, llm: LLM) -> Non
     assert split_seen, "no sampled output split a multi-byte character: the test saw nothing"
 
 
+def test_async_client_concurrent_and_cancelled(cluster: Cluster, client: Client,
+                                               llm: LLM) -> None:
+    from pdserve.aio_client import AsyncClient
+
+    prompts = PROMPTS[:6]
+    expected = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0,
+                                                    ignore_eos=True))
+
+    async def main() -> list[list[int]]:
+        async with AsyncClient(cluster.address) as aclient:
+            results = await asyncio.gather(*(
+                aclient.complete(p, max_tokens=6, temperature=0, ignore_eos=True,
+                                 timeout=TIMEOUT_S) for p in prompts))
+            stream = aclient.generate("async cancel " * 4, max_tokens=900, ignore_eos=True,
+                                      timeout=TIMEOUT_S)
+            async for chunk in stream:  # leave after the first chunk: cancels the call
+                assert chunk.token_ids
+                break
+            await stream.aclose()
+            return [list(r.token_ids) for r in results]
+
+    assert asyncio.run(main()) == [r.token_ids for r in expected]
+
+
 # ------------------------------------------------------------------------ routing
 
 def _cached_blocks(cluster: Cluster) -> list[int]:
@@ -215,6 +240,22 @@ def test_model_info(client: Client, llama_dir: Path) -> None:
         (llama_dir.name, 2048, 704, 16)
     assert client.complete("named", model=llama_dir.name, max_tokens=1,
                            timeout=TIMEOUT_S).finish_reason == "length"
+
+
+def test_health_and_reflection(cluster: Cluster) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(cluster.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "pdserve.v1.Generation"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service),
+                                 timeout=TIMEOUT_S)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert "pdserve.v1.Generation" in services and "grpc.health.v1.Health" in services
 
 
 # ------------------------------------------------------------------------ cancel, deadline, budget
