@@ -4,7 +4,8 @@
 channel per routable worker, the router's own in-flight count per worker and a short
 "suspect" list of workers whose calls just failed. A worker is routable when its record
 is in the view (or left it less than ``keep_missing_s`` ago, so a Redis restart that
-empties the registry for one heartbeat does not stop traffic), its model fingerprint is
+empties the registry for one heartbeat does not stop traffic; time while Redis is
+unreachable does not count), its model fingerprint is
 the router's, its ``grpc.health.v1`` check answered SERVING at the last refresh (a
 zombie whose engine loop died answers NOT_SERVING; a hung one does not answer), and it
 is not suspect. Channels of workers that stop being routable for
@@ -70,14 +71,21 @@ class WorkerPool:
         """Read Redis (in a thread) and update the routable set; never raises for Redis."""
         snapshot = await asyncio.to_thread(self._view.refresh)
         now = self._clock()
-        if not snapshot.stale:
+        if snapshot.stale:
+            # Redis cannot say who left, so nobody is missing while it is unreachable: the
+            # keep_missing_s window starts again when it answers. Else a Redis that comes
+            # back empty after an outage longer than that window (restarted) would drop
+            # every worker at once, before their next heartbeats refill it.
+            for known in self._known.values():
+                known.last_seen = now
+        else:
             for record in snapshot.workers:
                 self._see(record, now)
-        for worker_id, known in list(self._known.items()):
-            if now - known.last_seen > self._keep_missing_s and not snapshot.stale:
-                del self._known[worker_id]
-                logger.info("worker %s left the registry; closing its channel", worker_id)
-                await known.channel.close()
+            for worker_id, known in list(self._known.items()):
+                if now - known.last_seen > self._keep_missing_s:
+                    del self._known[worker_id]
+                    logger.info("worker %s left the registry; closing its channel", worker_id)
+                    await known.channel.close()
         await asyncio.gather(*(self._check_health(w, k) for w, k in list(self._known.items())))
 
     async def _check_health(self, worker_id: str, known: _Known) -> None:
@@ -92,7 +100,7 @@ class WorkerPool:
             log("worker %s is %s", worker_id, "serving" if serving else f"not serving: {why}")
         known.serving = serving
         if not serving:
-            for call in self._calls.get(worker_id, ()):
+            for call in list(self._calls.get(worker_id, ())):
                 call.cancel()
 
     def _see(self, record: WorkerRecord, now: float) -> None:
