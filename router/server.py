@@ -126,9 +126,10 @@ class Router:
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
+    parser.add_argument("--model",
                         help="checkpoint directory (the router reads config.json and "
-                             "tokenizer.json only, never the weights)")
+                             "tokenizer.json only, never the weights; default: the "
+                             "built-in tiny model, built on first use)")
     parser.add_argument("--redis-url", required=True, help="the cluster's Redis")
     parser.add_argument("--host", default="127.0.0.1", help="address the API binds to")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
@@ -145,10 +146,16 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
-        model_dir=Path(args.model), host=args.host, port=args.port,
+        model_dir=Path(args.model) if args.model else _demo_model_dir(), host=args.host, port=args.port,
         model_name=args.model_name, grace_s=args.grace,
         discovery=DiscoveryConfig(redis_url=args.redis_url, cluster=args.cluster),
         admission=AdmissionConfig(max_inflight=args.max_inflight))
+
+
+def _demo_model_dir() -> Path:
+    from engine.tiny_model import ensure_demo_model  # imports torch: only for this default
+
+    return Path(ensure_demo_model())
 
 
 def main(args: argparse.Namespace) -> int:
