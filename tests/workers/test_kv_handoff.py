@@ -62,6 +62,8 @@ def pair(llama_dir: Path) -> Iterator[Pair]:
 
 def test_handoff_tp1_to_tp2_matches_llm(pair: Pair, reference: tuple) -> None:
     prompts, params, expected = reference
+    # the decode store was told port 0: rank 0 bound one, rank 1 attached to it
+    assert pair.d.config.store_port == 0 and pair.d.address.port > 0
     assert any(len(p) > 32 for p in prompts)  # some prompts take several chunks
     assert run_handoffs(pair, prompts, params) == expected
     assert_no_leaks(pair)
