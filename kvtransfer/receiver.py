@@ -202,7 +202,9 @@ class KVReceiver:
             while record.state == State.ACTIVE and time.monotonic() < deadline:
                 self.cond.wait(deadline - time.monotonic())
         if record.state == State.ACTIVE:
-            self.fail(record, TransferTimeout("KV incomplete at the deadline", transfer_id))
+            layers_in = all(u >= record.units_per_layer for u in record.units)
+            what = "trailer (first token) missing" if layers_in else "KV incomplete"
+            self.fail(record, TransferTimeout(f"{what} at the deadline", transfer_id))
             self._close_stalled(record)
         self._forget(record)
         if record.error is not None:

@@ -257,7 +257,7 @@ def test_kv_without_its_first_token_is_never_admitted(pair: Pair, reference: tup
     assert pair.d.poll() == []  # decode rank 1 has its heads; rank 0 waits for the token
     # 2. at the reservation's deadline the transfer fails; nothing is admitted
     (ok, reason), = poll_until(pair, {rid}, timeout_s=10).values()
-    assert not ok and "TransferTimeout" in reason
+    assert not ok and "rank 0: TransferTimeout" in reason and "trailer" in reason, reason
     assert rid not in pair.decode.scheduler.requests
     assert pair.p.abort(rid)  # the router's part on the prefill side
     assert_no_leaks(pair)
