@@ -1,6 +1,7 @@
-"""Worker processes for the real-process tests: start one through the CLI with a ready
-file, wait for it, stop it (and make sure its ranks are gone), and the leak check
-through ``Info``."""
+"""Worker processes for the worker tests: start one through the CLI with the tests'
+worker options and a ready file, wait for it (gRPC channel, rank pids), stop it (and make
+sure its ranks are gone), and the leak check through ``Info``. Process plumbing shared
+with other tests lives in ``tests.processes``."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from engine import SamplingParams
 from pdserve.internal.v1 import worker_pb2 as pb
 from pdserve.worker_common import ReadyInfo
 from tests.factories import REPO_ROOT
+from tests.processes import alive, children
 
 START_TIMEOUT_S = 120.0
 RPC_TIMEOUT_S = 60.0
@@ -67,28 +69,7 @@ def wait_ready(worker: Worker) -> None:
         time.sleep(0.2)
     worker.ready = ReadyInfo.read(worker.ready_path)
     worker.channel = grpc.insecure_channel(worker.ready.grpc_address)
-    worker.rank_pids = _children(worker.proc.pid)
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rpartition(")")[2].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
+    worker.rank_pids = children(worker.proc.pid)
 
 
 def stop(worker: Worker) -> None:

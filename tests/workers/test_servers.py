@@ -22,12 +22,12 @@ from engine import LLM, SamplingParams
 from pdserve.internal.v1 import worker_pb2 as pb
 from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
 from tests.factories import PROMPTS
+from tests.processes import alive
 from tests.workers.procs import (
     NUM_KV_BLOCKS,
     RPC_TIMEOUT_S,
     STOP_TIMEOUT_S,
     Worker,
-    alive,
     assert_no_leaks,
     proto_params,
     spawn,
