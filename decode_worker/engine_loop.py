@@ -2,10 +2,15 @@
 and its ``DecodeHandoff``.
 
 Life of one request here (commands from gRPC handlers, see ``pdserve.worker_common``):
-``Reserve`` (blocks + EXPECT on every rank) → ``Open`` (a Generate stream with the first
-token) → the loop polls the transfer; when the KV arrived on every rank and a stream is
-open, it admits the request and streams every step's output → finished (engine frees).
-``Abort`` at any point frees everything and fails an open stream with ABORTED.
+``Reserve`` (blocks + EXPECT on every rank) → ``Open`` (a Generate stream) → the loop
+polls the transfer; when the KV arrived on every rank, with its trailer (the first token
+and the prefill side's cached-token count) on rank 0, and a stream is open, it admits
+the request with that first token and streams every step's output → finished (engine
+frees). ``Abort`` at any point frees everything and fails an open stream with ABORTED.
+
+The router may still send its copies of the first token and cached-token count with
+``Open`` (from the Prefill response; 0 counts as absent). They are only checked: one
+that differs from what arrived with the KV ends the request with INTERNAL (and frees it).
 
 Ownership: from Reserve until admit, the blocks are ``DecodeHandoff``'s (it frees them on
 abort or failed transfer); after admit they are the engine's. A reservation whose KV
@@ -23,9 +28,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from decode_worker.kv_plugin import DecodeHandoff, KVTarget
+from decode_worker.handoff import DecodeHandoff, KVTarget
 from engine.core import EngineCore, RequestOutput
 from engine.sampling_params import SamplingParams
+from kvtransfer.protocol import Trailer
 from pdserve.worker_common import (
     Abort,
     AbortAll,
@@ -52,12 +58,13 @@ class Reserve(Command[KVTarget | None]):
 @dataclass(frozen=True)
 class Open(Command[OutputStream[RequestOutput]]):
     """Open the request's Generate stream: returns the stream of its ``RequestOutput``s
-    (room for every token, so the loop never waits on a slow reader)."""
+    (room for every token, so the loop never waits on a slow reader). The router's
+    copies of the first token and cached-token count (None: absent) are checked against
+    the trailer that arrives with the KV."""
 
     request_id: str
-    first_token_id: int
-
-
+    first_token_id: int | None = None
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -66,9 +73,24 @@ class _Live:
     reserved_at: float
     max_tokens: int
     stream: OutputStream[RequestOutput] | None = None
-    first_token_id: int | None = None
+    claimed: Open | None = None  # the router's copies, from Open
+    trailer: Trailer | None = None  # arrived with the KV
     arrived: bool = False
     admitted: bool = False
+
+    def mismatch(self) -> str | None:
+        """Why the router's copies disagree with the trailer (None: they agree or are
+        absent, or one of the two is not there yet)."""
+        if self.claimed is None or self.trailer is None:
+            return None
+        pairs = (("first_token_id", self.claimed.first_token_id, self.trailer.first_token_id),
+                 ("num_cached_tokens", self.claimed.num_cached_tokens,
+                  self.trailer.num_cached_tokens))
+        for name, claimed, arrived in pairs:
+            if claimed is not None and claimed != arrived:
+                return (f"GenerateRequest.{name} {claimed} differs from the {arrived} that "
+                        "arrived with the KV")
+        return None
 
 
 class DecodeLoop(EngineLoop):
@@ -104,7 +126,7 @@ class DecodeLoop(EngineLoop):
         live = self._live.get(cmd.request_id)
         if live is not None:
             if live.transfer_id == cmd.transfer_id:
-                return KVTarget(live.transfer_id, self.handoff.config.address,
+                return KVTarget(live.transfer_id, self.handoff.address,
                                 self.handoff.tp_size, len(cmd.prompt_token_ids))
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {cmd.request_id!r} holds transfer {live.transfer_id}")
@@ -130,11 +152,16 @@ class DecodeLoop(EngineLoop):
         if live.stream is not None:
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"a Generate stream is already open for {cmd.request_id!r}")
-        if not 0 <= cmd.first_token_id < self.core.config.model.vocab_size:
+        if cmd.first_token_id is not None and not (
+                0 <= cmd.first_token_id < self.core.config.model.vocab_size):
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"first_token_id {cmd.first_token_id} is outside the vocabulary")
+        live.claimed = cmd
+        problem = live.mismatch()
+        if problem is not None:
+            self._abort(cmd.request_id, grpc.StatusCode.INTERNAL, problem)
+            raise WorkerError(grpc.StatusCode.INTERNAL, problem)
         live.stream = OutputStream(live.max_tokens + 2)
-        live.first_token_id = cmd.first_token_id
         if live.arrived:
             self._admit(cmd.request_id, live)
         return live.stream
@@ -190,7 +217,7 @@ class DecodeLoop(EngineLoop):
                 del self._live[result.request_id]
                 self._fail(result.request_id, live, result.reason)
                 continue
-            live.arrived = True
+            live.arrived, live.trailer = True, result.trailer
             if live.stream is not None:
                 self._admit(result.request_id, live)
         self._expire_unopened()
@@ -212,9 +239,13 @@ class DecodeLoop(EngineLoop):
             self._failed[rid] = "no Generate stream opened before the transfer deadline"
 
     def _admit(self, request_id: str, live: _Live) -> None:
-        assert live.first_token_id is not None
+        problem = live.mismatch()
+        if problem is not None:
+            log.error("refusing the request: %s", problem, extra={"request_id": request_id})
+            self._abort(request_id, grpc.StatusCode.INTERNAL, problem)
+            return
         live.admitted = True
-        self._deliver(self.handoff.admit(request_id, live.first_token_id))
+        self._deliver(self.handoff.admit(request_id))
 
     def _deliver(self, out: RequestOutput) -> None:
         live = self._live.get(out.request_id)

@@ -26,7 +26,6 @@ from engine.config import (
     load_model_config,
 )
 from engine.core import EngineCore
-from engine.distributed import free_port
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from kvtransfer import KVLayout, fingerprint_model_dir
@@ -82,12 +81,14 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                  ) -> Iterator[pb.TokenChunk]:
         rid = request.request_id
         try:
-            stream = self.loop.call(Open(rid, request.first_token_id), CALL_TIMEOUT_S)
+            # the first token and cached count come with the KV; the router's copies
+            # (0: absent) are only checked
+            stream = self.loop.call(Open(rid, request.first_token_id or None,
+                                         request.num_cached_tokens or None), CALL_TIMEOUT_S)
         except WorkerError as exc:
             abort_with(context, exc)
         # however the call ends (cancel, deadline, error), the request is freed
         context.add_callback(lambda: self._abort_quietly(rid, "the Generate call ended"))
-        # usage.cached_tokens is the prefill worker's count, handed on by the router
         num_completion = 0
         while True:
             try:
@@ -99,20 +100,20 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
             chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.text_delta)
             if out.finished:
                 chunk.finish_reason = out.finish_reason or "stop"
+                # cached_tokens: the prefill worker's count, arrived with the KV
                 chunk.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens,
                                               completion_tokens=num_completion,
-                                              cached_tokens=request.num_cached_tokens))
+                                              cached_tokens=out.num_cached_tokens))
             yield chunk
             if out.finished:
                 return
 
 
-
-def build_engine(args: argparse.Namespace, fingerprint: str) -> tuple[EngineCore, DecodeKVConfig]:
+def build_engine(args: argparse.Namespace, fingerprint: str) -> EngineCore:
     """The decode engine with its KV plugin; spawns the follower ranks (call before any
-    gRPC object exists)."""
-    kv = DecodeKVConfig(args.host, args.kv_port or free_port(args.host), fingerprint,
-                        timeout_s=args.transfer_timeout)
+    gRPC object exists). Rank 0's KV rendezvous store binds ``args.kv_port`` itself (0:
+    any); ``DecodeHandoff.address`` tells the port it got."""
+    kv = DecodeKVConfig(args.host, args.kv_port, fingerprint, timeout_s=args.transfer_timeout)
     config = EngineConfig(
         model=load_model_config(args.model),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
@@ -120,7 +121,7 @@ def build_engine(args: argparse.Namespace, fingerprint: str) -> tuple[EngineCore
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         rank_plugin=PLUGIN, rank_plugin_config=kv.to_json())
-    return EngineCore(config, load_tokenizer(args.model)), kv
+    return EngineCore(config, load_tokenizer(args.model))
 
 
 def warm_up(core: EngineCore) -> None:
@@ -132,7 +133,7 @@ def warm_up(core: EngineCore) -> None:
 
 def main(args: argparse.Namespace) -> int:
     fingerprint = fingerprint_model_dir(args.model)
-    core, kv = build_engine(args, fingerprint)
+    core = build_engine(args, fingerprint)
     try:
         warm_up(core)
     except BaseException:
@@ -149,8 +150,9 @@ def main(args: argparse.Namespace) -> int:
         return WorkerLoad(info.kv.free + info.kv.cached, info.kv.total, info.running,
                           info.waiting)
 
+    kv = loop.handoff.address  # the port rank 0's store bound
     endpoint = Endpoint(identity, KVLayout.from_engine_config(core.config, fingerprint),
-                        f"{kv.store_host}:{kv.store_port}",
+                        f"{kv.host}:{kv.port}",
                         lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server),
                         load)
     return serve_until_signal(args, loop, endpoint)

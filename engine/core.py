@@ -101,15 +101,22 @@ class EngineCore:
             self._open_stream(request)
         return block_ids
 
-    def admit_with_kv(self, request_id: str, first_token_id: int) -> RequestOutput:
+    def admit_with_kv(self, request_id: str, first_token_id: int,
+                      num_cached_tokens: int = 0) -> RequestOutput:
         """The reserved request's prompt KV is in its blocks and ``first_token_id`` was
-        sampled by the prefill side: join the running batch (or finish at once)."""
+        sampled by the prefill side, whose prefix cache served ``num_cached_tokens`` of
+        the prompt (reported as the request's ``num_cached_tokens``): join the running
+        batch (or finish at once)."""
         request = self.scheduler.reserved.get(request_id)
         if request is None:
             raise ValueError(f"request {request_id!r} has no KV reservation")
         if not 0 <= first_token_id < self.config.model.vocab_size:
             raise ValueError(
                 f"first token id {first_token_id} is outside [0, {self.config.model.vocab_size})")
+        if not 0 <= num_cached_tokens <= request.num_prompt_tokens:
+            raise ValueError(f"{num_cached_tokens} cached tokens for a prompt of "
+                             f"{request.num_prompt_tokens}")
+        request.num_cached_tokens = num_cached_tokens
         update = self.scheduler.admit_with_kv(
             request_id, request.num_prompt_tokens, first_token_id)
         out = self._output(update)

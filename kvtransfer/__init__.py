@@ -4,12 +4,15 @@ decode worker's ranks over ``torch.distributed`` point-to-point operations.
 Roles (each module's docstring says who owns what, when):
 
 - ``KVSender`` (``sender``, ``send_lane``) — one per prefill rank. ``send()`` queues
-  layers of a request's KV (callable from the layer hook, layer by layer); ``wait()``
-  returns once the decode ranks verified it. The blocks stay the caller's to pin until
-  then.
+  layers of a request's KV (callable from the layer hook, layer by layer); on rank 0,
+  ``finish()`` queues the transfer's ``Trailer`` (first token, cached-token count)
+  behind them for decode rank 0; ``wait()`` returns (``done()`` says, without
+  blocking, whether it would) once the decode ranks verified it all. The blocks stay
+  the caller's to pin until then.
 - ``KVReceiver`` (``receiver``, ``recv_channel``) — one per decode rank; rank 0 hosts the
-  worker's rendezvous store. ``expect()`` says which blocks a transfer fills;
-  ``wait()`` returns once every part arrived, verified, in those blocks.
+  worker's rendezvous store. ``expect()`` says which blocks a transfer fills (and, on
+  rank 0, that a trailer completes it); ``wait()`` returns (the trailer, if any) once
+  every part arrived, verified, in those blocks.
 - The transport beneath them: ``channel`` (two-rank groups from
   ``engine.distributed.make_group``, opened on demand through the receiver's store;
   gloo for CPU tensors, gloo + nccl for CUDA tensors), ``pool`` (a bound on open

@@ -11,7 +11,9 @@ The receiver keeps a few receives posted ahead (``RecvRing``), each as large as 
 With CUDA tensors (nccl) the header goes alone on the gloo group and the payload follows
 on the nccl group. Tags are used once per channel; after ``MAX_SEQ`` parts the channel
 is replaced. A *message* is one ``send()`` call's layers for one route, cut into parts of
-at most ``max_part_bytes``.
+at most ``max_part_bytes``. A transfer may end with a *trailer* (``Kind.TRAILER``): one
+header-only part from sender rank 0 to receiver rank 0 whose header carries a ``Trailer``
+(the first token and cached-token count), covered by the header checksum.
 
 Channel opening goes through the receiver's rendezvous store (``WorkerInfo``,
 ``OpenRequest``, ``OpenReply``): length-prefixed fields, see ``_Codec``.
@@ -29,7 +31,7 @@ import xxhash
 
 from kvtransfer.layout import KVLayout, decode_layout, encode_layout
 
-MAGIC = 0x7064_6B76_0001  # "pdkv", protocol version 1
+MAGIC = 0x7064_6B76_0002  # "pdkv", protocol version 2 (trailers)
 MAX_SEQ = (1 << 31) - 3  # tags fit a non-negative int32 below engine's ABORT_TAG
 HEADER_BYTES = 256  # room for the header words; keeps the payload 256-byte aligned
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
@@ -38,6 +40,7 @@ DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
 class Kind(enum.IntEnum):
     DATA = 1
     CLOSE = 2  # the sender closes an idle channel on purpose; acknowledged, then cut
+    TRAILER = 3  # a transfer's last message: no payload, the header carries a ``Trailer``
 
 
 class Flag(enum.IntFlag):
@@ -70,6 +73,16 @@ def _words_checksum(words: list[int]) -> int:
 
 
 @dataclass(frozen=True)
+class Trailer:
+    """What the prefill side knows only after computing the whole KV: the request's first
+    token (sampled from the last layer's logits) and how many prompt tokens its prefix
+    cache served. Sent after every layer, from sender rank 0 to receiver rank 0."""
+
+    first_token_id: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
 class PartHeader:
     """Fixed header of one payload part. Rows are the message's ``(layer, K|V, block)``
     triples in that order (layer-major); this part carries rows ``[row_start, row_end)``
@@ -98,8 +111,10 @@ class PartHeader:
     sender_rank: int
     sender_tp_size: int
     flags: int
+    first_token_id: int = 0  # ``Kind.TRAILER`` only (the ``Trailer``); 0 on other parts
+    num_cached_tokens: int = 0
 
-    WORDS: ClassVar[int] = 24  # the fields above + a checksum over them
+    WORDS: ClassVar[int] = 26  # the fields above + a checksum over them
 
     @classmethod
     def closing(cls, seq: int) -> PartHeader:
@@ -109,6 +124,10 @@ class PartHeader:
     @property
     def is_last(self) -> bool:
         return bool(self.flags & Flag.LAST_PART)
+
+    @property
+    def trailer(self) -> Trailer:
+        return Trailer(self.first_token_id, self.num_cached_tokens)
 
     def encode(self) -> list[int]:
         words = [int(v) for v in astuple(self)]

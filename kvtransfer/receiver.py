@@ -3,7 +3,8 @@
 The decode worker's rank 0 hosts the rendezvous store (``TCPStore``) and advertises its
 KV layout and TP size there; every rank's receiver accepts channels from prefill ranks
 through it (an accept thread per rank) and reads each channel on its own threads
-(``kvtransfer.recv_channel``). ``expect()`` announces a transfer: where its KV goes.
+(``kvtransfer.recv_channel``). ``expect()`` announces a transfer: where its KV goes, and (on rank 0) whether a ``Trailer``
+completes it; ``wait()`` returns that trailer once everything arrived.
 
 Ownership of the KV blocks: from ``expect()`` until ``wait()`` returns or raises, or
 ``abort()`` returns, the receiver may write the given blocks of ``kv_cache`` at any
@@ -20,7 +21,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,15 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.packing import num_blocks_for
 from kvtransfer.plan import check_tp_size
 from kvtransfer.pool import ChannelPool
-from kvtransfer.protocol import OpenReply, OpenRequest, OpenStatus, PartHeader, Status, WorkerInfo
+from kvtransfer.protocol import (
+    OpenReply,
+    OpenRequest,
+    OpenStatus,
+    PartHeader,
+    Status,
+    Trailer,
+    WorkerInfo,
+)
 from kvtransfer.recv_channel import RecvChannel, deliver_part
 
 log = logging.getLogger(__name__)
@@ -82,6 +91,8 @@ class Incoming:
     units: list[int]
     seen: set[tuple[int, ...]] = field(default_factory=set)
     channels: set[int] = field(default_factory=set)
+    wants_trailer: bool = False  # complete only once the sender's trailer arrived too
+    trailer: Trailer | None = None
     state: State = State.ACTIVE
     error: TransferError | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -96,12 +107,15 @@ class KVReceiver:
     Contract: transfer ids are never reused; parts for finished or unknown transfers
     are ignored and counted (``stats``); open channels never exceed
     ``config.max_channels`` (a sender asking for more is told to retry).
+    ``on_layer_received(transfer_id, layer)``, if given, is called on a channel thread
+    once a layer of a transfer is complete and verified in this rank's blocks (for
+    tests' observations; it must return quickly).
     """
 
     def __init__(self, layout: KVLayout, store_address: StoreAddress, *, tp_rank: int = 0,
                  tp_size: int = 1, host_store: bool | None = None,
-                 device: str | torch.device = "cpu", config: TransferConfig | None = None
-                 ) -> None:
+                 device: str | torch.device = "cpu", config: TransferConfig | None = None,
+                 on_layer_received: Callable[[int, int], None] | None = None) -> None:
         check_tp_size(layout.num_kv_heads, tp_size)
         self.layout = layout
         self.tp_rank = tp_rank
@@ -110,6 +124,7 @@ class KVReceiver:
         self.backend = backend_for(self.device)
         self.config = config or TransferConfig()
         self.stats = ReceiverStats()
+        self.on_layer_received = on_layer_received
         self.pool = ChannelPool(self.config.max_channels, self.config.idle_timeout_s)
         self.cond = threading.Condition()
         self._expected: dict[int, Incoming] = {}
@@ -132,10 +147,13 @@ class KVReceiver:
     # ---------------------------------------------------------------- public API
 
     def expect(self, transfer_id: int, kv_cache: torch.Tensor, block_ids: Sequence[int],
-               num_tokens: int, timeout_s: float | None = None) -> None:
+               num_tokens: int, timeout_s: float | None = None, *, trailer: bool = False
+               ) -> None:
         """Announce a transfer: its tokens ``[0, num_tokens)`` go into ``block_ids`` (in
         order) of this rank's ``kv_cache``, all layers, this rank's KV heads. It fails
-        unless complete ``timeout_s`` (default ``config.timeout_s``) from now."""
+        unless complete ``timeout_s`` (default ``config.timeout_s``) from now. With
+        ``trailer`` (rank 0 only: senders send trailers there) it is complete only once
+        the sender's ``Trailer`` arrived as well."""
         from engine.models.layers import kv_head_range
 
         num_blocks = num_blocks_for(num_tokens, self.layout.block_size)
@@ -152,7 +170,8 @@ class KVReceiver:
         record = Incoming(transfer_id, kv_cache,
                           torch.tensor(ids, dtype=torch.int64, device=kv_cache.device),
                           num_tokens, num_blocks, time.monotonic() + timeout,
-                          2 * num_blocks * (end - start), [0] * self.layout.num_layers)
+                          2 * num_blocks * (end - start), [0] * self.layout.num_layers,
+                          wants_trailer=trailer)
         with self.cond:
             if self._closed:
                 raise RuntimeError("receiver is closed")
@@ -166,8 +185,9 @@ class KVReceiver:
             self._expected[transfer_id] = record
             self.cond.notify_all()
 
-    def wait(self, transfer_id: int, timeout_s: float | None = None) -> None:
-        """Block until the transfer's KV is complete and verified in its blocks.
+    def wait(self, transfer_id: int, timeout_s: float | None = None) -> Trailer | None:
+        """Block until the transfer's KV is complete and verified in its blocks; returns
+        its trailer (None unless ``expect`` asked for one).
 
         Raises its ``TransferError`` (``TransferTimeout`` at its deadline, or after
         ``timeout_s``). Either way the transfer is finished and its blocks are the
@@ -182,11 +202,14 @@ class KVReceiver:
             while record.state == State.ACTIVE and time.monotonic() < deadline:
                 self.cond.wait(deadline - time.monotonic())
         if record.state == State.ACTIVE:
-            self.fail(record, TransferTimeout("KV incomplete at the deadline", transfer_id))
+            layers_in = all(u >= record.units_per_layer for u in record.units)
+            what = "trailer (first token) missing" if layers_in else "KV incomplete"
+            self.fail(record, TransferTimeout(f"{what} at the deadline", transfer_id))
             self._close_stalled(record)
         self._forget(record)
         if record.error is not None:
             raise record.error
+        return record.trailer
 
     def done(self, transfer_id: int) -> bool:
         """True once ``wait()`` would return or raise without blocking."""

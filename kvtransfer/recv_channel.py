@@ -167,35 +167,41 @@ class RecvChannel:
 def deliver_part(rx: KVReceiver, header: PartHeader, payload: torch.Tensor, record: Incoming,
                  channel_id: int) -> Status:
     """Verify one part of ``record`` and write it into its blocks (the receiver's side
-    of ``KVReceiver.deliver``)."""
-    from kvtransfer.receiver import State
-
-    problem = _check_part(rx, header, record)
+    of ``KVReceiver.deliver``); a trailer part is checked and kept."""
+    problem = (_check_trailer if header.kind == Kind.TRAILER else _check_part)(rx, header, record)
     if problem is not None:
         rx.fail(record, TransferRejected(f"invalid part: {problem}", record.transfer_id))
         return Status.BAD_PART
     if header.flags & Flag.CANCELLED:
         rx.fail(record, TransferRejected("the sender aborted the transfer", record.transfer_id))
         return Status.NOT_EXPECTED
+    if header.kind == Kind.TRAILER:
+        return _keep_trailer(rx, header, record, channel_id)
     if checksum(payload, ChecksumAlgo(header.checksum_algo)) != header.checksum % (1 << 64):
         rx.stats.checksum_failures += 1
         rx.fail(record, ChecksumMismatch(f"payload of part {header.seq} corrupted",
                                          record.transfer_id))
         return Status.CHECKSUM_MISMATCH
+    status, completed = _write(rx, header, payload, record, channel_id)
+    if rx.on_layer_received is not None:
+        for layer in completed:
+            rx.on_layer_received(record.transfer_id, layer)
+    return status
+
+
+def _write(rx: KVReceiver, header: PartHeader, payload: torch.Tensor, record: Incoming,
+           channel_id: int) -> tuple[Status, list[int]]:
+    """Write a verified part into the blocks: its status, and the layers it completed."""
     key = (header.layer_start, header.layer_end, header.row_start, header.row_end,
            header.head_start, header.head_end)
     lay = rx.layout
     with record.lock:
-        if record.state != State.ACTIVE:
-            rx.stats.late_parts += 1
-            return Status.DONE_BEFORE if record.state == State.DONE else Status.NOT_EXPECTED
+        status = _settled_status(rx, record)
+        if status is not None:
+            return status, []
         if key in record.seen:
             rx.stats.duplicate_parts += 1
-            return Status.OK
-        if time.monotonic() > record.deadline:
-            record.state = State.FAILED
-            record.error = TransferTimeout("KV incomplete at the deadline", record.transfer_id)
-            return Status.NOT_EXPECTED
+            return Status.OK, []
         heads = local_heads(lay.num_kv_heads, rx.tp_rank, rx.tp_size, header.head_start,
                             header.head_end)
         rows = (header.row_start, header.row_end)
@@ -205,12 +211,68 @@ def deliver_part(rx: KVReceiver, header: PartHeader, payload: torch.Tensor, reco
                 rows, src)
         record.seen.add(key)
         record.channels.add(channel_id)
+        completed = []
         for seg in segments(header.layer_start, record.num_blocks, *rows):
+            before = record.units[seg.layer]
             record.units[seg.layer] += (seg.block_end - seg.block_start) * (
                 header.head_end - header.head_start)
-        if all(u >= record.units_per_layer for u in record.units):
-            record.state = State.DONE
+            if before < record.units_per_layer <= record.units[seg.layer]:
+                completed.append(seg.layer)
+        _settle_if_complete(record)
+    return Status.OK, completed
+
+
+def _keep_trailer(rx: KVReceiver, header: PartHeader, record: Incoming, channel_id: int
+                  ) -> Status:
+    with record.lock:
+        status = _settled_status(rx, record)
+        if status is not None:
+            return status
+        if record.trailer is not None:
+            rx.stats.duplicate_parts += 1
+            return Status.OK
+        record.trailer = header.trailer
+        record.channels.add(channel_id)
+        _settle_if_complete(record)
     return Status.OK
+
+
+def _settled_status(rx: KVReceiver, record: Incoming) -> Status | None:
+    """The status for a part of a transfer that ended (lock held; a transfer past its
+    deadline fails here), or None while it is active."""
+    from kvtransfer.receiver import State
+
+    if record.state == State.ACTIVE and time.monotonic() > record.deadline:
+        record.state = State.FAILED
+        record.error = TransferTimeout("KV incomplete at the deadline", record.transfer_id)
+        return Status.NOT_EXPECTED
+    if record.state == State.ACTIVE:
+        return None
+    rx.stats.late_parts += 1
+    return Status.DONE_BEFORE if record.state == State.DONE else Status.NOT_EXPECTED
+
+
+def _settle_if_complete(record: Incoming) -> None:
+    """Every layer (and the trailer, when wanted) is in: the transfer is done (lock held)."""
+    from kvtransfer.receiver import State
+
+    if all(u >= record.units_per_layer for u in record.units) and (
+            record.trailer is not None or not record.wants_trailer):
+        record.state = State.DONE
+
+
+def _check_trailer(rx: KVReceiver, header: PartHeader, record: Incoming) -> str | None:
+    """Why trailer ``header`` cannot belong to ``record`` on this rank (None when it can)."""
+    mismatch = header.check_layout(rx.layout)
+    if mismatch is not None:
+        return f"KV layout differs: {mismatch}"
+    if not record.wants_trailer:
+        return f"a trailer for transfer {record.transfer_id}, which has none on rank {rx.tp_rank}"
+    if header.num_tokens != record.num_tokens or header.payload_nbytes:
+        return f"trailer of {header.num_tokens} tokens with {header.payload_nbytes} payload bytes"
+    if header.first_token_id < 0 or not 0 <= header.num_cached_tokens <= record.num_tokens:
+        return f"trailer {header.trailer} out of range"
+    return None
 
 
 def _check_part(rx: KVReceiver, header: PartHeader, record: Incoming) -> str | None:

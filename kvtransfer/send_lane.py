@@ -4,6 +4,8 @@ A lane's thread borrows the route's channel from the sender's pool for one messa
 a time, opening a channel when none is open. Per message it reserves consecutive part
 numbers and, with ``SEND_DEPTH`` staging buffers, gathers the next parts while earlier
 ones are on the wire; then it waits for the receiver's acknowledgement of the last part.
+A trailer job is one header-only part, acknowledged like a message; being queued after
+the transfer's layers on the same lane, it reaches the receiver after them.
 
 Ownership: while borrowed, the channel is used by this lane's thread only. Once part
 numbers are reserved every part is sent (a part of an aborted transfer goes out as a
@@ -97,7 +99,10 @@ class SendLane:
         for attempt in range(2):
             channel, reused = self._acquire(record)
             try:
-                ack = self._send_message(channel, job)
+                if job.trailer is not None:
+                    ack = self._send_trailer(channel, job)
+                else:
+                    ack = self._send_message(channel, job)
             except ChannelClosed as exc:
                 self.sender.pool.discard(channel, str(exc))
                 if reused and attempt == 0:
@@ -190,6 +195,25 @@ class SendLane:
         s.stats.parts_sent += len(parts)
         s.stats.bytes_sent += num_rows * row_bytes
         return _check_ack(channel, ack_op, record.transfer_id, first_seq + len(parts) - 1)
+
+    def _send_trailer(self, channel: Channel, job: Job) -> Ack:
+        """Send the transfer's trailer (a header-only part; marked cancelled when the
+        transfer failed meanwhile) and await its acknowledgement."""
+        record, s, lay = job.record, self.sender, self.sender.layout
+        assert job.trailer is not None
+        seq = channel.alloc_seqs(1)  # from here on, the part must be sent
+        flags = Flag.LAST_PART | (Flag.CANCELLED if record.error is not None else Flag.NONE)
+        header = PartHeader(
+            MAGIC, Kind.TRAILER, seq, record.transfer_id, lay.digest(), lay.num_layers,
+            lay.num_kv_heads, lay.head_dim, DTYPE_CODES[lay.dtype], lay.block_size,
+            record.num_tokens, 0, 0, 0, 0, 0, 0, 0, 0, 0, s.tp_rank, s.tp_size, int(flags),
+            job.trailer.first_token_id, job.trailer.num_cached_tokens)
+        ops = channel.send_part(header, torch.empty(HEADER_BYTES, dtype=torch.uint8))
+        ack_op = channel.recv_ack(seq)
+        for op in [*ops, ack_op]:
+            channel.wait(op, s.config.timeout_s)
+        s.stats.parts_sent += 1
+        return _check_ack(channel, ack_op, record.transfer_id, seq)
 
     def _prepare_part(self, job: Job, heads: tuple[int, int], rows: tuple[int, int],
                       buffer: torch.Tensor, seq: int, *, last: bool) -> PartHeader:

@@ -2,7 +2,9 @@
 
 ``send()`` queues a request's KV (some or all layers) for the decode worker whose
 rendezvous store is at ``dest``; it returns at once, so a prefill rank can call it from
-the layer hook for layer l while it computes layer l + 1. Each route of the plan
+the layer hook for layer l while it computes layer l + 1. ``finish()`` (rank 0 only)
+queues the transfer's ``Trailer`` behind its layers for the receiver's rank 0.
+``done()`` says, without blocking, whether ``wait()`` would return at once. Each route of the plan
 (``kvtransfer.plan``) has a lane: a thread that exists while the lane has work, owns the
 lane's messages in order, and moves them over the lane's channel (see ``SendLane``).
 
@@ -33,7 +35,7 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.packing import num_blocks_for
 from kvtransfer.plan import Route, check_tp_size, routes_from
 from kvtransfer.pool import ChannelPool
-from kvtransfer.protocol import PartHeader, WorkerInfo
+from kvtransfer.protocol import PartHeader, Trailer, WorkerInfo
 from kvtransfer.send_lane import LaneKey, SendLane
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class Outgoing:
     receiver_tp: int
     routes: list[Route]
     layers_sent: set[int] = field(default_factory=set)
+    trailer_queued: bool = False
     jobs_open: int = 0
     error: TransferError | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -71,12 +74,14 @@ class Outgoing:
 
 @dataclass(frozen=True)
 class Job:
-    """One message: ``route``'s heads of layers ``[layer_start, layer_end)``."""
+    """One message: ``route``'s heads of layers ``[layer_start, layer_end)``, or (with
+    ``trailer``, no layers) the transfer's trailer."""
 
     record: Outgoing
     route: Route
     layer_start: int
     layer_end: int
+    trailer: Trailer | None = None
 
 
 class KVSender:
@@ -140,6 +145,36 @@ class KVSender:
                 return
             for route in record.routes:
                 self._submit(Job(record, route, layers.start, layers.stop))
+
+    def finish(self, transfer_id: int, trailer: Trailer) -> None:
+        """Queue ``trailer`` for the receiver's rank 0, behind every layer of the transfer
+        (on rank 0 only, which always serves a route to receiver rank 0; once, after the
+        last ``send()``). ``wait()`` and ``done()`` then include its acknowledgement.
+        Raises ``KeyError`` for an unknown transfer, ``ValueError`` when layers are
+        missing or a trailer was queued before; a failed transfer ignores it."""
+        with self._cond:
+            record = self._records.get(transfer_id)
+            if record is None:
+                raise KeyError(f"unknown transfer {transfer_id}")
+            if self.tp_rank != 0 or record.trailer_queued:
+                raise ValueError(f"transfer {transfer_id}: trailer from rank {self.tp_rank} "
+                                 f"(queued before: {record.trailer_queued})")
+            if len(record.layers_sent) < self.layout.num_layers:
+                raise ValueError(f"transfer {transfer_id}: trailer before every layer was sent")
+            record.trailer_queued = True
+            if record.error is not None:
+                return
+            route = next(r for r in record.routes if r.receiver_rank == 0)
+            self._submit(Job(record, route, 0, 0, trailer))
+
+    def done(self, transfer_id: int) -> bool:
+        """True once ``wait()`` would return or raise at once (every queued message
+        acknowledged, or the transfer failed). Raises ``KeyError`` if unknown."""
+        with self._cond:
+            record = self._records.get(transfer_id)
+            if record is None:
+                raise KeyError(f"unknown transfer {transfer_id}")
+            return self._is_done(record)
 
     def wait(self, transfer_id: int, timeout_s: float | None = None) -> None:
         """Block until every layer was sent and acknowledged.

@@ -53,7 +53,8 @@ def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
     decode = sub.add_parser("decode", help="run a decode worker (gRPC, receives KV, streams)")
     add_worker_args(decode)
     decode.add_argument("--kv-port", type=int, default=0,
-                        help="KV rendezvous store port (0: a free port)")
+                        help="KV rendezvous store port (0: the OS picks when the store "
+                        "binds; the ready file and registration tell the port it got)")
     decode.set_defaults(func=_decode)
     from router.server import add_router_args
 

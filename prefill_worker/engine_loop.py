@@ -4,13 +4,15 @@ and its ``PrefillHandoff``.
 Life of one request here: ``Submit`` (queued as a prefill-only request with a send order
 to the decode store) → the engine prefills it in chunks with others (continuous
 batching); the step that samples its first token sends its KV layer by layer → the loop
-calls ``PrefillHandoff.complete`` (waits until every rank's send is done, then unpins the
-blocks into the prefix cache) → the request's ``OutputStream`` gets one ``PrefillDone``.
-``Abort`` at any point stops the send, unpins or frees the blocks and fails the stream
-with ABORTED.
+calls ``PrefillHandoff.finish`` (the first token and cached-token count follow the KV as
+its trailer) and steps on → between steps (or every ``IDLE_POLL_S`` when idle) it polls
+the transfers; once every decode rank acknowledged this one, the blocks are unpinned into
+the prefix cache and the request's ``OutputStream`` gets one ``PrefillDone``. ``Abort``
+at any point stops the send, unpins or frees the blocks and fails the stream with
+ABORTED.
 
-Known limit: ``complete`` blocks the loop until the decode side has received the KV
-(bounded by the transfer timeout); on loopback that is milliseconds.
+Known limit: the first request to a decode worker this process has not sent to before
+reads its advertised layout inside the step (bounded by the transfer timeout).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.core import EngineCore, RequestOutput
+from engine.core import EngineCore
 from engine.distributed import StoreAddress
 from engine.sampling_params import SamplingParams
 from pdserve.worker_common import (
@@ -34,13 +36,15 @@ from pdserve.worker_common import (
     OutputStream,
     WorkerError,
 )
-from prefill_worker.kv_plugin import PrefillHandoff
+from prefill_worker.handoff import PrefillHandoff, PrefillResult
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class PrefillDone:
+    """The request's KV and trailer reached every decode rank, verified."""
+
     first_token_id: int
     num_cached_tokens: int
     num_prompt_tokens: int
@@ -56,8 +60,6 @@ class Submit(Command[None]):
     transfer_id: int
     dest: StoreAddress
     stream: OutputStream[PrefillDone]
-
-
 
 
 class PrefillLoop(EngineLoop):
@@ -114,22 +116,34 @@ class PrefillLoop(EngineLoop):
     def _has_work(self) -> bool:
         return self.core.has_unfinished()
 
+    def _is_polling(self) -> bool:
+        return bool(self.handoff.num_sending)
+
     def _tick(self) -> None:
         for out in self.core.step():
-            if out.finished:
-                self._complete(out)
+            if out.finished and out.request_id in self._streams:  # else: warm-up
+                result = self.handoff.finish(out)
+                if result is not None:
+                    self._report(result)
 
-    def _complete(self, out: RequestOutput) -> None:
-        stream = self._streams.pop(out.request_id, None)
-        if stream is None:  # not a submitted request (warm-up)
+    def _serve_commands(self) -> bool:
+        alive = super()._serve_commands()
+        if alive and self.handoff.num_sending:
+            for result in self.handoff.poll():
+                self._report(result)
+        return alive
+
+    def _report(self, result: PrefillResult) -> None:
+        stream = self._streams.pop(result.request_id, None)
+        if stream is None:
             return
-        result = self.handoff.complete(out)
-        if not result.ok or result.first_token_id is None:
-            log.warning("KV send failed: %s", result.reason, extra={"request_id": out.request_id})
+        if not result.ok or result.trailer is None:
+            log.warning("KV send failed: %s", result.reason,
+                        extra={"request_id": result.request_id})
             stream.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {result.reason}")
             return
-        stream.put(PrefillDone(result.first_token_id, result.num_cached_tokens,
-                               out.num_prompt_tokens))
+        stream.put(PrefillDone(result.trailer.first_token_id, result.trailer.num_cached_tokens,
+                               result.num_prompt_tokens))
 
     def _close(self) -> None:
         try:

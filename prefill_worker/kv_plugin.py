@@ -1,6 +1,6 @@
-"""The prefill side of the KV handoff: a ``KVSender`` on every rank of a prefill engine,
-sending layer l of a request's KV as soon as layer l is written, and ``PrefillHandoff``,
-the leader-side helper that drives them.
+"""The prefill side of the KV handoff, rank side: a ``KVSender`` on every rank of a
+prefill engine, sending layer l of a request's KV as soon as layer l is written. The
+leader drives them through ``prefill_worker.handoff.PrefillHandoff``.
 
 Install with ``EngineConfig(rank_plugin=PLUGIN, rank_plugin_config=PrefillKVConfig(...)
 .to_json())`` and build ``PrefillHandoff(core)`` (it sets ``core.step_payload``).
@@ -11,14 +11,23 @@ store. Only the step holding a request's last prompt chunk (the one that samples
 carries its order; the layer hook then sends all of the request's blocks, layer by
 layer. Followers see chunks without request ids, so everything they need is in here.
 
-Calls (leader → every rank): ``WAIT(transfer_id, timeout_s)`` → ``TransferStatus``
-(done, or failed with the reason; the rank has finished the transfer either way);
-``ABORT(transfer_id)`` (returns once the rank reads no block of it); ``STATS``.
+Calls (leader → every rank; none of them waits on the network):
+
+- ``FINISH(transfer_id, first_token_id, num_cached_tokens)``: every layer was sent; rank
+  0 queues the ``Trailer`` behind them (to the decode worker's rank 0);
+- ``STATUS(transfer_ids)`` → one ``TransferStatus`` each: pending, done or failed (with
+  the reason). A final state is reported once: the rank has then finished the transfer
+  and reads none of its blocks any more;
+- ``ABORT(transfer_id)`` (returns once the rank reads no block of it); ``STATS``.
 
 Block ownership on the prefill side: a prefill-only request's blocks are the engine's
 while it runs, then pinned (``RequestOutput.block_ids``). From the step that starts the
-send until WAIT (or ABORT) returned on every rank, the senders may read them; only then
-does ``PrefillHandoff`` unpin them (``release_pinned``; they stay in the prefix cache).
+send until every rank reported a final state (or ABORT returned on every rank), the
+senders may read them; only then does ``PrefillHandoff`` unpin them (``release_pinned``;
+they stay in the prefix cache).
+
+Test-only: with ``pdserve.pause_points`` enabled, the layer hook records and may pause at
+``prefill.layer_sent`` after queuing each layer.
 """
 
 from __future__ import annotations
@@ -28,16 +37,17 @@ import importlib
 import json
 import logging
 import struct
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from engine.attention.metadata import LayerHook
-from engine.core import EngineCore, RequestOutput
 from engine.distributed import StoreAddress
 from engine.rank_plugin import RankContext
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.scheduler import ScheduledChunk
 from kvtransfer import KVLayout, KVSender, TransferConfig, TransferError
+from kvtransfer.protocol import Trailer
+from pdserve import pause_points
 
 log = logging.getLogger(__name__)
 PLUGIN = "prefill_worker.kv_plugin:make"
@@ -73,14 +83,21 @@ class PrefillKVConfig:
 # ------------------------------------------------------------------------ messages
 
 class Op(enum.IntEnum):
-    WAIT = 1
-    ABORT = 2
-    STATS = 3
+    FINISH = 1
+    STATUS = 2
+    ABORT = 3
+    STATS = 4
+
+
+class State(enum.IntEnum):
+    PENDING = 0
+    DONE = 1
+    FAILED = 2
 
 
 _ORDER = struct.Struct("<iqiH")  # chunk index, transfer_id, port, len(host); then host
-_WAIT = struct.Struct("<Bqd")  # op, transfer_id, timeout_s
-_STATUS = struct.Struct("<BI")  # ok, len(reason); then the UTF-8 reason
+_FINISH = struct.Struct("<Bqqq")  # op, transfer_id, first_token_id, num_cached_tokens
+_STATUS = struct.Struct("<qBI")  # transfer_id, state, len(reason); then the UTF-8 reason
 _STATS = struct.Struct("<qqq")  # pending, open channels, max channels
 
 
@@ -114,17 +131,27 @@ def decode_orders(raw: bytes) -> list[SendOrder]:
 
 @dataclass(frozen=True)
 class TransferStatus:
-    ok: bool
+    transfer_id: int
+    state: State
     reason: str = ""
 
-    def encode(self) -> bytes:
-        reason = self.reason.encode()
-        return _STATUS.pack(self.ok, len(reason)) + reason
 
-    @classmethod
-    def decode(cls, raw: bytes) -> TransferStatus:
-        ok, n = _STATUS.unpack_from(raw)
-        return cls(bool(ok), raw[_STATUS.size:_STATUS.size + n].decode())
+def encode_statuses(statuses: Sequence[TransferStatus]) -> bytes:
+    parts = []
+    for s in statuses:
+        reason = s.reason.encode()
+        parts.append(_STATUS.pack(s.transfer_id, s.state, len(reason)) + reason)
+    return b"".join(parts)
+
+
+def decode_statuses(raw: bytes) -> list[TransferStatus]:
+    out, offset = [], 0
+    while offset < len(raw):
+        transfer_id, state, n = _STATUS.unpack_from(raw, offset)
+        offset += _STATUS.size
+        out.append(TransferStatus(transfer_id, State(state), raw[offset:offset + n].decode()))
+        offset += n
+    return out
 
 
 @dataclass(frozen=True)
@@ -138,8 +165,13 @@ class RankStats:
         return cls(*_STATS.unpack(raw))
 
 
-def wait_request(transfer_id: int, timeout_s: float) -> bytes:
-    return _WAIT.pack(Op.WAIT, transfer_id, timeout_s)
+def finish_request(transfer_id: int, trailer: Trailer) -> bytes:
+    return _FINISH.pack(Op.FINISH, transfer_id, trailer.first_token_id,
+                        trailer.num_cached_tokens)
+
+
+def status_request(transfer_ids: Sequence[int]) -> bytes:
+    return bytes([Op.STATUS]) + array("q", transfer_ids).tobytes()
 
 
 def abort_request(transfer_id: int) -> bytes:
@@ -173,9 +205,14 @@ class PrefillKVPlugin:
 
     def handle(self, request: bytes) -> bytes:
         op = Op(request[0])
-        if op is Op.WAIT:
-            _, transfer_id, timeout_s = _WAIT.unpack(request)
-            return self._wait(transfer_id, timeout_s).encode()
+        if op is Op.FINISH:
+            _, transfer_id, first_token_id, num_cached_tokens = _FINISH.unpack(request)
+            self._finish(transfer_id, Trailer(first_token_id, num_cached_tokens))
+            return b""
+        if op is Op.STATUS:
+            ids = array("q")
+            ids.frombytes(request[1:])
+            return encode_statuses([self._status(t) for t in ids])
         if op is Op.ABORT:
             (transfer_id,) = struct.unpack("<q", request[1:])
             self._failed.pop(transfer_id, None)
@@ -183,18 +220,29 @@ class PrefillKVPlugin:
         return _STATS.pack(self.sender.num_pending + len(self._failed),
                            self.sender.num_open_channels, self.sender.config.max_channels)
 
-    def _wait(self, transfer_id: int, timeout_s: float) -> TransferStatus:
+    def _finish(self, transfer_id: int, trailer: Trailer) -> None:
+        if self.ctx.rank != 0 or transfer_id in self._failed:
+            return
+        try:
+            self.sender.finish(transfer_id, trailer)
+        except (KeyError, ValueError) as exc:  # reported by STATUS
+            self._failed[transfer_id] = f"trailer not sent: {exc}"
+
+    def _status(self, transfer_id: int) -> TransferStatus:
+        """Pending, or the final state (then the sender has forgotten the transfer)."""
         failed = self._failed.pop(transfer_id, None)
         if failed is not None:
             self.sender.abort(transfer_id)
-            return TransferStatus(False, failed)
+            return TransferStatus(transfer_id, State.FAILED, failed)
         try:
-            self.sender.wait(transfer_id, timeout_s)
+            if not self.sender.done(transfer_id):
+                return TransferStatus(transfer_id, State.PENDING)
+            self.sender.wait(transfer_id, timeout_s=0)
         except KeyError:
-            return TransferStatus(False, "never sent from this rank")
+            return TransferStatus(transfer_id, State.FAILED, "never sent from this rank")
         except TransferError as exc:
-            return TransferStatus(False, f"{type(exc).__name__}: {exc}")
-        return TransferStatus(True)
+            return TransferStatus(transfer_id, State.FAILED, f"{type(exc).__name__}: {exc}")
+        return TransferStatus(transfer_id, State.DONE)
 
     def step_hook(self, chunks: Sequence[ScheduledChunk], payload: bytes) -> LayerHook | None:
         orders = decode_orders(payload)
@@ -212,9 +260,13 @@ class PrefillKVPlugin:
                 try:
                     self.sender.send(transfer_id, self.ctx.kv_cache, block_ids, num_tokens,
                                      dest, layers=range(layer_idx, layer_idx + 1))
-                except (ValueError, RuntimeError) as exc:  # reported by WAIT
+                except (ValueError, RuntimeError) as exc:  # reported by STATUS
                     log.warning("transfer %d: send failed: %s", transfer_id, exc)
                     self._failed[transfer_id] = f"{type(exc).__name__}: {exc}"
+                if pause_points.enabled():
+                    point = dict(transfer_id=transfer_id, layer=layer_idx, rank=self.ctx.rank)
+                    pause_points.record("prefill.layer_sent", **point)
+                    pause_points.pause("prefill.layer_sent", **point)
 
         return send_layer
 
@@ -224,93 +276,3 @@ class PrefillKVPlugin:
 
 def make(ctx: RankContext) -> PrefillKVPlugin:
     return PrefillKVPlugin(ctx)
-
-
-# ------------------------------------------------------------------------ leader side
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """A finished prefill: the first token (for the decode side's ``admit``) and whether
-    the KV reached every decode rank. Its blocks are already unpinned."""
-
-    request_id: str
-    transfer_id: int
-    first_token_id: int | None  # None when the prefill produced no token
-    num_cached_tokens: int
-    ok: bool
-    reason: str = ""
-
-
-@dataclass
-class _Order:
-    transfer_id: int
-    dest: StoreAddress
-    started: bool = False
-
-
-class PrefillHandoff:
-    """Leader-side driver of a prefill engine's senders (same thread as the engine).
-
-    Lifecycle: ``submit`` → step the engine → on the request's finished output,
-    ``complete`` (waits on every rank, then unpins) → the caller passes
-    ``first_token_id`` to the decode side. ``abort`` at any point instead.
-    """
-
-    def __init__(self, core: EngineCore, wait_timeout_s: float | None = None) -> None:
-        self.core = core
-        config = PrefillKVConfig.from_json(core.config.rank_plugin_config)
-        self.wait_timeout_s = wait_timeout_s or config.timeout_s
-        self._orders: dict[str, _Order] = {}
-        core.step_payload = self.step_payload
-
-    def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-               transfer_id: int, dest: StoreAddress) -> None:
-        """Queue a prefill-only request whose KV goes to the decode store ``dest``."""
-        self.core.add_request(request_id, prompt_ids, params, prefill_only=True)
-        self._orders[request_id] = _Order(transfer_id, dest)
-
-    def step_payload(self, out: SchedulerOutput) -> bytes:
-        """The ``SendOrder``s of this step (installed as ``core.step_payload``)."""
-        orders = []
-        for index, chunk in enumerate(out.chunks):
-            order = self._orders.get(chunk.request_id)
-            if order is not None and chunk.sample and not order.started:
-                order.started = True
-                orders.append(SendOrder(index, order.transfer_id, order.dest))
-        return encode_orders(orders)
-
-    def complete(self, output: RequestOutput) -> PrefillResult:
-        """For a submitted request's finished output: wait until every rank's send is
-        acknowledged or failed, then unpin its blocks."""
-        if not output.finished or output.request_id not in self._orders:
-            raise ValueError(f"{output.request_id!r} is not a finished submitted request")
-        order = self._orders.pop(output.request_id)
-        replies = self.core.call_ranks(wait_request(order.transfer_id, self.wait_timeout_s))
-        statuses = [TransferStatus.decode(r) for r in replies]
-        reasons = [f"rank {i}: {s.reason}" for i, s in enumerate(statuses) if not s.ok]
-        if reasons:  # ranks that did not fail have finished too (WAIT always finishes)
-            self.core.call_ranks(abort_request(order.transfer_id))
-        self.core.release_pinned(output.request_id)
-        first = output.new_token_ids[0] if output.new_token_ids else None
-        return PrefillResult(output.request_id, order.transfer_id, first,
-                             output.num_cached_tokens, not reasons and first is not None,
-                             "; ".join(reasons))
-
-    def abort(self, request_id: str) -> bool:
-        """Stop the request wherever it is; its blocks are freed or unpinned once no rank
-        reads them. False if unknown."""
-        order = self._orders.pop(request_id, None)
-        if order is None:
-            return False
-        self.core.abort_request(request_id)
-        if order.started:
-            self.core.call_ranks(abort_request(order.transfer_id))
-        self.core.release_pinned(request_id)
-        return True
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._orders)
-
-    def rank_stats(self) -> list[RankStats]:
-        return [RankStats.decode(r) for r in self.core.call_ranks(bytes([Op.STATS]))]

@@ -203,8 +203,9 @@ def test_admit_that_finishes_at_once_frees_the_id(llm: LLM) -> None:
     prompt = llm.encode(PROMPTS[2])
     one = SamplingParams(max_tokens=1, temperature=0)
     assert core.reserve_for_kv("once", prompt, one) is not None
-    out = core.admit_with_kv("once", 5)
+    out = core.admit_with_kv("once", 5, num_cached_tokens=len(prompt))
     assert out.finished and out.finish_reason == "length" and out.new_token_ids == [5]
+    assert out.num_cached_tokens == len(prompt)  # the prefill side's count
     assert core.kv_usage().in_use == 0
     # the id can be used again, and nothing is left behind
     assert core.reserve_for_kv("once", prompt, one) is not None
@@ -221,6 +222,8 @@ def test_bad_admissions_and_reused_pinned_ids_are_refused(llm: LLM) -> None:
     assert core.reserve_for_kv("r", prompt, GREEDY) is not None
     with pytest.raises(ValueError, match="first token id"):
         core.admit_with_kv("r", 10**6)
+    with pytest.raises(ValueError, match="cached tokens"):
+        core.admit_with_kv("r", 5, num_cached_tokens=len(prompt) + 1)
     assert core.abort_request("r")
     core.add_request("pinned", prompt, GREEDY, prefill_only=True)
     _step_all(core)

@@ -39,7 +39,7 @@ from kvtransfer.channel import open_channel
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import TransferError
 from kvtransfer.layout import KVLayout
-from kvtransfer.protocol import OpenRequest, PartHeader
+from kvtransfer.protocol import OpenRequest, PartHeader, Trailer
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
 
@@ -160,14 +160,27 @@ class AgentState:
         assert self.sender is not None
         self.sender.wait(transfer_id, timeout_s)
 
-    def expect(self, transfer_id: int, block_ids: Sequence[int], num_tokens: int,
-               timeout_s: float | None = None) -> None:
-        assert self.receiver is not None and self.cache is not None
-        self.receiver.expect(transfer_id, self.cache, block_ids, num_tokens, timeout_s)
+    def send_finish(self, transfer_id: int, trailer: Trailer) -> None:
+        assert self.sender is not None
+        self.sender.finish(transfer_id, trailer)
 
-    def recv_wait(self, transfer_id: int, timeout_s: float | None = None) -> None:
+    def send_done(self, transfer_id: int) -> bool:
+        assert self.sender is not None
+        return self.sender.done(transfer_id)
+
+    def expect(self, transfer_id: int, block_ids: Sequence[int], num_tokens: int,
+               timeout_s: float | None = None, trailer: bool = False) -> None:
+        assert self.receiver is not None and self.cache is not None
+        self.receiver.expect(transfer_id, self.cache, block_ids, num_tokens, timeout_s,
+                             trailer=trailer)
+
+    def recv_wait(self, transfer_id: int, timeout_s: float | None = None) -> Trailer | None:
         assert self.receiver is not None
-        self.receiver.wait(transfer_id, timeout_s)
+        return self.receiver.wait(transfer_id, timeout_s)
+
+    def recv_done(self, transfer_id: int) -> bool:
+        assert self.receiver is not None
+        return self.receiver.done(transfer_id)
 
     def report(self) -> dict[str, Any]:
         """Leak-check figures: open channels and bound, pending transfers, threads."""

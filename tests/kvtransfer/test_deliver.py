@@ -1,8 +1,10 @@
 """How a receiver takes one part: verified before it is written, counted when it is a
-duplicate, late or invalid (no network: a receiver stand-in and a hand-made header)."""
+duplicate, late or invalid; trailers complete a transfer only with all its layers (no
+network: a receiver stand-in and hand-made headers)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from types import SimpleNamespace
@@ -12,7 +14,16 @@ import torch
 from kvtransfer.checksum import checksum
 from kvtransfer.errors import ChecksumMismatch, TransferError
 from kvtransfer.packing import gather, rows_view, split_rows
-from kvtransfer.protocol import DTYPE_CODES, MAGIC, ChecksumAlgo, Flag, Kind, PartHeader, Status
+from kvtransfer.protocol import (
+    DTYPE_CODES,
+    MAGIC,
+    ChecksumAlgo,
+    Flag,
+    Kind,
+    PartHeader,
+    Status,
+    Trailer,
+)
 from kvtransfer.receiver import Incoming, ReceiverStats, State
 from kvtransfer.recv_channel import deliver_part
 from tests.kvtransfer.topology import LAYOUT
@@ -32,7 +43,8 @@ class Receiver(SimpleNamespace):
 def _setup() -> tuple[Receiver, Incoming, torch.Tensor]:
     shape = (LAYOUT.num_layers, 2, 8, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     src = torch.randn(shape)
-    rx = Receiver(layout=LAYOUT, tp_rank=0, tp_size=1, stats=ReceiverStats())
+    rx = Receiver(layout=LAYOUT, tp_rank=0, tp_size=1, stats=ReceiverStats(),
+                  on_layer_received=None)
     record = Incoming(9, torch.zeros(shape), torch.tensor(DST_IDS), NUM_TOKENS, 3,
                       time.monotonic() + 60, 2 * 3 * LAYOUT.num_kv_heads,
                       [0] * LAYOUT.num_layers)
@@ -109,3 +121,49 @@ def test_blocks_are_written_only_under_the_transfer_lock() -> None:
         record.state = State.FAILED
     worker.join(5)
     assert not record.kv_cache.any()
+
+
+def _trailer(**changes: int) -> tuple[PartHeader, torch.Tensor]:
+    header, _ = _part(torch.zeros(1), (0, 0), kind=Kind.TRAILER, payload_nbytes=0,
+                      flags=int(Flag.LAST_PART), first_token_id=42, num_cached_tokens=32,
+                      checksum=0)
+    return dataclasses.replace(header, **changes), torch.empty(0, dtype=torch.uint8)
+
+
+def test_a_trailer_completes_the_transfer_only_with_every_layer() -> None:
+    rx, record, src = _setup()
+    record.wants_trailer = True
+    # 1. the trailer first (it may come before another sender rank's layers)
+    assert deliver_part(rx, *_trailer(), record, 1) == Status.OK
+    assert record.state == State.ACTIVE and record.trailer == Trailer(42, 32)
+    assert deliver_part(rx, *_trailer(), record, 1) == Status.OK  # a duplicate, counted
+    assert rx.stats.duplicate_parts == 1
+    # 2. then every layer: done, each layer reported once as it completes
+    layers: list[tuple[int, int]] = []
+    rx.on_layer_received = lambda transfer_id, layer: layers.append((transfer_id, layer))
+    for rows in split_rows(NUM_ROWS, ROW_BYTES, 4 * ROW_BYTES):
+        assert deliver_part(rx, *_part(src, rows), record, 1) == Status.OK
+    assert record.state == State.DONE
+    assert layers == [(9, layer) for layer in range(LAYOUT.num_layers)]
+
+
+def test_layers_without_the_wanted_trailer_leave_the_transfer_active() -> None:
+    rx, record, src = _setup()
+    record.wants_trailer = True
+    deliver_part(rx, *_part(src, (0, NUM_ROWS)), record, 1)
+    assert record.state == State.ACTIVE and record.trailer is None
+
+
+def test_invalid_or_unwanted_trailers_fail_the_transfer() -> None:
+    for wants, changes in ((False, {}), (True, {"num_tokens": 41}),
+                           (True, {"num_cached_tokens": NUM_TOKENS + 1}),
+                           (True, {"first_token_id": -1}), (True, {"block_size": 8})):
+        rx, record, _ = _setup()
+        record.wants_trailer = wants
+        assert deliver_part(rx, *_trailer(**changes), record, 1) == Status.BAD_PART, changes
+        assert record.state == State.FAILED and record.trailer is None, changes
+    rx, record, _ = _setup()
+    record.wants_trailer = True
+    cancelled = _trailer(flags=int(Flag.LAST_PART | Flag.CANCELLED))
+    assert deliver_part(rx, *cancelled, record, 1) == Status.NOT_EXPECTED
+    assert record.state == State.FAILED and "aborted" in str(record.error)

@@ -20,6 +20,7 @@ from kvtransfer.protocol import (
     OpenStatus,
     PartHeader,
     Status,
+    Trailer,
     WorkerInfo,
 )
 from tests.kvtransfer.topology import LAYOUT
@@ -56,6 +57,16 @@ def test_header_names_a_layout_mismatch() -> None:
     assert make_header(block_size=32).check_layout(LAYOUT) == "block_size: 16 != 32"
     other = dataclasses.replace(LAYOUT, hash_seed=3)
     assert make_header().check_layout(other).startswith("fingerprint")  # type: ignore[union-attr]
+
+
+def test_trailer_header_round_trips_under_the_header_checksum() -> None:
+    header = make_header(kind=Kind.TRAILER, payload_nbytes=0, first_token_id=613,
+                         num_cached_tokens=48)
+    words = header.encode()
+    assert PartHeader.decode(words).trailer == Trailer(613, 48)
+    words[-3] ^= 1  # the first token id, changed in flight
+    with pytest.raises(ValueError, match="checksum"):
+        PartHeader.decode(words)
 
 
 def test_closing_header() -> None:

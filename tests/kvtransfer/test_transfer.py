@@ -1,10 +1,14 @@
 """Byte-exact KV delivery between real processes on loopback (gloo), with heterogeneous
-tensor parallelism, layer-by-layer sending and concurrent transfers."""
+tensor parallelism, layer-by-layer sending, concurrent transfers and trailers."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from kvtransfer.protocol import Trailer
+from tests.kvtransfer.agent import RemoteError
 from tests.kvtransfer.conftest import AgentsFactory
 from tests.kvtransfer.topology import (
     assert_received,
@@ -102,3 +106,53 @@ def test_concurrent_transfers_over_several_channels(agents: AgentsFactory) -> No
     final = make_request(299, 64)
     transfer(p1, decode, final)
     assert_received(decode, final)
+
+
+@pytest.mark.parametrize(("p", "r"), [(1, 2), (2, 2)], ids=["1-2", "2-2"])
+def test_trailer_travels_last_to_receiver_rank_0(agents: AgentsFactory, p: int, r: int) -> None:
+    ranks = agents(p + r)
+    prefill, decode = make_prefill(ranks[:p]), make_decode(ranks[p:])
+    req = make_request(71 + p, 77)
+    # 1. rank 0 wants the trailer, the other ranks do not
+    for j, agent in enumerate(decode.ranks):
+        agent.call("expect", req.transfer_id, req.dst_blocks, req.num_tokens, None, j == 0)
+    send(prefill, decode, req)
+    for agent in prefill.ranks[1:]:
+        agent.call("send_wait", req.transfer_id)
+    # 2. every layer arrived, but rank 0 is not done without the trailer
+    for agent in decode.ranks[1:]:
+        assert agent.call("recv_wait", req.transfer_id) is None
+    time.sleep(0.2)
+    assert not decode.ranks[0].call("recv_done", req.transfer_id)
+    # 3. prefill rank 0 sends it behind its layers; rank 0 returns it, KV intact
+    prefill.ranks[0].call("send_finish", req.transfer_id, Trailer(613, 48))
+    prefill.ranks[0].call("send_wait", req.transfer_id)
+    assert decode.ranks[0].call("recv_wait", req.transfer_id) == Trailer(613, 48)
+    assert_received(decode, req)
+
+
+def test_sender_done_is_nonblocking_and_counts_the_trailer(agents: AgentsFactory) -> None:
+    a, b = agents(2)
+    prefill, decode = make_prefill([a]), make_decode([b])
+    req = make_request(81, 40)
+    b.call("expect", req.transfer_id, req.dst_blocks, req.num_tokens, None, True)
+    send(prefill, decode, req)
+    a.call("send_finish", req.transfer_id, Trailer(0, 0))
+    deadline = time.monotonic() + 10
+    while not a.call("send_done", req.transfer_id):  # acknowledged soon after
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    a.call("send_wait", req.transfer_id, 0)
+    assert b.call("recv_wait", req.transfer_id) == Trailer(0, 0)
+
+
+def test_a_missing_trailer_fails_at_the_deadline(agents: AgentsFactory) -> None:
+    a, b = agents(2)
+    prefill, decode = make_prefill([a]), make_decode([b])
+    req = make_request(91, 40)
+    b.call("expect", req.transfer_id, req.dst_blocks, req.num_tokens, 1.0, True)
+    send(prefill, decode, req)
+    a.call("send_wait", req.transfer_id)  # the layers were acknowledged
+    with pytest.raises(RemoteError) as err:
+        b.call("recv_wait", req.transfer_id)
+    assert err.value.kind == "TransferTimeout"

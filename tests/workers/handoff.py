@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from decode_worker.handoff import DecodeHandoff, HandoffResult
 from decode_worker.kv_plugin import PLUGIN as DECODE_PLUGIN
-from decode_worker.kv_plugin import DecodeHandoff, DecodeKVConfig
+from decode_worker.kv_plugin import DecodeKVConfig
 from engine import SamplingParams
 from engine.config import (
     CacheConfig,
@@ -21,11 +22,12 @@ from engine.config import (
     load_model_config,
 )
 from engine.core import EngineCore
-from engine.distributed import LOOPBACK, free_port
+from engine.distributed import LOOPBACK
 from engine.tokenizer import load_tokenizer
 from kvtransfer import fingerprint_model_dir
+from prefill_worker.handoff import PrefillHandoff, PrefillResult
 from prefill_worker.kv_plugin import PLUGIN as PREFILL_PLUGIN
-from prefill_worker.kv_plugin import PrefillHandoff, PrefillKVConfig
+from prefill_worker.kv_plugin import PrefillKVConfig
 from tests.workers.kv_faults import SPEC as FAULT_SPEC
 
 TIMEOUT_S = 10.0
@@ -55,10 +57,10 @@ def _config(model_dir: Path, tp: int, plugin: str, plugin_config: str) -> Engine
 
 def make_pair(model_dir: Path, prefill_tp: int, decode_tp: int) -> Pair:
     """Prefill engine (its senders corrupt transfer ``CORRUPT_TRANSFER_ID``) and decode
-    engine (its receivers' store on a fresh loopback port)."""
+    engine (its rank 0's store on a loopback port it binds itself)."""
     fingerprint = fingerprint_model_dir(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    d_cfg = DecodeKVConfig(LOOPBACK, free_port(), fingerprint, timeout_s=TIMEOUT_S)
+    d_cfg = DecodeKVConfig(LOOPBACK, 0, fingerprint, timeout_s=TIMEOUT_S)
     p_cfg = PrefillKVConfig(fingerprint, timeout_s=TIMEOUT_S, fault_hook=FAULT_SPEC)
     decode = EngineCore(_config(model_dir, decode_tp, DECODE_PLUGIN, d_cfg.to_json()), tokenizer)
     try:
@@ -67,7 +69,12 @@ def make_pair(model_dir: Path, prefill_tp: int, decode_tp: int) -> Pair:
     except BaseException:
         decode.shutdown()
         raise
-    return Pair(prefill, decode, PrefillHandoff(prefill), DecodeHandoff(decode))
+    try:
+        return Pair(prefill, decode, PrefillHandoff(prefill), DecodeHandoff(decode))
+    except BaseException:
+        prefill.shutdown()
+        decode.shutdown()
+        raise
 
 
 _ids = itertools.count(1)
@@ -78,22 +85,48 @@ def new_ids() -> tuple[str, int]:
     return f"req-{n}", n
 
 
-def poll_until(pair: Pair, request_ids: set[str], timeout_s: float = 2 * TIMEOUT_S
-               ) -> dict[str, tuple[bool, str]]:
-    """Decode-side poll until every one of ``request_ids`` reported (ok, reason)."""
-    results: dict[str, tuple[bool, str]] = {}
+def poll_results(pair: Pair, request_ids: set[str], timeout_s: float = 2 * TIMEOUT_S
+                 ) -> dict[str, HandoffResult]:
+    """Decode-side poll until every one of ``request_ids`` reported its result."""
+    results: dict[str, HandoffResult] = {}
     deadline = time.monotonic() + timeout_s
     while not request_ids <= results.keys():
         assert time.monotonic() < deadline, f"no KV status for {request_ids - results.keys()}"
-        results.update({r.request_id: (r.ok, r.reason) for r in pair.d.poll()})
+        results.update({r.request_id: r for r in pair.d.poll()})
         time.sleep(0.01)
+    return results
+
+
+def poll_until(pair: Pair, request_ids: set[str], timeout_s: float = 2 * TIMEOUT_S
+               ) -> dict[str, tuple[bool, str]]:
+    """Decode-side poll until every one of ``request_ids`` reported (ok, reason)."""
+    results = poll_results(pair, request_ids, timeout_s)
+    return {rid: (r.ok, r.reason) for rid, r in results.items()}
+
+
+def finish_prefills(pair: Pair, step: bool = True, timeout_s: float = 2 * TIMEOUT_S
+                    ) -> dict[str, PrefillResult]:
+    """Step the prefill engine to the end (``step``), sending each finished request's
+    trailer, then poll its senders until every transfer reported its result."""
+    results: dict[str, PrefillResult] = {}
+    while step and pair.prefill.has_unfinished():
+        for out in pair.prefill.step():
+            finished = pair.p.finish(out) if out.finished else None
+            if finished is not None:
+                results[out.request_id] = finished
+    deadline = time.monotonic() + timeout_s
+    while pair.p.num_sending:
+        assert time.monotonic() < deadline, "prefill transfers not reported"
+        results.update({r.request_id: r for r in pair.p.poll()})
+        time.sleep(0.005)
     return results
 
 
 def run_handoffs(pair: Pair, prompts: Sequence[list[int]],
                  params: Sequence[SamplingParams]) -> list[list[int]]:
-    """The router's part: reserve on decode, prefill, admit with the first token, decode
-    to the end. Returns each request's tokens (first token included)."""
+    """The router's part: reserve on decode, prefill, admit (with the first token that
+    arrived with the KV), decode to the end. Returns each request's tokens (first token
+    included)."""
     rids = []
     for prompt, p in zip(prompts, params, strict=True):
         rid, tid = new_ids()
@@ -101,16 +134,15 @@ def run_handoffs(pair: Pair, prompts: Sequence[list[int]],
         assert target is not None, "decode side out of blocks"
         pair.p.submit(rid, prompt, p, tid, target.address)
         rids.append(rid)
-    first: dict[str, int] = {}
-    while pair.prefill.has_unfinished():
-        for out in pair.prefill.step():
-            result = pair.p.complete(out)
-            assert result.ok and result.first_token_id is not None, result.reason
-            first[out.request_id] = result.first_token_id
+    sent = finish_prefills(pair)
+    assert all(r.ok and r.trailer is not None for r in sent.values()), sent
     assert all(ok for ok, _ in poll_until(pair, set(rids)).values())
     tokens: dict[str, list[int]] = {rid: [] for rid in rids}
     for rid in rids:
-        tokens[rid] += pair.d.admit(rid, first[rid]).new_token_ids
+        first = pair.d.admit(rid).new_token_ids
+        trailer = sent[rid].trailer
+        assert trailer is not None and first == [trailer.first_token_id]
+        tokens[rid] += first
     while pair.decode.has_unfinished():
         for out in pair.decode.step():
             tokens[out.request_id] += out.new_token_ids

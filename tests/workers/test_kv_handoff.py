@@ -1,11 +1,13 @@
 """KV handoff between a prefill engine and a decode engine through their rank plugins,
-without servers: every rank of the decode engine receives its KV heads, the request is
-admitted only when all ranks have them, and the tokens equal ``engine.LLM``'s. Each
-scenario ends with the leak check (both engines, every rank)."""
+without servers: every rank of the decode engine receives its KV heads, rank 0 the first
+token (the transfer's trailer), the request is admitted only when all of it arrived, and
+the tokens equal ``engine.LLM``'s. Each scenario ends with the leak check (both engines,
+every rank)."""
 
 from __future__ import annotations
 
 import ast
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +19,10 @@ from tests.factories import PROMPTS, REPO_ROOT
 from tests.workers.handoff import (
     Pair,
     assert_no_leaks,
+    finish_prefills,
     make_pair,
     new_ids,
+    poll_results,
     poll_until,
     run_handoffs,
 )
@@ -58,6 +62,8 @@ def pair(llama_dir: Path) -> Iterator[Pair]:
 
 def test_handoff_tp1_to_tp2_matches_llm(pair: Pair, reference: tuple) -> None:
     prompts, params, expected = reference
+    # the decode store was told port 0: rank 0 bound one, rank 1 attached to it
+    assert pair.d.config.store_port == 0 and pair.d.address.port > 0
     assert any(len(p) > 32 for p in prompts)  # some prompts take several chunks
     assert run_handoffs(pair, prompts, params) == expected
     assert_no_leaks(pair)
@@ -93,13 +99,11 @@ def test_abort_after_kv_arrived_before_admit(pair: Pair, reference: tuple) -> No
     target = pair.d.reserve(rid, prompts[0], params[0], tid)
     assert target is not None
     pair.p.submit(rid, prompts[0], params[0], tid, target.address)
-    while pair.prefill.has_unfinished():
-        for out in pair.prefill.step():
-            assert pair.p.complete(out).ok
+    assert finish_prefills(pair)[rid].ok
     assert poll_until(pair, {rid}) == {rid: (True, "")}
     assert pair.d.abort(rid)
     with pytest.raises(ValueError, match="no arrived KV"):
-        pair.d.admit(rid, 0)
+        pair.d.admit(rid)
     assert_no_leaks(pair)
 
 
@@ -128,16 +132,14 @@ def test_corrupted_transfer_is_failed_and_never_admitted(pair: Pair, reference: 
     target = pair.d.reserve(rid, prompts[0], params[0], CORRUPT_TRANSFER_ID)
     assert target is not None
     pair.p.submit(rid, prompts[0], params[0], CORRUPT_TRANSFER_ID, target.address)
-    results = []
-    while pair.prefill.has_unfinished():
-        results += [pair.p.complete(out) for out in pair.prefill.step()]
+    results = list(finish_prefills(pair).values())
     assert [r.ok for r in results] == [False]
     assert "ChecksumMismatch" in results[0].reason
     (ok, reason), = poll_until(pair, {rid}).values()
     assert not ok and "ChecksumMismatch" in reason
     assert rid not in pair.decode.scheduler.requests
     with pytest.raises(ValueError):
-        pair.d.admit(rid, results[0].first_token_id or 0)
+        pair.d.admit(rid)
     assert_no_leaks(pair)
 
 
@@ -167,7 +169,8 @@ def test_layer_l_is_sent_before_layer_l_plus_1_is_computed(pair: Pair, reference
         while pair.prefill.has_unfinished():
             outs = pair.prefill.step()
             num_steps += 1
-            assert all(pair.p.complete(out).ok for out in outs)
+            assert all(pair.p.finish(out) is None for out in outs if out.finished)
+        assert finish_prefills(pair, step=False)[rid].ok
     finally:
         pair.prefill.layer_hook = None
     num_layers = pair.prefill.config.model.num_layers
@@ -216,3 +219,45 @@ def test_worker_packages_never_import_each_other() -> None:
                 names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                          [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
                 assert not any(n.split(".")[0] == other for n in names), (path, names)
+
+
+def test_first_token_and_cached_count_arrive_with_the_kv(pair: Pair, reference: tuple) -> None:
+    prompts, params, _ = reference
+    long = [(11 * i + 5) % 300 + 3 for i in range(70)]  # 4 full blocks, never seen before
+    results = {}
+    for prompt in (long, long[:40] + [9, 8, 7]):  # 1. new prompt, 2. shares 2 blocks
+        rid, tid = new_ids()
+        target = pair.d.reserve(rid, prompt, params[1], tid)
+        assert target is not None
+        pair.p.submit(rid, prompt, params[1], tid, target.address)
+        sent = finish_prefills(pair)[rid]
+        arrived = poll_results(pair, {rid})[rid]
+        # 3. the decode side admits with the trailer: first token and cached count
+        assert arrived.ok and arrived.trailer == sent.trailer is not None
+        out = pair.d.admit(rid)
+        assert out.new_token_ids == [sent.trailer.first_token_id]
+        assert out.num_cached_tokens == sent.trailer.num_cached_tokens
+        results[rid] = sent.trailer
+        assert pair.decode.abort_request(rid)
+    assert [t.num_cached_tokens for t in results.values()] == [0, 32]
+    assert_no_leaks(pair)
+
+
+def test_kv_without_its_first_token_is_never_admitted(pair: Pair, reference: tuple) -> None:
+    prompts, params, _ = reference
+    rid, tid = new_ids()
+    assert pair.d.reserve(rid, prompts[0], params[0], tid, timeout_s=1.5) is not None
+    pair.p.submit(rid, prompts[0], params[0], tid, pair.d.address)
+    # 1. every layer is sent and acknowledged, but the prefill side never sends its trailer
+    while pair.prefill.has_unfinished():
+        pair.prefill.step()
+    sender = pair.prefill.executor.plugin.sender  # type: ignore[attr-defined]  # rank 0
+    while not sender.done(tid):
+        time.sleep(0.01)
+    assert pair.d.poll() == []  # decode rank 1 has its heads; rank 0 waits for the token
+    # 2. at the reservation's deadline the transfer fails; nothing is admitted
+    (ok, reason), = poll_until(pair, {rid}, timeout_s=10).values()
+    assert not ok and "rank 0: TransferTimeout" in reason and "trailer" in reason, reason
+    assert rid not in pair.decode.scheduler.requests
+    assert pair.p.abort(rid)  # the router's part on the prefill side
+    assert_no_leaks(pair)

@@ -29,9 +29,11 @@ class DecodeWorkerStub:
     """A decode worker: a tensor-parallel group of ranks whose rank 0 serves this API.
 
     Life of one request on it (router-owned handoff):
-    Reserve ─▶ [prefill worker pushes KV + first token] ─▶ Generate streams ─▶ done
-    Generate is opened once Prefill returned (it carries the first token); the KV may
-    still be in flight then.
+    Reserve ─▶ [prefill worker pushes KV, then first token] ─▶ Generate streams ─▶ done
+    The first token and the prefill worker's cached-token count travel with the KV (as
+    the transfer's last, checksummed message, to rank 0), so Generate needs nothing from
+    the Prefill response; it may be opened any time after Reserve (the router opens it
+    once Prefill returned).
     """
 
     def __init__(self, channel):
@@ -66,9 +68,11 @@ class DecodeWorkerServicer:
     """A decode worker: a tensor-parallel group of ranks whose rank 0 serves this API.
 
     Life of one request on it (router-owned handoff):
-    Reserve ─▶ [prefill worker pushes KV + first token] ─▶ Generate streams ─▶ done
-    Generate is opened once Prefill returned (it carries the first token); the KV may
-    still be in flight then.
+    Reserve ─▶ [prefill worker pushes KV, then first token] ─▶ Generate streams ─▶ done
+    The first token and the prefill worker's cached-token count travel with the KV (as
+    the transfer's last, checksummed message, to rank 0), so Generate needs nothing from
+    the Prefill response; it may be opened any time after Reserve (the router opens it
+    once Prefill returned).
     """
 
     def Reserve(self, request, context):
@@ -98,10 +102,10 @@ class DecodeWorkerServicer:
 
     def Generate(self, request, context):
         """Streams the tokens of a reserved request. Waits (bounded by the transfer deadline
-        and the call's gRPC deadline) until the KV and first token of the reservation's
-        transfer have arrived on every rank, admits the request into the running batch,
-        then streams every token, the prefill-sampled first token included, one chunk per
-        decode step or more often.
+        and the call's gRPC deadline) until the KV of the reservation's transfer has arrived
+        on every rank and its first token on rank 0, admits the request into the running
+        batch, then streams every token, the prefill-sampled first token (the one that
+        arrived with the KV) included, one chunk per decode step or more often.
 
         The stream ends OK after the chunk with a non-empty `finish_reason`. Ending the
         stream in any way (finish, error, caller cancel or deadline) frees the request's
@@ -111,7 +115,10 @@ class DecodeWorkerServicer:
         Errors: NOT_FOUND (no live reservation for request_id), FAILED_PRECONDITION (a
         Generate stream is already open for it), UNAVAILABLE (the KV transfer failed or did
         not complete before the transfer deadline; nothing is held, the router may retry
-        elsewhere), ABORTED (Abort was called while streaming).
+        elsewhere), ABORTED (Abort was called while streaming), INTERNAL (a non-zero
+        `first_token_id` or `num_cached_tokens` in the request differs from what arrived
+        with the KV: the request is freed on every rank, as after Abort; not retryable on
+        this reservation), INVALID_ARGUMENT (`first_token_id` outside the vocabulary).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -169,9 +176,11 @@ class DecodeWorker:
     """A decode worker: a tensor-parallel group of ranks whose rank 0 serves this API.
 
     Life of one request on it (router-owned handoff):
-    Reserve ─▶ [prefill worker pushes KV + first token] ─▶ Generate streams ─▶ done
-    Generate is opened once Prefill returned (it carries the first token); the KV may
-    still be in flight then.
+    Reserve ─▶ [prefill worker pushes KV, then first token] ─▶ Generate streams ─▶ done
+    The first token and the prefill worker's cached-token count travel with the KV (as
+    the transfer's last, checksummed message, to rank 0), so Generate needs nothing from
+    the Prefill response; it may be opened any time after Reserve (the router opens it
+    once Prefill returned).
     """
 
     @staticmethod
@@ -316,9 +325,11 @@ class PrefillWorkerServicer:
 
     def Prefill(self, request, context):
         """Prefills the prompt (reusing prefix-cache blocks), samples the first token, and
-        pushes the request's KV and first token to `target` (a reservation the router got
-        from that decode worker's Reserve). Returns once the KV and first token are sent;
-        the decode side's Generate stream carries the rest.
+        pushes the request's KV (layer by layer, as each layer is computed) and then the
+        first token and cached-token count to `target` (a reservation the router got from
+        that decode worker's Reserve). Returns once every decode rank acknowledged the KV,
+        and rank 0 the first token, verified; the decode side's Generate stream carries the
+        rest. Other requests keep prefilling while a transfer awaits its acknowledgement.
 
         Ownership: the prefill worker keeps the request's blocks pinned until the decode
         side acknowledges receipt, `Abort(request_id)`, or the transfer deadline passes;

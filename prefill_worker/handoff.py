@@ -1,0 +1,173 @@
+"""The prefill side of the KV handoff, leader side: ``PrefillHandoff`` drives the
+senders of every rank (``prefill_worker.kv_plugin``) from the engine's thread, never
+waiting on the network, so the engine keeps stepping while transfers are in flight.
+
+Life of one request: ``submit`` (a prefill-only request with a send order) → the step
+holding its last prompt chunk sends its KV layer by layer and samples the first token →
+``finish(output)`` (FINISH on every rank: rank 0 queues the ``Trailer`` — first token and
+cached-token count — behind the layers) → ``poll`` until every rank reports the
+transfer acknowledged (or failed, or the deadline passed) → the blocks are unpinned and
+``poll`` returns the ``PrefillResult``. ``abort`` at any point instead.
+
+Block ownership: pinned from the request's last step until its result or ``abort``;
+unpinned (left in the prefix cache) only once no rank reads them any more.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.core import EngineCore, RequestOutput
+from engine.distributed import StoreAddress
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+from kvtransfer.protocol import Trailer
+from prefill_worker.kv_plugin import (
+    Op,
+    PrefillKVConfig,
+    RankStats,
+    SendOrder,
+    State,
+    abort_request,
+    decode_statuses,
+    encode_orders,
+    finish_request,
+    status_request,
+)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A finished handoff: whether the KV and the trailer reached every decode rank,
+    verified. Its blocks are already unpinned."""
+
+    request_id: str
+    transfer_id: int
+    trailer: Trailer | None  # None when the prefill produced no token
+    num_prompt_tokens: int
+    ok: bool
+    reason: str = ""
+
+
+@dataclass
+class _Order:
+    transfer_id: int
+    dest: StoreAddress
+    started: bool = False
+    # set by finish(): the request's output, and when the handoff gives up waiting
+    output: RequestOutput | None = None
+    trailer: Trailer | None = None
+    deadline: float = 0.0
+    states: list[State] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+
+class PrefillHandoff:
+    """Leader-side driver of a prefill engine's senders (same thread as the engine).
+
+    Lifecycle: ``submit`` → step the engine → for the request's finished output,
+    ``finish`` → ``poll`` (every loop round) until it returns the request's result.
+    ``abort`` at any point instead. ``wait_timeout_s`` (default: the plugin's transfer
+    timeout) bounds how long a finished request's blocks stay pinned unacknowledged.
+    """
+
+    def __init__(self, core: EngineCore, wait_timeout_s: float | None = None) -> None:
+        self.core = core
+        config = PrefillKVConfig.from_json(core.config.rank_plugin_config)
+        self.wait_timeout_s = wait_timeout_s or config.timeout_s
+        self.tp_size = core.config.parallel.tensor_parallel_size
+        self._orders: dict[str, _Order] = {}
+        core.step_payload = self.step_payload
+
+    def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+               transfer_id: int, dest: StoreAddress) -> None:
+        """Queue a prefill-only request whose KV goes to the decode store ``dest``."""
+        self.core.add_request(request_id, prompt_ids, params, prefill_only=True)
+        self._orders[request_id] = _Order(transfer_id, dest)
+
+    def step_payload(self, out: SchedulerOutput) -> bytes:
+        """The ``SendOrder``s of this step (installed as ``core.step_payload``)."""
+        orders = []
+        for index, chunk in enumerate(out.chunks):
+            order = self._orders.get(chunk.request_id)
+            if order is not None and chunk.sample and not order.started:
+                order.started = True
+                orders.append(SendOrder(index, order.transfer_id, order.dest))
+        return encode_orders(orders)
+
+    def finish(self, output: RequestOutput) -> PrefillResult | None:
+        """For a submitted request's finished output: send its trailer (first token and
+        cached-token count) behind its KV. None: ``poll`` reports the outcome later; a
+        result here means the handoff failed at once (its blocks are unpinned)."""
+        order = self._orders.get(output.request_id)
+        if not output.finished or order is None or order.output is not None:
+            raise ValueError(f"{output.request_id!r} is not a finished submitted request")
+        order.output = output
+        order.deadline = time.monotonic() + self.wait_timeout_s
+        order.states = [State.PENDING] * self.tp_size
+        if not output.new_token_ids:
+            order.reasons.append("the prefill produced no token")
+            return self._settle(output.request_id, order, failed=True)
+        order.trailer = Trailer(output.new_token_ids[0], output.num_cached_tokens)
+        self.core.call_ranks(finish_request(order.transfer_id, order.trailer))
+        return None
+
+    def poll(self) -> list[PrefillResult]:
+        """Results of the finished requests whose transfer ended (acknowledged by every
+        decode rank, failed, or past the deadline) since the last poll."""
+        sending = {rid: o for rid, o in self._orders.items() if o.output is not None}
+        if not sending:
+            return []
+        ids = [o.transfer_id for o in sending.values()]
+        replies = [decode_statuses(r) for r in self.core.call_ranks(status_request(ids))]
+        now, results = time.monotonic(), []
+        for i, (rid, order) in enumerate(sending.items()):
+            for rank, statuses in enumerate(replies):
+                if order.states[rank] is State.PENDING:
+                    order.states[rank] = statuses[i].state
+                    if statuses[i].reason:
+                        order.reasons.append(f"rank {rank}: {statuses[i].reason}")
+            failed = State.FAILED in order.states
+            if not failed and State.PENDING in order.states and now > order.deadline:
+                order.reasons.append(f"not acknowledged within {self.wait_timeout_s:.1f}s")
+                failed = True
+            if failed or all(s is State.DONE for s in order.states):
+                results.append(self._settle(rid, order, failed))
+        return results
+
+    def _settle(self, request_id: str, order: _Order, failed: bool) -> PrefillResult:
+        """End the handoff: stop every rank (if it failed), unpin, report."""
+        del self._orders[request_id]
+        if failed:  # ranks that finished already ignore the abort
+            self.core.call_ranks(abort_request(order.transfer_id))
+        self.core.release_pinned(request_id)
+        assert order.output is not None
+        return PrefillResult(request_id, order.transfer_id, order.trailer,
+                             order.output.num_prompt_tokens, not failed, "; ".join(order.reasons))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop the request wherever it is; its blocks are freed or unpinned once no rank
+        reads them. False if unknown."""
+        order = self._orders.pop(request_id, None)
+        if order is None:
+            return False
+        self.core.abort_request(request_id)
+        if order.started:
+            self.core.call_ranks(abort_request(order.transfer_id))
+        self.core.release_pinned(request_id)
+        return True
+
+    @property
+    def num_pending(self) -> int:
+        """Requests submitted and not yet reported by ``poll`` (or aborted)."""
+        return len(self._orders)
+
+    @property
+    def num_sending(self) -> int:
+        """Finished requests whose transfer ``poll`` has not reported yet."""
+        return sum(1 for o in self._orders.values() if o.output is not None)
+
+    def rank_stats(self) -> list[RankStats]:
+        return [RankStats.decode(r) for r in self.core.call_ranks(bytes([Op.STATS]))]
