@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import uuid
 
 import grpc
@@ -47,6 +48,9 @@ from prefill_worker.engine_loop import PrefillDone, PrefillLoop, Submit
 from prefill_worker.kv_plugin import PLUGIN, PrefillKVConfig
 
 log = logging.getLogger(__name__)
+
+FAULT_HOOK_ENV = "PDSERVE_TEST_KV_FAULT_HOOK"
+"""Tests only: ``module:factory`` of a ``kvtransfer`` sender fault hook for every rank."""
 
 
 class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
@@ -90,7 +94,11 @@ def _dest(target: pb.KVTarget) -> StoreAddress:
 def build_engine(args: argparse.Namespace, fingerprint: str) -> EngineCore:
     """The prefill engine with its KV plugin; spawns the follower ranks (call before any
     gRPC object exists)."""
-    kv = PrefillKVConfig(fingerprint, timeout_s=args.transfer_timeout)
+    # tests only: "module:factory" of a kvtransfer sender fault hook (see PrefillKVConfig)
+    fault_hook = os.environ.get(FAULT_HOOK_ENV) or None
+    if fault_hook is not None:
+        log.warning("test-only KV fault hook %s is active (%s)", fault_hook, FAULT_HOOK_ENV)
+    kv = PrefillKVConfig(fingerprint, timeout_s=args.transfer_timeout, fault_hook=fault_hook)
     config = EngineConfig(
         model=load_model_config(args.model),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),

@@ -67,15 +67,16 @@ class Proc:
         return self.proc.returncode
 
 
-def spawn(name: str, args: list[str], tmp: Path) -> Proc:
-    """``python -m pdserve ARGS --ready-file ...`` with its output in ``tmp/NAME.log``."""
+def spawn(name: str, args: list[str], tmp: Path, env: dict[str, str] | None = None) -> Proc:
+    """``python -m pdserve ARGS --ready-file ...`` with its output in ``tmp/NAME.log``
+    (``env``: extra environment variables)."""
     log_path, ready_path = tmp / f"{name}.log", tmp / f"{name}.ready.json"
     ready_path.unlink(missing_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", *args, "--ready-file", str(ready_path)],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+            env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})})
     return Proc(name, proc, log_path, ready_path)
 
 

@@ -16,7 +16,9 @@ import grpc
 from pdserve.internal.v1 import worker_pb2 as wpb
 from pdserve.internal.v1 import worker_pb2_grpc as wpb_grpc
 from pdserve.redis_server import RedisServer
+from prefill_worker.server import FAULT_HOOK_ENV
 from tests.processes import Proc, spawn, wait_until
+from tests.workers.kv_faults import FIRST_OF_LENGTH_SPEC
 
 NUM_KV_BLOCKS = 64
 RPC_TIMEOUT_S = 30.0
@@ -40,10 +42,11 @@ class Cluster:
         assert self.router is not None
         return self.router.address
 
-    def start_worker(self, role: str, index: int, *extra: str) -> Proc:
+    def start_worker(self, role: str, index: int, *extra: str,
+                     env: dict[str, str] | None = None) -> Proc:
         name = f"{role}-{index}"
         proc = spawn(name, [role, "--model", str(self.model_dir), "--redis-url", self.redis.url,
-                            "--worker-id", name, *WORKER_FLAGS, *extra], self.tmp)
+                            "--worker-id", name, *WORKER_FLAGS, *extra], self.tmp, env)
         (self.prefill if role == "prefill" else self.decode).append(proc)
         return proc
 
@@ -102,7 +105,9 @@ def start_cluster(model_dir: Path, tmp: Path, *, num_prefill: int, num_decode: i
         for i in range(num_decode):
             cluster.start_worker("decode", i, "--tensor-parallel-size", str(decode_tp))
         for i in range(num_prefill):
-            cluster.start_worker("prefill", i)
+            # prefill-0 corrupts the first KV transfer of a CORRUPT_NUM_TOKENS-token prompt
+            cluster.start_worker("prefill", i, env={FAULT_HOOK_ENV: FIRST_OF_LENGTH_SPEC}
+                                 if i == 0 else None)
         for worker in cluster.workers():
             worker.wait_ready()
         cluster.start_router(*router_args)

@@ -26,6 +26,7 @@ from pdserve.v1 import generate_pb2 as pb
 from tests.factories import PROMPTS
 from tests.processes import wait_until
 from tests.router.cluster import NUM_KV_BLOCKS, Cluster, start_cluster
+from tests.workers.kv_faults import CORRUPT_NUM_TOKENS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -163,6 +164,36 @@ def test_different_prefixes_spread_over_both_prefill_workers(cluster: Cluster,
                         temperature=0, timeout=TIMEOUT_S)
     after = _cached_blocks(cluster)
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_corrupted_kv_is_redispatched(cluster: Cluster, client: Client, llm: LLM) -> None:
+    # prefill-0 flips a bit in the first KV transfer of a CORRUPT_NUM_TOKENS-token prompt
+    # (test-only fault hook); the decode ranks' checksum catches it, nothing is decoded
+    # from it, and the router re-dispatches the request: the client sees correct tokens
+    assert cluster.router is not None
+    prompt = _prompt_routed_to("prefill-0", CORRUPT_NUM_TOKENS)
+    expected = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0,
+                                                     ignore_eos=True))[0].token_ids
+    result = client.complete(prompt_token_ids=prompt, max_tokens=4, temperature=0,
+                             ignore_eos=True, request_id="corrupted-kv", timeout=TIMEOUT_S)
+    assert list(result.token_ids) == expected
+    retries = [line for line in cluster.router.log_tail(50_000).splitlines()
+               if "request_id=corrupted-kv" in line and "attempt 1 failed, retrying" in line]
+    assert retries and "ChecksumMismatch" in retries[0], retries
+
+
+def _prompt_routed_to(worker_id: str, num_tokens: int) -> list[int]:
+    """A prompt of ``num_tokens`` ids whose prefill affinity (both workers idle) is
+    ``worker_id``, computed with the router's own functions."""
+    from engine.kvcache.block_hash import compute_block_hashes
+    from router.routing import affinity_key, rendezvous_order
+
+    for salt in range(100):
+        prompt = [5 + (7 * i + salt) % 600 for i in range(num_tokens)]
+        key = affinity_key(compute_block_hashes(prompt, 16), prompt)
+        if rendezvous_order(key, ["prefill-0", "prefill-1"])[0] == worker_id:
+            return prompt
+    raise AssertionError("no prompt routes there")
 
 
 # ------------------------------------------------------------------------ bad input
