@@ -431,3 +431,18 @@ def test_killed_prefill_worker_is_routed_around(cluster: Cluster, client: Client
     # to connect, and the request went on to the other worker
     assert cluster.router is not None
     assert f"not routing to {victim.name}" in cluster.router.log_tail(50_000)
+
+
+def test_killed_decode_worker_mid_stream_is_unavailable(cluster: Cluster,
+                                                       client: Client) -> None:
+    # the tokens already streamed stay streamed; then UNAVAILABLE, never a silent end
+    stream = client.generate("until the decode worker dies " * 3, max_tokens=900,
+                             ignore_eos=True, timeout=TIMEOUT_S)
+    received = list(next(stream).token_ids)
+    cluster.decode[0].stop(sig=9)
+    with pytest.raises(PdserveError) as excinfo:
+        for chunk in stream:
+            received += chunk.token_ids
+    assert excinfo.value.code == grpc.StatusCode.UNAVAILABLE
+    assert 1 <= len(received) < 900
+    assert "streamed tokens" in excinfo.value.details, excinfo.value.details
