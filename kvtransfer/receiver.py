@@ -131,6 +131,7 @@ class KVReceiver:
         self._finished: OrderedDict[int, bool] = OrderedDict()  # id -> completed
         self._dropped: OrderedDict[int, bool] = OrderedDict()  # never expected in time
         self._channels: dict[int, RecvChannel] = {}
+        self._joiners: set[threading.Thread] = set()  # building accepted channels
         self._closed = False
         self._server: Any = None
         if tp_rank == 0 if host_store is None else host_store:
@@ -239,6 +240,7 @@ class KVReceiver:
     def threads(self) -> list[threading.Thread]:
         with self.cond:
             found = [t for c in self._channels.values() for t in c.threads()]
+            found += self._joiners
         return [t for t in [self._acceptor, *found] if t.is_alive()]
 
     def close(self) -> None:
@@ -345,17 +347,37 @@ class KVReceiver:
         store.set(reply_key(request.channel_id),
                   OpenReply(OpenStatus.ACCEPTED, self.tp_size,
                             self.config.part_bytes, "").encode())
-        try:  # on this thread's store client: no new connection per channel
-            channel = join_channel(store, request.channel_id, RECEIVER, self.device, self.config)
-        except ChannelError as exc:
+        # Joining blocks until the sender joins too (at most the timeout): on a thread of
+        # its own, so a sender that dies mid-open does not hold up everyone else's opens.
+        joiner = threading.Thread(target=self._join, args=(request,), daemon=True,
+                                  name=f"kvtransfer-join-{self.tp_rank}/{request.channel_id}")
+        with self.cond:
+            self._joiners.add(joiner)
+        joiner.start()
+
+    def _join(self, request: OpenRequest) -> None:
+        """Build an accepted channel's groups and start reading it (a joiner thread)."""
+        try:  # its own store client: concurrent waits on one client confuse each other
+            store = connect_store(self.address, timeout_s=self.config.timeout_s)
+            channel = join_channel(store, request.channel_id, RECEIVER, self.device,
+                                   self.config)
+        except (ChannelError, RuntimeError) as exc:
             self.pool.cancel()
-            log.warning("channel %d not established: %s", request.channel_id, exc)
+            with self.cond:
+                self._joiners.discard(threading.current_thread())
+            log.warning("channel %d not established: %s", request.channel_id,
+                        str(exc).splitlines()[0][:300])
             return
         self.pool.add(request.channel_id, channel)
         self.pool.checkin(channel)
         reader = RecvChannel(self, request, channel)
-        with self.cond:
+        with self.cond:  # close() sees this thread or the reader, never neither
             self._channels[request.channel_id] = reader
+            self._joiners.discard(threading.current_thread())
+            closed = self._closed
+        if closed:
+            channel.close("receiver closed")
+            return
         self.stats.channels_accepted += 1
         reader.start()
 

@@ -35,7 +35,7 @@ from engine.distributed import (
     make_group,
 )
 from engine.models.layers import kv_head_range
-from kvtransfer.channel import open_channel
+from kvtransfer.channel import KEY_NEXT_CHANNEL, accept_key, open_channel
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import TransferError
 from kvtransfer.layout import KVLayout
@@ -215,6 +215,14 @@ class AgentState:
             return f"{type(exc).__name__}: {exc}"
         channel.close("done", graceful=True)
         return "accepted"
+
+    def ghost_open(self, address: StoreAddress, layout: KVLayout) -> None:
+        """Ask receiver rank 0 for a channel and never join it: what a sender that dies
+        between its open request and the group rendezvous leaves behind."""
+        store = connect_store(address, timeout_s=10.0)
+        channel_id = int(store.add(KEY_NEXT_CHANNEL, 1))
+        store.queue_push(accept_key(0),
+                         OpenRequest(channel_id, "ghost", 0, 1, 0, "gloo", layout).encode())
 
     # ------------------------------------------------ spike: a raw group, no kvtransfer
 

@@ -211,3 +211,23 @@ def test_unknown_and_late_parts_are_ignored_and_counted(agents: AgentsFactory) -
     stats = receiver.call("report")["stats"]
     assert stats["unknown_parts"] >= 1 and stats["late_parts"] >= 1
     assert sender.call("report")["stats"]["channels_opened"] == 1
+
+
+def test_a_sender_dead_mid_open_does_not_hold_up_other_opens(agents: AgentsFactory) -> None:
+    # 1. a "sender" asks the decode rank for a channel and never joins it (died mid-open);
+    #    the receiver waits for it up to the timeout, on a thread of that channel's own
+    sender, receiver, ghost = agents(3)
+    decode = make_decode([receiver])
+    ghost.call("ghost_open", decode.address, decode.layout)
+    time.sleep(0.2)  # the receiver has taken the ghost's request
+    # 2. a live sender opens its channel and transfers meanwhile, well within the timeout
+    prefill = make_prefill([sender])
+    req = make_request(71, 40)
+    start = time.monotonic()
+    transfer(prefill, decode, req)
+    assert time.monotonic() - start < CONFIG.timeout_s / 2
+    assert_received(decode, req)
+    # 3. the ghost's channel is given up at the timeout: nothing stays reserved for it
+    time.sleep(CONFIG.timeout_s + SLACK_S - (time.monotonic() - start))
+    report = receiver.call("report")
+    assert report["open_channels"] == 1, report

@@ -182,8 +182,9 @@ def test_corrupted_kv_is_redispatched(cluster: Cluster, client: Client, llm: LLM
     assert retries and "ChecksumMismatch" in retries[0], retries
 
 
-def _prompt_routed_to(worker_id: str, num_tokens: int) -> list[int]:
-    """A prompt of ``num_tokens`` ids whose prefill affinity (both workers idle) is
+def _prompt_routed_to(worker_id: str, num_tokens: int,
+                      workers: tuple[str, ...] = ("prefill-0", "prefill-1")) -> list[int]:
+    """A prompt of ``num_tokens`` ids whose prefill affinity (all ``workers`` idle) is
     ``worker_id``, computed with the router's own functions."""
     from engine.kvcache.block_hash import compute_block_hashes
     from router.routing import affinity_key, rendezvous_order
@@ -191,7 +192,7 @@ def _prompt_routed_to(worker_id: str, num_tokens: int) -> list[int]:
     for salt in range(100):
         prompt = [5 + (7 * i + salt) % 600 for i in range(num_tokens)]
         key = affinity_key(compute_block_hashes(prompt, 16), prompt)
-        if rendezvous_order(key, ["prefill-0", "prefill-1"])[0] == worker_id:
+        if rendezvous_order(key, list(workers))[0] == worker_id:
             return prompt
     raise AssertionError("no prompt routes there")
 
@@ -390,6 +391,35 @@ def test_redis_restart_keeps_traffic_flowing(cluster: Cluster, client: Client) -
     with Registry(cluster.redis.url) as registry:
         names = {r.worker_id for r in registry.list_workers()}
     assert names == {w.name for w in cluster.workers()}
+
+
+def test_prefill_worker_killed_mid_prefill(cluster: Cluster, client: Client, llm: LLM,
+                                           tmp_path: Path) -> None:
+    # a third prefill worker, paused (test-only pause point) once it computed and queued
+    # layer 0 of a request's KV, is SIGKILLed there: the router retries the request on
+    # another prefill worker and the client gets the right tokens
+    from pdserve.pause_points import ENV, PauseDir
+
+    assert cluster.router is not None
+    router = cluster.router
+    pause = PauseDir(tmp_path)
+    victim = cluster.start_worker("prefill", 2, env={ENV: str(tmp_path)}).wait_ready()
+    wait_until(lambda: "worker prefill-2 is serving" in router.log_tail(50_000), 30.0,
+               "the router to route to prefill-2")
+    prompt = _prompt_routed_to("prefill-2", 40, ("prefill-0", "prefill-1", "prefill-2"))
+    expected = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0,
+                                                     ignore_eos=True))[0].token_ids
+    pause.arm("prefill.layer_sent", layer=0)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(client.complete, prompt_token_ids=prompt, max_tokens=4,
+                             temperature=0, ignore_eos=True, request_id="mid-prefill",
+                             timeout=TIMEOUT_S)
+        pause.wait_paused("prefill.layer_sent", TIMEOUT_S)
+        victim.stop(sig=signal.SIGKILL)
+        result = future.result(TIMEOUT_S)
+    assert list(result.token_ids) == expected
+    assert any("request_id=mid-prefill" in line and "prefill on prefill-2" in line
+               for line in router.log_tail(50_000).splitlines())
 
 
 def test_hung_prefill_worker_is_routed_around(cluster: Cluster, client: Client) -> None:
