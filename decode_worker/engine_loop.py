@@ -1,7 +1,7 @@
 """The decode worker's engine loop: the one thread that drives the decode ``EngineCore``
 and its ``DecodeHandoff``.
 
-Life of one request here (commands from gRPC handlers, see ``pdserve.worker_common``):
+Life of one request here (commands from gRPC handlers, see ``pdserve.worker_loop``):
 ``Reserve`` (blocks + EXPECT on every rank) → ``Open`` (a Generate stream) → the loop
 polls the transfer; when the KV arrived on every rank, with its trailer (the first token
 and the prefill side's cached-token count) on rank 0, and a stream is open, it admits
@@ -32,7 +32,7 @@ from decode_worker.handoff import DecodeHandoff, KVTarget
 from engine.core import EngineCore, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.protocol import Trailer
-from pdserve.worker_common import (
+from pdserve.worker_loop import (
     Abort,
     AbortAll,
     Command,

@@ -33,15 +33,17 @@ from pdserve.internal.v1 import worker_pb2 as pb
 from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.registry import WorkerLoad
 from pdserve.worker_common import (
-    CALL_TIMEOUT_S,
     Endpoint,
     Identity,
-    Info,
     LoopServicerMixin,
-    WorkerError,
     abort_with,
     sampling_params_from_proto,
     serve_until_signal,
+)
+from pdserve.worker_loop import (
+    CALL_TIMEOUT_S,
+    Info,
+    WorkerError,
 )
 
 log = logging.getLogger(__name__)

@@ -180,18 +180,18 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _prefill(args: argparse.Namespace) -> int:
-    from pdserve.worker_common import configure_worker_logging
+    from pdserve.logs import configure_logging
     from prefill_worker.server import main as prefill_main
 
-    configure_worker_logging("prefill")
+    configure_logging("prefill")
     return prefill_main(args)
 
 
 def _decode(args: argparse.Namespace) -> int:
     from decode_worker.server import main as decode_main
-    from pdserve.worker_common import configure_worker_logging
+    from pdserve.logs import configure_logging
 
-    configure_worker_logging("decode")
+    configure_logging("decode")
     return decode_main(args)
 
 

@@ -1,12 +1,7 @@
-"""What the prefill and decode worker processes share, torch-free: the engine-loop thread
-skeleton, per-request output streams, the ready file, readiness/health, Redis registration
-and the SIGTERM wait.
-
-Threading model of a worker: one ``EngineLoop`` thread owns the engine (``EngineCore`` is
-not thread-safe). gRPC handler threads never touch the engine; they send typed commands
-through ``EngineLoop.call`` (a thread-safe queue; the reply comes back through a
-``Future``) and read their request's results from an ``OutputStream`` that only the loop
-writes.
+"""What the prefill and decode worker processes share on their gRPC side, torch-free:
+the ready file, readiness/health, the servicer helpers, command-line options, Redis
+registration and the SIGTERM wait. The engine-loop thread and its commands are in
+``pdserve.worker_loop``.
 """
 
 from __future__ import annotations
@@ -14,212 +9,31 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.kvcache import KVCacheUsage
 from engine.sampling_params import SamplingParams
 from kvtransfer.layout import KVLayout
+from pdserve.worker_loop import (
+    CALL_TIMEOUT_S,
+    Abort,
+    EngineLoop,
+    Info,
+    WorkerError,
+)
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-IDLE_POLL_S = 0.005  # how often the loop re-checks KV transfers when it has nothing to step
-
-
-class WorkerError(Exception):
-    """A failure reported to a gRPC caller: ``code`` is the status, ``message`` its text."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-CALL_TIMEOUT_S = 30.0  # a command the loop does not answer in this long: UNAVAILABLE
-
-
-@dataclass(frozen=True)
-class Command(Generic[T]):
-    """Base of the typed commands a loop accepts; ``T`` is the reply type."""
-
-
-@dataclass(frozen=True)
-class Abort(Command[bool]):
-    """Stop a request wherever it is and release what it holds; False if unknown."""
-
-    request_id: str
-    reason: str = "aborted"
-
-
-@dataclass(frozen=True)
-class AbortAll(Command[int]):
-    reason: str = "the worker is shutting down"
-
-
-@dataclass(frozen=True)
-class Info(Command["LoopInfo"]):
-    pass
-
-
-@dataclass(frozen=True)
-class LoopInfo:
-    """A worker's state for ``Info`` and the leak checks."""
-
-    kv: KVCacheUsage
-    pending_transfers: int  # the leader's open handoffs + every rank's pending transfers
-    open_kv_channels: int  # summed over ranks
-    running: int
-    waiting: int
-
-
-class EngineLoop:
-    """A thread that owns an engine: runs commands between steps, steps while there is
-    work, and sleeps on its command queue otherwise.
-
-    Subclasses implement ``_handle(command)`` (runs on the loop thread; its return value
-    or exception goes to the caller), ``_has_work()``, ``_is_polling()`` (waiting on
-    something outside the engine, e.g. a KV transfer: re-check every ``IDLE_POLL_S``),
-    ``_tick()`` (one round of work) and ``_close()`` (abort everything, release the
-    engine; called once, on the loop thread, when the loop stops).
-    """
-
-    def __init__(self, name: str) -> None:
-        self._commands: queue.SimpleQueue[tuple[Command[Any], Future[Any]] | None] = (
-            queue.SimpleQueue())
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._stopped = threading.Event()
-        self.error: BaseException | None = None  # why the loop died, if it did
-
-    def start(self) -> None:
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopped.is_set()
-
-    def call(self, command: Command[T], timeout_s: float | None = None) -> T:
-        """Run ``command`` on the loop thread and return its reply (or raise its error).
-        ``WorkerError(UNAVAILABLE)`` when the loop is not running or does not answer in
-        ``timeout_s``."""
-        if not self.alive:
-            raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
-        future: Future[T] = Future()
-        self._commands.put((command, future))
-        try:
-            return future.result(timeout_s)
-        except TimeoutError:
-            raise WorkerError(grpc.StatusCode.UNAVAILABLE,
-                              f"engine loop did not answer {type(command).__name__}") from None
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Ask the loop to close (abort everything, shut the engine down) and wait."""
-        if self._thread.is_alive():
-            self._commands.put(None)
-            self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        try:
-            while self._serve_commands():
-                if self._has_work():
-                    self._tick()
-        except BaseException as exc:  # the loop is dead: health turns NOT_SERVING
-            log.exception("engine loop failed")
-            self.error = exc
-        finally:
-            self._stopped.set()
-            self._fail_queued()
-            self._close()
-
-    def _serve_commands(self) -> bool:
-        """Run queued commands; block for one when idle. False once asked to stop."""
-        block = not self._has_work()
-        timeout = IDLE_POLL_S if self._is_polling() else None
-        while True:
-            try:
-                item = self._commands.get(block=block, timeout=timeout if block else None)
-            except queue.Empty:
-                return True
-            if item is None:
-                return False
-            command, future = item
-            block = False
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(self._handle(command))
-            except Exception as exc:
-                future.set_exception(exc)
-
-    def _fail_queued(self) -> None:
-        while True:
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None and item[1].set_running_or_notify_cancel():
-                item[1].set_exception(
-                    WorkerError(grpc.StatusCode.UNAVAILABLE, "the engine loop stopped"))
-
-    def _handle(self, command: Command[Any]) -> Any:
-        raise NotImplementedError
-
-    def _has_work(self) -> bool:
-        raise NotImplementedError
-
-    def _is_polling(self) -> bool:
-        return False
-
-    def _tick(self) -> None:
-        raise NotImplementedError
-
-    def _close(self) -> None:
-        raise NotImplementedError
-
-
-class OutputStream(Generic[T]):
-    """One request's results, written by the loop thread, read by one handler thread.
-
-    Bounded by construction: the loop puts at most ``capacity`` items (one per token plus
-    the end), so ``put`` never blocks the loop; a put beyond it is a bug and raises.
-    The end of the stream is an item for which the reader's own check says so, or a
-    ``WorkerError`` (put with ``fail``).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self._queue: queue.Queue[T | WorkerError] = queue.Queue(maxsize=capacity)
-
-    def put(self, item: T) -> None:
-        self._queue.put_nowait(item)
-
-    def fail(self, code: grpc.StatusCode, message: str) -> None:
-        try:
-            self._queue.put_nowait(WorkerError(code, message))
-        except queue.Full:  # the reader has not drained; an error replaces the last item
-            self._queue.get_nowait()
-            self._queue.put_nowait(WorkerError(code, message))
-
-    def get(self, timeout_s: float | None) -> T:
-        """The next item; raises the ``WorkerError`` put by ``fail``, or
-        ``WorkerError(DEADLINE_EXCEEDED)`` after ``timeout_s``."""
-        try:
-            item = self._queue.get(timeout=timeout_s)
-        except queue.Empty:
-            raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
-        if isinstance(item, WorkerError):
-            raise item
-        return item
 
 
 # ------------------------------------------------------------------------ process glue
@@ -476,22 +290,3 @@ def _register(args: Any, endpoint: Endpoint, grpc_address: str) -> Any:
         print(f"pdserve {identity.role}: not joining the cluster: {exc} "
               f"(differing field: {exc.field})", file=sys.stderr)
         return None
-
-
-def configure_worker_logging(role: str) -> None:
-    """Structured-enough logs on stderr: time, level, role, TP rank (0: the worker process
-    is its group's leader; follower ranks are spawned processes), pid, logger, request id
-    (when a record carries one), message."""
-    class _Fields(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            record.role = role
-            record.rank = getattr(record, "rank", 0)  # this process is its group's rank 0
-            record.rid = getattr(record, "request_id", "-")
-            return True
-
-    handler = logging.StreamHandler()
-    handler.addFilter(_Fields())
-    handler.setFormatter(logging.Formatter(
-        "%(asctime)s %(levelname)s role=%(role)s rank=%(rank)s pid=%(process)d %(name)s "
-        "request_id=%(rid)s %(message)s"))
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), handlers=[handler])

@@ -26,7 +26,7 @@ import grpc
 from engine.core import EngineCore
 from engine.distributed import StoreAddress
 from engine.sampling_params import SamplingParams
-from pdserve.worker_common import (
+from pdserve.worker_loop import (
     Abort,
     AbortAll,
     Command,

@@ -33,16 +33,18 @@ from pdserve.internal.v1 import worker_pb2 as pb
 from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.registry import WorkerLoad
 from pdserve.worker_common import (
-    CALL_TIMEOUT_S,
     Endpoint,
     Identity,
-    Info,
     LoopServicerMixin,
-    OutputStream,
-    WorkerError,
     abort_with,
     sampling_params_from_proto,
     serve_until_signal,
+)
+from pdserve.worker_loop import (
+    CALL_TIMEOUT_S,
+    Info,
+    OutputStream,
+    WorkerError,
 )
 from prefill_worker.engine_loop import PrefillDone, PrefillLoop, Submit
 from prefill_worker.kv_plugin import PLUGIN, PrefillKVConfig

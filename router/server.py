@@ -160,9 +160,9 @@ def _demo_model_dir() -> Path:
 
 def main(args: argparse.Namespace) -> int:
     """Runs the router until SIGTERM/SIGINT; exit 0 then, 1 when it cannot start."""
-    from pdserve.worker_common import configure_worker_logging
+    from pdserve.logs import configure_logging
 
-    configure_worker_logging("router")
+    configure_logging("router")
     try:
         config = config_from_args(args)
         return asyncio.run(_serve(config, args.ready_file))

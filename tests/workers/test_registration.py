@@ -146,5 +146,6 @@ def test_worker_reregisters_after_redis_restart(llama_dir: Path, tmp_path: Path)
 
 
 def test_worker_common_is_torch_free() -> None:
-    code = "import sys, pdserve.worker_common, pdserve.cli; assert 'torch' not in sys.modules"
+    code = ("import sys, pdserve.worker_common, pdserve.worker_loop, pdserve.logs, pdserve.cli; "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=60)
