@@ -15,6 +15,7 @@ import grpc
 
 from pdserve.internal.v1 import worker_pb2 as wpb
 from pdserve.internal.v1 import worker_pb2_grpc as wpb_grpc
+from pdserve.pause_points import ENV as PAUSE_ENV
 from pdserve.redis_server import RedisServer
 from prefill_worker.server import FAULT_HOOK_ENV
 from tests.processes import Proc, spawn, wait_until
@@ -55,6 +56,12 @@ class Cluster:
                                        "--redis-url", self.redis.url, "--grace", "2", *extra],
                              self.tmp)
         return self.router.wait_ready()
+
+    def pause_dir(self, prefill_index: int) -> Path:
+        """The test-only pause directory of prefill worker ``prefill_index``."""
+        path = self.tmp / f"pause-prefill-{prefill_index}"
+        path.mkdir(exist_ok=True)
+        return path
 
     def workers(self) -> list[Proc]:
         return [*self.prefill, *self.decode]
@@ -105,9 +112,12 @@ def start_cluster(model_dir: Path, tmp: Path, *, num_prefill: int, num_decode: i
         for i in range(num_decode):
             cluster.start_worker("decode", i, "--tensor-parallel-size", str(decode_tp))
         for i in range(num_prefill):
-            # prefill-0 corrupts the first KV transfer of a CORRUPT_NUM_TOKENS-token prompt
-            cluster.start_worker("prefill", i, env={FAULT_HOOK_ENV: FIRST_OF_LENGTH_SPEC}
-                                 if i == 0 else None)
+            # pause points (tests arm them in pause_dir(i)); prefill-0 also corrupts the
+            # first KV transfer of a CORRUPT_NUM_TOKENS-token prompt
+            env = {PAUSE_ENV: str(cluster.pause_dir(i))}
+            if i == 0:
+                env[FAULT_HOOK_ENV] = FIRST_OF_LENGTH_SPEC
+            cluster.start_worker("prefill", i, env=env)
         for worker in cluster.workers():
             worker.wait_ready()
         cluster.start_router(*router_args)

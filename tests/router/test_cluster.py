@@ -300,6 +300,31 @@ def test_cancel_mid_stream_frees_everything(client: Client) -> None:
     stream.close()  # cancels the call; the fixture's leak check follows
 
 
+def test_cancel_while_prefilling_frees_everything(cluster: Cluster) -> None:
+    # the prefill worker is held (test-only pause point) after computing layer 0 of the
+    # request's KV; the client cancels; once released, every worker has freed everything
+    from pdserve.pause_points import PauseDir
+
+    pause = PauseDir(cluster.pause_dir(0))
+    prompt = _prompt_routed_to("prefill-0", 50)
+    pause.arm("prefill.layer_sent", layer=0)
+    with grpc.insecure_channel(cluster.address) as channel:
+        call = channel.unary_stream(
+            "/pdserve.v1.Generation/Generate",
+            request_serializer=pb.GenerateRequest.SerializeToString,
+            response_deserializer=pb.GenerateResponse.FromString)(
+                pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                   sampling=pb.SamplingParams(max_tokens=20)),
+                timeout=TIMEOUT_S)
+        try:
+            pause.wait_paused("prefill.layer_sent", TIMEOUT_S)
+            call.cancel()
+        finally:
+            pause.release("prefill.layer_sent")
+        assert call.code() == grpc.StatusCode.CANCELLED
+    cluster.assert_no_leaks()
+
+
 def test_deadline_exceeded_frees_everything(client: Client) -> None:
     with pytest.raises(PdserveError) as excinfo:
         client.complete("slow " * 8, max_tokens=900, ignore_eos=True, timeout=0.5)
