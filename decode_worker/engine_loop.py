@@ -188,7 +188,8 @@ class DecodeLoop(EngineLoop):
             pending_transfers=self.handoff.num_pending + sum(s.pending for s in stats),
             open_kv_channels=sum(s.open_channels for s in stats),
             running=len(sched.running),
-            waiting=len(sched.waiting) + sum(1 for v in self._live.values() if not v.admitted))
+            waiting=len(sched.waiting) + sum(1 for v in self._live.values() if not v.admitted),
+            num_preemptions=sched.stats.num_preemptions)
 
     # --- the loop -----------------------------------------------------------------
     def _has_work(self) -> bool:

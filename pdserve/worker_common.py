@@ -180,7 +180,8 @@ def info_to_proto(identity: Identity, info: Any) -> Any:
                            cached_blocks=kv.cached, pinned_blocks=kv.pinned,
                            in_use_blocks=kv.in_use),
         pending_transfers=info.pending_transfers, open_kv_channels=info.open_kv_channels,
-        running_requests=info.running, waiting_requests=info.waiting)
+        running_requests=info.running, waiting_requests=info.waiting,
+        num_preemptions=info.num_preemptions)
 
 
 def add_worker_args(parser: Any) -> None:

@@ -71,6 +71,7 @@ class LoopInfo:
     open_kv_channels: int  # summed over ranks
     running: int
     waiting: int
+    num_preemptions: int = 0  # since the worker started
 
 
 class EngineLoop:

@@ -111,7 +111,8 @@ class PrefillLoop(EngineLoop):
             kv=self.core.kv_usage(),
             pending_transfers=self.handoff.num_pending + sum(s.pending for s in stats),
             open_kv_channels=sum(s.open_channels for s in stats),
-            running=len(sched.running), waiting=len(sched.waiting))
+            running=len(sched.running), waiting=len(sched.waiting),
+            num_preemptions=sched.stats.num_preemptions)
 
     def _has_work(self) -> bool:
         return self.core.has_unfinished()

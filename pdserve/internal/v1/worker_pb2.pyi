@@ -145,7 +145,7 @@ class KVCacheUsage(_message.Message):
     def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., in_use_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "tensor_parallel_size", "model_fingerprint", "kv", "pending_transfers", "open_kv_channels", "running_requests", "waiting_requests")
+    __slots__ = ("worker_id", "role", "tensor_parallel_size", "model_fingerprint", "kv", "pending_transfers", "open_kv_channels", "running_requests", "waiting_requests", "num_preemptions")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class WorkerInfo(_message.Message):
     OPEN_KV_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     tensor_parallel_size: int
@@ -164,4 +165,5 @@ class WorkerInfo(_message.Message):
     open_kv_channels: int
     running_requests: int
     waiting_requests: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv: _Optional[_Union[KVCacheUsage, _Mapping]] = ..., pending_transfers: _Optional[int] = ..., open_kv_channels: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
+    num_preemptions: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv: _Optional[_Union[KVCacheUsage, _Mapping]] = ..., pending_transfers: _Optional[int] = ..., open_kv_channels: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,50 @@
+"""KV pressure on the decode worker (RELIABILITY row 11), through real processes: a
+decode worker whose KV pool cannot hold every admitted request's output at once must
+preempt (local recompute) rather than fail or deadlock, and every request still gets
+exactly the tokens ``engine.LLM`` produces. Ends with the leak check on every worker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from pdserve.client import Client
+from tests.factories import PROMPTS
+from tests.router.cluster import Cluster, start_cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+DECODE_KV_BLOCKS = 24  # 384 tokens: far less than the requests below need together
+NUM_REQUESTS = 6
+MAX_TOKENS = 100  # each request grows to ~8 blocks; 6 of them need ~48
+
+
+@pytest.fixture(scope="module")
+def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = start_cluster(llama_dir, tmp_path_factory.mktemp("pressure"), num_prefill=1,
+                      num_decode=1, decode_tp=1, decode_kv_blocks=DECODE_KV_BLOCKS)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_decode_kv_pressure_preempts_and_every_request_is_right(cluster: Cluster,
+                                                                llama_dir: Path) -> None:
+    texts = [f"{PROMPTS[i]} {PROMPTS[(i + 3) % len(PROMPTS)]}" for i in range(NUM_REQUESTS)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(llama_dir) as llm:
+        expected = [r.token_ids for r in llm.generate(texts, params)]
+    with Client(cluster.address) as client, ThreadPoolExecutor(NUM_REQUESTS) as pool:
+        results = list(pool.map(
+            lambda text: client.complete(text, max_tokens=MAX_TOKENS, temperature=0,
+                                         ignore_eos=True, timeout=240.0), texts))
+    assert [list(r.token_ids) for r in results] == expected
+    assert all(r.finish_reason == "length" for r in results)
+    # the pool really was too small: the decode worker preempted at least once
+    assert cluster.info(cluster.decode[0]).num_preemptions >= 1
+    cluster.assert_no_leaks()
