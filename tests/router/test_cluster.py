@@ -325,6 +325,27 @@ def test_cancel_while_prefilling_frees_everything(cluster: Cluster) -> None:
     cluster.assert_no_leaks()
 
 
+def test_client_killed_mid_stream_frees_everything(cluster: Cluster) -> None:
+    # the client process dies without cancelling: its connection closes, the router
+    # cancels the request, and the workers free everything
+    import subprocess
+    import sys
+
+    code = ("import sys, pdserve\n"
+            "with pdserve.Client(sys.argv[1]) as c:\n"
+            "    for chunk in c.generate('vanishing client ' * 4, max_tokens=900,\n"
+            "                            ignore_eos=True, timeout=60):\n"
+            "        print(len(chunk.token_ids), flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, cluster.address],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "1"
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT_S)
+    cluster.assert_no_leaks()
+
+
 def test_deadline_exceeded_frees_everything(client: Client) -> None:
     with pytest.raises(PdserveError) as excinfo:
         client.complete("slow " * 8, max_tokens=900, ignore_eos=True, timeout=0.5)
