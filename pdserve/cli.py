@@ -21,7 +21,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="pdserve: disaggregated prefill/decode LLM serving. "
+        "Start with `pdserve up --demo`; see `pdserve COMMAND --help`.")
     sub = parser.add_subparsers(metavar="COMMAND")
 
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint (HF layout)")
