@@ -136,10 +136,13 @@ class Up:
             self.lines.append(line)
 
     def _track(self) -> None:
+        # the command line is read again on every walk: a child first seen between its
+        # fork and its exec still shows the parent's command line
         while self.proc.poll() is None:
             for pid, start in _descendants(self.proc.pid).items():
-                if pid not in self.seen:
-                    self.seen[pid] = (start, _cmdline(pid))
+                cmdline = _cmdline(pid)
+                if cmdline or pid not in self.seen:
+                    self.seen[pid] = (start, cmdline)
             time.sleep(0.05)
 
 
