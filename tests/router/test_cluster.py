@@ -484,7 +484,7 @@ def test_hung_prefill_worker_is_routed_around(cluster: Cluster, client: Client) 
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(ask, range(8)))
         assert all(n == 2 for n, _ in results), results
-        assert max(s for _, s in results) < 15.0, results  # not held until the deadline
+        assert max(s for _, s in results) < TIMEOUT_S / 2, results  # not held until the deadline
         assert f"worker {victim.name} is not serving" in cluster.router.log_tail(50_000)
     finally:
         victim.proc.send_signal(signal.SIGCONT)
