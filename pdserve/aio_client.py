@@ -24,6 +24,7 @@ from pdserve.client import (
     GenerationChunk,
     ModelInfo,
     PdserveError,
+    auth_metadata,
     build_request,
     channel_options,
     chunk_from_response,
@@ -48,8 +49,10 @@ class AsyncGenerationStream:
     """
 
     def __init__(self, stub: generate_pb2_grpc.GenerationStub,
-                 request: generate_pb2.GenerateRequest, timeout: float | None) -> None:
+                 request: generate_pb2.GenerateRequest, timeout: float | None,
+                 metadata: tuple[tuple[str, str], ...] | None = None) -> None:
         self._stub = stub
+        self._metadata = metadata
         self._request = request
         self._timeout = timeout
         self._call: Any = None  # grpc.aio.UnaryStreamCall once started
@@ -63,7 +66,8 @@ class AsyncGenerationStream:
         if self._finished or self._closed:
             raise StopAsyncIteration
         if self._call is None:
-            self._call = self._stub.Generate(self._request, timeout=self._timeout)
+            self._call = self._stub.Generate(self._request, timeout=self._timeout,
+                                             metadata=self._metadata)
         try:
             response = await self._call.read()
         except grpc.RpcError as error:
@@ -108,14 +112,16 @@ class AsyncClient:
     """An asyncio client of one pdserve router at ``address`` (``"host:port"``).
 
     Create it inside the event loop that will use it (a ``grpc.aio`` channel belongs to
-    one loop). ``options`` are extra channel options overriding the SDK's defaults. Use
-    ``async with`` or ``await close()``. Every call failure raises ``PdserveError``.
+    one loop). ``api_key`` and ``options`` as for ``Client``. Use ``async with`` or
+    ``await close()``. Every call failure raises ``PdserveError``.
     """
 
-    def __init__(self, address: str, *, options: ChannelOptions = ()) -> None:
+    def __init__(self, address: str, *, api_key: str | None = None,
+                 options: ChannelOptions = ()) -> None:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=channel_options(options))
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
+        self._metadata = auth_metadata(api_key)
 
     def generate(
         self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
@@ -135,7 +141,7 @@ class AsyncClient:
             prompt, prompt_token_ids, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos, request_id=request_id, model=model)
-        return AsyncGenerationStream(self._stub, request, timeout)
+        return AsyncGenerationStream(self._stub, request, timeout, self._metadata)
 
     async def complete(
         self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
@@ -164,7 +170,7 @@ class AsyncClient:
         """The served model and its limits; ``PdserveError`` on failure."""
         try:
             info = await self._stub.GetModelInfo(generate_pb2.ModelInfoRequest(),
-                                                 timeout=timeout)
+                                                 timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
         return model_info_from_proto(info)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -86,7 +87,9 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="stream a completion from a running cluster",
-                         epilog="exit codes: 0 done, 2 INVALID_ARGUMENT, 1 any other error")
+                         epilog="exit codes: 0 done, 2 INVALID_ARGUMENT, 1 any other error. "
+                                "The router's API key, if it needs one, is read from "
+                                "$PDSERVE_API_KEY.")
     gen.add_argument("prompt")
     gen.add_argument("--address", default="127.0.0.1:50051", help="the router (HOST:PORT)")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -128,17 +131,23 @@ def _cluster_demo(cluster: Any) -> int:
 
     noise = " (random weights, so expect noise)" if cluster.config.model_dir is None else ""
     print(f"\nprompt: {DEMO_PROMPT}\ncompletion{noise}: ", end="", flush=True)
-    with Client(cluster.router_address) as client:
+    with Client(cluster.router_address, api_key=_api_key()) as client:
         code = _stream(client, "pdserve up", DEMO_PROMPT, max_tokens=48, temperature=0.8,
                        seed=0, ignore_eos=True, timeout=120.0)
     print(flush=True)
     return code
 
 
+def _api_key() -> str | None:
+    """The router's API key for our calls: ``$PDSERVE_API_KEY`` (never a command-line
+    argument, which other users of the machine could read)."""
+    return os.environ.get("PDSERVE_API_KEY") or None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.client import Client
 
-    with Client(args.address) as client:
+    with Client(args.address, api_key=_api_key()) as client:
         return _stream(client, "pdserve generate", args.prompt, max_tokens=args.max_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                        seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,

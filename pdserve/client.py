@@ -110,6 +110,11 @@ class ModelInfo:
     block_size: int
 
 
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata that carries ``api_key`` (``authorization: Bearer KEY``)."""
+    return None if api_key is None else (("authorization", f"Bearer {api_key}"),)
+
+
 def channel_options(options: ChannelOptions) -> list[tuple[str, Any]]:
     """The SDK's channel options, with ``options`` added (same key: ``options`` wins)."""
     merged: dict[str, Any] = {
@@ -208,15 +213,18 @@ class Client:
 
     Opens an insecure gRPC channel (connected lazily, on the first call); ``options`` are
     extra channel options (``(key, value)`` pairs, e.g. keepalive settings) that override
-    the SDK's defaults. Use as a context manager or call ``close()``; one client is
+    the SDK's defaults. ``api_key``: the router's key (``pdserve router --api-key-file``),
+    sent with every call. Use as a context manager or call ``close()``; one client is
     thread-safe and may serve many concurrent calls. Every call failure raises
     ``PdserveError``.
     """
 
-    def __init__(self, address: str, *, options: ChannelOptions = ()) -> None:
+    def __init__(self, address: str, *, api_key: str | None = None,
+                 options: ChannelOptions = ()) -> None:
         self.address = address
         self._channel = grpc.insecure_channel(address, options=channel_options(options))
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
+        self._metadata = auth_metadata(api_key)
 
     def generate(
         self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
@@ -271,7 +279,8 @@ class Client:
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """The served model and its limits; ``PdserveError`` on failure."""
         try:
-            info = self._stub.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=timeout)
+            info = self._stub.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=timeout,
+                                           metadata=self._metadata)
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
         return model_info_from_proto(info)
@@ -288,7 +297,7 @@ class Client:
 
     def _stream(self, request: generate_pb2.GenerateRequest, timeout: float | None
                 ) -> Generator[GenerationChunk, None, None]:
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for response in call:
                 yield chunk_from_response(response)

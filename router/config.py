@@ -48,6 +48,7 @@ class RouterConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     grace_s: float = 5.0  # on SIGTERM, in-flight requests get this long to finish
+    api_key: str | None = field(default=None, repr=False)  # None: no authentication
 
     @property
     def address(self) -> str:

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvtransfer.layout import fingerprint_model_dir
 from pdserve.registry import Registry, RegistryAuthError
+from router.auth import ApiKeyInterceptor, load_api_key
 from router.config import DEFAULT_PORT, AdmissionConfig, DiscoveryConfig, RouterConfig
 from router.service import SERVICE_NAME, GenerationService
 from router.validation import ModelLimits, load_router_tokenizer
@@ -66,7 +67,8 @@ class Router:
 
     async def start(self) -> str:
         """Binds, reads the workers once, starts serving; returns ``host:port``."""
-        server = grpc.aio.server(options=(
+        interceptors = [ApiKeyInterceptor(self.config.api_key)] if self.config.api_key else []
+        server = grpc.aio.server(interceptors=interceptors, options=(
             ("grpc.max_receive_message_length", self.config.admission.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ))
@@ -142,12 +144,17 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight at once; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
+    parser.add_argument("--api-key-file",
+                        help="require 'authorization: Bearer KEY' on every call but health "
+                             "and reflection, KEY being this file's first line (default: "
+                             "$PDSERVE_API_KEY if set, else no key)")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         model_dir=Path(args.model) if args.model else _demo_model_dir(), host=args.host, port=args.port,
         model_name=args.model_name, grace_s=args.grace,
+        api_key=load_api_key(args.api_key_file),
         discovery=DiscoveryConfig(redis_url=args.redis_url, cluster=args.cluster),
         admission=AdmissionConfig(max_inflight=args.max_inflight))
 
@@ -180,8 +187,10 @@ async def _serve(config: RouterConfig, ready_file: str | None) -> int:
         loop.add_signal_handler(sig, stop.set)
     if ready_file:
         _write_ready(Path(ready_file), address, router.limits.name)
-    logger.info("serving %s on %s (%d prefill, %d decode workers known)", router.limits.name,
-                address, len(router.pool.routable("prefill")), len(router.pool.routable("decode")))
+    logger.info("serving %s on %s (%d prefill, %d decode workers known; %s)",
+                router.limits.name, address, len(router.pool.routable("prefill")),
+                len(router.pool.routable("decode")),
+                "API key required" if config.api_key else "no API key")
     await stop.wait()
     logger.info("stopping: %d requests in flight get %.1fs", router.service.inflight,
                 config.grace_s)
