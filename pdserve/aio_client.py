@@ -26,6 +26,7 @@ from pdserve.client import (
     PdserveError,
     auth_metadata,
     build_request,
+    channel_credentials,
     channel_options,
     chunk_from_response,
     error_from_rpc,
@@ -112,14 +113,19 @@ class AsyncClient:
     """An asyncio client of one pdserve router at ``address`` (``"host:port"``).
 
     Create it inside the event loop that will use it (a ``grpc.aio`` channel belongs to
-    one loop). ``api_key`` and ``options`` as for ``Client``. Use ``async with`` or
+    one loop). ``api_key``, ``tls``, ``root_certificates`` and ``options`` as for
+    ``Client``. Use ``async with`` or
     ``await close()``. Every call failure raises ``PdserveError``.
     """
 
-    def __init__(self, address: str, *, api_key: str | None = None,
-                 options: ChannelOptions = ()) -> None:
+    def __init__(self, address: str, *, api_key: str | None = None, tls: bool = False,
+                 root_certificates: bytes | None = None, options: ChannelOptions = ()) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(options))
+        credentials = channel_credentials(tls, root_certificates)
+        self._channel = (
+            grpc.aio.insecure_channel(address, options=channel_options(options))
+            if credentials is None
+            else grpc.aio.secure_channel(address, credentials, channel_options(options)))
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self._metadata = auth_metadata(api_key)
 

@@ -115,6 +115,15 @@ def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     return None if api_key is None else (("authorization", f"Bearer {api_key}"),)
 
 
+def channel_credentials(tls: bool, root_certificates: bytes | None
+                        ) -> grpc.ChannelCredentials | None:
+    """TLS credentials (the system's CAs unless ``root_certificates`` PEM is given), or
+    None for a plaintext channel (neither ``tls`` nor ``root_certificates``)."""
+    if not tls and root_certificates is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+
+
 def channel_options(options: ChannelOptions) -> list[tuple[str, Any]]:
     """The SDK's channel options, with ``options`` added (same key: ``options`` wins)."""
     merged: dict[str, Any] = {
@@ -214,15 +223,19 @@ class Client:
     Opens an insecure gRPC channel (connected lazily, on the first call); ``options`` are
     extra channel options (``(key, value)`` pairs, e.g. keepalive settings) that override
     the SDK's defaults. ``api_key``: the router's key (``pdserve router --api-key-file``),
-    sent with every call. Use as a context manager or call ``close()``; one client is
-    thread-safe and may serve many concurrent calls. Every call failure raises
-    ``PdserveError``.
+    sent with every call. ``tls=True`` (system CAs) or ``root_certificates`` (PEM bytes
+    of the CA to trust) connect with TLS. Use as a context manager or call ``close()``;
+    one client is thread-safe and may serve many concurrent calls. Every call failure
+    raises ``PdserveError``.
     """
 
-    def __init__(self, address: str, *, api_key: str | None = None,
-                 options: ChannelOptions = ()) -> None:
+    def __init__(self, address: str, *, api_key: str | None = None, tls: bool = False,
+                 root_certificates: bytes | None = None, options: ChannelOptions = ()) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=channel_options(options))
+        credentials = channel_credentials(tls, root_certificates)
+        self._channel = (
+            grpc.insecure_channel(address, options=channel_options(options)) if credentials
+            is None else grpc.secure_channel(address, credentials, channel_options(options)))
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self._metadata = auth_metadata(api_key)
 

@@ -39,6 +39,21 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True)
+class TLSFiles:
+    """PEM files of the public port's TLS certificate (chain) and private key."""
+
+    cert_file: Path
+    key_file: Path
+
+    def credentials(self) -> tuple[bytes, bytes]:
+        """(private key, certificate chain); ``ValueError`` naming an unreadable file."""
+        try:
+            return self.key_file.read_bytes(), self.cert_file.read_bytes()
+        except OSError as exc:
+            raise ValueError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from None
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     model_dir: Path
     discovery: DiscoveryConfig
@@ -49,6 +64,7 @@ class RouterConfig:
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     grace_s: float = 5.0  # on SIGTERM, in-flight requests get this long to finish
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
+    tls: TLSFiles | None = None  # None: plaintext
 
     @property
     def address(self) -> str:

@@ -28,7 +28,13 @@ from grpc_reflection.v1alpha import reflection
 from kvtransfer.layout import fingerprint_model_dir
 from pdserve.registry import Registry, RegistryAuthError
 from router.auth import ApiKeyInterceptor, load_api_key
-from router.config import DEFAULT_PORT, AdmissionConfig, DiscoveryConfig, RouterConfig
+from router.config import (
+    DEFAULT_PORT,
+    AdmissionConfig,
+    DiscoveryConfig,
+    RouterConfig,
+    TLSFiles,
+)
 from router.service import SERVICE_NAME, GenerationService
 from router.validation import ModelLimits, load_router_tokenizer
 from router.workers import WorkerPool
@@ -77,8 +83,12 @@ class Router:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         try:
-            port = server.add_insecure_port(self.config.address)
-        except RuntimeError as exc:
+            if self.config.tls is None:
+                port = server.add_insecure_port(self.config.address)
+            else:
+                credentials = grpc.ssl_server_credentials([self.config.tls.credentials()])
+                port = server.add_secure_port(self.config.address, credentials)
+        except (RuntimeError, ValueError) as exc:
             raise RouterStartError(f"cannot listen on {self.config.address}: {exc}") from None
         if port == 0:
             raise RouterStartError(f"cannot listen on {self.config.address} (port in use?)")
@@ -144,6 +154,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight at once; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
+    parser.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
+    parser.add_argument("--tls-key", help="... and this PEM private key")
     parser.add_argument("--api-key-file",
                         help="require 'authorization: Bearer KEY' on every call but health "
                              "and reflection, KEY being this file's first line (default: "
@@ -154,9 +166,15 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         model_dir=Path(args.model) if args.model else _demo_model_dir(), host=args.host, port=args.port,
         model_name=args.model_name, grace_s=args.grace,
-        api_key=load_api_key(args.api_key_file),
+        api_key=load_api_key(args.api_key_file), tls=_tls(args),
         discovery=DiscoveryConfig(redis_url=args.redis_url, cluster=args.cluster),
         admission=AdmissionConfig(max_inflight=args.max_inflight))
+
+
+def _tls(args: argparse.Namespace) -> TLSFiles | None:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    return None if args.tls_cert is None else TLSFiles(Path(args.tls_cert), Path(args.tls_key))
 
 
 def _demo_model_dir() -> Path:
@@ -191,6 +209,8 @@ async def _serve(config: RouterConfig, ready_file: str | None) -> int:
                 router.limits.name, address, len(router.pool.routable("prefill")),
                 len(router.pool.routable("decode")),
                 "API key required" if config.api_key else "no API key")
+    if config.tls is not None:
+        logger.info("TLS on the public port (certificate %s)", config.tls.cert_file)
     await stop.wait()
     logger.info("stopping: %d requests in flight get %.1fs", router.service.inflight,
                 config.grace_s)

@@ -1,7 +1,8 @@
-"""API-key authentication through a real router process (RELIABILITY row 35): without
-the key or with a wrong one every call is UNAUTHENTICATED (before any work: this router
-has no workers, so an authorized Generate gets as far as UNAVAILABLE); health checks
-and reflection need no key; the key never appears in the router's log."""
+"""API-key authentication and TLS through real router processes (RELIABILITY rows 35
+and 36): without the key or with a wrong one every call is UNAUTHENTICATED (before any
+work: this router has no workers, so an authorized Generate gets as far as
+UNAVAILABLE); health checks and reflection need no key; the key never appears in the
+router's log; a TLS router is reached only by clients that trust its CA."""
 
 from __future__ import annotations
 
@@ -74,3 +75,31 @@ def test_health_and_reflection_need_no_key(router: Proc) -> None:
 def test_the_key_is_never_logged(router: Proc) -> None:
     log = router.log_tail(1_000_000)
     assert "API key required" in log and KEY not in log
+
+
+def test_tls_public_port(llama_dir: Path, tmp_path: Path) -> None:
+    # the router serves TLS; a client trusting the CA gets through (with the key), a
+    # plaintext client does not, and neither does a client trusting another CA
+    from tests.router.tls import make_certificates
+
+    cert, key, ca = make_certificates(tmp_path)
+    (tmp_path / "other").mkdir()
+    _, _, other_ca = make_certificates(tmp_path / "other")
+    key_file = tmp_path / "api-key"
+    key_file.write_text(KEY)
+    with RedisServer(start_timeout_s=10.0) as redis:
+        proc = spawn("router-tls", ["router", "--model", str(llama_dir), "--port", "0",
+                                    "--redis-url", redis.url, "--api-key-file", str(key_file),
+                                    "--tls-cert", str(cert), "--tls-key", str(key)],
+                     tmp_path).wait_ready()
+        try:
+            with Client(proc.address, api_key=KEY, root_certificates=ca) as client:
+                assert client.model_info(timeout=TIMEOUT_S).vocab_size == 704
+            for kwargs in ({}, {"root_certificates": other_ca}):
+                with Client(proc.address, api_key=KEY, **kwargs) as client:  # type: ignore[arg-type]
+                    with pytest.raises(PdserveError) as excinfo:
+                        client.model_info(timeout=5.0)
+                    assert excinfo.value.code == grpc.StatusCode.UNAVAILABLE
+        finally:
+            assert proc.stop(signal.SIGTERM) == 0, proc.log_tail()
+    assert "TLS on the public port" in proc.log_tail()
