@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 DEMO_PROMPT = "Once upon a time, in a city of caf\u00e9s and \u65e5\u672c\u8a9e signs,"
@@ -100,6 +101,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, help="deadline of the whole call, in seconds")
+    gen.add_argument("--tls-ca", help="connect with TLS, trusting this CA certificate (PEM)")
     gen.set_defaults(func=_generate)
 
 
@@ -147,7 +149,12 @@ def _api_key() -> str | None:
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.client import Client
 
-    with Client(args.address, api_key=_api_key()) as client:
+    try:
+        ca = None if args.tls_ca is None else Path(args.tls_ca).read_bytes()
+    except OSError as exc:
+        print(f"pdserve generate: cannot read {args.tls_ca}: {exc.strerror}", file=sys.stderr)
+        return 2
+    with Client(args.address, api_key=_api_key(), root_certificates=ca) as client:
         return _stream(client, "pdserve generate", args.prompt, max_tokens=args.max_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                        seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
