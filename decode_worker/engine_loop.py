@@ -67,6 +67,15 @@ class Open(Command[OutputStream[RequestOutput]]):
     num_cached_tokens: int | None = None
 
 
+@dataclass(frozen=True)
+class Local(Command[OutputStream[RequestOutput]]):
+    """Colocated mode: prefill the prompt here and stream every token (no KV transfer)."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+
+
 @dataclass
 class _Live:
     transfer_id: int
@@ -111,6 +120,8 @@ class DecodeLoop(EngineLoop):
             return self._reserve(command)
         if isinstance(command, Open):
             return self._open(command)
+        if isinstance(command, Local):
+            return self._local(command)
         if isinstance(command, Abort):
             return self._abort(command.request_id, grpc.StatusCode.ABORTED, command.reason)
         if isinstance(command, AbortAll):
@@ -164,6 +175,20 @@ class DecodeLoop(EngineLoop):
         live.stream = OutputStream(live.max_tokens + 2)
         if live.arrived:
             self._admit(cmd.request_id, live)
+        return live.stream
+
+    def _local(self, cmd: Local) -> OutputStream[RequestOutput]:
+        if cmd.request_id in self._live:
+            raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
+                              f"request {cmd.request_id!r} is live here")
+        try:
+            self.core.add_request(cmd.request_id, list(cmd.prompt_token_ids), cmd.params)
+        except ValueError as exc:
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        self._failed.pop(cmd.request_id, None)
+        live = _Live(0, time.monotonic(), cmd.params.max_tokens, arrived=True, admitted=True)
+        live.stream = OutputStream(live.max_tokens + 2)
+        self._live[cmd.request_id] = live
         return live.stream
 
     def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:

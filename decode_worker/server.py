@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from decode_worker.engine_loop import DecodeLoop, Open, Reserve
+from decode_worker.engine_loop import DecodeLoop, Local, Open, Reserve
 from decode_worker.kv_plugin import PLUGIN, DecodeKVConfig
 from engine.config import (
     CacheConfig,
@@ -25,7 +25,7 @@ from engine.config import (
     SchedulerConfig,
     load_model_config,
 )
-from engine.core import EngineCore
+from engine.core import EngineCore, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from kvtransfer import KVLayout, fingerprint_model_dir
@@ -43,6 +43,7 @@ from pdserve.worker_common import (
 from pdserve.worker_loop import (
     CALL_TIMEOUT_S,
     Info,
+    OutputStream,
     WorkerError,
 )
 
@@ -89,7 +90,25 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                                          request.num_cached_tokens or None), CALL_TIMEOUT_S)
         except WorkerError as exc:
             abort_with(context, exc)
-        # however the call ends (cancel, deadline, error), the request is freed
+        yield from self._relay(rid, stream, context)
+
+    def GenerateLocal(self, request: pb.GenerateLocalRequest, context: grpc.ServicerContext
+                      ) -> Iterator[pb.TokenChunk]:
+        rid = request.request_id
+        try:
+            if not request.prompt_token_ids:
+                raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+            params = sampling_params_from_proto(request.sampling)
+            stream = self.loop.call(Local(rid, list(request.prompt_token_ids), params),
+                                    CALL_TIMEOUT_S)
+        except WorkerError as exc:
+            abort_with(context, exc)
+        yield from self._relay(rid, stream, context)
+
+    def _relay(self, rid: str, stream: OutputStream[RequestOutput],
+               context: grpc.ServicerContext) -> Iterator[pb.TokenChunk]:
+        """The request's outputs as chunks; however the call ends (cancel, deadline,
+        error), the request is freed."""
         context.add_callback(lambda: self._abort_quietly(rid, "the Generate call ended"))
         num_completion = 0
         while True:

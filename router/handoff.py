@@ -8,6 +8,10 @@
    load), naming the reservation's KV target; it pushes the KV and the first token.
 3. Generate on the decode worker and relay its chunks.
 
+With ``local_prefill`` "always" (colocated mode), or "fallback" once no prefill worker
+is left for the request, an attempt is one ``GenerateLocal`` on the decode worker
+instead: it prefills there and streams, with the same retries and cleanup.
+
 Before the first token reaches the client, a failure of a worker (unreachable, KV
 transfer failed or corrupt, worker draining) aborts the attempt on both workers and
 starts a new one with a new transfer id, excluding the failed worker, up to
@@ -47,6 +51,7 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXH
                        grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.NOT_FOUND})
 ABORT_TIMEOUT_S = 5.0
+LOCAL_PREFILL_MODES = ("never", "fallback", "always")
 
 
 class RouteError(Exception):
@@ -85,14 +90,22 @@ class HandoffConfig:
     reserve_timeout_s: float = 10.0  # Reserve returns at once; this bounds a hung worker
     affinity_blocks: int = 4
     load_epsilon: float = 0.25
+    # "never": no prefill worker left is UNAVAILABLE; "fallback": then the decode worker
+    # prefills locally; "always": colocated mode (every request prefilled on decode)
+    local_prefill: str = "never"
+
+    def __post_init__(self) -> None:
+        if self.local_prefill not in LOCAL_PREFILL_MODES:
+            raise ValueError(f"local_prefill must be one of {LOCAL_PREFILL_MODES}, "
+                             f"got {self.local_prefill!r}")
 
 
 @dataclass
 class _Attempt:
     number: int
     decode_id: str
-    transfer_id: int
-    target: pb.KVTarget
+    transfer_id: int  # 0 when prefilled locally (no transfer)
+    target: pb.KVTarget | None  # None when prefilled locally
     prefill_id: str | None = None
     calls: list[grpc.aio.Call] = field(default_factory=list)
     finished: bool = False
@@ -127,11 +140,13 @@ class Handoff:
         """The request's output chunks; raises ``RouteError`` on failure."""
         failures: list[str] = []
         for number in range(1, self._config.max_attempts + 1):
-            attempt = await self._reserve(number)
+            local = self._prefill_locally()
+            attempt = self._local_attempt(number) if local else await self._reserve(number)
             try:
                 with self._pool.busy(attempt.decode_id):
-                    first = await self._prefill(attempt)
-                    async for chunk in self._generate(attempt, first):
+                    call = (self._start_local(attempt) if local
+                            else self._start_generate(attempt, await self._prefill(attempt)))
+                    async for chunk in self._relay(attempt, call):
                         yield chunk
                     return
             except _Retry as retry:
@@ -148,7 +163,7 @@ class Handoff:
 
     # ----------------------------------------------------------------- steps
 
-    async def _reserve(self, number: int) -> _Attempt:
+    def _decode_order(self) -> list[str]:
         need = self._req.num_blocks(self._block_size)
         candidates = [DecodeCandidate(r.worker_id, self._pool.inflight(r.worker_id),
                                       r.free_kv_blocks, r.total_kv_blocks)
@@ -157,6 +172,24 @@ class Handoff:
         if not order:
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"no healthy decode worker can hold {need} KV blocks")
+        return order
+
+    def _prefill_locally(self) -> bool:
+        """Colocated this attempt: always, or (fallback) when no prefill worker is left."""
+        mode = self._config.local_prefill
+        return mode == "always" or mode == "fallback" and not any(
+            r.worker_id not in self._excluded for r in self._pool.routable("prefill"))
+
+    def _local_attempt(self, number: int) -> _Attempt:
+        decode_id = self._decode_order()[0]
+        self._log.info("attempt %d: prefilling locally on %s (%s)", number, decode_id,
+                       "colocated mode" if self._config.local_prefill == "always"
+                       else "no prefill worker left")
+        return _Attempt(number, decode_id, 0, None)
+
+    async def _reserve(self, number: int) -> _Attempt:
+        need = self._req.num_blocks(self._block_size)
+        order = self._decode_order()
         refusals: list[str] = []
         any_refused = False  # a worker answered "no room" (vs. none answering at all)
         for decode_id in order:
@@ -215,14 +248,29 @@ class Handoff:
                        reply.num_cached_tokens, reply.num_prompt_tokens)
         return reply
 
-    async def _generate(self, attempt: _Attempt, first: pb.PrefillResponse
-                        ) -> AsyncIterator[OutputChunk]:
+    def _start_generate(self, attempt: _Attempt, first: pb.PrefillResponse
+                        ) -> grpc.aio.UnaryStreamCall:
         request = pb.GenerateRequest(request_id=self._req.request_id,
                                      first_token_id=first.first_token_id,
                                      num_cached_tokens=first.num_cached_tokens)
         call = self._pool.decode_stub(attempt.decode_id).Generate(request,
                                                                    timeout=self._timeout())
         attempt.calls.append(call)
+        return call
+
+    def _start_local(self, attempt: _Attempt) -> grpc.aio.UnaryStreamCall:
+        request = pb.GenerateLocalRequest(request_id=self._req.request_id,
+                                          prompt_token_ids=self._req.prompt_token_ids,
+                                          sampling=self._sampling)
+        call = self._pool.decode_stub(attempt.decode_id).GenerateLocal(
+            request, timeout=self._timeout())
+        attempt.calls.append(call)
+        return call
+
+    async def _relay(self, attempt: _Attempt, call: grpc.aio.UnaryStreamCall
+                     ) -> AsyncIterator[OutputChunk]:
+        """The decode worker's stream as ``OutputChunk``s; a failure before the first
+        token is ``_Retry``, after it ``RouteError``."""
         num_streamed = 0
         try:
             with self._pool.watched(attempt.decode_id, call):

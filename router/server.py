@@ -35,6 +35,7 @@ from router.config import (
     RouterConfig,
     TLSFiles,
 )
+from router.handoff import LOCAL_PREFILL_MODES, HandoffConfig
 from router.service import SERVICE_NAME, GenerationService
 from router.validation import ModelLimits, load_router_tokenizer
 from router.workers import WorkerPool
@@ -154,6 +155,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight at once; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
+    parser.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",
+                        help="never: no prefill worker left is UNAVAILABLE; fallback: then a "
+                             "decode worker prefills locally; always: colocated mode, every "
+                             "request prefilled on its decode worker (default: never)")
     parser.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
     parser.add_argument("--tls-key", help="... and this PEM private key")
     parser.add_argument("--api-key-file",
@@ -168,7 +173,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         model_name=args.model_name, grace_s=args.grace,
         api_key=load_api_key(args.api_key_file), tls=_tls(args),
         discovery=DiscoveryConfig(redis_url=args.redis_url, cluster=args.cluster),
-        admission=AdmissionConfig(max_inflight=args.max_inflight))
+        admission=AdmissionConfig(max_inflight=args.max_inflight),
+        handoff=HandoffConfig(local_prefill=args.local_prefill))
 
 
 def _tls(args: argparse.Namespace) -> TLSFiles | None:

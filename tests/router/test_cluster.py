@@ -379,6 +379,31 @@ def test_inflight_budget(cluster: Cluster, tmp_path: Path) -> None:
     cluster.assert_no_leaks()
 
 
+def test_colocated_mode(cluster: Cluster, llm: LLM, tmp_path: Path) -> None:
+    # a router in colocated mode: the decode worker prefills every request itself (no
+    # prefill worker touched); the tokens are the same
+    from tests.processes import spawn
+
+    router = spawn("router-colocated", ["router", "--model", str(cluster.model_dir), "--port",
+                                        "0", "--redis-url", cluster.redis.url,
+                                        "--local-prefill", "always"], tmp_path).wait_ready()
+    prompts = PROMPTS[:4]
+    expected = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0,
+                                                    ignore_eos=True))
+    before = [cluster.info(p).kv for p in cluster.prefill]
+    try:
+        with Client(router.address) as colocated, ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: list(colocated.complete(
+                p, max_tokens=6, temperature=0, ignore_eos=True, timeout=TIMEOUT_S).token_ids),
+                prompts))
+    finally:
+        assert router.stop() == 0, router.log_tail()
+    assert got == [r.token_ids for r in expected]
+    assert [cluster.info(p).kv for p in cluster.prefill] == before  # untouched
+    assert router.log_tail().count("prefilling locally on decode-0 (colocated mode)") == 4
+    cluster.assert_no_leaks()
+
+
 def _wait_first_chunk(client: Client, stream: Iterator[object]) -> None:
     done = threading.Event()
     first: list[object] = []
@@ -507,6 +532,40 @@ def test_killed_prefill_worker_is_routed_around(cluster: Cluster, client: Client
     # to connect, and the request went on to the other worker
     assert cluster.router is not None
     assert f"not routing to {victim.name}" in cluster.router.log_tail(50_000)
+
+
+def test_no_prefill_worker_left(cluster: Cluster, client: Client, llm: LLM,
+                                tmp_path: Path) -> None:
+    # every prefill worker dead: the default router answers UNAVAILABLE, one with
+    # --local-prefill fallback has the decode worker prefill locally
+    from tests.processes import spawn
+
+    for worker in cluster.prefill:
+        worker.stop(sig=9)
+    fallback = spawn("router-fallback", ["router", "--model", str(cluster.model_dir), "--port",
+                                         "0", "--redis-url", cluster.redis.url,
+                                         "--local-prefill", "fallback"], tmp_path).wait_ready()
+    expected = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=5, temperature=0,
+                                                         ignore_eos=True))[0].token_ids
+    try:
+        with Client(fallback.address) as other:
+            result = other.complete(PROMPTS[2], max_tokens=5, temperature=0, ignore_eos=True,
+                                    timeout=TIMEOUT_S)
+        assert list(result.token_ids) == expected
+    finally:
+        assert fallback.stop() == 0, fallback.log_tail()
+    with pytest.raises(PdserveError) as excinfo:
+        client.complete(PROMPTS[2], max_tokens=5, timeout=TIMEOUT_S)
+    assert excinfo.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "prefill" in excinfo.value.details, excinfo.value.details
+    # a new prefill worker joins: the default router routes to it again
+    assert cluster.router is not None
+    router = cluster.router
+    cluster.start_worker("prefill", 3).wait_ready()
+    wait_until(lambda: "worker prefill-3 is serving" in router.log_tail(100_000), 30.0,
+               "the router to route to prefill-3")
+    assert list(client.complete(PROMPTS[2], max_tokens=5, temperature=0, ignore_eos=True,
+                                timeout=TIMEOUT_S).token_ids) == expected
 
 
 def test_killed_decode_worker_mid_stream_is_unavailable(cluster: Cluster,

@@ -70,6 +70,16 @@ class GenerateRequest(_message.Message):
     num_cached_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
+class GenerateLocalRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -52,6 +52,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.GenerateLocal = channel.unary_stream(
+                '/pdserve.internal.v1.DecodeWorker/GenerateLocal',
+                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
+                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.internal.v1.DecodeWorker/Abort',
                 request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -124,6 +129,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateLocal(self, request, context):
+        """Colocated mode: prefills the prompt here (no prefill worker, no KV transfer), then
+        streams every token as Generate does. The request waits in this worker's queue
+        while it has no room; ending the stream in any way frees everything on every rank.
+        Used by a router with no prefill worker to send to (`--local-prefill`) and as the
+        colocated baseline of benchmarks. Errors: INVALID_ARGUMENT (empty prompt, bad
+        sampling params), ALREADY_EXISTS (request_id is live here), ABORTED (Abort).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Aborts the request at whatever stage it is (reserved, receiving KV, waiting,
         running): frees its blocks on every rank, disarms its KV receiver, and ends an open
@@ -152,6 +169,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.SerializeToString,
+            ),
+            'GenerateLocal': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateLocal,
+                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GenerateLocalRequest.FromString,
                     response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -226,6 +248,33 @@ class DecodeWorker:
             target,
             '/pdserve.internal.v1.DecodeWorker/Generate',
             pdserve_dot_internal_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateLocal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.internal.v1.DecodeWorker/GenerateLocal',
+            pdserve_dot_internal_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
             pdserve_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
