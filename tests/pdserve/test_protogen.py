@@ -105,6 +105,7 @@ def test_services_have_the_documented_methods() -> None:
     assert shape("DecodeWorker") == {
         "Reserve": ("ReserveRequest", "ReserveResponse", False),
         "Generate": ("GenerateRequest", "TokenChunk", True),
+        "GenerateLocal": ("GenerateLocalRequest", "TokenChunk", True),
         "Abort": ("AbortRequest", "AbortResponse", False),
         "Info": ("InfoRequest", "WorkerInfo", False),
     }
