@@ -116,6 +116,18 @@ def test_services_have_the_documented_methods() -> None:
     }
 
 
+def test_the_public_service_has_the_documented_methods() -> None:
+    from pdserve.v1 import generate_pb2
+
+    methods = generate_pb2.DESCRIPTOR.services_by_name["Generation"].methods
+    assert {m.name: (m.input_type.name, m.output_type.name, m.server_streaming)
+            for m in methods} == {
+        "Generate": ("GenerateRequest", "GenerateResponse", True),
+        "GetModelInfo": ("ModelInfoRequest", "ModelInfo", False),
+    }
+    assert generate_pb2.DESCRIPTOR.package == "pdserve.v1"
+
+
 # --- round trips ---------------------------------------------------------------------------
 
 def test_seed_zero_is_distinguished_from_absent() -> None:
