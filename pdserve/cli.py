@@ -81,6 +81,8 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--log-dir", help="children's logs (default: a fresh temp dir)")
     up.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (default: fit)")
     up.add_argument("--max-inflight", type=int, help="the router's in-flight request limit")
+    up.add_argument("--local-prefill", choices=("never", "fallback", "always"), default="never",
+                    help="the router's --local-prefill (always: colocated, --prefill 0 allowed)")
     up.add_argument("--no-router", dest="router", action="store_false",
                     help="start Redis and the workers only (run your own router)")
     up.add_argument("--demo", action="store_true",
@@ -117,7 +119,7 @@ def _up(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, redis_url=args.redis_url, cluster=args.cluster,
             log_dir=Path(args.log_dir) if args.log_dir else None,
             num_kv_blocks=args.num_kv_blocks, max_inflight=args.max_inflight,
-            start_router=args.router)
+            local_prefill=args.local_prefill, start_router=args.router)
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2

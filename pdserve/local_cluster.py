@@ -58,6 +58,7 @@ class LocalClusterConfig:
     num_kv_blocks: int | None = None  # per worker; None: fit to memory
     model_name: str | None = None  # router's --model-name
     max_inflight: int | None = None  # router's --max-inflight
+    local_prefill: str = "never"  # router's --local-prefill; "always" allows 0 prefill workers
     start_router: bool = True  # False: Redis and workers only (run your own router)
     start_timeout_s: float = 300.0  # for all workers, then for the router, to be ready
     drain_s: float = 5.0  # workers' --grace: in-flight RPCs finish within it on SIGTERM
@@ -65,8 +66,10 @@ class LocalClusterConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+            least = 0 if name == "num_prefill" and self.local_prefill == "always" else 1
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)}"
+                                 + (" (0 needs --local-prefill always)" if least else ""))
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
 
@@ -258,6 +261,7 @@ class LocalCluster:
             argv += ["--model-name", cfg.model_name]
         if cfg.max_inflight is not None:
             argv += ["--max-inflight", str(cfg.max_inflight)]
+        argv += ["--local-prefill", cfg.local_prefill]
         self.router = self._spawn("router", argv)
         self._wait_ready([self.router], lambda c: f"router ready at {c.address}")
 

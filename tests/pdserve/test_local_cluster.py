@@ -269,3 +269,24 @@ def test_a_child_that_dies_is_named_and_everything_stops(llama_dir: Path, tmp_pa
     assert cluster.pids() == {}
     assert not set(pids.values()) & set(_proc_table())  # stopped and reaped
     assert lines[-1] == "all processes stopped"
+
+
+def test_colocated_cluster_without_prefill_workers(llama_dir: Path, tmp_path: Path) -> None:
+    # --prefill 0 --local-prefill always: only Redis, a decode worker and the router; the
+    # decode worker prefills every request itself
+    from engine import LLM, SamplingParams
+    from pdserve.client import Client
+
+    config = LocalClusterConfig(model_dir=llama_dir, port=0, num_kv_blocks=NUM_KV_BLOCKS,
+                                log_dir=tmp_path, num_prefill=0, local_prefill="always")
+    with LocalCluster(config, progress=lambda _: None) as cluster:
+        assert set(cluster.pids()) == {"redis", "decode-0", "router"}
+        with Client(cluster.router_address) as client:
+            result = client.complete("colocated", max_tokens=6, temperature=0,
+                                     ignore_eos=True, timeout=60)
+    with LLM(llama_dir) as llm:
+        expected = llm.generate(["colocated"], SamplingParams(max_tokens=6, temperature=0,
+                                                              ignore_eos=True))[0]
+    assert list(result.token_ids) == expected.token_ids
+    with pytest.raises(ValueError, match="--local-prefill always"):
+        LocalClusterConfig(num_prefill=0)
