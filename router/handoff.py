@@ -201,6 +201,11 @@ class Handoff:
                 reply = await self._pool.decode_stub(decode_id).Reserve(
                     request, timeout=self._timeout(self._config.reserve_timeout_s))
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # not ours to abort
+                    raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"request_id {self._req.request_id!r} is already in "
+                                     "flight (another router?); request ids must be unique"
+                                     ) from None
                 self._abort_later(decode_id, "decode")  # it may hold a reservation
                 self._check_deadline(exc)
                 self._worker_failed(decode_id, exc)

@@ -47,6 +47,7 @@ class GenerationService:
         self._max_inflight = max_inflight
         self._default_timeout_s = default_timeout_s
         self._inflight = 0
+        self._live_ids: set[str] = set()  # request ids in flight here
         # unique per attempt within this router, random across routers; never 0
         self._transfer_ids: Iterator[int] = itertools.count((secrets.randbits(40) << 16) + 1)
         self._background: set[asyncio.Future[object]] = set()
@@ -86,6 +87,7 @@ class GenerationService:
             await context.abort(exc.code, exc.message)
             return
         self._inflight += 1
+        self._live_ids.add(request.request_id)
         start = time.monotonic()
         try:
             async with aclosing(handoff.stream()) as chunks:
@@ -100,12 +102,17 @@ class GenerationService:
             raise
         finally:
             self._inflight -= 1
+            self._live_ids.discard(request.request_id)
 
     def _admit(self, request: ValidRequest, context: grpc.aio.ServicerContext) -> Handoff:
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before "
                              "the request was admitted")
+        if request.request_id in self._live_ids:
+            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"request_id {request.request_id!r} is already in flight; "
+                             "request ids must be unique")
         if self._inflight >= self._max_inflight:
             raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"{self._inflight} requests in flight, the router's limit "

@@ -266,6 +266,32 @@ def test_malformed_messages_are_refused(cluster: Cluster, client: Client) -> Non
     assert client.complete("fine", max_tokens=1, timeout=TIMEOUT_S).finish_reason == "length"
 
 
+def test_duplicate_request_id_is_refused_and_harms_nobody(cluster: Cluster, client: Client,
+                                                          tmp_path: Path) -> None:
+    # a request id already in flight, on this router or (seen by the workers) another one,
+    # is INVALID_ARGUMENT; the request that holds the id streams on to its end
+    from tests.processes import spawn
+
+    other = spawn("router-dup", ["router", "--model", str(cluster.model_dir), "--port", "0",
+                                 "--redis-url", cluster.redis.url], tmp_path).wait_ready()
+    try:
+        stream = client.generate("first holder " * 4, max_tokens=300, ignore_eos=True,
+                                 request_id="dup-id", timeout=TIMEOUT_S)
+        received = list(next(stream).token_ids)
+        with Client(other.address) as other_client:
+            for duplicate in (client, other_client):
+                with pytest.raises(PdserveError) as excinfo:
+                    duplicate.complete("second", max_tokens=2, request_id="dup-id",
+                                       timeout=TIMEOUT_S)
+                assert excinfo.value.code == INVALID, excinfo.value
+                assert "already in flight" in excinfo.value.details
+        for chunk in stream:
+            received += chunk.token_ids
+        assert len(received) == 300
+    finally:
+        assert other.stop() == 0, other.log_tail()
+
+
 def test_model_info(client: Client, llama_dir: Path) -> None:
     info = client.model_info(timeout=TIMEOUT_S)
     assert (info.model, info.context_length, info.vocab_size, info.block_size) == \
