@@ -246,6 +246,11 @@ class Handoff:
             self._check_deadline(exc)
             self._worker_failed(prefill_id, exc)
             why = f"prefill on {prefill_id}: {exc.code().name} {exc.details()}"
+            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                attempt.prefill_id = None  # the id's holder there is not ours to abort
+                raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"request_id {self._req.request_id!r} is already in flight "
+                                 "on a prefill worker; request ids must be unique") from None
             if exc.code() not in RETRYABLE:  # the worker refused what the router sent
                 raise RouteError(grpc.StatusCode.INTERNAL, why) from None
             raise _Retry(why) from None
