@@ -15,12 +15,18 @@ class AdmissionConfig:
     """What the router accepts before any work."""
 
     max_inflight: int = 256  # requests in flight at once; more get RESOURCE_EXHAUSTED
+    # prompt tokens of requests not yet at their first token (one request alone is always
+    # admitted); None: no limit
+    max_queued_tokens: int | None = 65536
     max_message_bytes: int = 4 << 20  # larger request messages get RESOURCE_EXHAUSTED
     default_timeout_s: float = 600.0  # deadline of a request whose client set none
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.max_queued_tokens is not None and self.max_queued_tokens < 1:
+            raise ValueError(f"max_queued_tokens must be >= 1 or None, got "
+                             f"{self.max_queued_tokens}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not self.default_timeout_s > 0:

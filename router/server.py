@@ -66,7 +66,8 @@ class Router:
         a = config.admission
         self.service = GenerationService(self.pool, self.limits, tokenizer,
                                          handoff=config.handoff, max_inflight=a.max_inflight,
-                                         default_timeout_s=a.default_timeout_s)
+                                         default_timeout_s=a.default_timeout_s,
+                                         max_queued_tokens=a.max_queued_tokens)
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._refresher: asyncio.Task[None] | None = None
@@ -153,6 +154,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", help="name clients may give (default: the directory name)")
     parser.add_argument("--max-inflight", type=int, default=256,
                         help="requests in flight at once; more get RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-queued-tokens", type=int, default=65536,
+                        help="prompt tokens waiting for their first token at once; more get "
+                             "RESOURCE_EXHAUSTED (0: no limit)")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
     parser.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",
@@ -173,7 +177,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         model_name=args.model_name, grace_s=args.grace,
         api_key=load_api_key(args.api_key_file), tls=_tls(args),
         discovery=DiscoveryConfig(redis_url=args.redis_url, cluster=args.cluster),
-        admission=AdmissionConfig(max_inflight=args.max_inflight),
+        admission=AdmissionConfig(max_inflight=args.max_inflight,
+                                  max_queued_tokens=args.max_queued_tokens or None),
         handoff=HandoffConfig(local_prefill=args.local_prefill))
 
 

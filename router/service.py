@@ -38,8 +38,8 @@ class GenerationService:
     """Serves ``Generate`` and ``GetModelInfo`` for one model over a ``WorkerPool``."""
 
     def __init__(self, pool: WorkerPool, limits: ModelLimits, tokenizer: tokenizers.Tokenizer,
-                 *, handoff: HandoffConfig, max_inflight: int, default_timeout_s: float
-                 ) -> None:
+                 *, handoff: HandoffConfig, max_inflight: int, default_timeout_s: float,
+                 max_queued_tokens: int | None = None) -> None:
         self._pool = pool
         self._limits = limits
         self._tokenizer = tokenizer
@@ -48,6 +48,8 @@ class GenerationService:
         self._default_timeout_s = default_timeout_s
         self._inflight = 0
         self._live_ids: set[str] = set()  # request ids in flight here
+        self._queued_tokens = 0  # prompt tokens of requests before their first token
+        self._max_queued_tokens = max_queued_tokens
         # unique per attempt within this router, random across routers; never 0
         self._transfer_ids: Iterator[int] = itertools.count((secrets.randbits(40) << 16) + 1)
         self._background: set[asyncio.Future[object]] = set()
@@ -88,10 +90,14 @@ class GenerationService:
             return
         self._inflight += 1
         self._live_ids.add(request.request_id)
+        queued = request.num_prompt_tokens  # until its first token
+        self._queued_tokens += queued
         start = time.monotonic()
         try:
             async with aclosing(handoff.stream()) as chunks:
                 async for chunk in chunks:
+                    self._queued_tokens -= queued
+                    queued = 0
                     await context.write(api.to_response(request.request_id, chunk))
         except RouteError as exc:
             log.warning("failed: %s %s", exc.code.name, exc.message)
@@ -102,6 +108,7 @@ class GenerationService:
             raise
         finally:
             self._inflight -= 1
+            self._queued_tokens -= queued
             self._live_ids.discard(request.request_id)
 
     def _admit(self, request: ValidRequest, context: grpc.aio.ServicerContext) -> Handoff:
@@ -117,6 +124,13 @@ class GenerationService:
             raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"{self._inflight} requests in flight, the router's limit "
                              f"(--max-inflight {self._max_inflight}); retry later")
+        limit = self._max_queued_tokens
+        if limit is not None and self._queued_tokens and \
+                self._queued_tokens + request.num_prompt_tokens > limit:
+            raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"{self._queued_tokens} prompt tokens wait for their first token; "
+                             f"{request.num_prompt_tokens} more would pass the router's limit "
+                             f"(--max-queued-tokens {limit}); retry later")
         layout = self._pool.layout()
         if layout is None:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy worker is registered")

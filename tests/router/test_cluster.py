@@ -430,6 +430,39 @@ def test_colocated_mode(cluster: Cluster, llm: LLM, tmp_path: Path) -> None:
     cluster.assert_no_leaks()
 
 
+def test_queued_token_budget(cluster: Cluster, tmp_path: Path) -> None:
+    # a router allowing 100 prompt tokens before their first token: while an 80-token
+    # prompt is held mid-prefill (pause point), a 40-token one is refused at once; once
+    # the first has its first token, the second is admitted
+    from pdserve.pause_points import PauseDir
+    from tests.processes import spawn
+
+    router = spawn("router-queued", ["router", "--model", str(cluster.model_dir), "--port",
+                                     "0", "--redis-url", cluster.redis.url,
+                                     "--max-queued-tokens", "100"], tmp_path).wait_ready()
+    pause = PauseDir(cluster.pause_dir(0))
+    held = _prompt_routed_to("prefill-0", 80)
+    pause.arm("prefill.layer_sent", layer=0)
+    try:
+        with Client(router.address) as budget, ThreadPoolExecutor(1) as pool:
+            first = pool.submit(budget.complete, prompt_token_ids=held, max_tokens=2,
+                                timeout=TIMEOUT_S)
+            try:
+                pause.wait_paused("prefill.layer_sent", TIMEOUT_S)
+                with pytest.raises(PdserveError) as excinfo:
+                    budget.complete(prompt_token_ids=[7] * 40, max_tokens=2, timeout=TIMEOUT_S)
+                assert excinfo.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "--max-queued-tokens 100" in excinfo.value.details
+            finally:
+                pause.release("prefill.layer_sent")
+            assert first.result(TIMEOUT_S).finish_reason
+            assert budget.complete(prompt_token_ids=[7] * 40, max_tokens=2,
+                                   timeout=TIMEOUT_S).finish_reason
+    finally:
+        assert router.stop() == 0, router.log_tail()
+    cluster.assert_no_leaks()
+
+
 def _wait_first_chunk(client: Client, stream: Iterator[object]) -> None:
     done = threading.Event()
     first: list[object] = []
