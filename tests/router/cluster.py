@@ -74,9 +74,11 @@ class Cluster:
                 else wpb_grpc.DecodeWorkerStub(channel))
         return stub.Info(wpb.InfoRequest(), timeout=RPC_TIMEOUT_S)
 
-    def assert_no_leaks(self, timeout_s: float = 15.0) -> None:
-        """Every live worker: all blocks free or cached, nothing pending, running or waiting."""
-        for worker in self.workers():
+    def assert_no_leaks(self, workers: list[Proc] | None = None,
+                        timeout_s: float = 15.0) -> None:
+        """Every live worker (of ``workers``, default all): all blocks free or cached,
+        nothing pending, running or waiting."""
+        for worker in self.workers() if workers is None else workers:
             if worker.proc.poll() is not None:
                 continue
             last: list[wpb.WorkerInfo] = []
