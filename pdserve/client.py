@@ -220,7 +220,8 @@ class CompletionBuilder:
 class Client:
     """A blocking client of one pdserve router at ``address`` (``"host:port"``).
 
-    Opens an insecure gRPC channel (connected lazily, on the first call); ``options`` are
+    Opens a gRPC channel (plaintext unless TLS is asked for below; connected lazily, on the
+    first call); ``options`` are
     extra channel options (``(key, value)`` pairs, e.g. keepalive settings) that override
     the SDK's defaults. ``api_key``: the router's key (``pdserve router --api-key-file``),
     sent with every call. ``tls=True`` (system CAs) or ``root_certificates`` (PEM bytes

@@ -1,4 +1,4 @@
-"""API-key authentication of the public API (RELIABILITY row 35).
+"""API-key authentication of the public API (row 35 of ``../shared/RELIABILITY.md``).
 
 With a key configured, every call except health checks and server reflection must carry
 ``authorization: Bearer <key>`` metadata; otherwise it ends with UNAUTHENTICATED before

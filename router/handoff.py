@@ -22,9 +22,12 @@ deadline is handed to every worker call; a passed deadline is DEADLINE_EXCEEDED.
 Ownership: the workers own their blocks. Whenever an attempt ends other than by a clean
 finish — error, retry, client cancel (``GeneratorExit``/``CancelledError`` reaching the
 generator) — its worker calls are cancelled and ``Abort(request_id)`` (idempotent) goes
-to both workers from a background task, so cleanup happens even while the caller is
-being cancelled. After a clean finish the decode worker has freed everything and the
-prefill worker unpins on the decode side's acknowledgement; nothing more is sent.
+to the decode worker, and to the prefill worker if its Prefill had not returned, from a
+background task, so cleanup happens even while the caller is being cancelled; before a
+retry the decode Abort is awaited instead (the retry may reserve there again). A
+worker's ALREADY_EXISTS gets no Abort: the id's holder there is another request. After a
+clean finish the decode worker has freed everything and the prefill worker unpins on
+the decode side's acknowledgement; nothing more is sent.
 """
 
 from __future__ import annotations
@@ -32,13 +35,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
 
+from engine.kvcache.block_hash import compute_block_hashes
 from pdserve.internal.v1 import worker_pb2 as pb
-from router.routing import DecodeCandidate, affinity_key, pick_prefill, rank_decode
+from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
+from router.routing import (
+    AFFINITY_BLOCKS,
+    DEFAULT_EPSILON,
+    DecodeCandidate,
+    affinity_key,
+    pick_prefill,
+    rank_decode,
+)
 from router.validation import ValidRequest
 from router.workers import WorkerPool
 
@@ -88,8 +101,8 @@ class OutputChunk:
 class HandoffConfig:
     max_attempts: int = 3
     reserve_timeout_s: float = 10.0  # Reserve returns at once; this bounds a hung worker
-    affinity_blocks: int = 4
-    load_epsilon: float = 0.25
+    affinity_blocks: int = AFFINITY_BLOCKS
+    load_epsilon: float = DEFAULT_EPSILON
     # "never": no prefill worker left is UNAVAILABLE; "fallback": then the decode worker
     # prefills locally; "always": colocated mode (every request prefilled on decode)
     local_prefill: str = "never"
@@ -133,8 +146,8 @@ class Handoff:
         if layout is None:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy worker is registered")
         self._block_size = layout.block_size
-        self._key = affinity_key(request.block_hashes(layout.block_size, layout.hash_seed),
-                                 request.prompt_token_ids, config.affinity_blocks)
+        self._layout = layout
+        self._key: bytes | None = None  # the prefill affinity key, computed on first use
 
     async def stream(self) -> AsyncGenerator[OutputChunk, None]:
         """The request's output chunks; raises ``RouteError`` on failure."""
@@ -146,15 +159,17 @@ class Handoff:
                 with self._pool.busy(attempt.decode_id):
                     call = (self._start_local(attempt) if local
                             else self._start_generate(attempt, await self._prefill(attempt)))
-                    async for chunk in self._relay(attempt, call):
-                        yield chunk
+                    async with aclosing(self._relay(attempt, call)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
                     return
             except _Retry as retry:
                 failures.append(str(retry))
                 self._log.warning("attempt %d failed, %s: %s", number,
                                   "retrying" if number < self._config.max_attempts
                                   else "giving up", retry)
-                await self._abort_decode_now(attempt)  # the next Reserve may go to it again
+                if attempt.decode_id not in self._excluded:  # the next Reserve may go there
+                    await self._abort_decode_now(attempt)
             finally:
                 self._end(attempt)
         raise RouteError(grpc.StatusCode.UNAVAILABLE,
@@ -162,6 +177,15 @@ class Handoff:
                          + "; ".join(failures))
 
     # ----------------------------------------------------------------- steps
+
+    def _affinity_key(self) -> bytes:
+        """The prompt's prefill affinity key (hashing only the blocks it needs)."""
+        if self._key is None:
+            head = self._req.prompt_token_ids[:self._config.affinity_blocks * self._block_size]
+            hashes = compute_block_hashes(head, self._block_size, seed=self._layout.hash_seed)
+            self._key = affinity_key(hashes, self._req.prompt_token_ids,
+                                     self._config.affinity_blocks)
+        return self._key
 
     def _decode_order(self) -> list[str]:
         need = self._req.num_blocks(self._block_size)
@@ -198,8 +222,16 @@ class Handoff:
                                         prompt_token_ids=self._req.prompt_token_ids,
                                         sampling=self._sampling, transfer_id=transfer_id)
             try:
-                reply = await self._pool.decode_stub(decode_id).Reserve(
-                    request, timeout=self._timeout(self._config.reserve_timeout_s))
+                stub = self._pool.decode_stub(decode_id)
+            except KeyError:  # left the registry meanwhile
+                continue
+            try:
+                with self._pool.busy(decode_id):  # counted by concurrent choices already
+                    reply = await stub.Reserve(
+                        request, timeout=self._timeout(self._config.reserve_timeout_s))
+            except asyncio.CancelledError:
+                self._abort_later(decode_id, "decode")  # it may hold a reservation
+                raise
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # not ours to abort
                     raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -208,6 +240,9 @@ class Handoff:
                                      ) from None
                 self._abort_later(decode_id, "decode")  # it may hold a reservation
                 self._check_deadline(exc)
+                if exc.code() not in RETRYABLE:  # the worker refused what the router sent
+                    raise RouteError(grpc.StatusCode.INTERNAL, f"reserve on {decode_id}: "
+                                     f"{exc.code().name} {exc.details()}") from None
                 self._worker_failed(decode_id, exc)
                 refusals.append(f"{decode_id}: {exc.code().name} {exc.details()}")
                 continue
@@ -225,14 +260,21 @@ class Handoff:
     async def _prefill(self, attempt: _Attempt) -> pb.PrefillResponse:
         workers = {r.worker_id: self._pool.inflight(r.worker_id)
                    for r in self._pool.routable("prefill") if r.worker_id not in self._excluded}
-        order = pick_prefill(self._key, workers, self._config.load_epsilon)
+        order = pick_prefill(self._affinity_key(), workers, self._config.load_epsilon)
         if not order:
+            if self._config.local_prefill == "fallback":  # the next attempt prefills locally
+                raise _Retry("no prefill worker left")
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         prefill_id = attempt.prefill_id = order[0]
         request = pb.PrefillRequest(request_id=self._req.request_id,
                                     prompt_token_ids=self._req.prompt_token_ids,
                                     sampling=self._sampling, target=attempt.target)
-        call = self._pool.prefill_stub(prefill_id).Prefill(request, timeout=self._timeout())
+        try:
+            stub = self._pool.prefill_stub(prefill_id)
+        except KeyError:
+            self._excluded.add(prefill_id)
+            raise _Retry(f"prefill worker {prefill_id} left the registry") from None
+        call = stub.Prefill(request, timeout=self._timeout())
         attempt.calls.append(call)
         try:
             with self._pool.busy(prefill_id), self._pool.watched(prefill_id, call):
@@ -254,6 +296,7 @@ class Handoff:
             if exc.code() not in RETRYABLE:  # the worker refused what the router sent
                 raise RouteError(grpc.StatusCode.INTERNAL, why) from None
             raise _Retry(why) from None
+        attempt.prefill_id = None  # it returned once the decode side acknowledged: done
         self._log.info("prefilled on %s (%d of %d prompt tokens cached)", prefill_id,
                        reply.num_cached_tokens, reply.num_prompt_tokens)
         return reply
@@ -263,8 +306,7 @@ class Handoff:
         request = pb.GenerateRequest(request_id=self._req.request_id,
                                      first_token_id=first.first_token_id,
                                      num_cached_tokens=first.num_cached_tokens)
-        call = self._pool.decode_stub(attempt.decode_id).Generate(request,
-                                                                   timeout=self._timeout())
+        call = self._decode_stub(attempt).Generate(request, timeout=self._timeout())
         attempt.calls.append(call)
         return call
 
@@ -272,13 +314,19 @@ class Handoff:
         request = pb.GenerateLocalRequest(request_id=self._req.request_id,
                                           prompt_token_ids=self._req.prompt_token_ids,
                                           sampling=self._sampling)
-        call = self._pool.decode_stub(attempt.decode_id).GenerateLocal(
-            request, timeout=self._timeout())
+        call = self._decode_stub(attempt).GenerateLocal(request, timeout=self._timeout())
         attempt.calls.append(call)
         return call
 
+    def _decode_stub(self, attempt: _Attempt) -> pb_grpc.DecodeWorkerStub:
+        try:
+            return self._pool.decode_stub(attempt.decode_id)
+        except KeyError:  # left the registry meanwhile (its channel is closed)
+            self._excluded.add(attempt.decode_id)
+            raise _Retry(f"decode worker {attempt.decode_id} left the registry") from None
+
     async def _relay(self, attempt: _Attempt, call: grpc.aio.UnaryStreamCall
-                     ) -> AsyncIterator[OutputChunk]:
+                     ) -> AsyncGenerator[OutputChunk, None]:
         """The decode worker's stream as ``OutputChunk``s; a failure before the first
         token is ``_Retry``, after it ``RouteError``."""
         num_streamed = 0
@@ -327,26 +375,29 @@ class Handoff:
 
     async def _abort_decode_now(self, attempt: _Attempt) -> None:
         """Cancels the attempt's calls and waits (bounded) for the decode worker's Abort,
-        so a new reservation of this request there is not ALREADY_EXISTS."""
+        so a new reservation of this request there is not ALREADY_EXISTS. If this task
+        is cancelled meanwhile, ``_end`` sends the Abort again in the background."""
         for call in attempt.calls:
             call.cancel()
+        call = self._abort_call(attempt.decode_id, "decode")
+        if call is not None:
+            await self._await_abort(call, attempt.decode_id)
         attempt.decode_aborted = True
-        try:
-            call = self._pool.decode_stub(attempt.decode_id).Abort(
-                pb.AbortRequest(request_id=self._req.request_id), timeout=ABORT_TIMEOUT_S)
-        except KeyError:  # forgotten meanwhile: nothing to reach
-            return
-        await self._await_abort(call, attempt.decode_id)
 
     def _abort_later(self, worker_id: str, role: str) -> None:
+        call = self._abort_call(worker_id, role)
+        if call is not None:
+            self._background(asyncio.ensure_future(self._await_abort(call, worker_id)))
+
+    def _abort_call(self, worker_id: str, role: str) -> grpc.aio.UnaryUnaryCall | None:
+        """``Abort(request_id)`` started on the worker; None if it left the registry."""
         try:
             stub = (self._pool.decode_stub(worker_id) if role == "decode"
                     else self._pool.prefill_stub(worker_id))
-        except KeyError:  # forgotten meanwhile: nothing to reach
-            return
-        call = stub.Abort(pb.AbortRequest(request_id=self._req.request_id),
+        except KeyError:
+            return None
+        return stub.Abort(pb.AbortRequest(request_id=self._req.request_id),
                           timeout=ABORT_TIMEOUT_S)
-        self._background(asyncio.ensure_future(self._await_abort(call, worker_id)))
 
     async def _await_abort(self, call: grpc.aio.UnaryUnaryCall, worker_id: str) -> object:
         try:

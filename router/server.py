@@ -2,8 +2,10 @@
 
 ``Router`` owns the asyncio gRPC server, the ``WorkerPool`` and its refresh task.
 Health (``grpc.health.v1``, service "" and ``pdserve.v1.Generation``) is SERVING while at
-least one prefill and one decode worker are routable. The router reads only
-``config.json`` and ``tokenizer.json`` of ``--model`` (no weights) and imports no torch.
+least one decode worker and (unless ``--local-prefill`` lets decode workers prefill) one
+prefill worker are routable. The router reads only ``config.json`` and ``tokenizer.json``
+of ``--model`` (no weights) and imports no torch — except to build the built-in tiny
+model when ``--model`` is not given.
 
 Start-up fails at once, before touching Redis, when the port cannot be bound. SIGTERM or
 SIGINT: stop accepting, give in-flight streams ``grace_s`` to finish (then they are
@@ -109,7 +111,9 @@ class Router:
 
     async def _refresh(self) -> None:
         await self.pool.refresh()
-        serving = bool(self.pool.routable("prefill") and self.pool.routable("decode"))
+        colocated = self.config.handoff.local_prefill != "never"
+        serving = bool(self.pool.routable("decode")
+                       and (colocated or self.pool.routable("prefill")))
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", SERVICE_NAME):

@@ -2,8 +2,9 @@
 
 ``GenerationService.generate`` runs as a gRPC asyncio handler. Order of business for one
 call, each step failing fast with its status: parse + validate (INVALID_ARGUMENT) →
-deadline already passed (DEADLINE_EXCEEDED) → in-flight budget (RESOURCE_EXHAUSTED) →
-workers known and big enough (UNAVAILABLE / INVALID_ARGUMENT) → ``Handoff`` streams.
+deadline already passed (DEADLINE_EXCEEDED) → request id already in flight
+(INVALID_ARGUMENT) → in-flight and queued-token budgets (RESOURCE_EXHAUSTED) → workers
+known and big enough (UNAVAILABLE / INVALID_ARGUMENT) → ``Handoff`` streams.
 Responses are written with ``context.write`` from the handler's own task, so a client
 cancel or deadline arrives as ``CancelledError`` at an ``await`` in this call's code and
 the handoff's cleanup runs at once.

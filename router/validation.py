@@ -1,4 +1,5 @@
-"""Checking a client's request before any work: every "Bad input" row of RELIABILITY.md.
+"""Checking a client's request before any work: every "Bad input" row of RELIABILITY.md
+(``../shared/RELIABILITY.md`` beside the repository).
 
 Torch-free and protobuf-free: ``router.api`` turns the public message into a
 ``ClientRequest``; ``validate`` turns that into a ``ValidRequest`` (token ids, engine

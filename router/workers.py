@@ -64,6 +64,7 @@ class WorkerPool:
         self._inflight: dict[str, int] = {}
         self._calls: dict[str, set[grpc.aio.Call]] = {}  # see ``watched``
         self._foreign: set[str] = set()  # ids logged as serving another model
+        self._closing: set[asyncio.Task[None]] = set()  # channels being closed
 
     # ----------------------------------------------------------------- the view
 
@@ -86,6 +87,9 @@ class WorkerPool:
                     del self._known[worker_id]
                     logger.info("worker %s left the registry; closing its channel", worker_id)
                     await known.channel.close()
+            listed = {r.worker_id for r in snapshot.workers}
+            self._foreign &= listed  # bounded by the registry, not by worker churn
+            self._suspect_until = {w: t for w, t in self._suspect_until.items() if t > now}
         await asyncio.gather(*(self._check_health(w, k) for w, k in list(self._known.items())))
 
     async def _check_health(self, worker_id: str, known: _Known) -> None:
@@ -93,13 +97,17 @@ class WorkerPool:
             reply = await health_pb2_grpc.HealthStub(known.channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=self._health_timeout_s)
             serving, why = reply.status == health_pb2.HealthCheckResponse.SERVING, "NOT_SERVING"
+            hung = False
         except grpc.aio.AioRpcError as exc:
             serving, why = False, f"{exc.code().name} {exc.details()}"
+            hung = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         if serving != known.serving:
             log = logger.info if serving else logger.warning
             log("worker %s is %s", worker_id, "serving" if serving else f"not serving: {why}")
         known.serving = serving
-        if not serving:
+        if hung:  # no answer in time: take its calls back. A worker that answers
+            # NOT_SERVING or refuses new calls is draining (its calls finish) or a zombie
+            # (it fails them itself); a dead one's calls fail by themselves.
             for call in list(self._calls.get(worker_id, ())):
                 call.cancel()
 
@@ -114,7 +122,9 @@ class WorkerPool:
         known = self._known.get(record.worker_id)
         if known is None or known.record.grpc_address != record.grpc_address:
             if known is not None:
-                asyncio.get_running_loop().create_task(known.channel.close())
+                task = asyncio.get_running_loop().create_task(known.channel.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
             channel = grpc.aio.insecure_channel(record.grpc_address, options=CHANNEL_OPTIONS)
             logger.info("worker %s (%s, TP %d) at %s", record.worker_id, record.role,
                         record.tensor_parallel_size, record.grpc_address)

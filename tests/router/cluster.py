@@ -107,14 +107,15 @@ class Cluster:
 
 def start_cluster(model_dir: Path, tmp: Path, *, num_prefill: int, num_decode: int,
                   decode_tp: int, router_args: tuple[str, ...] = (),
-                  decode_kv_blocks: int = NUM_KV_BLOCKS) -> Cluster:
+                  decode_kv_blocks: int = NUM_KV_BLOCKS,
+                  decode_args: tuple[str, ...] = ()) -> Cluster:
     redis = RedisServer(start_timeout_s=10.0)
     redis.start()
     cluster = Cluster(model_dir, tmp, redis)
     try:
         for i in range(num_decode):
             cluster.start_worker("decode", i, "--tensor-parallel-size", str(decode_tp),
-                                 "--num-kv-blocks", str(decode_kv_blocks))
+                                 "--num-kv-blocks", str(decode_kv_blocks), *decode_args)
         for i in range(num_prefill):
             # pause points (tests arm them in pause_dir(i)); prefill-0 also corrupts the
             # first KV transfer of a CORRUPT_NUM_TOKENS-token prompt

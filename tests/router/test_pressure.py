@@ -26,7 +26,8 @@ MAX_TOKENS = 100  # each request grows to ~8 blocks; 6 of them need ~48
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = start_cluster(llama_dir, tmp_path_factory.mktemp("pressure"), num_prefill=1,
-                      num_decode=1, decode_tp=1, decode_kv_blocks=DECODE_KV_BLOCKS)
+                      num_decode=1, decode_tp=1, decode_kv_blocks=DECODE_KV_BLOCKS,
+                      decode_args=("--grace", "20"))
     try:
         yield c
     finally:
@@ -48,3 +49,21 @@ def test_decode_kv_pressure_preempts_and_every_request_is_right(cluster: Cluster
     # the pool really was too small: the decode worker preempted at least once
     assert cluster.info(cluster.decode[0]).num_preemptions >= 1
     cluster.assert_no_leaks()
+
+
+def test_a_draining_decode_worker_finishes_its_streams(cluster: Cluster) -> None:
+    # SIGTERM: the worker turns NOT_SERVING and finishes what it streams within its
+    # grace period; the router must not cut those streams (last test: it stops decode-0)
+    import signal
+
+    with Client(cluster.address) as client:
+        # ~300 tokens outlast several of the router's health checks (every 0.5 s)
+        stream = client.generate("drain " * 4, max_tokens=300, ignore_eos=True,
+                                 timeout=120.0)
+        received = list(next(stream).token_ids)
+        cluster.decode[0].proc.send_signal(signal.SIGTERM)
+        for chunk in stream:
+            received += chunk.token_ids
+            last = chunk
+    assert len(received) == 300 and last.finish_reason == "length"
+    assert cluster.decode[0].proc.wait(60) == 0

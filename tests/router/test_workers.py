@@ -73,14 +73,27 @@ class FakeWorker:
     hanging: asyncio.Event = field(default_factory=asyncio.Event)  # a Sleep call arrived
     hang_cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # ... and was cancelled
 
+    def hang_health_checks(self) -> None:
+        """From now on health checks get no answer (as from a SIGSTOPped worker)."""
+        self.health.hung = True  # type: ignore[attr-defined]
+
     async def set_serving(self, serving: bool) -> None:
         await self.health.set("", SERVING if serving else NOT_SERVING)
+
+
+class _HangableHealth(health_aio.HealthServicer):
+    hung = False
+
+    async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802 -- gRPC name
+        if self.hung:
+            await asyncio.sleep(3600)  # the caller's deadline ends it
+        return await super().Check(request, context)
 
 
 @asynccontextmanager
 async def fake_worker(serving: bool = True) -> AsyncIterator[FakeWorker]:
     server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
-    health = health_aio.HealthServicer()
+    health = _HangableHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port("127.0.0.1:0")
     assert port > 0
@@ -312,7 +325,15 @@ def test_watched_calls_are_cancelled_when_their_worker_fails_its_check(
                     await asyncio.wait_for(w0.hanging.wait(), WAIT_S)
                     await asyncio.wait_for(w1.hanging.wait(), WAIT_S)
 
+                    # NOT_SERVING (draining, or a zombie failing its own calls): no new
+                    # requests, but the calls it serves are left to finish
                     await w0.set_serving(False)
+                    await pool.refresh()
+                    assert ids(pool.routable("decode")) == ["decode-1"]
+                    await asyncio.sleep(0.1)
+                    assert not hung0.done()
+                    # no answer at all (hung): its calls are taken back
+                    w0.hang_health_checks()
                     await pool.refresh()
                     done, _ = await asyncio.wait([hung0], timeout=WAIT_S)
                     assert hung0 in done and hung0.cancelled()
@@ -330,7 +351,7 @@ def test_watched_calls_are_cancelled_when_their_worker_fails_its_check(
                     w1.hang_cancelled.clear()
                     unwatched = asyncio.create_task(hang("decode-1", ch1, watch_until_done=False))
                     await asyncio.wait_for(w1.hanging.wait(), WAIT_S)
-                    await w1.set_serving(False)
+                    w1.hang_health_checks()
                     await pool.refresh()
                     assert pool.routable("decode") == []
                     await asyncio.sleep(0.1)
