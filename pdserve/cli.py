@@ -81,7 +81,9 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--log-dir", help="children's logs (default: a fresh temp dir)")
     up.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (default: fit)")
     up.add_argument("--max-inflight", type=int, help="the router's in-flight request limit")
-    up.add_argument("--local-prefill", choices=("never", "fallback", "always"), default="never",
+    from router.handoff import LOCAL_PREFILL_MODES
+
+    up.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",
                     help="the router's --local-prefill (always: colocated, --prefill 0 allowed)")
     up.add_argument("--no-router", dest="router", action="store_false",
                     help="start Redis and the workers only (run your own router)")

@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.tokenizer import load_tokenizer
 from kvtransfer.layout import fingerprint_model_dir
 from pdserve.registry import Registry, RegistryAuthError
 from router.auth import ApiKeyInterceptor, load_api_key
@@ -39,7 +40,7 @@ from router.config import (
 )
 from router.handoff import LOCAL_PREFILL_MODES, HandoffConfig
 from router.service import SERVICE_NAME, GenerationService
-from router.validation import ModelLimits, load_router_tokenizer
+from router.validation import ModelLimits
 from router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -55,8 +56,9 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         try:
-            self.limits = ModelLimits.from_model_dir(config.model_dir, config.model_name)
-            tokenizer = load_router_tokenizer(config.model_dir)
+            info = load_tokenizer(config.model_dir)
+            self.limits = ModelLimits.from_model_dir(config.model_dir, config.model_name, info)
+            tokenizer = info.tokenizer
             fingerprint = fingerprint_model_dir(config.model_dir)
         except (OSError, ValueError) as exc:
             raise RouterStartError(f"cannot read model directory {config.model_dir}: {exc}"

@@ -22,7 +22,7 @@ import tokenizers
 from engine.config import load_model_config
 from engine.kvcache.block_hash import BlockHash, compute_block_hashes
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import TOKENIZER_FILE, load_tokenizer
+from engine.tokenizer import TokenizerInfo, load_tokenizer
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 DEFAULT_MAX_TOKENS = 16
@@ -42,19 +42,20 @@ class ModelLimits:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, name: str | None = None) -> ModelLimits:
+    def from_model_dir(cls, model_dir: str | Path, name: str | None = None,
+                       tokenizer: TokenizerInfo | None = None) -> ModelLimits:
+        """Limits from ``config.json`` (and the EOS ids of ``tokenizer``, loaded from the
+        directory when not given)."""
         config = load_model_config(model_dir)
-        eos = load_tokenizer(model_dir).eos_token_ids
+        eos = (tokenizer or load_tokenizer(model_dir)).eos_token_ids
         return cls(name=name or Path(model_dir).resolve().name,
                    context_length=config.max_model_len, vocab_size=config.vocab_size,
                    eos_token_ids=eos)
 
 
 def load_router_tokenizer(model_dir: str | Path) -> tokenizers.Tokenizer:
-    path = Path(model_dir) / TOKENIZER_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{TOKENIZER_FILE} not found in model directory {model_dir}")
-    return tokenizers.Tokenizer.from_file(str(path))
+    """The model's ``tokenizers.Tokenizer`` (``FileNotFoundError`` without tokenizer.json)."""
+    return load_tokenizer(model_dir).tokenizer
 
 
 @dataclass(frozen=True)
