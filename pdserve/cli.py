@@ -68,6 +68,9 @@ def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
+    from router.config import DEFAULT_PORT
+    from router.handoff import LOCAL_PREFILL_MODES
+
     up = sub.add_parser("up", help="run a whole cluster locally (Redis, workers, router)")
     up.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers")
@@ -75,14 +78,13 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--prefill-tp", type=int, default=1, help="ranks per prefill worker")
     up.add_argument("--decode-tp", type=int, default=1, help="ranks per decode worker")
     up.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to")
-    up.add_argument("--port", type=int, default=50051, help="the API port (0: any free port)")
+    up.add_argument("--port", type=int, default=DEFAULT_PORT,
+                    help="the API port (0: any free port)")
     up.add_argument("--redis-url", help="use this Redis (default: a private redis-server)")
     up.add_argument("--cluster", default="default", help="Redis key namespace")
     up.add_argument("--log-dir", help="children's logs (default: a fresh temp dir)")
     up.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (default: fit)")
     up.add_argument("--max-inflight", type=int, help="the router's in-flight request limit")
-    from router.handoff import LOCAL_PREFILL_MODES
-
     up.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",
                     help="the router's --local-prefill (always: colocated, --prefill 0 allowed)")
     up.add_argument("--no-router", dest="router", action="store_false",
@@ -96,7 +98,8 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
                                 "The router's API key, if it needs one, is read from "
                                 "$PDSERVE_API_KEY.")
     gen.add_argument("prompt")
-    gen.add_argument("--address", default="127.0.0.1:50051", help="the router (HOST:PORT)")
+    gen.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}",
+                     help="the router (HOST:PORT)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-p", type=float, default=1.0)

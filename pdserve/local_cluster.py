@@ -34,8 +34,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pdserve.child_process import spawn, terminate_all
 from pdserve.redis_server import RedisServer, RedisServerError
+from router.config import DEFAULT_PORT
 
-DEFAULT_PORT = 50051
 LOOPBACK = "127.0.0.1"
 _POLL_S = 0.1
 _LOG_TAIL_LINES = 30

@@ -30,7 +30,8 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+
+from pdserve.files import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def pause(point: str, **fields: int) -> None:
     claimed.unlink()
     release = _dir / f"{point}.release"
     release.unlink(missing_ok=True)  # left over from an earlier pause that timed out
-    _write_json(_dir / f"{point}.paused", {**fields, "pid": os.getpid()})
+    write_json_atomic(_dir / f"{point}.paused", {**fields, "pid": os.getpid()})
     deadline = time.monotonic() + PAUSE_LIMIT_S
     while not release.exists():
         if time.monotonic() > deadline:
@@ -88,13 +89,6 @@ def _matches(arm: Path, fields: dict[str, int]) -> bool:
     return all(fields.get(key) == value for key, value in want.items())
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    """Atomic: readers never see a partial file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
 class PauseDir:
     """A test's handle on a pause directory (pass ``env()`` to the processes)."""
 
@@ -106,7 +100,7 @@ class PauseDir:
         return {ENV: str(self.path)}
 
     def arm(self, point: str, **fields: int) -> None:
-        _write_json(self.path / f"{point}.arm", fields)
+        write_json_atomic(self.path / f"{point}.arm", fields)
 
     def wait_paused(self, point: str, timeout_s: float) -> dict[str, int]:
         """The fields of the process paused at ``point``; ``TimeoutError`` if none is."""

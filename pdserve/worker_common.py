@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -24,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.sampling_params import SamplingParams
 from kvtransfer.layout import KVLayout
+from pdserve.files import write_json_atomic
 from pdserve.worker_loop import (
     CALL_TIMEOUT_S,
     Abort,
@@ -49,10 +49,7 @@ class ReadyInfo:
 
     def write(self, path: str | Path) -> None:
         """Atomic: readers never see a partial file."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(self), sort_keys=True))
-        os.replace(tmp, path)
+        write_json_atomic(path, asdict(self))
 
     @classmethod
     def read(cls, path: str | Path) -> ReadyInfo:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -29,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.tokenizer import load_tokenizer
 from kvtransfer.layout import fingerprint_model_dir
+from pdserve.files import write_json_atomic
 from pdserve.registry import Registry, RegistryAuthError
 from router.auth import ApiKeyInterceptor, load_api_key
 from router.config import (
@@ -221,7 +220,8 @@ async def _serve(config: RouterConfig, ready_file: str | None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if ready_file:
-        _write_ready(Path(ready_file), address, router.limits.name)
+        write_json_atomic(ready_file, {"grpc_address": address, "role": "router",
+                                       "model": router.limits.name})
     logger.info("serving %s on %s (%d prefill, %d decode workers known; %s)",
                 router.limits.name, address, len(router.pool.routable("prefill")),
                 len(router.pool.routable("decode")),
@@ -233,9 +233,3 @@ async def _serve(config: RouterConfig, ready_file: str | None) -> int:
                 config.grace_s)
     await router.stop()
     return 0
-
-
-def _write_ready(path: Path, address: str, model: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"grpc_address": address, "role": "router", "model": model}))
-    os.replace(tmp, path)
