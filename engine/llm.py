@@ -42,8 +42,9 @@ class LLM:
     """Generate completions offline with continuous batching, chunked prefill,
     preemption by recompute and prefix caching.
 
-    ``tensor_parallel_size > 1`` starts that many rank processes (spawned; they die with
-    this process). Call ``shutdown()`` or use the object as a context manager.
+    ``tensor_parallel_size > 1`` starts ranks 1..t-1 as processes of their own
+    (``python -m engine.rank_main``; they never re-run the caller's main module, and die
+    with this process). Call ``shutdown()`` or use the object as a context manager.
     """
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32",

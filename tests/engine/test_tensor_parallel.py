@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU: gloo on loopback, ranks as spawned processes."""
+"""Tensor parallelism on CPU: gloo on loopback, follower ranks as processes of their own
+(``python -m engine.rank_main``)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_follower_dies_with_leader_process(model_factory: Callable[..., Path], t
         "from engine import LLM\n"
         "if __name__ == '__main__':\n"
         f"    llm = LLM({str(model_dir)!r}, num_kv_blocks=32, tensor_parallel_size=2)\n"
-        "    pids = [p.pid for p in llm.core.executor._procs]\n"
+        "    pids = llm.core.executor.follower_pids\n"
         f"    open({str(pid_file)!r}, 'w').write(' '.join(map(str, pids)))\n"
         "    time.sleep(120)\n"
     )
@@ -121,9 +122,10 @@ def test_dead_follower_fails_the_engine_fast_and_for_good(llama_dir: Path) -> No
 
     llm = LLM(llama_dir, num_kv_blocks=64, tensor_parallel_size=2)
     try:
-        follower = llm.core.executor._procs[0]
+        follower = llm.core.executor._ranks[0]
         follower.kill()
         follower.join(timeout=10)
+        assert not follower.is_alive()
         start = time.monotonic()
         with pytest.raises(ExecutorFailed):
             llm.generate(PROMPTS[:2], GREEDY)
