@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from engine.kernel_choice import cpu_model
+
 GB = 1e9
 MIB = 1 << 20
 
@@ -80,18 +82,6 @@ def torch_threads(threads: int) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- machine facts
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` says."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def load_average() -> tuple[float, float, float]:

@@ -22,9 +22,11 @@ What is measured (``python -m bench.engine``, defaults in brackets):
   with the same thread count, interleaved with the step timing and the throughput runs.
   ``roofline_fraction = roofline_step_ms / batch1_step_ms`` (1.0 = at the roofline).
 
-Both sides use the same torch thread count [2] (``--threads``). The table is printed;
-``--json PATH`` also writes every figure as JSON. Targets: ``ratio_vs_hf >= 2.0`` and
-``roofline_fraction >= 0.6``.
+Both sides use the same torch thread count [2] (``--threads``). pdserve's linear kernels
+are chosen by measurement at load [auto] (``--linear-kernel`` forces one; see
+``engine.kernel_choice``); the CPU model and the kernels chosen are printed next to the
+figures. The table is printed; ``--json PATH`` also writes every figure as JSON.
+Targets: ``ratio_vs_hf >= 2.0`` and ``roofline_fraction >= 0.6``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import engine
 from bench.common import (
     MIB,
     BandwidthProbe,
+    cpu_model,
     format_table,
     load_average,
     machine_info,
@@ -55,6 +58,7 @@ from bench.common import (
     torch_threads,
     write_json,
 )
+from engine.config import LINEAR_KERNELS
 from engine.executor import LocalExecutor, TPExecutor
 from engine.runner import ModelRunner
 from engine.tiny_model import _generator_fingerprint, default_model_cache_dir, make_tiny_model
@@ -93,6 +97,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face generate()")
+    p.add_argument("--linear-kernel", default="auto", choices=list(LINEAR_KERNELS),
+                   help="pdserve's linear kernel (auto: chosen by measurement, cached)")
     p.add_argument("--batch1-steps", type=int, default=48,
                    help="timed batch-1 decode steps (split into 3 blocks between bandwidth passes)")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="bandwidth buffer size (MiB)")
@@ -220,6 +226,20 @@ def model_runner(llm: engine.LLM) -> ModelRunner:
     return executor.runner
 
 
+def kernel_facts(llm: engine.LLM) -> dict[str, Any]:
+    """The linear kernels pdserve runs, where the choice came from and what it cost at load."""
+    executor = llm.core.executor
+    assert isinstance(executor, LocalExecutor | TPExecutor)
+    plan = executor.kernel_plan
+    return {
+        "linear_kernel": plan.summary,
+        "linear_kernel_source": plan.source,
+        "linear_kernel_plan": [{"out_features": o, "in_features": i, "kernel": k}
+                               for o, i, k in plan.kernels],
+        "kernel_choice_s": executor.kernel_choice_s,
+    }
+
+
 def kv_bytes_read(llm: engine.LLM, context_len: int) -> int:
     """K and V bytes one decode step reads at ``context_len`` tokens, all layers."""
     kv = model_runner(llm).kv_cache  # [layers, 2, blocks, block, heads, head_dim]
@@ -235,7 +255,7 @@ def measure(args: argparse.Namespace, model_dir: Path, probe: BandwidthProbe
     """Throughput runs of both sides, then batch-1 decode blocks; bandwidth passes in
     between. Returns the measurements and the (still running) engine."""
     results = Results()
-    llm = engine.LLM(model_dir, dtype=args.dtype)
+    llm = engine.LLM(model_dir, dtype=args.dtype, linear_kernel=args.linear_kernel)
     prompts = PromptSource(args.seed, llm.tokenizer.vocab_size, args.prompt_len)
     hf = None if args.skip_hf else load_hf(model_dir, args.dtype)
     measure_throughput(args, llm, hf, prompts, probe, results)
@@ -293,6 +313,8 @@ def summarize_run(args: argparse.Namespace, model_dir: Path, results: Results, l
     pdserve = statistics.median(results.pdserve_runs_tok_s)
     hf = statistics.median(results.hf_runs_tok_s) if results.hf_runs_tok_s else None
     return {
+        "cpu_model": cpu_model(),
+        **kernel_facts(llm),
         "pdserve_tok_s": pdserve,
         "hf_generate_tok_s": hf,
         "ratio_vs_hf": pdserve / hf if hf else None,
@@ -334,6 +356,8 @@ def render(out: dict[str, Any]) -> str:
         f"machine   {machine['cpu_model']}, {machine['cpu_count']} CPUs, torch threads "
         f"{out['threads']}, load avg at start {machine['load_avg_1m_5m_15m']}, "
         f"at end {out['load_avg_end']}",
+        f"kernels   {out['linear_kernel']} ({out['linear_kernel_source']}, "
+        f"{out['kernel_choice_s'] * 1e3:.0f} ms to choose at load) on {out['cpu_model']}",
         f"bandwidth {out['bandwidth_gbps']:.2f} GB/s (best of "
         f"{[round(x, 1) for x in out['bandwidth_samples_gbps']]}, "
         f"{out['bandwidth_buffer_bytes'] / MIB:.0f} MiB torch.sum passes)",

@@ -22,7 +22,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 
 _DTYPES = ("float32", "float16", "bfloat16")
-_LINEAR_KERNELS = ("auto", "onednn", "torch")
+# engine.linear_kernels.KERNELS' names (kept here, torch-free, to validate configs).
+LINEAR_KERNELS = ("auto", "onednn", "torch", "mm_t")
 
 
 class ConfigError(ValueError):
@@ -132,7 +133,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
-    # "auto": oneDNN pre-packed weights on CPU in fp32, else torch's F.linear; or force one.
+    # "auto": chosen by measurement per weight shape (engine.kernel_choice; the
+    # PDSERVE_LINEAR_KERNEL environment variable can force one), or force one here.
     linear_kernel: str = "auto"
     # "package.module:factory" built on every rank (see engine.rank_plugin), or None,
     # and an opaque string handed to it (e.g. JSON of the plugin's own config dataclass).
@@ -140,8 +142,8 @@ class EngineConfig:
     rank_plugin_config: str = ""
 
     def __post_init__(self) -> None:
-        if self.linear_kernel not in _LINEAR_KERNELS:
-            raise ConfigError(f"linear_kernel must be one of {_LINEAR_KERNELS}, got {self.linear_kernel!r}")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ConfigError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
         tp = self.parallel.tensor_parallel_size
         m = self.model
         for name, value in (("num_attention_heads", m.num_heads), ("intermediate_size", m.intermediate_size)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -19,6 +20,8 @@ import torch
 from engine.attention.metadata import LayerHook
 from engine.config import EngineConfig
 from engine.distributed import LOOPBACK, Group, create_store_server, make_group
+from engine.kernel_choice import choose_kernel_plan
+from engine.linear_kernels import KernelPlan
 from engine.messages import Op, StepMessage, step_message
 from engine.rank_plugin import RankContext, RankPlugin, load_rank_plugin, run_call, unframe_reply
 from engine.rank_process import RankLaunch, RankProcess, StatusKind, await_statuses, run_watching
@@ -70,7 +73,7 @@ def _chain(*hooks: LayerHook | None) -> LayerHook | None:
 def make_plugin(config: EngineConfig, runner: ModelRunner) -> RankPlugin | None:
     if config.rank_plugin is None:
         return None
-    ctx = RankContext(runner.tp.rank, runner.tp.size, config, runner.kv_cache)
+    ctx = RankContext(runner.tp.rank, runner.tp.size, config, runner.kv_cache, runner.kernel_plan)
     return load_rank_plugin(config.rank_plugin, ctx)
 
 
@@ -90,7 +93,8 @@ class LocalExecutor:
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
         self.num_kv_blocks = num_kv_blocks
-        self.runner = ModelRunner(config, Group.single(), num_kv_blocks)
+        self.kernel_plan, self.kernel_choice_s = _choose_kernels(config, torch.get_num_threads())
+        self.runner = ModelRunner(config, Group.single(), num_kv_blocks, self.kernel_plan)
         self.rank_num_parameters = [self.runner.num_parameters]
         self.plugin = make_plugin(config, self.runner)
 
@@ -126,6 +130,8 @@ class TPExecutor:
         threads = _threads_per_rank(size)
         torch.set_num_threads(threads)
         timeout = config.parallel.collective_timeout_s
+        # chosen before the ranks start, so they do not share the cores with the timing
+        self.kernel_plan, self.kernel_choice_s = _choose_kernels(config, threads)
         store = create_store_server(LOOPBACK, 0, timeout_s=timeout)
         self._store: object | None = store
         try:
@@ -133,13 +139,13 @@ class TPExecutor:
                 self._ranks.append(RankProcess(RankLaunch(
                     rank=rank, config=config, store_host=LOOPBACK, store_port=store.port,
                     num_kv_blocks=num_kv_blocks, threads=threads, parent_pid=os.getpid(),
-                    sys_path=tuple(p for p in sys.path if p))))
+                    kernel_plan=self.kernel_plan, sys_path=tuple(p for p in sys.path if p))))
             await_statuses(self._ranks, StatusKind.HELLO, startup_timeout_s,
                            "before joining the tensor-parallel group")
             tp = run_watching(self._ranks, lambda: make_group(
                 store, TP_GROUP_PREFIX, 0, size, device=config.device, timeout_s=timeout),
                 "while joining the tensor-parallel group")
-            self.runner = ModelRunner(config, tp, num_kv_blocks)
+            self.runner = ModelRunner(config, tp, num_kv_blocks, self.kernel_plan)
             self.plugin = make_plugin(config, self.runner)
             loaded = await_statuses(self._ranks, StatusKind.READY, startup_timeout_s,
                                     "before it was ready to run steps")
@@ -225,6 +231,13 @@ class TPExecutor:
         if runner is not None:
             runner.tp.destroy()
         self._store = None  # closes the rendezvous store's listening socket
+
+
+def _choose_kernels(config: EngineConfig, threads: int) -> tuple[KernelPlan, float]:
+    """The leader's kernel plan for every rank, and the seconds choosing it took."""
+    start = time.perf_counter()
+    plan = choose_kernel_plan(config, threads)
+    return plan, time.perf_counter() - start
 
 
 def _threads_per_rank(size: int) -> int:

@@ -84,7 +84,7 @@ def run_follower(launch: RankLaunch, steps: Connection, replies: Connection) -> 
     _maybe_fail("group")
     tp = make_group(store, TP_GROUP_PREFIX, rank, size, device=config.device, timeout_s=timeout)
     _maybe_fail("load")
-    runner = ModelRunner(config, tp, launch.num_kv_blocks)
+    runner = ModelRunner(config, tp, launch.num_kv_blocks, launch.kernel_plan)
     plugin = make_plugin(config, runner)
     replies.send_bytes(RankStatus(StatusKind.READY, rank, runner.num_parameters).encode())
     try:

@@ -31,18 +31,21 @@ if TYPE_CHECKING:
 
     from engine.attention.metadata import LayerHook
     from engine.config import EngineConfig
+    from engine.linear_kernels import KernelPlan
     from engine.scheduler import ScheduledChunk
 
 
 @dataclass(frozen=True)
 class RankContext:
     """What a plugin gets on its rank. ``kv_cache`` is this rank's KV shard, laid out as
-    ``engine.runner`` documents; the plugin may read and write blocks it was told about."""
+    ``engine.runner`` documents; the plugin may read and write blocks it was told about.
+    ``kernel_plan``: the linear kernels this rank's model runs (the leader's choice)."""
 
     rank: int
     tp_size: int
     config: EngineConfig
     kv_cache: torch.Tensor
+    kernel_plan: KernelPlan | None = None
 
     @property
     def plugin_config(self) -> str:

@@ -34,6 +34,7 @@ from typing import IO, Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.config_codec import engine_config_from_wire, engine_config_to_wire
+from engine.linear_kernels import KernelPlan
 
 LAUNCH_VERSION = 1
 RANK_MAIN_MODULE = "engine.rank_main"
@@ -51,6 +52,7 @@ class RankStartError(RuntimeError):
 class RankLaunch:
     """Everything a follower rank is started with (the first message on its steps pipe).
 
+    ``kernel_plan``: the linear kernels the leader chose, which every rank applies.
     ``sys_path``: the leader's import path, appended to the rank's own, so rank plugins
     the leader can import are importable on the rank too.
     """
@@ -62,6 +64,7 @@ class RankLaunch:
     num_kv_blocks: int
     threads: int
     parent_pid: int
+    kernel_plan: KernelPlan
     sys_path: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
@@ -71,6 +74,8 @@ class RankLaunch:
             "store_host": self.store_host, "store_port": self.store_port,
             "num_kv_blocks": self.num_kv_blocks, "threads": self.threads,
             "parent_pid": self.parent_pid, "sys_path": list(self.sys_path),
+            "kernel_plan": {"kernels": [list(k) for k in self.kernel_plan.kernels],
+                            "source": self.kernel_plan.source},
         }).encode()
 
     @classmethod
@@ -85,13 +90,23 @@ class RankLaunch:
             ints = {k: raw[k] for k in ("rank", "store_port", "num_kv_blocks", "threads",
                                         "parent_pid")}
             host, sys_path, config = raw["store_host"], raw["sys_path"], raw["config"]
-        except KeyError as exc:
-            raise ValueError(f"malformed rank launch message: no {exc}") from None
+            plan = _decode_plan(raw["kernel_plan"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed rank launch message: {exc!r}") from None
         if (any(type(v) is not int for v in ints.values()) or type(host) is not str
                 or not isinstance(sys_path, list) or not all(type(p) is str for p in sys_path)):
             raise ValueError(f"malformed rank launch message: {raw!r}")
         return cls(config=engine_config_from_wire(config), store_host=host,
-                   sys_path=tuple(sys_path), **ints)
+                   sys_path=tuple(sys_path), kernel_plan=plan, **ints)
+
+
+def _decode_plan(raw: Any) -> KernelPlan:
+    entries, source = raw["kernels"], raw["source"]
+    if type(source) is not str or not all(
+            isinstance(e, list) and len(e) == 3 and type(e[0]) is int and type(e[1]) is int
+            and type(e[2]) is str for e in entries):
+        raise TypeError(f"malformed kernel plan {raw!r}")
+    return KernelPlan(tuple((e[0], e[1], e[2]) for e in entries), source)
 
 
 class StatusKind(enum.IntEnum):

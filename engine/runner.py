@@ -25,9 +25,10 @@ from engine.attention import (
 from engine.attention.metadata import LayerHook
 from engine.config import EngineConfig
 from engine.distributed import Group
+from engine.linear_kernels import KernelPlan
 from engine.loader import iter_weights
 from engine.models import build_model
-from engine.models.layers import kv_head_range, onednn_linear_available, pack_linear_weights
+from engine.models.layers import apply_kernel_plan, kv_head_range
 from engine.scheduler import ScheduledChunk
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -100,9 +101,14 @@ class _DeferredErrors:
 
 
 class ModelRunner:
-    """Holds one rank's model shard and KV cache; runs one step of scheduled chunks."""
+    """Holds one rank's model shard and KV cache; runs one step of scheduled chunks.
 
-    def __init__(self, config: EngineConfig, tp: Group, num_kv_blocks: int) -> None:
+    ``kernel_plan`` (``engine.kernel_choice.choose_kernel_plan``, made by the leader for
+    every rank) names each linear layer's kernel; without one, ``F.linear`` everywhere.
+    """
+
+    def __init__(self, config: EngineConfig, tp: Group, num_kv_blocks: int,
+                 kernel_plan: KernelPlan | None = None) -> None:
         self.config = config
         self.tp = tp
         self.device = _rank_device(config.device, tp.rank, tp.size)
@@ -114,9 +120,9 @@ class ModelRunner:
             self.model = build_model(config.model, tp, self.backend).to(self.dtype)
         self.model.load_weights(iter_weights(config.model.model_dir, self.dtype))
         self.model.eval()
-        self.linear_kernel = self._choose_linear_kernel(config.linear_kernel)
-        if self.linear_kernel == "onednn":
-            pack_linear_weights(self.model)
+        self.kernel_plan = kernel_plan
+        if kernel_plan is not None:
+            apply_kernel_plan(self.model, kernel_plan)
         local_kv_heads = self.model.num_local_kv_heads
         m = config.model
         # zero-filled: masked-out slots are multiplied by 0 and must not hold NaNs
@@ -125,13 +131,10 @@ class ModelRunner:
             dtype=self.dtype, device=self.device)
         self.model.set_kv_cache(self.kv_cache)
 
-    def _choose_linear_kernel(self, wanted: str) -> str:
-        available = onednn_linear_available(self.device, self.dtype)
-        if wanted == "onednn" and not available:
-            raise ValueError("linear_kernel='onednn' needs a CPU, fp32 and a oneDNN-enabled torch")
-        if wanted == "auto":
-            return "onednn" if available else "torch"
-        return wanted
+    @property
+    def linear_kernel(self) -> str:
+        """The kernel the linear layers use (``KernelPlan.summary``)."""
+        return self.kernel_plan.summary if self.kernel_plan is not None else "torch"
 
     @property
     def num_parameters(self) -> int:

@@ -8,10 +8,9 @@ Sharding rules (t = TP size, rank i):
   the single head floor(i*H/t) (heads are replicated over t/H ranks).
 - vocabulary: padded to a multiple of t, rank i holds rows [i*V/t, (i+1)*V/t).
 
-Weights keep the checkpoint layout ``[out_features, in_features]``. On CPU in fp32,
-``pack_linear_weights`` gives every linear a oneDNN pre-packed copy of its weight: on
-the CPUs we run on, oneDNN's packed kernels are 2-3x faster than the MKL matmuls
-``F.linear`` uses, from batch-1 decode (memory-bound) to prefill (compute-bound).
+Weights keep the checkpoint layout ``[out_features, in_features]``. ``apply_kernel_plan``
+gives every linear the kernel (``engine.linear_kernels``) the plan names for its weight
+shape, with that kernel's prepared copy of the weight (e.g. oneDNN's packed layout).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import Group
+from engine.linear_kernels import KERNELS, KernelPlan, LinearKernel
 
 
 def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
@@ -42,47 +42,50 @@ def _new_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-# Batch size oneDNN tunes the packed layout for; any batch size works.
-_PACK_BATCH_HINT = 32
-
-
-def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``pack_linear_weights`` can be used (CPU, fp32, oneDNN built in)."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
-
-
 class _Linear(nn.Module):
-    """Base of the linear layers: ``weight [out, in]``, optional ``bias [out]``, and an
-    optional oneDNN-packed copy of the weight used by ``_apply``."""
+    """Base of the linear layers: ``weight [out, in]``, optional ``bias [out]``, and the
+    kernel ``set_kernel`` chose with its prepared copy of the weight (``F.linear`` on the
+    weight itself until then)."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
 
     def __init__(self) -> None:
         super().__init__()
-        self._packed: torch.Tensor | None = None
+        self._init_kernel()
 
-    def pack(self) -> None:
-        """(Re)pack the weight for oneDNN; call after loading, and again if it changes."""
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(
-            self.weight.detach().contiguous(), _PACK_BATCH_HINT)
+    def _init_kernel(self) -> None:
+        self._kernel: LinearKernel = KERNELS["torch"]
+        self._prepared: torch.Tensor | None = None
+
+    @property
+    def kernel_name(self) -> str:
+        return self._kernel.name if self._prepared is not None else "torch"
+
+    def set_kernel(self, name: str) -> None:
+        """Multiply with kernel ``name`` from now on, (re)preparing its copy of the weight;
+        call after loading, and again if the weight changes."""
+        kernel = KERNELS[name]
+        self._prepared = kernel.prepare(self.weight.detach())
+        self._kernel = kernel
 
     def _apply_weight(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
+        if self._prepared is None:
+            return F.linear(x, self.weight, bias)
+        return self._kernel.apply(x, self._prepared, bias)
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Pack every linear layer's weight for oneDNN; returns how many were packed."""
-    layers = [m for m in model.modules() if isinstance(m, _Linear)]
+def linear_layers(model: nn.Module) -> list[_Linear]:
+    """Every linear layer of ``model`` (the LM head included), in module order."""
+    return [m for m in model.modules() if isinstance(m, _Linear)]
+
+
+def apply_kernel_plan(model: nn.Module, plan: KernelPlan) -> int:
+    """Give each linear layer the kernel ``plan`` names for its weight shape; returns how
+    many layers were set. Raises ``KeyError`` for a shape the plan lacks."""
+    layers = linear_layers(model)
     for layer in layers:
-        layer.pack()
+        layer.set_kernel(plan.kernel_for(*layer.weight.shape))
     return len(layers)
 
 
@@ -210,11 +213,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding, _Linear):
     """Output projection to the vocabulary, column-parallel over vocabulary rows.
     ``forward`` returns full logits ``[num_tokens, vocab_size]`` on every rank.
-    With tied embeddings it shares the embedding's weight (its packed copy is its own)."""
+    With tied embeddings it shares the embedding's weight (its kernel's prepared copy is its own)."""
 
     def __init__(self, vocab_size: int, hidden: int, tp: Group) -> None:
         super().__init__(vocab_size, hidden, tp)
-        self._packed = None
+        self._init_kernel()
         self.bias = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

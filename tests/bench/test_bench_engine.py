@@ -27,7 +27,9 @@ def _run(model_dir: Path, json_path: Path, *extra: str) -> dict:
 
 
 def test_bench_engine_writes_required_keys(model_factory: Callable[..., Path], tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+                                           capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDSERVE_LINEAR_KERNEL", raising=False)
     out_path = tmp_path / "out" / "bench.json"
     # one thread: two OpenMP threads crawl when the test machine's cores are busy
     returned = _run(model_factory("llama"), out_path, "--threads", "1")
@@ -45,8 +47,20 @@ def test_bench_engine_writes_required_keys(model_factory: Callable[..., Path], t
     assert 0 < data["weight_bytes_per_step"] < data["weight_bytes"]
     assert data["bandwidth_gbps"] == max(data["bandwidth_samples_gbps"])
     assert returned["pdserve_tok_s"] == data["pdserve_tok_s"]
+    # the CPU model and the kernels chosen at load (measured, or from the cache)
+    assert data["cpu_model"] == data["machine"]["cpu_model"] and data["cpu_model"]
+    assert data["linear_kernel_source"] in ("measured", "cache")
+    kernels = {entry["kernel"] for entry in data["linear_kernel_plan"]}
+    assert kernels <= {"torch", "onednn", "mm_t"} and len(data["linear_kernel_plan"]) >= 5
+    if len(kernels) == 1:
+        assert data["linear_kernel"] == kernels.pop()
+    else:
+        assert data["linear_kernel"].startswith("mixed: ")
+    assert data["kernel_choice_s"] >= 0
     printed = capsys.readouterr().out
     assert "ratio_vs_hf" in printed and "roofline_fraction" in printed
+    assert f"kernels   {data['linear_kernel']} ({data['linear_kernel_source']}" in printed
+    assert data["cpu_model"] in printed
 
 
 def test_bench_engine_skip_hf(model_factory: Callable[..., Path], tmp_path: Path) -> None:
@@ -60,6 +74,13 @@ def test_bench_engine_skip_hf(model_factory: Callable[..., Path], tmp_path: Path
     assert torch.get_num_threads() == threads_before  # the benchmark restores the count
     assert data["hf_generate_tok_s"] is None and data["ratio_vs_hf"] is None
     assert data["pdserve_tok_s"] > 0 and data["roofline_fraction"] > 0
+
+
+def test_bench_engine_forced_kernel(model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    out_path = tmp_path / "bench.json"
+    _run(model_factory("llama"), out_path, "--skip-hf", "--threads", "1", "--linear-kernel", "mm_t")
+    data = json.loads(out_path.read_text())
+    assert (data["linear_kernel"], data["linear_kernel_source"]) == ("mm_t", "config")
 
 
 def test_bench_engine_rejects_bad_sizes() -> None:

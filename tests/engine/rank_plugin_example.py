@@ -2,6 +2,7 @@
 
 Requests: ``b"stats"`` → (rank, layers seen) as two int64 + the last step payload;
 ``b"read:" + int64 block ids`` → layer 0's K for those blocks as float32 bytes;
+``b"kernels"`` → this rank's linear kernel plan as ``out,in,kernel;...`` (then ``|source``);
 ``b"fail"`` → raises.
 """
 
@@ -30,6 +31,11 @@ class ProbePlugin:
             block_ids = array("q")
             block_ids.frombytes(rest)
             return self.ctx.kv_cache[0, 0, list(block_ids)].contiguous().numpy().tobytes()
+        if op == b"kernels":
+            plan = self.ctx.kernel_plan
+            assert plan is not None
+            return (";".join(f"{o},{i},{k}" for o, i, k in plan.kernels)
+                    + f"|{plan.source}").encode()
         raise ValueError(f"asked to {op.decode()}")
 
     def step_hook(self, chunks: Sequence[ScheduledChunk], payload: bytes) -> LayerHook | None:

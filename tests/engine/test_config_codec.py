@@ -15,6 +15,7 @@ from engine.config import (
     SchedulerConfig,
 )
 from engine.config_codec import CONFIG_WIRE_VERSION, decode_engine_config, encode_engine_config
+from engine.linear_kernels import KernelPlan
 from engine.rank_process import RankLaunch, RankStatus, StatusKind
 from tests.engine.test_config import make_model_config
 
@@ -74,9 +75,17 @@ def test_not_json_is_a_config_error() -> None:
 
 
 def test_rank_launch_and_status_round_trip() -> None:
+    plan = KernelPlan(((64, 64, "onednn"), (704, 64, "mm_t")), "measured")
     launch = RankLaunch(rank=1, config=full_config(), store_host="127.0.0.1", store_port=4242,
-                        num_kv_blocks=64, threads=1, parent_pid=99, sys_path=("/a", "/b c"))
+                        num_kv_blocks=64, threads=1, parent_pid=99, kernel_plan=plan,
+                        sys_path=("/a", "/b c"))
     assert RankLaunch.decode(launch.encode()) == launch
+    for bad_plan in ({"kernels": [[64, "64", "torch"]], "source": "x"},
+                     {"kernels": [[64, 64, "cublas"]], "source": "x"}, {"source": "x"}):
+        other = json.loads(launch.encode())
+        other["kernel_plan"] = bad_plan
+        with pytest.raises(ValueError):
+            RankLaunch.decode(json.dumps(other).encode())
     other = json.loads(launch.encode())
     other["version"] += 1
     with pytest.raises(ValueError, match="version"):

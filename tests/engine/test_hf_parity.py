@@ -116,12 +116,12 @@ def test_shared_prefix_is_cached_and_unchanged(case: Any) -> None:
 
 
 def test_torch_and_onednn_linear_kernels_agree(llama_dir: Path) -> None:
-    """The packed oneDNN path (default on CPU fp32) and plain F.linear give the same tokens."""
+    """The packed oneDNN path and plain F.linear give the same tokens (both forced)."""
     prompts = PROMPTS[:4]
     with LLM(llama_dir, num_kv_blocks=128, linear_kernel="torch") as plain:
         assert plain.core.executor.runner.linear_kernel == "torch"
         ref = plain.generate(prompts, GREEDY)
-    with LLM(llama_dir, num_kv_blocks=128, linear_kernel="auto") as packed:
+    with LLM(llama_dir, num_kv_blocks=128, linear_kernel="onednn") as packed:
         assert packed.core.executor.runner.linear_kernel == "onednn"
         out = packed.generate(prompts, GREEDY)
     assert [r.token_ids for r in out] == [r.token_ids for r in ref]
