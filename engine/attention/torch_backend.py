@@ -26,8 +26,10 @@ class TorchAttentionBackend:
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q ``[T, Hq, D]``, k/v ``[T, Hk, D]`` → output ``[T, Hq, D]``; writes k/v to the cache."""
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
         nd = meta.num_decode_tokens
+        if nd == q.shape[0]:  # a decode-only step: no output rows to assemble
+            return self._decode(q, kv_cache, meta, scale)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
         for span in meta.prefills:

@@ -149,8 +149,11 @@ class QKVParallelLinear(_Linear):
         self.bias = _new_param(out) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = self._apply_weight(x, self.bias)
-        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # type: ignore[return-value]
+        return self.project(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # type: ignore[return-value]
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused projection ``[..., q_size + 2 * kv_size]`` (q heads | k heads | v heads)."""
+        return self._apply_weight(x, self.bias)
 
     def load_weight(self, name: str, part: str, loaded: torch.Tensor) -> None:
         """``part`` is "q", "k" or "v"; ``loaded`` the full checkpoint tensor (weight or bias)."""
@@ -241,6 +244,6 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: silu(gate) * up over the last dim split in halves."""
+    """SwiGLU: silu(gate) * up over the last dim split in halves (one new tensor)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)

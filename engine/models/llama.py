@@ -44,17 +44,18 @@ class Attention(nn.Module):
         self.kv_cache = torch.empty(0)  # [2, num_blocks, block_size, local KV heads, head_dim]
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x)
-        q = q.view(num_tokens, -1, self.head_dim)
-        k = k.view(num_tokens, -1, self.head_dim)
-        v = v.view(num_tokens, -1, self.head_dim)
+        num_tokens, num_q_heads = x.shape[0], self.qkv_proj.num_local_heads
+        qkv = self.qkv_proj.project(x)  # [T, (Hq + 2 Hk) * D]: q heads | k heads | v heads
+        qk_size = self.qkv_proj.q_size + self.qkv_proj.kv_size
+        qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)  # [T, Hq + Hk, D]
+        v = qkv[:, qk_size:].view(num_tokens, -1, self.head_dim)  # [T, Hk, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.rotate(q, k, rope)
+            qk = torch.cat((self.q_norm(qk[:, :num_q_heads]), self.k_norm(qk[:, num_q_heads:])), 1)
+        qk = RotaryEmbedding.rotate(qk, rope)
+        q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
         meta = get_forward_context().attn
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
-        return self.o_proj(out.view(num_tokens, -1))
+        return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class MLP(nn.Module):

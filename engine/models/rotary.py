@@ -46,17 +46,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token factors ``[T, 1, D/2]`` each; looked up once per forward, used by every layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
+        """Per-token factors ``[T, 1, D]`` each, ``(cos | cos, -sin | sin)``: looked up once
+        per forward, used by every layer's ``rotate``."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     @staticmethod
-    def rotate(q: torch.Tensor, k: torch.Tensor,
-              cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = cos_sin
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE on ``x [T, H, D]`` — any heads, e.g. a layer's q and k heads side by side,
+        rotated in one pass: ``[x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin]``."""
+        cos, signed_sin = cos_sin
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
