@@ -19,6 +19,26 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
+def fresh_runs(spans: list[PrefillSpan]) -> list[list[PrefillSpan]]:
+    """``spans`` in order, grouped into runs attention can batch: consecutive chunks of
+    equal length with nothing cached before them (``context_len == num_query_tokens``),
+    each starting where the previous one ends. Any other span is a run of its own."""
+    runs: list[list[PrefillSpan]] = []
+    for span in spans:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and _fresh(span) and _fresh(last)
+                and span.num_query_tokens == last.num_query_tokens
+                and span.query_start == last.query_start + last.num_query_tokens):
+            runs[-1].append(span)
+        else:
+            runs.append([span])
+    return runs
+
+
+def _fresh(span: PrefillSpan) -> bool:
+    return span.context_len == span.num_query_tokens
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -32,10 +52,28 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
-        for span in meta.prefills:
-            rows = slice(span.query_start, span.query_start + span.num_query_tokens)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, span, scale)
+        for run in fresh_runs(meta.prefills):
+            n = run[0].num_query_tokens
+            rows = slice(run[0].query_start, run[0].query_start + len(run) * n)
+            if len(run) == 1:
+                out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, run[0], scale)
+            else:
+                out[rows] = self._prefill_fresh(q[rows], k[rows], v[rows], len(run), scale)
         return out
+
+    @staticmethod
+    def _prefill_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
+                       scale: float) -> torch.Tensor:
+        """Causal attention of ``num_seqs`` equal-length chunks with nothing cached before
+        them, adjacent in the batch, in one call: q ``[S * n, Hq, D]`` → ``[S * n, Hq, D]``."""
+        n = q.shape[0] // num_seqs
+
+        def by_seq(x: torch.Tensor) -> torch.Tensor:  # [S * n, H, D] -> [S, H, n, D]
+            return x.reshape(num_seqs, n, x.shape[1], x.shape[2]).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(by_seq(q), by_seq(k), by_seq(v), is_causal=True,
+                                             scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(num_seqs * n, q.shape[1], q.shape[2])
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
