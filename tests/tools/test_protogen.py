@@ -1,7 +1,7 @@
 """Generated protobuf code: committed copies are fresh, and the internal API round-trips.
 
 The staleness test regenerates ``proto/**/*.proto`` into a temporary directory and
-compares bytes with the committed modules; it fails until ``python -m pdserve.protogen``
+compares bytes with the committed modules; it fails until ``python -m tools.protogen``
 is run after a ``.proto`` edit.
 """
 
@@ -17,9 +17,9 @@ import grpc
 import pytest
 from google.protobuf.message import Message
 
-from pdserve import protogen
 from pdserve.internal.v1 import worker_pb2 as pb
 from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
+from tools import protogen
 
 WORKER_PROTO = Path("pdserve/internal/v1/worker.proto")
 WORKER_MODULES = [Path("pdserve/internal/v1") / f"worker{s}" for s in protogen.GENERATED_SUFFIXES]
@@ -46,7 +46,7 @@ def copy_checkout(dst: Path) -> Path:
 def test_committed_generated_code_matches_proto() -> None:
     problems = protogen.stale_files()
     assert problems == [], (
-        "generated protobuf code is stale; run `python -m pdserve.protogen` and commit:\n"
+        "generated protobuf code is stale; run `python -m tools.protogen` and commit:\n"
         + "\n".join(problems))
 
 

@@ -1,12 +1,12 @@
 """Regenerate the committed protobuf and gRPC modules from ``proto/**/*.proto``.
 
-    python -m pdserve.protogen           # rewrite the generated modules in the checkout
-    python -m pdserve.protogen --check   # exit 1, naming each stale file, if any is stale
+    python -m tools.protogen           # rewrite the generated modules in the checkout
+    python -m tools.protogen --check   # exit 1, naming each stale file, if any is stale
 
 Paths mirror ``proto/`` (``protoc -I proto``, outputs at the repository root), so
 ``proto/pdserve/internal/v1/worker.proto`` becomes ``pdserve/internal/v1/worker_pb2.py``
 (+ ``.pyi`` and ``_pb2_grpc.py``), importable as ``pdserve.internal.v1.worker_pb2``.
-The generated modules are committed; ``tests/pdserve/test_protogen.py`` fails when they
+The generated modules are committed; ``tests/tools/test_protogen.py`` fails when they
 differ from what this module produces, so an edited ``.proto`` cannot ship without them.
 
 Needs ``grpcio-tools`` (a dev/test dependency; its exact version decides the bytes
@@ -125,7 +125,7 @@ def regenerate(repo_root: Path = REPO_ROOT) -> tuple[list[Path], list[Path]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.protogen", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.protogen", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if any generated file is stale")
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for line in problems:
                 print(line, file=sys.stderr)
             if problems:
-                print("generated protobuf code is stale: run `python -m pdserve.protogen`",
+                print("generated protobuf code is stale: run `python -m tools.protogen`",
                       file=sys.stderr)
             return 1 if problems else 0
         written, removed = regenerate(repo_root)
