@@ -16,6 +16,10 @@ from collections.abc import Iterator
 
 import grpc
 
+from cluster.fingerprint import fingerprint_model_dir
+from cluster.internal.v1 import worker_pb2 as pb
+from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
+from cluster.records import WorkerLoad
 from decode_worker.engine_loop import DecodeLoop, Local, Open, Reserve
 from decode_worker.kv_plugin import PLUGIN, DecodeKVConfig
 from engine.config import (
@@ -28,10 +32,7 @@ from engine.config import (
 from engine.core import EngineCore, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
-from kvtransfer import KVLayout, fingerprint_model_dir
-from pdserve.internal.v1 import worker_pb2 as pb
-from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
-from pdserve.registry import WorkerLoad
+from kvtransfer import KVLayout
 from pdserve.worker_common import (
     Endpoint,
     Identity,

@@ -30,7 +30,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvtransfer.config import TransferConfig
-from kvtransfer.layout import KVLayout, fingerprint_model_dir
+from kvtransfer.layout import KVLayout
 
 if TYPE_CHECKING:
     from kvtransfer.errors import (
@@ -53,7 +53,7 @@ _LAZY = {
         "ChecksumMismatch", "LayoutMismatch", "TransferRejected")},
 }
 
-__all__ = ["KVLayout", "KVReceiver", "KVSender", "TransferConfig", "fingerprint_model_dir",
+__all__ = ["KVLayout", "KVReceiver", "KVSender", "TransferConfig",
            "TransferError", "TransferTimeout", "ChannelError", "ChannelClosed",
            "ChecksumMismatch", "LayoutMismatch", "TransferRejected"]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import struct
 from dataclasses import astuple, dataclass, fields
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -26,7 +25,7 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 class KVLayout:
     """The model fingerprint plus the global KV layout; equal layouts can exchange KV.
 
-    ``model_fingerprint`` names the model files (see ``fingerprint_model_dir``);
+    ``model_fingerprint`` names the model files (``cluster.fingerprint.fingerprint_model_dir``);
     ``hash_algorithm`` and ``hash_seed`` are the prefix-cache block-hash settings.
     """
 
@@ -65,7 +64,7 @@ class KVLayout:
     @classmethod
     def from_engine_config(cls, config: EngineConfig, model_fingerprint: str) -> KVLayout:
         """The layout of an engine built from ``config`` (``model_fingerprint`` from
-        ``fingerprint_model_dir(config.model.model_dir)``)."""
+        ``cluster.fingerprint.fingerprint_model_dir``)."""
         from engine.kvcache.block_hash import HASH_ALGORITHM
 
         layers, kv_heads, head_dim = config.model.kv_layout
@@ -113,31 +112,3 @@ def decode_layout(data: bytes, offset: int = 0) -> tuple[KVLayout, int]:
     except (struct.error, UnicodeDecodeError) as exc:
         raise ValueError(f"malformed KV layout: {exc}") from exc
     return KVLayout(**values), offset  # type: ignore[arg-type]
-
-
-def fingerprint_model_dir(model_dir: str | Path) -> str:
-    """XXH3-128 hex digest of a checkpoint's identity: ``config.json`` and
-    ``tokenizer.json`` in full, and every ``*.safetensors`` file's name, size and
-    header (tensor names, dtypes, shapes, offsets). Weight bytes are not read, so this
-    stays fast for large checkpoints; two checkpoints with equal headers and configs
-    but different weight values are not told apart.
-    """
-    root = Path(model_dir)
-    hasher = xxhash.xxh3_128(b"pdserve/model-fingerprint/v1")
-    for name in ("config.json", "tokenizer.json"):
-        path = root / name
-        if path.is_file():
-            _update_named(hasher, name, path.read_bytes())
-    for path in sorted(root.glob("*.safetensors")):
-        with path.open("rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = f.read(min(header_len, 100 << 20))
-        _update_named(hasher, f"{path.name}:{path.stat().st_size}", header)
-    return hasher.hexdigest()
-
-
-def _update_named(hasher: xxhash.xxh3_128, name: str, payload: bytes) -> None:
-    raw = name.encode("utf-8")
-    hasher.update(struct.pack("<QQ", len(raw), len(payload)))
-    hasher.update(raw)
-    hasher.update(payload)

@@ -205,7 +205,7 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _prefill(args: argparse.Namespace) -> int:
-    from pdserve.logs import configure_logging
+    from cluster.logs import configure_logging
     from prefill_worker.server import main as prefill_main
 
     configure_logging("prefill")
@@ -213,8 +213,8 @@ def _prefill(args: argparse.Namespace) -> int:
 
 
 def _decode(args: argparse.Namespace) -> int:
+    from cluster.logs import configure_logging
     from decode_worker.server import main as decode_main
-    from pdserve.logs import configure_logging
 
     configure_logging("decode")
     return decode_main(args)

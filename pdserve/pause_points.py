@@ -31,7 +31,7 @@ import os
 import time
 from pathlib import Path
 
-from pdserve.files import write_json_atomic
+from cluster.files import write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster.files import write_json_atomic
 from engine.sampling_params import SamplingParams
 from kvtransfer.layout import KVLayout
-from pdserve.files import write_json_atomic
 from pdserve.worker_loop import (
     CALL_TIMEOUT_S,
     Abort,
@@ -108,7 +108,7 @@ def run_guarded(what: str, fn: Callable[[], object]) -> None:
 # ------------------------------------------------------------------------ protobuf edge
 
 def sampling_kwargs(msg: Any) -> dict[str, Any]:
-    """``pdserve.internal.v1.SamplingParams`` → keyword arguments of the engine's
+    """``cluster.internal.v1.SamplingParams`` → keyword arguments of the engine's
     ``SamplingParams`` (which validates them)."""
     return dict(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p,
                 top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None,
@@ -139,7 +139,7 @@ class LoopServicerMixin:
             pass  # the loop is gone: it released everything when it stopped
 
     def Abort(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC name
-        from pdserve.internal.v1 import worker_pb2 as pb
+        from cluster.internal.v1 import worker_pb2 as pb
 
         try:
             return pb.AbortResponse(found=self.loop.call(Abort(request.request_id), CALL_TIMEOUT_S))
@@ -166,7 +166,7 @@ def sampling_params_from_proto(msg: Any) -> SamplingParams:
 def info_to_proto(identity: Identity, info: Any) -> Any:
     """A loop's info snapshot (``kv``, ``pending_transfers``, ``open_kv_channels``,
     ``running``, ``waiting``) → ``WorkerInfo``."""
-    from pdserve.internal.v1 import worker_pb2 as pb
+    from cluster.internal.v1 import worker_pb2 as pb
 
     kv = info.kv
     return pb.WorkerInfo(
@@ -264,8 +264,9 @@ def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
 def _register(args: Any, endpoint: Endpoint, grpc_address: str) -> Any:
     """Start the heartbeat; None (after a message naming the field) on a fingerprint
     mismatch or invalid heartbeat/TTL settings."""
-    from pdserve.cluster_view import Heartbeat
-    from pdserve.registry import FingerprintMismatch, Registry, WorkerRecord
+    from cluster.heartbeat import Heartbeat
+    from cluster.records import WorkerRecord
+    from cluster.registry import FingerprintMismatch, Registry
 
     identity = endpoint.identity
     load = endpoint.load_fn()

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cluster.internal.v1 import worker_pb2 as pb
+from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from engine.kvcache.block_hash import compute_block_hashes
-from pdserve.internal.v1 import worker_pb2 as pb
-from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
 from router.routing import (
     AFFINITY_BLOCKS,
     DEFAULT_EPSILON,

@@ -25,10 +25,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster.files import write_json_atomic
+from cluster.fingerprint import fingerprint_model_dir
+from cluster.registry import Registry, RegistryAuthError
 from engine.tokenizer import load_tokenizer
-from kvtransfer.layout import fingerprint_model_dir
-from pdserve.files import write_json_atomic
-from pdserve.registry import Registry, RegistryAuthError
 from router.auth import ApiKeyInterceptor, load_api_key
 from router.config import (
     DEFAULT_PORT,
@@ -201,7 +201,7 @@ def _demo_model_dir() -> Path:
 
 def main(args: argparse.Namespace) -> int:
     """Runs the router until SIGTERM/SIGINT; exit 0 then, 1 when it cannot start."""
-    from pdserve.logs import configure_logging
+    from cluster.logs import configure_logging
 
     configure_logging("router")
     try:

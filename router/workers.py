@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
+from cluster.records import WorkerRecord
+from cluster.registry import Registry
+from cluster.view import WorkerView
 from kvtransfer.layout import KVLayout
-from pdserve.cluster_view import WorkerView
-from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
-from pdserve.registry import Registry, WorkerRecord
 
 logger = logging.getLogger(__name__)
 

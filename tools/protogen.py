@@ -5,7 +5,7 @@
 
 Paths mirror ``proto/`` (``protoc -I proto``, outputs at the repository root), so
 ``proto/pdserve/internal/v1/worker.proto`` becomes ``pdserve/internal/v1/worker_pb2.py``
-(+ ``.pyi`` and ``_pb2_grpc.py``), importable as ``pdserve.internal.v1.worker_pb2``.
+(+ ``.pyi`` and ``_pb2_grpc.py``), importable as ``cluster.internal.v1.worker_pb2``.
 The generated modules are committed; ``tests/tools/test_protogen.py`` fails when they
 differ from what this module produces, so an edited ``.proto`` cannot ship without them.
 
@@ -27,7 +27,7 @@ PROTO_DIRNAME = "proto"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 # Top-level packages that may hold generated modules (proto packages live under them);
 # scanned for orphans even after their last .proto is deleted.
-GENERATED_PACKAGE_ROOTS = ("pdserve",)
+GENERATED_PACKAGE_ROOTS = ("pdserve", "cluster")
 
 
 class ProtogenError(RuntimeError):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.internal.v1 import worker_pb2 as wpb
-from pdserve.internal.v1 import worker_pb2_grpc as wpb_grpc
+from cluster.internal.v1 import worker_pb2 as wpb
+from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
 from pdserve.pause_points import ENV as PAUSE_ENV
 from pdserve.redis_server import RedisServer
 from prefill_worker.server import FAULT_HOOK_ENV

@@ -19,9 +19,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cluster.internal.v1 import worker_pb2 as wpb
 from engine import LLM, SamplingParams
 from pdserve.client import Client, PdserveError
-from pdserve.internal.v1 import worker_pb2 as wpb
 from pdserve.v1 import generate_pb2 as pb
 from tests.factories import PROMPTS
 from tests.processes import wait_until
@@ -516,7 +516,7 @@ def test_redis_restart_keeps_traffic_flowing(cluster: Cluster, client: Client) -
     done.set()
     thread.join(TIMEOUT_S)
     assert not errors, errors
-    from pdserve.registry import Registry
+    from cluster.registry import Registry
 
     with Registry(cluster.redis.url) as registry:
         names = {r.worker_id for r in registry.list_workers()}

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import tokenizers
 
+from cluster.internal.v1 import worker_pb2
 from engine.kvcache.block_hash import compute_block_hashes
-from pdserve.internal.v1 import worker_pb2
 from pdserve.v1 import generate_pb2 as pb
 from router.api import parse_generate_request, to_response
 from router.handoff import OutputChunk, Usage

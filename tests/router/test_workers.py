@@ -27,10 +27,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from cluster.internal.v1 import worker_pb2 as wpb
+from cluster.records import WorkerRecord
+from cluster.registry import Registry
 from kvtransfer.layout import KVLayout
-from pdserve.internal.v1 import worker_pb2 as wpb
 from pdserve.redis_server import RedisServer
-from pdserve.registry import Registry, WorkerRecord
 from router.workers import WorkerPool
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,12 +17,12 @@ import grpc
 import pytest
 from google.protobuf.message import Message
 
-from pdserve.internal.v1 import worker_pb2 as pb
-from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
+from cluster.internal.v1 import worker_pb2 as pb
+from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from tools import protogen
 
-WORKER_PROTO = Path("pdserve/internal/v1/worker.proto")
-WORKER_MODULES = [Path("pdserve/internal/v1") / f"worker{s}" for s in protogen.GENERATED_SUFFIXES]
+WORKER_PROTO = Path("cluster/internal/v1/worker.proto")
+WORKER_MODULES = [Path("cluster/internal/v1") / f"worker{s}" for s in protogen.GENERATED_SUFFIXES]
 
 
 def make_sampling(**overrides: Any) -> pb.SamplingParams:
@@ -65,7 +65,7 @@ def test_check_detects_edit_then_regenerate_fixes_it(tmp_path: Path) -> None:
     proto = repo / "proto" / WORKER_PROTO
     proto.write_text(proto.read_text().replace(
         "message InfoRequest {}", "message InfoRequest { bool verbose = 1; }"))
-    assert "differs  pdserve/internal/v1/worker_pb2.py" in protogen.stale_files(repo)
+    assert "differs  cluster/internal/v1/worker_pb2.py" in protogen.stale_files(repo)
     assert protogen.main(["--check", "--repo-root", str(repo)]) == 1
     # 3. Regenerating rewrites the changed modules and the check passes again.
     assert protogen.main(["--repo-root", str(repo)]) == 0

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.fingerprint import fingerprint_model_dir
 from decode_worker.handoff import DecodeHandoff, HandoffResult
 from decode_worker.kv_plugin import PLUGIN as DECODE_PLUGIN
 from decode_worker.kv_plugin import DecodeKVConfig
@@ -24,7 +25,6 @@ from engine.config import (
 from engine.core import EngineCore
 from engine.distributed import LOOPBACK
 from engine.tokenizer import load_tokenizer
-from kvtransfer import fingerprint_model_dir
 from prefill_worker.handoff import PrefillHandoff, PrefillResult
 from prefill_worker.kv_plugin import PLUGIN as PREFILL_PLUGIN
 from prefill_worker.kv_plugin import PrefillKVConfig

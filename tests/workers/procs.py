@@ -17,8 +17,8 @@ from typing import Any
 
 import grpc
 
+from cluster.internal.v1 import worker_pb2 as pb
 from engine import SamplingParams
-from pdserve.internal.v1 import worker_pb2 as pb
 from pdserve.worker_common import ReadyInfo
 from tests.factories import REPO_ROOT
 from tests.processes import alive, children

@@ -27,9 +27,9 @@ from typing import Any
 import grpc
 import pytest
 
+from cluster.internal.v1 import worker_pb2 as pb
+from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from engine import LLM, SamplingParams
-from pdserve.internal.v1 import worker_pb2 as pb
-from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.pause_points import PauseDir
 from tests.workers.procs import (
     RPC_TIMEOUT_S,

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import redis
 
-from pdserve.internal.v1 import worker_pb2 as pb
-from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
+from cluster.internal.v1 import worker_pb2 as pb
+from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
+from cluster.registry import Registry, RegistryError
 from pdserve.redis_server import RedisServer
-from pdserve.registry import Registry, RegistryError
 from tests.factories import REPO_ROOT
 from tests.workers.procs import (
     NUM_KV_BLOCKS,
@@ -146,6 +146,6 @@ def test_worker_reregisters_after_redis_restart(llama_dir: Path, tmp_path: Path)
 
 
 def test_worker_common_is_torch_free() -> None:
-    code = ("import sys, pdserve.worker_common, pdserve.worker_loop, pdserve.logs, pdserve.cli; "
+    code = ("import sys, pdserve.worker_common, pdserve.worker_loop, cluster.logs, pdserve.cli; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=60)

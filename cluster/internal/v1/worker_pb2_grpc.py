@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdserve.internal.v1 import worker_pb2 as pdserve_dot_internal_dot_v1_dot_worker__pb2
+from cluster.internal.v1 import worker_pb2 as cluster_dot_internal_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pdserve/internal/v1/worker_pb2_grpc.py depends on'
+        + ' but the generated code in cluster/internal/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -44,28 +44,28 @@ class DecodeWorkerStub:
         """
         self.Reserve = channel.unary_unary(
                 '/pdserve.internal.v1.DecodeWorker/Reserve',
-                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
+                request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/pdserve.internal.v1.DecodeWorker/Generate',
-                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.FromString,
+                request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.FromString,
                 _registered_method=True)
         self.GenerateLocal = channel.unary_stream(
                 '/pdserve.internal.v1.DecodeWorker/GenerateLocal',
-                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
-                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.FromString,
+                request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
+                response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.internal.v1.DecodeWorker/Abort',
-                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+                request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/pdserve.internal.v1.DecodeWorker/Info',
-                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
-                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+                request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
+                response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
 
 
@@ -163,28 +163,28 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
-                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
+                    request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
+                    response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
-                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.SerializeToString,
+                    request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
+                    response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.SerializeToString,
             ),
             'GenerateLocal': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateLocal,
-                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.GenerateLocalRequest.FromString,
-                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.SerializeToString,
+                    request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.GenerateLocalRequest.FromString,
+                    response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.FromString,
-                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+                    request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.FromString,
+                    response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,8 +220,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.internal.v1.DecodeWorker/Reserve',
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -247,8 +247,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.internal.v1.DecodeWorker/Generate',
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.FromString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -274,8 +274,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.internal.v1.DecodeWorker/GenerateLocal',
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.FromString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -301,8 +301,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.internal.v1.DecodeWorker/Abort',
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -328,8 +328,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.internal.v1.DecodeWorker/Info',
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -353,18 +353,18 @@ class PrefillWorkerStub:
         """
         self.Prefill = channel.unary_unary(
                 '/pdserve.internal.v1.PrefillWorker/Prefill',
-                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.internal.v1.PrefillWorker/Abort',
-                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+                request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/pdserve.internal.v1.PrefillWorker/Info',
-                request_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
-                response_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+                request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
+                response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
 
 
@@ -418,18 +418,18 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.FromString,
-                    response_serializer=pdserve_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+                    request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.FromString,
+                    response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -458,8 +458,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.internal.v1.PrefillWorker/Prefill',
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -485,8 +485,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.internal.v1.PrefillWorker/Abort',
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -512,8 +512,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.internal.v1.PrefillWorker/Info',
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
-            pdserve_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,

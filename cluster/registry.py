@@ -1,8 +1,9 @@
-"""Cluster state in Redis: worker records, the cluster fingerprint and the ``Registry`` client.
+"""Cluster state in Redis: the ``Registry`` client, its key schema and its errors.
 
-Torch-free (imports ``redis`` and ``kvtransfer.layout`` only), so the router can use it.
-``Heartbeat`` and ``WorkerView``, which keep and read the live set of workers, live in
-``pdserve.cluster_view``.
+Torch-free (imports ``redis``, ``cluster.records`` and ``kvtransfer.layout`` only), so the
+router can use it. The records' JSON is ``cluster.records``; ``cluster.heartbeat`` keeps a
+worker's record alive and ``cluster.view`` is the router's view of the live workers, both
+built on a ``Registry``.
 
 Key schema — built only by ``Keys``; everything lives under ``pdserve:{cluster}:``::
 
@@ -22,38 +23,34 @@ decoded strictly; never pickle.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, get_type_hints
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from cluster.records import (
+    ROLES,
+    RecordFormatError,
+    WorkerRecord,
+    check_name,
+    layout_from_json,
+    layout_to_json,
+)
 from kvtransfer.layout import KVLayout
-
-if TYPE_CHECKING:
-    from pdserve.cluster_view import Heartbeat
 
 logger = logging.getLogger(__name__)
 
-RECORD_VERSION = 1
-"""Version of the worker-record and fingerprint JSON; readers refuse any other."""
-ROLES = ("prefill", "decode")
 DEFAULT_CLUSTER = "default"
 DEFAULT_TTL_S = 10.0
 DEFAULT_HEARTBEAT_S = 3.0
 DEFAULT_TIMEOUT_S = 1.0
 """Socket connect and read timeout of every Redis call."""
-
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class RegistryError(Exception):
@@ -77,10 +74,6 @@ class FingerprintMismatch(RegistryError):
                          f"{self.field} (ours != cluster's: {diff.split(':', 1)[1].strip()})")
 
 
-class RecordFormatError(ValueError):
-    """A stored record or fingerprint is not valid JSON of the expected version and shape."""
-
-
 @dataclass(frozen=True)
 class Keys:
     """The one place Redis key names are built."""
@@ -88,7 +81,7 @@ class Keys:
     cluster: str = DEFAULT_CLUSTER
 
     def __post_init__(self) -> None:
-        _check_name("cluster", self.cluster)
+        check_name("cluster", self.cluster)
 
     @property
     def prefix(self) -> str:
@@ -104,105 +97,11 @@ class Keys:
         return f"{self.prefix}worker:*"
 
     def worker(self, worker_id: str) -> str:
-        _check_name("worker_id", worker_id)
+        check_name("worker_id", worker_id)
         return f"{self.prefix}worker:{worker_id}"
 
     def worker_id_of(self, key: str) -> str:
         return key.removeprefix(f"{self.prefix}worker:")
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    """Load figures a worker reports on every heartbeat."""
-
-    free_kv_blocks: int
-    total_kv_blocks: int
-    num_running: int
-    num_waiting: int
-
-
-@dataclass(frozen=True)
-class WorkerRecord:
-    """What the router learns about a worker. ``started_at`` is wall-clock seconds (epoch).
-
-    ``grpc_address`` serves the worker's control API; ``kv_address`` is the rendezvous store
-    of its KV endpoint. Both are ``host:port``.
-    """
-
-    worker_id: str
-    role: str
-    grpc_address: str
-    kv_address: str
-    tensor_parallel_size: int
-    layout: KVLayout
-    free_kv_blocks: int
-    total_kv_blocks: int
-    num_running: int
-    num_waiting: int
-    started_at: float
-
-    def __post_init__(self) -> None:
-        _check_name("worker_id", self.worker_id)
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        _check_address("grpc_address", self.grpc_address)
-        _check_address("kv_address", self.kv_address)
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        for name in ("free_kv_blocks", "total_kv_blocks", "num_running", "num_waiting"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.free_kv_blocks > self.total_kv_blocks:
-            raise ValueError(f"free_kv_blocks {self.free_kv_blocks} > total_kv_blocks "
-                             f"{self.total_kv_blocks}")
-        if not math.isfinite(self.started_at):
-            raise ValueError(f"started_at must be finite, got {self.started_at}")
-
-    @property
-    def load(self) -> WorkerLoad:
-        return WorkerLoad(self.free_kv_blocks, self.total_kv_blocks, self.num_running,
-                          self.num_waiting)
-
-    def with_load(self, load: WorkerLoad) -> WorkerRecord:
-        return dataclasses.replace(self, **dataclasses.asdict(load))
-
-    def to_json(self) -> str:
-        body: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
-        body["layout"] = dataclasses.asdict(self.layout)
-        body["version"] = RECORD_VERSION
-        return json.dumps(body, sort_keys=True, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> WorkerRecord:
-        """Strict decoding: ``RecordFormatError`` on another version, a missing or unknown
-        key, a wrongly typed value or a value the constructor rejects."""
-        data = _load_versioned(text, "worker record")
-        values = _typed_fields(cls, data, "worker record", skip=("layout",))
-        try:
-            return cls(layout=layout_from_dict(data["layout"]), **values)
-        except (TypeError, ValueError) as exc:
-            raise RecordFormatError(f"invalid worker record: {exc}") from None
-
-
-def layout_to_json(layout: KVLayout) -> str:
-    return json.dumps({"version": RECORD_VERSION, "layout": dataclasses.asdict(layout)},
-                      sort_keys=True, separators=(",", ":"))
-
-
-def layout_from_json(text: str | bytes) -> KVLayout:
-    data = _load_versioned(text, "fingerprint")
-    if set(data) != {"layout"}:
-        raise RecordFormatError(f"fingerprint keys must be version and layout, got {sorted(data)}")
-    return layout_from_dict(data["layout"])
-
-
-def layout_from_dict(data: object) -> KVLayout:
-    if not isinstance(data, dict):
-        raise RecordFormatError(f"layout must be a JSON object, got {type(data).__name__}")
-    try:
-        return KVLayout(**_typed_fields(KVLayout, data, "layout"))
-    except ValueError as exc:
-        raise RecordFormatError(f"invalid layout: {exc}") from None
 
 
 class Registry:
@@ -311,13 +210,6 @@ class Registry:
                     records.append(record)
         return sorted(records, key=lambda r: r.worker_id)
 
-    def heartbeat(self, record: WorkerRecord,
-                  load_fn: Callable[[], WorkerLoad] | None = None) -> Heartbeat:
-        """A (not yet started) ``Heartbeat`` keeping ``record`` alive; see ``Heartbeat``."""
-        from pdserve.cluster_view import Heartbeat  # lazy: cluster_view imports this module
-
-        return Heartbeat(self, record, load_fn)
-
     def _accept(self, key: str, raw: bytes | str, cluster: KVLayout | None
                 ) -> WorkerRecord | None:
         try:
@@ -377,58 +269,3 @@ def redact_url(url: str) -> str:
     return re.sub(r"(://[^:@/]*:)[^@/]*@", r"\1***@", url)
 
 
-def _check_name(what: str, name: str) -> None:
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise ValueError(f"{what} must match {_NAME_RE.pattern}, got {name!r}")
-
-
-def _check_address(what: str, address: str) -> None:
-    host, sep, port = address.rpartition(":")
-    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-        raise ValueError(f"{what} must be 'host:port', got {address!r}")
-
-
-def _load_versioned(text: str | bytes, what: str) -> dict[str, Any]:
-    try:
-        data = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RecordFormatError(f"{what} is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise RecordFormatError(f"{what} must be a JSON object, got {type(data).__name__}")
-    version = data.pop("version", None)
-    if version != RECORD_VERSION:
-        raise RecordFormatError(f"{what} has version {version!r}; this pdserve reads "
-                                f"version {RECORD_VERSION}")
-    return data
-
-
-def _typed_fields(cls: type, data: dict[str, Any], what: str,
-                  skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``data``'s values for ``cls``'s fields (except ``skip``), type-checked: int is
-    not bool, float accepts int. Unknown or missing keys fail."""
-    hints = _hints(cls)
-    if set(data) != set(hints):
-        extra, missing = sorted(set(data) - set(hints)), sorted(set(hints) - set(data))
-        raise RecordFormatError(f"{what} keys: unknown {extra}, missing {missing}")
-    values: dict[str, Any] = {}
-    for name, typ in hints.items():
-        value = data[name]
-        if name in skip:
-            continue
-        if typ is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if type(value) is not typ:
-            raise RecordFormatError(f"{what} field {name} must be {typ.__name__}, "
-                                    f"got {type(value).__name__}")
-        values[name] = value
-    return values
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        hints = get_type_hints(cls)
-        _HINTS[cls] = {f.name: hints[f.name] for f in fields(cls)}
-    return _HINTS[cls]

@@ -16,20 +16,19 @@ from typing import Any
 import pytest
 import redis
 
-from kvtransfer.layout import KVLayout
-from pdserve.cluster_view import WorkerView
-from pdserve.redis_server import RedisServer
-from pdserve.registry import (
+from cluster.heartbeat import Heartbeat
+from cluster.records import RecordFormatError, WorkerLoad, WorkerRecord
+from cluster.registry import (
     FingerprintMismatch,
     Keys,
-    RecordFormatError,
     Registry,
     RegistryAuthError,
     RegistryUnavailable,
-    WorkerLoad,
-    WorkerRecord,
     redact_url,
 )
+from cluster.view import WorkerView
+from kvtransfer.layout import KVLayout
+from pdserve.redis_server import RedisServer
 from tests.factories import run_without_torch
 from tests.pdserve.conftest import wait_until
 
@@ -112,7 +111,7 @@ def test_key_schema_and_name_checks() -> None:
 
 def test_registry_is_torch_free() -> None:
     result = run_without_torch(
-        "import pdserve.registry, pdserve.cluster_view, pdserve.redis_server\n"
+        "import cluster.registry, cluster.heartbeat, cluster.view, pdserve.redis_server\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'numpy'))\n"
         "assert not bad, bad\n")
     assert result.returncode == 0, result.stderr
@@ -133,7 +132,7 @@ def test_registered_workers_are_listed_by_role(registry: Registry) -> None:
 
 def test_beats_keep_the_record_past_its_ttl_and_it_expires_when_they_stop(
         registry: Registry) -> None:
-    heartbeat = registry.heartbeat(make_record()).start()
+    heartbeat = Heartbeat(registry, make_record()).start()
     time.sleep(TTL_S * 1.5)  # several beats: each one re-SETs the TTL
     assert listed_ids(registry) == ["prefill-0"] and heartbeat.beats >= 3
     heartbeat.stop(deregister=False)  # a paused/hung worker: no delete, no more beats
@@ -143,14 +142,14 @@ def test_beats_keep_the_record_past_its_ttl_and_it_expires_when_they_stop(
 
 def test_heartbeat_refreshes_the_load(registry: Registry) -> None:
     load = [WorkerLoad(10, 12, 1, 0)]
-    with registry.heartbeat(make_record(), lambda: load[0]):
+    with Heartbeat(registry, make_record(), lambda: load[0]):
         assert registry.list_workers()[0].load == WorkerLoad(10, 12, 1, 0)
         load[0] = WorkerLoad(2, 12, 7, 3)
         assert wait_until(lambda: registry.list_workers()[0].load == load[0], 3.0)
 
 
 def test_graceful_stop_deletes_the_key(registry: Registry, raw_redis: redis.Redis) -> None:
-    heartbeat = registry.heartbeat(make_record()).start()
+    heartbeat = Heartbeat(registry, make_record()).start()
     assert raw_redis.exists(registry.keys.worker("prefill-0"))
     heartbeat.stop()
     heartbeat.stop()  # idempotent
@@ -167,7 +166,7 @@ def test_a_failing_load_callback_skips_the_beat_but_not_the_thread(registry: Reg
             raise RuntimeError("engine busy")
         return WorkerLoad(10, 12, calls[0], 0)
 
-    with registry.heartbeat(make_record(), flaky_load) as heartbeat:
+    with Heartbeat(registry, make_record(), flaky_load) as heartbeat:
         assert wait_until(lambda: registry.list_workers()[0].num_running >= 3, 3.0)
         assert heartbeat.failures == 1 and heartbeat.alive and heartbeat.last_error is None
 
@@ -176,7 +175,7 @@ def test_a_failing_load_callback_skips_the_beat_but_not_the_thread(registry: Reg
 
 def test_a_restarted_redis_is_refilled_within_one_beat(redis_server: RedisServer,
                                                        registry: Registry) -> None:
-    with registry.heartbeat(make_record()):
+    with Heartbeat(registry, make_record()):
         redis_server.restart()
         assert registry.cluster_layout() is None and not listed_ids(registry)  # data lost
         restarted = time.monotonic()
@@ -191,7 +190,7 @@ def test_redis_down_keeps_beats_alive_and_the_view_last_known_good(
         redis_server: RedisServer, registry: Registry) -> None:
     now = [100.0]
     view = WorkerView(registry, clock=lambda: now[0])
-    with registry.heartbeat(make_record()) as heartbeat:
+    with Heartbeat(registry, make_record()) as heartbeat:
         assert [w.worker_id for w in view.refresh().workers] == ["prefill-0"]
         assert not view.stale and view.age_s() == 0.0
 
@@ -215,7 +214,7 @@ def test_a_hung_redis_times_out_instead_of_blocking(redis_server: RedisServer) -
     assert redis_server.pid is not None
     with Registry(redis_server.url, ttl_s=TTL_S, heartbeat_s=HEARTBEAT_S,
                   timeout_s=0.3) as registry:
-        heartbeat = registry.heartbeat(make_record()).start()
+        heartbeat = Heartbeat(registry, make_record()).start()
         view = WorkerView(registry)
         view.refresh()
         os.kill(redis_server.pid, signal.SIGSTOP)  # alive but silent
@@ -238,7 +237,7 @@ def test_a_view_of_an_unreachable_redis_is_empty_and_stale() -> None:
         snapshot = view.refresh()
         assert snapshot.stale and snapshot.workers == () and math.isinf(view.age_s())
         with pytest.raises(RegistryUnavailable):
-            registry.heartbeat(make_record()).start()
+            Heartbeat(registry, make_record()).start()
 
 
 # -- fingerprints (row 8) -----------------------------------------------------------------------
@@ -251,7 +250,7 @@ def test_a_differing_fingerprint_names_the_field_and_blocks_registration(
         registry.claim_fingerprint(OTHER_LAYOUT)
     assert info.value.field == "block_size" and "32 != 16" in str(info.value)
     with pytest.raises(FingerprintMismatch, match="block_size"):
-        registry.heartbeat(make_record("decode-9", "decode", layout=OTHER_LAYOUT)).start()
+        Heartbeat(registry, make_record("decode-9", "decode", layout=OTHER_LAYOUT)).start()
     assert not raw_redis.exists(registry.keys.worker("decode-9"))
     registry.register(make_record("decode-1", "decode", tensor_parallel_size=4))  # TP may differ
     assert registry.cluster_layout() == LAYOUT
@@ -262,7 +261,7 @@ def test_listing_ignores_records_whose_layout_differs(
     registry.register(make_record("prefill-0"))
     foreign = make_record("decode-0", "decode", layout=OTHER_LAYOUT)
     raw_redis.set(registry.keys.worker("decode-0"), foreign.to_json(), px=10_000)
-    with caplog.at_level(logging.WARNING, "pdserve.registry"):
+    with caplog.at_level(logging.WARNING, "cluster.registry"):
         assert listed_ids(registry) == ["prefill-0"]
     assert "block_size: 32 != 16" in caplog.text
 
@@ -275,7 +274,7 @@ def test_malformed_records_are_skipped_and_logged_once(
     raw_redis.set(registry.keys.worker("junk"), "{not json", px=10_000)
     raw_redis.set(registry.keys.worker("future"), _mutated(lambda b: b.update(version=9)))
     raw_redis.set(registry.keys.worker("imposter"), make_record("prefill-7").to_json())
-    with caplog.at_level(logging.WARNING, "pdserve.registry"):
+    with caplog.at_level(logging.WARNING, "cluster.registry"):
         assert listed_ids(registry) == ["prefill-0"]
         assert listed_ids(registry) == ["prefill-0"]
     lines = [r.getMessage() for r in caplog.records]
