@@ -1,25 +1,35 @@
 """The decode worker's engine loop: the one thread that drives the decode ``EngineCore``
-and its ``DecodeHandoff``.
+and its ``DecodeKVLeader``.
 
-Life of one request here (commands from gRPC handlers, see ``pdserve.worker_loop``):
-``Reserve`` (blocks + EXPECT on every rank) → ``Open`` (a Generate stream) → the loop
-polls the transfer; when the KV arrived on every rank, with its trailer (the first token
-and the prefill side's cached-token count) on rank 0, and a stream is open, it admits
-the request with that first token and streams every step's output → finished (engine
-frees). ``Abort`` at any point frees everything and fails an open stream with ABORTED.
+Life of one request here (commands from gRPC handlers, see ``worker.loop``), each phase
+recorded in one place, the request's ``_Live.phase``:
+
+- ``Reserve``: blocks reserved in the engine (``reserve_for_kv``), the transfer announced
+  to every rank (``DecodeKVLeader.expect``) — phase RESERVED;
+- the loop polls the leader; once the KV arrived on every rank, with its trailer (the
+  first token and the prefill side's cached-token count) on rank 0 — phase ARRIVED;
+- once the KV arrived and a Generate stream is open (``Open``), the request is admitted
+  with that first token (``admit_with_kv``) and every step's output is streamed — phase
+  RUNNING; finished: the engine frees its blocks.
+
+``Local`` (colocated mode) starts a request RUNNING: it is prefilled here. ``Abort`` at
+any point stops the transfer (if one is pending), frees everything and fails an open
+stream with ABORTED. ``AbortAll`` and ``Info`` are ``worker.loop``'s.
 
 The router may still send its copies of the first token and cached-token count with
 ``Open`` (from the Prefill response; 0 counts as absent). They are only checked: one
 that differs from what arrived with the KV ends the request with INTERNAL (and frees it).
 
-Ownership: from Reserve until admit, the blocks are ``DecodeHandoff``'s (it frees them on
-abort or failed transfer); after admit they are the engine's. A reservation whose KV
-arrived but whose stream was not opened within the transfer timeout is aborted by the
-loop, so nothing is held without a deadline.
+Ownership: from Reserve until admit, the blocks are reserved in the engine and written by
+the ranks' receivers while the transfer is pending; the loop frees them on abort or a
+failed transfer (after the leader made every rank stop writing); after admit they are the
+engine's. A request whose KV arrived but whose stream was not opened within the transfer
+timeout is aborted by the loop, so nothing is held without a deadline.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import OrderedDict
@@ -28,20 +38,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from decode_worker.handoff import DecodeHandoff, KVTarget
+from decode_worker.kv_leader import Arrival, DecodeKVLeader, KVTarget
 from engine.core import EngineCore, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.protocol import Trailer
-from pdserve.worker_loop import (
-    Abort,
-    AbortAll,
-    Command,
-    EngineLoop,
-    Info,
-    LoopInfo,
-    OutputStream,
-    WorkerError,
-)
+from worker.loop import Command, EngineLoop, OutputStream, WorkerError
 
 log = logging.getLogger(__name__)
 MAX_REMEMBERED_FAILURES = 1024
@@ -76,16 +77,20 @@ class Local(Command[OutputStream[RequestOutput]]):
     params: SamplingParams
 
 
+class Phase(enum.Enum):
+    RESERVED = "reserved"  # blocks reserved, the KV on its way (the leader tracks the transfer)
+    ARRIVED = "arrived"  # KV verified on every rank, trailer kept; waits for its stream
+    RUNNING = "running"  # admitted (or prefilled here): the engine owns the blocks
+
+
 @dataclass
 class _Live:
-    transfer_id: int
+    phase: Phase
     reserved_at: float
     max_tokens: int
     stream: OutputStream[RequestOutput] | None = None
     claimed: Open | None = None  # the router's copies, from Open
     trailer: Trailer | None = None  # arrived with the KV
-    arrived: bool = False
-    admitted: bool = False
 
     def mismatch(self) -> str | None:
         """Why the router's copies disagree with the trailer (None: they agree or are
@@ -106,50 +111,45 @@ class DecodeLoop(EngineLoop):
     """Owns ``core`` (built with the decode KV plugin) from ``start`` until ``stop``."""
 
     def __init__(self, core: EngineCore, transfer_timeout_s: float) -> None:
-        super().__init__("pdserve-decode-loop")
-        self.core = core
-        self.handoff = DecodeHandoff(core)
+        self.kv = DecodeKVLeader(core)
+        super().__init__("pdserve-decode-loop", core, self.kv)
         self.transfer_timeout_s = transfer_timeout_s
         self._live: dict[str, _Live] = {}
         # request id -> why its transfer failed before a stream was open (told to Generate)
         self._failed: OrderedDict[str, str] = OrderedDict()
 
     # --- commands -----------------------------------------------------------------
-    def _handle(self, command: Command) -> object:
+    def _handle_own(self, command: Command) -> object:
         if isinstance(command, Reserve):
             return self._reserve(command)
         if isinstance(command, Open):
             return self._open(command)
         if isinstance(command, Local):
             return self._local(command)
-        if isinstance(command, Abort):
-            return self._abort(command.request_id, grpc.StatusCode.ABORTED, command.reason)
-        if isinstance(command, AbortAll):
-            ids = list(self._live)
-            for rid in ids:
-                self._abort(rid, grpc.StatusCode.UNAVAILABLE, command.reason)
-            return len(ids)
-        if isinstance(command, Info):
-            return self._info()
-        raise TypeError(f"unknown command {command!r}")
+        return super()._handle_own(command)
 
     def _reserve(self, cmd: Reserve) -> KVTarget | None:
-        live = self._live.get(cmd.request_id)
-        if live is not None:
-            if live.transfer_id == cmd.transfer_id:
-                return KVTarget(live.transfer_id, self.handoff.address,
-                                self.handoff.tp_size, len(cmd.prompt_token_ids))
+        rid = cmd.request_id
+        if rid in self._live:
+            if self.kv.transfer_id(rid) == cmd.transfer_id:  # a repeated Reserve
+                return KVTarget(cmd.transfer_id, self.kv.address, self.kv.tp_size,
+                                len(cmd.prompt_token_ids))
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
-                              f"request {cmd.request_id!r} holds transfer {live.transfer_id}")
+                              f"request {rid!r} is live here with another transfer")
         try:
-            target = self.handoff.reserve(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                          cmd.transfer_id, self.transfer_timeout_s)
+            block_ids = self.core.reserve_for_kv(rid, cmd.prompt_token_ids, cmd.params)
+            if block_ids is None:
+                return None
+            try:
+                target = self.kv.expect(rid, cmd.transfer_id, len(cmd.prompt_token_ids),
+                                        block_ids, self.transfer_timeout_s)
+            except BaseException:
+                self.core.abort_request(rid)
+                raise
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        if target is not None:
-            self._failed.pop(cmd.request_id, None)
-            self._live[cmd.request_id] = _Live(cmd.transfer_id, time.monotonic(),
-                                               cmd.params.max_tokens)
+        self._failed.pop(rid, None)
+        self._live[rid] = _Live(Phase.RESERVED, time.monotonic(), cmd.params.max_tokens)
         return target
 
     def _open(self, cmd: Open) -> OutputStream[RequestOutput]:
@@ -173,7 +173,7 @@ class DecodeLoop(EngineLoop):
             self._abort(cmd.request_id, grpc.StatusCode.INTERNAL, problem)
             raise WorkerError(grpc.StatusCode.INTERNAL, problem)
         live.stream = OutputStream(live.max_tokens + 2)
-        if live.arrived:
+        if live.phase is Phase.ARRIVED:
             self._admit(cmd.request_id, live)
         return live.stream
 
@@ -186,7 +186,7 @@ class DecodeLoop(EngineLoop):
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self._failed.pop(cmd.request_id, None)
-        live = _Live(0, time.monotonic(), cmd.params.max_tokens, arrived=True, admitted=True)
+        live = _Live(Phase.RUNNING, time.monotonic(), cmd.params.max_tokens)
         live.stream = OutputStream(live.max_tokens + 2)
         self._live[cmd.request_id] = live
         return live.stream
@@ -196,57 +196,44 @@ class DecodeLoop(EngineLoop):
         live = self._live.pop(request_id, None)
         if live is None:
             return False
-        if live.admitted:
-            self.core.abort_request(request_id)
-        else:
-            self.handoff.abort(request_id)
+        if live.phase is Phase.RESERVED:
+            self.kv.abort(request_id)  # every rank stops writing before the blocks go
+        self.core.abort_request(request_id)
         if live.stream is not None:
             live.stream.fail(code, reason)
         log.info("aborted", extra={"request_id": request_id, "role": "decode"})
         return True
 
-    def _info(self) -> LoopInfo:
-        stats = self.handoff.rank_stats()
-        sched = self.core.scheduler
-        return LoopInfo(
-            kv=self.core.kv_usage(),
-            pending_transfers=self.handoff.num_pending + sum(s.pending for s in stats),
-            open_kv_channels=sum(s.open_channels for s in stats),
-            running=len(sched.running),
-            waiting=len(sched.waiting) + sum(1 for v in self._live.values() if not v.admitted),
-            num_preemptions=sched.stats.num_preemptions)
+    def _live_ids(self) -> list[str]:
+        return list(self._live)
+
+    def _num_unadmitted(self) -> int:
+        return sum(1 for v in self._live.values() if v.phase is not Phase.RUNNING)
 
     # --- the loop -----------------------------------------------------------------
-    def _has_work(self) -> bool:
-        return self.core.has_unfinished()
-
     def _is_polling(self) -> bool:
-        return bool(self.handoff.num_pending)
+        """Transfers pending, or arrived KV waiting for its stream (it expires)."""
+        return bool(self.kv.num_pending) or any(
+            v.phase is Phase.ARRIVED for v in self._live.values())
 
-    def _tick(self) -> None:
-        if self.core.has_unfinished():
-            for out in self.core.step():
-                self._deliver(out)
-
-    def _serve_commands(self) -> bool:
-        alive = super()._serve_commands()
-        if alive and self.handoff.num_pending:
-            self._poll_transfers()
-        return alive
-
-    def _poll_transfers(self) -> None:
-        for result in self.handoff.poll():
-            live = self._live.get(result.request_id)
-            if live is None:
-                continue
-            if not result.ok:  # the handoff already freed the blocks
-                del self._live[result.request_id]
-                self._fail(result.request_id, live, result.reason)
-                continue
-            live.arrived, live.trailer = True, result.trailer
-            if live.stream is not None:
-                self._admit(result.request_id, live)
+    def _poll(self) -> None:
+        for arrival in self.kv.poll():
+            self._arrived(arrival)
         self._expire_unopened()
+
+    def _arrived(self, arrival: Arrival) -> None:
+        rid = arrival.request_id
+        live = self._live.get(rid)
+        if live is None:
+            return
+        if not arrival.ok:  # no rank writes the blocks any more: free them
+            del self._live[rid]
+            self.core.abort_request(rid)
+            self._fail(rid, live, arrival.reason)
+            return
+        live.phase, live.trailer = Phase.ARRIVED, arrival.trailer
+        if live.stream is not None:
+            self._admit(rid, live)
 
     def _fail(self, request_id: str, live: _Live, reason: str) -> None:
         log.warning("KV transfer failed: %s", reason, extra={"request_id": request_id})
@@ -260,7 +247,7 @@ class DecodeLoop(EngineLoop):
     def _expire_unopened(self) -> None:
         deadline = time.monotonic() - self.transfer_timeout_s
         for rid in [r for r, v in self._live.items()
-                    if v.arrived and v.stream is None and v.reserved_at < deadline]:
+                    if v.phase is Phase.ARRIVED and v.stream is None and v.reserved_at < deadline]:
             self._abort(rid, grpc.StatusCode.UNAVAILABLE, "no Generate before the deadline")
             self._failed[rid] = "no Generate stream opened before the transfer deadline"
 
@@ -270,8 +257,10 @@ class DecodeLoop(EngineLoop):
             log.error("refusing the request: %s", problem, extra={"request_id": request_id})
             self._abort(request_id, grpc.StatusCode.INTERNAL, problem)
             return
-        live.admitted = True
-        self._deliver(self.handoff.admit(request_id))
+        assert live.trailer is not None
+        live.phase = Phase.RUNNING
+        self._deliver(self.core.admit_with_kv(request_id, live.trailer.first_token_id,
+                                              live.trailer.num_cached_tokens))
 
     def _deliver(self, out: RequestOutput) -> None:
         live = self._live.get(out.request_id)
@@ -280,10 +269,3 @@ class DecodeLoop(EngineLoop):
         live.stream.put(out)
         if out.finished:
             del self._live[out.request_id]
-
-    def _close(self) -> None:
-        try:
-            for rid in list(self._live):
-                self._abort(rid, grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-        finally:
-            self.core.shutdown()

@@ -1,52 +1,31 @@
 """The decode worker process: ``pdserve decode --model DIR [--port P]
 [--tensor-parallel-size r] [--kv-port K] [--ready-file PATH] [--redis-url URL]``.
 
-Start-up order (gRPC and fork do not mix): build the engine — it spawns the r-1 follower
-ranks and rank 0's plugin starts the KV rendezvous store — run one warm-up step, start
-the engine loop, and only then create the gRPC server. ``DecodeServicer`` is the thin
-protobuf adapter; everything engine-side happens on the ``DecodeLoop`` thread.
+What is the decode kind's own: ``DecodeServicer`` (the thin protobuf adapter of
+``Reserve``, ``Generate`` and ``GenerateLocal``; ``Abort`` and ``Info`` are
+``worker.servicer``'s) and the ``WorkerKind`` that ``worker.process.run_worker`` starts.
+Rank 0's plugin starts the KV rendezvous store while the engine is built; everything
+engine-side happens on the ``DecodeLoop`` thread.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import uuid
 from collections.abc import Iterator
 
 import grpc
 
-from cluster.fingerprint import fingerprint_model_dir
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
-from cluster.records import WorkerLoad
 from decode_worker.engine_loop import DecodeLoop, Local, Open, Reserve
-from decode_worker.kv_plugin import PLUGIN, DecodeKVConfig
-from engine.config import (
-    CacheConfig,
-    EngineConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    load_model_config,
-)
+from decode_worker.kv_rank import PLUGIN, DecodeKVConfig
 from engine.core import EngineCore, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import load_tokenizer
-from kvtransfer import KVLayout
-from pdserve.worker_common import (
-    Endpoint,
-    Identity,
-    LoopServicerMixin,
-    abort_with,
-    sampling_params_from_proto,
-    serve_until_signal,
-)
-from pdserve.worker_loop import (
-    CALL_TIMEOUT_S,
-    Info,
-    OutputStream,
-    WorkerError,
-)
+from engine.sharding import num_blocks_for
+from worker.loop import CALL_TIMEOUT_S, EngineLoop, Info, OutputStream, WorkerError
+from worker.process import WorkerKind, run_worker
+from worker.server import Identity
+from worker.servicer import LoopServicerMixin, abort_with, sampling_params_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +33,11 @@ log = logging.getLogger(__name__)
 class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
     """protobuf ⇄ ``DecodeLoop`` commands; see ``worker.proto`` for each RPC's contract."""
 
-    loop: DecodeLoop
-
-    def __init__(self, loop: DecodeLoop, identity: Identity) -> None:
+    def __init__(self, loop: EngineLoop, identity: Identity) -> None:
         self.loop = loop
         self.identity = identity
 
-    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext  # noqa: N802
                 ) -> pb.ReserveResponse:
         try:
             if request.transfer_id == 0:
@@ -68,20 +45,21 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
             params = sampling_params_from_proto(request.sampling)
             target = self.loop.call(Reserve(request.request_id, list(request.prompt_token_ids),
                                             params, request.transfer_id), CALL_TIMEOUT_S)
+            if target is None:
+                usage = self.loop.call(Info(), CALL_TIMEOUT_S).kv
+                return pb.ReserveResponse(
+                    accepted=False, reason=f"out of KV blocks ({usage.free + usage.cached} of "
+                    f"{usage.total} free)")
         except WorkerError as exc:
             abort_with(context, exc)
-        if target is None:
-            usage = self.loop.call(Info(), CALL_TIMEOUT_S).kv
-            return pb.ReserveResponse(
-                accepted=False, reason=f"out of KV blocks ({usage.free + usage.cached} of "
-                f"{usage.total} free)")
+        block_size = self.loop.core.config.cache.block_size
         return pb.ReserveResponse(
-            accepted=True, num_blocks=-(-target.num_tokens // self.loop.core.config.cache.block_size),
+            accepted=True, num_blocks=num_blocks_for(target.num_tokens, block_size),
             target=pb.KVTarget(kv_address=f"{target.address.host}:{target.address.port}",
                                tensor_parallel_size=target.tp_size,
                                transfer_id=target.transfer_id))
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext  # noqa: N802
                  ) -> Iterator[pb.TokenChunk]:
         rid = request.request_id
         try:
@@ -93,8 +71,8 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
             abort_with(context, exc)
         yield from self._relay(rid, stream, context)
 
-    def GenerateLocal(self, request: pb.GenerateLocalRequest, context: grpc.ServicerContext
-                      ) -> Iterator[pb.TokenChunk]:
+    def GenerateLocal(self, request: pb.GenerateLocalRequest,  # noqa: N802
+                      context: grpc.ServicerContext) -> Iterator[pb.TokenChunk]:
         rid = request.request_id
         try:
             if not request.prompt_token_ids:
@@ -131,50 +109,30 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                 return
 
 
-def build_engine(args: argparse.Namespace, fingerprint: str) -> EngineCore:
-    """The decode engine with its KV plugin; spawns the follower ranks (call before any
-    gRPC object exists). Rank 0's KV rendezvous store binds ``args.kv_port`` itself (0:
-    any); ``DecodeHandoff.address`` tells the port it got."""
-    kv = DecodeKVConfig(args.host, args.kv_port, fingerprint, timeout_s=args.transfer_timeout)
-    config = EngineConfig(
-        model=load_model_config(args.model),
-        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
-        rank_plugin=PLUGIN, rank_plugin_config=kv.to_json())
-    return EngineCore(config, load_tokenizer(args.model))
+def _plugin_config(args: argparse.Namespace, fingerprint: str) -> str:
+    # rank 0's KV rendezvous store binds args.kv_port itself (0: any); the leader reads the
+    # port it got (DecodeKVLeader.address)
+    return DecodeKVConfig(args.host, args.kv_port, fingerprint,
+                          timeout_s=args.transfer_timeout).to_json()
 
 
-def warm_up(core: EngineCore) -> None:
-    """One local request through every rank; its blocks end free or cached."""
-    core.add_request("warm-up", [0], SamplingParams(max_tokens=1, temperature=0))
-    while core.has_unfinished():
-        core.step()
+def _make_loop(core: EngineCore, args: argparse.Namespace) -> EngineLoop:
+    return DecodeLoop(core, args.transfer_timeout)
+
+
+def _add_servicer(loop: EngineLoop, identity: Identity, server: grpc.Server) -> None:
+    pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(loop, identity), server)
+
+
+def _kv_address(loop: EngineLoop) -> str:
+    assert isinstance(loop, DecodeLoop)
+    address = loop.kv.address  # the port rank 0's store bound
+    return f"{address.host}:{address.port}"
+
+
+DECODE = WorkerKind(role="decode", rank_plugin=PLUGIN, plugin_config=_plugin_config,
+                    make_loop=_make_loop, add_servicer=_add_servicer, kv_address=_kv_address)
 
 
 def main(args: argparse.Namespace) -> int:
-    fingerprint = fingerprint_model_dir(args.model)
-    core = build_engine(args, fingerprint)
-    try:
-        warm_up(core)
-    except BaseException:
-        core.shutdown()
-        raise
-    loop = DecodeLoop(core, args.transfer_timeout)
-    loop.start()
-    identity = Identity(args.worker_id or f"decode-{uuid.uuid4().hex[:12]}", "decode",
-                        args.tensor_parallel_size, fingerprint)
-    servicer = DecodeServicer(loop, identity)
-
-    def load() -> WorkerLoad:
-        info = loop.call(Info(), CALL_TIMEOUT_S)
-        return WorkerLoad(info.kv.free + info.kv.cached, info.kv.total, info.running,
-                          info.waiting)
-
-    kv = loop.handoff.address  # the port rank 0's store bound
-    endpoint = Endpoint(identity, KVLayout.from_engine_config(core.config, fingerprint),
-                        f"{kv.host}:{kv.port}",
-                        lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server),
-                        load)
-    return serve_until_signal(args, loop, endpoint)
+    return run_worker(args, DECODE)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed import StoreAddress, backend_for, connect_store, create_store_server
+from engine.sharding import kv_head_range, num_blocks_for
 from kvtransfer.channel import (
     RECEIVER,
     accept_key,
@@ -40,7 +41,6 @@ from kvtransfer.channel import (
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelError, TransferError, TransferRejected, TransferTimeout
 from kvtransfer.layout import KVLayout
-from kvtransfer.packing import num_blocks_for
 from kvtransfer.plan import check_tp_size
 from kvtransfer.pool import ChannelPool
 from kvtransfer.protocol import (
@@ -155,8 +155,6 @@ class KVReceiver:
         unless complete ``timeout_s`` (default ``config.timeout_s``) from now. With
         ``trailer`` (rank 0 only: senders send trailers there) it is complete only once
         the sender's ``Trailer`` arrived as well."""
-        from engine.models.layers import kv_head_range
-
         num_blocks = num_blocks_for(num_tokens, self.layout.block_size)
         if num_tokens < 1 or len(block_ids) < num_blocks:
             raise ValueError(f"{num_tokens} tokens need {num_blocks} blocks, got {len(block_ids)}")

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.distributed import StoreAddress, backend_for, connect_store
+from engine.sharding import kv_head_range, num_blocks_for
 from kvtransfer.buffers import BufferPool
 from kvtransfer.channel import read_worker_info
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelError, LayoutMismatch, TransferError, TransferTimeout
 from kvtransfer.layout import KVLayout
-from kvtransfer.packing import num_blocks_for
 from kvtransfer.plan import Route, check_tp_size, routes_from
 from kvtransfer.pool import ChannelPool
 from kvtransfer.protocol import PartHeader, Trailer, WorkerInfo
@@ -323,8 +323,6 @@ class KVSender:
         return info
 
     def _check_cache(self, kv_cache: torch.Tensor) -> None:
-        from engine.models.layers import kv_head_range
-
         start, end = kv_head_range(self.layout.num_kv_heads, self.tp_rank, self.tp_size)
         lay = self.layout
         want = (lay.num_layers, 2, lay.block_size, end - start, lay.head_dim)

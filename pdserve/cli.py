@@ -49,16 +49,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
-    from pdserve.worker_common import add_worker_args
+    from worker.options import add_decode_args, add_worker_args
 
     prefill = sub.add_parser("prefill", help="run a prefill worker (gRPC, pushes KV)")
     add_worker_args(prefill)
     prefill.set_defaults(func=_prefill)
     decode = sub.add_parser("decode", help="run a decode worker (gRPC, receives KV, streams)")
     add_worker_args(decode)
-    decode.add_argument("--kv-port", type=int, default=0,
-                        help="KV rendezvous store port (0: the OS picks when the store "
-                        "binds; the ready file and registration tell the port it got)")
+    add_decode_args(decode)
     decode.set_defaults(func=_decode)
     from router.server import add_router_args
 

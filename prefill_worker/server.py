@@ -1,11 +1,11 @@
 """The prefill worker process: ``pdserve prefill --model DIR [--port P]
 [--tensor-parallel-size p] [--ready-file PATH] [--redis-url URL]``.
 
-Start-up order (gRPC and fork do not mix): build the engine (spawns the p-1 follower
-ranks), run one warm-up step, start the engine loop, and only then create the gRPC
-server. ``PrefillServicer`` is the thin protobuf adapter; everything engine-side happens
-on the ``PrefillLoop`` thread. The prefill worker has no KV endpoint of its own: it
-connects to each decode worker's store on demand.
+What is the prefill kind's own: ``PrefillServicer`` (the thin protobuf adapter of
+``Prefill``; ``Abort`` and ``Info`` are ``worker.servicer``'s) and the ``WorkerKind`` that
+``worker.process.run_worker`` starts. Everything engine-side happens on the
+``PrefillLoop`` thread. The prefill worker has no KV endpoint of its own: it connects to
+each decode worker's store on demand.
 """
 
 from __future__ import annotations
@@ -13,42 +13,19 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import uuid
 
 import grpc
 
-from cluster.fingerprint import fingerprint_model_dir
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
-from cluster.records import WorkerLoad
-from engine.config import (
-    CacheConfig,
-    EngineConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    load_model_config,
-)
 from engine.core import EngineCore
 from engine.distributed import StoreAddress
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import load_tokenizer
-from kvtransfer import KVLayout
-from pdserve.worker_common import (
-    Endpoint,
-    Identity,
-    LoopServicerMixin,
-    abort_with,
-    sampling_params_from_proto,
-    serve_until_signal,
-)
-from pdserve.worker_loop import (
-    CALL_TIMEOUT_S,
-    Info,
-    OutputStream,
-    WorkerError,
-)
 from prefill_worker.engine_loop import PrefillDone, PrefillLoop, Submit
-from prefill_worker.kv_plugin import PLUGIN, PrefillKVConfig
+from prefill_worker.kv_rank import PLUGIN, PrefillKVConfig
+from worker.loop import CALL_TIMEOUT_S, EngineLoop, OutputStream, WorkerError
+from worker.process import WorkerKind, run_worker
+from worker.server import Identity
+from worker.servicer import LoopServicerMixin, abort_with, sampling_params_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +36,17 @@ FAULT_HOOK_ENV = "PDSERVE_TEST_KV_FAULT_HOOK"
 class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
     """protobuf ⇄ ``PrefillLoop`` commands; see ``worker.proto`` for each RPC's contract."""
 
-    def __init__(self, loop: PrefillLoop, identity: Identity) -> None:
+    def __init__(self, loop: EngineLoop, identity: Identity) -> None:
         self.loop = loop
         self.identity = identity
 
-    def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext
+    def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext  # noqa: N802
                 ) -> pb.PrefillResponse:
         rid = request.request_id
         stream: OutputStream[PrefillDone] = OutputStream(1)
         try:
-            submit = Submit(rid, list(request.prompt_token_ids), sampling_params_from_proto(request.sampling),
+            submit = Submit(rid, list(request.prompt_token_ids),
+                            sampling_params_from_proto(request.sampling),
                             request.target.transfer_id, _dest(request.target), stream)
             self.loop.call(submit, CALL_TIMEOUT_S)
         except WorkerError as exc:
@@ -85,7 +63,6 @@ class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
                                   num_prompt_tokens=done.num_prompt_tokens)
 
 
-
 def _dest(target: pb.KVTarget) -> StoreAddress:
     host, _, port = target.kv_address.rpartition(":")
     if not host or not port.isdigit() or target.transfer_id == 0:
@@ -94,51 +71,27 @@ def _dest(target: pb.KVTarget) -> StoreAddress:
     return StoreAddress(host, int(port))
 
 
-def build_engine(args: argparse.Namespace, fingerprint: str) -> EngineCore:
-    """The prefill engine with its KV plugin; spawns the follower ranks (call before any
-    gRPC object exists)."""
+def _plugin_config(args: argparse.Namespace, fingerprint: str) -> str:
     # tests only: "module:factory" of a kvtransfer sender fault hook (see PrefillKVConfig)
     fault_hook = os.environ.get(FAULT_HOOK_ENV) or None
     if fault_hook is not None:
         log.warning("test-only KV fault hook %s is active (%s)", fault_hook, FAULT_HOOK_ENV)
-    kv = PrefillKVConfig(fingerprint, timeout_s=args.transfer_timeout, fault_hook=fault_hook)
-    config = EngineConfig(
-        model=load_model_config(args.model),
-        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
-        rank_plugin=PLUGIN, rank_plugin_config=kv.to_json())
-    return EngineCore(config, load_tokenizer(args.model))
+    return PrefillKVConfig(fingerprint, timeout_s=args.transfer_timeout,
+                           fault_hook=fault_hook).to_json()
 
 
-def warm_up(core: EngineCore) -> None:
-    """One local request through every rank; its blocks end free or cached."""
-    core.add_request("warm-up", [0], SamplingParams(max_tokens=1, temperature=0))
-    while core.has_unfinished():
-        core.step()
+def _make_loop(core: EngineCore, args: argparse.Namespace) -> EngineLoop:
+    return PrefillLoop(core)
+
+
+def _add_servicer(loop: EngineLoop, identity: Identity, server: grpc.Server) -> None:
+    pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(loop, identity), server)
+
+
+PREFILL = WorkerKind(role="prefill", rank_plugin=PLUGIN, plugin_config=_plugin_config,
+                     make_loop=_make_loop, add_servicer=_add_servicer,
+                     kv_address=lambda loop: "")
 
 
 def main(args: argparse.Namespace) -> int:
-    fingerprint = fingerprint_model_dir(args.model)
-    core = build_engine(args, fingerprint)
-    try:
-        warm_up(core)
-    except BaseException:
-        core.shutdown()
-        raise
-    loop = PrefillLoop(core)
-    loop.start()
-    identity = Identity(args.worker_id or f"prefill-{uuid.uuid4().hex[:12]}", "prefill",
-                        args.tensor_parallel_size, fingerprint)
-    servicer = PrefillServicer(loop, identity)
-
-    def load() -> WorkerLoad:
-        info = loop.call(Info(), CALL_TIMEOUT_S)
-        return WorkerLoad(info.kv.free + info.kv.cached, info.kv.total, info.running,
-                          info.waiting)
-
-    endpoint = Endpoint(identity, KVLayout.from_engine_config(core.config, fingerprint), "",
-                        lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server),
-                        load)
-    return serve_until_signal(args, loop, endpoint)
+    return run_worker(args, PREFILL)

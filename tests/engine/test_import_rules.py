@@ -15,7 +15,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE = REPO_ROOT / "engine"
 TORCH_FREE_FILES = sorted(
     [*ENGINE.glob("kvcache/*.py")]
-    + [ENGINE / name for name in ("scheduler.py", "request.py", "config.py", "sampling_params.py")]
+    + [ENGINE / name for name in ("scheduler.py", "request.py", "config.py", "sampling_params.py",
+                                  "sharding.py")]
 )
 TORCH_PACKAGES = ("torch", "flash_attn", "triton")
 

@@ -15,11 +15,11 @@ import grpc
 
 from cluster.internal.v1 import worker_pb2 as wpb
 from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
-from pdserve.pause_points import ENV as PAUSE_ENV
 from pdserve.redis_server import RedisServer
 from prefill_worker.server import FAULT_HOOK_ENV
 from tests.processes import Proc, spawn, wait_until
 from tests.workers.kv_faults import FIRST_OF_LENGTH_SPEC
+from worker.pause_points import ENV as PAUSE_ENV
 
 NUM_KV_BLOCKS = 64
 RPC_TIMEOUT_S = 30.0

@@ -329,7 +329,7 @@ def test_cancel_mid_stream_frees_everything(client: Client) -> None:
 def test_cancel_while_prefilling_frees_everything(cluster: Cluster) -> None:
     # the prefill worker is held (test-only pause point) after computing layer 0 of the
     # request's KV; the client cancels; once released, every worker has freed everything
-    from pdserve.pause_points import PauseDir
+    from worker.pause_points import PauseDir
 
     pause = PauseDir(cluster.pause_dir(0))
     prompt = _prompt_routed_to("prefill-0", 50)
@@ -434,8 +434,8 @@ def test_queued_token_budget(cluster: Cluster, tmp_path: Path) -> None:
     # a router allowing 100 prompt tokens before their first token: while an 80-token
     # prompt is held mid-prefill (pause point), a 40-token one is refused at once; once
     # the first has its first token, the second is admitted
-    from pdserve.pause_points import PauseDir
     from tests.processes import spawn
+    from worker.pause_points import PauseDir
 
     router = spawn("router-queued", ["router", "--model", str(cluster.model_dir), "--port",
                                      "0", "--redis-url", cluster.redis.url,
@@ -528,7 +528,7 @@ def test_prefill_worker_killed_mid_prefill(cluster: Cluster, client: Client, llm
     # a third prefill worker, paused (test-only pause point) once it computed and queued
     # layer 0 of a request's KV, is SIGKILLed there: the router retries the request on
     # another prefill worker and the client gets the right tokens
-    from pdserve.pause_points import ENV, PauseDir
+    from worker.pause_points import ENV, PauseDir
 
     assert cluster.router is not None
     router = cluster.router

@@ -1,6 +1,10 @@
 """Factories for KV-handoff scenarios: a prefill engine and a decode engine, each with
 its KV plugin, wired together in one test process (TP ranks > 0 are real processes),
-and the drive loop and leak check every scenario ends with."""
+and the drive loop and leak check every scenario ends with.
+
+``DecodeDriver`` plays the decode loop's part around ``DecodeKVLeader`` (reserve the
+blocks in the engine, announce the transfer, admit with the trailer that arrived, free on
+abort), so the scenarios exercise the leader and the ranks' receivers directly."""
 
 from __future__ import annotations
 
@@ -11,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.fingerprint import fingerprint_model_dir
-from decode_worker.handoff import DecodeHandoff, HandoffResult
-from decode_worker.kv_plugin import PLUGIN as DECODE_PLUGIN
-from decode_worker.kv_plugin import DecodeKVConfig
+from decode_worker.kv_leader import Arrival, DecodeKVLeader, KVTarget
+from decode_worker.kv_rank import PLUGIN as DECODE_PLUGIN
+from decode_worker.kv_rank import DecodeKVConfig
 from engine import SamplingParams
 from engine.config import (
     CacheConfig,
@@ -22,25 +26,78 @@ from engine.config import (
     SchedulerConfig,
     load_model_config,
 )
-from engine.core import EngineCore
+from engine.core import EngineCore, RequestOutput
 from engine.distributed import LOOPBACK
+from engine.sampling_params import SamplingParams as Params
 from engine.tokenizer import load_tokenizer
-from prefill_worker.handoff import PrefillHandoff, PrefillResult
-from prefill_worker.kv_plugin import PLUGIN as PREFILL_PLUGIN
-from prefill_worker.kv_plugin import PrefillKVConfig
+from kvtransfer.protocol import Trailer
+from prefill_worker.kv_leader import PrefillKVLeader, SendOutcome
+from prefill_worker.kv_rank import PLUGIN as PREFILL_PLUGIN
+from prefill_worker.kv_rank import PrefillKVConfig
 from tests.workers.kv_faults import SPEC as FAULT_SPEC
+from worker.rank_calls import RankStats, stats_request
 
 TIMEOUT_S = 10.0
 NUM_KV_BLOCKS = 64
 MAX_BATCHED_TOKENS = 32  # small, so that long prompts are prefilled in several chunks
 
 
+class DecodeDriver:
+    """The decode loop's part of a handoff, over the engine and its ``DecodeKVLeader``."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.leader = DecodeKVLeader(core)
+        self.config, self.address = self.leader.config, self.leader.address
+        self._arrived: dict[str, Trailer] = {}
+
+    def reserve(self, rid: str, prompt: Sequence[int], params: Params, transfer_id: int,
+                timeout_s: float | None = None) -> KVTarget | None:
+        block_ids = self.core.reserve_for_kv(rid, prompt, params)
+        if block_ids is None:
+            return None
+        try:
+            return self.leader.expect(rid, transfer_id, len(prompt), block_ids, timeout_s)
+        except BaseException:
+            self.core.abort_request(rid)
+            raise
+
+    def poll(self) -> list[Arrival]:
+        arrivals = self.leader.poll()
+        for arrival in arrivals:
+            if arrival.ok and arrival.trailer is not None:
+                self._arrived[arrival.request_id] = arrival.trailer
+            else:
+                self.core.abort_request(arrival.request_id)  # no rank writes them any more
+        return arrivals
+
+    def admit(self, rid: str) -> RequestOutput:
+        trailer = self._arrived.pop(rid, None)
+        if trailer is None:
+            raise ValueError(f"request {rid!r} has no arrived KV")
+        return self.core.admit_with_kv(rid, trailer.first_token_id, trailer.num_cached_tokens)
+
+    def abort(self, rid: str) -> bool:
+        pending = self.leader.abort(rid)  # every rank stops writing before the blocks go
+        arrived = self._arrived.pop(rid, None) is not None
+        self.core.abort_request(rid)
+        return pending or arrived
+
+    @property
+    def num_pending(self) -> int:
+        return self.leader.num_pending + len(self._arrived)
+
+
+def rank_stats(core: EngineCore) -> list[RankStats]:
+    return [RankStats.decode(r) for r in core.call_ranks(stats_request())]
+
+
 @dataclass
 class Pair:
     prefill: EngineCore
     decode: EngineCore
-    p: PrefillHandoff
-    d: DecodeHandoff
+    p: PrefillKVLeader
+    d: DecodeDriver
 
     def shutdown(self) -> None:
         self.prefill.shutdown()
@@ -70,7 +127,7 @@ def make_pair(model_dir: Path, prefill_tp: int, decode_tp: int) -> Pair:
         decode.shutdown()
         raise
     try:
-        return Pair(prefill, decode, PrefillHandoff(prefill), DecodeHandoff(decode))
+        return Pair(prefill, decode, PrefillKVLeader(prefill), DecodeDriver(decode))
     except BaseException:
         prefill.shutdown()
         decode.shutdown()
@@ -86,9 +143,9 @@ def new_ids() -> tuple[str, int]:
 
 
 def poll_results(pair: Pair, request_ids: set[str], timeout_s: float = 2 * TIMEOUT_S
-                 ) -> dict[str, HandoffResult]:
+                 ) -> dict[str, Arrival]:
     """Decode-side poll until every one of ``request_ids`` reported its result."""
-    results: dict[str, HandoffResult] = {}
+    results: dict[str, Arrival] = {}
     deadline = time.monotonic() + timeout_s
     while not request_ids <= results.keys():
         assert time.monotonic() < deadline, f"no KV status for {request_ids - results.keys()}"
@@ -105,10 +162,10 @@ def poll_until(pair: Pair, request_ids: set[str], timeout_s: float = 2 * TIMEOUT
 
 
 def finish_prefills(pair: Pair, step: bool = True, timeout_s: float = 2 * TIMEOUT_S
-                    ) -> dict[str, PrefillResult]:
+                    ) -> dict[str, SendOutcome]:
     """Step the prefill engine to the end (``step``), sending each finished request's
     trailer, then poll its senders until every transfer reported its result."""
-    results: dict[str, PrefillResult] = {}
+    results: dict[str, SendOutcome] = {}
     while step and pair.prefill.has_unfinished():
         for out in pair.prefill.step():
             finished = pair.p.finish(out) if out.finished else None
@@ -158,7 +215,7 @@ def assert_no_leaks(pair: Pair) -> None:
         assert (usage.in_use, usage.pinned) == (0, 0), usage
         assert not core.has_unfinished()
     assert (pair.p.num_pending, pair.d.num_pending) == (0, 0)
-    counts = [(s.pending, s.open_channels, s.max_channels) for s in pair.p.rank_stats()]
-    counts += [(s.pending, s.open_channels, s.max_channels) for s in pair.d.rank_stats()]
+    counts = [(s.pending, s.open_channels, s.max_channels) for s in rank_stats(pair.prefill)]
+    counts += [(s.pending, s.open_channels, s.max_channels) for s in rank_stats(pair.decode)]
     for pending, open_channels, max_channels in counts:  # one tuple per rank
         assert pending == 0 and open_channels <= max_channels, counts

@@ -19,9 +19,9 @@ import grpc
 
 from cluster.internal.v1 import worker_pb2 as pb
 from engine import SamplingParams
-from pdserve.worker_common import ReadyInfo
 from tests.factories import REPO_ROOT
 from tests.processes import alive, children
+from worker.server import ReadyInfo
 
 START_TIMEOUT_S = 120.0
 RPC_TIMEOUT_S = 60.0

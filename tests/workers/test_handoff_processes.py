@@ -30,7 +30,6 @@ import pytest
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from engine import LLM, SamplingParams
-from pdserve.pause_points import PauseDir
 from tests.workers.procs import (
     RPC_TIMEOUT_S,
     Worker,
@@ -40,6 +39,7 @@ from tests.workers.procs import (
     stop_all,
     wait_ready,
 )
+from worker.pause_points import PauseDir
 
 pytestmark = pytest.mark.timeout(300)
 

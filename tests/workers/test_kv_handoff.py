@@ -24,6 +24,7 @@ from tests.workers.handoff import (
     new_ids,
     poll_results,
     poll_until,
+    rank_stats,
     run_handoffs,
 )
 from tests.workers.kv_faults import CORRUPT_TRANSFER_ID
@@ -119,7 +120,7 @@ def test_reservation_refused_when_decode_is_out_of_blocks(pair: Pair, reference:
         assert len(held) <= usage.total
     # 2. the refused one holds nothing, on the leader or any rank
     assert held and pair.d.num_pending == len(held)
-    assert all(s.pending == len(held) for s in pair.d.rank_stats())
+    assert all(s.pending == len(held) for s in rank_stats(pair.decode))
     assert rid not in pair.decode.scheduler.requests
     for r in held:
         assert pair.d.abort(r)

@@ -1,9 +1,9 @@
-"""The prefill side of the KV handoff, rank side: a ``KVSender`` on every rank of a
-prefill engine, sending layer l of a request's KV as soon as layer l is written. The
-leader drives them through ``prefill_worker.handoff.PrefillHandoff``.
+"""The prefill worker's KV rank plugin: a ``KVSender`` on every rank of a prefill engine,
+sending layer l of a request's KV as soon as layer l is written. The leader drives them
+through ``prefill_worker.kv_leader.PrefillKVLeader``.
 
 Install with ``EngineConfig(rank_plugin=PLUGIN, rank_plugin_config=PrefillKVConfig(...)
-.to_json())`` and build ``PrefillHandoff(core)`` (it sets ``core.step_payload``).
+.to_json())`` and build ``PrefillKVLeader(core)`` (it sets ``core.step_payload``).
 
 Step payload (leader → every rank, with each step): the sends this step starts, as
 ``SendOrder``s: index of the request's chunk in the step, transfer id, destination
@@ -11,50 +11,52 @@ store. Only the step holding a request's last prompt chunk (the one that samples
 carries its order; the layer hook then sends all of the request's blocks, layer by
 layer. Followers see chunks without request ids, so everything they need is in here.
 
-Calls (leader → every rank; none of them waits on the network):
-
-- ``FINISH(transfer_id, first_token_id, num_cached_tokens)``: every layer was sent; rank
-  0 queues the ``Trailer`` behind them (to the decode worker's rank 0);
-- ``STATUS(transfer_ids)`` → one ``TransferStatus`` each: pending, done or failed (with
-  the reason). A final state is reported once: the rank has then finished the transfer
-  and reads none of its blocks any more;
-- ``ABORT(transfer_id)`` (returns once the rank reads no block of it); ``STATS``.
+Calls (leader → every rank, ``worker.rank_calls``; none of them waits on the network):
+``FINISH(transfer_id, first_token_id, num_cached_tokens)`` (every layer was sent; rank 0
+queues the ``Trailer`` behind them, to the decode worker's rank 0), and the shared
+``STATUS``, ``ABORT`` and ``STATS``.
 
 Block ownership on the prefill side: a prefill-only request's blocks are the engine's
 while it runs, then pinned (``RequestOutput.block_ids``). From the step that starts the
 send until every rank reported a final state (or ABORT returned on every rank), the
-senders may read them; only then does ``PrefillHandoff`` unpin them (``release_pinned``;
+senders may read them; only then does ``PrefillKVLeader`` unpin them (``release_pinned``;
 they stay in the prefix cache).
 
-Test-only: with ``pdserve.pause_points`` enabled, the layer hook records and may pause at
+Test-only: with ``worker.pause_points`` enabled, the layer hook records and may pause at
 ``prefill.layer_sent`` after queuing each layer.
 """
 
 from __future__ import annotations
 
-import enum
 import importlib
-import json
 import logging
 import struct
-from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from engine.attention.metadata import LayerHook
 from engine.distributed import StoreAddress
 from engine.rank_plugin import RankContext
 from engine.scheduler import ScheduledChunk
-from kvtransfer import KVLayout, KVSender, TransferConfig, TransferError
+from kvtransfer import KVLayout, KVSender, TransferConfig
 from kvtransfer.protocol import Trailer
-from pdserve import pause_points
+from kvtransfer.states import TransferState
+from worker import pause_points
+from worker.rank_calls import (
+    JsonConfig,
+    KVRankPlugin,
+    Op,
+    RankStats,
+    TransferStatus,
+    final_status,
+)
 
 log = logging.getLogger(__name__)
-PLUGIN = "prefill_worker.kv_plugin:make"
+PLUGIN = "prefill_worker.kv_rank:make"
 
 
 @dataclass(frozen=True)
-class PrefillKVConfig:
+class PrefillKVConfig(JsonConfig):
     """The prefill plugin's settings (``EngineConfig.rank_plugin_config``, as JSON).
     ``fault_hook``: tests only, ``"module:factory"`` of a ``kvtransfer`` sender fault hook."""
 
@@ -64,17 +66,6 @@ class PrefillKVConfig:
     part_bytes: int = 4 << 20
     fault_hook: str | None = None
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, raw: str) -> PrefillKVConfig:
-        """Parse; unknown or missing keys raise ``ValueError``."""
-        try:
-            return cls(**json.loads(raw))
-        except TypeError as exc:
-            raise ValueError(f"bad prefill KV plugin config: {exc}") from exc
-
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(timeout_s=self.timeout_s, max_channels=self.max_channels,
                               part_bytes=self.part_bytes)
@@ -82,23 +73,8 @@ class PrefillKVConfig:
 
 # ------------------------------------------------------------------------ messages
 
-class Op(enum.IntEnum):
-    FINISH = 1
-    STATUS = 2
-    ABORT = 3
-    STATS = 4
-
-
-class State(enum.IntEnum):
-    PENDING = 0
-    DONE = 1
-    FAILED = 2
-
-
 _ORDER = struct.Struct("<iqiH")  # chunk index, transfer_id, port, len(host); then host
 _FINISH = struct.Struct("<Bqqq")  # op, transfer_id, first_token_id, num_cached_tokens
-_STATUS = struct.Struct("<qBI")  # transfer_id, state, len(reason); then the UTF-8 reason
-_STATS = struct.Struct("<qqq")  # pending, open channels, max channels
 
 
 @dataclass(frozen=True)
@@ -129,53 +105,9 @@ def decode_orders(raw: bytes) -> list[SendOrder]:
     return out
 
 
-@dataclass(frozen=True)
-class TransferStatus:
-    transfer_id: int
-    state: State
-    reason: str = ""
-
-
-def encode_statuses(statuses: Sequence[TransferStatus]) -> bytes:
-    parts = []
-    for s in statuses:
-        reason = s.reason.encode()
-        parts.append(_STATUS.pack(s.transfer_id, s.state, len(reason)) + reason)
-    return b"".join(parts)
-
-
-def decode_statuses(raw: bytes) -> list[TransferStatus]:
-    out, offset = [], 0
-    while offset < len(raw):
-        transfer_id, state, n = _STATUS.unpack_from(raw, offset)
-        offset += _STATUS.size
-        out.append(TransferStatus(transfer_id, State(state), raw[offset:offset + n].decode()))
-        offset += n
-    return out
-
-
-@dataclass(frozen=True)
-class RankStats:
-    pending: int
-    open_channels: int
-    max_channels: int
-
-    @classmethod
-    def decode(cls, raw: bytes) -> RankStats:
-        return cls(*_STATS.unpack(raw))
-
-
 def finish_request(transfer_id: int, trailer: Trailer) -> bytes:
     return _FINISH.pack(Op.FINISH, transfer_id, trailer.first_token_id,
                         trailer.num_cached_tokens)
-
-
-def status_request(transfer_ids: Sequence[int]) -> bytes:
-    return bytes([Op.STATUS]) + array("q", transfer_ids).tobytes()
-
-
-def abort_request(transfer_id: int) -> bytes:
-    return bytes([Op.ABORT]) + struct.pack("<q", transfer_id)
 
 
 # ------------------------------------------------------------------------ the rank plugin
@@ -189,9 +121,9 @@ def _load_fault_hook(spec: str | None) -> Callable[..., None] | None:
     return hook
 
 
-class PrefillKVPlugin:
+class PrefillKVRank(KVRankPlugin):
     """One prefill rank's sender. Reads (never writes) the blocks named by a send order,
-    from its step until WAIT or ABORT for that transfer returned on this rank."""
+    from its step until a final STATUS or ABORT for that transfer returned on this rank."""
 
     def __init__(self, ctx: RankContext) -> None:
         self.ctx = ctx
@@ -203,22 +135,20 @@ class PrefillKVPlugin:
                                fault_hook=_load_fault_hook(self.config.fault_hook))
         self._failed: dict[int, str] = {}  # transfer id -> why a send() raised
 
-    def handle(self, request: bytes) -> bytes:
-        op = Op(request[0])
-        if op is Op.FINISH:
-            _, transfer_id, first_token_id, num_cached_tokens = _FINISH.unpack(request)
-            self._finish(transfer_id, Trailer(first_token_id, num_cached_tokens))
-            return b""
-        if op is Op.STATUS:
-            ids = array("q")
-            ids.frombytes(request[1:])
-            return encode_statuses([self._status(t) for t in ids])
-        if op is Op.ABORT:
-            (transfer_id,) = struct.unpack("<q", request[1:])
-            self._failed.pop(transfer_id, None)
-            return b"\x01" if self.sender.abort(transfer_id) else b"\x00"
-        return _STATS.pack(self.sender.num_pending + len(self._failed),
-                           self.sender.num_open_channels, self.sender.config.max_channels)
+    def handle_own(self, op: Op, request: bytes) -> bytes:
+        if op is not Op.FINISH:
+            return super().handle_own(op, request)
+        _, transfer_id, first_token_id, num_cached_tokens = _FINISH.unpack(request)
+        self._finish(transfer_id, Trailer(first_token_id, num_cached_tokens))
+        return b""
+
+    def abort(self, transfer_id: int) -> bool:
+        self._failed.pop(transfer_id, None)
+        return self.sender.abort(transfer_id)
+
+    def stats(self) -> RankStats:
+        return RankStats(self.sender.num_pending + len(self._failed),
+                         self.sender.num_open_channels, self.sender.config.max_channels)
 
     def _finish(self, transfer_id: int, trailer: Trailer) -> None:
         if self.ctx.rank != 0 or transfer_id in self._failed:
@@ -228,21 +158,15 @@ class PrefillKVPlugin:
         except (KeyError, ValueError) as exc:  # reported by STATUS
             self._failed[transfer_id] = f"trailer not sent: {exc}"
 
-    def _status(self, transfer_id: int) -> TransferStatus:
+    def status(self, transfer_id: int) -> TransferStatus:
         """Pending, or the final state (then the sender has forgotten the transfer)."""
         failed = self._failed.pop(transfer_id, None)
         if failed is not None:
             self.sender.abort(transfer_id)
-            return TransferStatus(transfer_id, State.FAILED, failed)
-        try:
-            if not self.sender.done(transfer_id):
-                return TransferStatus(transfer_id, State.PENDING)
-            self.sender.wait(transfer_id, timeout_s=0)
-        except KeyError:
-            return TransferStatus(transfer_id, State.FAILED, "never sent from this rank")
-        except TransferError as exc:
-            return TransferStatus(transfer_id, State.FAILED, f"{type(exc).__name__}: {exc}")
-        return TransferStatus(transfer_id, State.DONE)
+            return TransferStatus(transfer_id, TransferState.FAILED, failed)
+        return final_status(transfer_id, self.sender.done,
+                            lambda t: self.sender.wait(t, timeout_s=0),
+                            unknown="never sent from this rank")
 
     def step_hook(self, chunks: Sequence[ScheduledChunk], payload: bytes) -> LayerHook | None:
         orders = decode_orders(payload)
@@ -274,5 +198,5 @@ class PrefillKVPlugin:
         self.sender.close()
 
 
-def make(ctx: RankContext) -> PrefillKVPlugin:
-    return PrefillKVPlugin(ctx)
+def make(ctx: RankContext) -> PrefillKVRank:
+    return PrefillKVRank(ctx)

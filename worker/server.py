@@ -1,7 +1,8 @@
 """What the prefill and decode worker processes share on their gRPC side, torch-free:
-the ready file, readiness/health, the servicer helpers, command-line options, Redis
-registration and the SIGTERM wait. The engine-loop thread and its commands are in
-``pdserve.worker_loop``.
+the ready file, readiness and health, Redis registration after readiness, the SIGTERM wait
+and drain (``serve_until_signal``). The engine side of a worker process is
+``worker.process``; the engine-loop thread and its commands are ``worker.loop``; the
+protobuf adapters ``worker.servicer``.
 """
 
 from __future__ import annotations
@@ -22,18 +23,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.files import write_json_atomic
-from engine.sampling_params import SamplingParams
+from cluster.heartbeat import Heartbeat
+from cluster.records import WorkerLoad, WorkerRecord
+from cluster.registry import FingerprintMismatch, Registry
 from kvtransfer.layout import KVLayout
-from pdserve.worker_loop import (
-    CALL_TIMEOUT_S,
-    Abort,
-    EngineLoop,
-    Info,
-    WorkerError,
-)
+from worker.loop import EngineLoop
 
 log = logging.getLogger(__name__)
-
 
 
 # ------------------------------------------------------------------------ process glue
@@ -54,11 +50,6 @@ class ReadyInfo:
     @classmethod
     def read(cls, path: str | Path) -> ReadyInfo:
         return cls(**json.loads(Path(path).read_text()))
-
-
-def abort_with(context: grpc.ServicerContext, error: WorkerError) -> None:
-    """Ends the RPC with ``error``'s status (raises)."""
-    context.abort(error.code, error.message)
 
 
 def start_health(server: grpc.Server) -> health.HealthServicer:
@@ -105,16 +96,7 @@ def run_guarded(what: str, fn: Callable[[], object]) -> None:
         log.exception("shutdown: %s failed", what)
 
 
-# ------------------------------------------------------------------------ protobuf edge
-
-def sampling_kwargs(msg: Any) -> dict[str, Any]:
-    """``cluster.internal.v1.SamplingParams`` → keyword arguments of the engine's
-    ``SamplingParams`` (which validates them)."""
-    return dict(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p,
-                top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None,
-                stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
-                ignore_eos=msg.ignore_eos)
-
+# ------------------------------------------------------------------------ serving
 
 @dataclass(frozen=True)
 class Identity:
@@ -126,86 +108,6 @@ class Identity:
     model_fingerprint: str
 
 
-class LoopServicerMixin:
-    """``Abort`` and ``Info`` RPCs over an ``EngineLoop``, shared by both worker kinds."""
-
-    loop: EngineLoop
-    identity: Identity
-
-    def _abort_quietly(self, request_id: str, reason: str) -> None:
-        try:
-            self.loop.call(Abort(request_id, reason), CALL_TIMEOUT_S)
-        except WorkerError:
-            pass  # the loop is gone: it released everything when it stopped
-
-    def Abort(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC name
-        from cluster.internal.v1 import worker_pb2 as pb
-
-        try:
-            return pb.AbortResponse(found=self.loop.call(Abort(request.request_id), CALL_TIMEOUT_S))
-        except WorkerError as exc:
-            abort_with(context, exc)
-            raise
-
-    def Info(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC name
-        try:
-            return info_to_proto(self.identity, self.loop.call(Info(), CALL_TIMEOUT_S))
-        except WorkerError as exc:
-            abort_with(context, exc)
-            raise
-
-
-def sampling_params_from_proto(msg: Any) -> SamplingParams:
-    """Validated engine ``SamplingParams``; bad values → ``INVALID_ARGUMENT``."""
-    try:
-        return SamplingParams(**sampling_kwargs(msg))
-    except ValueError as exc:
-        raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-
-
-def info_to_proto(identity: Identity, info: Any) -> Any:
-    """A loop's info snapshot (``kv``, ``pending_transfers``, ``open_kv_channels``,
-    ``running``, ``waiting``) → ``WorkerInfo``."""
-    from cluster.internal.v1 import worker_pb2 as pb
-
-    kv = info.kv
-    return pb.WorkerInfo(
-        worker_id=identity.worker_id, role=identity.role,
-        tensor_parallel_size=identity.tensor_parallel_size,
-        model_fingerprint=identity.model_fingerprint,
-        kv=pb.KVCacheUsage(total_blocks=kv.total, free_blocks=kv.free,
-                           cached_blocks=kv.cached, pinned_blocks=kv.pinned,
-                           in_use_blocks=kv.in_use),
-        pending_transfers=info.pending_transfers, open_kv_channels=info.open_kv_channels,
-        running_requests=info.running, waiting_requests=info.waiting,
-        num_preemptions=info.num_preemptions)
-
-
-def add_worker_args(parser: Any) -> None:
-    """Options both worker commands take (an ``argparse`` parser)."""
-    parser.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
-    parser.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to")
-    parser.add_argument("--port", type=int, default=0, help="gRPC port (0: the OS picks)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--ready-file", help="write the addresses here as JSON once ready")
-    parser.add_argument("--redis-url", help="register in this Redis (else run unregistered)")
-    parser.add_argument("--cluster", default="default", help="Redis key namespace")
-    parser.add_argument("--heartbeat-interval", type=float,
-                        help="seconds between registration heartbeats (default: 3)")
-    parser.add_argument("--registration-ttl", type=float,
-                        help="seconds the record outlives the last heartbeat (default: 10)")
-    parser.add_argument("--worker-id", help="default: ROLE-<random>")
-    parser.add_argument("--num-kv-blocks", type=int, help="default: fit to memory")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--transfer-timeout", type=float, default=30.0,
-                        help="seconds a KV transfer may take")
-    parser.add_argument("--grace", type=float, default=5.0,
-                        help="seconds in-flight RPCs get on SIGTERM before they are aborted")
-
-
-# ------------------------------------------------------------------------ serving
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -215,7 +117,7 @@ class Endpoint:
     layout: KVLayout
     kv_address: str  # "" when the worker has no KV endpoint (prefill)
     add_servicers: Callable[[grpc.Server], None]
-    load_fn: Callable[[], Any]  # -> pdserve.registry.WorkerLoad
+    load_fn: Callable[[], WorkerLoad]
 
 
 def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
@@ -261,13 +163,9 @@ def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
     return 0
 
 
-def _register(args: Any, endpoint: Endpoint, grpc_address: str) -> Any:
+def _register(args: Any, endpoint: Endpoint, grpc_address: str) -> Heartbeat | None:
     """Start the heartbeat; None (after a message naming the field) on a fingerprint
     mismatch or invalid heartbeat/TTL settings."""
-    from cluster.heartbeat import Heartbeat
-    from cluster.records import WorkerRecord
-    from cluster.registry import FingerprintMismatch, Registry
-
     identity = endpoint.identity
     load = endpoint.load_fn()
     record = WorkerRecord(

@@ -4,8 +4,10 @@ Threading model of a worker: one ``EngineLoop`` thread owns the engine (``Engine
 not thread-safe). gRPC handler threads never touch the engine; they send typed commands
 through ``EngineLoop.call`` (a thread-safe queue; the reply comes back through a
 ``Future``) and read their request's results from an ``OutputStream`` that only the loop
-writes. The gRPC side of a worker (ready file, health, registration, signals) is in
-``pdserve.worker_common``.
+writes. The commands every worker kind answers the same way (``Abort``, ``AbortAll``,
+``Info``) are handled here; each kind adds its own (``prefill_worker.engine_loop``,
+``decode_worker.engine_loop``). The gRPC side of a worker (ready file, health,
+registration, signals) is ``worker.server``.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import grpc
 
 from engine.kvcache import KVCacheUsage
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +79,35 @@ class LoopInfo:
     num_preemptions: int = 0  # since the worker started
 
 
+class KVLeader(Protocol):
+    """What the loop asks a worker kind's KV leader (``*_worker.kv_leader``) for ``Info``."""
+
+    @property
+    def num_pending(self) -> int: ...
+
+    def rank_totals(self) -> tuple[int, int]:
+        """(pending transfers, open KV channels), summed over the ranks."""
+        ...
+
+
 class EngineLoop:
     """A thread that owns an engine: runs commands between steps, steps while there is
     work, and sleeps on its command queue otherwise.
 
-    Subclasses implement ``_handle(command)`` (runs on the loop thread; its return value
-    or exception goes to the caller), ``_has_work()``, ``_is_polling()`` (waiting on
-    something outside the engine, e.g. a KV transfer: re-check every ``IDLE_POLL_S``),
-    ``_tick()`` (one round of work) and ``_close()`` (abort everything, release the
-    engine; called once, on the loop thread, when the loop stops).
+    ``Abort``, ``AbortAll`` and ``Info`` are answered here for every kind; subclasses
+    implement ``_handle_own(command)`` for their own commands (runs on the loop thread; its
+    return value or exception goes to the caller), ``_abort(request_id, code, reason)``
+    (stop one request wherever it is; False if unknown), ``_live_ids()`` (the requests it
+    holds), ``_deliver(output)`` (one step output), and may override ``_is_polling()``
+    (waiting on something outside the engine, e.g. a KV transfer: ``_poll()`` runs every
+    ``IDLE_POLL_S`` and after each round of commands) and ``_num_unadmitted()``. When the
+    loop stops (asked to, or dead of an error) every live request is aborted and the
+    engine shut down, once, on the loop thread.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, core: EngineCore, kv_leader: KVLeader) -> None:
+        self.core = core
+        self.kv_leader = kv_leader
         self._commands: queue.SimpleQueue[tuple[Command[Any], Future[Any]] | None] = (
             queue.SimpleQueue())
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -119,11 +141,13 @@ class EngineLoop:
             self._commands.put(None)
             self._thread.join(timeout_s)
 
+    # --- the thread ---------------------------------------------------------------
     def _run(self) -> None:
         try:
             while self._serve_commands():
-                if self._has_work():
-                    self._tick()
+                if self.core.has_unfinished():
+                    for out in self.core.step():
+                        self._deliver(out)
         except BaseException as exc:  # the loop is dead: health turns NOT_SERVING
             log.exception("engine loop failed")
             self.error = exc
@@ -133,14 +157,15 @@ class EngineLoop:
             self._close()
 
     def _serve_commands(self) -> bool:
-        """Run queued commands; block for one when idle. False once asked to stop."""
-        block = not self._has_work()
+        """Run queued commands (block for one when idle), then ``_poll`` if polling.
+        False once asked to stop."""
+        block = not self.core.has_unfinished()
         timeout = IDLE_POLL_S if self._is_polling() else None
         while True:
             try:
                 item = self._commands.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
-                return True
+                break
             if item is None:
                 return False
             command, future = item
@@ -151,6 +176,9 @@ class EngineLoop:
                 future.set_result(self._handle(command))
             except Exception as exc:
                 future.set_exception(exc)
+        if self._is_polling():
+            self._poll()
+        return True
 
     def _fail_queued(self) -> None:
         while True:
@@ -162,20 +190,57 @@ class EngineLoop:
                 item[1].set_exception(
                     WorkerError(grpc.StatusCode.UNAVAILABLE, "the engine loop stopped"))
 
+    def _close(self) -> None:
+        try:
+            for rid in self._live_ids():
+                self._abort(rid, grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+        finally:
+            self.core.shutdown()
+
+    # --- the commands every kind shares -------------------------------------------
     def _handle(self, command: Command[Any]) -> Any:
+        if isinstance(command, Abort):
+            return self._abort(command.request_id, grpc.StatusCode.ABORTED, command.reason)
+        if isinstance(command, AbortAll):
+            ids = self._live_ids()
+            for rid in ids:
+                self._abort(rid, grpc.StatusCode.UNAVAILABLE, command.reason)
+            return len(ids)
+        if isinstance(command, Info):
+            return self._info()
+        return self._handle_own(command)
+
+    def _info(self) -> LoopInfo:
+        pending, channels = self.kv_leader.rank_totals()
+        sched = self.core.scheduler
+        return LoopInfo(
+            kv=self.core.kv_usage(), pending_transfers=self.kv_leader.num_pending + pending,
+            open_kv_channels=channels, running=len(sched.running),
+            waiting=len(sched.waiting) + self._num_unadmitted(),
+            num_preemptions=sched.stats.num_preemptions)
+
+    # --- what each kind implements --------------------------------------------------
+    def _handle_own(self, command: Command[Any]) -> Any:
+        raise TypeError(f"unknown command {command!r}")
+
+    def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
         raise NotImplementedError
 
-    def _has_work(self) -> bool:
+    def _live_ids(self) -> list[str]:
+        raise NotImplementedError
+
+    def _deliver(self, out: RequestOutput) -> None:
         raise NotImplementedError
 
     def _is_polling(self) -> bool:
         return False
 
-    def _tick(self) -> None:
-        raise NotImplementedError
+    def _poll(self) -> None:
+        """Check on what the loop waits for outside the engine (e.g. KV transfers)."""
 
-    def _close(self) -> None:
-        raise NotImplementedError
+    def _num_unadmitted(self) -> int:
+        """Requests this worker holds that the scheduler does not count as waiting yet."""
+        return 0
 
 
 class OutputStream(Generic[T]):

@@ -1,15 +1,15 @@
-"""The prefill side of the KV handoff, leader side: ``PrefillHandoff`` drives the
-senders of every rank (``prefill_worker.kv_plugin``) from the engine's thread, never
-waiting on the network, so the engine keeps stepping while transfers are in flight.
+"""The prefill worker's KV leader: ``PrefillKVLeader`` drives the senders of every rank
+(``prefill_worker.kv_rank``) from the engine's thread, never waiting on the network, so
+the engine keeps stepping while transfers are in flight.
 
 Life of one request: ``submit`` (a prefill-only request with a send order) → the step
 holding its last prompt chunk sends its KV layer by layer and samples the first token →
 ``finish(output)`` (FINISH on every rank: rank 0 queues the ``Trailer`` — first token and
 cached-token count — behind the layers) → ``poll`` until every rank reports the
 transfer acknowledged (or failed, or the deadline passed) → the blocks are unpinned and
-``poll`` returns the ``PrefillResult``. ``abort`` at any point instead.
+``poll`` returns the ``SendOutcome``. ``abort`` at any point instead.
 
-Block ownership: pinned from the request's last step until its result or ``abort``;
+Block ownership: pinned from the request's last step until its outcome or ``abort``;
 unpinned (left in the prefix cache) only once no rank reads them any more.
 """
 
@@ -24,23 +24,24 @@ from engine.distributed import StoreAddress
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from kvtransfer.protocol import Trailer
-from prefill_worker.kv_plugin import (
-    Op,
+from prefill_worker.kv_rank import (
     PrefillKVConfig,
-    RankStats,
     SendOrder,
-    State,
-    abort_request,
-    decode_statuses,
     encode_orders,
     finish_request,
-    status_request,
+)
+from worker.rank_calls import (
+    RankStates,
+    abort_request,
+    poll_transfers,
+    rank_totals,
+    stats_request,
 )
 
 
 @dataclass(frozen=True)
-class PrefillResult:
-    """A finished handoff: whether the KV and the trailer reached every decode rank,
+class SendOutcome:
+    """A finished send: whether the KV and the trailer reached every decode rank,
     verified. Its blocks are already unpinned."""
 
     request_id: str
@@ -56,19 +57,19 @@ class _Order:
     transfer_id: int
     dest: StoreAddress
     started: bool = False
-    # set by finish(): the request's output, and when the handoff gives up waiting
+    # set by finish(): the request's output, and when the leader gives up waiting
     output: RequestOutput | None = None
     trailer: Trailer | None = None
     deadline: float = 0.0
-    states: list[State] = field(default_factory=list)
+    ranks: RankStates | None = None
     reasons: list[str] = field(default_factory=list)
 
 
-class PrefillHandoff:
+class PrefillKVLeader:
     """Leader-side driver of a prefill engine's senders (same thread as the engine).
 
     Lifecycle: ``submit`` → step the engine → for the request's finished output,
-    ``finish`` → ``poll`` (every loop round) until it returns the request's result.
+    ``finish`` → ``poll`` (every loop round) until it returns the request's outcome.
     ``abort`` at any point instead. ``wait_timeout_s`` (default: the plugin's transfer
     timeout) bounds how long a finished request's blocks stay pinned unacknowledged.
     """
@@ -97,16 +98,16 @@ class PrefillHandoff:
                 orders.append(SendOrder(index, order.transfer_id, order.dest))
         return encode_orders(orders)
 
-    def finish(self, output: RequestOutput) -> PrefillResult | None:
+    def finish(self, output: RequestOutput) -> SendOutcome | None:
         """For a submitted request's finished output: send its trailer (first token and
-        cached-token count) behind its KV. None: ``poll`` reports the outcome later; a
-        result here means the handoff failed at once (its blocks are unpinned)."""
+        cached-token count) behind its KV. None: ``poll`` reports the outcome later; an
+        outcome here means the send failed at once (its blocks are unpinned)."""
         order = self._orders.get(output.request_id)
         if not output.finished or order is None or order.output is not None:
             raise ValueError(f"{output.request_id!r} is not a finished submitted request")
         order.output = output
         order.deadline = time.monotonic() + self.wait_timeout_s
-        order.states = [State.PENDING] * self.tp_size
+        order.ranks = RankStates(self.tp_size)
         if not output.new_token_ids:
             order.reasons.append("the prefill produced no token")
             return self._settle(output.request_id, order, failed=True)
@@ -114,38 +115,34 @@ class PrefillHandoff:
         self.core.call_ranks(finish_request(order.transfer_id, order.trailer))
         return None
 
-    def poll(self) -> list[PrefillResult]:
-        """Results of the finished requests whose transfer ended (acknowledged by every
+    def poll(self) -> list[SendOutcome]:
+        """Outcomes of the finished requests whose transfer ended (acknowledged by every
         decode rank, failed, or past the deadline) since the last poll."""
-        sending = {rid: o for rid, o in self._orders.items() if o.output is not None}
-        if not sending:
-            return []
-        ids = [o.transfer_id for o in sending.values()]
-        replies = [decode_statuses(r) for r in self.core.call_ranks(status_request(ids))]
-        now, results = time.monotonic(), []
-        for i, (rid, order) in enumerate(sending.items()):
-            for rank, statuses in enumerate(replies):
-                if order.states[rank] is State.PENDING:
-                    order.states[rank] = statuses[i].state
-                    if statuses[i].reason:
-                        order.reasons.append(f"rank {rank}: {statuses[i].reason}")
-            failed = State.FAILED in order.states
-            if not failed and State.PENDING in order.states and now > order.deadline:
+        sending = {rid: o for rid, o in self._orders.items() if o.ranks is not None}
+        reports = poll_transfers(self.core.call_ranks, [o.transfer_id for o in sending.values()])
+        now, outcomes = time.monotonic(), []
+        for (rid, order), statuses in zip(sending.items(), reports, strict=True):
+            ranks = order.ranks
+            assert ranks is not None
+            ranks.update(statuses)
+            failed = ranks.failed
+            if not failed and not ranks.done and now > order.deadline:
                 order.reasons.append(f"not acknowledged within {self.wait_timeout_s:.1f}s")
                 failed = True
-            if failed or all(s is State.DONE for s in order.states):
-                results.append(self._settle(rid, order, failed))
-        return results
+            if failed or ranks.done:
+                outcomes.append(self._settle(rid, order, failed))
+        return outcomes
 
-    def _settle(self, request_id: str, order: _Order, failed: bool) -> PrefillResult:
-        """End the handoff: stop every rank (if it failed), unpin, report."""
+    def _settle(self, request_id: str, order: _Order, failed: bool) -> SendOutcome:
+        """End the send: stop every rank (if it failed), unpin, report."""
         del self._orders[request_id]
         if failed:  # ranks that finished already ignore the abort
             self.core.call_ranks(abort_request(order.transfer_id))
         self.core.release_pinned(request_id)
         assert order.output is not None
-        return PrefillResult(request_id, order.transfer_id, order.trailer,
-                             order.output.num_prompt_tokens, not failed, "; ".join(order.reasons))
+        reasons = (order.ranks.reasons if order.ranks is not None else []) + order.reasons
+        return SendOutcome(request_id, order.transfer_id, order.trailer,
+                           order.output.num_prompt_tokens, not failed, "; ".join(reasons))
 
     def abort(self, request_id: str) -> bool:
         """Stop the request wherever it is; its blocks are freed or unpinned once no rank
@@ -167,7 +164,8 @@ class PrefillHandoff:
     @property
     def num_sending(self) -> int:
         """Finished requests whose transfer ``poll`` has not reported yet."""
-        return sum(1 for o in self._orders.values() if o.output is not None)
+        return sum(1 for o in self._orders.values() if o.ranks is not None)
 
-    def rank_stats(self) -> list[RankStats]:
-        return [RankStats.decode(r) for r in self.core.call_ranks(bytes([Op.STATS]))]
+    def rank_totals(self) -> tuple[int, int]:
+        """(pending transfers, open KV channels) summed over the ranks."""
+        return rank_totals(self.core.call_ranks(stats_request()))

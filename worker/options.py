@@ -1,0 +1,40 @@
+"""Command-line options of the worker commands (``pdserve prefill``, ``pdserve decode``).
+
+Standard library only: the ``pdserve`` command line builds its parser from this module
+even where the server extra is not installed (it then says which extra to install).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """Options both worker commands take."""
+    parser.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
+    parser.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (0: the OS picks)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--ready-file", help="write the addresses here as JSON once ready")
+    parser.add_argument("--redis-url", help="register in this Redis (else run unregistered)")
+    parser.add_argument("--cluster", default="default", help="Redis key namespace")
+    parser.add_argument("--heartbeat-interval", type=float,
+                        help="seconds between registration heartbeats (default: 3)")
+    parser.add_argument("--registration-ttl", type=float,
+                        help="seconds the record outlives the last heartbeat (default: 10)")
+    parser.add_argument("--worker-id", help="default: ROLE-<random>")
+    parser.add_argument("--num-kv-blocks", type=int, help="default: fit to memory")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--transfer-timeout", type=float, default=30.0,
+                        help="seconds a KV transfer may take")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds in-flight RPCs get on SIGTERM before they are aborted")
+
+
+def add_decode_args(parser: argparse.ArgumentParser) -> None:
+    """What only ``pdserve decode`` takes, besides ``add_worker_args``."""
+    parser.add_argument("--kv-port", type=int, default=0,
+                        help="KV rendezvous store port (0: the OS picks when the store "
+                        "binds; the ready file and registration tell the port it got)")

@@ -1,0 +1,98 @@
+"""The engine side of a worker process, the same for both kinds: ``run_worker``.
+
+Start-up order (gRPC and fork do not mix): build the engine — it spawns the follower
+ranks, whose rank plugins (the kind's ``kv_rank``) start their KV endpoints — run one
+warm-up step through every rank, start the engine loop, and only then create the gRPC
+server (``worker.server.serve_until_signal``). A ``WorkerKind`` names what differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from cluster.fingerprint import fingerprint_model_dir
+from cluster.records import WorkerLoad
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    load_model_config,
+)
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
+from kvtransfer.layout import KVLayout
+from worker.loop import CALL_TIMEOUT_S, EngineLoop, Info
+from worker.server import Endpoint, Identity, serve_until_signal
+
+
+@dataclass(frozen=True)
+class WorkerKind:
+    """What a worker kind adds to the shared process.
+
+    - ``role``: "prefill" or "decode";
+    - ``rank_plugin``: the ``"module:factory"`` of its KV rank plugin;
+    - ``plugin_config(args, fingerprint)``: that plugin's configuration (JSON);
+    - ``make_loop(core, args)``: its engine loop over the built engine (not started);
+    - ``add_servicer(loop, identity, server)``: registers its gRPC service;
+    - ``kv_address(loop)``: its KV endpoint as ``host:port`` ("" when it has none).
+    """
+
+    role: str
+    rank_plugin: str
+    plugin_config: Callable[[argparse.Namespace, str], str]
+    make_loop: Callable[[EngineCore, argparse.Namespace], EngineLoop]
+    add_servicer: Callable[[EngineLoop, Identity, grpc.Server], None]
+    kv_address: Callable[[EngineLoop], str]
+
+
+def build_engine(args: argparse.Namespace, rank_plugin: str, plugin_config: str) -> EngineCore:
+    """The worker's engine with its rank plugin on every rank; spawns the follower ranks
+    (call before any gRPC object exists)."""
+    config = EngineConfig(
+        model=load_model_config(args.model),
+        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        rank_plugin=rank_plugin, rank_plugin_config=plugin_config)
+    return EngineCore(config, load_tokenizer(args.model))
+
+
+def warm_up(core: EngineCore) -> None:
+    """One local request through every rank; its blocks end free or cached."""
+    core.add_request("warm-up", [0], SamplingParams(max_tokens=1, temperature=0))
+    while core.has_unfinished():
+        core.step()
+
+
+def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
+    """Run one worker of ``kind`` until SIGTERM/SIGINT (see ``serve_until_signal``);
+    returns the exit code."""
+    fingerprint = fingerprint_model_dir(args.model)
+    core = build_engine(args, kind.rank_plugin, kind.plugin_config(args, fingerprint))
+    try:
+        warm_up(core)
+        loop = kind.make_loop(core, args)
+    except BaseException:
+        core.shutdown()
+        raise
+    loop.start()
+    identity = Identity(args.worker_id or f"{kind.role}-{uuid.uuid4().hex[:12]}", kind.role,
+                        args.tensor_parallel_size, fingerprint)
+
+    def load() -> WorkerLoad:
+        info = loop.call(Info(), CALL_TIMEOUT_S)
+        return WorkerLoad(info.kv.free + info.kv.cached, info.kv.total, info.running,
+                          info.waiting)
+
+    endpoint = Endpoint(identity, KVLayout.from_engine_config(core.config, fingerprint),
+                        kind.kv_address(loop),
+                        lambda server: kind.add_servicer(loop, identity, server), load)
+    return serve_until_signal(args, loop, endpoint)

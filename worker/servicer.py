@@ -1,0 +1,82 @@
+"""The protobuf edge both worker kinds share: ``Abort`` and ``Info`` over an ``EngineLoop``,
+and the conversions between ``cluster.internal.v1`` messages and the engine's types.
+
+A thin gRPC adapter: the one module of ``worker/`` that imports the generated internal
+API. Everything it hands to the loop is a plain dataclass (``worker.loop`` commands).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import grpc
+
+from cluster.internal.v1 import worker_pb2 as pb
+from engine.sampling_params import SamplingParams
+from worker.loop import CALL_TIMEOUT_S, Abort, EngineLoop, Info, LoopInfo, WorkerError
+from worker.server import Identity
+
+
+def abort_with(context: grpc.ServicerContext, error: WorkerError) -> NoReturn:
+    """Ends the RPC with ``error``'s status (raises)."""
+    context.abort(error.code, error.message)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+class LoopServicerMixin:
+    """``Abort`` and ``Info`` RPCs over an ``EngineLoop``, shared by both worker kinds."""
+
+    loop: EngineLoop
+    identity: Identity
+
+    def _abort_quietly(self, request_id: str, reason: str) -> None:
+        try:
+            self.loop.call(Abort(request_id, reason), CALL_TIMEOUT_S)
+        except WorkerError:
+            pass  # the loop is gone: it released everything when it stopped
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext  # noqa: N802
+              ) -> pb.AbortResponse:
+        try:
+            return pb.AbortResponse(found=self.loop.call(Abort(request.request_id), CALL_TIMEOUT_S))
+        except WorkerError as exc:
+            abort_with(context, exc)
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext  # noqa: N802
+             ) -> pb.WorkerInfo:
+        try:
+            return info_to_proto(self.identity, self.loop.call(Info(), CALL_TIMEOUT_S))
+        except WorkerError as exc:
+            abort_with(context, exc)
+
+
+def sampling_kwargs(msg: Any) -> dict[str, Any]:
+    """``pdserve.internal.v1.SamplingParams`` → keyword arguments of the engine's
+    ``SamplingParams`` (which validates them)."""
+    return dict(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p,
+                top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None,
+                stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+                ignore_eos=msg.ignore_eos)
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Validated engine ``SamplingParams``; bad values → ``INVALID_ARGUMENT``."""
+    try:
+        return SamplingParams(**sampling_kwargs(msg))
+    except ValueError as exc:
+        raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
+
+def info_to_proto(identity: Identity, info: LoopInfo) -> pb.WorkerInfo:
+    """A loop's info snapshot → ``WorkerInfo``."""
+    kv = info.kv
+    return pb.WorkerInfo(
+        worker_id=identity.worker_id, role=identity.role,
+        tensor_parallel_size=identity.tensor_parallel_size,
+        model_fingerprint=identity.model_fingerprint,
+        kv=pb.KVCacheUsage(total_blocks=kv.total, free_blocks=kv.free,
+                           cached_blocks=kv.cached, pinned_blocks=kv.pinned,
+                           in_use_blocks=kv.in_use),
+        pending_transfers=info.pending_transfers, open_kv_channels=info.open_kv_channels,
+        running_requests=info.running, waiting_requests=info.waiting,
+        num_preemptions=info.num_preemptions)
