@@ -49,6 +49,11 @@ class KVLayout:
     def element_size(self) -> int:
         return DTYPE_SIZES[self.dtype]
 
+    def row_bytes(self, num_heads: int) -> int:
+        """Bytes of one row of a transfer (``kvtransfer.packing``): one block's
+        ``[block_size, num_heads, head_dim]`` slab of K or V of one layer."""
+        return self.block_size * num_heads * self.head_dim * self.element_size
+
     def diff(self, other: KVLayout) -> str | None:
         """``None`` when equal, else ``"field: mine != theirs"`` for the first differing field."""
         for f in fields(self):

@@ -1,18 +1,18 @@
-"""How a receiver takes one part: verified before it is written, counted when it is a
-duplicate, late or invalid; trailers complete a transfer only with all its layers (no
-network: a receiver stand-in and hand-made headers)."""
+"""One incoming transfer's state machine (``kvtransfer.incoming``): a part is verified
+before it is written, counted when it is a duplicate, late or invalid; trailers complete
+a transfer only with all its layers (no network: hand-made headers)."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
 import time
-from types import SimpleNamespace
 
 import torch
 
 from kvtransfer.checksum import checksum
-from kvtransfer.errors import ChecksumMismatch, TransferError
+from kvtransfer.errors import ChecksumMismatch
+from kvtransfer.incoming import Incoming, RankShard
 from kvtransfer.packing import gather, rows_view, split_rows
 from kvtransfer.protocol import (
     DTYPE_CODES,
@@ -24,31 +24,38 @@ from kvtransfer.protocol import (
     Status,
     Trailer,
 )
-from kvtransfer.receiver import Incoming, ReceiverStats, State
-from kvtransfer.recv_channel import deliver_part
+from kvtransfer.states import TransferState as State
+from kvtransfer.stats import ReceiverStats
 from tests.kvtransfer.topology import LAYOUT
 
 SRC_IDS, DST_IDS, NUM_TOKENS = [5, 2, 7], [1, 6, 3], 40  # 3 blocks of 16
-ROW_BYTES = LAYOUT.block_size * LAYOUT.num_kv_heads * LAYOUT.head_dim * 4
+ROW_BYTES = LAYOUT.row_bytes(LAYOUT.num_kv_heads)
 NUM_ROWS = LAYOUT.num_layers * 2 * len(SRC_IDS)
 
 
-class Receiver(SimpleNamespace):
-    def fail(self, record: Incoming, error: TransferError) -> None:
-        with record.lock:
-            if record.state == State.ACTIVE:
-                record.state, record.error = State.FAILED, error
+class Receiver:
+    """What a receiver hands ``Incoming.deliver``: the rank's shard and its counters;
+    ``completed`` collects the layers each delivery completed."""
+
+    def __init__(self) -> None:
+        self.shard = RankShard(LAYOUT, 0, 1)
+        self.stats = ReceiverStats()
+        self.completed: list[tuple[int, int]] = []
+
+    def deliver(self, header: PartHeader, payload: torch.Tensor, record: Incoming) -> Status:
+        status, layers = record.deliver(self.shard, header, payload, 1, self.stats)
+        self.completed += [(record.transfer_id, layer) for layer in layers]
+        return status
 
 
 def _setup() -> tuple[Receiver, Incoming, torch.Tensor]:
     shape = (LAYOUT.num_layers, 2, 8, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     src = torch.randn(shape)
-    rx = Receiver(layout=LAYOUT, tp_rank=0, tp_size=1, stats=ReceiverStats(),
-                  on_layer_received=None)
-    record = Incoming(9, torch.zeros(shape), torch.tensor(DST_IDS), NUM_TOKENS, 3,
-                      time.monotonic() + 60, 2 * 3 * LAYOUT.num_kv_heads,
-                      [0] * LAYOUT.num_layers)
-    return rx, record, src
+    record = Incoming(transfer_id=9, kv_cache=torch.zeros(shape),
+                      block_ids=torch.tensor(DST_IDS), num_tokens=NUM_TOKENS, num_blocks=3,
+                      deadline=time.monotonic() + 60, units_per_layer=2 * 3 * LAYOUT.num_kv_heads,
+                      units=[0] * LAYOUT.num_layers)
+    return Receiver(), record, src
 
 
 def _part(src: torch.Tensor, rows: tuple[int, int], **changes: int) -> tuple[PartHeader, torch.Tensor]:
@@ -74,8 +81,8 @@ def test_all_parts_complete_the_transfer_and_duplicates_are_counted() -> None:
     rx, record, src = _setup()
     parts = split_rows(NUM_ROWS, ROW_BYTES, 4 * ROW_BYTES)
     for rows in parts:
-        assert deliver_part(rx, *_part(src, rows), record, 1) == Status.OK
-        again = deliver_part(rx, *_part(src, rows), record, 1)
+        assert rx.deliver(*_part(src, rows), record) == Status.OK
+        again = rx.deliver(*_part(src, rows), record)
         # a duplicate is ignored: OK while the transfer runs, DONE_BEFORE once complete
         assert again == (Status.DONE_BEFORE if rows == parts[-1] else Status.OK)
     assert record.state == State.DONE
@@ -87,10 +94,10 @@ def test_a_corrupted_payload_is_never_written() -> None:
     rx, record, src = _setup()
     header, payload = _part(src, (0, 4))
     payload[100] ^= 1
-    assert deliver_part(rx, header, payload, record, 1) == Status.CHECKSUM_MISMATCH
+    assert rx.deliver(header, payload, record) == Status.CHECKSUM_MISMATCH
     assert isinstance(record.error, ChecksumMismatch) and not record.kv_cache.any()
     # later parts of the failed transfer are ignored and counted as late
-    assert deliver_part(rx, *_part(src, (4, 8)), record, 1) == Status.NOT_EXPECTED
+    assert rx.deliver(*_part(src, (4, 8)), record) == Status.NOT_EXPECTED
     assert rx.stats.late_parts == 1 and not record.kv_cache.any()
 
 
@@ -98,14 +105,14 @@ def test_invalid_parts_fail_the_transfer() -> None:
     for changes in ({"head_end": 3}, {"num_tokens": 41}, {"row_end": NUM_ROWS + 1},
                     {"block_size": 8}, {"payload_nbytes": 5}):
         rx, record, src = _setup()
-        assert deliver_part(rx, *_part(src, (0, 4), **changes), record, 1) == Status.BAD_PART
+        assert rx.deliver(*_part(src, (0, 4), **changes), record) == Status.BAD_PART
         assert record.state == State.FAILED and not record.kv_cache.any(), changes
 
 
 def test_a_cancelled_part_fails_the_transfer() -> None:
     rx, record, src = _setup()
     header, _ = _part(src, (0, 4), flags=int(Flag.CANCELLED), payload_nbytes=0)
-    assert deliver_part(rx, header, torch.empty(0, dtype=torch.uint8), record, 1) \
+    assert rx.deliver(header, torch.empty(0, dtype=torch.uint8), record) \
         == Status.NOT_EXPECTED
     assert record.state == State.FAILED and "aborted" in str(record.error)
 
@@ -114,7 +121,7 @@ def test_blocks_are_written_only_under_the_transfer_lock() -> None:
     rx, record, src = _setup()
     header, payload = _part(src, (0, 4))
     with record.lock:  # as fail()/abort() would hold it
-        worker = threading.Thread(target=deliver_part, args=(rx, header, payload, record, 1))
+        worker = threading.Thread(target=rx.deliver, args=(header, payload, record))
         worker.start()
         worker.join(0.2)
         assert worker.is_alive() and not record.kv_cache.any()
@@ -134,24 +141,22 @@ def test_a_trailer_completes_the_transfer_only_with_every_layer() -> None:
     rx, record, src = _setup()
     record.wants_trailer = True
     # 1. the trailer first (it may come before another sender rank's layers)
-    assert deliver_part(rx, *_trailer(), record, 1) == Status.OK
-    assert record.state == State.ACTIVE and record.trailer == Trailer(42, 32)
-    assert deliver_part(rx, *_trailer(), record, 1) == Status.OK  # a duplicate, counted
+    assert rx.deliver(*_trailer(), record) == Status.OK
+    assert record.state == State.PENDING and record.trailer == Trailer(42, 32)
+    assert rx.deliver(*_trailer(), record) == Status.OK  # a duplicate, counted
     assert rx.stats.duplicate_parts == 1
     # 2. then every layer: done, each layer reported once as it completes
-    layers: list[tuple[int, int]] = []
-    rx.on_layer_received = lambda transfer_id, layer: layers.append((transfer_id, layer))
     for rows in split_rows(NUM_ROWS, ROW_BYTES, 4 * ROW_BYTES):
-        assert deliver_part(rx, *_part(src, rows), record, 1) == Status.OK
+        assert rx.deliver(*_part(src, rows), record) == Status.OK
     assert record.state == State.DONE
-    assert layers == [(9, layer) for layer in range(LAYOUT.num_layers)]
+    assert rx.completed == [(9, layer) for layer in range(LAYOUT.num_layers)]
 
 
 def test_layers_without_the_wanted_trailer_leave_the_transfer_active() -> None:
     rx, record, src = _setup()
     record.wants_trailer = True
-    deliver_part(rx, *_part(src, (0, NUM_ROWS)), record, 1)
-    assert record.state == State.ACTIVE and record.trailer is None
+    rx.deliver(*_part(src, (0, NUM_ROWS)), record)
+    assert record.state == State.PENDING and record.trailer is None
 
 
 def test_invalid_or_unwanted_trailers_fail_the_transfer() -> None:
@@ -160,10 +165,10 @@ def test_invalid_or_unwanted_trailers_fail_the_transfer() -> None:
                            (True, {"first_token_id": -1}), (True, {"block_size": 8})):
         rx, record, _ = _setup()
         record.wants_trailer = wants
-        assert deliver_part(rx, *_trailer(**changes), record, 1) == Status.BAD_PART, changes
+        assert rx.deliver(*_trailer(**changes), record) == Status.BAD_PART, changes
         assert record.state == State.FAILED and record.trailer is None, changes
     rx, record, _ = _setup()
     record.wants_trailer = True
     cancelled = _trailer(flags=int(Flag.LAST_PART | Flag.CANCELLED))
-    assert deliver_part(rx, *cancelled, record, 1) == Status.NOT_EXPECTED
+    assert rx.deliver(*cancelled, record) == Status.NOT_EXPECTED
     assert record.state == State.FAILED and "aborted" in str(record.error)
