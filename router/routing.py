@@ -24,10 +24,7 @@ from fractions import Fraction
 import xxhash
 
 from engine.kvcache.block_hash import BlockHash
-
-AFFINITY_BLOCKS = 4
-"""Leading full blocks that make the prefill affinity key (64 tokens at block size 16)."""
-DEFAULT_EPSILON = 0.25
+from router.config import AFFINITY_BLOCKS, DEFAULT_EPSILON
 
 
 def affinity_key(block_hashes: Sequence[BlockHash], prompt_token_ids: Sequence[int],

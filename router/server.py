@@ -31,13 +31,12 @@ from cluster.registry import Registry, RegistryAuthError
 from engine.tokenizer import load_tokenizer
 from router.auth import ApiKeyInterceptor, load_api_key
 from router.config import (
-    DEFAULT_PORT,
     AdmissionConfig,
     DiscoveryConfig,
+    HandoffConfig,
     RouterConfig,
     TLSFiles,
 )
-from router.handoff import LOCAL_PREFILL_MODES, HandoffConfig
 from router.service import SERVICE_NAME, GenerationService
 from router.validation import ModelLimits
 from router.workers import WorkerPool
@@ -142,38 +141,6 @@ class Router:
     async def wait_closed(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
-
-
-def add_router_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model",
-                        help="checkpoint directory (the router reads config.json and "
-                             "tokenizer.json only, never the weights; default: the "
-                             "built-in tiny model, built on first use)")
-    parser.add_argument("--redis-url", required=True, help="the cluster's Redis")
-    parser.add_argument("--host", default="127.0.0.1", help="address the API binds to")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
-                        help="API port (0: the OS picks)")
-    parser.add_argument("--cluster", default="default", help="Redis key namespace")
-    parser.add_argument("--ready-file",
-                        help='write {"grpc_address", "role", "model"} as JSON once serving')
-    parser.add_argument("--model-name", help="name clients may give (default: the directory name)")
-    parser.add_argument("--max-inflight", type=int, default=256,
-                        help="requests in flight at once; more get RESOURCE_EXHAUSTED")
-    parser.add_argument("--max-queued-tokens", type=int, default=65536,
-                        help="prompt tokens waiting for their first token at once; more get "
-                             "RESOURCE_EXHAUSTED (0: no limit)")
-    parser.add_argument("--grace", type=float, default=5.0,
-                        help="seconds in-flight requests get to finish on SIGTERM")
-    parser.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",
-                        help="never: no prefill worker left is UNAVAILABLE; fallback: then a "
-                             "decode worker prefills locally; always: colocated mode, every "
-                             "request prefilled on its decode worker (default: never)")
-    parser.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
-    parser.add_argument("--tls-key", help="... and this PEM private key")
-    parser.add_argument("--api-key-file",
-                        help="require 'authorization: Bearer KEY' on every call but health "
-                             "and reflection, KEY being this file's first line (default: "
-                             "$PDSERVE_API_KEY if set, else no key)")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:

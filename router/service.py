@@ -25,7 +25,8 @@ import tokenizers
 
 from pdserve.v1 import generate_pb2 as pb
 from router import api
-from router.handoff import Handoff, HandoffConfig, RouteError
+from router.config import HandoffConfig
+from router.handoff import Handoff, RouteError
 from router.validation import InvalidRequest, ModelLimits, ValidRequest, validate
 from router.workers import WorkerPool
 

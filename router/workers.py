@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from cluster.records import WorkerRecord
 from cluster.registry import Registry
 from cluster.view import WorkerView
@@ -166,11 +165,9 @@ class WorkerPool:
             logger.warning("not routing to %s for %.1fs: %s", worker_id, self._suspect_s, why)
         self._suspect_until[worker_id] = self._clock() + self._suspect_s
 
-    def decode_stub(self, worker_id: str) -> pb_grpc.DecodeWorkerStub:
-        return pb_grpc.DecodeWorkerStub(self._known[worker_id].channel)
-
-    def prefill_stub(self, worker_id: str) -> pb_grpc.PrefillWorkerStub:
-        return pb_grpc.PrefillWorkerStub(self._known[worker_id].channel)
+    def channel(self, worker_id: str) -> grpc.aio.Channel:
+        """The open channel to ``worker_id``; ``KeyError`` once it left the registry."""
+        return self._known[worker_id].channel
 
     def inflight(self, worker_id: str) -> int:
         return self._inflight.get(worker_id, 0)

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.kvcache.block_hash import compute_block_hashes
+from router.config import AFFINITY_BLOCKS
 from router.routing import (
-    AFFINITY_BLOCKS,
     DecodeCandidate,
     affinity_key,
     pick_prefill,

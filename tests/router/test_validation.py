@@ -16,7 +16,7 @@ from cluster.internal.v1 import worker_pb2
 from engine.kvcache.block_hash import compute_block_hashes
 from pdserve.v1 import generate_pb2 as pb
 from router.api import parse_generate_request, to_response
-from router.handoff import OutputChunk, Usage
+from router.outputs import OutputChunk, Usage
 from router.validation import (
     DEFAULT_MAX_TOKENS,
     REQUEST_ID_RE,

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from cluster.internal.v1 import worker_pb2 as wpb
+from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from cluster.records import WorkerRecord
 from cluster.registry import Registry
 from kvtransfer.layout import KVLayout
@@ -198,7 +199,8 @@ def test_registered_serving_workers_are_routable_by_role(registry: Registry) -> 
                 assert pool.max_decode_blocks() == 64
                 assert pool.num_channels == 3 and pool.view_age_s == 0.0
                 # The stubs use channels that reach those workers (which serve only health).
-                for stub in (pool.prefill_stub("prefill-0"), pool.decode_stub("decode-1")):
+                for stub in (pb_grpc.PrefillWorkerStub(pool.channel("prefill-0")),
+                             pb_grpc.DecodeWorkerStub(pool.channel("decode-1"))):
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await stub.Info(wpb.InfoRequest(), timeout=WAIT_S)
                     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -383,7 +385,7 @@ def test_a_worker_missing_from_redis_stays_for_keep_missing_s_then_is_forgotten(
             try:
                 await pool.refresh()
                 assert ids(pool.routable("prefill")) == ["prefill-0"]
-                old_stub = pool.prefill_stub("prefill-0")
+                old_stub = pb_grpc.PrefillWorkerStub(pool.channel("prefill-0"))
 
                 if how == "deregistered":
                     registry.deregister("prefill-0")
@@ -539,8 +541,8 @@ def test_close_closes_every_channel(registry: Registry) -> None:
             pool = new_pool(registry, FakeClock())
             try:
                 await pool.refresh()
-                prefill_stub = pool.prefill_stub("prefill-0")
-                decode_stub = pool.decode_stub("decode-0")
+                prefill_stub = pb_grpc.PrefillWorkerStub(pool.channel("prefill-0"))
+                decode_stub = pb_grpc.DecodeWorkerStub(pool.channel("decode-0"))
                 assert pool.num_channels == 2
             finally:
                 await pool.close()
