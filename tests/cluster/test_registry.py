@@ -29,8 +29,7 @@ from cluster.registry import (
 from cluster.view import WorkerView
 from kvtransfer.layout import KVLayout
 from pdserve.redis_server import RedisServer
-from tests.factories import run_without_torch
-from tests.pdserve.conftest import wait_until
+from tests.processes import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -109,16 +108,6 @@ def test_key_schema_and_name_checks() -> None:
     assert redact_url("redis://user:s3cret@h:1/0") == "redis://user:***@h:1/0"
 
 
-def test_registry_is_torch_free() -> None:
-    result = run_without_torch(
-        "import cluster.registry, cluster.heartbeat, cluster.view, pdserve.redis_server\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'numpy'))\n"
-        "assert not bad, bad\n")
-    assert result.returncode == 0, result.stderr
-
-
-# -- registration, TTL and heartbeats -----------------------------------------------------------
-
 def test_registered_workers_are_listed_by_role(registry: Registry) -> None:
     registry.register(make_record("prefill-0"))
     registry.register(make_record("decode-0", "decode", tensor_parallel_size=2))
@@ -137,7 +126,7 @@ def test_beats_keep_the_record_past_its_ttl_and_it_expires_when_they_stop(
     assert listed_ids(registry) == ["prefill-0"] and heartbeat.beats >= 3
     heartbeat.stop(deregister=False)  # a paused/hung worker: no delete, no more beats
     assert listed_ids(registry) == ["prefill-0"]
-    assert wait_until(lambda: not listed_ids(registry), TTL_S + 2.0)
+    wait_until(lambda: not listed_ids(registry), TTL_S + 2.0, "the record to expire")
 
 
 def test_heartbeat_refreshes_the_load(registry: Registry) -> None:
@@ -145,7 +134,7 @@ def test_heartbeat_refreshes_the_load(registry: Registry) -> None:
     with Heartbeat(registry, make_record(), lambda: load[0]):
         assert registry.list_workers()[0].load == WorkerLoad(10, 12, 1, 0)
         load[0] = WorkerLoad(2, 12, 7, 3)
-        assert wait_until(lambda: registry.list_workers()[0].load == load[0], 3.0)
+        wait_until(lambda: registry.list_workers()[0].load == load[0], 3.0, "the new load")
 
 
 def test_graceful_stop_deletes_the_key(registry: Registry, raw_redis: redis.Redis) -> None:
@@ -167,7 +156,7 @@ def test_a_failing_load_callback_skips_the_beat_but_not_the_thread(registry: Reg
         return WorkerLoad(10, 12, calls[0], 0)
 
     with Heartbeat(registry, make_record(), flaky_load) as heartbeat:
-        assert wait_until(lambda: registry.list_workers()[0].num_running >= 3, 3.0)
+        wait_until(lambda: registry.list_workers()[0].num_running >= 3, 3.0, "a later beat")
         assert heartbeat.failures == 1 and heartbeat.alive and heartbeat.last_error is None
 
 
@@ -180,7 +169,8 @@ def test_a_restarted_redis_is_refilled_within_one_beat(redis_server: RedisServer
         assert registry.cluster_layout() is None and not listed_ids(registry)  # data lost
         restarted = time.monotonic()
         # One beat, plus slack for a loaded 2-core machine.
-        assert wait_until(lambda: listed_ids(registry) == ["prefill-0"], HEARTBEAT_S + 1.0)
+        wait_until(lambda: listed_ids(registry) == ["prefill-0"], HEARTBEAT_S + 1.0,
+                   "re-registration within a beat")
         assert registry.cluster_layout() == LAYOUT
         print(f"refilled {time.monotonic() - restarted:.2f}s after the restart "
               f"(heartbeat {HEARTBEAT_S}s)")
@@ -199,14 +189,14 @@ def test_redis_down_keeps_beats_alive_and_the_view_last_known_good(
         snapshot = view.refresh()
         assert snapshot.stale and [w.worker_id for w in snapshot.workers] == ["prefill-0"]
         assert "unreachable" in (snapshot.error or "") and view.age_s() == 30.0
-        assert wait_until(lambda: heartbeat.failures >= 2, 10 * HEARTBEAT_S)
+        wait_until(lambda: heartbeat.failures >= 2, 10 * HEARTBEAT_S, "two failed beats")
         assert heartbeat.alive and "RegistryUnavailable" in (heartbeat.last_error or "")
         with pytest.raises(RegistryUnavailable, match="unreachable"):
             registry.list_workers()
 
         redis_server.restart()  # 2. back (empty): the next beat refills it
-        assert wait_until(lambda: not view.refresh().stale and view.workers("prefill"),
-                          HEARTBEAT_S + 2.0)
+        wait_until(lambda: not view.refresh().stale and view.workers("prefill"),
+                   HEARTBEAT_S + 2.0, "the view and the record back")
         assert heartbeat.last_error is None and view.age_s() == 0.0
 
 
@@ -221,10 +211,11 @@ def test_a_hung_redis_times_out_instead_of_blocking(redis_server: RedisServer) -
         try:
             snapshot = view.refresh()
             assert snapshot.stale and "prefill-0" in [w.worker_id for w in snapshot.workers]
-            assert wait_until(lambda: heartbeat.failures >= 1, 3.0) and heartbeat.alive
+            wait_until(lambda: heartbeat.failures >= 1, 3.0, "a failed beat")
+            assert heartbeat.alive
         finally:
             os.kill(redis_server.pid, signal.SIGCONT)
-        assert wait_until(lambda: not view.refresh().stale, 3.0)
+        wait_until(lambda: not view.refresh().stale, 3.0, "a fresh view")
         heartbeat.stop()
         assert not listed_ids(registry)
 

@@ -24,7 +24,7 @@ import pytest
 
 from pdserve.local_cluster import ChildExited, LocalCluster, LocalClusterConfig
 from tests.factories import REPO_ROOT
-from tests.pdserve.conftest import wait_until
+from tests.processes import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -223,7 +223,7 @@ def test_sigterm_while_starting_stops_everything(llama_dir: Path, tmp_path: Path
     up = Up(llama_dir, tmp_path)
     try:
         up.wait_for("starting prefill-0")
-        assert wait_until(lambda: up.pids_running("--worker-id decode-0"), 30.0)
+        wait_until(lambda: up.pids_running("--worker-id decode-0"), 30.0, "decode-0 to run")
         up.proc.send_signal(signal.SIGTERM)  # the workers are loading
         assert up.exit_code() == 0, up.output
         assert READY_LINE not in up.output
@@ -246,7 +246,7 @@ def test_sigkill_of_up_leaves_no_descendant(llama_dir: Path, tmp_path: Path) -> 
         assert up.pids_running("pdserve router")
         up.proc.kill()
         up.exit_code()
-        assert wait_until(lambda: not up.survivors(), 10.0), up.survivors()
+        wait_until(lambda: not up.survivors(), 10.0, "every child of pdserve up to die")
     finally:
         up.close()
 

@@ -18,7 +18,8 @@ from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
 from pdserve.redis_server import RedisServer
 from prefill_worker.server import FAULT_HOOK_ENV
 from tests.processes import Proc, spawn, wait_until
-from tests.workers.kv_faults import FIRST_OF_LENGTH_SPEC
+from tests.worker.kv_faults import FIRST_OF_LENGTH_SPEC
+from tests.worker.procs import assert_idle
 from worker.pause_points import ENV as PAUSE_ENV
 
 NUM_KV_BLOCKS = 64
@@ -36,7 +37,6 @@ class Cluster:
     prefill: list[Proc] = field(default_factory=list)
     decode: list[Proc] = field(default_factory=list)
     router: Proc | None = None
-    _channels: dict[str, grpc.Channel] = field(default_factory=dict)
 
     @property
     def address(self) -> str:
@@ -66,40 +66,22 @@ class Cluster:
     def workers(self) -> list[Proc]:
         return [*self.prefill, *self.decode]
 
+    def stub(self, worker: Proc) -> wpb_grpc.PrefillWorkerStub | wpb_grpc.DecodeWorkerStub:
+        return (wpb_grpc.PrefillWorkerStub(worker.channel) if worker.ready["role"] == "prefill"
+                else wpb_grpc.DecodeWorkerStub(worker.channel))
+
     def info(self, worker: Proc) -> wpb.WorkerInfo:
-        channel = self._channels.get(worker.address)
-        if channel is None:
-            channel = self._channels[worker.address] = grpc.insecure_channel(worker.address)
-        stub = (wpb_grpc.PrefillWorkerStub(channel) if worker.ready["role"] == "prefill"
-                else wpb_grpc.DecodeWorkerStub(channel))
-        return stub.Info(wpb.InfoRequest(), timeout=RPC_TIMEOUT_S)
+        return self.stub(worker).Info(wpb.InfoRequest(), timeout=RPC_TIMEOUT_S)
 
     def assert_no_leaks(self, workers: list[Proc] | None = None,
                         timeout_s: float = 15.0) -> None:
-        """Every live worker (of ``workers``, default all): all blocks free or cached,
-        nothing pending, running or waiting."""
-        for worker in self.workers() if workers is None else workers:
-            if worker.proc.poll() is not None:
-                continue
-            last: list[wpb.WorkerInfo] = []
-
-            def idle(worker: Proc = worker, last: list[wpb.WorkerInfo] = last) -> bool:
-                info = self.info(worker)
-                last[:] = [info]
-                kv = info.kv
-                assert kv.free_blocks + kv.cached_blocks + kv.pinned_blocks + \
-                    kv.in_use_blocks == kv.total_blocks > 0, info
-                return (kv.in_use_blocks, kv.pinned_blocks, info.pending_transfers,
-                        info.running_requests, info.waiting_requests) == (0, 0, 0, 0, 0)
-
-            try:
-                wait_until(idle, timeout_s, f"{worker.name} to free everything", period_s=0.1)
-            except AssertionError:
-                raise AssertionError(f"{worker.name} still holds state: {last}") from None
+        """Every live worker (of ``workers``, default all) is idle: the worker layer's
+        leak check (``tests.worker.procs.assert_idle``)."""
+        live = [w for w in (self.workers() if workers is None else workers)
+                if w.proc.poll() is None]
+        assert_idle(*(self.stub(w) for w in live), timeout_s=timeout_s)
 
     def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
         for proc in ([self.router] if self.router else []) + self.workers():
             proc.stop()
         self.redis.stop()

@@ -26,7 +26,7 @@ from pdserve.v1 import generate_pb2 as pb
 from tests.factories import PROMPTS
 from tests.processes import wait_until
 from tests.router.cluster import NUM_KV_BLOCKS, Cluster, start_cluster
-from tests.workers.kv_faults import CORRUPT_NUM_TOKENS
+from tests.worker.kv_faults import CORRUPT_NUM_TOKENS
 
 pytestmark = pytest.mark.timeout(300)
 

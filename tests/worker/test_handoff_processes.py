@@ -30,15 +30,8 @@ import pytest
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from engine import LLM, SamplingParams
-from tests.workers.procs import (
-    RPC_TIMEOUT_S,
-    Worker,
-    assert_no_leaks,
-    proto_params,
-    spawn,
-    stop_all,
-    wait_ready,
-)
+from tests.processes import Proc, stop_all
+from tests.worker.procs import RPC_TIMEOUT_S, assert_idle, proto_params, spawn_worker
 from worker.pause_points import PauseDir
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,13 +45,13 @@ _ids = iter(range(10_001, 1 << 30))
 
 @dataclass
 class Trio:
-    d1: Worker  # decode, TP 2
-    d2: Worker  # decode, TP 1
-    p: Worker  # prefill, TP 1
+    d1: Proc  # decode, TP 2
+    d2: Proc  # decode, TP 1
+    p: Proc  # prefill, TP 1
     pause: PauseDir
     llm: LLM  # reference generations, same checkpoint
 
-    def decode(self, w: Worker) -> pb_grpc.DecodeWorkerStub:
+    def decode(self, w: Proc) -> pb_grpc.DecodeWorkerStub:
         return pb_grpc.DecodeWorkerStub(w.channel)
 
     @property
@@ -73,14 +66,14 @@ class Trio:
 def trio(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
     tmp = tmp_path_factory.mktemp("handoff")
     pause = PauseDir(tmp / "pause")
-    workers: list[Worker] = []
+    workers: list[Proc] = []
     try:
         for name, role, tp in (("d1", "decode", 2), ("d2", "decode", 1), ("p", "prefill", 1)):
-            workers.append(spawn(role, llama_dir, tmp, "--tensor-parallel-size", str(tp),
+            workers.append(spawn_worker(role, llama_dir, tmp, "--tensor-parallel-size", str(tp),
                                  name=name, env=pause.env(),
                                  transfer_timeout_s=TRANSFER_TIMEOUT_S))
         for w in workers:
-            wait_ready(w)
+            w.wait_ready()
         with LLM(llama_dir) as llm:
             yield Trio(*workers, pause=pause, llm=llm)
     finally:
@@ -115,23 +108,10 @@ def _tokens(chunks: list[pb.TokenChunk]) -> list[int]:
     return [t for ch in chunks for t in ch.token_ids]
 
 
-def _route(t: Trio, decode: Worker, prompt: list[int], params: SamplingParams) -> list[int]:
+def _route(t: Trio, decode: Proc, prompt: list[int], params: SamplingParams) -> list[int]:
     rid, reserved = _reserve(t.decode(decode), prompt, params)
     _prefill(t, rid, prompt, params, reserved).result(WAIT_S)
     return _tokens(_generate(t.decode(decode), rid))
-
-
-def _eventually_no_leaks(*stubs: Any) -> None:
-    """The leak check, retried while freeing (e.g. after a SIGCONT) is still under way."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        try:
-            assert_no_leaks(*stubs)
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def _wait_info(stub: Any, cond: Any, what: str) -> Any:
@@ -152,8 +132,8 @@ def _prompt(seed: int, n: int) -> list[int]:
 def test_decode_workers_advertise_the_kv_port_their_store_bound(trio: Trio) -> None:
     ports = []
     for w in (trio.d1, trio.d2):
-        assert w.ready is not None
-        host, _, port = w.ready.kv_address.rpartition(":")
+        assert w.ready
+        host, _, port = w.ready["kv_address"].rpartition(":")
         assert host == "127.0.0.1" and int(port) > 0
         with socket.create_connection((host, int(port)), timeout=5):
             pass  # rank 0's rendezvous store listens there
@@ -162,7 +142,7 @@ def test_decode_workers_advertise_the_kv_port_their_store_bound(trio: Trio) -> N
     # every rank of the TP 2 worker attached to that port: a handoff reaches both
     prompt = _prompt(1, 40)
     assert _route(trio, trio.d1, prompt, GREEDY) == trio.expected(prompt, GREEDY)
-    assert_no_leaks(trio.decode(trio.d1), trio.prefill)
+    assert_idle(trio.decode(trio.d1), trio.prefill)
 
 
 def test_first_token_and_cached_count_travel_with_the_kv(trio: Trio) -> None:
@@ -179,7 +159,7 @@ def test_first_token_and_cached_count_travel_with_the_kv(trio: Trio) -> None:
             assert _tokens(chunks) == trio.expected(prompt, params)
             assert chunks[0].token_ids[0] == first.first_token_id
             assert chunks[-1].usage.cached_tokens == first.num_cached_tokens == cached
-    assert_no_leaks(stub, trio.prefill)
+    assert_idle(stub, trio.prefill)
 
 
 def test_first_token_copies_that_disagree_fail_the_request(trio: Trio) -> None:
@@ -204,7 +184,7 @@ def test_first_token_copies_that_disagree_fail_the_request(trio: Trio) -> None:
             stream.result(WAIT_S)
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert "num_cached_tokens" in (err.value.details() or "")
-    _eventually_no_leaks(stub, trio.prefill)
+    assert_idle(stub, trio.prefill)
 
 
 def test_prefill_steps_on_while_a_transfer_is_stalled(trio: Trio) -> None:
@@ -233,7 +213,7 @@ def test_prefill_steps_on_while_a_transfer_is_stalled(trio: Trio) -> None:
     assert _tokens(chunks_b) == trio.expected(prompt_b, SEEDED)
     assert (chunks_a[0].token_ids[0], chunks_b[0].token_ids[0]) == (
         first_a.first_token_id, first_b.first_token_id)
-    _eventually_no_leaks(d1, d2, trio.prefill)
+    assert_idle(d1, d2, trio.prefill)
 
 
 def test_a_transfer_never_acknowledged_is_unpinned_at_its_deadline(trio: Trio) -> None:
@@ -251,14 +231,14 @@ def test_a_transfer_never_acknowledged_is_unpinned_at_its_deadline(trio: Trio) -
             call.result(WAIT_S)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert time.monotonic() - start < TRANSFER_TIMEOUT_S + 5.0
-        assert_no_leaks(trio.prefill)
+        assert_idle(trio.prefill)
     finally:
         trio.d1.proc.send_signal(signal.SIGCONT)
     # 3. the router's part: abort on decode; d1 serves the next request normally
     d1.Abort(pb.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
     prompt = _prompt(11, 30)
     assert _route(trio, trio.d1, prompt, SEEDED) == trio.expected(prompt, SEEDED)
-    _eventually_no_leaks(d1, trio.prefill)
+    assert_idle(d1, trio.prefill)
 
 
 def test_layer_l_is_sent_before_layer_l_plus_1_is_computed(trio: Trio) -> None:
@@ -288,7 +268,7 @@ def test_layer_l_is_sent_before_layer_l_plus_1_is_computed(trio: Trio) -> None:
     assert _computed(trio, tid) == list(range(num_layers))
     assert _received(trio, tid) == {(r, lay) for r in (0, 1) for lay in range(num_layers)}
     assert _tokens(_generate(d1, rid)) == trio.expected(prompt, GREEDY)
-    _eventually_no_leaks(d1, trio.prefill)
+    assert_idle(d1, trio.prefill)
 
 
 def _computed(t: Trio, transfer_id: int) -> list[int]:

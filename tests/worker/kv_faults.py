@@ -8,10 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 CORRUPT_TRANSFER_ID = 9_000
-SPEC = "tests.workers.kv_faults:corrupt_one_part"
+SPEC = "tests.worker.kv_faults:corrupt_one_part"
 CORRUPT_NUM_TOKENS = 97
 """``corrupt_first_of_length`` corrupts the first transfer of a prompt this long."""
-FIRST_OF_LENGTH_SPEC = "tests.workers.kv_faults:corrupt_first_of_length"
+FIRST_OF_LENGTH_SPEC = "tests.worker.kv_faults:corrupt_first_of_length"
 
 
 def corrupt_one_part() -> Callable[[Any, Any], None]:

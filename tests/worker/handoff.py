@@ -34,7 +34,7 @@ from kvtransfer.protocol import Trailer
 from prefill_worker.kv_leader import PrefillKVLeader, SendOutcome
 from prefill_worker.kv_rank import PLUGIN as PREFILL_PLUGIN
 from prefill_worker.kv_rank import PrefillKVConfig
-from tests.workers.kv_faults import SPEC as FAULT_SPEC
+from tests.worker.kv_faults import SPEC as FAULT_SPEC
 from worker.rank_calls import RankStats, stats_request
 
 TIMEOUT_S = 10.0

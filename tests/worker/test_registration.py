@@ -1,15 +1,11 @@
-"""Worker registration through real processes: a worker appears in Redis only once
+"""Proc registration through real processes: a worker appears in Redis only once
 ready, a differing fingerprint keeps it out, a frozen worker expires after its TTL and
 returns, and a restarted Redis is refilled within one heartbeat."""
 
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -18,39 +14,30 @@ from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from cluster.registry import Registry, RegistryError
 from pdserve.redis_server import RedisServer
-from tests.factories import REPO_ROOT
-from tests.workers.procs import (
-    NUM_KV_BLOCKS,
-    RPC_TIMEOUT_S,
-    START_TIMEOUT_S,
-    STOP_TIMEOUT_S,
-    Worker,
-    spawn,
-    stop,
-    wait_ready,
-)
+from tests.processes import START_TIMEOUT_S, STOP_TIMEOUT_S, Proc, wait_until
+from tests.worker.procs import NUM_KV_BLOCKS, RPC_TIMEOUT_S, spawn_worker
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_registers_once_ready_and_refuses_a_differing_fingerprint(
         llama_dir: Path, tmp_path: Path) -> None:
-    workers: list[Worker] = []
+    workers: list[Proc] = []
     with RedisServer(start_timeout_s=10.0) as redis_server, Registry(redis_server.url) as registry:
         try:
             # 1. a worker registers once ready (its ready file is written after the record)
-            good = spawn("prefill", llama_dir, tmp_path, "--redis-url", redis_server.url,
+            good = spawn_worker("prefill", llama_dir, tmp_path, "--redis-url", redis_server.url,
                          "--worker-id", "prefill-a")
             workers.append(good)
-            wait_ready(good)
+            good.wait_ready()
             (record,) = registry.list_workers()
-            assert good.ready is not None and record.grpc_address == good.ready.grpc_address
+            assert good.ready and record.grpc_address == good.address
             assert (record.worker_id, record.role, record.total_kv_blocks) == \
                 ("prefill-a", "prefill", NUM_KV_BLOCKS)
             # 2. another KV layout (block size): it exits naming the field, unregistered
             other_dir = tmp_path / "other"
             other_dir.mkdir()
-            bad = spawn("prefill", llama_dir, other_dir, "--redis-url", redis_server.url,
+            bad = spawn_worker("prefill", llama_dir, other_dir, "--redis-url", redis_server.url,
                         "--worker-id", "prefill-b", "--block-size", "32")
             workers.append(bad)
             assert bad.proc.wait(START_TIMEOUT_S) != 0
@@ -63,33 +50,20 @@ def test_registers_once_ready_and_refuses_a_differing_fingerprint(
             assert registry.list_workers() == []
         finally:
             for w in workers:
-                stop(w)
+                w.stop()
 
 
 HEARTBEAT_S, TTL_S = 0.2, 1.0  # the short-TTL workers below
 
 
-def _wait_until(cond: Any, timeout_s: float, what: str) -> float:
-    """Poll ``cond()`` (Redis errors count as False) until true; the seconds it took."""
-    start = time.monotonic()
-    while True:
-        try:
-            if cond():
-                return time.monotonic() - start
-        except RegistryError:
-            pass
-        assert time.monotonic() - start < timeout_s, f"not within {timeout_s}s: {what}"
-        time.sleep(0.02)
-
-
-def _spawn_registered(llama_dir: Path, tmp: Path, redis_url: str, worker_id: str) -> Worker:
-    worker = spawn("prefill", llama_dir, tmp, "--redis-url", redis_url, "--worker-id",
+def _spawn_registered(llama_dir: Path, tmp: Path, redis_url: str, worker_id: str) -> Proc:
+    worker = spawn_worker("prefill", llama_dir, tmp, "--redis-url", redis_url, "--worker-id",
                    worker_id, "--heartbeat-interval", str(HEARTBEAT_S),
                    "--registration-ttl", str(TTL_S))
     try:
-        wait_ready(worker)
+        worker.wait_ready()
     except BaseException:
-        stop(worker)
+        worker.stop()
         raise
     return worker
 
@@ -106,17 +80,18 @@ def test_frozen_worker_expires_and_comes_back(llama_dir: Path, tmp_path: Path) -
         try:
             assert _ids_of(registry) == ["prefill-frozen"]
             worker.proc.send_signal(signal.SIGSTOP)
-            gone = _wait_until(lambda: _ids_of(registry) == [], TTL_S + 10.0, "expiry")
+            gone = wait_until(lambda: _ids_of(registry) == [], TTL_S + 10.0, "expiry",
+                              period_s=0.02, ignore=(RegistryError,))
             assert gone <= TTL_S + 1.0, gone
             worker.proc.send_signal(signal.SIGCONT)
-            back = _wait_until(lambda: _ids_of(registry) == ["prefill-frozen"],
-                               10.0, "re-registration")
+            back = wait_until(lambda: _ids_of(registry) == ["prefill-frozen"],
+                              10.0, "re-registration", period_s=0.02, ignore=(RegistryError,))
             assert back <= HEARTBEAT_S + 1.0, back
             stub = pb_grpc.PrefillWorkerStub(worker.channel)
             assert stub.Info(pb.InfoRequest(), timeout=RPC_TIMEOUT_S).worker_id == \
                 "prefill-frozen"
         finally:
-            stop(worker)
+            worker.stop()
 
 
 def test_worker_reregisters_after_redis_restart(llama_dir: Path, tmp_path: Path) -> None:
@@ -132,20 +107,15 @@ def test_worker_reregisters_after_redis_restart(llama_dir: Path, tmp_path: Path)
             redis_server.restart()
             with redis.Redis.from_url(redis_server.url) as client:
                 assert client.get("sentinel") is None  # the data is gone
-            back = _wait_until(lambda: _ids_of(registry) == ["prefill-r"]
-                               and registry.cluster_layout() == layout, 10.0, "re-registration")
+            back = wait_until(lambda: _ids_of(registry) == ["prefill-r"]
+                              and registry.cluster_layout() == layout, 10.0, "re-registration",
+                              period_s=0.02, ignore=(RegistryError,))
             assert back <= HEARTBEAT_S + 2.0, back  # one beat (+ a reconnect)
             (record,) = registry.list_workers()
-            assert worker.ready is not None and record.grpc_address == worker.ready.grpc_address
+            assert worker.ready and record.grpc_address == worker.address
             stub = pb_grpc.PrefillWorkerStub(worker.channel)
             info = stub.Info(pb.InfoRequest(), timeout=RPC_TIMEOUT_S)
             assert (info.worker_id, info.kv.total_blocks) == ("prefill-r", NUM_KV_BLOCKS)
             assert worker.proc.poll() is None, worker.log_tail()
         finally:
-            stop(worker)
-
-
-def test_worker_gRPC_side_is_torch_free() -> None:
-    code = ("import sys, worker.server, worker.loop, worker.options, cluster.logs, pdserve.cli; "
-            "assert 'torch' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=60)
+            worker.stop()

@@ -22,18 +22,8 @@ from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from engine import LLM, SamplingParams
 from tests.factories import PROMPTS
-from tests.processes import alive
-from tests.workers.procs import (
-    NUM_KV_BLOCKS,
-    RPC_TIMEOUT_S,
-    STOP_TIMEOUT_S,
-    Worker,
-    assert_no_leaks,
-    proto_params,
-    spawn,
-    stop_all,
-    wait_ready,
-)
+from tests.processes import STOP_TIMEOUT_S, Proc, alive, stop_all
+from tests.worker.procs import NUM_KV_BLOCKS, RPC_TIMEOUT_S, assert_idle, proto_params, spawn_worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,8 +33,8 @@ _ids = iter(range(1, 1 << 30))
 
 @dataclass
 class Cluster:
-    decode: Worker
-    prefill: Worker
+    decode: Proc
+    prefill: Proc
 
     @property
     def d(self) -> pb_grpc.DecodeWorkerStub:
@@ -58,12 +48,12 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("servers")
-    workers: list[Worker] = []
+    workers: list[Proc] = []
     try:
-        workers.append(spawn("decode", llama_dir, tmp, "--tensor-parallel-size", "2"))
-        workers.append(spawn("prefill", llama_dir, tmp, "--tensor-parallel-size", "1"))
+        workers.append(spawn_worker("decode", llama_dir, tmp, "--tensor-parallel-size", "2"))
+        workers.append(spawn_worker("prefill", llama_dir, tmp, "--tensor-parallel-size", "1"))
         for w in workers:
-            wait_ready(w)
+            w.wait_ready()
         yield Cluster(*workers)
     finally:
         stop_all(workers)
@@ -96,10 +86,6 @@ def _route(c: Cluster, prompt: Sequence[int], params: SamplingParams
     return [t for ch in chunks for t in ch.token_ids], chunks[-1], first
 
 
-def _assert_no_leaks(c: Cluster) -> None:
-    assert_no_leaks(c.d, c.p)
-
-
 # ------------------------------------------------------------------------ scenarios
 
 def _workload(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -116,16 +102,16 @@ def _workload(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
 
 
 def test_workers_ready_and_serving(cluster: Cluster) -> None:
-    assert cluster.decode.ready is not None and cluster.prefill.ready is not None
-    assert cluster.decode.ready.role == "decode" and cluster.decode.ready.kv_address
-    assert len(cluster.decode.rank_pids) >= 1  # the follower rank of TP 2
+    assert cluster.decode.ready and cluster.prefill.ready
+    assert cluster.decode.ready["role"] == "decode" and cluster.decode.ready["kv_address"]
+    assert len(cluster.decode.child_pids) >= 1  # the follower rank of TP 2
     for w in (cluster.decode, cluster.prefill):
         health = health_pb2_grpc.HealthStub(w.channel)
         reply = health.Check(health_pb2.HealthCheckRequest(), timeout=RPC_TIMEOUT_S)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     info = cluster.d.Info(pb.InfoRequest(), timeout=RPC_TIMEOUT_S)
     assert (info.role, info.tensor_parallel_size) == ("decode", 2)
-    _assert_no_leaks(cluster)
+    assert_idle(cluster.d, cluster.p)
 
 
 def test_concurrent_handoffs_match_llm(cluster: Cluster, llama_dir: Path) -> None:
@@ -138,7 +124,7 @@ def test_concurrent_handoffs_match_llm(cluster: Cluster, llama_dir: Path) -> Non
     for (tokens, last, first), prompt in zip(results, prompts, strict=True):
         assert last.usage.completion_tokens == len(tokens)
         assert last.usage.prompt_tokens == first.num_prompt_tokens == len(prompt)
-    _assert_no_leaks(cluster)
+    assert_idle(cluster.d, cluster.p)
 
 
 def test_shared_prefix_reports_cached_tokens(cluster: Cluster, llama_dir: Path) -> None:
@@ -158,7 +144,7 @@ def test_shared_prefix_reports_cached_tokens(cluster: Cluster, llama_dir: Path) 
     assert cached[0] == 0, cached
     assert (cached[1], cached[2]) == (48, len(base) // 16 * 16), cached  # whole blocks of 16
     assert [last.usage.cached_tokens for _, last, _ in results] == cached
-    _assert_no_leaks(cluster)
+    assert_idle(cluster.d, cluster.p)
 
 
 def test_abort_between_reserve_and_prefill_frees_everything(cluster: Cluster) -> None:
@@ -178,7 +164,7 @@ def test_abort_between_reserve_and_prefill_frees_everything(cluster: Cluster) ->
         list(cluster.d.Generate(pb.GenerateRequest(request_id=f"req-{n}", first_token_id=1),
                                 timeout=RPC_TIMEOUT_S))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    _assert_no_leaks(cluster)
+    assert_idle(cluster.d, cluster.p)
 
 
 def _reserve_then_prefill(c: Cluster, prompts: Sequence[Sequence[int]], params: SamplingParams
@@ -245,10 +231,10 @@ def test_abort_while_queued_or_prefilling_frees_everything(cluster: Cluster) -> 
             _wait_prefill_idle(cluster)
             assert not cluster.p.Abort(pb.AbortRequest(request_id=rid_b),
                                        timeout=RPC_TIMEOUT_S).found  # the call's end freed it
-            _assert_no_leaks(cluster)
+            assert_idle(cluster.d, cluster.p)
             return
         _wait_prefill_idle(cluster)
-        _assert_no_leaks(cluster)
+        assert_idle(cluster.d, cluster.p)
     pytest.fail("the prefill worker never showed one request prefilling and one queued")
 
 
@@ -271,7 +257,7 @@ def test_reserve_refused_when_out_of_blocks(cluster: Cluster) -> None:
     finally:
         for rid in held:
             cluster.d.Abort(pb.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
-    _assert_no_leaks(cluster)
+    assert_idle(cluster.d, cluster.p)
 
 
 def test_cancelled_generate_frees_everything(cluster: Cluster) -> None:
@@ -297,7 +283,7 @@ def test_cancelled_generate_frees_everything(cluster: Cluster) -> None:
         assert time.monotonic() < deadline, info
         time.sleep(0.05)
     assert not cluster.d.Abort(pb.AbortRequest(request_id=f"req-{n}"), timeout=RPC_TIMEOUT_S).found
-    _assert_no_leaks(cluster)
+    assert_idle(cluster.d, cluster.p)
 
 
 def test_abort_between_prefill_and_generate_frees_everything(cluster: Cluster) -> None:
@@ -327,7 +313,7 @@ def test_abort_between_prefill_and_generate_frees_everything(cluster: Cluster) -
             request_id=rid, first_token_id=first.first_token_id,
             num_cached_tokens=first.num_cached_tokens), timeout=RPC_TIMEOUT_S))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    _assert_no_leaks(cluster)
+    assert_idle(cluster.d, cluster.p)
 
 
 def test_sigterm_stops_both_workers(cluster: Cluster) -> None:
@@ -337,7 +323,7 @@ def test_sigterm_stops_both_workers(cluster: Cluster) -> None:
     for w in (cluster.decode, cluster.prefill):
         assert w.proc.wait(STOP_TIMEOUT_S) == 0, w.log_tail()
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    ranks = cluster.decode.rank_pids + cluster.prefill.rank_pids
+    ranks = cluster.decode.child_pids + cluster.prefill.child_pids
     while any(alive(pid) for pid in ranks):
         assert time.monotonic() < deadline, [pid for pid in ranks if alive(pid)]
         threading.Event().wait(0.1)
