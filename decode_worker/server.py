@@ -33,10 +33,6 @@ log = logging.getLogger(__name__)
 class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
     """protobuf ⇄ ``DecodeLoop`` commands; see ``worker.proto`` for each RPC's contract."""
 
-    def __init__(self, loop: EngineLoop, identity: Identity) -> None:
-        self.loop = loop
-        self.identity = identity
-
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext  # noqa: N802
                 ) -> pb.ReserveResponse:
         try:

@@ -36,10 +36,6 @@ FAULT_HOOK_ENV = "PDSERVE_TEST_KV_FAULT_HOOK"
 class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
     """protobuf ⇄ ``PrefillLoop`` commands; see ``worker.proto`` for each RPC's contract."""
 
-    def __init__(self, loop: EngineLoop, identity: Identity) -> None:
-        self.loop = loop
-        self.identity = identity
-
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext  # noqa: N802
                 ) -> pb.PrefillResponse:
         rid = request.request_id

@@ -1,6 +1,11 @@
 """The router: pdserve's public front door (``pdserve router``). Torch-free.
 
-It validates and tokenizes client requests, picks a prefill worker by prefix affinity and
-a decode worker by load from the workers registered in Redis, drives each request's
-handoff over the internal worker API and relays the token stream (``pdserve.v1``).
+It validates and tokenizes client requests (``validation``), admits them (``service``),
+picks a prefill worker by prefix affinity and a decode worker by load (``routing``) from
+the workers registered in Redis (``workers``), drives each request's lifecycle
+(``handoff``) through the workers' internal API (``worker_calls``, the adapter) and relays
+the token stream (``api``, the ``pdserve.v1`` edge; ``server``, the process).
+
+May import ``cluster``, the torch-free parts of ``engine``, ``kvtransfer.layout`` and the
+public generated code ``pdserve.v1``; never the workers or the SDK's client modules.
 """

@@ -26,8 +26,9 @@ def abort_with(context: grpc.ServicerContext, error: WorkerError) -> NoReturn:
 class LoopServicerMixin:
     """``Abort`` and ``Info`` RPCs over an ``EngineLoop``, shared by both worker kinds."""
 
-    loop: EngineLoop
-    identity: Identity
+    def __init__(self, loop: EngineLoop, identity: Identity) -> None:
+        self.loop = loop
+        self.identity = identity
 
     def _abort_quietly(self, request_id: str, reason: str) -> None:
         try:
