@@ -52,16 +52,21 @@ PLUGIN = "decode_worker.kv_rank:make"
 class DecodeKVConfig(JsonConfig):
     """The decode plugin's settings (``EngineConfig.rank_plugin_config``, as JSON)."""
 
-    store_host: str
+    store_host: str  # where rank 0's store listens (may be a wildcard)
     store_port: int  # 0: rank 0's store binds any free port (see ``DecodeKVLeader.address``)
     model_fingerprint: str
     timeout_s: float = 30.0  # a transfer not complete this long after EXPECT fails
     max_channels: int = 8
     part_bytes: int = 4 << 20
+    advertise_host: str | None = None  # the store's address for others (default store_host)
+
+    @property
+    def reachable_host(self) -> str:
+        return self.advertise_host or self.store_host
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(timeout_s=self.timeout_s, max_channels=self.max_channels,
-                              part_bytes=self.part_bytes)
+                              part_bytes=self.part_bytes, bind_host=self.reachable_host)
 
 
 # ------------------------------------------------------------------------ messages
@@ -117,7 +122,8 @@ class DecodeKVRank(KVRankPlugin):
         self._receiver = KVReceiver(self.layout, address, tp_rank=self.ctx.rank,
                                     tp_size=self.ctx.tp_size, device=self.ctx.kv_cache.device,
                                     config=self.config.transfer_config(),
-                                    on_layer_received=observe)
+                                    on_layer_received=observe,
+                                    advertise_host=self.config.reachable_host)
 
     def _observe(self, transfer_id: int, layer: int) -> None:
         pause_points.record("decode.layer_received", transfer_id=transfer_id, layer=layer,

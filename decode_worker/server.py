@@ -23,6 +23,7 @@ from decode_worker.kv_rank import PLUGIN, DecodeKVConfig
 from engine.core import EngineCore, RequestOutput
 from engine.sharding import num_blocks_for
 from worker.loop import CALL_TIMEOUT_S, EngineLoop, Info, OutputStream, WorkerError
+from worker.options import advertise_host
 from worker.process import WorkerKind, run_worker
 from worker.server import Identity
 from worker.servicer import LoopServicerMixin, abort_with, sampling_params_from_proto
@@ -108,8 +109,8 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
 def _plugin_config(args: argparse.Namespace, fingerprint: str) -> str:
     # rank 0's KV rendezvous store binds args.kv_port itself (0: any); the leader reads the
     # port it got (DecodeKVLeader.address)
-    return DecodeKVConfig(args.host, args.kv_port, fingerprint,
-                          timeout_s=args.transfer_timeout).to_json()
+    return DecodeKVConfig(args.host, args.kv_port, fingerprint, timeout_s=args.transfer_timeout,
+                          advertise_host=advertise_host(args)).to_json()
 
 
 def _make_loop(core: EngineCore, args: argparse.Namespace) -> EngineLoop:

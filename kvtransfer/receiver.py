@@ -65,8 +65,9 @@ class KVReceiver:
     """Receives KV into this decode rank (``tp_rank`` of ``tp_size``).
 
     ``store_address``: where the worker's rendezvous store listens. With ``host_store``
-    (default: rank 0) this receiver starts it there (port 0 = any; see ``address``) and
-    advertises the layout; other ranks connect to ``leader.address``.
+    (default: rank 0) this receiver starts it there (port 0 = any) and advertises the
+    layout; ``address`` is where others reach it (``advertise_host``, when the store
+    listens on a wildcard, and the port it got); other ranks connect to ``leader.address``.
     Contract: transfer ids are never reused; parts for finished or unknown transfers
     are ignored and counted (``stats``); open channels never exceed
     ``config.max_channels`` (a sender asking for more is told to retry).
@@ -78,7 +79,8 @@ class KVReceiver:
     def __init__(self, layout: KVLayout, store_address: StoreAddress, *, tp_rank: int = 0,
                  tp_size: int = 1, host_store: bool | None = None,
                  device: str | torch.device = "cpu", config: TransferConfig | None = None,
-                 on_layer_received: Callable[[int, int], None] | None = None) -> None:
+                 on_layer_received: Callable[[int, int], None] | None = None,
+                 advertise_host: str | None = None) -> None:
         check_tp_size(layout.num_kv_heads, tp_size)
         self.layout = layout
         self.tp_rank = tp_rank
@@ -101,7 +103,8 @@ class KVReceiver:
         if tp_rank == 0 if host_store is None else host_store:
             self._server = create_store_server(store_address.host, store_address.port,
                                                timeout_s=self.config.timeout_s)
-            store_address = StoreAddress(store_address.host, int(self._server.port))
+            store_address = StoreAddress(advertise_host or store_address.host,
+                                         int(self._server.port))
             advertise(self._server, ReceiverInfo(layout, tp_size))
         self.address = store_address
         self._accept_store: Any = connect_store(store_address, timeout_s=self.config.timeout_s)

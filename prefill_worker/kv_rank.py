@@ -39,6 +39,7 @@ from engine.distributed import StoreAddress
 from engine.rank_plugin import RankContext
 from engine.scheduler import ScheduledChunk
 from kvtransfer import KVLayout, KVSender, TransferConfig
+from kvtransfer.config import LOOPBACK
 from kvtransfer.protocol import Trailer
 from kvtransfer.states import TransferState
 from worker import pause_points
@@ -65,10 +66,11 @@ class PrefillKVConfig(JsonConfig):
     max_channels: int = 8
     part_bytes: int = 4 << 20
     fault_hook: str | None = None
+    bind_host: str = LOOPBACK  # the address its channels' groups bind (the advertised one)
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(timeout_s=self.timeout_s, max_channels=self.max_channels,
-                              part_bytes=self.part_bytes)
+                              part_bytes=self.part_bytes, bind_host=self.bind_host)
 
 
 # ------------------------------------------------------------------------ messages

@@ -23,6 +23,7 @@ from engine.distributed import StoreAddress
 from prefill_worker.engine_loop import PrefillDone, PrefillLoop, Submit
 from prefill_worker.kv_rank import PLUGIN, PrefillKVConfig
 from worker.loop import CALL_TIMEOUT_S, EngineLoop, OutputStream, WorkerError
+from worker.options import advertise_host
 from worker.process import WorkerKind, run_worker
 from worker.server import Identity
 from worker.servicer import LoopServicerMixin, abort_with, sampling_params_from_proto
@@ -72,8 +73,8 @@ def _plugin_config(args: argparse.Namespace, fingerprint: str) -> str:
     fault_hook = os.environ.get(FAULT_HOOK_ENV) or None
     if fault_hook is not None:
         log.warning("test-only KV fault hook %s is active (%s)", fault_hook, FAULT_HOOK_ENV)
-    return PrefillKVConfig(fingerprint, timeout_s=args.transfer_timeout,
-                           fault_hook=fault_hook).to_json()
+    return PrefillKVConfig(fingerprint, timeout_s=args.transfer_timeout, fault_hook=fault_hook,
+                           bind_host=advertise_host(args)).to_json()
 
 
 def _make_loop(core: EngineCore, args: argparse.Namespace) -> EngineLoop:

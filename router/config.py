@@ -96,6 +96,7 @@ class RouterConfig:
     grace_s: float = 5.0  # on SIGTERM, in-flight requests get this long to finish
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     tls: TLSFiles | None = None  # None: plaintext
+    health_port: int | None = None  # also serve health alone, in plaintext, here (0: any)
 
     @property
     def address(self) -> str:

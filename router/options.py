@@ -4,8 +4,11 @@ the ``pdserve`` parser is built from them even without the server extra)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from router.config import DEFAULT_PORT, LOCAL_PREFILL_MODES
+
+REDIS_URL_ENV = "PDSERVE_REDIS_URL"
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
@@ -13,13 +16,19 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint directory (the router reads config.json and "
                              "tokenizer.json only, never the weights; default: the "
                              "built-in tiny model, built on first use)")
-    parser.add_argument("--redis-url", required=True, help="the cluster's Redis")
+    parser.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV),
+                        help=f"the cluster's Redis (default: ${REDIS_URL_ENV}; one of the two "
+                             "is required)")
     parser.add_argument("--host", default="127.0.0.1", help="address the API binds to")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help="API port (0: the OS picks)")
+    parser.add_argument("--health-port", type=int,
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for "
+                             "probes when the API port serves TLS; 0: any free port)")
     parser.add_argument("--cluster", default="default", help="Redis key namespace")
     parser.add_argument("--ready-file",
-                        help='write {"grpc_address", "role", "model"} as JSON once serving')
+                        help='write {"grpc_address", "role", "model"} (and "health_address" '
+                             "with --health-port) as JSON once serving")
     parser.add_argument("--model-name", help="name clients may give (default: the directory name)")
     parser.add_argument("--max-inflight", type=int, default=256,
                         help="requests in flight at once; more get RESOURCE_EXHAUSTED")

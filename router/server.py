@@ -72,6 +72,8 @@ class Router:
                                          max_queued_tokens=a.max_queued_tokens)
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health_address: str | None = None
         self._refresher: asyncio.Task[None] | None = None
         self.address = config.address
 
@@ -103,11 +105,28 @@ class Router:
             raise RouterStartError(str(exc)) from None
         except Exception as exc:  # unreachable: keep going, the refresh loop retries
             logger.warning("Redis not reachable yet (%s); routing starts once it is", exc)
+        if self.config.health_port is not None:
+            await self._start_health_server()
         await self._refresh()
         await server.start()
         self._server = server
         self._refresher = asyncio.create_task(self._refresh_forever())
         return self.address
+
+    async def _start_health_server(self) -> None:
+        """``grpc.health.v1`` alone, in plaintext, on ``health_port`` (probes of a TLS router)."""
+        server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        address = f"{self.config.host}:{self.config.health_port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise RouterStartError(f"cannot listen on {address}: {exc}") from None
+        if port == 0:
+            raise RouterStartError(f"cannot listen on {address} (port in use?)")
+        await server.start()
+        self._health_server = server
+        self.health_address = f"{self.config.host}:{port}"
 
     async def _refresh(self) -> None:
         await self.pool.refresh()
@@ -134,6 +153,8 @@ class Router:
         if self._server is not None:
             await self._health.enter_graceful_shutdown()
             await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
         await self.service.drain_background()
         await self.pool.close()
         self.registry.close()
@@ -144,6 +165,8 @@ class Router:
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    if not args.redis_url:
+        raise ValueError("give --redis-url or $PDSERVE_REDIS_URL (the cluster's Redis)")
     return RouterConfig(
         model_dir=Path(args.model) if args.model else _demo_model_dir(), host=args.host, port=args.port,
         model_name=args.model_name, grace_s=args.grace,
@@ -151,7 +174,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         discovery=DiscoveryConfig(redis_url=args.redis_url, cluster=args.cluster),
         admission=AdmissionConfig(max_inflight=args.max_inflight,
                                   max_queued_tokens=args.max_queued_tokens or None),
-        handoff=HandoffConfig(local_prefill=args.local_prefill))
+        handoff=HandoffConfig(local_prefill=args.local_prefill), health_port=args.health_port)
 
 
 def _tls(args: argparse.Namespace) -> TLSFiles | None:
@@ -187,8 +210,10 @@ async def _serve(config: RouterConfig, ready_file: str | None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if ready_file:
-        write_json_atomic(ready_file, {"grpc_address": address, "role": "router",
-                                       "model": router.limits.name})
+        ready = {"grpc_address": address, "role": "router", "model": router.limits.name}
+        if router.health_address is not None:
+            ready["health_address"] = router.health_address
+        write_json_atomic(ready_file, ready)
     logger.info("serving %s on %s (%d prefill, %d decode workers known; %s)",
                 router.limits.name, address, len(router.pool.routable("prefill")),
                 len(router.pool.routable("decode")),

@@ -7,16 +7,32 @@ even where the server extra is not installed (it then says which extra to instal
 from __future__ import annotations
 
 import argparse
+import os
+
+REDIS_URL_ENV = "PDSERVE_REDIS_URL"
+"""Where ``--redis-url`` defaults from (so a password never has to be on a command line)."""
+WILDCARDS = ("0.0.0.0", "::", "")
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     """Options both worker commands take."""
     parser.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
     parser.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to")
+    parser.add_argument("--advertise-host",
+                        help="address other processes reach this worker at: registered in "
+                             "Redis, advertised by the KV endpoint, bound by the KV data "
+                             "plane's groups (default: --host, which must then not be a "
+                             "wildcard such as 0.0.0.0)")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (0: the OS picks)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the model and its KV cache live (cuda: one GPU per rank)")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                        help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--ready-file", help="write the addresses here as JSON once ready")
-    parser.add_argument("--redis-url", help="register in this Redis (else run unregistered)")
+    parser.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV),
+                        help=f"register in this Redis (default: ${REDIS_URL_ENV}; neither: run "
+                             "unregistered)")
     parser.add_argument("--cluster", default="default", help="Redis key namespace")
     parser.add_argument("--heartbeat-interval", type=float,
                         help="seconds between registration heartbeats (default: 3)")
@@ -38,3 +54,17 @@ def add_decode_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-port", type=int, default=0,
                         help="KV rendezvous store port (0: the OS picks when the store "
                         "binds; the ready file and registration tell the port it got)")
+
+
+def advertise_host(args: argparse.Namespace) -> str:
+    """The address this worker is reached at (``--advertise-host``, else ``--host``);
+    ``ValueError`` when that would be a wildcard."""
+    host = args.advertise_host or args.host
+    if host in WILDCARDS:
+        raise ValueError(f"--host {args.host} binds every interface: give --advertise-host, "
+                         "the address other processes reach this worker at")
+    return str(host)
+
+
+def dtype(args: argparse.Namespace) -> str:
+    return str(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))

@@ -9,6 +9,7 @@ server (``worker.server.serve_until_signal``). A ``WorkerKind`` names what diffe
 from __future__ import annotations
 
 import argparse
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from kvtransfer.layout import KVLayout
+from worker import options
 from worker.loop import CALL_TIMEOUT_S, EngineLoop, Info
 from worker.server import Endpoint, Identity, serve_until_signal
 
@@ -56,7 +58,7 @@ def build_engine(args: argparse.Namespace, rank_plugin: str, plugin_config: str)
     """The worker's engine with its rank plugin on every rank; spawns the follower ranks
     (call before any gRPC object exists)."""
     config = EngineConfig(
-        model=load_model_config(args.model),
+        model=load_model_config(args.model, dtype=options.dtype(args)), device=args.device,
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -74,7 +76,12 @@ def warm_up(core: EngineCore) -> None:
 
 def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
     """Run one worker of ``kind`` until SIGTERM/SIGINT (see ``serve_until_signal``);
-    returns the exit code."""
+    returns the exit code (2 for unusable options, before anything starts)."""
+    try:
+        options.advertise_host(args)
+    except ValueError as exc:
+        print(f"pdserve {kind.role}: {exc}", file=sys.stderr)
+        return 2
     fingerprint = fingerprint_model_dir(args.model)
     core = build_engine(args, kind.rank_plugin, kind.plugin_config(args, fingerprint))
     try:

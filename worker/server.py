@@ -28,6 +28,7 @@ from cluster.records import WorkerLoad, WorkerRecord
 from cluster.registry import FingerprintMismatch, Registry
 from kvtransfer.layout import KVLayout
 from worker.loop import EngineLoop
+from worker.options import advertise_host
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ class Endpoint:
 
 
 def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
-    """Serve gRPC (+ health) on ``args.host:args.port`` until SIGTERM/SIGINT, then stop.
+    """Serve gRPC (+ health) on ``args.host:args.port`` until SIGTERM/SIGINT, then stop;
+    the address registered and written to the ready file is ``--advertise-host``'s.
 
     Order: server up → registration (``--redis-url``; a fingerprint mismatch exits 3
     naming the field, as do invalid ``--heartbeat-interval``/``--registration-ttl``) →
@@ -136,7 +138,7 @@ def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     server.start()
     identity = endpoint.identity
-    grpc_address = f"{args.host}:{port}"
+    grpc_address = f"{advertise_host(args)}:{port}"
     heartbeat = None
     stop = threading.Event()
     try:

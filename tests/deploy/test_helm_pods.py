@@ -21,11 +21,10 @@ GPU_CASES = [c for c in chart.CASES if c != "cpu"]
 # Flags and environment the chart relies on that the pdserve command line does not have yet
 # (issue 14 adds them). A flag outside this list and the CLI is a typo in the chart.
 PENDING_FLAGS = {
-    "router": {"--http-port", "--health-port", "--metrics-port"},
-    "prefill": {"--advertise-host", "--metrics-port", "--device", "--dtype"},
-    "decode": {"--advertise-host", "--metrics-port", "--device", "--dtype"},
+    "router": {"--http-port", "--metrics-port"},
+    "prefill": {"--metrics-port"},
+    "decode": {"--metrics-port"},
 }
-PENDING_ENV_INSTEAD_OF_FLAG = {"--redis-url": "PDSERVE_REDIS_URL"}
 
 
 def _subparser(command: str) -> argparse.ArgumentParser:
@@ -33,9 +32,6 @@ def _subparser(command: str) -> argparse.ArgumentParser:
     parser = sub.choices[command]
     for flag in PENDING_FLAGS.get(command, ()):
         parser.add_argument(flag)
-    for action in parser._actions:  # the chart passes these through the environment
-        if set(action.option_strings) & set(PENDING_ENV_INSTEAD_OF_FLAG):
-            action.required = False
     parser.exit_on_error = False
     return parser
 

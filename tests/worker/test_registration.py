@@ -1,4 +1,4 @@
-"""Proc registration through real processes: a worker appears in Redis only once
+"""Worker registration through real processes: a worker appears in Redis only once
 ready, a differing fingerprint keeps it out, a frozen worker expires after its TTL and
 returns, and a restarted Redis is refilled within one heartbeat."""
 
@@ -27,7 +27,7 @@ def test_registers_once_ready_and_refuses_a_differing_fingerprint(
         try:
             # 1. a worker registers once ready (its ready file is written after the record)
             good = spawn_worker("prefill", llama_dir, tmp_path, "--redis-url", redis_server.url,
-                         "--worker-id", "prefill-a")
+                                "--worker-id", "prefill-a")
             workers.append(good)
             good.wait_ready()
             (record,) = registry.list_workers()
@@ -38,7 +38,7 @@ def test_registers_once_ready_and_refuses_a_differing_fingerprint(
             other_dir = tmp_path / "other"
             other_dir.mkdir()
             bad = spawn_worker("prefill", llama_dir, other_dir, "--redis-url", redis_server.url,
-                        "--worker-id", "prefill-b", "--block-size", "32")
+                               "--worker-id", "prefill-b", "--block-size", "32")
             workers.append(bad)
             assert bad.proc.wait(START_TIMEOUT_S) != 0
             assert "block_size" in bad.log_tail()
@@ -51,6 +51,27 @@ def test_registers_once_ready_and_refuses_a_differing_fingerprint(
         finally:
             for w in workers:
                 w.stop()
+
+
+def test_the_advertised_host_is_what_others_reach(llama_dir: Path, tmp_path: Path) -> None:
+    # 1. a wildcard --host without --advertise-host is refused before anything starts
+    refused = spawn_worker("decode", llama_dir, tmp_path, "--host", "0.0.0.0", name="wild")
+    assert refused.proc.wait(60) == 2
+    assert "--advertise-host" in refused.log_tail()
+    # 2. what is registered and written to the ready file is the advertised host
+    with RedisServer(start_timeout_s=10.0) as redis_server, Registry(redis_server.url) as registry:
+        worker = spawn_worker("decode", llama_dir, tmp_path, "--redis-url", redis_server.url,
+                              "--advertise-host", "localhost", "--worker-id", "decode-l")
+        try:
+            worker.wait_ready()
+            (record,) = registry.list_workers()
+            assert record.grpc_address.startswith("localhost:")
+            assert record.kv_address.startswith("localhost:")
+            assert worker.ready["kv_address"] == record.kv_address
+            stub = pb_grpc.DecodeWorkerStub(worker.channel)  # reachable there
+            assert stub.Info(pb.InfoRequest(), timeout=RPC_TIMEOUT_S).worker_id == "decode-l"
+        finally:
+            worker.stop()
 
 
 HEARTBEAT_S, TTL_S = 0.2, 1.0  # the short-TTL workers below
