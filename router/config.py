@@ -37,14 +37,18 @@ class HandoffConfig:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """What the router accepts before any work."""
+    """What the router accepts, queues and buffers (``router.admission``,
+    ``router.generations``)."""
 
-    max_inflight: int = 256  # requests in flight at once; more get RESOURCE_EXHAUSTED
+    # requests queued or running at once; more get RESOURCE_EXHAUSTED at once
+    max_inflight: int = 1024
     # prompt tokens of requests not yet at their first token (one request alone is always
     # admitted); None: no limit
-    max_queued_tokens: int | None = 65536
+    max_queued_tokens: int | None = 262144
     max_message_bytes: int = 4 << 20  # larger request messages get RESOURCE_EXHAUSTED
     default_timeout_s: float = 600.0  # deadline of a request whose client set none
+    # chunks of one request waiting for a slow client; past it: RESOURCE_EXHAUSTED
+    max_buffered_chunks: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
@@ -56,6 +60,8 @@ class AdmissionConfig:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not self.default_timeout_s > 0:
             raise ValueError(f"default_timeout_s must be > 0, got {self.default_timeout_s}")
+        if self.max_buffered_chunks < 1:
+            raise ValueError(f"max_buffered_chunks must be >= 1, got {self.max_buffered_chunks}")
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,7 @@ class RouterConfig:
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     tls: TLSFiles | None = None  # None: plaintext
     health_port: int | None = None  # also serve health alone, in plaintext, here (0: any)
+    metrics_port: int | None = None  # serve /metrics here (0: any)
 
     @property
     def address(self) -> str:

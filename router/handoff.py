@@ -47,7 +47,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.kvcache.block_hash import compute_block_hashes
+from router.admission import Ticket
 from router.config import HandoffConfig
+from router.errors import RouteError
+from router.metrics import RouterMetrics
 from router.outputs import OutputChunk
 from router.routing import DecodeCandidate, affinity_key, pick_prefill, rank_decode
 from router.validation import ValidRequest
@@ -65,17 +68,18 @@ from router.workers import WorkerPool
 logger = logging.getLogger(__name__)
 
 
-class RouteError(Exception):
-    """The request failed; ``code`` is the status the client gets, ``message`` says why."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 class _Retry(Exception):
-    """This attempt failed before any token reached the client; another may succeed."""
+    """This attempt failed before any token reached the client; another may succeed.
+    ``cause``: reserve, prefill, generate, worker_left, health or no_prefill (metrics)."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class _Busy(Exception):
+    """A worker answered "busy" (RESOURCE_EXHAUSTED) before any token reached the client:
+    wait for capacity and try again; the worker is not suspected, the attempt not spent."""
 
 
 @dataclass
@@ -93,12 +97,15 @@ class _Attempt:
 class Handoff:
     """Drives one validated request to completion; iterate ``stream()`` once."""
 
-    def __init__(self, pool: WorkerPool, request: ValidRequest, *, deadline: float,
-                 config: HandoffConfig, transfer_ids: Iterator[int],
+    def __init__(self, pool: WorkerPool, request: ValidRequest, ticket: Ticket, *,
+                 deadline: float, config: HandoffConfig, transfer_ids: Iterator[int],
                  background: Callable[[asyncio.Future[object]], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: RouterMetrics, clock: Callable[[], float] = time.monotonic) -> None:
         self._pool = pool
+        self._metrics = metrics
         self._req = request
+        self._ticket = ticket
+        self._admission = ticket.admission
         self._calls = WorkerCalls(pool, request)
         self._deadline = deadline
         self._config = config
@@ -115,31 +122,53 @@ class Handoff:
         self._key: bytes | None = None  # the prefill affinity key, computed on first use
 
     async def stream(self) -> AsyncGenerator[OutputChunk, None]:
-        """The request's output chunks; raises ``RouteError`` on failure."""
+        """The request's output chunks; raises ``RouteError`` on failure. The first
+        attempt waits its turn in the router's queue (``Ticket.turn``) while no decode
+        worker can take it; later attempts (after a failure) go ahead of the queue."""
         failures: list[str] = []
-        for number in range(1, self._config.max_attempts + 1):
-            local = self._prefill_locally()
-            attempt = self._local_attempt(number) if local else await self._reserve(number)
+        number = 1
+        while number <= self._config.max_attempts:
+            attempt = await self._place(number)
             try:
                 with self._pool.busy(attempt.decode_id):
-                    call = (self._start_local(attempt) if local
+                    call = (self._start_local(attempt) if attempt.target is None
                             else self._start_generate(attempt, await self._prefill(attempt)))
                     async with aclosing(self._relay(attempt, call)) as relayed:
                         async for chunk in relayed:
                             yield chunk
                     return
+            except _Busy as busy:  # not the worker's fault: wait, then the same attempt again
+                self._metrics.retries.labels("busy").inc()
+                self._log.info("attempt %d: %s; waiting for capacity", number, busy)
+                await self._abort_decode_now(attempt)
+                await self._admission.capacity_changed(self._deadline)
             except _Retry as retry:
+                self._metrics.retries.labels(retry.cause).inc()
                 failures.append(str(retry))
                 self._log.warning("attempt %d failed, %s: %s", number,
                                   "retrying" if number < self._config.max_attempts
                                   else "giving up", retry)
                 if attempt.decode_id not in self._excluded:  # the next Reserve may go there
                     await self._abort_decode_now(attempt)
+                number += 1
             finally:
                 self._end(attempt)
         raise RouteError(grpc.StatusCode.UNAVAILABLE,
                          f"the workers failed {len(failures)} times before the first token: "
                          + "; ".join(failures))
+
+    async def _place(self, number: int) -> _Attempt:
+        """A decode worker for this attempt (a reservation, or local prefill); the first
+        placement of the request waits its turn in the router's queue."""
+        self._metrics.attempts.inc()
+        if self._ticket.placed_at is not None:
+            return self._local_attempt(number) if self._prefill_locally() \
+                else await self._reserve(number)
+        async with self._ticket.turn(self._deadline):
+            attempt = self._local_attempt(number) if self._prefill_locally() \
+                else await self._reserve(number)
+        self._ticket.placed()
+        return attempt
 
     # ----------------------------------------------------------------- steps
 
@@ -171,13 +200,30 @@ class Handoff:
 
     def _local_attempt(self, number: int) -> _Attempt:
         decode_id = self._decode_order()[0]
+        self._metrics.routed.labels("decode", decode_id).inc()
         self._log.info("attempt %d: prefilling locally on %s (%s)", number, decode_id,
                        "colocated mode" if self._config.local_prefill == "always"
                        else "no prefill worker left")
         return _Attempt(number, decode_id, 0, None)
 
     async def _reserve(self, number: int) -> _Attempt:
-        need = self._req.num_blocks(self._block_size)
+        """A reservation on the first decode worker (least busy first) that has room;
+        while every reachable one refuses (no room now, or at its stream limit), wait for
+        capacity (until the deadline). UNAVAILABLE when none answers at all."""
+        while True:
+            attempt, refusals, any_refused = await self._try_reserve(number)
+            if attempt is not None:
+                return attempt
+            if not any_refused:
+                raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                                 f"no decode worker could reserve "
+                                 f"{self._req.num_blocks(self._block_size)} KV blocks: "
+                                 + "; ".join(refusals))
+            await self._admission.capacity_changed(self._deadline)
+
+    async def _try_reserve(self, number: int) -> tuple[_Attempt | None, list[str], bool]:
+        """One pass over the decode workers: (the attempt, or None with why each refused
+        and whether any answered "no room now")."""
         refusals: list[str] = []
         any_refused = False  # a worker answered "no room" (vs. none answering at all)
         for decode_id in self._decode_order():
@@ -200,35 +246,49 @@ class Handoff:
                 if failure.kind is Failure.REFUSED:  # the worker refused what the router sent
                     raise RouteError(grpc.StatusCode.INTERNAL,
                                      f"reserve on {decode_id}: {failure}") from None
-                self._worker_failed(decode_id, failure)
                 refusals.append(f"{decode_id}: {failure}")
+                if failure.kind is Failure.BUSY:
+                    any_refused = True
+                    continue
+                self._worker_failed(decode_id, failure)
                 continue
             if reply.accepted:
+                self._metrics.routed.labels("decode", decode_id).inc()
                 self._log.info("attempt %d: %d blocks reserved on %s (transfer %d)", number,
                                reply.num_blocks, decode_id, transfer_id)
-                return _Attempt(number, decode_id, transfer_id, reply.target)
+                return _Attempt(number, decode_id, transfer_id, reply.target), refusals, True
             refusals.append(f"{decode_id}: {reply.reason}")
             any_refused = True
-        raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED if any_refused
-                         else grpc.StatusCode.UNAVAILABLE,
-                         f"no decode worker could reserve {need} KV blocks now: "
-                         + "; ".join(refusals))
+        return None, refusals, any_refused
 
     async def _prefill(self, attempt: _Attempt) -> Prefilled:
-        workers = {r.worker_id: self._pool.inflight(r.worker_id)
-                   for r in self._pool.routable("prefill") if r.worker_id not in self._excluded}
-        order = pick_prefill(self._affinity_key(), workers, self._config.load_epsilon)
-        if not order:
-            if self._config.local_prefill == "fallback":  # the next attempt prefills locally
-                raise _Retry("no prefill worker left")
-            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
-        prefill_id = attempt.prefill_id = order[0]
+        """Prefill on the first prefill worker in rendezvous order (bounded load) that is
+        not busy; while all are, wait for capacity (the reservation waits meanwhile)."""
+        while True:
+            workers = {r.worker_id: self._pool.inflight(r.worker_id) for r in
+                       self._pool.routable("prefill") if r.worker_id not in self._excluded}
+            order = pick_prefill(self._affinity_key(), workers, self._config.load_epsilon)
+            if not order:
+                if self._config.local_prefill == "fallback":  # the next attempt prefills locally
+                    raise _Retry("no prefill worker left", "no_prefill")
+                raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+            for prefill_id in order:
+                reply = await self._prefill_on(attempt, prefill_id)
+                if reply is not None:
+                    return reply
+            self._log.info("every prefill worker is busy; waiting for capacity")
+            await self._admission.capacity_changed(self._deadline)
+
+    async def _prefill_on(self, attempt: _Attempt, prefill_id: str) -> Prefilled | None:
+        """The Prefill call on ``prefill_id``: its reply, or None when it answered busy."""
+        attempt.prefill_id = prefill_id
+        self._metrics.routed.labels("prefill", prefill_id).inc()
         assert attempt.target is not None
         try:
             call = self._calls.start_prefill(prefill_id, attempt.target, self._timeout())
         except KeyError:
             self._excluded.add(prefill_id)
-            raise _Retry(f"prefill worker {prefill_id} left the registry") from None
+            raise _Retry(f"prefill worker {prefill_id} left the registry", "worker_left") from None
         attempt.calls.append(call)
         try:
             with self._pool.busy(prefill_id), self._pool.watched(prefill_id, call):
@@ -236,11 +296,14 @@ class Handoff:
         except asyncio.CancelledError:
             _reraise_if_we_are_cancelled()
             self._excluded.add(prefill_id)
-            raise _Retry(f"prefill worker {prefill_id} stopped answering health checks"
-                         ) from None
+            raise _Retry(f"prefill worker {prefill_id} stopped answering health checks",
+                         "health") from None
         except grpc.aio.AioRpcError as exc:
             failure = self._failure(exc)
             self._check_deadline(failure)
+            if failure.kind is Failure.BUSY:
+                attempt.prefill_id = None  # it took nothing
+                return None
             self._worker_failed(prefill_id, failure)
             if failure.kind is Failure.ALREADY_EXISTS:
                 attempt.prefill_id = None  # the id's holder there is not ours to abort
@@ -248,7 +311,7 @@ class Handoff:
             why = f"prefill on {prefill_id}: {failure}"
             if failure.kind is Failure.REFUSED:  # the worker refused what the router sent
                 raise RouteError(grpc.StatusCode.INTERNAL, why) from None
-            raise _Retry(why) from None
+            raise _Retry(why, "prefill") from None
         attempt.prefill_id = None  # it returned once the decode side acknowledged: done
         self._log.info("prefilled on %s (%d of %d prompt tokens cached)", prefill_id,
                        reply.num_cached_tokens, reply.num_prompt_tokens)
@@ -272,7 +335,7 @@ class Handoff:
 
     def _decode_left(self, attempt: _Attempt) -> _Retry:
         self._excluded.add(attempt.decode_id)
-        return _Retry(f"decode worker {attempt.decode_id} left the registry")
+        return _Retry(f"decode worker {attempt.decode_id} left the registry", "worker_left")
 
     async def _relay(self, attempt: _Attempt, call: grpc.aio.UnaryStreamCall
                      ) -> AsyncGenerator[OutputChunk, None]:
@@ -291,15 +354,17 @@ class Handoff:
             self._excluded.add(attempt.decode_id)
             why = f"decode worker {attempt.decode_id} stopped answering health checks"
             if num_streamed == 0:
-                raise _Retry(why) from None
+                raise _Retry(why, "health") from None
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"{why} after {num_streamed} streamed tokens") from None
         except grpc.aio.AioRpcError as exc:
             failure = self._failure(exc)
             self._check_deadline(failure)
+            if num_streamed == 0 and failure.kind is Failure.BUSY:
+                raise _Busy(f"{attempt.decode_id} is busy: {failure}") from None
             if num_streamed == 0 and failure.kind is Failure.RETRY:
                 self._excluded.add(attempt.decode_id)
-                raise _Retry(f"generate on {attempt.decode_id}: {failure}") from None
+                raise _Retry(f"generate on {attempt.decode_id}: {failure}", "generate") from None
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"decode worker {attempt.decode_id} failed after {num_streamed} "
                              f"streamed tokens: {failure}") from None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from router.config import DEFAULT_PORT, LOCAL_PREFILL_MODES
+from router.config import DEFAULT_PORT, LOCAL_PREFILL_MODES, AdmissionConfig
 
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
 
@@ -25,16 +25,26 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-port", type=int,
                         help="also serve grpc.health.v1 alone, in plaintext, on this port (for "
                              "probes when the API port serves TLS; 0: any free port)")
+    parser.add_argument("--metrics-port", type=int,
+                        help="serve the router's Prometheus metrics on this port's /metrics "
+                             "(0: any free port; they are on the HTTP API's /metrics too)")
     parser.add_argument("--cluster", default="default", help="Redis key namespace")
     parser.add_argument("--ready-file",
                         help='write {"grpc_address", "role", "model"} (and "health_address" '
                              "with --health-port) as JSON once serving")
     parser.add_argument("--model-name", help="name clients may give (default: the directory name)")
-    parser.add_argument("--max-inflight", type=int, default=256,
-                        help="requests in flight at once; more get RESOURCE_EXHAUSTED")
-    parser.add_argument("--max-queued-tokens", type=int, default=65536,
+    parser.add_argument("--max-inflight", type=int, default=AdmissionConfig.max_inflight,
+                        help="requests queued or running at once (a busy cluster queues them "
+                             "first come, first served); more get RESOURCE_EXHAUSTED at once")
+    parser.add_argument("--max-queued-tokens", type=int,
+                        default=AdmissionConfig.max_queued_tokens,
                         help="prompt tokens waiting for their first token at once; more get "
                              "RESOURCE_EXHAUSTED (0: no limit)")
+    parser.add_argument("--max-buffered-chunks", type=int,
+                        default=AdmissionConfig.max_buffered_chunks,
+                        help="chunks of one stream the router holds for a client that reads "
+                             "slower than tokens come; past it the request is cancelled with "
+                             "RESOURCE_EXHAUSTED (client too slow)")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
     parser.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",

@@ -20,8 +20,10 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
+import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -37,6 +39,7 @@ from router.config import (
     RouterConfig,
     TLSFiles,
 )
+from router.generations import Generations
 from router.service import SERVICE_NAME, GenerationService
 from router.validation import ModelLimits
 from router.workers import WorkerPool
@@ -65,15 +68,15 @@ class Router:
         self.registry = Registry(d.redis_url, cluster=d.cluster)
         self.pool = WorkerPool(self.registry, fingerprint, keep_missing_s=d.keep_missing_s,
                                suspect_s=d.suspect_s)
-        a = config.admission
-        self.service = GenerationService(self.pool, self.limits, tokenizer,
-                                         handoff=config.handoff, max_inflight=a.max_inflight,
-                                         default_timeout_s=a.default_timeout_s,
-                                         max_queued_tokens=a.max_queued_tokens)
+        self.generations = Generations(self.pool, self.limits, tokenizer,
+                                       handoff=config.handoff, admission=config.admission)
+        self.service = GenerationService(self.generations)
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self.health_address: str | None = None
+        self._metrics_server: Any = None
+        self.metrics_address: str | None = None
         self._refresher: asyncio.Task[None] | None = None
         self.address = config.address
 
@@ -107,11 +110,24 @@ class Router:
             logger.warning("Redis not reachable yet (%s); routing starts once it is", exc)
         if self.config.health_port is not None:
             await self._start_health_server()
+        if self.config.metrics_port is not None:
+            self._start_metrics_server(self.config.metrics_port)
         await self._refresh()
         await server.start()
         self._server = server
         self._refresher = asyncio.create_task(self._refresh_forever())
         return self.address
+
+    def _start_metrics_server(self, port: int) -> None:
+        """``/metrics`` (Prometheus text) on its own port, served from a thread."""
+        try:
+            server, _ = prometheus_client.start_http_server(port, self.config.host,
+                                                            self.generations.metrics.registry)
+        except OSError as exc:
+            raise RouterStartError(f"cannot serve metrics on {self.config.host}:{port}: "
+                                   f"{exc.strerror or exc}") from None
+        self._metrics_server = server
+        self.metrics_address = f"{self.config.host}:{server.server_address[1]}"
 
     async def _start_health_server(self) -> None:
         """``grpc.health.v1`` alone, in plaintext, on ``health_port`` (probes of a TLS router)."""
@@ -155,7 +171,10 @@ class Router:
             await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
         if self._health_server is not None:
             await self._health_server.stop(None)
-        await self.service.drain_background()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        await self.generations.drain_background()
         await self.pool.close()
         self.registry.close()
 
@@ -173,8 +192,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_key=load_api_key(args.api_key_file), tls=_tls(args),
         discovery=DiscoveryConfig(redis_url=args.redis_url, cluster=args.cluster),
         admission=AdmissionConfig(max_inflight=args.max_inflight,
-                                  max_queued_tokens=args.max_queued_tokens or None),
-        handoff=HandoffConfig(local_prefill=args.local_prefill), health_port=args.health_port)
+                                  max_queued_tokens=args.max_queued_tokens or None,
+                                  max_buffered_chunks=args.max_buffered_chunks),
+        handoff=HandoffConfig(local_prefill=args.local_prefill), health_port=args.health_port,
+        metrics_port=args.metrics_port)
 
 
 def _tls(args: argparse.Namespace) -> TLSFiles | None:
@@ -211,8 +232,9 @@ async def _serve(config: RouterConfig, ready_file: str | None) -> int:
         loop.add_signal_handler(sig, stop.set)
     if ready_file:
         ready = {"grpc_address": address, "role": "router", "model": router.limits.name}
-        if router.health_address is not None:
-            ready["health_address"] = router.health_address
+        for name in ("health_address", "metrics_address"):
+            if getattr(router, name) is not None:
+                ready[name] = getattr(router, name)
         write_json_atomic(ready_file, ready)
     logger.info("serving %s on %s (%d prefill, %d decode workers known; %s)",
                 router.limits.name, address, len(router.pool.routable("prefill")),
@@ -221,7 +243,7 @@ async def _serve(config: RouterConfig, ready_file: str | None) -> int:
     if config.tls is not None:
         logger.info("TLS on the public port (certificate %s)", config.tls.cert_file)
     await stop.wait()
-    logger.info("stopping: %d requests in flight get %.1fs", router.service.inflight,
+    logger.info("stopping: %d requests in flight get %.1fs", router.generations.inflight,
                 config.grace_s)
     await router.stop()
     return 0

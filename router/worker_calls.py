@@ -56,6 +56,7 @@ class Prefilled:
 
 class Failure(enum.Enum):
     RETRY = "retry"  # this worker failed the call: another attempt (elsewhere) may succeed
+    BUSY = "busy"  # the worker is at a limit (RESOURCE_EXHAUSTED): wait or go elsewhere
     ALREADY_EXISTS = "already exists"  # the request id is held there by another request
     DEADLINE = "deadline"  # the request's own deadline passed
     REFUSED = "refused"  # the worker refused what the router sent: a router bug (INTERNAL)
@@ -63,8 +64,7 @@ class Failure(enum.Enum):
 
 # Codes of a failed call worth another attempt elsewhere (before the first token).
 # NOT_FOUND: the decode worker dropped the reservation (its transfer deadline passed).
-_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
                         grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
                         grpc.StatusCode.NOT_FOUND})
 _TRANSPORT = ("failed to connect", "connection refused", "socket closed", "connection reset",
@@ -95,6 +95,8 @@ def classify(exc: grpc.aio.AioRpcError, *, deadline_passed: bool) -> CallFailure
         code == grpc.StatusCode.UNAVAILABLE and any(s in lowered for s in _TRANSPORT))
     if code == grpc.StatusCode.ALREADY_EXISTS:
         kind = Failure.ALREADY_EXISTS
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        kind = Failure.BUSY
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
         kind = Failure.DEADLINE if deadline_passed else Failure.RETRY
     elif code in _RETRYABLE:

@@ -296,7 +296,7 @@ def test_the_checker_sees_nested_and_relative_imports(tmp_path: Path) -> None:
     assert {"torch.nn.functional", "a.b.sibling", "a.up.thing"} <= imported_names(sample, "a.b")
     assert _resolve("engine.config.EngineConfig") == "engine.config"
     assert _resolve("cluster.internal.v1.worker_pb2") in GENERATED
-    assert "router.handoff" in edges("router.service")
+    assert "router.generations" in edges("router.service")
     sample.write_text("import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                       "    import torch\ndef f():\n    import numpy\nclass C:\n    import json\n")
     assert imported_names(sample, "x", import_time=True) == {"os", "typing", "typing.TYPE_CHECKING",

@@ -18,7 +18,7 @@ def error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
     (S.UNAVAILABLE, "failed to connect to all addresses", False, Failure.RETRY, True),
     (S.UNAVAILABLE, "Socket closed", False, Failure.RETRY, True),
     (S.UNAVAILABLE, "the engine loop is not running", False, Failure.RETRY, False),
-    (S.RESOURCE_EXHAUSTED, "busy", False, Failure.RETRY, False),
+    (S.RESOURCE_EXHAUSTED, "busy", False, Failure.BUSY, False),
     (S.NOT_FOUND, "no live reservation", False, Failure.RETRY, False),
     (S.ABORTED, "", False, Failure.RETRY, False),
     (S.INTERNAL, "", False, Failure.RETRY, False),
