@@ -15,8 +15,10 @@ from typing import Any, get_type_hints
 
 from kvtransfer.layout import KVLayout
 
-RECORD_VERSION = 1
-"""Version of the worker-record and fingerprint JSON; readers refuse any other."""
+RECORD_VERSION = 2
+"""Version of the worker-record and fingerprint JSON written. Readers also take version 1
+(records without ``metrics_address``) and refuse any other."""
+READABLE_VERSIONS = (1, 2)
 ROLES = ("prefill", "decode")
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -56,6 +58,7 @@ class WorkerRecord:
     num_running: int
     num_waiting: int
     started_at: float
+    metrics_address: str = ""
 
     def __post_init__(self) -> None:
         check_name("worker_id", self.worker_id)
@@ -63,6 +66,8 @@ class WorkerRecord:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         _check_address("grpc_address", self.grpc_address)
         _check_address("kv_address", self.kv_address)
+        if self.metrics_address:
+            _check_address("metrics_address", self.metrics_address)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         for name in ("free_kv_blocks", "total_kv_blocks", "num_running", "num_waiting"):
@@ -93,6 +98,8 @@ class WorkerRecord:
         """Strict decoding: ``RecordFormatError`` on another version, a missing or unknown
         key, a wrongly typed value or a value the constructor rejects."""
         data = _load_versioned(text, "worker record")
+        if data.pop("_version") == 1:
+            data.setdefault("metrics_address", "")
         values = _typed_fields(cls, data, "worker record", skip=("layout",))
         try:
             return cls(layout=layout_from_dict(data["layout"]), **values)
@@ -107,6 +114,7 @@ def layout_to_json(layout: KVLayout) -> str:
 
 def layout_from_json(text: str | bytes) -> KVLayout:
     data = _load_versioned(text, "fingerprint")
+    data.pop("_version")
     if set(data) != {"layout"}:
         raise RecordFormatError(f"fingerprint keys must be version and layout, got {sorted(data)}")
     return layout_from_dict(data["layout"])
@@ -140,9 +148,10 @@ def _load_versioned(text: str | bytes, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RecordFormatError(f"{what} must be a JSON object, got {type(data).__name__}")
     version = data.pop("version", None)
-    if version != RECORD_VERSION:
+    if version not in READABLE_VERSIONS:
         raise RecordFormatError(f"{what} has version {version!r}; this pdserve reads "
-                                f"version {RECORD_VERSION}")
+                                f"versions {list(READABLE_VERSIONS)}")
+    data["_version"] = version
     return data
 
 

@@ -23,8 +23,11 @@ that differs from what arrived with the KV ends the request with INTERNAL (and f
 Ownership: from Reserve until admit, the blocks are reserved in the engine and written by
 the ranks' receivers while the transfer is pending; the loop frees them on abort or a
 failed transfer (after the leader made every rank stop writing); after admit they are the
-engine's. A request whose KV arrived but whose stream was not opened within the transfer
-timeout is aborted by the loop, so nothing is held without a deadline.
+engine's. A reservation's transfer must start within the Reserve's wait (the request's deadline)
+and complete within the transfer timeout of that (the leader fails it otherwise); a
+request whose KV arrived but whose stream was not opened within the transfer timeout of
+its arrival is aborted by the loop, so nothing is held without a deadline. Past
+``max_requests`` held at once, a Reserve is not accepted and a Local is refused as busy.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -43,38 +47,47 @@ from engine.core import EngineCore, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.protocol import Trailer
 from worker.loop import Command, EngineLoop, OutputStream, WorkerError
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 MAX_REMEMBERED_FAILURES = 1024
 
 
 @dataclass(frozen=True)
-class Reserve(Command[KVTarget | None]):
+class Reserve(Command[KVTarget | str]):
+    """Reserve blocks and announce the transfer: its target, or why not now (out of KV
+    blocks, or busy). The transfer must start within ``wait_s`` (None: the transfer
+    timeout)."""
+
     request_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     transfer_id: int
+    wait_s: float | None = None
 
 
 @dataclass(frozen=True)
-class Open(Command[OutputStream[RequestOutput]]):
-    """Open the request's Generate stream: returns the stream of its ``RequestOutput``s
-    (room for every token, so the loop never waits on a slow reader). The router's
-    copies of the first token and cached-token count (None: absent) are checked against
-    the trailer that arrives with the KV."""
+class Open(Command[None]):
+    """Open the request's Generate stream: ``stream`` (made by the caller; the loop bounds
+    it to the reservation's ``max_tokens + 2`` items, and never waits on a slow reader)
+    gets its ``RequestOutput``s. The router's copies of the first token and cached-token count
+    (None: absent) are checked against the trailer that arrives with the KV."""
 
     request_id: str
+    stream: OutputStream[RequestOutput]
     first_token_id: int | None = None
     num_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
-class Local(Command[OutputStream[RequestOutput]]):
-    """Colocated mode: prefill the prompt here and stream every token (no KV transfer)."""
+class Local(Command[None]):
+    """Colocated mode: prefill the prompt here and stream every token (no KV transfer)
+    into ``stream`` (made by the caller, room for ``max_tokens + 2`` items)."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams
+    stream: OutputStream[RequestOutput]
 
 
 class Phase(enum.Enum):
@@ -86,11 +99,12 @@ class Phase(enum.Enum):
 @dataclass
 class _Live:
     phase: Phase
-    reserved_at: float
     max_tokens: int
+    arrived_at: float | None = None  # monotonic, once its KV arrived
     stream: OutputStream[RequestOutput] | None = None
     claimed: Open | None = None  # the router's copies, from Open
     trailer: Trailer | None = None  # arrived with the KV
+    local: bool = False  # prefilled here (colocated)
 
     def mismatch(self) -> str | None:
         """Why the router's copies disagree with the trailer (None: they agree or are
@@ -110,10 +124,14 @@ class _Live:
 class DecodeLoop(EngineLoop):
     """Owns ``core`` (built with the decode KV plugin) from ``start`` until ``stop``."""
 
-    def __init__(self, core: EngineCore, transfer_timeout_s: float) -> None:
+    def __init__(self, core: EngineCore, transfer_timeout_s: float,
+                 max_requests: int = 1024, metrics: WorkerMetrics | None = None) -> None:
         self.kv = DecodeKVLeader(core)
-        super().__init__("pdserve-decode-loop", core, self.kv)
+        super().__init__("pdserve-decode-loop", core, self.kv,
+                         metrics or WorkerMetrics(Path(core.config.model.model_dir).name,
+                                                  "decode", "-"))
         self.transfer_timeout_s = transfer_timeout_s
+        self.max_requests = max_requests
         self._live: dict[str, _Live] = {}
         # request id -> why its transfer failed before a stream was open (told to Generate)
         self._failed: OrderedDict[str, str] = OrderedDict()
@@ -123,12 +141,14 @@ class DecodeLoop(EngineLoop):
         if isinstance(command, Reserve):
             return self._reserve(command)
         if isinstance(command, Open):
-            return self._open(command)
+            self._open(command)
+            return None
         if isinstance(command, Local):
-            return self._local(command)
+            self._local(command)
+            return None
         return super()._handle_own(command)
 
-    def _reserve(self, cmd: Reserve) -> KVTarget | None:
+    def _reserve(self, cmd: Reserve) -> KVTarget | str:
         rid = cmd.request_id
         if rid in self._live:
             if self.kv.transfer_id(rid) == cmd.transfer_id:  # a repeated Reserve
@@ -136,23 +156,33 @@ class DecodeLoop(EngineLoop):
                                 len(cmd.prompt_token_ids))
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {rid!r} is live here with another transfer")
+        if self.busy:
+            return (f"busy: {len(self._live)} requests held, the worker's limit "
+                    "(--max-requests)")
         try:
             block_ids = self.core.reserve_for_kv(rid, cmd.prompt_token_ids, cmd.params)
             if block_ids is None:
-                return None
+                usage = self.core.kv_usage()
+                return f"out of KV blocks ({usage.free + usage.cached} of {usage.total} free)"
             try:
                 target = self.kv.expect(rid, cmd.transfer_id, len(cmd.prompt_token_ids),
-                                        block_ids, self.transfer_timeout_s)
+                                        block_ids, self.transfer_timeout_s, cmd.wait_s)
             except BaseException:
                 self.core.abort_request(rid)
                 raise
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self._failed.pop(rid, None)
-        self._live[rid] = _Live(Phase.RESERVED, time.monotonic(), cmd.params.max_tokens)
+        self._live[rid] = _Live(Phase.RESERVED, cmd.params.max_tokens)
+        self.timings.received(rid)
         return target
 
-    def _open(self, cmd: Open) -> OutputStream[RequestOutput]:
+    @property
+    def busy(self) -> bool:
+        """It holds its limit of requests (``max_requests``)."""
+        return len(self._live) >= self.max_requests
+
+    def _open(self, cmd: Open) -> None:
         live = self._live.get(cmd.request_id)
         if live is None:
             failed = self._failed.pop(cmd.request_id, None)
@@ -172,30 +202,34 @@ class DecodeLoop(EngineLoop):
         if problem is not None:
             self._abort(cmd.request_id, grpc.StatusCode.INTERNAL, problem)
             raise WorkerError(grpc.StatusCode.INTERNAL, problem)
-        live.stream = OutputStream(live.max_tokens + 2)
+        live.stream = cmd.stream
+        live.stream.bound(live.max_tokens + 2)
         if live.phase is Phase.ARRIVED:
             self._admit(cmd.request_id, live)
-        return live.stream
 
-    def _local(self, cmd: Local) -> OutputStream[RequestOutput]:
+    def _local(self, cmd: Local) -> None:
         if cmd.request_id in self._live:
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {cmd.request_id!r} is live here")
+        if self.busy:
+            raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"busy: {len(self._live)} requests held, the worker's limit "
+                              "(--max-requests)")
         try:
             self.core.add_request(cmd.request_id, list(cmd.prompt_token_ids), cmd.params)
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self._failed.pop(cmd.request_id, None)
-        live = _Live(Phase.RUNNING, time.monotonic(), cmd.params.max_tokens)
-        live.stream = OutputStream(live.max_tokens + 2)
-        self._live[cmd.request_id] = live
-        return live.stream
+        self._live[cmd.request_id] = _Live(Phase.RUNNING, cmd.params.max_tokens,
+                                           stream=cmd.stream, local=True)
+        self.timings.received(cmd.request_id)
 
     def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
         self._failed.pop(request_id, None)
         live = self._live.pop(request_id, None)
         if live is None:
             return False
+        self.timings.forget(request_id)
         if live.phase is Phase.RESERVED:
             self.kv.abort(request_id)  # every rank stops writing before the blocks go
         self.core.abort_request(request_id)
@@ -223,15 +257,17 @@ class DecodeLoop(EngineLoop):
 
     def _arrived(self, arrival: Arrival) -> None:
         rid = arrival.request_id
+        self.metrics.transfer(arrival.ok, arrival.seconds)
         live = self._live.get(rid)
         if live is None:
             return
         if not arrival.ok:  # no rank writes the blocks any more: free them
             del self._live[rid]
+            self.timings.forget(rid)
             self.core.abort_request(rid)
             self._fail(rid, live, arrival.reason)
             return
-        live.phase, live.trailer = Phase.ARRIVED, arrival.trailer
+        live.phase, live.trailer, live.arrived_at = Phase.ARRIVED, arrival.trailer, time.monotonic()
         if live.stream is not None:
             self._admit(rid, live)
 
@@ -245,9 +281,11 @@ class DecodeLoop(EngineLoop):
             self._failed.popitem(last=False)
 
     def _expire_unopened(self) -> None:
+        """KV that arrived but got no Generate stream within the transfer timeout is freed."""
         deadline = time.monotonic() - self.transfer_timeout_s
         for rid in [r for r, v in self._live.items()
-                    if v.phase is Phase.ARRIVED and v.stream is None and v.reserved_at < deadline]:
+                    if v.phase is Phase.ARRIVED and v.stream is None
+                    and v.arrived_at is not None and v.arrived_at < deadline]:
             self._abort(rid, grpc.StatusCode.UNAVAILABLE, "no Generate before the deadline")
             self._failed[rid] = "no Generate stream opened before the transfer deadline"
 
@@ -266,6 +304,11 @@ class DecodeLoop(EngineLoop):
         live = self._live.get(out.request_id)
         if live is None or live.stream is None:
             return
+        if live.local and live.trailer is None and out.new_token_ids:  # its first token
+            live.trailer = Trailer(out.new_token_ids[0], out.num_cached_tokens)
+            self.timings.prompt(out.num_prompt_tokens, out.num_cached_tokens)
+        self.timings.output(out.request_id, len(out.new_token_ids),
+                            out.finish_reason if out.finished else None)
         live.stream.put(out)
         if out.finished:
             del self._live[out.request_id]

@@ -13,8 +13,9 @@ at any point before: returns once no rank writes the blocks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from decode_worker.kv_rank import (
     DecodeKVConfig,
@@ -28,6 +29,7 @@ from engine.distributed import StoreAddress
 from kvtransfer.protocol import Trailer
 from worker.rank_calls import (
     RankStates,
+    RankTotals,
     abort_request,
     poll_transfers,
     rank_totals,
@@ -54,12 +56,14 @@ class Arrival:
     ok: bool
     reason: str = ""
     trailer: Trailer | None = None
+    seconds: float | None = None  # from ``expect`` to its end
 
 
 @dataclass
 class _Transfer:
     transfer_id: int
     ranks: RankStates
+    expected_at: float = field(default_factory=time.monotonic)
 
 
 class DecodeKVLeader:
@@ -76,18 +80,23 @@ class DecodeKVLeader:
         self.address = decode_address(core.call_ranks(bytes([Op.ADDRESS]))[0])
         core.call_ranks(bytes([Op.ATTACH]) + encode_address(self.address))
         self._transfers: dict[str, _Transfer] = {}  # request id -> its pending transfer
+        self._num_failed = 0
 
     def expect(self, request_id: str, transfer_id: int, num_tokens: int,
-               block_ids: Sequence[int], timeout_s: float | None = None) -> KVTarget:
+               block_ids: Sequence[int], timeout_s: float | None = None,
+               start_timeout_s: float | None = None) -> KVTarget:
         """Announce the request's transfer on every rank: its ``num_tokens`` tokens of KV
-        go into ``block_ids``; it fails (reported by ``poll``) unless complete
-        ``timeout_s`` (default: the config's) from now. Raises ``ValueError`` for a
+        go into ``block_ids``; it fails (reported by ``poll``) unless its first part
+        arrives within ``start_timeout_s`` (default: ``timeout_s``) and it completes
+        within ``timeout_s`` (default: the config's) of that. Raises ``ValueError`` for a
         transfer id in use, or ``RankCallError`` (then no rank writes the blocks)."""
         if any(t.transfer_id == transfer_id for t in self._transfers.values()):
             raise ValueError(f"transfer id {transfer_id} is in use")
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        start = timeout if start_timeout_s is None else start_timeout_s
         try:
-            self.core.call_ranks(Expect(transfer_id, num_tokens, timeout, tuple(block_ids)).encode())
+            self.core.call_ranks(Expect(transfer_id, num_tokens, timeout, start,
+                                        tuple(block_ids)).encode())
         except BaseException:  # ranks that accepted the EXPECT let go before the caller frees
             self.core.call_ranks(abort_request(transfer_id))
             raise
@@ -119,11 +128,14 @@ class DecodeKVLeader:
             problem = self._check_trailer(ranks)
             if problem is None:
                 del self._transfers[request_id]
-                return Arrival(request_id, True, trailer=ranks.trailer)
+                return Arrival(request_id, True, trailer=ranks.trailer,
+                               seconds=time.monotonic() - transfer.expected_at)
             ranks.fail(f"rank 0: {problem}")
         if ranks.failed:
+            self._num_failed += 1
             self.abort(request_id)  # the other ranks stop writing before the blocks go
-            return Arrival(request_id, False, ranks.reason)
+            return Arrival(request_id, False, ranks.reason,
+                           seconds=time.monotonic() - transfer.expected_at)
         return None
 
     def _check_trailer(self, ranks: RankStates) -> str | None:
@@ -147,6 +159,11 @@ class DecodeKVLeader:
     def num_pending(self) -> int:
         return len(self._transfers)
 
-    def rank_totals(self) -> tuple[int, int]:
-        """(pending transfers, open KV channels) summed over the ranks."""
+    @property
+    def num_failed(self) -> int:
+        """Transfers that failed since the start."""
+        return self._num_failed
+
+    def rank_totals(self) -> RankTotals:
+        """The ranks' data-plane figures, summed."""
         return rank_totals(self.core.call_ranks(stats_request()))

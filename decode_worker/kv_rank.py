@@ -11,7 +11,8 @@ Calls (leader → every rank, ``worker.rank_calls``; never pickle): ``ADDRESS`` 
 its store's ``host:port``, other ranks: empty; ``ATTACH(host:port)``: ranks other than 0
 start their receivers on that store; ``EXPECT(transfer_id, num_tokens, timeout_s,
 block_ids)``: this rank's receiver may write the transfer's KV into ``block_ids`` from
-now on; rank 0's also waits for the transfer's trailer (first token, cached-token count);
+now on (its first part due within ``start_timeout_s``, the rest within ``timeout_s`` of
+it); rank 0's also waits for the transfer's trailer (first token, cached-token count);
 and the shared ``STATUS`` (rank 0's DONE carries the trailer), ``ABORT`` and ``STATS``.
 
 Block ownership on the decode side: the decode loop reserves the blocks in the engine
@@ -71,24 +72,31 @@ class DecodeKVConfig(JsonConfig):
 
 # ------------------------------------------------------------------------ messages
 
-_EXPECT = struct.Struct("<Bqqd")  # op, transfer_id, num_tokens, timeout_s; then int64 block ids
+# op, transfer_id, num_tokens, timeout_s, start_timeout_s; then int64 block ids
+_EXPECT = struct.Struct("<Bqqdd")
 
 
 @dataclass(frozen=True)
 class Expect:
+    """The transfer's first part must arrive within ``start_timeout_s``; it must then
+    complete within ``timeout_s``."""
+
     transfer_id: int
     num_tokens: int
     timeout_s: float
+    start_timeout_s: float
     block_ids: tuple[int, ...]
 
     def encode(self) -> bytes:
-        head = _EXPECT.pack(Op.EXPECT, self.transfer_id, self.num_tokens, self.timeout_s)
+        head = _EXPECT.pack(Op.EXPECT, self.transfer_id, self.num_tokens, self.timeout_s,
+                            self.start_timeout_s)
         return head + array("q", self.block_ids).tobytes()
 
     @classmethod
     def decode(cls, raw: bytes) -> Expect:
-        _, transfer_id, num_tokens, timeout_s = _EXPECT.unpack_from(raw)
-        return cls(transfer_id, num_tokens, timeout_s, tuple(ints(raw[_EXPECT.size:])))
+        _, transfer_id, num_tokens, timeout_s, start_timeout_s = _EXPECT.unpack_from(raw)
+        return cls(transfer_id, num_tokens, timeout_s, start_timeout_s,
+                   tuple(ints(raw[_EXPECT.size:])))
 
 
 def encode_address(address: StoreAddress) -> bytes:
@@ -139,7 +147,8 @@ class DecodeKVRank(KVRankPlugin):
         if op is Op.EXPECT:
             msg = Expect.decode(request)
             self.receiver.expect(msg.transfer_id, self.ctx.kv_cache, msg.block_ids,
-                                 msg.num_tokens, msg.timeout_s, trailer=self.ctx.rank == 0)
+                                 msg.num_tokens, msg.timeout_s, trailer=self.ctx.rank == 0,
+                                 start_timeout_s=msg.start_timeout_s)
             return b""
         if op is Op.ADDRESS:
             return encode_address(self.receiver.address) if self.ctx.rank == 0 else b""
@@ -157,8 +166,10 @@ class DecodeKVRank(KVRankPlugin):
         return self.receiver.abort(transfer_id)
 
     def stats(self) -> RankStats:
+        stats = self.receiver.stats
         return RankStats(self.receiver.num_pending, self.receiver.num_open_channels,
-                         self.receiver.config.max_channels)
+                         self.receiver.config.max_channels, stats.bytes_received,
+                         stats.checksum_failures)
 
     def step_hook(self, chunks: Sequence[ScheduledChunk], payload: bytes) -> None:
         return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -22,7 +22,8 @@ from decode_worker.engine_loop import DecodeLoop, Local, Open, Reserve
 from decode_worker.kv_rank import PLUGIN, DecodeKVConfig
 from engine.core import EngineCore, RequestOutput
 from engine.sharding import num_blocks_for
-from worker.loop import CALL_TIMEOUT_S, EngineLoop, Info, OutputStream, WorkerError
+from worker.loop import CALL_TIMEOUT_S, EngineLoop, OutputStream, WorkerError
+from worker.metrics import WorkerMetrics
 from worker.options import advertise_host
 from worker.process import WorkerKind, run_worker
 from worker.server import Identity
@@ -34,21 +35,20 @@ log = logging.getLogger(__name__)
 class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
     """protobuf ⇄ ``DecodeLoop`` commands; see ``worker.proto`` for each RPC's contract."""
 
-    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext  # noqa: N802
-                ) -> pb.ReserveResponse:
+    async def Reserve(self, request: pb.ReserveRequest,  # noqa: N802 - gRPC name
+                      context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
         try:
             if request.transfer_id == 0:
                 raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id must not be 0")
             params = sampling_params_from_proto(request.sampling)
-            target = self.loop.call(Reserve(request.request_id, list(request.prompt_token_ids),
-                                            params, request.transfer_id), CALL_TIMEOUT_S)
-            if target is None:
-                usage = self.loop.call(Info(), CALL_TIMEOUT_S).kv
-                return pb.ReserveResponse(
-                    accepted=False, reason=f"out of KV blocks ({usage.free + usage.cached} of "
-                    f"{usage.total} free)")
+            target = await self.loop.acall(Reserve(
+                request.request_id, list(request.prompt_token_ids), params,
+                request.transfer_id, request.wait_ms / 1000 if request.wait_ms else None),
+                CALL_TIMEOUT_S)
+            if isinstance(target, str):
+                return pb.ReserveResponse(accepted=False, reason=target)
         except WorkerError as exc:
-            abort_with(context, exc)
+            await abort_with(context, exc)
         block_size = self.loop.core.config.cache.block_size
         return pb.ReserveResponse(
             accepted=True, num_blocks=num_blocks_for(target.num_tokens, block_size),
@@ -56,54 +56,60 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                                tensor_parallel_size=target.tp_size,
                                transfer_id=target.transfer_id))
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext  # noqa: N802
-                 ) -> Iterator[pb.TokenChunk]:
+    async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 - gRPC name
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:
         rid = request.request_id
-        try:
-            # the first token and cached count come with the KV; the router's copies
-            # (0: absent) are only checked
-            stream = self.loop.call(Open(rid, request.first_token_id or None,
-                                         request.num_cached_tokens or None), CALL_TIMEOUT_S)
-        except WorkerError as exc:
-            abort_with(context, exc)
-        yield from self._relay(rid, stream, context)
+        stream: OutputStream[RequestOutput] = OutputStream()  # the loop bounds it at Open
+        # the first token and cached count come with the KV; the router's copies
+        # (0: absent) are only checked
+        command = Open(rid, stream, request.first_token_id or None,
+                       request.num_cached_tokens or None)
+        async for chunk in self._relay(rid, command, stream, context):
+            yield chunk
 
-    def GenerateLocal(self, request: pb.GenerateLocalRequest,  # noqa: N802
-                      context: grpc.ServicerContext) -> Iterator[pb.TokenChunk]:
+    async def GenerateLocal(self, request: pb.GenerateLocalRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:
         rid = request.request_id
         try:
             if not request.prompt_token_ids:
                 raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
             params = sampling_params_from_proto(request.sampling)
-            stream = self.loop.call(Local(rid, list(request.prompt_token_ids), params),
-                                    CALL_TIMEOUT_S)
         except WorkerError as exc:
-            abort_with(context, exc)
-        yield from self._relay(rid, stream, context)
-
-    def _relay(self, rid: str, stream: OutputStream[RequestOutput],
-               context: grpc.ServicerContext) -> Iterator[pb.TokenChunk]:
-        """The request's outputs as chunks; however the call ends (cancel, deadline,
-        error), the request is freed."""
-        context.add_callback(lambda: self._abort_quietly(rid, "the Generate call ended"))
-        num_completion = 0
-        while True:
-            try:
-                out = stream.get(context.time_remaining())
-            except WorkerError as exc:
-                self._abort_quietly(rid, "the Generate call ended")
-                abort_with(context, exc)
-            num_completion += len(out.new_token_ids)
-            chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.text_delta)
-            if out.finished:
-                chunk.finish_reason = out.finish_reason or "stop"
-                # cached_tokens: the prefill worker's count, arrived with the KV
-                chunk.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens,
-                                              completion_tokens=num_completion,
-                                              cached_tokens=out.num_cached_tokens))
+            await abort_with(context, exc)
+        stream: OutputStream[RequestOutput] = OutputStream(params.max_tokens + 2)
+        command = Local(rid, list(request.prompt_token_ids), params, stream)
+        async for chunk in self._relay(rid, command, stream, context):
             yield chunk
-            if out.finished:
-                return
+
+    async def _relay(self, rid: str, command: Open | Local,
+                     stream: OutputStream[RequestOutput],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:
+        """Open the stream, then the request's outputs as chunks; however the call ends
+        (finish, cancel, deadline, error, the router gone), the request is freed."""
+        try:
+            await self.loop.acall(command, CALL_TIMEOUT_S)
+        except WorkerError as exc:
+            await abort_with(context, exc)
+        num_completion = 0
+        try:
+            while True:
+                try:
+                    out = await stream.get(context.time_remaining())
+                except WorkerError as exc:
+                    await abort_with(context, exc)
+                num_completion += len(out.new_token_ids)
+                chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.text_delta)
+                if out.finished:
+                    chunk.finish_reason = out.finish_reason or "stop"
+                    # cached_tokens: the prefill worker's count, arrived with the KV
+                    chunk.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens,
+                                                  completion_tokens=num_completion,
+                                                  cached_tokens=out.num_cached_tokens))
+                yield chunk
+                if out.finished:
+                    return
+        finally:
+            self.on_call_end(rid, "the Generate call ended")
 
 
 def _plugin_config(args: argparse.Namespace, fingerprint: str) -> str:
@@ -113,11 +119,11 @@ def _plugin_config(args: argparse.Namespace, fingerprint: str) -> str:
                           advertise_host=advertise_host(args)).to_json()
 
 
-def _make_loop(core: EngineCore, args: argparse.Namespace) -> EngineLoop:
-    return DecodeLoop(core, args.transfer_timeout)
+def _make_loop(core: EngineCore, args: argparse.Namespace, metrics: WorkerMetrics) -> EngineLoop:
+    return DecodeLoop(core, args.transfer_timeout, max_requests=args.max_requests, metrics=metrics)
 
 
-def _add_servicer(loop: EngineLoop, identity: Identity, server: grpc.Server) -> None:
+def _add_servicer(loop: EngineLoop, identity: Identity, server: grpc.aio.Server) -> None:
     pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(loop, identity), server)
 
 

@@ -60,6 +60,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     # admissions of a waiting request in a step where another request was mid-decode
     num_admissions_during_decode: int = 0
+    num_started: int = 0  # requests admitted from waiting for the first time
 
 
 @dataclass
@@ -182,6 +183,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
+                self.stats.num_started += 1
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -3,7 +3,9 @@
 ``Incoming`` is PENDING from ``KVReceiver.expect`` until it is DONE (every layer's rows
 of this rank's heads, and — when it wants one — the sender's ``Trailer``, arrived and
 verified) or FAILED (a bad or corrupted part, a cancelled send, a broken channel, an
-abort, or its deadline). Every transition happens here, under the transfer's ``lock``,
+abort, or its deadline). Its deadline: its first part must arrive by ``start_deadline``
+(a queue of prefills ahead of it costs no timeout); from then on it must complete
+within ``timeout_s``. Every transition happens here, under the transfer's ``lock``,
 which is also held while its blocks are written: once a transition to FAILED returned,
 no block of it is written again. The receiver (``kvtransfer.receiver``) keeps the set of
 transfers and wakes their waiters; channels (``kvtransfer.recv_channel``) hand parts to
@@ -51,7 +53,8 @@ class Incoming:
     block_ids: torch.Tensor  # [num_blocks] int64 on kv_cache's device
     num_tokens: int
     num_blocks: int
-    deadline: float
+    start_deadline: float  # monotonic: the first part must have arrived by then
+    timeout_s: float  # from its first part to its completion
     units_per_layer: int  # (K|V, block, head) slabs each layer needs
     units: list[int]
     wants_trailer: bool = False  # complete only once the sender's trailer arrived too
@@ -60,7 +63,14 @@ class Incoming:
     trailer: Trailer | None = None
     state: TransferState = TransferState.PENDING
     error: TransferError | None = None
+    started_at: float | None = None  # monotonic: when its first part arrived
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def deadline(self) -> float:
+        """When it fails unless complete: ``start_deadline`` until its first part arrived,
+        then ``timeout_s`` after that."""
+        return self.start_deadline if self.started_at is None else self.started_at + self.timeout_s
 
     @property
     def layers_complete(self) -> bool:
@@ -79,7 +89,10 @@ class Incoming:
 
     def time_out(self) -> bool:
         """At its deadline: PENDING → FAILED naming what was missing."""
-        what = "trailer (first token) missing" if self.layers_complete else "KV incomplete"
+        if self.started_at is None:
+            what = "no part arrived"
+        else:
+            what = "trailer (first token) missing" if self.layers_complete else "KV incomplete"
         return self.fail(TransferTimeout(f"{what} at the deadline", self.transfer_id))
 
     def deliver(self, shard: RankShard, header: PartHeader, payload: torch.Tensor,
@@ -152,11 +165,14 @@ class Incoming:
     def _settled_status(self, stats: ReceiverStats) -> Status | None:
         """The status for a part of a transfer that ended (lock held; a transfer past its
         deadline fails here), or None while it is pending."""
-        if self.state is TransferState.PENDING and time.monotonic() > self.deadline:
+        now = time.monotonic()
+        if self.state is TransferState.PENDING and now > self.deadline:
             self.state = TransferState.FAILED
             self.error = TransferTimeout("KV incomplete at the deadline", self.transfer_id)
             return Status.NOT_EXPECTED
         if self.state is TransferState.PENDING:
+            if self.started_at is None:
+                self.started_at = now  # the transfer started: it now has timeout_s to finish
             return None
         stats.late_parts += 1
         return Status.DONE_BEFORE if self.state is TransferState.DONE else Status.NOT_EXPECTED

@@ -115,11 +115,12 @@ class KVReceiver:
     # ---------------------------------------------------------------- public API
 
     def expect(self, transfer_id: int, kv_cache: torch.Tensor, block_ids: Sequence[int],
-               num_tokens: int, timeout_s: float | None = None, *, trailer: bool = False
-               ) -> None:
+               num_tokens: int, timeout_s: float | None = None, *, trailer: bool = False,
+               start_timeout_s: float | None = None) -> None:
         """Announce a transfer: its tokens ``[0, num_tokens)`` go into ``block_ids`` (in
         order) of this rank's ``kv_cache``, all layers, this rank's KV heads. It fails
-        unless complete ``timeout_s`` (default ``config.timeout_s``) from now. With
+        unless its first part arrives within ``start_timeout_s`` (default: ``timeout_s``)
+        and it completes within ``timeout_s`` (default ``config.timeout_s``) of that. With
         ``trailer`` (rank 0 only: senders send trailers there) it is complete only once
         the sender's ``Trailer`` arrived as well."""
         num_blocks = num_blocks_for(num_tokens, self.layout.block_size)
@@ -133,10 +134,12 @@ class KVReceiver:
             raise ValueError(f"kv_cache of shape {tuple(kv_cache.shape)}: expected "
                              f"{end - start} local KV heads on axis 4")
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        start_timeout = timeout if start_timeout_s is None else start_timeout_s
         record = Incoming(
             transfer_id=transfer_id, kv_cache=kv_cache,
             block_ids=torch.tensor(ids, dtype=torch.int64, device=kv_cache.device),
-            num_tokens=num_tokens, num_blocks=num_blocks, deadline=time.monotonic() + timeout,
+            num_tokens=num_tokens, num_blocks=num_blocks,
+            start_deadline=time.monotonic() + start_timeout, timeout_s=timeout,
             units_per_layer=2 * num_blocks * (end - start), units=[0] * self.layout.num_layers,
             wants_trailer=trailer)
         with self.cond:
@@ -162,10 +165,12 @@ class KVReceiver:
             record = self._expected.get(transfer_id)
             if record is None:
                 raise KeyError(f"unknown transfer {transfer_id}")
-            deadline = record.deadline
-            if timeout_s is not None:
-                deadline = min(deadline, time.monotonic() + timeout_s)
-            while record.state is TransferState.PENDING and time.monotonic() < deadline:
+            limit = None if timeout_s is None else time.monotonic() + timeout_s
+            while record.state is TransferState.PENDING:
+                # the deadline moves once the transfer starts: read it each time
+                deadline = record.deadline if limit is None else min(record.deadline, limit)
+                if time.monotonic() >= deadline:
+                    break
                 self.cond.wait(deadline - time.monotonic())
         if record.state is TransferState.PENDING:
             self._notify(record.time_out())

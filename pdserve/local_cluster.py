@@ -58,6 +58,7 @@ class LocalClusterConfig:
     num_kv_blocks: int | None = None  # per worker; None: fit to memory
     model_name: str | None = None  # router's --model-name
     max_inflight: int | None = None  # router's --max-inflight
+    router_args: tuple[str, ...] = ()  # more of the router's flags, as given
     local_prefill: str = "never"  # router's --local-prefill; "always" allows 0 prefill workers
     start_router: bool = True  # False: Redis and workers only (run your own router)
     start_timeout_s: float = 300.0  # for all workers, then for the router, to be ready
@@ -156,6 +157,9 @@ class LocalCluster:
         return pids
 
     def start(self) -> LocalCluster:
+        """Start every process (once: entering the context manager starts it too)."""
+        if self._children():
+            raise RuntimeError("this LocalCluster is started already")
         try:
             if self.config.start_router:
                 check_port_free(self.config.host, self.config.port)
@@ -261,6 +265,7 @@ class LocalCluster:
             argv += ["--model-name", cfg.model_name]
         if cfg.max_inflight is not None:
             argv += ["--max-inflight", str(cfg.max_inflight)]
+        argv += list(cfg.router_args)
         argv += ["--local-prefill", cfg.local_prefill]
         self.router = self._spawn("router", argv)
         self._wait_ready([self.router], lambda c: f"router ready at {c.address}")
@@ -307,8 +312,12 @@ class LocalCluster:
 
     @staticmethod
     def _describe_worker(child: Child) -> str:
-        kv = (child.ready or {}).get("kv_address")
-        return f"{child.name} ready at {child.address}" + (f" (KV {kv})" if kv else "")
+        ready = child.ready or {}
+        extra = [f"{what} {ready[key]}" for what, key in (("KV", "kv_address"),
+                                                          ("metrics", "metrics_address"))
+                 if ready.get(key)]
+        return f"{child.name} ready at {child.address}" + (f" ({', '.join(extra)})" if extra
+                                                          else "")
 
 
 def child_env(config: LocalClusterConfig) -> dict[str, str]:

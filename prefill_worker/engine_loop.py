@@ -9,7 +9,10 @@ its trailer) and steps on → between steps (or every ``IDLE_POLL_S`` when idle)
 the transfers; once every decode rank acknowledged this one, the blocks are unpinned into
 the prefix cache and the request's ``OutputStream`` gets one ``PrefillDone``. ``Abort``
 at any point stops the send, unpins or frees the blocks and fails the stream with
-ABORTED. ``AbortAll`` and ``Info`` are ``worker.loop``'s.
+ABORTED. A request whose deadline passes before any of its prompt was computed is dropped
+with DEADLINE_EXCEEDED (counted in ``num_expired``); past ``max_requests`` held at once
+``Submit`` is refused as busy (RESOURCE_EXHAUSTED). ``AbortAll`` and ``Info`` are
+``worker.loop``'s.
 
 Known limit: the first request to a decode worker this process has not sent to before
 reads its advertised layout inside the step (bounded by the transfer timeout).
@@ -18,16 +21,21 @@ reads its advertised layout inside the step (bounded by the transfer timeout).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from engine.core import EngineCore, RequestOutput
 from engine.distributed import StoreAddress
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from prefill_worker.kv_leader import PrefillKVLeader, SendOutcome
+from worker import pause_points
 from worker.loop import Command, EngineLoop, OutputStream, WorkerError
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +51,8 @@ class PrefillDone:
 
 @dataclass(frozen=True)
 class Submit(Command[None]):
-    """Queue a prefill whose KV goes to ``dest``; ``stream`` gets one ``PrefillDone``."""
+    """Queue a prefill whose KV goes to ``dest``; ``stream`` gets one ``PrefillDone``.
+    ``deadline`` (monotonic; None: none): dropped unless its prefill started by then."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
@@ -51,15 +60,26 @@ class Submit(Command[None]):
     transfer_id: int
     dest: StoreAddress
     stream: OutputStream[PrefillDone]
+    deadline: float | None = None
+
+
+@dataclass
+class _Held:
+    stream: OutputStream[PrefillDone]
+    deadline: float | None
 
 
 class PrefillLoop(EngineLoop):
     """Owns ``core`` (built with the prefill KV plugin) from ``start`` until ``stop``."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, max_requests: int = 1024,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.kv = PrefillKVLeader(core)
-        super().__init__("pdserve-prefill-loop", core, self.kv)
-        self._streams: dict[str, OutputStream[PrefillDone]] = {}
+        super().__init__("pdserve-prefill-loop", core, self.kv,
+                         metrics or WorkerMetrics(Path(core.config.model.model_dir).name,
+                                                  "prefill", "-"))
+        self.max_requests = max_requests
+        self._held: dict[str, _Held] = {}
 
     def _handle_own(self, command: Command) -> object:
         if isinstance(command, Submit):
@@ -68,31 +88,56 @@ class PrefillLoop(EngineLoop):
         return super()._handle_own(command)
 
     def _submit(self, cmd: Submit) -> None:
-        if cmd.request_id in self._streams:
+        if cmd.request_id in self._held:
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {cmd.request_id!r} is already being prefilled")
+        if len(self._held) >= self.max_requests:
+            raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"busy: {len(self._held)} requests held, the worker's limit "
+                              "(--max-requests)")
         try:
             self.kv.submit(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.transfer_id,
                            cmd.dest)
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        self._streams[cmd.request_id] = cmd.stream
+        self._held[cmd.request_id] = _Held(cmd.stream, cmd.deadline)
+        self.timings.received(cmd.request_id)
 
     def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
-        stream = self._streams.pop(request_id, None)
+        held = self._held.pop(request_id, None)
         found = self.kv.abort(request_id)
-        if stream is not None:
-            stream.fail(code, reason)
-        return found or stream is not None
+        self.timings.forget(request_id)
+        if held is not None:
+            held.stream.fail(code, reason)
+        return found or held is not None
 
     def _live_ids(self) -> list[str]:
-        return list(self._streams)
+        return list(self._held)
+
+    def _before_step(self) -> None:
+        """Drop the queued requests whose deadline passed before their prefill started."""
+        if pause_points.enabled():
+            pause_points.pause("prefill.before_step", held=len(self._held))
+        now, requests = time.monotonic(), self.core.scheduler.requests
+        for rid, held in list(self._held.items()):
+            request = requests.get(rid)
+            if held.deadline is None or held.deadline > now or request is None:
+                continue
+            if request.status is RequestStatus.WAITING and request.num_computed_tokens == 0 \
+                    and request.num_preemptions == 0:
+                self.num_expired += 1
+                log.info("dropped: its deadline passed before its prefill started",
+                         extra={"request_id": rid})
+                self._abort(rid, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "the deadline passed before the prefill started")
 
     def _is_polling(self) -> bool:
         return bool(self.kv.num_sending)
 
     def _deliver(self, out: RequestOutput) -> None:
-        if out.finished and out.request_id in self._streams:  # else: warm-up
+        if out.finished and out.request_id in self._held:  # else: warm-up
+            self.timings.prompt(out.num_prompt_tokens, out.num_cached_tokens)
+            self.timings.output(out.request_id, len(out.new_token_ids), None)
             outcome = self.kv.finish(out)
             if outcome is not None:
                 self._report(outcome)
@@ -102,9 +147,15 @@ class PrefillLoop(EngineLoop):
             self._report(outcome)
 
     def _report(self, outcome: SendOutcome) -> None:
-        stream = self._streams.pop(outcome.request_id, None)
-        if stream is None:
+        held = self._held.pop(outcome.request_id, None)
+        self.metrics.transfer(outcome.ok, outcome.seconds)
+        if held is None:
             return
+        stream = held.stream
+        if outcome.ok:
+            self.timings.output(outcome.request_id, 0, "prefilled")
+        else:
+            self.timings.forget(outcome.request_id)
         if not outcome.ok or outcome.trailer is None:
             log.warning("KV send failed: %s", outcome.reason,
                         extra={"request_id": outcome.request_id})

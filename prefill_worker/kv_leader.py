@@ -32,6 +32,7 @@ from prefill_worker.kv_rank import (
 )
 from worker.rank_calls import (
     RankStates,
+    RankTotals,
     abort_request,
     poll_transfers,
     rank_totals,
@@ -50,6 +51,7 @@ class SendOutcome:
     num_prompt_tokens: int
     ok: bool
     reason: str = ""
+    seconds: float | None = None  # from the last layer computed to the outcome
 
 
 @dataclass
@@ -80,6 +82,7 @@ class PrefillKVLeader:
         self.wait_timeout_s = wait_timeout_s or config.timeout_s
         self.tp_size = core.config.parallel.tensor_parallel_size
         self._orders: dict[str, _Order] = {}
+        self._num_failed = 0
         core.step_payload = self.step_payload
 
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
@@ -137,12 +140,15 @@ class PrefillKVLeader:
         """End the send: stop every rank (if it failed), unpin, report."""
         del self._orders[request_id]
         if failed:  # ranks that finished already ignore the abort
+            self._num_failed += 1
             self.core.call_ranks(abort_request(order.transfer_id))
         self.core.release_pinned(request_id)
         assert order.output is not None
         reasons = (order.ranks.reasons if order.ranks is not None else []) + order.reasons
+        seconds = time.monotonic() - (order.deadline - self.wait_timeout_s)
         return SendOutcome(request_id, order.transfer_id, order.trailer,
-                           order.output.num_prompt_tokens, not failed, "; ".join(reasons))
+                           order.output.num_prompt_tokens, not failed, "; ".join(reasons),
+                           seconds)
 
     def abort(self, request_id: str) -> bool:
         """Stop the request wherever it is; its blocks are freed or unpinned once no rank
@@ -166,6 +172,11 @@ class PrefillKVLeader:
         """Finished requests whose transfer ``poll`` has not reported yet."""
         return sum(1 for o in self._orders.values() if o.ranks is not None)
 
-    def rank_totals(self) -> tuple[int, int]:
-        """(pending transfers, open KV channels) summed over the ranks."""
+    @property
+    def num_failed(self) -> int:
+        """Transfers that failed since the start."""
+        return self._num_failed
+
+    def rank_totals(self) -> RankTotals:
+        """The ranks' data-plane figures, summed."""
         return rank_totals(self.core.call_ranks(stats_request()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 
 import grpc
 
@@ -23,6 +24,7 @@ from engine.distributed import StoreAddress
 from prefill_worker.engine_loop import PrefillDone, PrefillLoop, Submit
 from prefill_worker.kv_rank import PLUGIN, PrefillKVConfig
 from worker.loop import CALL_TIMEOUT_S, EngineLoop, OutputStream, WorkerError
+from worker.metrics import WorkerMetrics
 from worker.options import advertise_host
 from worker.process import WorkerKind, run_worker
 from worker.server import Identity
@@ -37,24 +39,25 @@ FAULT_HOOK_ENV = "PDSERVE_TEST_KV_FAULT_HOOK"
 class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
     """protobuf ⇄ ``PrefillLoop`` commands; see ``worker.proto`` for each RPC's contract."""
 
-    def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext  # noqa: N802
-                ) -> pb.PrefillResponse:
+    async def Prefill(self, request: pb.PrefillRequest,  # noqa: N802 - gRPC name
+                      context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         rid = request.request_id
         stream: OutputStream[PrefillDone] = OutputStream(1)
+        remaining = context.time_remaining()
         try:
             submit = Submit(rid, list(request.prompt_token_ids),
                             sampling_params_from_proto(request.sampling),
-                            request.target.transfer_id, _dest(request.target), stream)
-            self.loop.call(submit, CALL_TIMEOUT_S)
+                            request.target.transfer_id, _dest(request.target), stream,
+                            None if remaining is None else time.monotonic() + remaining)
+            await self.loop.acall(submit, CALL_TIMEOUT_S)
         except WorkerError as exc:
-            abort_with(context, exc)
-        # a cancelled or expired call stops the request and releases its blocks
-        context.add_callback(lambda: self._abort_quietly(rid, "the Prefill call ended"))
-        try:
-            done = stream.get(context.time_remaining())
+            await abort_with(context, exc)
+        try:  # however the call ends (cancelled, expired, failed), the request is freed
+            done = await stream.get(context.time_remaining())
         except WorkerError as exc:
-            self._abort_quietly(rid, "the Prefill call ended")
-            abort_with(context, exc)
+            await abort_with(context, exc)
+        finally:
+            self.on_call_end(rid, "the Prefill call ended")
         return pb.PrefillResponse(first_token_id=done.first_token_id,
                                   num_cached_tokens=done.num_cached_tokens,
                                   num_prompt_tokens=done.num_prompt_tokens)
@@ -77,11 +80,11 @@ def _plugin_config(args: argparse.Namespace, fingerprint: str) -> str:
                            bind_host=advertise_host(args)).to_json()
 
 
-def _make_loop(core: EngineCore, args: argparse.Namespace) -> EngineLoop:
-    return PrefillLoop(core)
+def _make_loop(core: EngineCore, args: argparse.Namespace, metrics: WorkerMetrics) -> EngineLoop:
+    return PrefillLoop(core, max_requests=args.max_requests, metrics=metrics)
 
 
-def _add_servicer(loop: EngineLoop, identity: Identity, server: grpc.Server) -> None:
+def _add_servicer(loop: EngineLoop, identity: Identity, server: grpc.aio.Server) -> None:
     pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(loop, identity), server)
 
 

@@ -231,7 +231,8 @@ class Handoff:
             try:
                 with self._pool.busy(decode_id):  # counted by concurrent choices already
                     reply = await self._calls.reserve(
-                        decode_id, transfer_id, self._timeout(self._config.reserve_timeout_s))
+                        decode_id, transfer_id, self._timeout(self._config.reserve_timeout_s),
+                        wait_s=self._timeout())
             except KeyError:  # left the registry meanwhile
                 continue
             except asyncio.CancelledError:
@@ -293,6 +294,7 @@ class Handoff:
         try:
             with self._pool.busy(prefill_id), self._pool.watched(prefill_id, call):
                 reply = WorkerCalls.prefilled(await call)
+            self._pool.heard_from(prefill_id)
         except asyncio.CancelledError:
             _reraise_if_we_are_cancelled()
             self._excluded.add(prefill_id)
@@ -345,6 +347,7 @@ class Handoff:
         try:
             with self._pool.watched(attempt.decode_id, call):
                 async for chunk in chunks(call):
+                    self._pool.heard_from(attempt.decode_id)
                     num_streamed += len(chunk.token_ids)
                     if chunk.finish_reason is not None:
                         attempt.finished = True

@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.files import write_json_atomic
 from cluster.fingerprint import fingerprint_model_dir
+from cluster.keepalive import SERVER_OPTIONS as KEEPALIVE_SERVER_OPTIONS
 from cluster.registry import Registry, RegistryAuthError
 from engine.tokenizer import load_tokenizer
 from router.auth import ApiKeyInterceptor, load_api_key
@@ -86,6 +87,7 @@ class Router:
         server = grpc.aio.server(interceptors=interceptors, options=(
             ("grpc.max_receive_message_length", self.config.admission.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            *KEEPALIVE_SERVER_OPTIONS,  # a vanished client is noticed and its requests freed
         ))
         server.add_generic_rpc_handlers((self.service.handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -114,13 +114,15 @@ class WorkerCalls:
         self._req = request
         self._sampling = _sampling_proto(request)
 
-    async def reserve(self, decode_id: str, transfer_id: int, timeout_s: float) -> Reservation:
+    async def reserve(self, decode_id: str, transfer_id: int, timeout_s: float,
+                      wait_s: float) -> Reservation:
         """Reserve on ``decode_id`` (``KeyError`` if it left the registry; ``AioRpcError``
-        if the call failed)."""
+        if the call failed); its transfer may wait ``wait_s`` to start."""
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
         reply = await stub.Reserve(pb.ReserveRequest(
             request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
-            sampling=self._sampling, transfer_id=transfer_id), timeout=timeout_s)
+            sampling=self._sampling, transfer_id=transfer_id,
+            wait_ms=max(1, int(wait_s * 1000))), timeout=timeout_s)
         if not reply.accepted:
             return Reservation(False, reason=reply.reason)
         t = reply.target

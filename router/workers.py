@@ -8,7 +8,11 @@ empties the registry for one heartbeat does not stop traffic; time while Redis i
 unreachable does not count), its model fingerprint is
 the router's, its ``grpc.health.v1`` check answered SERVING at the last refresh (a
 zombie whose engine loop died answers NOT_SERVING; a hung one does not answer), and it
-is not suspect. Channels of workers that stop being routable for
+is not suspect. A worker whose checks time out ``HUNG_AFTER`` times in a row, and whose
+calls did not answer anything meanwhile (``heard_from``), is hung: the calls waiting on
+it are cancelled (so they are retried elsewhere). A worker whose streams still deliver is
+busy, never hung, however late its health answers arrive (a saturated router sees every
+answer late). Channels of workers that stop being routable for
 good are closed. Used from one asyncio loop; ``refresh`` runs the Redis read in a thread.
 """
 
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.keepalive import CHANNEL_OPTIONS as KEEPALIVE_CHANNEL_OPTIONS
 from cluster.records import WorkerRecord
 from cluster.registry import Registry
 from cluster.view import WorkerView
@@ -33,10 +38,10 @@ logger = logging.getLogger(__name__)
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.enable_retries", 0),
+    *KEEPALIVE_CHANNEL_OPTIONS,
 )
+HUNG_AFTER = 2  # consecutive health checks that time out before a worker's calls are taken back
 
 
 @dataclass
@@ -45,6 +50,7 @@ class _Known:
     channel: grpc.aio.Channel
     last_seen: float
     serving: bool = False
+    timeouts: int = 0  # consecutive health checks without an answer in time
 
 
 class WorkerPool:
@@ -52,7 +58,7 @@ class WorkerPool:
 
     def __init__(self, registry: Registry, model_fingerprint: str, *,
                  keep_missing_s: float = 6.0, suspect_s: float = 5.0,
-                 health_timeout_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 health_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._view = WorkerView(registry, clock=clock)
         self._fingerprint = model_fingerprint
         self._keep_missing_s = keep_missing_s
@@ -63,6 +69,7 @@ class WorkerPool:
         self._suspect_until: dict[str, float] = {}
         self._inflight: dict[str, int] = {}
         self._calls: dict[str, set[grpc.aio.Call]] = {}  # see ``watched``
+        self._heard_from: dict[str, float] = {}  # worker id -> clock() of its last answer
         self._foreign: set[str] = set()  # ids logged as serving another model
         self._closing: set[asyncio.Task[None]] = set()  # channels being closed
 
@@ -85,6 +92,7 @@ class WorkerPool:
             for worker_id, known in list(self._known.items()):
                 if now - known.last_seen > self._keep_missing_s:
                     del self._known[worker_id]
+                    self._heard_from.pop(worker_id, None)
                     logger.info("worker %s left the registry; closing its channel", worker_id)
                     await known.channel.close()
             listed = {r.worker_id for r in snapshot.workers}
@@ -105,9 +113,17 @@ class WorkerPool:
             log = logger.info if serving else logger.warning
             log("worker %s is %s", worker_id, "serving" if serving else f"not serving: {why}")
         known.serving = serving
-        if hung:  # no answer in time: take its calls back. A worker that answers
-            # NOT_SERVING or refuses new calls is draining (its calls finish) or a zombie
-            # (it fails them itself); a dead one's calls fail by themselves.
+        if hung and self._clock() - self._heard_from.get(worker_id, -1e9) < \
+                HUNG_AFTER * self._health_timeout_s:
+            hung = False  # its calls keep answering: busy (or our own loop is), not hung
+        known.timeouts = known.timeouts + 1 if hung else 0
+        if known.timeouts == HUNG_AFTER:  # no answer in time, again: take its calls back.
+            # One late answer only stops new requests going there (a busy worker answers
+            # promptly: its server never blocks). A worker that answers NOT_SERVING or
+            # refuses new calls is draining (its calls finish) or a zombie (it fails them
+            # itself); a dead one's calls fail by themselves.
+            logger.warning("worker %s missed %d health checks: taking back its %d calls",
+                           worker_id, HUNG_AFTER, len(self._calls.get(worker_id, ())))
             for call in list(self._calls.get(worker_id, ())):
                 call.cancel()
 
@@ -184,6 +200,10 @@ class WorkerPool:
                 self._inflight[worker_id] = left
             else:
                 del self._inflight[worker_id]
+
+    def heard_from(self, worker_id: str) -> None:
+        """A call to ``worker_id`` just answered (a streamed chunk, a reply): it is alive."""
+        self._heard_from[worker_id] = self._clock()
 
     @contextmanager
     def watched(self, worker_id: str, call: grpc.aio.Call) -> Iterator[None]:

@@ -1,10 +1,12 @@
 """The engine-loop thread of a worker process and what crosses into it, torch-free.
 
 Threading model of a worker: one ``EngineLoop`` thread owns the engine (``EngineCore`` is
-not thread-safe). gRPC handler threads never touch the engine; they send typed commands
-through ``EngineLoop.call`` (a thread-safe queue; the reply comes back through a
-``Future``) and read their request's results from an ``OutputStream`` that only the loop
-writes. The commands every worker kind answers the same way (``Abort``, ``AbortAll``,
+not thread-safe). The gRPC side is one asyncio event loop (``grpc.aio``); its handlers
+never touch the engine: they send typed commands through ``EngineLoop.acall`` (a
+thread-safe queue; the reply comes back through a ``Future``; ``call`` for other
+threads, ``post`` when no reply is wanted) and await their request's results on an
+``OutputStream`` that only the loop writes. No handler ever blocks a thread, so no number
+of open streams can starve health, ``Abort``, ``Info`` or ``Reserve``. The commands every worker kind answers the same way (``Abort``, ``AbortAll``,
 ``Info``) are handled here; each kind adds its own (``prefill_worker.engine_loop``,
 ``decode_worker.engine_loop``). The gRPC side of a worker (ready file, health,
 registration, signals) is ``worker.server``.
@@ -12,9 +14,11 @@ registration, signals) is ``worker.server``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -22,14 +26,18 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import grpc
 
 from engine.kvcache import KVCacheUsage
+from worker.metrics import RequestTimings, Snapshot, WorkerMetrics
 
 if TYPE_CHECKING:
     from engine.core import EngineCore, RequestOutput
+    from worker.rank_calls import RankTotals
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 IDLE_POLL_S = 0.005  # how often the loop re-checks KV transfers when it has nothing to step
+SNAPSHOT_S = 0.25  # how often the metrics' gauges are refreshed (while the loop runs)
+TOTALS_S = 1.0  # ... and the data plane's totals (a call to every rank)
 
 
 class WorkerError(Exception):
@@ -77,6 +85,9 @@ class LoopInfo:
     running: int
     waiting: int
     num_preemptions: int = 0  # since the worker started
+    num_expired: int = 0  # dropped at their deadline before any compute, since the start
+    num_started: int = 0  # requests whose prompt the engine started computing
+    num_failed_transfers: int = 0  # KV transfers that failed, since the start
 
 
 class KVLeader(Protocol):
@@ -85,8 +96,13 @@ class KVLeader(Protocol):
     @property
     def num_pending(self) -> int: ...
 
-    def rank_totals(self) -> tuple[int, int]:
-        """(pending transfers, open KV channels), summed over the ranks."""
+    @property
+    def num_failed(self) -> int:
+        """Transfers that failed since the start."""
+        ...
+
+    def rank_totals(self) -> RankTotals:
+        """The ranks' data-plane figures, summed."""
         ...
 
 
@@ -105,14 +121,22 @@ class EngineLoop:
     engine shut down, once, on the loop thread.
     """
 
-    def __init__(self, name: str, core: EngineCore, kv_leader: KVLeader) -> None:
+    def __init__(self, name: str, core: EngineCore, kv_leader: KVLeader,
+                 metrics: WorkerMetrics) -> None:
         self.core = core
         self.kv_leader = kv_leader
+        self.metrics = metrics
+        self.timings = RequestTimings(metrics)
+        self._snapshot_at = self._totals_at = 0.0
+        self._totals: RankTotals | None = None
+        self._preemptions_seen = 0
         self._commands: queue.SimpleQueue[tuple[Command[Any], Future[Any]] | None] = (
             queue.SimpleQueue())
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = threading.Event()
         self.error: BaseException | None = None  # why the loop died, if it did
+        self.progress_at = time.monotonic()  # the last step, or the last moment idle
+        self.num_expired = 0  # requests dropped at their deadline before any compute
 
     def start(self) -> None:
         self._thread.start()
@@ -122,18 +146,48 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stopped.is_set()
 
     def call(self, command: Command[T], timeout_s: float | None = None) -> T:
-        """Run ``command`` on the loop thread and return its reply (or raise its error).
-        ``WorkerError(UNAVAILABLE)`` when the loop is not running or does not answer in
-        ``timeout_s``."""
+        """Run ``command`` on the loop thread and return its reply (or raise its error),
+        blocking this thread. ``WorkerError(UNAVAILABLE)`` when the loop is not running or
+        does not answer in ``timeout_s`` (a command not started by then never runs)."""
+        future = self._enqueue(command)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                              f"engine loop did not answer {type(command).__name__}") from None
+
+    async def acall(self, command: Command[T], timeout_s: float | None = None) -> T:
+        """``call`` for the gRPC side's event loop: awaits the reply, blocks nothing."""
+        future = self._enqueue(command)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                              f"engine loop did not answer {type(command).__name__}") from None
+
+    def post(self, command: Command[Any]) -> None:
+        """Queue ``command`` without waiting for its reply (errors are logged); nothing
+        when the loop is not running (it released everything when it stopped)."""
+        try:
+            future = self._enqueue(command)
+        except WorkerError:
+            return
+        future.add_done_callback(_log_failure)
+
+    def stalled_s(self) -> float:
+        """Seconds the loop has had work but completed no step (0 when it makes progress)."""
+        if not self.core.has_unfinished():
+            return 0.0
+        return time.monotonic() - self.progress_at
+
+    def _enqueue(self, command: Command[T]) -> Future[T]:
         if not self.alive:
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
         future: Future[T] = Future()
         self._commands.put((command, future))
-        try:
-            return future.result(timeout_s)
-        except TimeoutError:
-            raise WorkerError(grpc.StatusCode.UNAVAILABLE,
-                              f"engine loop did not answer {type(command).__name__}") from None
+        return future
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Ask the loop to close (abort everything, shut the engine down) and wait."""
@@ -146,8 +200,11 @@ class EngineLoop:
         try:
             while self._serve_commands():
                 if self.core.has_unfinished():
+                    self._before_step()
                     for out in self.core.step():
                         self._deliver(out)
+                self.progress_at = time.monotonic()
+                self._refresh_metrics()
         except BaseException as exc:  # the loop is dead: health turns NOT_SERVING
             log.exception("engine loop failed")
             self.error = exc
@@ -197,6 +254,27 @@ class EngineLoop:
         finally:
             self.core.shutdown()
 
+    def _refresh_metrics(self) -> None:
+        """The gauges' snapshot (every ``SNAPSHOT_S``; the ranks' totals every
+        ``TOTALS_S``) and the preemption counter, on the loop thread."""
+        now = time.monotonic()
+        if now - self._snapshot_at < SNAPSHOT_S:
+            return
+        self._snapshot_at = now
+        if self._totals is None or now - self._totals_at >= TOTALS_S:
+            self._totals, self._totals_at = self.kv_leader.rank_totals(), now
+        sched, kv = self.core.scheduler, self.core.kv_usage()
+        self.metrics.snapshot = Snapshot(
+            running=len(sched.running), waiting=len(sched.waiting) + self._num_unadmitted(),
+            kv_usage=(kv.in_use + kv.pinned) / kv.total if kv.total else 0.0,
+            pinned_blocks=kv.pinned, open_channels=self._totals.open_channels,
+            bytes_moved=self._totals.bytes_moved,
+            checksum_failures=self._totals.checksum_failures)
+        preemptions = sched.stats.num_preemptions
+        if preemptions > self._preemptions_seen:
+            self.metrics.label(self.metrics.preemptions).inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
+
     # --- the commands every kind shares -------------------------------------------
     def _handle(self, command: Command[Any]) -> Any:
         if isinstance(command, Abort):
@@ -211,13 +289,16 @@ class EngineLoop:
         return self._handle_own(command)
 
     def _info(self) -> LoopInfo:
-        pending, channels = self.kv_leader.rank_totals()
+        totals = self.kv_leader.rank_totals()
         sched = self.core.scheduler
         return LoopInfo(
-            kv=self.core.kv_usage(), pending_transfers=self.kv_leader.num_pending + pending,
-            open_kv_channels=channels, running=len(sched.running),
+            kv=self.core.kv_usage(),
+            pending_transfers=self.kv_leader.num_pending + totals.pending,
+            open_kv_channels=totals.open_channels, running=len(sched.running),
             waiting=len(sched.waiting) + self._num_unadmitted(),
-            num_preemptions=sched.stats.num_preemptions)
+            num_preemptions=sched.stats.num_preemptions, num_expired=self.num_expired,
+            num_started=sched.stats.num_started,
+            num_failed_transfers=self.kv_leader.num_failed)
 
     # --- what each kind implements --------------------------------------------------
     def _handle_own(self, command: Command[Any]) -> Any:
@@ -242,35 +323,57 @@ class EngineLoop:
         """Requests this worker holds that the scheduler does not count as waiting yet."""
         return 0
 
+    def _before_step(self) -> None:
+        """Runs before each step (e.g. drop requests whose deadline passed)."""
+
+
+def _log_failure(future: Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("a posted engine-loop command failed: %s", future.exception())
+
 
 class OutputStream(Generic[T]):
-    """One request's results, written by the loop thread, read by one handler thread.
+    """One request's results, written by the loop thread, awaited by one asyncio task.
 
-    Bounded by construction: the loop puts at most ``capacity`` items (one per token plus
-    the end), so ``put`` never blocks the loop; a put beyond it is a bug and raises.
-    The end of the stream is an item for which the reader's own check says so, or a
-    ``WorkerError`` (put with ``fail``).
+    Made on the reader's event loop (the loop thread wakes the reader through it). Bounded
+    by construction: the loop puts at most ``capacity`` items (one per token plus the
+    end; set at construction or by ``bound``), so ``put`` never waits; a put beyond it is
+    a bug and raises. The end of the
+    stream is an item for which the reader's own check says so, or a ``WorkerError``
+    (put with ``fail``). Items for a reader whose event loop closed are dropped.
     """
 
-    def __init__(self, capacity: int) -> None:
-        self._queue: queue.Queue[T | WorkerError] = queue.Queue(maxsize=capacity)
+    def __init__(self, capacity: int | None = None) -> None:
+        self._event_loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[T | WorkerError] = asyncio.Queue()
+        self._capacity = capacity
+        self._num_put = 0  # loop thread only
+
+    def bound(self, capacity: int) -> None:
+        """Set the capacity (the loop thread, when it learns how many items there can be)."""
+        self._capacity = capacity
 
     def put(self, item: T) -> None:
-        self._queue.put_nowait(item)
+        if self._capacity is not None and self._num_put >= self._capacity:
+            raise RuntimeError(f"more than {self._capacity} items for one request")
+        self._num_put += 1
+        self._deliver(item)
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
-        try:
-            self._queue.put_nowait(WorkerError(code, message))
-        except queue.Full:  # the reader has not drained; an error replaces the last item
-            self._queue.get_nowait()
-            self._queue.put_nowait(WorkerError(code, message))
+        self._deliver(WorkerError(code, message))
 
-    def get(self, timeout_s: float | None) -> T:
+    def _deliver(self, item: T | WorkerError) -> None:
+        try:
+            self._event_loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the reader's event loop is closed: nobody reads any more
+            pass
+
+    async def get(self, timeout_s: float | None) -> T:
         """The next item; raises the ``WorkerError`` put by ``fail``, or
         ``WorkerError(DEADLINE_EXCEEDED)`` after ``timeout_s``."""
         try:
-            item = self._queue.get(timeout=timeout_s)
-        except queue.Empty:
+            item = await asyncio.wait_for(self._queue.get(), timeout_s)
+        except TimeoutError:
             raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
         if isinstance(item, WorkerError):
             raise item

@@ -30,6 +30,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
                         help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--ready-file", help="write the addresses here as JSON once ready")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus metrics on this port's /metrics (0: any free "
+                             "port; registered and in the ready file as metrics_address)")
     parser.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV),
                         help=f"register in this Redis (default: ${REDIS_URL_ENV}; neither: run "
                              "unregistered)")
@@ -47,6 +50,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a KV transfer may take")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight RPCs get on SIGTERM before they are aborted")
+    parser.add_argument("--max-requests", type=int, default=1024,
+                        help="requests held at once (queued, prefilling, reserved or "
+                             "streaming); more are refused as busy (RESOURCE_EXHAUSTED, or a "
+                             "Reserve not accepted), which the router waits on")
+    parser.add_argument("--stall-timeout", type=float, default=60.0,
+                        help="seconds the engine loop may complete no step while it has work "
+                             "before health says NOT_SERVING")
 
 
 def add_decode_args(parser: argparse.ArgumentParser) -> None:

@@ -19,6 +19,8 @@ Points the workers call (every field is an int):
   for sending, before the next layer is computed.
 - ``decode.layer_received`` (record; transfer_id, layer, rank): layer ``layer`` of the
   transfer is complete and verified in a decode rank's blocks.
+- ``prefill.before_step`` (pause; held): the prefill engine loop is about to step while
+  it holds ``held`` requests; paused there, new requests queue up behind it.
 
 ``PauseDir`` is the test's side of the same protocol.
 """

@@ -13,6 +13,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -31,6 +32,7 @@ from engine.tokenizer import load_tokenizer
 from kvtransfer.layout import KVLayout
 from worker import options
 from worker.loop import CALL_TIMEOUT_S, EngineLoop, Info
+from worker.metrics import WorkerMetrics
 from worker.server import Endpoint, Identity, serve_until_signal
 
 
@@ -41,7 +43,8 @@ class WorkerKind:
     - ``role``: "prefill" or "decode";
     - ``rank_plugin``: the ``"module:factory"`` of its KV rank plugin;
     - ``plugin_config(args, fingerprint)``: that plugin's configuration (JSON);
-    - ``make_loop(core, args)``: its engine loop over the built engine (not started);
+    - ``make_loop(core, args, metrics)``: its engine loop over the built engine (not
+      started), recording into ``metrics``;
     - ``add_servicer(loop, identity, server)``: registers its gRPC service;
     - ``kv_address(loop)``: its KV endpoint as ``host:port`` ("" when it has none).
     """
@@ -49,7 +52,7 @@ class WorkerKind:
     role: str
     rank_plugin: str
     plugin_config: Callable[[argparse.Namespace, str], str]
-    make_loop: Callable[[EngineCore, argparse.Namespace], EngineLoop]
+    make_loop: Callable[[EngineCore, argparse.Namespace, WorkerMetrics], EngineLoop]
     add_servicer: Callable[[EngineLoop, Identity, grpc.Server], None]
     kv_address: Callable[[EngineLoop], str]
 
@@ -83,16 +86,17 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
         print(f"pdserve {kind.role}: {exc}", file=sys.stderr)
         return 2
     fingerprint = fingerprint_model_dir(args.model)
+    identity = Identity(args.worker_id or f"{kind.role}-{uuid.uuid4().hex[:12]}", kind.role,
+                        args.tensor_parallel_size, fingerprint)
+    metrics = WorkerMetrics(Path(args.model).resolve().name, kind.role, identity.worker_id)
     core = build_engine(args, kind.rank_plugin, kind.plugin_config(args, fingerprint))
     try:
         warm_up(core)
-        loop = kind.make_loop(core, args)
+        loop = kind.make_loop(core, args, metrics)
     except BaseException:
         core.shutdown()
         raise
     loop.start()
-    identity = Identity(args.worker_id or f"{kind.role}-{uuid.uuid4().hex[:12]}", kind.role,
-                        args.tensor_parallel_size, fingerprint)
 
     def load() -> WorkerLoad:
         info = loop.call(Info(), CALL_TIMEOUT_S)
@@ -101,5 +105,5 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
 
     endpoint = Endpoint(identity, KVLayout.from_engine_config(core.config, fingerprint),
                         kind.kv_address(loop),
-                        lambda server: kind.add_servicer(loop, identity, server), load)
+                        lambda server: kind.add_servicer(loop, identity, server), load, metrics)
     return serve_until_signal(args, loop, endpoint)

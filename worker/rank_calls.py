@@ -46,7 +46,8 @@ class Op(enum.IntEnum):
 
 # transfer_id, state, has trailer, first token id, cached tokens, len(reason); then reason
 _STATUS = struct.Struct("<qBBqqI")
-_STATS = struct.Struct("<qqq")  # pending, open channels, max channels
+# pending, open channels, max channels, bytes moved, checksum failures
+_STATS = struct.Struct("<qqqqq")
 _ID = struct.Struct("<q")
 
 
@@ -102,22 +103,39 @@ def ints(raw: bytes) -> list[int]:
 
 @dataclass(frozen=True)
 class RankStats:
+    """One rank's data-plane figures: transfers pending, channels open and their bound,
+    KV payload bytes moved (sent, or received) and checksum failures since the start."""
+
     pending: int
     open_channels: int
     max_channels: int
+    bytes_moved: int = 0
+    checksum_failures: int = 0
 
     def encode(self) -> bytes:
-        return _STATS.pack(self.pending, self.open_channels, self.max_channels)
+        return _STATS.pack(self.pending, self.open_channels, self.max_channels,
+                           self.bytes_moved, self.checksum_failures)
 
     @classmethod
     def decode(cls, raw: bytes) -> RankStats:
         return cls(*_STATS.unpack(raw))
 
 
-def rank_totals(replies: Sequence[bytes]) -> tuple[int, int]:
-    """(pending transfers, open channels) summed over the ranks' ``STATS`` replies."""
+@dataclass(frozen=True)
+class RankTotals:
+    """``RankStats`` summed over a worker's ranks."""
+
+    pending: int = 0
+    open_channels: int = 0
+    bytes_moved: int = 0
+    checksum_failures: int = 0
+
+
+def rank_totals(replies: Sequence[bytes]) -> RankTotals:
+    """The ranks' ``STATS`` replies, summed."""
     stats = [RankStats.decode(r) for r in replies]
-    return sum(s.pending for s in stats), sum(s.open_channels for s in stats)
+    return RankTotals(sum(s.pending for s in stats), sum(s.open_channels for s in stats),
+                      sum(s.bytes_moved for s in stats), sum(s.checksum_failures for s in stats))
 
 
 class JsonConfig:

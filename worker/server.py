@@ -1,36 +1,46 @@
 """What the prefill and decode worker processes share on their gRPC side, torch-free:
-the ready file, readiness and health, Redis registration after readiness, the SIGTERM wait
-and drain (``serve_until_signal``). The engine side of a worker process is
+the asyncio gRPC server, the ready file, health, Redis registration after readiness, the
+SIGTERM wait and drain (``serve_until_signal``). The engine side of a worker process is
 ``worker.process``; the engine-loop thread and its commands are ``worker.loop``; the
 protobuf adapters ``worker.servicer``.
+
+Health means "can make progress": SERVING while the engine loop runs and either has no
+work or completed a step within ``--stall-timeout`` seconds; NOT_SERVING when it is dead
+(a rank died, a step failed), stalled, or the worker is draining. A busy worker is
+healthy: the server is ``grpc.aio``, so no number of open streams or pending calls delays
+a health check, an ``Abort``, an ``Info`` or a ``Reserve``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.files import write_json_atomic
 from cluster.heartbeat import Heartbeat
+from cluster.keepalive import SERVER_OPTIONS
 from cluster.records import WorkerLoad, WorkerRecord
 from cluster.registry import FingerprintMismatch, Registry
 from kvtransfer.layout import KVLayout
 from worker.loop import EngineLoop
+from worker.metrics import WorkerMetrics
 from worker.options import advertise_host
 
 log = logging.getLogger(__name__)
+
+WATCH_PERIOD_S = 0.5
 
 
 # ------------------------------------------------------------------------ process glue
@@ -43,6 +53,7 @@ class ReadyInfo:
     kv_address: str
     worker_id: str
     role: str
+    metrics_address: str = ""
 
     def write(self, path: str | Path) -> None:
         """Atomic: readers never see a partial file."""
@@ -53,40 +64,41 @@ class ReadyInfo:
         return cls(**json.loads(Path(path).read_text()))
 
 
-def start_health(server: grpc.Server) -> health.HealthServicer:
-    """Adds ``grpc.health.v1`` to ``server``; NOT_SERVING until ``set_serving``."""
-    servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    set_serving(servicer, False)
-    return servicer
+class Health:
+    """The worker's ``grpc.health.v1`` status (service "" only), set from the event loop."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        self.serving = False
+
+    async def set(self, serving: bool) -> None:
+        self.serving = serving
+        await self.servicer.set("", health_pb2.HealthCheckResponse.SERVING if serving
+                                else health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def set_serving(servicer: health.HealthServicer, serving: bool) -> None:
-    status = (health_pb2.HealthCheckResponse.SERVING if serving
-              else health_pb2.HealthCheckResponse.NOT_SERVING)
-    servicer.set("", status)
+def progress_problem(loop: EngineLoop, stall_timeout_s: float) -> str | None:
+    """Why the engine loop cannot make progress (None: it can)."""
+    if not loop.alive:
+        return f"the engine loop is dead: {loop.error!r}"
+    stalled = loop.stalled_s()
+    if stalled > stall_timeout_s:
+        return f"the engine loop completed no step for {stalled:.1f}s with work pending"
+    return None
 
 
-def watch_loop(servicer: health.HealthServicer, loop: EngineLoop,
-               stop: threading.Event, period_s: float = 0.5) -> None:
-    """Daemon thread: health turns NOT_SERVING once the engine loop is dead (zombie)."""
-    def run() -> None:
-        while not stop.wait(period_s):
-            if not loop.alive:
-                set_serving(servicer, False)
-                return
-    threading.Thread(target=run, name="pdserve-health-watch", daemon=True).start()
-
-
-def wait_for_signal(stop: threading.Event) -> None:
-    """Sets ``stop`` on SIGTERM or SIGINT (main thread only) and waits for it."""
-    def handler(signum: int, _frame: object) -> None:
-        log.info("received signal %d: shutting down", signum)
-        stop.set()
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    while not stop.wait(0.5):
-        pass
+async def watch_progress(health_: Health, loop: EngineLoop, stall_timeout_s: float) -> None:
+    """Keeps health at "can make progress" (see module doc) until cancelled."""
+    while True:
+        problem = progress_problem(loop, stall_timeout_s)
+        if (problem is None) != health_.serving:
+            if problem is None:
+                log.info("the engine loop makes progress again: SERVING")
+            else:
+                log.warning("%s: NOT_SERVING", problem)
+            await health_.set(problem is None)
+        await asyncio.sleep(WATCH_PERIOD_S)
 
 
 def run_guarded(what: str, fn: Callable[[], object]) -> None:
@@ -109,7 +121,6 @@ class Identity:
     model_fingerprint: str
 
 
-
 @dataclass(frozen=True)
 class Endpoint:
     """What ``serve_until_signal`` needs besides the running loop."""
@@ -117,8 +128,9 @@ class Endpoint:
     identity: Identity
     layout: KVLayout
     kv_address: str  # "" when the worker has no KV endpoint (prefill)
-    add_servicers: Callable[[grpc.Server], None]
+    add_servicers: Callable[[grpc.aio.Server], None]
     load_fn: Callable[[], WorkerLoad]
+    metrics: WorkerMetrics
 
 
 def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
@@ -132,40 +144,59 @@ def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
     their requests), then stop the loop (aborts what is left, shuts the engine and its
     ranks down). Returns the exit code.
     """
-    server = grpc.server(ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdserve-rpc"))
+    metrics_server, _ = prometheus_client.start_http_server(
+        args.metrics_port, args.host, endpoint.metrics.registry)
+    metrics_address = f"{advertise_host(args)}:{metrics_server.server_address[1]}"
+    try:
+        return asyncio.run(_serve(args, loop, endpoint, metrics_address))
+    finally:
+        loop.stop()
+        metrics_server.shutdown()
+        metrics_server.server_close()
+
+
+async def _serve(args: Any, loop: EngineLoop, endpoint: Endpoint, metrics_address: str) -> int:
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     endpoint.add_servicers(server)
-    health_servicer = start_health(server)
+    health_ = Health(server)
+    await health_.set(False)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
-    server.start()
+    await server.start()
     identity = endpoint.identity
     grpc_address = f"{advertise_host(args)}:{port}"
-    heartbeat = None
-    stop = threading.Event()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    heartbeat: Heartbeat | None = None
+    watcher: asyncio.Task[None] | None = None
     try:
         if args.redis_url:
-            heartbeat = _register(args, endpoint, grpc_address)
+            heartbeat = await asyncio.to_thread(_register, args, endpoint, grpc_address,
+                                                metrics_address)
             if heartbeat is None:
                 return 3
-        set_serving(health_servicer, True)
-        watch_loop(health_servicer, loop, stop)
+        await health_.set(True)
+        watcher = asyncio.create_task(watch_progress(health_, loop, args.stall_timeout))
         if args.ready_file:
             ReadyInfo(grpc_address, endpoint.kv_address, identity.worker_id,
-                      identity.role).write(args.ready_file)
+                      identity.role, metrics_address).write(args.ready_file)
         log.info("%s worker %s ready on %s", identity.role, identity.worker_id, grpc_address)
-        wait_for_signal(stop)
+        await stop.wait()
+        log.info("received a signal: shutting down")
     finally:
-        stop.set()
-        set_serving(health_servicer, False)
+        if watcher is not None:
+            watcher.cancel()
+        await health_.set(False)
         if heartbeat is not None:
-            run_guarded("deregistering", heartbeat.stop)
+            await asyncio.to_thread(run_guarded, "deregistering", heartbeat.stop)
         start = time.monotonic()
-        server.stop(args.grace).wait(args.grace + 5.0)
+        await server.stop(args.grace)
         log.info("gRPC server stopped in %.2fs", time.monotonic() - start)
-        loop.stop()
     return 0
 
 
-def _register(args: Any, endpoint: Endpoint, grpc_address: str) -> Heartbeat | None:
+def _register(args: Any, endpoint: Endpoint, grpc_address: str,
+              metrics_address: str) -> Heartbeat | None:
     """Start the heartbeat; None (after a message naming the field) on a fingerprint
     mismatch or invalid heartbeat/TTL settings."""
     identity = endpoint.identity
@@ -175,7 +206,8 @@ def _register(args: Any, endpoint: Endpoint, grpc_address: str) -> Heartbeat | N
         kv_address=endpoint.kv_address or grpc_address,
         tensor_parallel_size=identity.tensor_parallel_size, layout=endpoint.layout,
         free_kv_blocks=load.free_kv_blocks, total_kv_blocks=load.total_kv_blocks,
-        num_running=load.num_running, num_waiting=load.num_waiting, started_at=time.time())
+        num_running=load.num_running, num_waiting=load.num_waiting, started_at=time.time(),
+        metrics_address=metrics_address)
     timing = {k: v for k, v in (("heartbeat_s", args.heartbeat_interval),
                                 ("ttl_s", args.registration_ttl)) if v is not None}
     try:

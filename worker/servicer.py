@@ -1,8 +1,10 @@
 """The protobuf edge both worker kinds share: ``Abort`` and ``Info`` over an ``EngineLoop``,
-and the conversions between ``cluster.internal.v1`` messages and the engine's types.
+the end of a call (``on_call_end``), and the conversions between ``cluster.internal.v1``
+messages and the engine's types.
 
-A thin gRPC adapter: the one module of ``worker/`` that imports the generated internal
-API. Everything it hands to the loop is a plain dataclass (``worker.loop`` commands).
+A thin gRPC adapter, asynchronous (``grpc.aio``): the one module of ``worker/`` that imports
+the generated internal API. Everything it hands to the loop is a plain dataclass
+(``worker.loop`` commands); it awaits replies and results, never blocking a thread.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from worker.loop import CALL_TIMEOUT_S, Abort, EngineLoop, Info, LoopInfo, Worke
 from worker.server import Identity
 
 
-def abort_with(context: grpc.ServicerContext, error: WorkerError) -> NoReturn:
+async def abort_with(context: grpc.aio.ServicerContext, error: WorkerError) -> NoReturn:
     """Ends the RPC with ``error``'s status (raises)."""
-    context.abort(error.code, error.message)
+    await context.abort(error.code, error.message)
     raise AssertionError("unreachable: context.abort raises")
 
 
@@ -30,25 +32,27 @@ class LoopServicerMixin:
         self.loop = loop
         self.identity = identity
 
-    def _abort_quietly(self, request_id: str, reason: str) -> None:
-        try:
-            self.loop.call(Abort(request_id, reason), CALL_TIMEOUT_S)
-        except WorkerError:
-            pass  # the loop is gone: it released everything when it stopped
+    def on_call_end(self, request_id: str, reason: str) -> None:
+        """However a call that holds ``request_id`` ends (finished, failed, cancelled by
+        its caller or its deadline, the caller gone): abort whatever is left of it.
+        Posted, not awaited: it runs even while the handler is being cancelled, and
+        aborting a finished request is a no-op."""
+        self.loop.post(Abort(request_id, reason))
 
-    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext  # noqa: N802
-              ) -> pb.AbortResponse:
+    async def Abort(self, request: pb.AbortRequest,  # noqa: N802 - gRPC name
+                    context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         try:
-            return pb.AbortResponse(found=self.loop.call(Abort(request.request_id), CALL_TIMEOUT_S))
+            found: bool = await self.loop.acall(Abort(request.request_id), CALL_TIMEOUT_S)
+            return pb.AbortResponse(found=found)
         except WorkerError as exc:
-            abort_with(context, exc)
+            await abort_with(context, exc)
 
-    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext  # noqa: N802
-             ) -> pb.WorkerInfo:
+    async def Info(self, request: pb.InfoRequest,  # noqa: N802 - gRPC name
+                   context: grpc.aio.ServicerContext) -> pb.WorkerInfo:
         try:
-            return info_to_proto(self.identity, self.loop.call(Info(), CALL_TIMEOUT_S))
+            return info_to_proto(self.identity, await self.loop.acall(Info(), CALL_TIMEOUT_S))
         except WorkerError as exc:
-            abort_with(context, exc)
+            await abort_with(context, exc)
 
 
 def sampling_kwargs(msg: Any) -> dict[str, Any]:
@@ -80,4 +84,5 @@ def info_to_proto(identity: Identity, info: LoopInfo) -> pb.WorkerInfo:
                            in_use_blocks=kv.in_use),
         pending_transfers=info.pending_transfers, open_kv_channels=info.open_kv_channels,
         running_requests=info.running, waiting_requests=info.waiting,
-        num_preemptions=info.num_preemptions)
+        num_preemptions=info.num_preemptions, num_expired_requests=info.num_expired,
+        num_started_requests=info.num_started, num_failed_transfers=info.num_failed_transfers)

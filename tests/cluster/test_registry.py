@@ -64,11 +64,17 @@ def listed_ids(registry: Registry, role: str | None = None) -> list[str]:
 # -- the record and the key schema (no Redis) -------------------------------------------------
 
 def test_record_round_trips_through_versioned_json() -> None:
-    record = make_record(layout=OTHER_LAYOUT, tensor_parallel_size=2)
+    record = make_record(layout=OTHER_LAYOUT, tensor_parallel_size=2,
+                         metrics_address="127.0.0.1:9090")
     text = record.to_json()
-    assert json.loads(text)["version"] == 1
+    assert json.loads(text)["version"] == 2
     assert WorkerRecord.from_json(text) == record
     assert WorkerRecord.from_json(text.encode()) == record
+    # a version-1 record (before metrics_address existed) still reads
+    old = json.loads(text)
+    old.update(version=1)
+    del old["metrics_address"]
+    assert WorkerRecord.from_json(json.dumps(old)).metrics_address == ""
     assert record.with_load(WorkerLoad(1, 12, 5, 6)).load == WorkerLoad(1, 12, 5, 6)
 
 
@@ -79,7 +85,7 @@ def _mutated(change: Any) -> str:
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    (_mutated(lambda b: b.update(version=2)), "version 2"),
+    (_mutated(lambda b: b.update(version=3)), "version 3"),
     (_mutated(lambda b: b.pop("version")), "version None"),
     (_mutated(lambda b: b.update(extra=1)), r"unknown \['extra'\]"),
     (_mutated(lambda b: b.pop("kv_address")), r"missing \['kv_address'\]"),

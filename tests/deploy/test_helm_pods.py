@@ -21,9 +21,7 @@ GPU_CASES = [c for c in chart.CASES if c != "cpu"]
 # Flags and environment the chart relies on that the pdserve command line does not have yet
 # (issue 14 adds them). A flag outside this list and the CLI is a typo in the chart.
 PENDING_FLAGS = {
-    "router": {"--http-port", "--metrics-port"},
-    "prefill": {"--metrics-port"},
-    "decode": {"--metrics-port"},
+    "router": {"--http-port"},
 }
 
 

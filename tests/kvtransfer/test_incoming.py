@@ -53,7 +53,8 @@ def _setup() -> tuple[Receiver, Incoming, torch.Tensor]:
     src = torch.randn(shape)
     record = Incoming(transfer_id=9, kv_cache=torch.zeros(shape),
                       block_ids=torch.tensor(DST_IDS), num_tokens=NUM_TOKENS, num_blocks=3,
-                      deadline=time.monotonic() + 60, units_per_layer=2 * 3 * LAYOUT.num_kv_heads,
+                      start_deadline=time.monotonic() + 60, timeout_s=60.0,
+                      units_per_layer=2 * 3 * LAYOUT.num_kv_heads,
                       units=[0] * LAYOUT.num_layers)
     return Receiver(), record, src
 
@@ -172,3 +173,21 @@ def test_invalid_or_unwanted_trailers_fail_the_transfer() -> None:
     cancelled = _trailer(flags=int(Flag.LAST_PART | Flag.CANCELLED))
     assert rx.deliver(*cancelled, record) == Status.NOT_EXPECTED
     assert record.state == State.FAILED and "aborted" in str(record.error)
+
+
+def test_the_deadline_starts_over_when_the_first_part_arrives() -> None:
+    rx, record, src = _setup()
+    record.start_deadline, record.timeout_s = time.monotonic() + 30, 0.2
+    # 1. waiting for the transfer to start: the start deadline rules
+    assert record.started_at is None and record.deadline == record.start_deadline
+    # 2. the first part arrives: from now on it has timeout_s to complete
+    assert rx.deliver(*_part(src, (0, 4)), record) == Status.OK
+    assert record.started_at is not None and record.deadline == record.started_at + 0.2
+    time.sleep(0.3)
+    assert rx.deliver(*_part(src, (4, 8)), record) == Status.NOT_EXPECTED
+    assert record.state == State.FAILED and "incomplete at the deadline" in str(record.error)
+
+
+def test_a_transfer_that_never_starts_times_out_naming_it() -> None:
+    _, record, _ = _setup()
+    assert record.time_out() and "no part arrived" in str(record.error)

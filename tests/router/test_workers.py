@@ -33,7 +33,7 @@ from cluster.records import WorkerRecord
 from cluster.registry import Registry
 from kvtransfer.layout import KVLayout
 from pdserve.redis_server import RedisServer
-from router.workers import WorkerPool
+from router.workers import HUNG_AFTER, WorkerPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -296,6 +296,27 @@ def test_stopped_and_silent_workers_are_not_routable(registry: Registry) -> None
     run(body())
 
 
+async def _unwatched_calls_survive(pool: WorkerPool, w1: Any, hung1: asyncio.Task[None],
+                                   hang: Any, ch1: grpc.aio.Channel) -> None:
+    """A call that left ``watched`` is not cancelled by a later failure."""
+    w1.hanging.clear()
+    hung1.cancel()
+    await asyncio.wait([hung1], timeout=WAIT_S)
+    await asyncio.wait_for(w1.hang_cancelled.wait(), WAIT_S)
+    w1.hanging.clear()
+    w1.hang_cancelled.clear()
+    unwatched = asyncio.create_task(hang("decode-1", ch1, watch_until_done=False))
+    await asyncio.wait_for(w1.hanging.wait(), WAIT_S)
+    w1.hang_health_checks()
+    for _ in range(HUNG_AFTER):
+        await pool.refresh()
+    assert pool.routable("decode") == []
+    await asyncio.sleep(0.1)
+    assert not unwatched.done() and not w1.hang_cancelled.is_set()
+    unwatched.cancel()
+    await asyncio.wait([unwatched], timeout=WAIT_S)
+
+
 def test_watched_calls_are_cancelled_when_their_worker_fails_its_check(
         registry: Registry) -> None:
     async def body() -> None:
@@ -335,9 +356,14 @@ def test_watched_calls_are_cancelled_when_their_worker_fails_its_check(
                     assert ids(pool.routable("decode")) == ["decode-1"]
                     await asyncio.sleep(0.1)
                     assert not hung0.done()
-                    # no answer at all (hung): its calls are taken back
+                    # no answer at all (hung): after one missed check no new requests
+                    # go there; after HUNG_AFTER in a row its calls are taken back
                     w0.hang_health_checks()
                     await pool.refresh()
+                    await asyncio.sleep(0.1)
+                    assert not hung0.done() and HUNG_AFTER > 1
+                    for _ in range(HUNG_AFTER - 1):
+                        await pool.refresh()
                     done, _ = await asyncio.wait([hung0], timeout=WAIT_S)
                     assert hung0 in done and hung0.cancelled()
                     assert cancelling == {"decode-0": 0}  # the pool cancelled the call, not us
@@ -345,22 +371,7 @@ def test_watched_calls_are_cancelled_when_their_worker_fails_its_check(
                     await asyncio.sleep(0.1)
                     assert not hung1.done()  # decode-1 is healthy: its call goes on
 
-                    # A call that left ``watched`` is not cancelled by a later failure.
-                    w1.hanging.clear()
-                    hung1.cancel()
-                    await asyncio.wait([hung1], timeout=WAIT_S)
-                    await asyncio.wait_for(w1.hang_cancelled.wait(), WAIT_S)
-                    w1.hanging.clear()
-                    w1.hang_cancelled.clear()
-                    unwatched = asyncio.create_task(hang("decode-1", ch1, watch_until_done=False))
-                    await asyncio.wait_for(w1.hanging.wait(), WAIT_S)
-                    w1.hang_health_checks()
-                    await pool.refresh()
-                    assert pool.routable("decode") == []
-                    await asyncio.sleep(0.1)
-                    assert not unwatched.done() and not w1.hang_cancelled.is_set()
-                    unwatched.cancel()
-                    await asyncio.wait([unwatched], timeout=WAIT_S)
+                    await _unwatched_calls_survive(pool, w1, hung1, hang, ch1)
             finally:
                 await pool.close()
 

@@ -37,16 +37,18 @@ class KVTarget(_message.Message):
     def __init__(self, kv_address: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., transfer_id: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_id", "wait_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     transfer_id: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[int] = ...) -> None: ...
+    wait_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("accepted", "reason", "num_blocks", "target")
@@ -155,7 +157,7 @@ class KVCacheUsage(_message.Message):
     def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., in_use_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "tensor_parallel_size", "model_fingerprint", "kv", "pending_transfers", "open_kv_channels", "running_requests", "waiting_requests", "num_preemptions")
+    __slots__ = ("worker_id", "role", "tensor_parallel_size", "model_fingerprint", "kv", "pending_transfers", "open_kv_channels", "running_requests", "waiting_requests", "num_preemptions", "num_expired_requests", "num_started_requests", "num_failed_transfers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +168,9 @@ class WorkerInfo(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPIRED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STARTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     tensor_parallel_size: int
@@ -176,4 +181,7 @@ class WorkerInfo(_message.Message):
     running_requests: int
     waiting_requests: int
     num_preemptions: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv: _Optional[_Union[KVCacheUsage, _Mapping]] = ..., pending_transfers: _Optional[int] = ..., open_kv_channels: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    num_expired_requests: int
+    num_started_requests: int
+    num_failed_transfers: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv: _Optional[_Union[KVCacheUsage, _Mapping]] = ..., pending_transfers: _Optional[int] = ..., open_kv_channels: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_expired_requests: _Optional[int] = ..., num_started_requests: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ...) -> None: ...

@@ -85,14 +85,18 @@ class DecodeWorkerServicer:
         `transfer_id` (request state WAITING_FOR_KV). Returns at once: it never waits for
         blocks to free up.
 
-        - Cannot hold the request now (out of KV blocks, too many pending transfers):
-        `accepted = false` with a `reason`; nothing is held. The router tries another
-        decode worker or fails the request; it never prefills for a refused reservation.
+        - Cannot hold the request now (out of KV blocks, or at its limit of requests held,
+        `--max-requests`): `accepted = false` with a `reason`; nothing is held. The router
+        tries another decode worker or waits for room; it never prefills for a refused
+        reservation.
         - Accepted: `target` is what the prefill worker needs to push the KV. The decode
         worker owns the reserved blocks and frees them on every rank when the Generate
-        stream ends, on `Abort(request_id)`, or when the worker's transfer deadline passes
-        unless by then the KV has fully arrived on every rank and a Generate stream is
-        open. A reservation is never held without a deadline.
+        stream ends, on `Abort(request_id)`, or at the reservation's deadline: its
+        transfer must start within `wait_ms` (the request's remaining deadline; 0: the
+        worker's transfer timeout) and, once started, complete within the worker's
+        transfer timeout; and the KV, once arrived, must get a Generate stream within that
+        timeout too. A long prefill queue therefore costs no transfer timeout. A
+        reservation is never held without a deadline.
         - Idempotent for retries: a second Reserve with the same request_id and transfer_id
         returns the existing reservation. The same request_id with a different
         transfer_id while one is live: ALREADY_EXISTS.
@@ -135,7 +139,8 @@ class DecodeWorkerServicer:
         while it has no room; ending the stream in any way frees everything on every rank.
         Used by a router with no prefill worker to send to (`--local-prefill`) and as the
         colocated baseline of benchmarks. Errors: INVALID_ARGUMENT (empty prompt, bad
-        sampling params), ALREADY_EXISTS (request_id is live here), ABORTED (Abort).
+        sampling params), ALREADY_EXISTS (request_id is live here), ABORTED (Abort),
+        RESOURCE_EXHAUSTED (the worker holds its limit of requests: busy, try later).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -388,8 +393,11 @@ class PrefillWorkerServicer:
         stops the request, releases its own blocks, and sends nothing more to `target`.
         Not idempotent: a second Prefill for a request_id still held is ALREADY_EXISTS; a
         retry aborts on both sides and starts over with a new reservation and transfer_id.
+        A request whose deadline (the call's) passes before its prefill started is dropped
+        with DEADLINE_EXCEEDED and never computed (`WorkerInfo.num_expired_requests`).
         Errors: INVALID_ARGUMENT (empty prompt, bad target or sampling params),
-        ALREADY_EXISTS, RESOURCE_EXHAUSTED (the prompt cannot fit or the queue is full),
+        ALREADY_EXISTS, RESOURCE_EXHAUSTED (the worker holds its limit of requests,
+        `--max-requests`: busy, not failed; the router tries another or waits),
         UNAVAILABLE (the KV target was unreachable or the transfer failed), ABORTED (Abort
         was called while the request was queued or running).
         """
