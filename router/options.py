@@ -64,5 +64,6 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", help="... and this PEM private key")
     parser.add_argument("--api-key-file",
                         help="require 'authorization: Bearer KEY' on every call but health "
-                             "and reflection, KEY being this file's first line (default: "
-                             "$PDSERVE_API_KEY if set, else no key)")
+                             "and reflection (gRPC) and /health, /metrics, /version (HTTP), "
+                             "KEY being this file's first line (default: $PDSERVE_API_KEY if "
+                             "set, else no key)")

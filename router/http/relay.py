@@ -87,15 +87,18 @@ class Relay(Response):
             for task in (work, gone):
                 task.cancel()
             await asyncio.gather(work, gone, return_exceptions=True)
-        if gone.done() and not gone.cancelled() and not work.done():
-            logger.info("the client left; request cancelled")
+        if work.done() and not work.cancelled() and work.exception() is not None:
+            logger.error("writing the response failed", exc_info=work.exception())
 
     async def _run(self, send: Send) -> None:
         try:
             generation = await self._generations.start(self._client, self._timeout_s)
-        except (RouteError, InvalidRequest) as exc:
+        except Exception as exc:  # refused before any work: a plain HTTP error
             error = as_api_error(exc)
-            logger.info("refused: %d %s", error.status, error.message)
+            if isinstance(exc, RouteError | InvalidRequest):
+                logger.info("refused: %d %s", error.status, error.message)
+            else:
+                logger.exception("start failed unexpectedly")
             await send_json(send, error.status, error.body())
             return
         rid = generation.request_id
@@ -103,9 +106,20 @@ class Relay(Response):
                          created=int(time.time()), include_usage=self._include_usage)
         headers = [(REQUEST_ID_HEADER.encode(), rid.encode())]
         log = logging.LoggerAdapter(logger, {"request_id": rid})
+        started = time.monotonic()
+        try:
+            await self._relay(send, generation, shape, headers, log)
+        except asyncio.CancelledError:
+            log.info("cancelled after %.2fs (the client left, or the router stopped)",
+                     time.monotonic() - started)
+            raise
+
+    async def _relay(self, send: Send, generation: StartedGeneration, shape: Shape,
+                     headers: list[tuple[bytes, bytes]],
+                     log: logging.LoggerAdapter[logging.Logger]) -> None:
         async with aclosing(generation.chunks()) as chunks:
             try:
-                first = await anext(chunks, None)
+                first = await anext(chunks, None)  # the status waits for the first chunk
             except Exception as exc:  # nothing sent yet: a plain HTTP error
                 error = _failed(log, exc)
                 await send_json(send, error.status, error.body(), headers)
