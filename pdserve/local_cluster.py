@@ -34,7 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pdserve.child_process import spawn, terminate_all
 from pdserve.redis_server import RedisServer, RedisServerError
-from router.config import DEFAULT_PORT
+from router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
 
 LOOPBACK = "127.0.0.1"
 _POLL_S = 0.1
@@ -52,6 +52,8 @@ class LocalClusterConfig:
     decode_tp: int = 1
     host: str = LOOPBACK  # every endpoint binds here (the private Redis: always loopback)
     port: int = DEFAULT_PORT  # the router's public API; 0: the OS picks
+    http_port: int | None = DEFAULT_HTTP_PORT  # its OpenAI-compatible HTTP API; None: off
+    chat_template: Path | None = None  # router's --chat-template
     redis_url: str | None = None  # None: a private redis-server on a free loopback port
     cluster: str = "default"  # Redis key namespace
     log_dir: Path | None = None  # None: a fresh temp dir
@@ -71,8 +73,10 @@ class LocalClusterConfig:
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)}"
                                  + (" (0 needs --local-prefill always)" if least else ""))
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 65536:
+                raise ValueError(f"{name} must be in 0..65535, got {value}")
 
     @property
     def num_ranks(self) -> int:
@@ -149,6 +153,16 @@ class LocalCluster:
             raise RuntimeError("the router is not running")
         return self.router.address
 
+    @property
+    def http_url(self) -> str:
+        """``http://HOST:PORT`` of the OpenAI-compatible HTTP API (the router's ready file)."""
+        if self.router is None or self.router.ready is None:
+            raise RuntimeError("the router is not running")
+        address = self.router.ready.get("http_address")
+        if address is None:
+            raise RuntimeError("the router serves no HTTP API (http_port is None)")
+        return f"http://{address}"
+
     def pids(self) -> dict[str, int]:
         """Name → pid of every process started and not yet stopped."""
         pids = {c.name: c.proc.pid for c in self._children()}
@@ -163,6 +177,8 @@ class LocalCluster:
         try:
             if self.config.start_router:
                 check_port_free(self.config.host, self.config.port)
+                if self.config.http_port is not None:
+                    check_port_free(self.config.host, self.config.http_port, "--http-port")
             self._prepare()
             self._start_redis()
             self._start_workers()
@@ -267,8 +283,13 @@ class LocalCluster:
             argv += ["--max-inflight", str(cfg.max_inflight)]
         argv += list(cfg.router_args)
         argv += ["--local-prefill", cfg.local_prefill]
+        argv += ["--no-http"] if cfg.http_port is None else ["--http-port", str(cfg.http_port)]
+        if cfg.chat_template is not None:
+            argv += ["--chat-template", str(cfg.chat_template)]
         self.router = self._spawn("router", argv)
-        self._wait_ready([self.router], lambda c: f"router ready at {c.address}")
+        self._wait_ready([self.router], lambda c: f"router ready at {c.address}" + (
+            f" (HTTP {c.ready['http_address']})" if c.ready and "http_address" in c.ready
+            else ""))
 
     def _worker_argv(self, role: str, index: int, tp: int) -> list[str]:
         cfg = self.config
@@ -334,7 +355,7 @@ def child_env(config: LocalClusterConfig) -> dict[str, str]:
     return env
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """``PortInUse`` when something listens on (or holds) ``host:port``; port 0 passes."""
     if port == 0:
         return
@@ -344,7 +365,7 @@ def check_port_free(host: str, port: int) -> None:
             pass
     except OSError as exc:
         raise PortInUse(f"port {port} on {host} is not available ({exc.strerror or exc}); "
-                        "pick another with --port (0: any free port)") from None
+                        f"pick another with {flag} (0: any free port)") from None
 
 
 def _is_loopback(host: str) -> bool:
@@ -419,6 +440,10 @@ def serve(config: LocalClusterConfig, *,
         if config.start_router:
             say(f"pdserve is serving at {cluster.router_address} (Ctrl-C to stop); try:\n"
                 f"  {_pdserve_command()} generate \"Hello\" --address {cluster.router_address}")
+            if config.http_port is not None:
+                say(f"OpenAI-compatible HTTP API at {cluster.http_url}/v1; try:\n"
+                    f"  curl {cluster.http_url}/v1/completions -H 'Content-Type: "
+                    f"application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'")
         else:
             say("workers are serving without a router; Redis at "
                 f"{_redacted(cluster.redis_url or '')} (Ctrl-C to stop)")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 LOCAL_PREFILL_MODES = ("never", "fallback", "always")
 AFFINITY_BLOCKS = 4
 """Leading full blocks that make the prefill affinity key (64 tokens at block size 16)."""
@@ -91,6 +92,14 @@ class TLSFiles:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP API (``router.http``), served beside gRPC on ``host``."""
+
+    port: int = DEFAULT_HTTP_PORT  # 0: the OS picks
+    chat_template: Path | None = None  # None: the model's own (router.http.chat_template)
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     model_dir: Path
     discovery: DiscoveryConfig
@@ -104,6 +113,7 @@ class RouterConfig:
     tls: TLSFiles | None = None  # None: plaintext
     health_port: int | None = None  # also serve health alone, in plaintext, here (0: any)
     metrics_port: int | None = None  # serve /metrics here (0: any)
+    http: HttpConfig | None = None  # None: no HTTP API
 
     @property
     def address(self) -> str:

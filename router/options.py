@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from router.config import DEFAULT_PORT, LOCAL_PREFILL_MODES, AdmissionConfig
+from router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, LOCAL_PREFILL_MODES, AdmissionConfig
 
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
 
@@ -22,6 +22,14 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the API binds to")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help="API port (0: the OS picks)")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                        help="OpenAI-compatible HTTP API port (0: the OS picks; default "
+                             f"{DEFAULT_HTTP_PORT})")
+    parser.add_argument("--no-http", dest="http", action="store_false",
+                        help="serve gRPC only (no HTTP API)")
+    parser.add_argument("--chat-template",
+                        help="Jinja chat template file for /v1/chat/completions (default: the "
+                             "model's, from chat_template.jinja or tokenizer_config.json)")
     parser.add_argument("--health-port", type=int,
                         help="also serve grpc.health.v1 alone, in plaintext, on this port (for "
                              "probes when the API port serves TLS; 0: any free port)")
@@ -30,8 +38,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "(0: any free port; they are on the HTTP API's /metrics too)")
     parser.add_argument("--cluster", default="default", help="Redis key namespace")
     parser.add_argument("--ready-file",
-                        help='write {"grpc_address", "role", "model"} (and "health_address" '
-                             "with --health-port) as JSON once serving")
+                        help='write {"grpc_address", "role", "model"} (and "http_address", '
+                             '"health_address", "metrics_address" when served) as JSON once '
+                             "serving")
     parser.add_argument("--model-name", help="name clients may give (default: the directory name)")
     parser.add_argument("--max-inflight", type=int, default=AdmissionConfig.max_inflight,
                         help="requests queued or running at once (a busy cluster queues them "
@@ -55,5 +64,6 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", help="... and this PEM private key")
     parser.add_argument("--api-key-file",
                         help="require 'authorization: Bearer KEY' on every call but health "
-                             "and reflection, KEY being this file's first line (default: "
-                             "$PDSERVE_API_KEY if set, else no key)")
+                             "and reflection (gRPC) and /health, /metrics, /version (HTTP), "
+                             "KEY being this file's first line (default: $PDSERVE_API_KEY if "
+                             "set, else no key)")

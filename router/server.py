@@ -1,4 +1,5 @@
-"""``pdserve router``: the public gRPC server (``pdserve.v1``), health and reflection.
+"""``pdserve router``: the public gRPC server (``pdserve.v1``), health and reflection, and
+the OpenAI-compatible HTTP API (``router.http``) on the same event loop.
 
 ``Router`` owns the asyncio gRPC server, the ``WorkerPool`` and its refresh task.
 Health (``grpc.health.v1``, service "" and ``pdserve.v1.Generation``) is SERVING while at
@@ -37,10 +38,12 @@ from router.config import (
     AdmissionConfig,
     DiscoveryConfig,
     HandoffConfig,
+    HttpConfig,
     RouterConfig,
     TLSFiles,
 )
 from router.generations import Generations
+from router.http.server import HttpServer, HttpStartError, build_http_server
 from router.service import SERVICE_NAME, GenerationService
 from router.validation import ModelLimits
 from router.workers import WorkerPool
@@ -72,6 +75,15 @@ class Router:
         self.generations = Generations(self.pool, self.limits, tokenizer,
                                        handoff=config.handoff, admission=config.admission)
         self.service = GenerationService(self.generations)
+        self.serving = False  # what health says (also the HTTP API's /health)
+        self.http: HttpServer | None = None
+        self.http_address: str | None = None
+        if config.http is not None:
+            try:
+                self.http = build_http_server(config, self.generations, tokenizer,
+                                              lambda: self.serving)
+            except HttpStartError as exc:
+                raise RouterStartError(str(exc)) from None
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -104,6 +116,11 @@ class Router:
         if port == 0:
             raise RouterStartError(f"cannot listen on {self.config.address} (port in use?)")
         self.address = f"{self.config.host}:{port}"
+        if self.http is not None:
+            try:
+                self.http_address = self.http.bind()
+            except HttpStartError as exc:
+                raise RouterStartError(str(exc)) from None
         try:
             await asyncio.to_thread(self.registry.ping)
         except RegistryAuthError as exc:
@@ -117,6 +134,8 @@ class Router:
         await self._refresh()
         await server.start()
         self._server = server
+        if self.http is not None:
+            await self.http.start()
         self._refresher = asyncio.create_task(self._refresh_forever())
         return self.address
 
@@ -151,6 +170,7 @@ class Router:
         colocated = self.config.handoff.local_prefill != "never"
         serving = bool(self.pool.routable("decode")
                        and (colocated or self.pool.routable("prefill")))
+        self.serving = serving
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", SERVICE_NAME):
@@ -168,9 +188,12 @@ class Router:
         """Stops accepting, lets streams finish for ``grace_s``, releases everything."""
         if self._refresher is not None:
             self._refresher.cancel()
+        self.serving = False
         if self._server is not None:
             await self._health.enter_graceful_shutdown()
-            await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
+            await asyncio.gather(
+                self._server.stop(self.config.grace_s if grace_s is None else grace_s),
+                *([self.http.stop()] if self.http is not None else []))
         if self._health_server is not None:
             await self._health_server.stop(None)
         if self._metrics_server is not None:
@@ -197,7 +220,14 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                                   max_queued_tokens=args.max_queued_tokens or None,
                                   max_buffered_chunks=args.max_buffered_chunks),
         handoff=HandoffConfig(local_prefill=args.local_prefill), health_port=args.health_port,
-        metrics_port=args.metrics_port)
+        metrics_port=args.metrics_port, http=_http(args))
+
+
+def _http(args: argparse.Namespace) -> HttpConfig | None:
+    if not args.http:
+        return None
+    template = Path(args.chat_template) if args.chat_template else None
+    return HttpConfig(port=args.http_port, chat_template=template)
 
 
 def _tls(args: argparse.Namespace) -> TLSFiles | None:
@@ -234,7 +264,7 @@ async def _serve(config: RouterConfig, ready_file: str | None) -> int:
         loop.add_signal_handler(sig, stop.set)
     if ready_file:
         ready = {"grpc_address": address, "role": "router", "model": router.limits.name}
-        for name in ("health_address", "metrics_address"):
+        for name in ("http_address", "health_address", "metrics_address"):
             if getattr(router, name) is not None:
                 ready[name] = getattr(router, name)
         write_json_atomic(ready_file, ready)

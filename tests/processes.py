@@ -85,7 +85,10 @@ class Proc:
 
 def spawn(name: str, args: Sequence[str], tmp: Path, env: dict[str, str] | None = None) -> Proc:
     """``python -m pdserve ARGS --ready-file ...`` with its output in ``tmp/NAME.log``
-    (``env``: extra environment variables)."""
+    (``env``: extra environment variables). A router gets ``--http-port 0`` unless ARGS
+    choose its HTTP port."""
+    if args and args[0] == "router" and not {"--http-port", "--no-http"} & set(args):
+        args = [*args, "--http-port", "0"]  # routers run side by side in tests
     log_path, ready_path = tmp / f"{name}.log", tmp / f"{name}.ready.json"
     ready_path.unlink(missing_ok=True)
     with open(log_path, "wb") as log:

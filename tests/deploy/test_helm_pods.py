@@ -29,7 +29,8 @@ def _subparser(command: str) -> argparse.ArgumentParser:
     sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
     parser = sub.choices[command]
     for flag in PENDING_FLAGS.get(command, ()):
-        parser.add_argument(flag)
+        if flag not in parser._option_string_actions:  # not there yet
+            parser.add_argument(flag)
     parser.exit_on_error = False
     return parser
 
