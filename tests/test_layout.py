@@ -20,7 +20,7 @@ import pytest
 from tests.factories import REPO_ROOT, run_without_torch
 
 PACKAGES = ("engine", "kvtransfer", "cluster", "worker", "prefill_worker", "decode_worker",
-            "router", "pdserve", "tools", "bench")
+            "router", "pdserve", "tools", "bench", "loadtest")
 TORCH = ("torch", "flash_attn", "triton")
 
 # What each package may import from the tree (besides itself). Imports point down:
@@ -201,6 +201,14 @@ def test_the_sdk_imports_nothing_of_the_server() -> None:
     sdk = [m for m in modules() if _is_sdk(m)]
     assert {"pdserve", "pdserve.client", "pdserve.aio_client"} <= set(sdk)
     bad = {(m, t) for m in sdk for t in edges(m) if not _is_sdk(t) and t not in GENERATED}
+    assert not bad, sorted(bad)
+
+
+def test_loadtest_imports_only_the_sdk() -> None:
+    # locust users run where only the SDK (and locust) is installed
+    users = [m for m in modules() if _within(m, ["loadtest"])]
+    assert "loadtest.locustfile" in users
+    bad = {(m, t) for m in users for t in edges(m) if not (_within(t, ["loadtest"]) or _is_sdk(t))}
     assert not bad, sorted(bad)
 
 
