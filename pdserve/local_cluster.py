@@ -12,6 +12,11 @@ workers at once, each ready once its ready file appears (it has registered in Re
 then) → router. Order of stop: router (stops accepting, finishes its streams) → workers
 (they drain and deregister) → Redis; each tier gets SIGTERM and ``stop_grace_s``, then
 SIGKILL. Each child's stdout/stderr goes to ``LOG_DIR/NAME.log``; failures quote its tail.
+
+Pinning (``cpu_affinity``, for benchmarks; off by default): a child named there
+(``prefill-0``, ``decode-1``, ``router``) runs on those CPUs only, and so does everything it
+starts (set before it execs, ``pdserve.child_process.spawn``); it gets one torch thread per
+CPU unless ``OMP_NUM_THREADS`` is set. Children not named run where this process may.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -61,6 +66,9 @@ class LocalClusterConfig:
     model_name: str | None = None  # router's --model-name
     max_inflight: int | None = None  # router's --max-inflight
     router_args: tuple[str, ...] = ()  # more of the router's flags, as given
+    worker_args: tuple[str, ...] = ()  # more flags of every worker, as given
+    # child name -> the CPUs it (and all it starts) runs on; absent: unpinned (see module doc)
+    cpu_affinity: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     local_prefill: str = "never"  # router's --local-prefill; "always" allows 0 prefill workers
     start_router: bool = True  # False: Redis and workers only (run your own router)
     start_timeout_s: float = 300.0  # for all workers, then for the router, to be ready
@@ -77,6 +85,19 @@ class LocalClusterConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in 0..65535, got {value}")
+        names = {*self.worker_names, "router"}
+        for name, cpus in self.cpu_affinity.items():
+            if name not in names:
+                raise ValueError(f"cpu_affinity names {name!r}, not a process of this cluster "
+                                 f"({', '.join(sorted(names))})")
+            if not cpus or any(not isinstance(c, int) or c < 0 for c in cpus):
+                raise ValueError(f"cpu_affinity[{name!r}] must be CPU numbers, got {cpus!r}")
+
+    @property
+    def worker_names(self) -> list[str]:
+        """The workers' names in start order (``prefill-0`` ..., ``decode-0`` ...)."""
+        return ([f"prefill-{i}" for i in range(self.num_prefill)]
+                + [f"decode-{i}" for i in range(self.num_decode)])
 
     @property
     def num_ranks(self) -> int:
@@ -174,6 +195,7 @@ class LocalCluster:
         """Start every process (once: entering the context manager starts it too)."""
         if self._children():
             raise RuntimeError("this LocalCluster is started already")
+        check_cpus(self.config.cpu_affinity)
         try:
             if self.config.start_router:
                 check_port_free(self.config.host, self.config.port)
@@ -297,7 +319,7 @@ class LocalCluster:
                 "--tensor-parallel-size", str(tp), "--grace", str(cfg.drain_s)]
         if cfg.num_kv_blocks is not None:
             argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
-        return argv
+        return argv + list(cfg.worker_args)
 
     def _pdserve(self, command: str) -> list[str]:
         assert self.redis_url is not None
@@ -309,9 +331,10 @@ class LocalCluster:
         ready_path = self.log_dir / f"{name}.ready.json"
         ready_path.unlink(missing_ok=True)  # a stale one from an earlier run in this dir
         log_path = self.log_dir / f"{name}.log"
+        cpus = self.config.cpu_affinity.get(name)
         with open(log_path, "wb") as log:
             proc = spawn([*argv, "--ready-file", str(ready_path)], stdout=log,
-                         stderr=subprocess.STDOUT, env=child_env(self.config))
+                         stderr=subprocess.STDOUT, env=child_env(self.config, cpus), cpus=cpus)
         return Child(name, proc, log_path, ready_path)
 
     def _wait_ready(self, children: list[Child], describe: Callable[[Child], str]) -> None:
@@ -341,18 +364,31 @@ class LocalCluster:
                                                           else "")
 
 
-def child_env(config: LocalClusterConfig) -> dict[str, str]:
-    """The children's environment: ours, plus thread counts that share the cores among all
-    ranks (unless set already), unbuffered output, and gloo bound to loopback when the
-    cluster is."""
+def child_env(config: LocalClusterConfig, cpus: Sequence[int] | None = None) -> dict[str, str]:
+    """A child's environment: ours, plus its thread count unless set already (one per CPU
+    of a child pinned to ``cpus``; else the cores shared among all ranks), unbuffered
+    output, and gloo bound to loopback when the cluster is."""
     env = dict(os.environ)
-    threads = max(1, (os.cpu_count() or 1) // config.num_ranks)
+    threads = len(cpus) if cpus else max(1, (os.cpu_count() or 1) // config.num_ranks)
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
     if _is_loopback(config.host):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
+
+
+def check_cpus(affinity: Mapping[str, Sequence[int]]) -> None:
+    """``ClusterError`` when a pinned child would be given a CPU this process may not use."""
+    if not affinity:
+        return
+    if not hasattr(os, "sched_getaffinity"):
+        raise ClusterError("pinning children to CPUs needs Linux (os.sched_setaffinity)")
+    allowed = os.sched_getaffinity(0)
+    for name, cpus in affinity.items():
+        if not set(cpus) <= allowed:
+            raise ClusterError(f"{name} is to run on CPUs {sorted(cpus)}, but this process "
+                               f"may use only {sorted(allowed)}")
 
 
 def check_port_free(host: str, port: int, flag: str = "--port") -> None:

@@ -311,3 +311,49 @@ def test_colocated_cluster_without_prefill_workers(llama_dir: Path, tmp_path: Pa
     assert list(result.token_ids) == expected.token_ids
     with pytest.raises(ValueError, match="--local-prefill always"):
         LocalClusterConfig(num_prefill=0)
+
+
+def _cpus_allowed(pid: int) -> set[int]:
+    """Union of the CPU affinity of every thread of ``pid``."""
+    allowed: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        allowed |= os.sched_getaffinity(int(task.name))
+    return allowed
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs to pin to")
+def test_children_run_on_the_cpus_they_are_pinned_to(llama_dir: Path, tmp_path: Path) -> None:
+    from pdserve.child_process import spawn
+
+    cpus = sorted(os.sched_getaffinity(0))
+    first, last = cpus[0], cpus[-1]
+    # 1. spawn itself: the child is pinned before it runs a line of its own
+    probe = spawn([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                  cpus=[last], stdout=subprocess.PIPE)
+    out, _ = probe.communicate(timeout=30)
+    assert out.decode().strip() == f"[{last}]"
+    # 2. a cluster: prefill-0 on the first CPU, decode-0 on the last, router and Redis free
+    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=None,
+                                num_kv_blocks=NUM_KV_BLOCKS, log_dir=tmp_path,
+                                cpu_affinity={"prefill-0": (first,), "decode-0": (last,)})
+    with LocalCluster(config, progress=lambda _: None) as cluster:
+        pids = cluster.pids()
+        assert _cpus_allowed(pids["prefill-0"]) == {first}  # every thread, torch's included
+        assert _cpus_allowed(pids["decode-0"]) == {last}
+        assert _cpus_allowed(pids["router"]) == set(cpus)
+        from pdserve.client import Client
+
+        with Client(cluster.router_address) as client:
+            assert client.complete("pinned", max_tokens=3, timeout=60).finish_reason
+    # 3. what cannot be pinned is refused before anything starts
+    with pytest.raises(ValueError, match="not a process of this cluster"):
+        LocalClusterConfig(cpu_affinity={"decode-1": (0,)})
+    with pytest.raises(ValueError, match="CPU numbers"):
+        LocalClusterConfig(cpu_affinity={"router": ()})
+    from pdserve.local_cluster import ClusterError
+
+    with pytest.raises(ClusterError, match="may use only"):
+        LocalCluster(LocalClusterConfig(model_dir=llama_dir, port=0, http_port=None,
+                                        log_dir=tmp_path, cpu_affinity={"router": (4096,)})
+                     ).start()
