@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -86,19 +87,23 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:
         """Open the stream, then the request's outputs as chunks; however the call ends
         (finish, cancel, deadline, error, the router gone), the request is freed."""
+        started = time.monotonic()
         try:
             await self.loop.acall(command, CALL_TIMEOUT_S)
         except WorkerError as exc:
             await abort_with(context, exc)
-        num_completion = 0
+        num_completion, first = 0, True
         try:
             while True:
                 try:
                     out = await stream.get(context.time_remaining())
                 except WorkerError as exc:
                     await abort_with(context, exc)
-                num_completion += len(out.new_token_ids)
                 chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.text_delta)
+                if first:  # how long the first chunk took here
+                    chunk.timings.first_chunk_us = round((time.monotonic() - started) * 1e6)
+                    first = False
+                num_completion += len(out.new_token_ids)
                 if out.finished:
                     chunk.finish_reason = out.finish_reason or "stop"
                     # cached_tokens: the prefill worker's count, arrived with the KV

@@ -41,12 +41,23 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class PrefillTimes:
+    """Seconds of one request here: received → first chunk scheduled (queue) → its last
+    layer computed (compute) → every decode rank acknowledged (transfer)."""
+
+    queue_s: float
+    compute_s: float
+    transfer_s: float
+
+
+@dataclass(frozen=True)
 class PrefillDone:
     """The request's KV and trailer reached every decode rank, verified."""
 
     first_token_id: int
     num_cached_tokens: int
     num_prompt_tokens: int
+    times: PrefillTimes | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,7 @@ class Submit(Command[None]):
 class _Held:
     stream: OutputStream[PrefillDone]
     deadline: float | None
+    received_at: float = 0.0  # monotonic
 
 
 class PrefillLoop(EngineLoop):
@@ -100,7 +112,7 @@ class PrefillLoop(EngineLoop):
                            cmd.dest)
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        self._held[cmd.request_id] = _Held(cmd.stream, cmd.deadline)
+        self._held[cmd.request_id] = _Held(cmd.stream, cmd.deadline, time.monotonic())
         self.timings.received(cmd.request_id)
 
     def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
@@ -162,4 +174,11 @@ class PrefillLoop(EngineLoop):
             stream.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {outcome.reason}")
             return
         stream.put(PrefillDone(outcome.trailer.first_token_id, outcome.trailer.num_cached_tokens,
-                               outcome.num_prompt_tokens))
+                               outcome.num_prompt_tokens, _times(held, outcome)))
+
+
+def _times(held: _Held, outcome: SendOutcome) -> PrefillTimes | None:
+    if outcome.scheduled_at is None or outcome.computed_at is None or outcome.seconds is None:
+        return None
+    return PrefillTimes(outcome.scheduled_at - held.received_at,
+                        outcome.computed_at - outcome.scheduled_at, outcome.seconds)

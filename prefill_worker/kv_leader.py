@@ -52,6 +52,8 @@ class SendOutcome:
     ok: bool
     reason: str = ""
     seconds: float | None = None  # from the last layer computed to the outcome
+    scheduled_at: float | None = None  # monotonic: its first prompt chunk was scheduled
+    computed_at: float | None = None  # monotonic: the step with its last layer ended
 
 
 @dataclass
@@ -59,6 +61,7 @@ class _Order:
     transfer_id: int
     dest: StoreAddress
     started: bool = False
+    scheduled_at: float | None = None  # monotonic, its first chunk's step
     # set by finish(): the request's output, and when the leader gives up waiting
     output: RequestOutput | None = None
     trailer: Trailer | None = None
@@ -94,8 +97,11 @@ class PrefillKVLeader:
     def step_payload(self, out: SchedulerOutput) -> bytes:
         """The ``SendOrder``s of this step (installed as ``core.step_payload``)."""
         orders = []
+        now = time.monotonic()
         for index, chunk in enumerate(out.chunks):
             order = self._orders.get(chunk.request_id)
+            if order is not None and order.scheduled_at is None:
+                order.scheduled_at = now
             if order is not None and chunk.sample and not order.started:
                 order.started = True
                 orders.append(SendOrder(index, order.transfer_id, order.dest))
@@ -145,10 +151,10 @@ class PrefillKVLeader:
         self.core.release_pinned(request_id)
         assert order.output is not None
         reasons = (order.ranks.reasons if order.ranks is not None else []) + order.reasons
-        seconds = time.monotonic() - (order.deadline - self.wait_timeout_s)
+        computed_at = order.deadline - self.wait_timeout_s
         return SendOutcome(request_id, order.transfer_id, order.trailer,
                            order.output.num_prompt_tokens, not failed, "; ".join(reasons),
-                           seconds)
+                           time.monotonic() - computed_at, order.scheduled_at, computed_at)
 
     def abort(self, request_id: str) -> bool:
         """Stop the request wherever it is; its blocks are freed or unpinned once no rank

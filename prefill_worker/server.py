@@ -58,9 +58,19 @@ class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
             await abort_with(context, exc)
         finally:
             self.on_call_end(rid, "the Prefill call ended")
-        return pb.PrefillResponse(first_token_id=done.first_token_id,
-                                  num_cached_tokens=done.num_cached_tokens,
-                                  num_prompt_tokens=done.num_prompt_tokens)
+        response = pb.PrefillResponse(first_token_id=done.first_token_id,
+                                      num_cached_tokens=done.num_cached_tokens,
+                                      num_prompt_tokens=done.num_prompt_tokens)
+        if done.times is not None:
+            t = done.times
+            response.timings.CopyFrom(pb.PrefillTimings(
+                queue_us=_us(t.queue_s), compute_us=_us(t.compute_s),
+                transfer_us=_us(t.transfer_s)))
+        return response
+
+
+def _us(seconds: float) -> int:
+    return max(0, round(seconds * 1e6))
 
 
 def _dest(target: pb.KVTarget) -> StoreAddress:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n cluster/internal/v1/worker.proto\x12\x13pdserve.internal.v1\"\xad\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"Q\n\x08KVTarget\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\r\x12\x13\n\x0btransfer_id\x18\x03 \x01(\x04\"\x9b\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x04\"v\n\x0fReserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12-\n\x06target\x18\x04 \x01(\x0b\x32\x1d.pdserve.internal.v1.KVTarget\"X\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"{\n\x14GenerateLocalRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.SamplingParams\"o\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x1a.pdserve.internal.v1.Usage\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.SamplingParams\x12-\n\x06target\x18\x04 \x01(\x0b\x32\x1d.pdserve.internal.v1.KVTarget\"_\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"~\n\x0cKVCacheUsage\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\x12\x15\n\rpinned_blocks\x18\x04 \x01(\r\x12\x15\n\rin_use_blocks\x18\x05 \x01(\r\"\xf1\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12-\n\x02kv\x18\x05 \x01(\x0b\x32!.pdserve.internal.v1.KVCacheUsage\x12\x19\n\x11pending_transfers\x18\x06 \x01(\r\x12\x18\n\x10open_kv_channels\x18\x07 \x01(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\x18\n\x10waiting_requests\x18\t \x01(\r\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x1c\n\x14num_expired_requests\x18\x0b \x01(\x04\x12\x1c\n\x14num_started_requests\x18\x0c \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\r \x01(\x04\x32\xb3\x03\n\x0c\x44\x65\x63odeWorker\x12T\n\x07Reserve\x12#.pdserve.internal.v1.ReserveRequest\x1a$.pdserve.internal.v1.ReserveResponse\x12S\n\x08Generate\x12$.pdserve.internal.v1.GenerateRequest\x1a\x1f.pdserve.internal.v1.TokenChunk0\x01\x12]\n\rGenerateLocal\x12).pdserve.internal.v1.GenerateLocalRequest\x1a\x1f.pdserve.internal.v1.TokenChunk0\x01\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12I\n\x04Info\x12 .pdserve.internal.v1.InfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfo2\x80\x02\n\rPrefillWorker\x12T\n\x07Prefill\x12#.pdserve.internal.v1.PrefillRequest\x1a$.pdserve.internal.v1.PrefillResponse\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12I\n\x04Info\x12 .pdserve.internal.v1.InfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n cluster/internal/v1/worker.proto\x12\x13pdserve.internal.v1\"\xad\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"Q\n\x08KVTarget\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\r\x12\x13\n\x0btransfer_id\x18\x03 \x01(\x04\"\x9b\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x04\"v\n\x0fReserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12-\n\x06target\x18\x04 \x01(\x0b\x32\x1d.pdserve.internal.v1.KVTarget\"X\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"{\n\x14GenerateLocalRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.SamplingParams\"\xa4\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x1a.pdserve.internal.v1.Usage\x12\x33\n\x07timings\x18\x05 \x01(\x0b\x32\".pdserve.internal.v1.DecodeTimings\"\'\n\rDecodeTimings\x12\x16\n\x0e\x66irst_chunk_us\x18\x01 \x01(\x04\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.SamplingParams\x12-\n\x06target\x18\x04 \x01(\x0b\x32\x1d.pdserve.internal.v1.KVTarget\"\x95\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x34\n\x07timings\x18\x04 \x01(\x0b\x32#.pdserve.internal.v1.PrefillTimings\"K\n\x0ePrefillTimings\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\x12\x13\n\x0btransfer_us\x18\x03 \x01(\x04\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"~\n\x0cKVCacheUsage\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\x12\x15\n\rpinned_blocks\x18\x04 \x01(\r\x12\x15\n\rin_use_blocks\x18\x05 \x01(\r\"\xf1\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12-\n\x02kv\x18\x05 \x01(\x0b\x32!.pdserve.internal.v1.KVCacheUsage\x12\x19\n\x11pending_transfers\x18\x06 \x01(\r\x12\x18\n\x10open_kv_channels\x18\x07 \x01(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\x18\n\x10waiting_requests\x18\t \x01(\r\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x1c\n\x14num_expired_requests\x18\x0b \x01(\x04\x12\x1c\n\x14num_started_requests\x18\x0c \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\r \x01(\x04\x32\xb3\x03\n\x0c\x44\x65\x63odeWorker\x12T\n\x07Reserve\x12#.pdserve.internal.v1.ReserveRequest\x1a$.pdserve.internal.v1.ReserveResponse\x12S\n\x08Generate\x12$.pdserve.internal.v1.GenerateRequest\x1a\x1f.pdserve.internal.v1.TokenChunk0\x01\x12]\n\rGenerateLocal\x12).pdserve.internal.v1.GenerateLocalRequest\x1a\x1f.pdserve.internal.v1.TokenChunk0\x01\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12I\n\x04Info\x12 .pdserve.internal.v1.InfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfo2\x80\x02\n\rPrefillWorker\x12T\n\x07Prefill\x12#.pdserve.internal.v1.PrefillRequest\x1a$.pdserve.internal.v1.PrefillResponse\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12I\n\x04Info\x12 .pdserve.internal.v1.InfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,26 +43,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=682
   _globals['_GENERATELOCALREQUEST']._serialized_start=684
   _globals['_GENERATELOCALREQUEST']._serialized_end=807
-  _globals['_TOKENCHUNK']._serialized_start=809
-  _globals['_TOKENCHUNK']._serialized_end=920
-  _globals['_USAGE']._serialized_start=922
-  _globals['_USAGE']._serialized_end=1002
-  _globals['_PREFILLREQUEST']._serialized_start=1005
-  _globals['_PREFILLREQUEST']._serialized_end=1169
-  _globals['_PREFILLRESPONSE']._serialized_start=1171
-  _globals['_PREFILLRESPONSE']._serialized_end=1266
-  _globals['_ABORTREQUEST']._serialized_start=1268
-  _globals['_ABORTREQUEST']._serialized_end=1302
-  _globals['_ABORTRESPONSE']._serialized_start=1304
-  _globals['_ABORTRESPONSE']._serialized_end=1334
-  _globals['_INFOREQUEST']._serialized_start=1336
-  _globals['_INFOREQUEST']._serialized_end=1349
-  _globals['_KVCACHEUSAGE']._serialized_start=1351
-  _globals['_KVCACHEUSAGE']._serialized_end=1477
-  _globals['_WORKERINFO']._serialized_start=1480
-  _globals['_WORKERINFO']._serialized_end=1849
-  _globals['_DECODEWORKER']._serialized_start=1852
-  _globals['_DECODEWORKER']._serialized_end=2287
-  _globals['_PREFILLWORKER']._serialized_start=2290
-  _globals['_PREFILLWORKER']._serialized_end=2546
+  _globals['_TOKENCHUNK']._serialized_start=810
+  _globals['_TOKENCHUNK']._serialized_end=974
+  _globals['_DECODETIMINGS']._serialized_start=976
+  _globals['_DECODETIMINGS']._serialized_end=1015
+  _globals['_USAGE']._serialized_start=1017
+  _globals['_USAGE']._serialized_end=1097
+  _globals['_PREFILLREQUEST']._serialized_start=1100
+  _globals['_PREFILLREQUEST']._serialized_end=1264
+  _globals['_PREFILLRESPONSE']._serialized_start=1267
+  _globals['_PREFILLRESPONSE']._serialized_end=1416
+  _globals['_PREFILLTIMINGS']._serialized_start=1418
+  _globals['_PREFILLTIMINGS']._serialized_end=1493
+  _globals['_ABORTREQUEST']._serialized_start=1495
+  _globals['_ABORTREQUEST']._serialized_end=1529
+  _globals['_ABORTRESPONSE']._serialized_start=1531
+  _globals['_ABORTRESPONSE']._serialized_end=1561
+  _globals['_INFOREQUEST']._serialized_start=1563
+  _globals['_INFOREQUEST']._serialized_end=1576
+  _globals['_KVCACHEUSAGE']._serialized_start=1578
+  _globals['_KVCACHEUSAGE']._serialized_end=1704
+  _globals['_WORKERINFO']._serialized_start=1707
+  _globals['_WORKERINFO']._serialized_end=2076
+  _globals['_DECODEWORKER']._serialized_start=2079
+  _globals['_DECODEWORKER']._serialized_end=2514
+  _globals['_PREFILLWORKER']._serialized_start=2517
+  _globals['_PREFILLWORKER']._serialized_end=2773
 # @@protoc_insertion_point(module_scope)

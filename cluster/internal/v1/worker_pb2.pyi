@@ -83,16 +83,24 @@ class GenerateLocalRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage")
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "timings")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
     usage: Usage
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    timings: DecodeTimings
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[DecodeTimings, _Mapping]] = ...) -> None: ...
+
+class DecodeTimings(_message.Message):
+    __slots__ = ("first_chunk_us",)
+    FIRST_CHUNK_US_FIELD_NUMBER: _ClassVar[int]
+    first_chunk_us: int
+    def __init__(self, first_chunk_us: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -117,14 +125,26 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "num_cached_tokens", "num_prompt_tokens")
+    __slots__ = ("first_token_id", "num_cached_tokens", "num_prompt_tokens", "timings")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     num_cached_tokens: int
     num_prompt_tokens: int
-    def __init__(self, first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    timings: PrefillTimings
+    def __init__(self, first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ...) -> None: ...
+
+class PrefillTimings(_message.Message):
+    __slots__ = ("queue_us", "compute_us", "transfer_us")
+    QUEUE_US_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_US_FIELD_NUMBER: _ClassVar[int]
+    queue_us: int
+    compute_us: int
+    transfer_us: int
+    def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., transfer_us: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
