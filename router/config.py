@@ -12,6 +12,7 @@ from pathlib import Path
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
 LOCAL_PREFILL_MODES = ("never", "fallback", "always")
+PREFILL_ROUTING = ("affinity", "round-robin")
 AFFINITY_BLOCKS = 4
 """Leading full blocks that make the prefill affinity key (64 tokens at block size 16)."""
 DEFAULT_EPSILON = 0.25
@@ -29,11 +30,17 @@ class HandoffConfig:
     # "never": no prefill worker left is UNAVAILABLE; "fallback": then the decode worker
     # prefills locally; "always": colocated mode (every request prefilled on decode)
     local_prefill: str = "never"
+    # "affinity": rendezvous hashing of the prompt's leading blocks with bounded load;
+    # "round-robin": the next prefill worker in turn (the baseline of benchmarks)
+    prefill_routing: str = "affinity"
 
     def __post_init__(self) -> None:
         if self.local_prefill not in LOCAL_PREFILL_MODES:
             raise ValueError(f"local_prefill must be one of {LOCAL_PREFILL_MODES}, "
                              f"got {self.local_prefill!r}")
+        if self.prefill_routing not in PREFILL_ROUTING:
+            raise ValueError(f"prefill_routing must be one of {PREFILL_ROUTING}, "
+                             f"got {self.prefill_routing!r}")
 
 
 @dataclass(frozen=True)

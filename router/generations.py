@@ -40,6 +40,7 @@ from router.errors import RouteError
 from router.handoff import Handoff
 from router.metrics import RouterMetrics
 from router.outputs import OutputChunk
+from router.trace import Trace
 from router.validation import (
     ClientRequest,
     InvalidRequest,
@@ -111,6 +112,7 @@ class Generation:
         self.ticket = ticket
         self.deadline = deadline
         self.received_at = received_at
+        self.trace = Trace(received_at)  # where its time went (router.trace)
         self._owner = owner
 
     @property
@@ -120,8 +122,8 @@ class Generation:
     async def chunks(self) -> AsyncGenerator[OutputChunk, None]:
         """The request's chunks; raises ``RouteError``. Leaving early (client gone)
         cancels the request on every worker."""
-        handoff = self._owner.handoff(self.request, self.ticket, self.deadline)
-        queue: asyncio.Queue[OutputChunk | _End] = asyncio.Queue()
+        handoff = self._owner.handoff(self.request, self.ticket, self.deadline, self.trace)
+        queue: asyncio.Queue[tuple[OutputChunk, float] | _End] = asyncio.Queue()
         pump = asyncio.get_running_loop().create_task(self._pump(handoff, queue))
         record = _Record(self._owner.metrics, self.received_at)
         try:
@@ -134,17 +136,20 @@ class Generation:
                         raise item.error
                     record.status = "OK"
                     return
+                chunk, arrived_at = item
                 if self.ticket.queued_tokens:
                     self.ticket.first_token()
-                record.sent(item)
-                yield item
+                record.sent(chunk)
+                yield chunk
+                self.trace.chunk_written(arrived_at)  # the edge asks for more: written
         finally:
             pump.cancel()
             await asyncio.gather(pump, return_exceptions=True)
             self.ticket.leave()
             record.done(self.ticket)
 
-    async def _pump(self, handoff: Handoff, queue: asyncio.Queue[OutputChunk | _End]) -> None:
+    async def _pump(self, handoff: Handoff,
+                    queue: asyncio.Queue[tuple[OutputChunk, float] | _End]) -> None:
         """Move the handoff's chunks into ``queue``; past the bound the client is too slow."""
         limit = self._owner.config.max_buffered_chunks
         try:
@@ -155,7 +160,7 @@ class Generation:
                                          f"client too slow: {limit} chunks waited unread (the "
                                          "router's limit, --max-buffered-chunks); the request "
                                          "was cancelled")
-                    queue.put_nowait(chunk)
+                    queue.put_nowait((chunk, time.monotonic()))
         except RouteError as exc:
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and queue.qsize() >= limit:
                 while not queue.empty():  # what the client did not read is dropped
@@ -183,6 +188,7 @@ class Generations:
         self._handoff = handoff
         # unique per attempt within this router, random across routers; never 0
         self._transfer_ids: Iterator[int] = itertools.count((secrets.randbits(40) << 16) + 1)
+        self._prefill_turns: Iterator[int] = itertools.count()  # round-robin routing
         self._background: set[asyncio.Future[object]] = set()
 
     async def start(self, client: ClientRequest, timeout_s: float | None) -> Generation:
@@ -223,10 +229,11 @@ class Generations:
                              f"{layout.block_size} tokens; the largest decode worker holds "
                              f"{largest}")
 
-    def handoff(self, request: ValidRequest, ticket: Ticket, deadline: float) -> Handoff:
+    def handoff(self, request: ValidRequest, ticket: Ticket, deadline: float,
+                trace: Trace | None = None) -> Handoff:
         return Handoff(self.pool, request, ticket, deadline=deadline, config=self._handoff,
                        transfer_ids=self._transfer_ids, background=self._keep,
-                       metrics=self.metrics)
+                       metrics=self.metrics, trace=trace, turns=self._prefill_turns)
 
     @property
     def inflight(self) -> int:

@@ -52,7 +52,8 @@ from router.config import HandoffConfig
 from router.errors import RouteError
 from router.metrics import RouterMetrics
 from router.outputs import OutputChunk
-from router.routing import DecodeCandidate, affinity_key, pick_prefill, rank_decode
+from router.routing import DecodeCandidate, affinity_key, pick_prefill, rank_decode, round_robin
+from router.trace import Trace
 from router.validation import ValidRequest
 from router.worker_calls import (
     CallFailure,
@@ -100,7 +101,8 @@ class Handoff:
     def __init__(self, pool: WorkerPool, request: ValidRequest, ticket: Ticket, *,
                  deadline: float, config: HandoffConfig, transfer_ids: Iterator[int],
                  background: Callable[[asyncio.Future[object]], None],
-                 metrics: RouterMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: RouterMetrics, clock: Callable[[], float] = time.monotonic,
+                 trace: Trace | None = None, turns: Iterator[int] | None = None) -> None:
         self._pool = pool
         self._metrics = metrics
         self._req = request
@@ -120,6 +122,9 @@ class Handoff:
         self._block_size = layout.block_size
         self._hash_seed = layout.hash_seed
         self._key: bytes | None = None  # the prefill affinity key, computed on first use
+        self._trace = trace or Trace(clock(), clock)  # marks only (router.trace)
+        self._turns = turns  # round-robin prefill routing: this router's turn counter
+        self._turn: int | None = None
 
     async def stream(self) -> AsyncGenerator[OutputChunk, None]:
         """The request's output chunks; raises ``RouteError`` on failure. The first
@@ -161,6 +166,7 @@ class Handoff:
         """A decode worker for this attempt (a reservation, or local prefill); the first
         placement of the request waits its turn in the router's queue."""
         self._metrics.attempts.inc()
+        self._trace.attempts += 1
         if self._ticket.placed_at is not None:
             return self._local_attempt(number) if self._prefill_locally() \
                 else await self._reserve(number)
@@ -228,6 +234,7 @@ class Handoff:
         any_refused = False  # a worker answered "no room" (vs. none answering at all)
         for decode_id in self._decode_order():
             transfer_id = next(self._transfer_ids)
+            self._trace.worker_call()
             try:
                 with self._pool.busy(decode_id):  # counted by concurrent choices already
                     reply = await self._calls.reserve(
@@ -268,7 +275,7 @@ class Handoff:
         while True:
             workers = {r.worker_id: self._pool.inflight(r.worker_id) for r in
                        self._pool.routable("prefill") if r.worker_id not in self._excluded}
-            order = pick_prefill(self._affinity_key(), workers, self._config.load_epsilon)
+            order = self._prefill_order(workers)
             if not order:
                 if self._config.local_prefill == "fallback":  # the next attempt prefills locally
                     raise _Retry("no prefill worker left", "no_prefill")
@@ -280,11 +287,20 @@ class Handoff:
             self._log.info("every prefill worker is busy; waiting for capacity")
             await self._admission.capacity_changed(self._deadline)
 
+    def _prefill_order(self, workers: dict[str, int]) -> list[str]:
+        """Prefill workers to try: by affinity (bounded load), or round-robin."""
+        if self._config.prefill_routing == "round-robin":
+            if self._turn is None:
+                self._turn = next(self._turns) if self._turns is not None else 0
+            return round_robin(list(workers), self._turn)
+        return pick_prefill(self._affinity_key(), workers, self._config.load_epsilon)
+
     async def _prefill_on(self, attempt: _Attempt, prefill_id: str) -> Prefilled | None:
         """The Prefill call on ``prefill_id``: its reply, or None when it answered busy."""
         attempt.prefill_id = prefill_id
         self._metrics.routed.labels("prefill", prefill_id).inc()
         assert attempt.target is not None
+        self._trace.mark("prefill_started")
         try:
             call = self._calls.start_prefill(prefill_id, attempt.target, self._timeout())
         except KeyError:
@@ -315,12 +331,15 @@ class Handoff:
                 raise RouteError(grpc.StatusCode.INTERNAL, why) from None
             raise _Retry(why, "prefill") from None
         attempt.prefill_id = None  # it returned once the decode side acknowledged: done
+        self._trace.mark("prefill_returned")
+        self._trace.prefill = reply.times
         self._log.info("prefilled on %s (%d of %d prompt tokens cached)", prefill_id,
                        reply.num_cached_tokens, reply.num_prompt_tokens)
         return reply
 
     def _start_generate(self, attempt: _Attempt, first: Prefilled) -> grpc.aio.UnaryStreamCall:
         try:
+            self._trace.mark("generate_started")
             call = self._calls.start_generate(attempt.decode_id, first, self._timeout())
         except KeyError:  # left the registry meanwhile (its channel is closed)
             raise self._decode_left(attempt) from None
@@ -329,6 +348,8 @@ class Handoff:
 
     def _start_local(self, attempt: _Attempt) -> grpc.aio.UnaryStreamCall:
         try:
+            self._trace.worker_call()
+            self._trace.mark("generate_started")
             call = self._calls.start_generate_local(attempt.decode_id, self._timeout())
         except KeyError:
             raise self._decode_left(attempt) from None
@@ -348,6 +369,9 @@ class Handoff:
             with self._pool.watched(attempt.decode_id, call):
                 async for chunk in chunks(call):
                     self._pool.heard_from(attempt.decode_id)
+                    if chunk.worker_s is not None:  # the first chunk
+                        self._trace.mark("first_chunk")
+                        self._trace.decode_first_chunk_s = chunk.worker_s
                     num_streamed += len(chunk.token_ids)
                     if chunk.finish_reason is not None:
                         attempt.finished = True

@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, LOCAL_PREFILL_MODES, AdmissionConfig
+from router.config import (
+    DEFAULT_HTTP_PORT,
+    DEFAULT_PORT,
+    LOCAL_PREFILL_MODES,
+    PREFILL_ROUTING,
+    AdmissionConfig,
+)
 
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
 
@@ -60,6 +66,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="never: no prefill worker left is UNAVAILABLE; fallback: then a "
                              "decode worker prefills locally; always: colocated mode, every "
                              "request prefilled on its decode worker (default: never)")
+    parser.add_argument("--prefill-routing", choices=PREFILL_ROUTING, default="affinity",
+                        help="affinity: the prefill worker by prefix affinity (rendezvous "
+                             "hashing of the prompt's leading blocks, bounded load); "
+                             "round-robin: the next one in turn, whatever the prompt (a "
+                             "baseline for benchmarks; default: affinity)")
     parser.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
     parser.add_argument("--tls-key", help="... and this PEM private key")
     parser.add_argument("--api-key-file",

@@ -22,3 +22,4 @@ class OutputChunk:
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    worker_s: float | None = None  # a stream's first chunk: the decode worker's time to it

@@ -219,7 +219,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         admission=AdmissionConfig(max_inflight=args.max_inflight,
                                   max_queued_tokens=args.max_queued_tokens or None,
                                   max_buffered_chunks=args.max_buffered_chunks),
-        handoff=HandoffConfig(local_prefill=args.local_prefill), health_port=args.health_port,
+        handoff=HandoffConfig(local_prefill=args.local_prefill,
+                              prefill_routing=args.prefill_routing),
+        health_port=args.health_port,
         metrics_port=args.metrics_port, http=_http(args))
 
 

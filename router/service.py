@@ -21,6 +21,7 @@ from pdserve.v1 import generate_pb2 as pb
 from router import api
 from router.errors import RouteError
 from router.generations import Generations
+from router.trace import TRACE_METADATA
 from router.validation import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,9 @@ class GenerationService:
             async with aclosing(generation.chunks()) as chunks:
                 async for chunk in chunks:
                     await context.write(api.to_response(rid, chunk))
+            if _wants_trace(context):
+                context.set_trailing_metadata(((REQUEST_ID_METADATA, rid),
+                                               (TRACE_METADATA, generation.trace.to_json())))
         except RouteError as exc:
             log.warning("failed: %s %s", exc.code.name, exc.message)
             await context.abort(exc.code, exc.message)
@@ -78,3 +82,9 @@ class GenerationService:
             log.info("cancelled by the client (or its deadline) after %.2fs",
                      time.monotonic() - start)
             raise
+
+
+def _wants_trace(context: grpc.aio.ServicerContext) -> bool:
+    """The client sent ``pdserve-trace: 1`` (it gets ``router.trace`` in the trailer)."""
+    return any(key == TRACE_METADATA and value == "1"
+               for key, value in context.invocation_metadata() or ())

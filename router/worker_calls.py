@@ -19,6 +19,7 @@ import grpc
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from router.outputs import OutputChunk, Usage
+from router.trace import PrefillTimes
 from router.validation import ValidRequest
 from router.workers import WorkerPool
 
@@ -52,6 +53,7 @@ class Prefilled:
     first_token_id: int
     num_cached_tokens: int
     num_prompt_tokens: int
+    times: PrefillTimes | None = None  # the prefill worker's report (router.trace)
 
 
 class Failure(enum.Enum):
@@ -140,7 +142,12 @@ class WorkerCalls:
 
     @staticmethod
     def prefilled(reply: pb.PrefillResponse) -> Prefilled:
-        return Prefilled(reply.first_token_id, reply.num_cached_tokens, reply.num_prompt_tokens)
+        times = None
+        if reply.HasField("timings"):
+            t = reply.timings
+            times = PrefillTimes(t.queue_us / 1e6, t.compute_us / 1e6, t.transfer_us / 1e6)
+        return Prefilled(reply.first_token_id, reply.num_cached_tokens, reply.num_prompt_tokens,
+                         times)
 
     def start_generate(self, decode_id: str, first: Prefilled, timeout_s: float
                        ) -> grpc.aio.UnaryStreamCall:
@@ -185,8 +192,11 @@ def _sampling_proto(request: ValidRequest) -> pb.SamplingParams:
 
 
 def _chunk(message: pb.TokenChunk) -> OutputChunk:
+    worker_s = (message.timings.first_chunk_us / 1e6 if message.HasField("timings")
+                else None)
     if not message.finish_reason:
-        return OutputChunk(tuple(message.token_ids), message.text)
+        return OutputChunk(tuple(message.token_ids), message.text, worker_s=worker_s)
     usage = message.usage
     return OutputChunk(tuple(message.token_ids), message.text, message.finish_reason,
-                       Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens))
+                       Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
+                       worker_s)

@@ -8,6 +8,7 @@ test that kills a prefill worker runs last in the module (it changes the cluster
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import signal
 import threading
@@ -164,6 +165,56 @@ def test_different_prefixes_spread_over_both_prefill_workers(cluster: Cluster,
                         temperature=0, timeout=TIMEOUT_S)
     after = _cached_blocks(cluster)
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_round_robin_prefill_routing_ignores_prefixes(cluster: Cluster, tmp_path: Path) -> None:
+    # a second router choosing prefill workers in turn: prompts sharing a prefix go to both
+    # (by affinity they would all go to one, as above)
+    from tests.processes import spawn
+
+    router = spawn("router-rr", ["router", "--model", str(cluster.model_dir), "--port", "0",
+                                 "--redis-url", cluster.redis.url, "--prefill-routing",
+                                 "round-robin"], tmp_path).wait_ready()
+    started = [cluster.info(p).num_started_requests for p in cluster.prefill]
+    try:
+        with Client(router.address) as rr:
+            for i in range(4):
+                rr.complete(f"round robin {LONG_PREFIX} {i}", max_tokens=2, timeout=TIMEOUT_S)
+    finally:
+        assert router.stop() == 0, router.log_tail()
+    now = [cluster.info(p).num_started_requests for p in cluster.prefill]
+    assert [b - a for a, b in zip(started, now, strict=True)] == [2, 2]
+    cluster.assert_no_leaks()
+
+
+def test_a_client_that_asks_gets_the_trace(cluster: Cluster) -> None:
+    from pdserve.v1 import generate_pb2_grpc
+
+    request = pb.GenerateRequest(text=PROMPTS[0], sampling=pb.SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True))
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(request, metadata=(("pdserve-trace", "1"),), timeout=TIMEOUT_S)
+        chunks = list(call)
+        trailer = dict(call.trailing_metadata())
+        plain = stub.Generate(request, timeout=TIMEOUT_S)
+        list(plain)
+        assert "pdserve-trace" not in dict(plain.trailing_metadata())  # only when asked
+    trace = json.loads(trailer["pdserve-trace"])
+    assert trailer["pdserve-request-id"] == chunks[0].request_id
+    assert trace["attempts"] == 1
+    marks = trace["marks_ms"]
+    order = ["first_call", "prefill_started", "prefill_returned", "generate_started",
+             "first_chunk", "first_sent"]
+    assert all(marks[m] is not None and marks[m] >= 0 for m in order), marks
+    assert [marks[m] for m in order] == sorted(marks[m] for m in order)
+    # the workers' own durations fit inside what the router saw of their calls
+    prefill = trace["prefill_ms"]
+    assert all(prefill[k] >= 0 for k in ("queue", "compute", "transfer")) and prefill["compute"] > 0
+    assert sum(prefill.values()) <= marks["prefill_returned"] - marks["prefill_started"] + 0.1
+    assert 0 < trace["decode_first_chunk_ms"] <= (marks["first_chunk"]
+                                                  - marks["generate_started"]) + 0.1
+    assert len(trace["relay_ms"]) == len(chunks) and min(trace["relay_ms"]) >= 0
 
 
 def test_corrupted_kv_is_redispatched(cluster: Cluster, client: Client, llm: LLM) -> None:
