@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,14 +71,16 @@ def describe(running: LocalCluster) -> dict[str, Any]:
 
 
 def send(address: str, requests: Sequence[Request], *, request_rate: float, seed: int = 0,
-         max_concurrency: int | None = None) -> tuple[list[Outcome], float]:
-    """``requests`` to the router at ``address`` (Poisson arrivals at ``request_rate``)."""
+         max_concurrency: int | None = None,
+         limit_s: Callable[[Request], float] | None = None) -> tuple[list[Outcome], float]:
+    """``requests`` to the router at ``address`` (Poisson arrivals at ``request_rate``;
+    ``limit_s`` as for ``bench.serving.run``)."""
 
     async def go() -> tuple[list[Outcome], float]:
         backend = GrpcBackend(address)
         try:
             return await run(backend, requests, request_rate=request_rate, seed=seed,
-                             max_concurrency=max_concurrency)
+                             max_concurrency=max_concurrency, limit_s=limit_s)
         finally:
             await backend.close()
 

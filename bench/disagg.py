@@ -16,7 +16,7 @@ The router, Redis and this load client are not pinned: they share both cores ali
 two arms (they use little: one gRPC stream per request).
 
 For each workload (``long-prompt``: 512 prompt tokens → 64 output tokens; ``sharegpt-like``:
-synthetic ShareGPT-like lengths, outputs clipped at 256), each arm first serves a few
+synthetic ShareGPT-like lengths, outputs clipped at 128), each arm first serves a few
 requests one at a time (unloaded latencies), then a sweep of request rates: at each,
 ``rate × --seconds-per-rate`` requests (at least ``--min-requests``) arrive as a Poisson
 process. Default rates are fractions (``--rate-fractions``) of one core's prefill
@@ -25,7 +25,10 @@ capacity, ``1 / unloaded TTFT`` of the disaggregated arm; ``--rates`` gives them
 The SLO is chosen from the unloaded latencies, the slower arm's: TTFT ≤
 ``--ttft-slo-factor`` × unloaded TTFT and TPOT ≤ ``--tpot-slo-factor`` × unloaded TPOT
 (medians; a TPOT-bound SLO by default: 5× and 1.5×). A request meets it when it completes
-within both; attainment is the share of the requests sent that did. ``max_rate_at_slo``
+within both; attainment is the share of the requests sent that did (a request unfinished
+``--cut-off-factor`` times the longest it could take and meet the SLO is cancelled and
+counted as missing it, which bounds the time an overloaded rate takes; the JSON says
+whether every cut-off was one that could no longer meet the SLO). ``max_rate_at_slo``
 is the highest rate swept with ≥ 90% attainment; ``goodput_ratio`` = disaggregated ÷
 colocated ``max_rate_at_slo`` (the headline; ``null`` when the colocated arm met the SLO at
 no rate). Per rate it also prints which target the misses missed (TTFT or TPOT): where
@@ -43,14 +46,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.clusters import bench_model, cluster, describe, one_by_one, send, two_cpus
 from bench.common import BandwidthProbe, format_table, machine_info, model_facts, write_json
-from bench.serving import Outcome, metrics
-from loadtest.workloads import Workload, WorkloadSpec
+from bench.serving import CUT_OFF, Outcome, metrics
+from loadtest.workloads import Request, Workload, WorkloadSpec
 
 ARMS = ("disaggregated", "colocated")
 ATTAINMENT_TARGET = 0.9
@@ -63,7 +66,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workloads", default="long-prompt,sharegpt-like")
     p.add_argument("--input-len", type=int, default=512, help="long-prompt: prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="long-prompt: output tokens")
-    p.add_argument("--max-output-len", type=int, default=256, help="sharegpt-like: clip")
+    p.add_argument("--max-output-len", type=int, default=128, help="sharegpt-like: clip")
     p.add_argument("--rates", help="request rates to sweep, comma-separated (req/s)")
     p.add_argument("--rate-fractions", default="0.25,0.5,0.75,1.0,1.25",
                    help="default rates: these fractions of 1 / unloaded TTFT")
@@ -71,6 +74,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-requests", type=int, default=15)
     p.add_argument("--max-requests", type=int, default=200)
     p.add_argument("--unloaded-requests", type=int, default=5)
+    p.add_argument("--cut-off-factor", type=float, default=2.0,
+                   help="a request is cut off (and misses the SLO) when still unfinished this "
+                        "many times the longest it could take and meet the SLO")
     p.add_argument("--ttft-slo-factor", type=float, default=5.0)
     p.add_argument("--tpot-slo-factor", type=float, default=1.5)
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="per worker (per core)")
@@ -138,18 +144,27 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, cpus: tuple[int
             alone = unloaded(one_by_one(running.router_address, Workload(
                 spec, vocab, seed=args.seed + 1).take(args.unloaded_requests)))
             rates = plan[name].setdefault("rates", rates_for(args, alone["ttft_ms"]))
+            # the longest a request may take and still meet an SLO from these unloaded
+            # latencies, times the cut-off factor: seconds + seconds per output token
+            limit = (args.cut_off_factor * args.ttft_slo_factor * alone["ttft_ms"] / 1000,
+                     args.cut_off_factor * args.tpot_slo_factor * alone["tpot_ms"] / 1000)
             sweep = []
             for i, rate in enumerate(rates):
                 n = min(args.max_requests, max(args.min_requests,
                                                round(rate * args.seconds_per_rate)))
                 requests = Workload(spec, vocab, seed=args.seed + 1000 + i).take(n)
-                outcomes, duration = send(running.router_address, requests,
-                                          request_rate=rate, seed=args.seed + i)
+                outcomes, duration = send(running.router_address, requests, request_rate=rate,
+                                          seed=args.seed + i, limit_s=cut_off(limit))
                 sweep.append((rate, outcomes, duration))
                 print(f"  {arm:>13} {name}: {rate:6.2f} req/s, {n} requests, "
                       f"{sum(not o.success for o in outcomes)} failed", flush=True)
-            found[name] = {"unloaded": alone, "sweep": sweep}
+            found[name] = {"unloaded": alone, "sweep": sweep, "limit_s": limit}
     return found
+
+
+def cut_off(limit: tuple[float, float]) -> Callable[[Request], float]:
+    """Seconds after which a request is cut off: ``limit[0] + limit[1] × (tokens − 1)``."""
+    return lambda request: limit[0] + limit[1] * max(1, request.max_tokens - 1)
 
 
 def attainment_parts(outcomes: Sequence[Outcome], slo: dict[str, float]) -> dict[str, float]:
@@ -172,9 +187,15 @@ def summarize_workload(name: str, arms: dict[str, Any], args: argparse.Namespace
         rates = []
         for rate, outcomes, duration in arms[arm][name]["sweep"]:
             entry = {"request_rate": rate, "num_requests": len(outcomes),
+                     "cut_off": sum(o.error.startswith(CUT_OFF) for o in outcomes),
                      **metrics(outcomes, duration, slo_ms=slo),
                      **attainment_parts(outcomes, slo)}
             rates.append(entry)
+        limit = arms[arm][name]["limit_s"]
+        # cutting off was harmless when no request cut off could still have met the SLO
+        out.setdefault("cut_off_could_not_meet_slo", True)
+        out["cut_off_could_not_meet_slo"] &= (limit[0] * 1000 >= slo["ttft"]
+                                              and limit[1] * 1000 >= slo["tpot"])
         good = [r["request_rate"] for r in rates if r["slo_attainment"] >= ATTAINMENT_TARGET]
         out[arm] = {"max_rate_at_slo": max(good, default=0.0),
                     "top_rate_met_slo": bool(rates) and rates[-1]["slo_attainment"]

@@ -37,6 +37,7 @@ SLO_METRICS = ("ttft", "tpot", "e2el")
 METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILES = (90.0, 99.0)
 TIMEOUT_S = 600.0
+CUT_OFF = "cut off"
 
 
 @dataclass
@@ -214,10 +215,12 @@ def arrival_times(n: int, request_rate: float, seed: int, burstiness: float = 1.
 
 async def run(backend: Backend, requests: Sequence[Request], *, request_rate: float,
               max_concurrency: int | None = None, seed: int = 0, burstiness: float = 1.0,
-              on_done: Callable[[Outcome], None] | None = None) -> tuple[list[Outcome], float]:
+              on_done: Callable[[Outcome], None] | None = None,
+              limit_s: Callable[[Request], float] | None = None) -> tuple[list[Outcome], float]:
     """Sends every request at its arrival time (at most ``max_concurrency`` in flight: the
     rest wait for a slot, as in vLLM); returns the outcomes in request order and the
-    benchmark's duration (first send → last answer)."""
+    benchmark's duration (first send → last answer). ``limit_s(request)``: a request still
+    unfinished that long after it was sent is cancelled and fails ("cut off")."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     start = time.perf_counter()
 
@@ -228,7 +231,12 @@ async def run(backend: Backend, requests: Sequence[Request], *, request_rate: fl
             await limit.acquire()
         try:
             outcome.sent_at = time.perf_counter() - start
-            await backend.send(request, outcome)
+            cut_s = limit_s(request) if limit_s is not None else None
+            try:
+                await asyncio.wait_for(backend.send(request, outcome), cut_s)
+            except TimeoutError:
+                outcome.success = False
+                outcome.error = f"{CUT_OFF}: unfinished {cut_s:.1f}s after it was sent"
         finally:
             if limit is not None:
                 limit.release()

@@ -122,3 +122,30 @@ def test_arrivals_are_poisson_at_the_rate() -> None:
     assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.05)
     assert arrival_times(3, float("inf"), seed=1) == [0.0, 0.0, 0.0]
     assert arrival_times(50, 5.0, seed=2) == arrival_times(50, 5.0, seed=2)
+
+
+def test_a_request_past_its_limit_is_cut_off() -> None:
+    import asyncio
+
+    from bench.serving import CUT_OFF, run
+    from loadtest.workloads import Request
+
+    class Slow:
+        cancelled = 0
+
+        async def send(self, request: Request, outcome: Outcome) -> None:
+            try:
+                await asyncio.sleep(request.max_tokens / 100)  # 10 ms per token
+            except asyncio.CancelledError:
+                Slow.cancelled += 1
+                raise
+            outcome.success, outcome.output_len = True, request.max_tokens
+
+        async def close(self) -> None:
+            pass
+
+    requests = [Request((20, 21), 1), Request((20, 21), 50)]
+    outcomes, _ = asyncio.run(run(Slow(), requests, request_rate=float("inf"),
+                                  limit_s=lambda r: 0.2))
+    assert outcomes[0].success and not outcomes[1].success
+    assert outcomes[1].error.startswith(CUT_OFF) and Slow.cancelled == 1
