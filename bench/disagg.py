@@ -19,8 +19,9 @@ For each workload (``long-prompt``: 512 prompt tokens → 64 output tokens; ``sh
 synthetic ShareGPT-like lengths, outputs clipped at 128), each arm first serves a few
 requests one at a time (unloaded latencies), then a sweep of request rates: at each,
 ``rate × --seconds-per-rate`` requests (at least ``--min-requests``) arrive as a Poisson
-process. Default rates are fractions (``--rate-fractions``) of one core's prefill
-capacity, ``1 / unloaded TTFT`` of the disaggregated arm; ``--rates`` gives them instead.
+process. Default rates are fractions (``--rate-fractions``, ``--sharegpt-rate-fractions``)
+of one core's prefill capacity, ``1 / unloaded TTFT`` of the disaggregated arm; ``--rates``
+gives them instead.
 
 The SLO is chosen from the unloaded latencies, the slower arm's: TTFT ≤
 ``--ttft-slo-factor`` × unloaded TTFT and TPOT ≤ ``--tpot-slo-factor`` × unloaded TPOT
@@ -69,7 +70,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-output-len", type=int, default=128, help="sharegpt-like: clip")
     p.add_argument("--rates", help="request rates to sweep, comma-separated (req/s)")
     p.add_argument("--rate-fractions", default="0.25,0.5,0.75,1.0,1.25",
-                   help="default rates: these fractions of 1 / unloaded TTFT")
+                   help="long-prompt's default rates: these fractions of 1 / unloaded TTFT")
+    p.add_argument("--sharegpt-rate-fractions", default="0.15,0.3,0.45,0.6,0.75",
+                   help="sharegpt-like's (lower: its long outputs load the decode side "
+                        "more than its short prompts load the prefill side)")
     p.add_argument("--seconds-per-rate", type=float, default=15.0)
     p.add_argument("--min-requests", type=int, default=15)
     p.add_argument("--max-requests", type=int, default=200)
@@ -87,6 +91,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="tiny model, short requests, two rates: seconds (for tests)")
     if "--quick" in (sys.argv[1:] if argv is None else argv):
         p.set_defaults(input_len=64, output_len=8, max_output_len=16, rate_fractions="0.5,1.0",
+                       sharegpt_rate_fractions="0.5,1.0",
                        seconds_per_rate=1.0, min_requests=6, max_requests=12,
                        unloaded_requests=3, num_kv_blocks=256)
     args = p.parse_args(argv)
@@ -122,11 +127,13 @@ def unloaded(outcomes: Sequence[Outcome]) -> dict[str, float]:
             "tpot_ms": 1000 * statistics.median(o.tpot or 0.0 for o in done)}
 
 
-def rates_for(args: argparse.Namespace, first_ttft_ms: float) -> list[float]:
+def rates_for(args: argparse.Namespace, workload: str, first_ttft_ms: float) -> list[float]:
     if args.rates:
         return [float(r) for r in args.rates.split(",")]
     capacity = 1000.0 / first_ttft_ms  # one core's prefill capacity, roughly
-    return [round(capacity * float(f), 2) for f in args.rate_fractions.split(",")]
+    fractions = (args.rate_fractions if workload == "long-prompt"
+                 else args.sharegpt_rate_fractions)
+    return [round(capacity * float(f), 2) for f in fractions.split(",")]
 
 
 def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, cpus: tuple[int, int],
@@ -143,7 +150,7 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, cpus: tuple[int
             one_by_one(running.router_address, warm)
             alone = unloaded(one_by_one(running.router_address, Workload(
                 spec, vocab, seed=args.seed + 1).take(args.unloaded_requests)))
-            rates = plan[name].setdefault("rates", rates_for(args, alone["ttft_ms"]))
+            rates = plan[name].setdefault("rates", rates_for(args, name, alone["ttft_ms"]))
             # the longest a request may take and still meet an SLO from these unloaded
             # latencies, times the cut-off factor: seconds + seconds per output token
             limit = (args.cut_off_factor * args.ttft_slo_factor * alone["ttft_ms"] / 1000,
