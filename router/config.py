@@ -33,9 +33,6 @@ class HandoffConfig:
     # "affinity": rendezvous hashing of the prompt's leading blocks with bounded load;
     # "round-robin": the next prefill worker in turn (the baseline of benchmarks)
     prefill_routing: str = "affinity"
-    # EXPERIMENT (issue 13): stream the first token when Prefill returns, before the decode
-    # worker's stream opens; a decode failure after it is then not retried
-    first_token_from_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.local_prefill not in LOCAL_PREFILL_MODES:

@@ -38,7 +38,6 @@ the decode side's acknowledgement; nothing more is sent.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
@@ -137,16 +136,9 @@ class Handoff:
             attempt = await self._place(number)
             try:
                 with self._pool.busy(attempt.decode_id):
-                    early: int | None = None  # EXPERIMENT: the first token, sent already
-                    if attempt.target is None:
-                        call = self._start_local(attempt)
-                    else:
-                        first = await self._prefill(attempt)
-                        call = self._start_generate(attempt, first)
-                        if self._config.first_token_from_prefill:
-                            early = first.first_token_id
-                            yield OutputChunk((early,), "")
-                    async with aclosing(self._relay(attempt, call, early)) as relayed:
+                    call = (self._start_local(attempt) if attempt.target is None
+                            else self._start_generate(attempt, await self._prefill(attempt)))
+                    async with aclosing(self._relay(attempt, call)) as relayed:
                         async for chunk in relayed:
                             yield chunk
                     return
@@ -368,12 +360,11 @@ class Handoff:
         self._excluded.add(attempt.decode_id)
         return _Retry(f"decode worker {attempt.decode_id} left the registry", "worker_left")
 
-    async def _relay(self, attempt: _Attempt, call: grpc.aio.UnaryStreamCall,
-                     early: int | None = None) -> AsyncGenerator[OutputChunk, None]:
+    async def _relay(self, attempt: _Attempt, call: grpc.aio.UnaryStreamCall
+                     ) -> AsyncGenerator[OutputChunk, None]:
         """The decode worker's stream; a failure before the first token is ``_Retry``,
-        after it ``RouteError``. ``early``: the first token, streamed already (its text
-        comes with the decode worker's first chunk, whose copy of it is dropped)."""
-        num_streamed = 0 if early is None else 1
+        after it ``RouteError``."""
+        num_streamed = 0
         try:
             with self._pool.watched(attempt.decode_id, call):
                 async for chunk in chunks(call):
@@ -381,8 +372,6 @@ class Handoff:
                     if chunk.worker_s is not None:  # the first chunk
                         self._trace.mark("first_chunk")
                         self._trace.decode_first_chunk_s = chunk.worker_s
-                        if early is not None:
-                            chunk = dataclasses.replace(chunk, token_ids=chunk.token_ids[1:])
                     num_streamed += len(chunk.token_ids)
                     if chunk.finish_reason is not None:
                         attempt.finished = True

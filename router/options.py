@@ -71,10 +71,6 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "hashing of the prompt's leading blocks, bounded load); "
                              "round-robin: the next one in turn, whatever the prompt (a "
                              "baseline for benchmarks; default: affinity)")
-    parser.add_argument("--first-token-from-prefill", action="store_true",
-                        help="EXPERIMENT: stream the first token as soon as Prefill returns "
-                             "(a decode worker failing before its first chunk is then "
-                             "UNAVAILABLE instead of retried)")
     parser.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
     parser.add_argument("--tls-key", help="... and this PEM private key")
     parser.add_argument("--api-key-file",

@@ -220,8 +220,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                                   max_queued_tokens=args.max_queued_tokens or None,
                                   max_buffered_chunks=args.max_buffered_chunks),
         handoff=HandoffConfig(local_prefill=args.local_prefill,
-                              prefill_routing=args.prefill_routing,
-                              first_token_from_prefill=args.first_token_from_prefill),
+                              prefill_routing=args.prefill_routing),
         health_port=args.health_port,
         metrics_port=args.metrics_port, http=_http(args))
 
