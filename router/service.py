@@ -5,7 +5,8 @@ A thin adapter: ``Generate`` parses the raw request (``router.api``), hands the
 a ``GenerateResponse``; ``InvalidRequest`` becomes INVALID_ARGUMENT and ``RouteError`` its
 own status. Responses are written with ``context.write`` from the handler's own task, so a
 client cancel or deadline arrives as ``CancelledError`` at an ``await`` here and the
-request's cleanup (``Generation.chunks``' exit) runs at once.
+request's cleanup (``Generation.chunks``' exit) runs at once. A client that sends
+``pdserve-trace: 1`` gets the request's ``router.trace`` in the ``pdserve-trace`` trailer.
 """
 
 from __future__ import annotations
