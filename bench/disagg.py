@@ -163,8 +163,10 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, cpus: tuple[int
                 outcomes, duration = send(running.router_address, requests, request_rate=rate,
                                           seed=args.seed + i, limit_s=cut_off(limit))
                 sweep.append((rate, outcomes, duration))
+                cut = sum(o.error.startswith(CUT_OFF) for o in outcomes)
                 print(f"  {arm:>13} {name}: {rate:6.2f} req/s, {n} requests, "
-                      f"{sum(not o.success for o in outcomes)} failed", flush=True)
+                      f"{sum(not o.success for o in outcomes) - cut} failed, {cut} cut off",
+                      flush=True)
             found[name] = {"unloaded": alone, "sweep": sweep, "limit_s": limit}
     return found
 

@@ -24,9 +24,11 @@ the workers report (``router.trace``: the ``pdserve-trace`` trailer).
    ``--overhead-rate`` (100) requests/s, Poisson, for ``--overhead-seconds``: prompts of
    each length sharing all but their last 16 tokens (the prefill worker's cache makes the
    prefill cheap; every request still carries its whole prompt through the router and its
-   whole KV to the decode worker). ``to_first_worker_call``: received → first call to a
-   worker; ``token_to_client``: each chunk from the decode worker's stream to the
-   client's (every chunk of every request). p50 and p99.
+   whole KV to the decode worker; 4 output tokens). ``to_first_worker_call``: received →
+   first call to a worker (a backlog shows here: the router has no queued-token limit in
+   this run); ``token_to_client``: each chunk from the decode worker's stream to the
+   client's (every chunk of every request). p50 and p99, with the rate achieved and the
+   share of a core each process (router, workers, this client) was busy.
 3. Prefix affinity: the prefix-repetition workload (``--prefixes`` prefixes of
    ``--prefix-len`` tokens, suffixes of 64, 8 output tokens) on two prefill workers (one per
    core) and one decode worker (unpinned), at ``--affinity-rate`` requests/s (``--quick``:
@@ -48,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -74,6 +77,7 @@ from pdserve.v1 import generate_pb2, generate_pb2_grpc
 PARTS = ("router_queue", "reserve", "prefill_queue", "prefill_compute", "exposed_transfer",
          "prefill_rpc", "to_generate", "decode_admission", "router_relay", "delivery")
 OUTPUT_LEN = 8
+OVERHEAD_OUTPUT_LEN = 4
 SUFFIX_LEN = 16  # router overhead: the tokens of each prompt not shared with the others
 
 
@@ -115,11 +119,14 @@ async def traced(stub: generate_pb2_grpc.GenerationStub, request: Request) -> di
     call = stub.Generate(message, metadata=(("pdserve-trace", "1"),), timeout=600)
     first = None
     usage = None
-    async for response in call:
-        if first is None and response.token_ids:
-            first = time.perf_counter()
-        if response.HasField("usage"):
-            usage = response.usage
+    try:
+        async for response in call:
+            if first is None and response.token_ids:
+                first = time.perf_counter()
+            if response.HasField("usage"):
+                usage = response.usage
+    except grpc.aio.AioRpcError as exc:
+        return {"error": f"{exc.code().name}: {exc.details()}"}
     end = time.perf_counter()
     trailer = dict(await call.trailing_metadata())
     assert first is not None and usage is not None
@@ -130,7 +137,9 @@ async def traced(stub: generate_pb2_grpc.GenerationStub, request: Request) -> di
 
 async def send_traced(address: str, requests: Sequence[Request], rate: float | None,
                       seed: int = 0) -> tuple[list[dict[str, Any]], float]:
-    """``requests`` one at a time (``rate`` None) or at Poisson times; results, seconds."""
+    """``requests`` one at a time (``rate`` None) or at Poisson times; results, seconds.
+    Failed requests are left out of the results at Poisson times (counted by the caller),
+    and stop the benchmark one at a time (nothing else is running then)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         start = time.perf_counter()
@@ -144,7 +153,10 @@ async def send_traced(address: str, requests: Sequence[Request], rate: float | N
             times = arrival_times(len(requests), rate, seed)
             results = list(await asyncio.gather(*(at(r, t) for r, t in zip(
                 requests, times, strict=True))))
-        return results, time.perf_counter() - start
+        failed = [r["error"] for r in results if "error" in r]
+        if rate is None and failed:
+            raise SystemExit(f"bench.handoff: a request failed: {failed[0]}")
+        return [r for r in results if "error" not in r], time.perf_counter() - start
 
 
 def breakdown(result: dict[str, Any]) -> dict[str, float]:
@@ -241,19 +253,33 @@ def overhead_model() -> Path:
     return final
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure_overhead(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     model_dir = overhead_model()
     vocab = model_facts(model_dir)["vocab_size"]
     found = {}
-    with cluster(model_dir, num_prefill=1, num_decode=1, num_kv_blocks=8192) as running:
+    # no queued-token limit: a backlog shows in to_first_worker_call instead of refusals
+    with cluster(model_dir, num_prefill=1, num_decode=1, num_kv_blocks=8192,
+                 router_args=("--max-queued-tokens", "0")) as running:
+        pids = {k: v for k, v in running.pids().items() if k != "redis"}
         for length in args.lengths:
             spec = WorkloadSpec("prefix-repetition", prefix_len=length - SUFFIX_LEN,
-                                suffix_len=SUFFIX_LEN, num_prefixes=1, output_len=OUTPUT_LEN)
+                                suffix_len=SUFFIX_LEN, num_prefixes=1,
+                                output_len=OVERHEAD_OUTPUT_LEN)
             workload = Workload(spec, vocab, seed=args.seed + length)
             asyncio.run(send_traced(running.router_address, workload.take(3), None))  # cached
             n = max(10, round(args.overhead_rate * args.overhead_seconds))
+            cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            client_cpu = time.process_time()
             results, seconds = asyncio.run(send_traced(
                 running.router_address, workload.take(n), args.overhead_rate, args.seed))
+            busy = {name: (cpu_seconds(pid) - cpu[name]) / seconds for name, pid in pids.items()}
+            busy["client"] = (time.process_time() - client_cpu) / seconds
             first_call = [r["trace"]["marks_ms"]["first_call"] for r in results]
             relay = [g for r in results for g in r["trace"]["relay_ms"]]
             found[length] = {
@@ -263,9 +289,11 @@ def measure_overhead(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
                                            "token_to_client": percentile(relay, 99)},
                 "overhead_offered_rate": args.overhead_rate,
                 "overhead_achieved_rate": len(results) / seconds,
-                "overhead_requests": len(results)}
-            print(f"  router overhead, {length}-token prompts: {len(results)} requests, "
-                  f"{len(results) / seconds:.0f} req/s achieved", flush=True)
+                "overhead_requests": len(results), "overhead_failed": n - len(results),
+                "overhead_cores_busy": busy}
+            print(f"  router overhead, {length}-token prompts: {len(results)} of {n} requests "
+                  f"completed, {len(results) / seconds:.0f} req/s achieved; cores busy: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()), flush=True)
     return found
 
 
