@@ -20,13 +20,14 @@ the workers report (``router.trace``: the ``pdserve-trace`` trailer).
    compute and the wire. ``one_layer_transfer_ms``: one pdserve KV transfer (gather,
    checksum, scatter) of one layer's bytes of the prompt between two processes pinned to
    the same two cores (``bench.kvtransfer``'s), median of a few.
-2. Router overhead: the tiny model (context 4096), so the workers keep up, at
+2. Router overhead: the tiny model (one layer, context 4096), so the workers keep up, at
    ``--overhead-rate`` (100) requests/s, Poisson, for ``--overhead-seconds``: prompts of
    each length sharing all but their last 16 tokens (the prefill worker's cache makes the
    prefill cheap; every request still carries its whole prompt through the router and its
    whole KV to the decode worker; 4 output tokens). ``to_first_worker_call``: received →
    first call to a worker (a backlog shows here: the router has no queued-token limit in
-   this run); ``token_to_client``: each chunk from the decode worker's stream to the
+   this run), ``to_first_worker_call_unqueued`` the same less the time it waited in the
+   router's queue for capacity (the router's own work); ``token_to_client``: each chunk from the decode worker's stream to the
    client's (every chunk of every request). p50 and p99, with the rate achieved and the
    share of a core each process (router, workers, this client) was busy.
 3. Prefix affinity: the prefix-repetition workload (``--prefixes`` prefixes of
@@ -242,13 +243,15 @@ def one_layer_transfer_ms(model: dict[str, Any], lengths: Sequence[int], repeats
 
 
 def overhead_model() -> Path:
-    """The tiny model with a 4096-token context (built once into the model cache)."""
+    """The tiny model with one layer and a 4096-token context (built once into the model
+    cache): the least work per request the workers can do, so they keep up with the rate."""
     from engine.tiny_model import _generator_fingerprint, default_model_cache_dir, make_tiny_model
 
-    final = default_model_cache_dir() / f"tiny4k-llama-seed0-{_generator_fingerprint()}"
+    final = default_model_cache_dir() / f"tiny1l4k-llama-seed0-{_generator_fingerprint()}"
     if not final.is_dir():
         tmp = final.with_name(final.name + f".tmp{time.monotonic_ns()}")
-        make_tiny_model(tmp, preset="tiny", overrides={"max_position_embeddings": 4096})
+        make_tiny_model(tmp, preset="tiny", overrides={"max_position_embeddings": 4096,
+                                                       "num_hidden_layers": 1})
         tmp.rename(final)
     return final
 
@@ -280,13 +283,16 @@ def measure_overhead(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
                 running.router_address, workload.take(n), args.overhead_rate, args.seed))
             busy = {name: (cpu_seconds(pid) - cpu[name]) / seconds for name, pid in pids.items()}
             busy["client"] = (time.process_time() - client_cpu) / seconds
-            first_call = [r["trace"]["marks_ms"]["first_call"] for r in results]
-            relay = [g for r in results for g in r["trace"]["relay_ms"]]
+            marks = [r["trace"]["marks_ms"] for r in results]
+            series = {
+                "to_first_worker_call": [m["first_call"] for m in marks],
+                # the same less the wait in the router's queue for capacity: its own work
+                "to_first_worker_call_unqueued": [m["first_call"] - (m["turn"] - m["admitted"])
+                                                  for m in marks],
+                "token_to_client": [g for r in results for g in r["trace"]["relay_ms"]]}
             found[length] = {
-                "router_overhead_p50_ms": {"to_first_worker_call": percentile(first_call, 50),
-                                           "token_to_client": percentile(relay, 50)},
-                "router_overhead_p99_ms": {"to_first_worker_call": percentile(first_call, 99),
-                                           "token_to_client": percentile(relay, 99)},
+                "router_overhead_p50_ms": {k: percentile(v, 50) for k, v in series.items()},
+                "router_overhead_p99_ms": {k: percentile(v, 99) for k, v in series.items()},
                 "overhead_offered_rate": args.overhead_rate,
                 "overhead_achieved_rate": len(results) / seconds,
                 "overhead_requests": len(results), "overhead_failed": n - len(results),
@@ -340,7 +346,7 @@ def render(report: dict[str, Any]) -> str:
                 "one_layer_transfer_ms", "decode_admission_worker_p50_ms"):
         rows.append([key, *(report["by_prompt_len"][n][key] for n in lengths)])
     for key in ("router_overhead_p50_ms", "router_overhead_p99_ms"):
-        for sub in ("to_first_worker_call", "token_to_client"):
+        for sub in ("to_first_worker_call", "to_first_worker_call_unqueued", "token_to_client"):
             rows.append([f"{key} {sub}", *(report["by_prompt_len"][n][key][sub]
                                           for n in lengths)])
     a = report["prefix_affinity"]
@@ -385,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"machine: {report['machine']}")
     print(f"model: {facts['parameters'] / 1e6:.1f}M parameters, fp32, one torch thread per "
           "worker; breakdown and affinity workers pinned one per core; router overhead on "
-          "the tiny model (context 4096), workers unpinned")
+          "the tiny model (one layer, context 4096), workers unpinned")
     if args.json:
         write_json(args.json, report)
     return report

@@ -113,6 +113,7 @@ class Generation:
         self.deadline = deadline
         self.received_at = received_at
         self.trace = Trace(received_at)  # where its time went (router.trace)
+        self.trace.mark("admitted")
         self._owner = owner
 
     @property

@@ -171,6 +171,7 @@ class Handoff:
             return self._local_attempt(number) if self._prefill_locally() \
                 else await self._reserve(number)
         async with self._ticket.turn(self._deadline):
+            self._trace.mark("turn")
             attempt = self._local_attempt(number) if self._prefill_locally() \
                 else await self._reserve(number)
         self._ticket.placed()

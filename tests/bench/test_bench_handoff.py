@@ -34,8 +34,10 @@ def check_length(entry: dict[str, Any]) -> None:
     assert entry["exposed_transfer_p50_ms"] == parts["exposed_transfer"]
     assert 0 < entry["orchestration_p50_ms"] < entry["ttft_p50_ms"]
     assert entry["one_layer_transfer_ms"] > 0
-    for sub in ("to_first_worker_call", "token_to_client"):
+    for sub in ("to_first_worker_call", "to_first_worker_call_unqueued", "token_to_client"):
         assert 0 < entry["router_overhead_p50_ms"][sub] <= entry["router_overhead_p99_ms"][sub]
+    assert entry["router_overhead_p99_ms"]["to_first_worker_call_unqueued"] <= \
+        entry["router_overhead_p99_ms"]["to_first_worker_call"] + 1e-6
     assert entry["overhead_requests"] >= 10 and entry["overhead_achieved_rate"] > 0
 
 

@@ -204,8 +204,8 @@ def test_a_client_that_asks_gets_the_trace(cluster: Cluster) -> None:
     assert trailer["pdserve-request-id"] == chunks[0].request_id
     assert trace["attempts"] == 1
     marks = trace["marks_ms"]
-    order = ["first_call", "prefill_started", "prefill_returned", "generate_started",
-             "first_chunk", "first_sent"]
+    order = ["admitted", "turn", "first_call", "prefill_started", "prefill_returned",
+             "generate_started", "first_chunk", "first_sent"]
     assert all(marks[m] is not None and marks[m] >= 0 for m in order), marks
     assert [marks[m] for m in order] == sorted(marks[m] for m in order)
     # the workers' own durations fit inside what the router saw of their calls
