@@ -267,7 +267,7 @@ def measure_overhead(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     vocab = model_facts(model_dir)["vocab_size"]
     found = {}
     # no queued-token limit: a backlog shows in to_first_worker_call instead of refusals
-    with cluster(model_dir, num_prefill=1, num_decode=1, num_kv_blocks=8192,
+    with cluster(model_dir, num_prefill=1, num_decode=1, num_kv_blocks=32768,
                  router_args=("--max-queued-tokens", "0")) as running:
         pids = {k: v for k, v in running.pids().items() if k != "redis"}
         for length in args.lengths:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-IDLE_POLL_S = 0.005  # how often the loop re-checks KV transfers when it has nothing to step
+IDLE_POLL_S = 0.001  # how often the loop re-checks KV transfers when it has nothing to step
 SNAPSHOT_S = 0.25  # how often the metrics' gauges are refreshed (while the loop runs)
 TOTALS_S = 1.0  # ... and the data plane's totals (a call to every rank)
 
