@@ -32,7 +32,9 @@ counted as missing it, which bounds the time an overloaded rate takes; the JSON 
 whether every cut-off was one that could no longer meet the SLO). ``max_rate_at_slo``
 is the highest rate swept with ≥ 90% attainment; ``goodput_ratio`` = disaggregated ÷
 colocated ``max_rate_at_slo`` (the headline; ``null`` when the colocated arm met the SLO at
-no rate). Per rate it also prints which target the misses missed (TTFT or TPOT): where
+no rate); ``goodput_ratio_bound`` says whether the sweep pins it down (``exact``) or only
+bounds it (``at least``: the colocated arm met it at no rate, or the disaggregated arm
+still at the top one; ``at most``). Per rate it also prints which target the misses missed (TTFT or TPOT): where
 each arm wins, and why.
 
 ``--json PATH`` writes every figure (vLLM's metric keys per rate), the machine facts and
@@ -69,13 +71,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64, help="long-prompt: output tokens")
     p.add_argument("--max-output-len", type=int, default=128, help="sharegpt-like: clip")
     p.add_argument("--rates", help="request rates to sweep, comma-separated (req/s)")
-    p.add_argument("--rate-fractions", default="0.25,0.5,0.75,1.0,1.25",
+    p.add_argument("--rate-fractions", default="0.1,0.25,0.5,0.75,1.0,1.25",
                    help="long-prompt's default rates: these fractions of 1 / unloaded TTFT")
-    p.add_argument("--sharegpt-rate-fractions", default="0.15,0.3,0.45,0.6,0.75",
+    p.add_argument("--sharegpt-rate-fractions", default="0.05,0.15,0.3,0.45,0.6",
                    help="sharegpt-like's (lower: its long outputs load the decode side "
                         "more than its short prompts load the prefill side)")
-    p.add_argument("--seconds-per-rate", type=float, default=15.0)
-    p.add_argument("--min-requests", type=int, default=15)
+    p.add_argument("--seconds-per-rate", type=float, default=12.0)
+    p.add_argument("--min-requests", type=int, default=12)
     p.add_argument("--max-requests", type=int, default=200)
     p.add_argument("--unloaded-requests", type=int, default=5)
     p.add_argument("--cut-off-factor", type=float, default=2.0,
@@ -213,7 +215,23 @@ def summarize_workload(name: str, arms: dict[str, Any], args: argparse.Namespace
     colocated = out["colocated"]["max_rate_at_slo"]
     out["goodput_ratio"] = (out["disaggregated"]["max_rate_at_slo"] / colocated
                             if colocated > 0 else None)
+    out["goodput_ratio_bound"] = ratio_bound(out)
     return out
+
+
+def ratio_bound(out: dict[str, Any]) -> dict[str, Any]:
+    """What the sweep says of the ratio where an arm's limit lies outside it: an arm that
+    met the SLO at no rate has its limit below the lowest; one that met it at the top rate,
+    above the top (``kind``: exact, at least, at most, or unknown)."""
+    d, c = out["disaggregated"], out["colocated"]
+    lowest = min(r["request_rate"] for r in d["rates"])
+    d_top, c_top = d["top_rate_met_slo"], c["top_rate_met_slo"]
+    if c["max_rate_at_slo"] == 0 and d["max_rate_at_slo"] > 0:
+        return {"kind": "at least", "value": d["max_rate_at_slo"] / lowest}
+    if c["max_rate_at_slo"] == 0 or (d_top and c_top):
+        return {"kind": "unknown", "value": None}
+    ratio = d["max_rate_at_slo"] / c["max_rate_at_slo"]
+    return {"kind": "at least" if d_top else "at most" if c_top else "exact", "value": ratio}
 
 
 def verdict(result: dict[str, Any]) -> list[str]:
@@ -253,7 +271,10 @@ def render(name: str, result: dict[str, Any]) -> str:
         f"max rate at >= 90% attainment: disaggregated "
         f"{result['disaggregated']['max_rate_at_slo']:.2f}, colocated "
         f"{result['colocated']['max_rate_at_slo']:.2f} req/s; goodput_ratio "
-        + (f"{ratio:.2f}" if ratio is not None else "n/a (colocated met it at no rate)")])
+        + (f"{ratio:.2f}" if ratio is not None else "n/a (colocated met it at no rate)")
+        + f" ({result['goodput_ratio_bound']['kind']}"
+        + (f" {result['goodput_ratio_bound']['value']:.2f}"
+           if result["goodput_ratio_bound"]["value"] is not None else "") + ")"])
 
 
 def configurations_table(configs: dict[str, Any]) -> str:
