@@ -25,7 +25,9 @@ gives them instead.
 
 The SLO is chosen from the unloaded latencies, the slower arm's: TTFT ≤
 ``--ttft-slo-factor`` × unloaded TTFT and TPOT ≤ ``--tpot-slo-factor`` × unloaded TPOT
-(medians; a TPOT-bound SLO by default: 5× and 1.5×). A request meets it when it completes
+(medians; a TPOT-bound SLO by default: 5× and 1.5×), or ``--ttft-slo-ms`` /
+``--tpot-slo-ms`` as given: the unloaded latencies are a few requests on a shared machine,
+so give the pair itself to compare runs. A request meets it when it completes
 within both; attainment is the share of the requests sent that did (a request unfinished
 ``--cut-off-factor`` times the longest it could take and meet the SLO is cancelled and
 counted as missing it, which bounds the time an overloaded rate takes; the JSON says
@@ -76,8 +78,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sharegpt-rate-fractions", default="0.05,0.15,0.3,0.45,0.6",
                    help="sharegpt-like's (lower: its long outputs load the decode side "
                         "more than its short prompts load the prefill side)")
-    p.add_argument("--seconds-per-rate", type=float, default=12.0)
-    p.add_argument("--min-requests", type=int, default=12)
+    p.add_argument("--seconds-per-rate", type=float, default=10.0)
+    p.add_argument("--min-requests", type=int, default=10)
     p.add_argument("--max-requests", type=int, default=200)
     p.add_argument("--unloaded-requests", type=int, default=5)
     p.add_argument("--cut-off-factor", type=float, default=2.0,
@@ -85,6 +87,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "many times the longest it could take and meet the SLO")
     p.add_argument("--ttft-slo-factor", type=float, default=5.0)
     p.add_argument("--tpot-slo-factor", type=float, default=1.5)
+    p.add_argument("--ttft-slo-ms", type=float,
+                   help="the TTFT target itself, instead of the factor (to compare runs)")
+    p.add_argument("--tpot-slo-ms", type=float, help="the TPOT target itself")
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="per worker (per core)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
@@ -155,8 +160,9 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, cpus: tuple[int
             rates = plan[name].setdefault("rates", rates_for(args, name, alone["ttft_ms"]))
             # the longest a request may take and still meet an SLO from these unloaded
             # latencies, times the cut-off factor: seconds + seconds per output token
-            limit = (args.cut_off_factor * args.ttft_slo_factor * alone["ttft_ms"] / 1000,
-                     args.cut_off_factor * args.tpot_slo_factor * alone["tpot_ms"] / 1000)
+            slo = slo_ms(args, alone)
+            limit = (args.cut_off_factor * slo["ttft"] / 1000,
+                     args.cut_off_factor * slo["tpot"] / 1000)
             sweep = []
             for i, rate in enumerate(rates):
                 n = min(args.max_requests, max(args.min_requests,
@@ -171,6 +177,13 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, cpus: tuple[int
                       flush=True)
             found[name] = {"unloaded": alone, "sweep": sweep, "limit_s": limit}
     return found
+
+
+def slo_ms(args: argparse.Namespace, unloaded: dict[str, float]) -> dict[str, float]:
+    """The SLO pair: given (``--ttft-slo-ms``, ``--tpot-slo-ms``), else the factors times
+    these unloaded latencies."""
+    return {"ttft": args.ttft_slo_ms or args.ttft_slo_factor * unloaded["ttft_ms"],
+            "tpot": args.tpot_slo_ms or args.tpot_slo_factor * unloaded["tpot_ms"]}
 
 
 def cut_off(limit: tuple[float, float]) -> Callable[[Request], float]:
@@ -188,8 +201,7 @@ def attainment_parts(outcomes: Sequence[Outcome], slo: dict[str, float]) -> dict
 def summarize_workload(name: str, arms: dict[str, Any], args: argparse.Namespace
                        ) -> dict[str, Any]:
     slow = {k: max(arms[a][name]["unloaded"][k] for a in ARMS) for k in ("ttft_ms", "tpot_ms")}
-    slo = {"ttft": args.ttft_slo_factor * slow["ttft_ms"],
-           "tpot": args.tpot_slo_factor * slow["tpot_ms"]}
+    slo = slo_ms(args, slow)
     out: dict[str, Any] = {
         "slo": {"ttft_ms": slo["ttft"], "tpot_ms": slo["tpot"],
                 "ttft_factor": args.ttft_slo_factor, "tpot_factor": args.tpot_slo_factor,

@@ -108,3 +108,10 @@ def test_the_ratio_bound_says_what_the_sweep_shows() -> None:
     assert disagg.ratio_bound(out([1, 0.5, 0], [1, 1, 1])) == {"kind": "at most",
                                                                 "value": 1 / 3}
     assert disagg.ratio_bound(out([0, 0, 0], [0, 0, 0]))["kind"] == "unknown"
+
+
+def test_the_slo_is_the_factors_times_unloaded_unless_given() -> None:
+    unloaded = {"ttft_ms": 100.0, "tpot_ms": 10.0}
+    assert disagg.slo_ms(disagg.parse_args([]), unloaded) == {"ttft": 500.0, "tpot": 15.0}
+    given = disagg.parse_args(["--tpot-slo-ms", "40"])
+    assert disagg.slo_ms(given, unloaded) == {"ttft": 500.0, "tpot": 40.0}
