@@ -34,9 +34,8 @@ counted as missing it, which bounds the time an overloaded rate takes; the JSON 
 whether every cut-off was one that could no longer meet the SLO). ``max_rate_at_slo``
 is the highest rate swept with ≥ 90% attainment; ``goodput_ratio`` = disaggregated ÷
 colocated ``max_rate_at_slo`` (the headline; ``null`` when the colocated arm met the SLO at
-no rate); ``goodput_ratio_bound`` says whether the sweep pins it down (``exact``) or only
-bounds it (``at least``: the colocated arm met it at no rate, or the disaggregated arm
-still at the top one; ``at most``). Per rate it also prints which target the misses missed (TTFT or TPOT): where
+no rate); ``goodput_ratio_range`` is [low, high] of the true ratio on the grid swept (each
+arm's limit lies between its ``max_rate_at_slo`` and the next rate; ``null``: unbounded). Per rate it also prints which target the misses missed (TTFT or TPOT): where
 each arm wins, and why.
 
 ``--json PATH`` writes every figure (vLLM's metric keys per rate), the machine facts and
@@ -205,6 +204,7 @@ def summarize_workload(name: str, arms: dict[str, Any], args: argparse.Namespace
     out: dict[str, Any] = {
         "slo": {"ttft_ms": slo["ttft"], "tpot_ms": slo["tpot"],
                 "ttft_factor": args.ttft_slo_factor, "tpot_factor": args.tpot_slo_factor,
+                "given": bool(args.ttft_slo_ms or args.tpot_slo_ms),
                 "unloaded": {a: arms[a][name]["unloaded"] for a in ARMS}}}
     for arm in ARMS:
         rates = []
@@ -227,23 +227,26 @@ def summarize_workload(name: str, arms: dict[str, Any], args: argparse.Namespace
     colocated = out["colocated"]["max_rate_at_slo"]
     out["goodput_ratio"] = (out["disaggregated"]["max_rate_at_slo"] / colocated
                             if colocated > 0 else None)
-    out["goodput_ratio_bound"] = ratio_bound(out)
+    out["goodput_ratio_range"] = ratio_range(out)
     return out
 
 
-def ratio_bound(out: dict[str, Any]) -> dict[str, Any]:
-    """What the sweep says of the ratio where an arm's limit lies outside it: an arm that
-    met the SLO at no rate has its limit below the lowest; one that met it at the top rate,
-    above the top (``kind``: exact, at least, at most, or unknown)."""
-    d, c = out["disaggregated"], out["colocated"]
-    lowest = min(r["request_rate"] for r in d["rates"])
-    d_top, c_top = d["top_rate_met_slo"], c["top_rate_met_slo"]
-    if c["max_rate_at_slo"] == 0 and d["max_rate_at_slo"] > 0:
-        return {"kind": "at least", "value": d["max_rate_at_slo"] / lowest}
-    if c["max_rate_at_slo"] == 0 or (d_top and c_top):
-        return {"kind": "unknown", "value": None}
-    ratio = d["max_rate_at_slo"] / c["max_rate_at_slo"]
-    return {"kind": "at least" if d_top else "at most" if c_top else "exact", "value": ratio}
+def limit_range(arm: dict[str, Any]) -> tuple[float, float | None]:
+    """Where an arm's true limit lies on the swept grid: between its ``max_rate_at_slo``
+    (0 when it met the SLO at no rate) and the next rate swept (None: above the top)."""
+    rates = [r["request_rate"] for r in arm["rates"]]
+    best = arm["max_rate_at_slo"]
+    above = [r for r in rates if r > best]
+    return best, min(above) if above else None
+
+
+def ratio_range(out: dict[str, Any]) -> list[float | None]:
+    """[low, high] of the true goodput ratio given the grid (None: unbounded)."""
+    d_low, d_high = limit_range(out["disaggregated"])
+    c_low, c_high = limit_range(out["colocated"])
+    low = d_low / c_high if c_high else 0.0  # the colocated arm's limit may be unbounded
+    high = d_high / c_low if d_high is not None and c_low > 0 else None
+    return [low, high]
 
 
 def verdict(result: dict[str, Any]) -> list[str]:
@@ -273,9 +276,10 @@ def render(name: str, result: dict[str, Any]) -> str:
     head = ["rate", *(f"{a[:5]} {k}" for a in ARMS for k in ("attain", "TTFT p50", "TTFT p90",
                                                              "TPOT p50", "TPOT p90"))]
     ratio = result["goodput_ratio"]
+    basis = "given" if slo["given"] else f"{slo['ttft_factor']:g}x / {slo['tpot_factor']:g}x"
     return "\n".join([
         f"== {name}: SLO TTFT <= {slo['ttft_ms']:.0f} ms, TPOT <= {slo['tpot_ms']:.1f} ms "
-        f"({slo['ttft_factor']:g}x / {slo['tpot_factor']:g}x the slower arm's unloaded "
+        f"({basis}; the slower arm's unloaded "
         f"{max(u['ttft_ms'] for u in slo['unloaded'].values()):.0f} ms / "
         f"{max(u['tpot_ms'] for u in slo['unloaded'].values()):.1f} ms)",
         format_table(rows, head),
@@ -284,9 +288,9 @@ def render(name: str, result: dict[str, Any]) -> str:
         f"{result['disaggregated']['max_rate_at_slo']:.2f}, colocated "
         f"{result['colocated']['max_rate_at_slo']:.2f} req/s; goodput_ratio "
         + (f"{ratio:.2f}" if ratio is not None else "n/a (colocated met it at no rate)")
-        + f" ({result['goodput_ratio_bound']['kind']}"
-        + (f" {result['goodput_ratio_bound']['value']:.2f}"
-           if result["goodput_ratio_bound"]["value"] is not None else "") + ")"])
+        + " (between {} and {} on this grid of rates)".format(
+            *(f"{x:.2f}" if x is not None else "unbounded"
+              for x in result["goodput_ratio_range"]))])
 
 
 def configurations_table(configs: dict[str, Any]) -> str:
