@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": machine_info(), "max_tokens": args.max_tokens,
                               "levels": []}
     print("starting pdserve up (tiny model, 1 prefill + 1 decode worker) ...", flush=True)
-    config = LocalClusterConfig(port=0, max_inflight=max(levels) + 64,
+    config = LocalClusterConfig(port=0, http_port=0, max_inflight=max(levels) + 64,
                                 router_args=("--metrics-port", "0"))
     with LocalCluster(config, progress=lambda line: None) as cluster:
         assert cluster.router is not None and cluster.router.ready is not None
@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["max_concurrency_without_failures"] = max(held) if held else 0
     print(f"burst: {10 * args.burst_limit} requests at --max-inflight {args.burst_limit} ...",
           flush=True)
-    with LocalCluster(LocalClusterConfig(port=0, max_inflight=args.burst_limit),
+    with LocalCluster(LocalClusterConfig(port=0, http_port=0, max_inflight=args.burst_limit),
                       progress=lambda line: None) as cluster:
         outcomes = asyncio.run(burst(cluster.router_address, 10 * args.burst_limit))
     refused = [s for o, s in outcomes if o == "RESOURCE_EXHAUSTED"]

@@ -95,7 +95,7 @@ def _worker_stubs(cluster: LocalCluster) -> list[tuple[str, object]]:
 def up(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> Iterator[LocalCluster]:
     """``pdserve up`` (as the library the command runs) with one prefill and one decode
     worker, otherwise defaults but for ports and ``--max-inflight 320``."""
-    config = LocalClusterConfig(model_dir=llama_dir, port=0, max_inflight=320,
+    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=0, max_inflight=320,
                                 log_dir=tmp_path_factory.mktemp("up"))
     with LocalCluster(config, progress=lambda line: None) as cluster:
         yield cluster
@@ -123,7 +123,8 @@ def test_three_hundred_streams_complete_while_health_answers(up: LocalCluster) -
 
 def test_a_burst_over_the_limit_is_refused_fast_and_memory_stays(
         tmp_path: Path, llama_dir: Path) -> None:
-    config = LocalClusterConfig(model_dir=llama_dir, port=0, max_inflight=16, log_dir=tmp_path)
+    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=0, max_inflight=16,
+                                log_dir=tmp_path)
     with LocalCluster(config, progress=lambda line: None) as cluster:
         pids = [c.proc.pid for c in [*cluster.workers, cluster.router] if c is not None]
         with Client(cluster.router_address) as client:  # warm every path once
