@@ -35,7 +35,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -43,9 +42,9 @@ from typing import Any
 from pdserve.local_cluster import ChildExited, ClusterError, _redacted, check_port_free
 from pdserve.local_cluster import serve as serve_cluster
 from pdserve.ray_actors import RedisActor, SupervisedChild
+from pdserve.ray_members import Member, first_line, poll, quote
 from pdserve.ray_plan import (
     NAMESPACE,
-    ChildSpec,
     ChildStatus,
     RayClusterConfig,
     WorkerPlan,
@@ -62,21 +61,7 @@ LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Set to 0 before Ray is imported, Ray keeps 127.0.0.1 as the node address (otherwise it
 replaces a loopback ``_node_ip_address`` by the machine's outward address)."""
 _POLL_S = 0.25
-_STATUS_TIMEOUT_S = 5.0
 _CONCURRENCY = 4  # an actor answers status() while stop() waits for its child
-
-
-@dataclass
-class Member:
-    """One actor of the cluster and what the driver last learnt of it."""
-
-    name: str
-    actor: Any  # a Ray actor handle
-    restartable: bool
-    status: ChildStatus | None = None
-    ready: dict[str, Any] | None = None
-    restarts: int = 0
-    down: bool = False  # reported down, not yet ready again
 
 
 def ray_init_kwargs(config: RayClusterConfig) -> tuple[dict[str, str], dict[str, Any]]:
@@ -155,8 +140,9 @@ class RayCluster:
 
     def check(self) -> None:
         """Follows every actor once: reports restarts; ``ChildExited`` when one is gone."""
-        for member in self._members():
-            self._follow(member, self._status(member))
+        members = self._members()
+        for member, status in zip(members, poll(members), strict=True):
+            member.follow(status, self._progress)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Returns after ``timeout_s`` (never with None) unless a process is gone for good:
@@ -231,7 +217,7 @@ class RayCluster:
                 _init_keeping_sigterm(ray, kwargs)
             except Exception as exc:  # noqa: BLE001 - Ray raises many kinds here
                 raise ClusterError(f"cannot {what} Ray {self.config.address or ''}: "
-                                   f"{_first_line(exc)}") from None
+                                   f"{first_line(exc)}") from None
             self._owns_ray = self.config.address is None
         self._connected = True
         node_ip = ray.util.get_node_ip_address()
@@ -255,8 +241,9 @@ class RayCluster:
             self._progress(f"using Redis at {_redacted(self.redis_url)}")
             return
         self._progress("starting redis-server ...")
-        actor = self._actor(RedisActor, "redis", (str(self.log_dir), self.config.layout.stop_grace_s),
-                            num_cpus=0, max_restarts=0, scheduling_strategy=self._here())
+        args = (str(self.log_dir), self.config.layout.stop_grace_s)
+        actor = self._actor(RedisActor, "redis", args, num_cpus=0, max_restarts=0,
+                            scheduling_strategy=self._here())
         self._redis = Member("redis", actor, restartable=False)
         self.redis_url = str(self._get(actor.url.remote(), "redis"))
         self._progress(f"redis ready at {_redacted(self.redis_url)}")
@@ -310,7 +297,7 @@ class RayCluster:
         assert self.redis_url is not None
         layout = self.config.layout
         self._progress(f"starting router on {layout.host}:{layout.port} ...")
-        spec: ChildSpec = router_spec(self.config, log_dir=str(self.log_dir),
+        spec = router_spec(self.config, log_dir=str(self.log_dir),
                                       redis_url=self.redis_url,
                                       api_key=os.environ.get(API_KEY_ENV) or None)
         actor = self._actor(SupervisedChild, "router", (spec,), num_cpus=self.config.router_cpus,
@@ -322,65 +309,20 @@ class RayCluster:
         deadline = time.monotonic() + self.config.layout.start_timeout_s
         pending = list(members)
         while pending:
-            for member in list(pending):
-                status = self._status(member)
+            for member, status in zip(list(pending), poll(pending), strict=True):
                 if status is not None and status.exit is not None:
                     raise ChildExited(member.name, f"{member.name} exited before it was "
-                                                   f"ready ({status.exit}); {_quote(status)}")
+                                                   f"ready ({status.exit}); {quote(status)}")
                 if status is not None and status.ready is not None:
                     member.ready = status.ready
                     pending.remove(member)
-                    self._progress(_describe_ready(member))
+                    self._progress(member.describe_ready())
             if pending and time.monotonic() > deadline:
                 names = ", ".join(m.name for m in pending)
                 raise ClusterError(f"not ready within {self.config.layout.start_timeout_s:.0f}s:"
-                                   f" {names}; {_quote(pending[0].status)}")
+                                   f" {names}; {quote(pending[0].status)}")
             if pending:
                 time.sleep(_POLL_S)
-
-    # ------------------------------------------------------------------ following actors
-
-    def _status(self, member: Member) -> ChildStatus | None:
-        """The actor's status; None while it is unreachable (Ray restarts it). Raises
-        ``ChildExited`` when the actor is dead for good."""
-        import ray
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
-
-        try:
-            status = ray.get(member.actor.status.remote(), timeout=_STATUS_TIMEOUT_S)
-        except (ActorUnavailableError, GetTimeoutError):
-            return None
-        except ActorDiedError as exc:
-            why = ("and Ray will not restart it again" if member.restartable
-                   else "(it is not restarted)")
-            raise ChildExited(member.name, f"{member.name}'s actor died {why}: "
-                                           f"{_first_line(exc)}; {_quote(member.status)}"
-                              ) from None
-        if member.status is not None and status.actor_pid != member.status.actor_pid:
-            member.restarts += 1
-            member.ready = None
-        member.status = status
-        return status
-
-    def _follow(self, member: Member, status: ChildStatus | None) -> None:
-        """Reports a worker going down and coming back; raises ``ChildExited`` when the
-        router or Redis exited, or a restarted worker failed before it was ready."""
-        if not member.restartable:
-            if status is not None and status.exit is not None:
-                raise ChildExited(member.name, f"{member.name} exited unexpectedly "
-                                               f"({status.exit}); {_quote(status)}")
-            return
-        if status is not None and status.exit is None and status.ready is not None:
-            if member.down:
-                member.ready, member.down = status.ready, False
-                self._progress(_describe_ready(member) + f" (restart {member.restarts})")
-            return
-        if not member.down:
-            member.down = True
-            self._progress(f"{member.name} is down ({_down_reason(status)}); Ray restarts it")
-        if status is not None and status.exit is not None and status.ready is None:
-            raise ChildExited(member.name, f"{member.name} exited before it was ready after a "
-                                           f"restart ({status.exit}); {_quote(status)}")
 
     def _stop_tier(self, members: Sequence[Member]) -> None:
         if not members:
@@ -409,7 +351,7 @@ class RayCluster:
         try:
             return remote.remote(*args)
         except ValueError as exc:  # the name is taken
-            raise ClusterError(f"{name}: {_first_line(exc)} (is another pdserve up --ray "
+            raise ClusterError(f"{name}: {first_line(exc)} (is another pdserve up --ray "
                                f"with --cluster {self.config.layout.cluster} running on this "
                                "Ray?)") from None
 
@@ -435,7 +377,7 @@ class RayCluster:
                     raise ClusterError(f"{name} did not start within "
                                        f"{self.config.layout.start_timeout_s:.0f}s") from None
             except RayActorError as exc:
-                raise ClusterError(f"{name} could not start: {_first_line(exc)}") from None
+                raise ClusterError(f"{name} could not start: {first_line(exc)}") from None
 
 
 def _init_keeping_sigterm(ray: Any, kwargs: dict[str, Any]) -> None:
@@ -468,34 +410,6 @@ def serve(config: RayClusterConfig, *, on_ready: Callable[[Any], int | None] | N
 
 # ------------------------------------------------------------------ text and lookups
 
-def _describe_ready(member: Member) -> str:
-    ready = member.ready or {}
-    address = ready.get("grpc_address") or ready.get("address") or "?"
-    node = member.status.node_ip if member.status is not None else "?"
-    kv = f", KV {ready['kv_address']}" if ready.get("kv_address") else ""
-    return f"{member.name} ready at {address} (node {node}{kv})"
-
-
-def _down_reason(status: ChildStatus | None) -> str:
-    if status is None:
-        return "its actor is unreachable"
-    return status.exit or "restarted"
-
-
-def _quote(status: ChildStatus | None) -> str:
-    if status is None:
-        return "no log yet"
-    tail = status.log_tail or "(log not read)"
-    lines = tail.splitlines()[-30:]
-    return f"the end of its log {status.log_path} on {status.node_ip}:\n" + "\n".join(
-        "    " + line for line in lines)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _bundle_text(bundle: dict[str, float]) -> str:
     return ", ".join(f"{k}={v:g}" for k, v in sorted(bundle.items())
                      if not k.startswith("node:") and k not in ("memory", "object_store_memory"))
@@ -523,10 +437,10 @@ def _gcs_reachable(timeout_s: float = 2.0) -> bool:
     """Whether Ray's GCS still accepts connections (a Ray call would hang otherwise)."""
     import ray
 
-    host, _, port = str(ray.get_runtime_context().gcs_address).rpartition(":")
     try:
+        host, _, port = str(ray.get_runtime_context().gcs_address).rpartition(":")
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 - not connected, no address, refused: all "gone"
         return False
     return True
 
