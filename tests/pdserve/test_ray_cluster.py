@@ -217,11 +217,14 @@ def test_each_tp_group_is_one_strict_pack_placement_group(served: Any, ray_head:
         {0: {"CPU": 1.0, GPU: 2.0}}]
     assert all(len(set(t["bundles_to_node_id"].values())) == 1 for t in table)
     assert ray_head.available_resources().get(GPU, 0.0) == 0.0  # all 4 reserved
-    # the decode worker's two ranks are two processes under its actor
-    decode = served.statuses()["decode-0"]
-    ranks = [p for p in _descendants(decode.child_pid) if b"pdserve" in _cmdline(p)
-             or b"multiprocessing" in _cmdline(p)]
-    assert ranks, "the decode worker's second rank"
+    # each worker's ranks run under its actor: the worker process leads, followers below it
+    statuses = served.statuses()
+    assert [len(_followers(statuses[n].child_pid)) for n in ("prefill-0", "decode-0")] == [0, 1]
+
+
+def _followers(worker_pid: int) -> list[int]:
+    """The rank processes a worker spawned (multiprocessing's spawn)."""
+    return [p for p in _descendants(worker_pid) if b"spawn_main" in _cmdline(p)]
 
 
 def _cmdline(pid: int) -> bytes:
