@@ -230,11 +230,11 @@ class DecodeLoop(EngineLoop):
         if live is None:
             return False
         self.timings.forget(request_id)
+        if live.stream is not None:  # the caller first: releasing calls into the ranks
+            live.stream.fail(code, reason)
         if live.phase is Phase.RESERVED:
             self.kv.abort(request_id)  # every rank stops writing before the blocks go
         self.core.abort_request(request_id)
-        if live.stream is not None:
-            live.stream.fail(code, reason)
         log.info("aborted", extra={"request_id": request_id, "role": "decode"})
         return True
 

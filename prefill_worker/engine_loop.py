@@ -105,11 +105,10 @@ class PrefillLoop(EngineLoop):
 
     def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
         held = self._held.pop(request_id, None)
-        found = self.kv.abort(request_id)
         self.timings.forget(request_id)
-        if held is not None:
+        if held is not None:  # the caller first: releasing calls into the ranks
             held.stream.fail(code, reason)
-        return found or held is not None
+        return self.kv.abort(request_id) or held is not None
 
     def _live_ids(self) -> list[str]:
         return list(self._held)

@@ -248,9 +248,18 @@ class EngineLoop:
                     WorkerError(grpc.StatusCode.UNAVAILABLE, "the engine loop stopped"))
 
     def _close(self) -> None:
+        """Fail every request still held (UNAVAILABLE: the caller may retry elsewhere) and
+        shut the engine down. Each abort on its own: when ranks are dead an abort that
+        calls into them raises, and every later request must still be failed at once."""
+        reason = ("the worker is shutting down" if self.error is None
+                  else f"the engine loop stopped: {self.error!r}")
         try:
             for rid in self._live_ids():
-                self._abort(rid, grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+                try:
+                    self._abort(rid, grpc.StatusCode.UNAVAILABLE, reason)
+                except Exception:
+                    log.warning("abort while closing failed (its caller was failed first)",
+                                exc_info=True, extra={"request_id": rid})
         finally:
             self.core.shutdown()
 
@@ -305,6 +314,8 @@ class EngineLoop:
         raise TypeError(f"unknown command {command!r}")
 
     def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
+        """Stop one request wherever it is: fail its caller's stream first, then release
+        what it holds (which may call into the ranks and raise)."""
         raise NotImplementedError
 
     def _live_ids(self) -> list[str]:

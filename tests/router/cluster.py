@@ -90,7 +90,8 @@ class Cluster:
 def start_cluster(model_dir: Path, tmp: Path, *, num_prefill: int, num_decode: int,
                   decode_tp: int, router_args: tuple[str, ...] = (),
                   decode_kv_blocks: int = NUM_KV_BLOCKS,
-                  decode_args: tuple[str, ...] = ()) -> Cluster:
+                  decode_args: tuple[str, ...] = (),
+                  prefill_args: tuple[str, ...] = ()) -> Cluster:
     redis = RedisServer(start_timeout_s=10.0)
     redis.start()
     cluster = Cluster(model_dir, tmp, redis)
@@ -104,7 +105,7 @@ def start_cluster(model_dir: Path, tmp: Path, *, num_prefill: int, num_decode: i
             env = {PAUSE_ENV: str(cluster.pause_dir(i))}
             if i == 0:
                 env[FAULT_HOOK_ENV] = FIRST_OF_LENGTH_SPEC
-            cluster.start_worker("prefill", i, env=env)
+            cluster.start_worker("prefill", i, *prefill_args, env=env)
         for worker in cluster.workers():
             worker.wait_ready()
         cluster.start_router(*router_args)
