@@ -5,8 +5,9 @@ in-flight and queued-token budgets (``admission``; ``generations`` is the one co
 front ends call), picks a prefill worker by prefix affinity and a decode worker by load
 (``routing``) from the workers registered in Redis (``workers``), drives each request's
 lifecycle (``handoff``) through the workers' internal API (``worker_calls``, the adapter)
-and relays the token stream: ``api`` is the ``pdserve.v1`` gRPC edge, ``http`` the
-OpenAI-compatible HTTP API, ``server`` the process, ``metrics`` its Prometheus series.
+and relays the token stream: ``service`` holds the ``pdserve.v1`` gRPC handlers (``api``
+parses their messages), ``http`` the OpenAI-compatible HTTP API, ``server`` the process,
+``metrics`` its Prometheus series.
 
 May import ``cluster``, the torch-free parts of ``engine``, ``kvtransfer.layout`` and the
 public generated code ``pdserve.v1``; never the workers or the SDK's client modules.
