@@ -35,7 +35,7 @@ from cluster.keepalive import CHANNEL_OPTIONS as KEEPALIVE_CHANNEL_OPTIONS
 from cluster.records import WorkerRecord
 from cluster.registry import Registry
 from cluster.view import WorkerView
-from kvtransfer.layout import KVLayout
+from kvtransfer.layout import PROTOCOL_VERSION, KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class WorkerPool:
     def __init__(self, registry: Registry, model_fingerprint: str, *,
                  keep_missing_s: float = 6.0, suspect_s: float = 5.0,
                  health_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self._view = WorkerView(registry, clock=clock)
+        self._view = WorkerView(registry, clock=clock, model_fingerprint=model_fingerprint)
         self._fingerprint = model_fingerprint
         self._keep_missing_s = keep_missing_s
         self._suspect_s = suspect_s
@@ -144,12 +144,15 @@ class WorkerPool:
                 call.cancel()
 
     def _see(self, record: WorkerRecord, now: float) -> None:
-        if record.layout.model_fingerprint != self._fingerprint:
+        layout = record.layout
+        if (layout.model_fingerprint, layout.protocol_version) != \
+                (self._fingerprint, PROTOCOL_VERSION):
             if record.worker_id not in self._foreign:
                 self._foreign.add(record.worker_id)
-                logger.warning("ignoring worker %s: it serves model fingerprint %s, the router "
-                               "serves %s", record.worker_id, record.layout.model_fingerprint,
-                               self._fingerprint)
+                logger.warning("ignoring worker %s: it serves model fingerprint %s with "
+                               "protocol %d, the router serves %s with protocol %d",
+                               record.worker_id, layout.model_fingerprint,
+                               layout.protocol_version, self._fingerprint, PROTOCOL_VERSION)
             return
         known = self._known.get(record.worker_id)
         if known is None or known.record.grpc_address != record.grpc_address:
@@ -165,6 +168,11 @@ class WorkerPool:
             if known.gone:
                 logger.info("worker %s is back in the registry", record.worker_id)
             known.record, known.last_seen, known.gone = record, now, False
+
+    @property
+    def pinned_layout(self) -> KVLayout | None:
+        """The cluster fingerprint this router pinned and re-asserts (``WorkerView``)."""
+        return self._view.pinned
 
     @property
     def view_age_s(self) -> float:
