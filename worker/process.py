@@ -34,11 +34,14 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from kvtransfer.layout import KVLayout
 from worker import options
-from worker.loop import CALL_TIMEOUT_S, EngineLoop, Info
+from worker.loop import EngineLoop, Info, WorkerError
 from worker.metrics import WorkerMetrics
 from worker.server import Endpoint, Identity, serve_until_signal
 
 log = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 1.0
+"""How long a heartbeat waits for the engine loop's figures before it sends the last ones."""
 
 
 @dataclass(frozen=True)
@@ -131,10 +134,20 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
         raise
     loop.start()
 
+    last: list[WorkerLoad] = []
+
     def load() -> WorkerLoad:
-        info = loop.call(Info(), CALL_TIMEOUT_S)
-        return WorkerLoad(info.kv.free + info.kv.cached, info.kv.total, info.running,
-                          info.waiting)
+        """The heartbeat's figures. While the loop is inside a long step, the last ones:
+        a busy worker must not miss beats and drop out of the registry."""
+        try:
+            info = loop.call(Info(), LOAD_TIMEOUT_S)
+        except WorkerError:
+            if not loop.alive or not last:
+                raise
+            return last[0]
+        last[:] = [WorkerLoad(info.kv.free + info.kv.cached, info.kv.total, info.running,
+                              info.waiting)]
+        return last[0]
 
     endpoint = Endpoint(identity, layout,
                         kind.kv_address(loop),

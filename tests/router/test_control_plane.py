@@ -3,6 +3,7 @@ and the router on loopback (RELIABILITY rows 8, 18, 20, 21, 36; issue 11 defects
 
 - every listening socket of every process (ranks included) is on 127.0.0.1 (row 36);
 - a deadline is observed on the prefill worker itself, not only by the client (row 18);
+- a worker whose engine loop is held stays registered (its heartbeat does not wait on it);
 - after Redis loses its data, a worker of another model that claims the fingerprint
   first cannot hijack the cluster: the router re-asserts the one it pinned (row 8);
 - Redis down for many TTLs: routing goes on; a worker started meanwhile waits and joins
@@ -158,6 +159,26 @@ def test_a_deadline_is_observed_on_the_prefill_worker(cluster: Cluster, client: 
     # 4. the worker dropped it at its deadline by itself
     wait_until(lambda: cluster.info(prefill).num_expired_requests == expired_before + 1,
                30.0, "the prefill worker to count the expired request")
+
+
+def test_a_worker_whose_engine_loop_is_held_stays_registered(
+        cluster: Cluster, client: Client) -> None:
+    # Its heartbeat no longer waits on a busy engine loop for its figures (it sends the
+    # last ones), so a long step does not make its registration lapse (defect 8's cause)
+    pause = PauseDir(cluster.pause_dir(0))
+    pause.arm("prefill.before_step", held=1)
+    with ThreadPoolExecutor(1) as pool, Registry(cluster.redis.url) as registry:
+        future = pool.submit(client.complete, "held for a while " * 3, max_tokens=2,
+                             timeout=TIMEOUT_S)
+        pause.wait_paused("prefill.before_step", TIMEOUT_S)
+        try:
+            deadline = time.monotonic() + 2 * TTL_S
+            while time.monotonic() < deadline:
+                assert "prefill-0" in {r.worker_id for r in registry.list_workers()}
+                time.sleep(0.2)
+        finally:
+            pause.release("prefill.before_step")
+        assert future.result(TIMEOUT_S).finish_reason == "length"
 
 
 # ------------------------------------------------------------------------ row 8 (defect 6)
