@@ -1,5 +1,5 @@
 """The control plane through real processes: Redis, one prefill worker, two decode workers
-and the router on loopback (RELIABILITY rows 8, 18, 20, 21, 36; issue 11 defects 2, 6, 7).
+and the router on loopback (RELIABILITY rows 8, 18, 20, 21, 23, 36; issue 11 defects 2, 6, 7, 8).
 
 - every listening socket of every process (ranks included) is on 127.0.0.1 (row 36);
 - a deadline is observed on the prefill worker itself, not only by the client (row 18);
@@ -9,7 +9,9 @@ and the router on loopback (RELIABILITY rows 8, 18, 20, 21, 36; issue 11 defects
 - Redis down for many TTLs: routing goes on; a worker started meanwhile waits and joins
   once Redis is back (row 20);
 - a decode worker hung (SIGSTOP) during Reserve: the request is retried on the other one;
-  the hung worker leaves routing and comes back after SIGCONT (row 21, defect 2).
+  the hung worker leaves routing and comes back after SIGCONT (row 21, defect 2);
+- the router and a prefill worker drain on SIGTERM: what they hold finishes, new calls
+  are refused (the router's) or go elsewhere (the worker's), both exit 0 (row 23).
 
 Every test ends with the leak check on every live worker (``Cluster.assert_no_leaks``).
 """
@@ -301,3 +303,75 @@ def test_a_decode_worker_hung_during_reserve_is_retried_elsewhere_and_rejoins(
     wait_until(lambda: "worker decode-1 is serving" in
                _router_log(cluster)[log_before:].rpartition("is not serving")[2], 30.0,
                "the router to route to decode-1 again")
+
+
+# ------------------------------------------------------------------------ row 23 (last)
+
+def _prompt_to(worker_id: str, workers: tuple[str, ...], num_tokens: int) -> list[int]:
+    """A prompt whose prefill affinity (all ``workers`` idle) is ``worker_id``."""
+    from engine.kvcache.block_hash import compute_block_hashes
+    from router.routing import affinity_key, rendezvous_order
+
+    for salt in range(300):
+        prompt = [5 + (17 * i + salt) % 600 for i in range(num_tokens)]
+        key = affinity_key(compute_block_hashes(prompt, 16), prompt)
+        if rendezvous_order(key, list(workers))[0] == worker_id:
+            return prompt
+    raise AssertionError("no prompt routes there")
+
+
+def test_router_and_prefill_worker_drain_on_sigterm(cluster: Cluster, client: Client,
+                                                    tmp_path: Path) -> None:
+    from tests.processes import spawn
+    from worker.pause_points import ENV as PAUSE_ENV
+
+    # 1. the router: a stream in flight finishes; new calls are refused; it exits 0
+    router = spawn("router-drain", ["router", "--model", str(cluster.model_dir), "--port", "0",
+                                    "--redis-url", cluster.redis.url, "--grace", "20"],
+                   tmp_path).wait_ready()
+    try:
+        with Client(router.address) as draining:
+            stream = draining.generate("drain the router " * 3, max_tokens=120,
+                                       ignore_eos=True, timeout=TIMEOUT_S)
+            received = list(next(stream).token_ids)
+            router.proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: "stopping:" in router.log_tail(), 30.0, "the router to drain")
+            with pytest.raises(PdserveError) as excinfo:
+                draining.complete("too late for this router", max_tokens=2, timeout=10.0)
+            assert excinfo.value.code == grpc.StatusCode.UNAVAILABLE, excinfo.value
+            finish = None
+            for chunk in stream:
+                received += chunk.token_ids
+                finish = chunk.finish_reason or finish
+            assert (len(received), finish) == (120, "length")
+        assert router.proc.wait(30) == 0, router.log_tail()
+    finally:
+        router.stop()
+    # 2. a prefill worker: the Prefill it holds finishes; new calls go elsewhere; exit 0
+    pause_dir = tmp_path / "pause-drain"
+    pause = PauseDir(pause_dir)
+    worker = cluster.start_worker("prefill", 2, "--grace", "20",
+                                  env={PAUSE_ENV: str(pause_dir)}).wait_ready()
+    router_log = _router_log(cluster)
+    wait_until(lambda: "worker prefill-2 is serving" in _router_log(cluster), 30.0,
+               "the router to route to prefill-2")
+    names = tuple(sorted(p.name for p in cluster.prefill if p.proc.poll() is None))
+    pause.arm("prefill.before_step", held=1)
+    with ThreadPoolExecutor(2) as pool:
+        held = pool.submit(client.complete, prompt_token_ids=_prompt_to("prefill-2", names, 40),
+                           max_tokens=3, ignore_eos=True, timeout=TIMEOUT_S)
+        pause.wait_paused("prefill.before_step", TIMEOUT_S)
+        worker.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: "worker prefill-2 is not serving" in
+                   _router_log(cluster)[len(router_log):], 30.0, "the router to see it drain")
+        with pytest.raises(grpc.RpcError) as refused:  # its server takes no new call
+            cluster.info(worker)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        for i in range(3):  # new requests, even those whose affinity is prefill-2
+            assert client.complete(prompt_token_ids=_prompt_to("prefill-2", names, 40 + i),
+                                   max_tokens=2, timeout=TIMEOUT_S).usage
+        pause.release("prefill.before_step")
+        result = held.result(TIMEOUT_S)
+    assert (len(result.token_ids), result.finish_reason) == (3, "length")
+    assert worker.proc.wait(30) == 0, worker.log_tail()
+    cluster.prefill.remove(worker)
