@@ -138,7 +138,9 @@ def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
     the address registered and written to the ready file is ``--advertise-host``'s.
 
     Order: server up → registration (``--redis-url``; a fingerprint mismatch exits 3
-    naming the field, as do invalid ``--heartbeat-interval``/``--registration-ttl``) →
+    naming the field — at once, or when a later heartbeat keeps finding one, after
+    draining — as do invalid ``--heartbeat-interval``/``--registration-ttl``; Redis down:
+    the heartbeat waits to join) →
     SERVING → ready file → wait. Stop: NOT_SERVING, deregister, refuse new RPCs and give
     in-flight ones ``args.grace`` seconds, cancel the rest (their cancellation aborts
     their requests), then stop the loop (aborts what is left, shuts the engine and its
@@ -171,8 +173,13 @@ async def _serve(args: Any, loop: EngineLoop, endpoint: Endpoint, metrics_addres
     watcher: asyncio.Task[None] | None = None
     try:
         if args.redis_url:
+            aio_loop = asyncio.get_running_loop()
+
+            def refused(_: FingerprintMismatch) -> None:  # at a later beat: stop, exit 3
+                aio_loop.call_soon_threadsafe(stop.set)
+
             heartbeat = await asyncio.to_thread(_register, args, endpoint, grpc_address,
-                                                metrics_address)
+                                                metrics_address, refused)
             if heartbeat is None:
                 return 3
         await health_.set(True)
@@ -192,11 +199,15 @@ async def _serve(args: Any, loop: EngineLoop, endpoint: Endpoint, metrics_addres
         start = time.monotonic()
         await server.stop(args.grace)
         log.info("gRPC server stopped in %.2fs", time.monotonic() - start)
+    if heartbeat is not None and heartbeat.refused is not None:
+        print(f"pdserve {identity.role}: left the cluster: {heartbeat.refused} "
+              f"(differing field: {heartbeat.refused.field})", file=sys.stderr)
+        return 3
     return 0
 
 
-def _register(args: Any, endpoint: Endpoint, grpc_address: str,
-              metrics_address: str) -> Heartbeat | None:
+def _register(args: Any, endpoint: Endpoint, grpc_address: str, metrics_address: str,
+              on_mismatch: Callable[[FingerprintMismatch], None]) -> Heartbeat | None:
     """Start the heartbeat; None (after a message naming the field) on a fingerprint
     mismatch or invalid heartbeat/TTL settings."""
     identity = endpoint.identity
@@ -216,7 +227,7 @@ def _register(args: Any, endpoint: Endpoint, grpc_address: str,
         print(f"pdserve {identity.role}: {exc}", file=sys.stderr)
         return None
     try:
-        return Heartbeat(registry, record, endpoint.load_fn).start()
+        return Heartbeat(registry, record, endpoint.load_fn, on_mismatch=on_mismatch).start()
     except FingerprintMismatch as exc:
         print(f"pdserve {identity.role}: not joining the cluster: {exc} "
               f"(differing field: {exc.field})", file=sys.stderr)
