@@ -33,7 +33,7 @@ from engine.distributed import StoreAddress
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from prefill_worker.kv_leader import PrefillKVLeader, SendOutcome
-from worker import pause_points
+from cluster import pause_points
 from worker.loop import Command, EngineLoop, OutputStream, WorkerError
 from worker.metrics import WorkerMetrics
 

@@ -9,7 +9,7 @@
 - ``worker.rank_calls``: the vocabulary of the leader's calls to its ranks' KV plugins
   (transfer statuses, aborts, per-rank stats);
 - ``worker.options``: the command-line options (standard library only);
-- ``worker.pause_points``: test-only pause points and event records.
+- ``cluster.pause_points``: test-only pause points and event records.
 
 May import: ``cluster``, ``kvtransfer``, ``engine``; never ``prefill_worker``,
 ``decode_worker``, the router or the SDK.

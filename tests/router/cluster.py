@@ -20,7 +20,7 @@ from prefill_worker.server import FAULT_HOOK_ENV
 from tests.processes import Proc, spawn, wait_until
 from tests.worker.kv_faults import FIRST_OF_LENGTH_SPEC
 from tests.worker.procs import assert_idle
-from worker.pause_points import ENV as PAUSE_ENV
+from cluster.pause_points import ENV as PAUSE_ENV
 
 NUM_KV_BLOCKS = 64
 RPC_TIMEOUT_S = 30.0

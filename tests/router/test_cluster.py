@@ -334,7 +334,7 @@ def test_cancel_mid_stream_frees_everything(client: Client) -> None:
 def test_cancel_while_prefilling_frees_everything(cluster: Cluster) -> None:
     # the prefill worker is held (test-only pause point) after computing layer 0 of the
     # request's KV; the client cancels; once released, every worker has freed everything
-    from worker.pause_points import PauseDir
+    from cluster.pause_points import PauseDir
 
     pause = PauseDir(cluster.pause_dir(0))
     prompt = _prompt_routed_to("prefill-0", 50)
@@ -440,7 +440,7 @@ def test_queued_token_budget(cluster: Cluster, tmp_path: Path) -> None:
     # prompt is held mid-prefill (pause point), a 40-token one is refused at once; once
     # the first has its first token, the second is admitted
     from tests.processes import spawn
-    from worker.pause_points import PauseDir
+    from cluster.pause_points import PauseDir
 
     router = spawn("router-queued", ["router", "--model", str(cluster.model_dir), "--port",
                                      "0", "--redis-url", cluster.redis.url,
@@ -533,7 +533,7 @@ def test_prefill_worker_killed_mid_prefill(cluster: Cluster, client: Client, llm
     # a third prefill worker, paused (test-only pause point) once it computed and queued
     # layer 0 of a request's KV, is SIGKILLed there: the router retries the request on
     # another prefill worker and the client gets the right tokens
-    from worker.pause_points import ENV, PauseDir
+    from cluster.pause_points import ENV, PauseDir
 
     assert cluster.router is not None
     router = cluster.router

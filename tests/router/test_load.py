@@ -35,7 +35,7 @@ from tests.factories import REPO_ROOT
 from tests.processes import wait_until
 from tests.router.cluster import Cluster, start_cluster
 from tests.worker.procs import assert_idle
-from worker.pause_points import PauseDir
+from cluster.pause_points import PauseDir
 
 pytestmark = pytest.mark.timeout(300)
 

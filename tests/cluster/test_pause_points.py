@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.factories import run_without_torch
-from worker import pause_points
-from worker.pause_points import PauseDir
+from cluster import pause_points
+from cluster.pause_points import PauseDir
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,7 +25,7 @@ def pause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> PauseDir:
 def test_off_without_the_environment_variable() -> None:
     result = run_without_torch(
         "import os; os.environ.pop('PDSERVE_TEST_PAUSE_DIR', None)\n"
-        "from worker import pause_points as p\n"
+        "from cluster import pause_points as p\n"
         "assert not p.enabled()\n"
         "p.pause('x', a=1); p.record('x', a=1)\n"
         "print('ok')\n")
