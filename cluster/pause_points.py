@@ -37,8 +37,8 @@ id of one attempt). Points, in the order of a request's life (what pauses where)
 - ``decode.layer_received`` (record; transfer_id, layer, rank): layer ``layer`` of the
   transfer is complete and verified in a decode rank's blocks.
 - ``prefill.transfer_done`` (pause, record; attempt_id, transfer_id): every decode rank
-  acknowledged the attempt's KV and trailer; the prefill loop thread is held before it
-  unpins the blocks and answers the Prefill call.
+  acknowledged the attempt's KV and trailer and its blocks were unpinned into the prefix
+  cache; the prefill loop thread is held before it answers the Prefill call.
 - ``decode.admitted`` (pause, record; attempt_id, transfer_id): the attempt's KV arrived
   and its Generate stream is open: it enters the decode batch (the decode loop thread
   is held before its first token is streamed).

@@ -31,11 +31,11 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cluster import pause_points
 from engine.distributed import StoreAddress
 from engine.rank_plugin import RankContext
 from engine.scheduler import ScheduledChunk
 from kvtransfer import KVLayout, KVReceiver, TransferConfig
-from cluster import pause_points
 from worker.rank_calls import (
     JsonConfig,
     KVRankPlugin,

@@ -34,6 +34,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from cluster import pause_points
 from engine.attention.metadata import LayerHook
 from engine.distributed import StoreAddress
 from engine.rank_plugin import RankContext
@@ -42,7 +43,6 @@ from kvtransfer import KVLayout, KVSender, TransferConfig
 from kvtransfer.config import LOOPBACK
 from kvtransfer.protocol import Trailer
 from kvtransfer.states import TransferState
-from cluster import pause_points
 from worker.rank_calls import (
     JsonConfig,
     KVRankPlugin,

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import grpc
 import tokenizers
 
+from cluster.leases import LeaseKeeper, new_router_id
 from router.admission import Admission, Ticket
 from router.config import AdmissionConfig, HandoffConfig
 from router.errors import RouteError
@@ -173,7 +174,8 @@ class Generations:
 
     def __init__(self, pool: WorkerPool, limits: ModelLimits, tokenizer: tokenizers.Tokenizer,
                  *, handoff: HandoffConfig, admission: AdmissionConfig,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, leases: LeaseKeeper | None = None
+                 ) -> None:
         self.pool = pool
         self.limits = limits
         self.config = admission
@@ -184,6 +186,8 @@ class Generations:
         # unique per attempt within this router, random across routers; never 0
         self._transfer_ids: Iterator[int] = itertools.count((secrets.randbits(40) << 16) + 1)
         self._background: set[asyncio.Future[object]] = set()
+        # every attempt's id and lease (no store: ids only, no lease in Redis)
+        self.leases = leases or LeaseKeeper(None, new_router_id(), handoff.lease_ttl_s)
 
     async def start(self, client: ClientRequest, timeout_s: float | None) -> Generation:
         """Validate and admit ``client`` (see module doc); its deadline is ``timeout_s``
@@ -226,11 +230,16 @@ class Generations:
     def handoff(self, request: ValidRequest, ticket: Ticket, deadline: float) -> Handoff:
         return Handoff(self.pool, request, ticket, deadline=deadline, config=self._handoff,
                        transfer_ids=self._transfer_ids, background=self._keep,
-                       metrics=self.metrics)
+                       metrics=self.metrics, leases=self.leases)
 
     @property
     def inflight(self) -> int:
         return self.admission.inflight
+
+    @property
+    def num_pending_aborts(self) -> int:
+        """Worker Aborts sent in the background and not answered yet."""
+        return len(self._background)
 
     def _keep(self, future: asyncio.Future[object]) -> None:
         self._background.add(future)

@@ -40,6 +40,7 @@ SDK_MODULES = ("pdserve", "pdserve.client", "pdserve.aio_client", "pdserve.v1")
 ADAPTERS = {
     "pdserve.client", "pdserve.aio_client",  # the SDK
     "router.api", "router.service", "router.worker_calls",  # the router's two edges
+    "router.debug",  # the router's introspection service
     "worker.servicer", "prefill_worker.server", "decode_worker.server",  # the workers' edge
 }
 GENERATED = ("pdserve.v1.generate_pb2", "pdserve.v1.generate_pb2_grpc",

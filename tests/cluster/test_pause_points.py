@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import run_without_torch
 from cluster import pause_points
 from cluster.pause_points import PauseDir
+from tests.factories import run_without_torch
 
 pytestmark = pytest.mark.timeout(60)
 
