@@ -26,6 +26,10 @@ id of one attempt). Points, in the order of a request's life (what pauses where)
 - ``decode.reserved`` (apause, record; request_id, attempt_id, transfer_id): the decode
   worker reserved the attempt's blocks and armed its receiver; the Reserve reply is not
   sent yet (the decode worker's event loop goes on serving other calls).
+- ``worker.command`` (pause; command, attempt_id): a worker's engine loop picked up a
+  command (``command``: its class name, e.g. "Reserve", "Submit"; ``attempt_id``: the
+  attempt it names, "" if none) and runs it once released: its caller may time out or
+  leave meanwhile (the loop thread is held).
 - ``prefill.before_step`` (pause; held): the prefill engine loop is about to step while
   it holds ``held`` requests; paused there, new requests queue up behind it.
 - ``prefill.started`` (pause, record; attempt_id, transfer_id): the first chunk of the

@@ -31,7 +31,7 @@ def holdings(generations: Generations) -> pb.RouterHoldings:
     live = leases.live()
     return pb.RouterHoldings(
         router_id=leases.router_id, inflight_requests=generations.inflight,
-        request_ids=sorted(generations.admission.live_ids),
+        request_ids=sorted(generations.admission.live_ids.elements()),
         attempt_ids=[lease.attempt_id for lease in live],
         pending_aborts=generations.num_pending_aborts,
         open_channels=generations.pool.num_channels,

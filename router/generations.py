@@ -10,7 +10,8 @@ validation, else ``RouteError``): deadline already passed (DEADLINE_EXCEEDED) �
 budgets, checked against a cheap upper bound of the prompt's tokens before anything is
 tokenized (RESOURCE_EXHAUSTED) → validation and tokenization (INVALID_ARGUMENT) → workers
 known and big enough (UNAVAILABLE / INVALID_ARGUMENT) → admitted (RESOURCE_EXHAUSTED over
-a budget, INVALID_ARGUMENT for a request id in flight) → queued until a decode worker
+a budget; a client request id already in flight is served too: every attempt has its own
+id on the workers) → queued until a decode worker
 takes it (DEADLINE_EXCEEDED if its deadline passes first) → the handoff streams.
 
 Buffering: the handoff's chunks are pumped into a queue of at most ``max_buffered_chunks``

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import grpc
 
+from cluster import pause_points
 from engine.kvcache import KVCacheUsage
 from worker.leases import LeaseBook
 from worker.metrics import RequestTimings, Snapshot, WorkerMetrics
@@ -253,6 +254,9 @@ class EngineLoop:
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"{type(item.command).__name__} not started before its caller's deadline"))
                 continue
+            if pause_points.enabled():
+                pause_points.pause("worker.command", command=type(item.command).__name__,
+                                   attempt_id=str(getattr(item.command, "request_id", "")))
             try:
                 item.future.set_result(self._handle(item.command))
             except Exception as exc:
