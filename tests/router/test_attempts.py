@@ -164,17 +164,17 @@ def test_cancel_and_resubmit_under_one_request_id_through_the_router(idle: Clust
 
 def test_a_prefill_whose_caller_left_while_it_was_submitted_never_computes(
         idle: Cluster) -> None:
+    # (a caller whose deadline passes is covered twice: the queued prefill is dropped at
+    # its deadline too; a caller that cancels — the router after a client cancel — is not)
     c, rid = idle, "left-prefill"
     pause = PauseDir(c.pause_dir(0))
     target = _reserve(c, rid, "t5-p1").target
     started = _info(_p(c)).num_started_requests
-    # 1. the loop picks up the Submit and is held inside it; the caller's deadline passes
+    # 1. the loop picks up the Submit and is held inside it; the caller cancels
     pause.arm("worker.command", command="Submit", attempt_id="t5-p1")
-    call = _p(c).Prefill.future(_prefill_request(rid, "t5-p1", target), timeout=1.0)
+    call = _p(c).Prefill.future(_prefill_request(rid, "t5-p1", target), timeout=RPC_TIMEOUT_S)
     pause.wait_paused("worker.command", 30.0)
-    with pytest.raises(grpc.RpcError) as excinfo:
-        call.result(timeout=RPC_TIMEOUT_S)
-    assert excinfo.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    call.cancel()
     time.sleep(0.5)  # the worker's handler has been cancelled by now
     # 2. released: the Submit completes, and the attempt is aborted before any step
     pause.release("worker.command")
