@@ -70,6 +70,10 @@ class Cluster:
             self.router = router
         return router.wait_ready()
 
+    def wait_serving(self, timeout_s: float = 30.0) -> None:
+        """Until the router sees every worker (health SERVING, then one more refresh)."""
+        wait_until(lambda: _router_sees_all(self), timeout_s, "the router to see every worker")
+
     def pause_dir(self, process: int | str) -> Path:
         """The test-only pause directory of a process: a worker's name ("decode-0"), a
         router's ("router"), or an int for prefill worker ``prefill-<int>``."""
@@ -131,7 +135,7 @@ def start_cluster(model_dir: Path, tmp: Path, *, num_prefill: int, num_decode: i
         for worker in cluster.workers():
             worker.wait_ready()
         cluster.start_router(*router_args)
-        wait_until(lambda: _router_sees_all(cluster), 30.0, "the router to see every worker")
+        cluster.wait_serving()
     except BaseException:
         cluster.close()
         raise
