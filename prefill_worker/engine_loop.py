@@ -148,6 +148,15 @@ class PrefillLoop(EngineLoop):
             pause_points.record("prefill.started", attempt_id=rid, transfer_id=held.transfer_id)
             pause_points.pause("prefill.started", attempt_id=rid, transfer_id=held.transfer_id)
 
+    def _after_step(self) -> None:
+        if pause_points.enabled():
+            requests = self.core.scheduler.requests
+            for rid in self._held:
+                request = requests.get(rid)
+                if request is not None and request.num_computed_tokens:
+                    pause_points.record("prefill.computed", attempt_id=rid,
+                                        num_computed_tokens=request.num_computed_tokens)
+
     def _is_polling(self) -> bool:
         return bool(self.kv.num_sending)
 

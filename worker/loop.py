@@ -223,6 +223,7 @@ class EngineLoop:
                     self._before_step()
                     for out in self.core.step():
                         self._deliver(out)
+                    self._after_step()
                 self.progress_at = time.monotonic()
                 self._refresh_metrics()
         except BaseException as exc:  # the loop is dead: health turns NOT_SERVING
@@ -387,6 +388,9 @@ class EngineLoop:
 
     def _before_step(self) -> None:
         """Runs before each step (e.g. drop requests whose deadline passed)."""
+
+    def _after_step(self) -> None:
+        """Runs after each step, once its outputs were delivered."""
 
 
 def _log_failure(future: Future[Any]) -> None:
