@@ -122,11 +122,16 @@ class Generation:
     async def chunks(self) -> AsyncGenerator[OutputChunk, None]:
         """The request's chunks; raises ``RouteError``. Leaving early (client gone)
         cancels the request on every worker."""
-        handoff = self._owner.handoff(self.request, self.ticket, self.deadline)
-        queue: asyncio.Queue[OutputChunk | _End] = asyncio.Queue()
-        pump = asyncio.get_running_loop().create_task(self._pump(handoff, queue))
         record = _Record(self._owner.metrics, self.received_at)
-        try:
+        pump: asyncio.Task[None] | None = None
+        try:  # from here on, however it ends, the request leaves admission
+            try:
+                handoff = self._owner.handoff(self.request, self.ticket, self.deadline)
+            except RouteError as exc:  # e.g. no worker known any more
+                record.status = exc.code.name
+                raise
+            queue: asyncio.Queue[OutputChunk | _End] = asyncio.Queue()
+            pump = asyncio.get_running_loop().create_task(self._pump(handoff, queue))
             while True:
                 item = await queue.get()
                 if isinstance(item, _End):
@@ -141,10 +146,14 @@ class Generation:
                 record.sent(item)
                 yield item
         finally:
-            pump.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
+            # leave admission before any await: a second cancel of this task (the client
+            # gone, the server stopping) may interrupt the await below
+            if pump is not None:
+                pump.cancel()
             self.ticket.leave()
             record.done(self.ticket)
+            if pump is not None:
+                await asyncio.gather(pump, return_exceptions=True)
 
     async def _pump(self, handoff: Handoff, queue: asyncio.Queue[OutputChunk | _End]) -> None:
         """Move the handoff's chunks into ``queue``; past the bound the client is too slow."""
