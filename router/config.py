@@ -16,6 +16,8 @@ AFFINITY_BLOCKS = 4
 """Leading full blocks that make the prefill affinity key (64 tokens at block size 16)."""
 DEFAULT_EPSILON = 0.25
 """Bounded load: a prefill worker above ``(1 + epsilon) * mean`` load is skipped."""
+DEFAULT_LEASE_TTL_S = 10.0
+MIN_LEASE_TTL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -29,11 +31,16 @@ class HandoffConfig:
     # "never": no prefill worker left is UNAVAILABLE; "fallback": then the decode worker
     # prefills locally; "always": colocated mode (every request prefilled on decode)
     local_prefill: str = "never"
+    # each attempt's lease in Redis (cluster.leases): renewed every third of it; a worker
+    # frees an attempt whose lease has been gone this long
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
 
     def __post_init__(self) -> None:
         if self.local_prefill not in LOCAL_PREFILL_MODES:
             raise ValueError(f"local_prefill must be one of {LOCAL_PREFILL_MODES}, "
                              f"got {self.local_prefill!r}")
+        if not self.lease_ttl_s >= MIN_LEASE_TTL_S:
+            raise ValueError(f"lease_ttl_s must be >= {MIN_LEASE_TTL_S}, got {self.lease_ttl_s}")
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,8 @@ class RouterConfig:
     health_port: int | None = None  # also serve health alone, in plaintext, here (0: any)
     metrics_port: int | None = None  # serve /metrics here (0: any)
     http: HttpConfig | None = None  # None: no HTTP API
+    # serve the internal introspection service (RouterDebug) here (0: any); None: off
+    debug_port: int | None = None
 
     @property
     def address(self) -> str:

@@ -31,12 +31,12 @@ import grpc
 import pytest
 import redis
 
+from cluster.pause_points import PauseDir
 from cluster.records import WorkerRecord, layout_to_json
 from cluster.registry import Registry, RegistryError
 from pdserve.client import Client, PdserveError
 from tests.processes import Proc, children, wait_until
 from tests.router.cluster import Cluster, start_cluster
-from worker.pause_points import PauseDir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -322,8 +322,8 @@ def _prompt_to(worker_id: str, workers: tuple[str, ...], num_tokens: int) -> lis
 
 def test_router_and_prefill_worker_drain_on_sigterm(cluster: Cluster, client: Client,
                                                     tmp_path: Path) -> None:
+    from cluster.pause_points import ENV as PAUSE_ENV
     from tests.processes import spawn
-    from worker.pause_points import ENV as PAUSE_ENV
 
     # 1. the router: a stream in flight finishes; new calls are refused; it exits 0
     router = spawn("router-drain", ["router", "--model", str(cluster.model_dir), "--port", "0",

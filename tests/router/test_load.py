@@ -29,13 +29,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.internal.v1 import worker_pb2 as wpb
 from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
+from cluster.pause_points import PauseDir
 from pdserve import AsyncClient, Client, PdserveError
 from pdserve.local_cluster import LocalCluster, LocalClusterConfig
 from tests.factories import REPO_ROOT
 from tests.processes import wait_until
 from tests.router.cluster import Cluster, start_cluster
 from tests.worker.procs import assert_idle
-from worker.pause_points import PauseDir
 
 pytestmark = pytest.mark.timeout(300)
 

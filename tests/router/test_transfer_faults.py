@@ -25,13 +25,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cluster.pause_points import ENV as PAUSE_ENV
+from cluster.pause_points import PauseDir
 from engine.kvcache.block_hash import compute_block_hashes
 from pdserve.client import Client, PdserveError
 from router.routing import affinity_key, rendezvous_order
 from tests.processes import wait_until
 from tests.router.cluster import Cluster, start_cluster
-from worker.pause_points import ENV as PAUSE_ENV
-from worker.pause_points import PauseDir
 
 pytestmark = pytest.mark.timeout(300)
 
