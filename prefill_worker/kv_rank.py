@@ -151,7 +151,8 @@ class PrefillKVRank(KVRankPlugin):
     def stats(self) -> RankStats:
         return RankStats(self.sender.num_pending + len(self._failed),
                          self.sender.num_open_channels, self.sender.config.max_channels,
-                         self.sender.stats.bytes_sent)
+                         self.sender.stats.bytes_sent,
+                         unexpected_acks=self.sender.stats.unexpected_acks)
 
     def _finish(self, transfer_id: int, trailer: Trailer) -> None:
         if self.ctx.rank != 0 or transfer_id in self._failed:

@@ -95,6 +95,7 @@ class LoopInfo:
     queued_commands: int = 0  # commands not yet picked up
     num_lease_aborts: int = 0  # attempts freed because their lease was gone
     num_expired_commands: int = 0  # commands dropped unrun: their caller's deadline passed
+    num_unexpected_acks: int = 0  # KV acknowledgements counted and ignored (prefill ranks)
 
 
 class KVLeader(Protocol):
@@ -308,7 +309,8 @@ class EngineLoop:
             kv_usage=(kv.in_use + kv.pinned) / kv.total if kv.total else 0.0,
             pinned_blocks=kv.pinned, open_channels=self._totals.open_channels,
             bytes_moved=self._totals.bytes_moved,
-            checksum_failures=self._totals.checksum_failures)
+            checksum_failures=self._totals.checksum_failures,
+            unexpected_acks=self._totals.unexpected_acks)
         preemptions = sched.stats.num_preemptions
         if preemptions > self._preemptions_seen:
             self.metrics.label(self.metrics.preemptions).inc(preemptions - self._preemptions_seen)
@@ -359,7 +361,8 @@ class EngineLoop:
             num_failed_transfers=self.kv_leader.num_failed,
             attempt_ids=tuple(self._live_ids()), watched_leases=len(self.leases),
             queued_commands=self._commands.qsize(), num_lease_aborts=self.leases.num_aborted,
-            num_expired_commands=self.num_expired_commands)
+            num_expired_commands=self.num_expired_commands,
+            num_unexpected_acks=totals.unexpected_acks)
 
     # --- what each kind implements --------------------------------------------------
     def _handle_own(self, command: Command[Any]) -> Any:

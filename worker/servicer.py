@@ -111,4 +111,5 @@ def info_to_proto(identity: Identity, info: LoopInfo) -> pb.WorkerInfo:
         num_started_requests=info.num_started, num_failed_transfers=info.num_failed_transfers,
         attempt_ids=info.attempt_ids, watched_leases=info.watched_leases,
         queued_commands=info.queued_commands, num_lease_aborts=info.num_lease_aborts,
-        num_expired_commands=info.num_expired_commands)
+        num_expired_commands=info.num_expired_commands,
+        num_unexpected_acks=info.num_unexpected_acks)

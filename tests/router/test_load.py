@@ -346,6 +346,7 @@ WORKER_METRICS = (
     "vllm:e2e_request_latency_seconds_count", "vllm:request_success_total",
     "pdserve:kv_transfers_total", "pdserve:kv_transfer_bytes_total",
     "pdserve:kv_transfer_seconds_count", "pdserve:kv_checksum_failures_total",
+    "pdserve:kv_unexpected_acks_total",
     "pdserve:kv_pinned_blocks", "pdserve:kv_open_channels", "pdserve:worker_info")
 
 

@@ -181,7 +181,7 @@ class KVCacheUsage(_message.Message):
     def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., in_use_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "tensor_parallel_size", "model_fingerprint", "kv", "pending_transfers", "open_kv_channels", "running_requests", "waiting_requests", "num_preemptions", "num_expired_requests", "num_started_requests", "num_failed_transfers", "attempt_ids", "watched_leases", "queued_commands", "num_lease_aborts", "num_expired_commands")
+    __slots__ = ("worker_id", "role", "tensor_parallel_size", "model_fingerprint", "kv", "pending_transfers", "open_kv_channels", "running_requests", "waiting_requests", "num_preemptions", "num_expired_requests", "num_started_requests", "num_failed_transfers", "attempt_ids", "watched_leases", "queued_commands", "num_lease_aborts", "num_expired_commands", "num_unexpected_acks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,7 @@ class WorkerInfo(_message.Message):
     QUEUED_COMMANDS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASE_ABORTS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPIRED_COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNEXPECTED_ACKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     tensor_parallel_size: int
@@ -218,7 +219,8 @@ class WorkerInfo(_message.Message):
     queued_commands: int
     num_lease_aborts: int
     num_expired_commands: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv: _Optional[_Union[KVCacheUsage, _Mapping]] = ..., pending_transfers: _Optional[int] = ..., open_kv_channels: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_expired_requests: _Optional[int] = ..., num_started_requests: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., attempt_ids: _Optional[_Iterable[str]] = ..., watched_leases: _Optional[int] = ..., queued_commands: _Optional[int] = ..., num_lease_aborts: _Optional[int] = ..., num_expired_commands: _Optional[int] = ...) -> None: ...
+    num_unexpected_acks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv: _Optional[_Union[KVCacheUsage, _Mapping]] = ..., pending_transfers: _Optional[int] = ..., open_kv_channels: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_expired_requests: _Optional[int] = ..., num_started_requests: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., attempt_ids: _Optional[_Iterable[str]] = ..., watched_leases: _Optional[int] = ..., queued_commands: _Optional[int] = ..., num_lease_aborts: _Optional[int] = ..., num_expired_commands: _Optional[int] = ..., num_unexpected_acks: _Optional[int] = ...) -> None: ...
 
 class RouterHoldings(_message.Message):
     __slots__ = ("router_id", "inflight_requests", "request_ids", "attempt_ids", "pending_aborts", "open_channels", "lease_keys", "unwritten_leases")
