@@ -256,17 +256,23 @@ class Handoff:
             lease = self._leases.open(self._req.request_id)  # a new attempt per Reserve
             self._leases.hold(lease, decode_id)
             try:
-                with self._pool.busy(decode_id):  # counted by concurrent choices already
-                    reply = await self._calls.reserve(
-                        decode_id, lease, transfer_id,
-                        self._timeout(self._config.reserve_timeout_s), wait_s=self._timeout())
+                call = self._calls.start_reserve(
+                    decode_id, lease, transfer_id,
+                    self._timeout(self._config.reserve_timeout_s), wait_s=self._timeout())
+                # counted by concurrent choices already; cancelled if the worker is hung
+                with self._pool.busy(decode_id), self._pool.watched(decode_id, call):
+                    reply = WorkerCalls.reserved(await call)
+                self._pool.heard_from(decode_id)
             except KeyError:  # left the registry meanwhile
                 self._leases.close(lease)
                 continue
             except asyncio.CancelledError:
                 self._abort_later(decode_id, "decode", lease)  # it may hold a reservation
                 self._leases.close(lease)
-                raise
+                _reraise_if_we_are_cancelled()
+                self._excluded.add(decode_id)  # the pool took the call back: it is hung
+                refusals.append(f"{decode_id}: stopped answering health checks")
+                continue
             except grpc.aio.AioRpcError as exc:
                 failure = self._failure(exc)
                 if failure.kind is Failure.ALREADY_EXISTS:  # not ours to abort

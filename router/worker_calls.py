@@ -121,16 +121,20 @@ class WorkerCalls:
     def _lease(self, lease: Lease) -> pb.Lease:
         return pb.Lease(key=lease.key, ttl_ms=self._lease_ttl_ms if lease.key else 0)
 
-    async def reserve(self, decode_id: str, lease: Lease, transfer_id: int, timeout_s: float,
-                      wait_s: float) -> Reservation:
-        """Reserve for the attempt on ``decode_id`` (``KeyError`` if it left the registry;
-        ``AioRpcError`` if the call failed); its transfer may wait ``wait_s`` to start."""
+    def start_reserve(self, decode_id: str, lease: Lease, transfer_id: int, timeout_s: float,
+                      wait_s: float) -> grpc.aio.UnaryUnaryCall:
+        """The Reserve call for the attempt on ``decode_id`` (``KeyError`` if it left the
+        registry; awaiting it raises ``AioRpcError`` if it failed); its transfer may wait
+        ``wait_s`` to start. ``reserved`` reads the reply."""
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
-        reply = await stub.Reserve(pb.ReserveRequest(
+        return stub.Reserve(pb.ReserveRequest(
             request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
             sampling=self._sampling, transfer_id=transfer_id,
             wait_ms=max(1, int(wait_s * 1000)), attempt_id=lease.attempt_id,
             lease=self._lease(lease)), timeout=timeout_s)
+
+    @staticmethod
+    def reserved(reply: pb.ReserveResponse) -> Reservation:
         if not reply.accepted:
             return Reservation(False, reason=reply.reason)
         t = reply.target

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.internal.v1 import worker_pb2 as wpb
 from pdserve.client import Client, PdserveError
-from tests.processes import Proc, children, wait_until
+from tests.processes import Proc, children, listening, wait_until
 from tests.router.cluster import Cluster, start_cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -51,6 +51,14 @@ def _is_rank(pid: int) -> bool:
     except OSError:
         return False
     return b"spawn_main" in cmdline or b"engine.rank_main" in cmdline
+
+
+def _assert_binds_loopback_only(proc: Proc, follower: int) -> None:
+    """Row 36 for a TP group: the leader and its follower rank (the TP group's gloo
+    sockets, the KV rendezvous) listen on 127.0.0.1 only."""
+    seen = {pid: listening(pid) for pid in (proc.proc.pid, follower)}
+    assert all(seen.values()), seen  # both listen on something
+    assert all(a.startswith("127.0.0.1:") for addresses in seen.values() for a in addresses), seen
 
 
 def _follower_rank(proc: Proc) -> int:
@@ -89,6 +97,7 @@ def _waiting_generate(cluster: Cluster, results: dict[str, object]) -> threading
 def test_a_dead_decode_rank_fails_every_request_it_held(cluster: Cluster) -> None:
     decode = cluster.decode[0]
     follower = _follower_rank(decode)
+    _assert_binds_loopback_only(decode, follower)
     results: dict[str, object] = {}
     with Client(cluster.address) as client:
         stream = client.generate("rank death " * 4, max_tokens=900, ignore_eos=True,
@@ -159,6 +168,7 @@ def test_a_dead_prefill_rank_fails_every_prefill_it_held(tp2_prefill: Cluster) -
             outcomes.append((exc.code(), time.monotonic() - start))  # type: ignore[attr-defined]
 
     follower = _follower_rank(prefill)
+    _assert_binds_loopback_only(prefill, follower)
     threads = [threading.Thread(target=prefill_call, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
