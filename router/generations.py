@@ -198,12 +198,17 @@ class Generations:
         self._background: set[asyncio.Future[object]] = set()
         # every attempt's id and lease (no store: ids only, no lease in Redis)
         self.leases = leases or LeaseKeeper(None, new_router_id(), handoff.lease_ttl_s)
+        self.draining = False  # set by the server's stop: new requests get UNAVAILABLE
 
     async def start(self, client: ClientRequest, timeout_s: float | None) -> Generation:
         """Validate and admit ``client`` (see module doc); its deadline is ``timeout_s``
         from now (None: the router's default)."""
         received_at = time.monotonic()
         try:
+            if self.draining:
+                raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                                 "the router is shutting down; retry on another router",
+                                 "draining")
             if timeout_s is not None and timeout_s <= 0:
                 raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                  "the deadline passed before the request was admitted", "deadline")
@@ -254,6 +259,13 @@ class Generations:
     def _keep(self, future: asyncio.Future[object]) -> None:
         self._background.add(future)
         future.add_done_callback(self._background.discard)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` until no request is in flight; whether none is."""
+        deadline = time.monotonic() + timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.inflight
 
     async def drain_background(self, timeout_s: float = 5.0) -> None:
         """Waits (bounded) for the pending worker aborts."""

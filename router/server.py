@@ -24,6 +24,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -203,14 +204,20 @@ class Router:
                 logger.exception("refreshing the worker view failed")
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Stops accepting, lets streams finish for ``grace_s``, releases everything."""
+        """Stops accepting (health NOT_SERVING; a new request gets UNAVAILABLE, on both
+        APIs, while the ports stay open), lets streams finish for ``grace_s``, then closes
+        the servers (cancelling what is left) and releases everything."""
         if self._refresher is not None:
             self._refresher.cancel()
         self.serving = False
+        self.generations.draining = True
         if self._server is not None:
+            grace = self.config.grace_s if grace_s is None else grace_s
+            started = time.monotonic()
             await self._health.enter_graceful_shutdown()
+            await self.generations.wait_idle(grace)
             await asyncio.gather(
-                self._server.stop(self.config.grace_s if grace_s is None else grace_s),
+                self._server.stop(max(0.0, grace - (time.monotonic() - started))),
                 *([self.http.stop()] if self.http is not None else []))
         if self._health_server is not None:
             await self._health_server.stop(None)

@@ -156,10 +156,12 @@ class WorkerPool:
             return
         known = self._known.get(record.worker_id)
         if known is None or known.record.grpc_address != record.grpc_address:
-            if known is not None:
+            if known is not None:  # a new process under the old id: nothing of the old holds
                 task = asyncio.get_running_loop().create_task(known.channel.close())
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
+                self._suspect_until.pop(record.worker_id, None)
+                self._heard_from.pop(record.worker_id, None)
             channel = grpc.aio.insecure_channel(record.grpc_address, options=CHANNEL_OPTIONS)
             logger.info("worker %s (%s, TP %d) at %s", record.worker_id, record.role,
                         record.tensor_parallel_size, record.grpc_address)

@@ -43,9 +43,17 @@ def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         c.close()
 
 
+_channels: list[grpc.Channel] = []  # closed after each test (never from a call's callback:
+# a channel closed on its own callback thread deadlocks)
+
+
 @pytest.fixture
 def idle(cluster: Cluster) -> Iterator[Cluster]:
-    yield cluster
+    try:
+        yield cluster
+    finally:
+        while _channels:
+            _channels.pop().close()
     cluster.assert_no_leaks()
 
 
@@ -60,7 +68,7 @@ def _start(c: Cluster, rid: str, prompt: list[int], max_tokens: int) -> grpc.Fut
     call = gpb_grpc.GenerationStub(channel).Generate(gpb.GenerateRequest(
         request_id=rid, token_ids=gpb.TokenIds(ids=prompt), sampling=gpb.SamplingParams(
             max_tokens=max_tokens, temperature=0, ignore_eos=True)), timeout=TIMEOUT_S)
-    call.add_done_callback(lambda _: channel.close())
+    _channels.append(channel)
     return call
 
 

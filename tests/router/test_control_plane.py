@@ -310,6 +310,7 @@ def test_router_and_prefill_worker_drain_on_sigterm(cluster: Cluster, client: Cl
             with pytest.raises(PdserveError) as excinfo:
                 draining.complete("too late for this router", max_tokens=2, timeout=10.0)
             assert excinfo.value.code == grpc.StatusCode.UNAVAILABLE, excinfo.value
+            assert "shutting down" in excinfo.value.details, excinfo.value
             finish = None
             for chunk in stream:
                 received += chunk.token_ids

@@ -19,8 +19,9 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -161,7 +162,7 @@ def test_prefill_workers_killed_mid_prefill_retry_then_unavailable(
         future = pool.submit(_greedy, client, _prompt_to("prefill-0", 40, salt=3), "doomed")
         killed: set[int] = set()
         for _ in range(2):
-            index = _wait_any_paused(pauses, killed)
+            index = _wait_any_paused(pauses, killed, future, cluster)
             cluster.prefill[index].stop(sig=signal.SIGKILL)
             killed.add(index)
         with pytest.raises(PdserveError) as excinfo:
@@ -184,8 +185,10 @@ def test_prefill_workers_killed_mid_prefill_retry_then_unavailable(
                            for i in range(2)), TIMEOUT_S, "both prefill workers routable")
 
 
-def _wait_any_paused(pauses: list[PauseDir], skip: set[int]) -> int:
-    """The index of a prefill worker (not in ``skip``) paused at ``prefill.layer_sent``."""
+def _wait_any_paused(pauses: list[PauseDir], skip: set[int], request: Future[Any],
+                     cluster: Cluster) -> int:
+    """The index of a prefill worker (not in ``skip``) paused at ``prefill.layer_sent``
+    while ``request`` runs (if it ends first, the test fails with how it ended)."""
     found: list[int] = []
 
     def any_paused() -> bool:
@@ -193,9 +196,15 @@ def _wait_any_paused(pauses: list[PauseDir], skip: set[int]) -> int:
             if i not in skip and (pause.path / "prefill.layer_sent.paused").exists():
                 found.append(i)
                 return True
+        if request.done():
+            raise AssertionError(f"the request ended before it paused: {request.exception()!r}"
+                                 f"\n{_router_log(cluster)[-4000:]}")
         return False
 
-    wait_until(any_paused, TIMEOUT_S, "a prefill worker paused mid-prefill")
+    try:
+        wait_until(any_paused, TIMEOUT_S, "a prefill worker paused mid-prefill")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_router_log(cluster)[-4000:]}") from None
     return found[0]
 
 
@@ -209,7 +218,7 @@ def test_the_decode_worker_killed_before_receiving_the_prefill_worker_unpins(
         pause.arm("prefill.layer_sent", layer=0)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(_greedy, client, _prompt_to("prefill-0", 60, salt=4), "orphan")
-        index = _wait_any_paused(pauses, set())
+        index = _wait_any_paused(pauses, set(), future, cluster)
         pauses[1 - index].disarm("prefill.layer_sent")
         sender, pause = cluster.prefill[index], pauses[index]
         # 1. the request's KV is being computed on the prefill worker (its blocks held); its

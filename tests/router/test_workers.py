@@ -573,6 +573,24 @@ def test_a_failed_worker_is_skipped_for_suspect_s(
     assert "decode-0" in messages[0] and "UNAVAILABLE connection reset" in messages[0]
 
 
+def test_a_worker_restarted_at_a_new_address_is_no_longer_suspect(registry: Registry) -> None:
+    async def body() -> None:
+        async with fake_worker() as old, fake_worker() as new:
+            registry.register(make_record("prefill-0", "prefill", old.address))
+            pool = new_pool(registry, FakeClock())
+            try:
+                await pool.refresh()
+                pool.mark_failed("prefill-0", "UNAVAILABLE Socket closed")  # it died
+                assert pool.routable("prefill") == []
+                registry.register(make_record("prefill-0", "prefill", new.address))
+                await pool.refresh()  # its successor registered: routable at once
+                assert [r.grpc_address for r in pool.routable("prefill")] == [new.address]
+            finally:
+                await pool.close()
+
+    run(body())
+
+
 def test_busy_counts_nested_and_failing_requests(registry: Registry) -> None:
     pool = new_pool(registry, FakeClock())  # no worker needed: counting only
     assert pool.inflight("decode-0") == 0 and pool.total_inflight == 0
