@@ -8,7 +8,9 @@ opens that many streams at once (``pdserve.AsyncClient``, one channel) and count
 requests that completed with all their tokens. While the level the issue names (300)
 runs, both workers' ``grpc.health.v1`` is polled at 10 Hz and the router's queue-time
 histogram is read. Then a burst of 10× ``--max-inflight`` against a router limited to
-16 measures how fast the excess is refused. Prints a table and the machine facts;
+16 measures how fast the excess is refused (all sent at once, so the last answer waits
+for the router to get through the burst), and single requests sent one at a time while
+the accepted ones still stream measure one refusal on its own. Prints a table and the machine facts;
 ``--json`` writes them.
 """
 
@@ -122,18 +124,29 @@ def minus(after: list[tuple[float, float]], before: list[tuple[float, float]]
     return [(bound, count - earlier.get(bound, 0.0)) for bound, count in after]
 
 
-async def burst(address: str, n: int) -> list[tuple[str, float]]:
-    async def one(client: AsyncClient, i: int) -> tuple[str, float]:
+PROBES = 100  # single refused requests sent one after another while the router is full
+
+
+async def burst(address: str, n: int) -> tuple[list[tuple[str, float]], list[float]]:
+    """``n`` requests at once (the excess is refused), then, while the accepted ones still
+    stream, ``PROBES`` requests one at a time: (each burst request's outcome and seconds,
+    each refused probe's seconds)."""
+    async def one(client: AsyncClient, i: int, max_tokens: int) -> tuple[str, float]:
         start = time.monotonic()
         try:
-            await client.complete(f"{PROMPT} {i}", max_tokens=32, ignore_eos=True,
+            await client.complete(f"{PROMPT} {i}", max_tokens=max_tokens, ignore_eos=True,
                                   timeout=300.0)
             return "ok", time.monotonic() - start
         except PdserveError as exc:
             return exc.code.name, time.monotonic() - start
 
     async with AsyncClient(address) as client:
-        return await asyncio.gather(*(one(client, i) for i in range(n)))
+        await client.complete(PROMPT, max_tokens=1, timeout=60.0)  # the channel is up first
+        tasks = [asyncio.ensure_future(one(client, i, 256)) for i in range(n)]
+        while sum(t.done() for t in tasks) < n * 9 // 10:  # the excess was answered
+            await asyncio.sleep(0.01)
+        probes = [await one(client, n + i, 1) for i in range(PROBES)]
+        return await asyncio.gather(*tasks), [s for o, s in probes if o == "RESOURCE_EXHAUSTED"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": machine_info(), "max_tokens": args.max_tokens,
                               "levels": []}
     print("starting pdserve up (tiny model, 1 prefill + 1 decode worker) ...", flush=True)
-    config = LocalClusterConfig(port=0, http_port=None, max_inflight=max(levels) + 64,
+    config = LocalClusterConfig(port=0, http_port=0, max_inflight=max(levels) + 64,
                                 router_args=("--metrics-port", "0"))
     with LocalCluster(config, progress=lambda line: None) as cluster:
         assert cluster.router is not None and cluster.router.ready is not None
@@ -172,17 +185,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["max_concurrency_without_failures"] = max(held) if held else 0
     print(f"burst: {10 * args.burst_limit} requests at --max-inflight {args.burst_limit} ...",
           flush=True)
-    with LocalCluster(LocalClusterConfig(port=0, http_port=None,
-                                         max_inflight=args.burst_limit),
+    with LocalCluster(LocalClusterConfig(port=0, http_port=0, max_inflight=args.burst_limit),
                       progress=lambda line: None) as cluster:
-        outcomes = asyncio.run(burst(cluster.router_address, 10 * args.burst_limit))
+        outcomes, probes = asyncio.run(burst(cluster.router_address, 10 * args.burst_limit))
     refused = [s for o, s in outcomes if o == "RESOURCE_EXHAUSTED"]
     report["burst"] = {
         "requests": len(outcomes), "completed": sum(o == "ok" for o, _ in outcomes),
         "refused": len(refused), "other": sorted({o for o, _ in outcomes} - {"ok",
                                                                                "RESOURCE_EXHAUSTED"}),
         "rejection_p50_ms": 1000 * percentile(refused, 50) if refused else math.nan,
-        "rejection_p99_ms": 1000 * percentile(refused, 99) if refused else math.nan}
+        "rejection_p99_ms": 1000 * percentile(refused, 99) if refused else math.nan,
+        "probes_refused": len(probes),
+        "probe_rejection_p50_ms": 1000 * percentile(probes, 50) if probes else math.nan,
+        "probe_rejection_p99_ms": 1000 * percentile(probes, 99) if probes else math.nan}
     rows = [[r["concurrency"], r["completed"], r["failed"], f"{r['seconds']:.1f}",
              f"{r['output_tokens_per_s']:.0f}", f"{r['queue_wait_p50_ms']:.1f}",
              f"{r['queue_wait_p99_ms']:.1f}", f"{r['health_p99_ms']:.1f}",
@@ -194,7 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"highest concurrency with zero failures: {report['max_concurrency_without_failures']}")
     print(f"burst: {b['completed']} completed, {b['refused']} refused "
           f"(RESOURCE_EXHAUSTED p50 {b['rejection_p50_ms']:.1f} ms, p99 "
-          f"{b['rejection_p99_ms']:.1f} ms), other outcomes: {b['other'] or 'none'}")
+          f"{b['rejection_p99_ms']:.1f} ms, all {b['refused']} sent at once), other outcomes: "
+          f"{b['other'] or 'none'}")
+    print(f"one request at a time while full: {b['probes_refused']} of {PROBES} refused "
+          f"(RESOURCE_EXHAUSTED p50 {b['probe_rejection_p50_ms']:.1f} ms, "
+          f"p99 {b['probe_rejection_p99_ms']:.1f} ms)")
     print(f"machine: {report['machine']}")
     if args.json:
         write_json(args.json, report)

@@ -15,10 +15,11 @@ from typing import Any, get_type_hints
 
 from kvtransfer.layout import KVLayout
 
-RECORD_VERSION = 2
+RECORD_VERSION = 3
 """Version of the worker-record and fingerprint JSON written. Readers also take version 1
-(records without ``metrics_address``) and refuse any other."""
-READABLE_VERSIONS = (1, 2)
+(records without ``metrics_address``) and 2 (layouts without ``protocol_version``: read as
+protocol 0, so they differ from any current layout in that field) and refuse any other."""
+READABLE_VERSIONS = (1, 2, 3)
 ROLES = ("prefill", "decode")
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -98,11 +99,12 @@ class WorkerRecord:
         """Strict decoding: ``RecordFormatError`` on another version, a missing or unknown
         key, a wrongly typed value or a value the constructor rejects."""
         data = _load_versioned(text, "worker record")
-        if data.pop("_version") == 1:
+        version = data.pop("_version")
+        if version == 1:
             data.setdefault("metrics_address", "")
         values = _typed_fields(cls, data, "worker record", skip=("layout",))
         try:
-            return cls(layout=layout_from_dict(data["layout"]), **values)
+            return cls(layout=layout_from_dict(data["layout"], version), **values)
         except (TypeError, ValueError) as exc:
             raise RecordFormatError(f"invalid worker record: {exc}") from None
 
@@ -114,15 +116,18 @@ def layout_to_json(layout: KVLayout) -> str:
 
 def layout_from_json(text: str | bytes) -> KVLayout:
     data = _load_versioned(text, "fingerprint")
-    data.pop("_version")
+    version = data.pop("_version")
     if set(data) != {"layout"}:
         raise RecordFormatError(f"fingerprint keys must be version and layout, got {sorted(data)}")
-    return layout_from_dict(data["layout"])
+    return layout_from_dict(data["layout"], version)
 
 
-def layout_from_dict(data: object) -> KVLayout:
+def layout_from_dict(data: object, version: int = RECORD_VERSION) -> KVLayout:
+    """A layout as a record of ``version`` holds it (before 3: no protocol version)."""
     if not isinstance(data, dict):
         raise RecordFormatError(f"layout must be a JSON object, got {type(data).__name__}")
+    if version < 3 and "protocol_version" not in data:
+        data = {**data, "protocol_version": 0}
     try:
         return KVLayout(**_typed_fields(KVLayout, data, "layout"))
     except ValueError as exc:

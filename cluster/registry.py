@@ -13,7 +13,10 @@ Key schema — built only by ``Keys``; everything lives under ``pdserve:{cluster
                         beat and is deleted by the worker on graceful stop.
     fingerprint         The cluster's ``KVLayout`` JSON, no TTL. ``SET NX`` by every
                         registration (so the first worker sets it and a restarted Redis gets
-                        it back within one beat); nobody deletes it.
+                        it back within one beat); re-asserted (overwritten) by the router on
+                        every refresh once it pinned the layout of its own model
+                        (``assert_fingerprint``), so a worker of another model that claims
+                        it first after Redis lost its data does not keep it; nobody deletes it.
 
 Redis down: ``Registry`` methods raise ``RegistryUnavailable`` after at most a few socket
 timeouts (no retries inside); ``Heartbeat`` logs and retries on its next beat; ``WorkerView``
@@ -167,6 +170,23 @@ class Registry:
         diff = layout.diff(self._decode_fingerprint(raw))
         if diff is not None:
             raise FingerprintMismatch(self.keys.cluster, diff)
+
+    def assert_fingerprint(self, layout: KVLayout) -> str | None:
+        """Make ``layout`` the cluster fingerprint, overwriting whatever is there (one
+        atomic ``SET … GET``). Only the router calls this, with the layout it pinned.
+
+        Returns ``None`` when the key already held ``layout``, else what was replaced:
+        ``"missing"``, ``"malformed"`` or the first differing field (``"field: ours !=
+        theirs"``, as ``KVLayout.diff`` names it).
+        """
+        with self._errors("re-asserting the cluster fingerprint"):
+            raw = self._client.set(self.keys.fingerprint, layout_to_json(layout), get=True)
+        if raw is None:
+            return "missing"
+        try:
+            return layout.diff(layout_from_json(raw))  # type: ignore[arg-type]
+        except RecordFormatError:
+            return "malformed"
 
     def register(self, record: WorkerRecord) -> None:
         """Claim the fingerprint, then ``SET worker-key record PX ttl`` (refreshes the TTL).

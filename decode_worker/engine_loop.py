@@ -42,6 +42,7 @@ from pathlib import Path
 
 import grpc
 
+from cluster import pause_points
 from decode_worker.kv_leader import Arrival, DecodeKVLeader, KVTarget
 from engine.core import EngineCore, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -64,6 +65,7 @@ class Reserve(Command[KVTarget | str]):
     params: SamplingParams
     transfer_id: int
     wait_s: float | None = None
+    client_request_id: str = ""  # for logs
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class Local(Command[None]):
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     stream: OutputStream[RequestOutput]
+    client_request_id: str = ""  # for logs
 
 
 class Phase(enum.Enum):
@@ -105,6 +108,8 @@ class _Live:
     claimed: Open | None = None  # the router's copies, from Open
     trailer: Trailer | None = None  # arrived with the KV
     local: bool = False  # prefilled here (colocated)
+    transfer_id: int = 0  # 0 when prefilled here
+    num_streamed: int = 0  # tokens put on its stream
 
     def mismatch(self) -> str | None:
         """Why the router's copies disagree with the trailer (None: they agree or are
@@ -173,7 +178,9 @@ class DecodeLoop(EngineLoop):
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self._failed.pop(rid, None)
-        self._live[rid] = _Live(Phase.RESERVED, cmd.params.max_tokens)
+        self.named(rid, cmd.client_request_id)
+        self._live[rid] = _Live(Phase.RESERVED, cmd.params.max_tokens,
+                                transfer_id=cmd.transfer_id)
         self.timings.received(rid)
         return target
 
@@ -220,6 +227,7 @@ class DecodeLoop(EngineLoop):
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self._failed.pop(cmd.request_id, None)
+        self.named(cmd.request_id, cmd.client_request_id)
         self._live[cmd.request_id] = _Live(Phase.RUNNING, cmd.params.max_tokens,
                                            stream=cmd.stream, local=True)
         self.timings.received(cmd.request_id)
@@ -230,12 +238,12 @@ class DecodeLoop(EngineLoop):
         if live is None:
             return False
         self.timings.forget(request_id)
+        if live.stream is not None:  # the caller first: releasing calls into the ranks
+            live.stream.fail(code, reason)
         if live.phase is Phase.RESERVED:
             self.kv.abort(request_id)  # every rank stops writing before the blocks go
         self.core.abort_request(request_id)
-        if live.stream is not None:
-            live.stream.fail(code, reason)
-        log.info("aborted", extra={"request_id": request_id, "role": "decode"})
+        log.info("aborted", extra=self.log_extra(request_id))
         return True
 
     def _live_ids(self) -> list[str]:
@@ -272,7 +280,7 @@ class DecodeLoop(EngineLoop):
             self._admit(rid, live)
 
     def _fail(self, request_id: str, live: _Live, reason: str) -> None:
-        log.warning("KV transfer failed: %s", reason, extra={"request_id": request_id})
+        log.warning("KV transfer failed: %s", reason, extra=self.log_extra(request_id))
         if live.stream is not None:
             live.stream.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {reason}")
             return
@@ -292,10 +300,15 @@ class DecodeLoop(EngineLoop):
     def _admit(self, request_id: str, live: _Live) -> None:
         problem = live.mismatch()
         if problem is not None:
-            log.error("refusing the request: %s", problem, extra={"request_id": request_id})
+            log.error("refusing the request: %s", problem, extra=self.log_extra(request_id))
             self._abort(request_id, grpc.StatusCode.INTERNAL, problem)
             return
         assert live.trailer is not None
+        if pause_points.enabled():
+            pause_points.record("decode.admitted", attempt_id=request_id,
+                                transfer_id=live.transfer_id)
+            pause_points.pause("decode.admitted", attempt_id=request_id,
+                               transfer_id=live.transfer_id)
         live.phase = Phase.RUNNING
         self._deliver(self.core.admit_with_kv(request_id, live.trailer.first_token_id,
                                               live.trailer.num_cached_tokens))
@@ -310,5 +323,10 @@ class DecodeLoop(EngineLoop):
         self.timings.output(out.request_id, len(out.new_token_ids),
                             out.finish_reason if out.finished else None)
         live.stream.put(out)
+        first, live.num_streamed = live.num_streamed, live.num_streamed + len(out.new_token_ids)
         if out.finished:
             del self._live[out.request_id]
+        if pause_points.enabled():
+            for n in range(first + 1, live.num_streamed + 1):
+                pause_points.record("decode.token", attempt_id=out.request_id, n=n)
+                pause_points.pause("decode.token", attempt_id=out.request_id, n=n)

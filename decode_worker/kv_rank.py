@@ -20,7 +20,7 @@ Block ownership on the decode side: the decode loop reserves the blocks in the e
 returned on every rank) the receivers may write them; only then does the loop admit the
 request (all ranks done) or free the blocks (``abort_request``).
 
-Test-only: with ``worker.pause_points`` enabled, each rank records
+Test-only: with ``cluster.pause_points`` enabled, each rank records
 ``decode.layer_received`` when a layer of a transfer is complete in its blocks.
 """
 
@@ -31,11 +31,11 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cluster import pause_points
 from engine.distributed import StoreAddress
 from engine.rank_plugin import RankContext
 from engine.scheduler import ScheduledChunk
 from kvtransfer import KVLayout, KVReceiver, TransferConfig
-from worker import pause_points
 from worker.rank_calls import (
     JsonConfig,
     KVRankPlugin,

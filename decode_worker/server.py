@@ -11,24 +11,32 @@ engine-side happens on the ``DecodeLoop`` thread.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 
+from cluster import pause_points
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from decode_worker.engine_loop import DecodeLoop, Local, Open, Reserve
 from decode_worker.kv_rank import PLUGIN, DecodeKVConfig
 from engine.core import EngineCore, RequestOutput
 from engine.sharding import num_blocks_for
-from worker.loop import CALL_TIMEOUT_S, EngineLoop, OutputStream, WorkerError
+from worker.loop import EngineLoop, OutputStream, WorkerError
 from worker.metrics import WorkerMetrics
 from worker.options import advertise_host
 from worker.process import WorkerKind, run_worker
 from worker.server import Identity
-from worker.servicer import LoopServicerMixin, abort_with, sampling_params_from_proto
+from worker.servicer import (
+    LoopServicerMixin,
+    abort_with,
+    attempt_of,
+    call_timeout,
+    sampling_params_from_proto,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +46,30 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
 
     async def Reserve(self, request: pb.ReserveRequest,  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+        attempt = attempt_of(request)
         try:
             if request.transfer_id == 0:
                 raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id must not be 0")
             params = sampling_params_from_proto(request.sampling)
             target = await self.loop.acall(Reserve(
-                request.request_id, list(request.prompt_token_ids), params,
-                request.transfer_id, request.wait_ms / 1000 if request.wait_ms else None),
-                CALL_TIMEOUT_S)
+                attempt, list(request.prompt_token_ids), params,
+                request.transfer_id, request.wait_ms / 1000 if request.wait_ms else None,
+                request.request_id),
+                call_timeout(context))
             if isinstance(target, str):
                 return pb.ReserveResponse(accepted=False, reason=target)
+            self.watch_lease(attempt, request.lease)
+            if pause_points.enabled():
+                pause_points.record("decode.reserved", request_id=request.request_id,
+                                    attempt_id=attempt, transfer_id=request.transfer_id)
+                await pause_points.apause("decode.reserved", request_id=request.request_id,
+                                          attempt_id=attempt, transfer_id=request.transfer_id)
+        except asyncio.CancelledError:  # the caller left: it may never learn of a reservation
+            self.on_call_end(attempt, "the Reserve call was cancelled")
+            raise
         except WorkerError as exc:
+            if exc.code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
+                self.on_call_end(attempt, "the Reserve call failed")  # it may hold it
             await abort_with(context, exc)
         block_size = self.loop.core.config.cache.block_size
         return pb.ReserveResponse(
@@ -59,18 +80,18 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 - gRPC name
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:
-        rid = request.request_id
+        attempt = attempt_of(request)
         stream: OutputStream[RequestOutput] = OutputStream()  # the loop bounds it at Open
         # the first token and cached count come with the KV; the router's copies
         # (0: absent) are only checked
-        command = Open(rid, stream, request.first_token_id or None,
+        command = Open(attempt, stream, request.first_token_id or None,
                        request.num_cached_tokens or None)
-        async for chunk in self._relay(rid, command, stream, context):
+        async for chunk in self._relay(attempt, command, stream, context):
             yield chunk
 
     async def GenerateLocal(self, request: pb.GenerateLocalRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:
-        rid = request.request_id
+        attempt = attempt_of(request)
         try:
             if not request.prompt_token_ids:
                 raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
@@ -78,20 +99,31 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
         except WorkerError as exc:
             await abort_with(context, exc)
         stream: OutputStream[RequestOutput] = OutputStream(params.max_tokens + 2)
-        command = Local(rid, list(request.prompt_token_ids), params, stream)
-        async for chunk in self._relay(rid, command, stream, context):
+        command = Local(attempt, list(request.prompt_token_ids), params, stream,
+                        request.request_id)
+        async for chunk in self._relay(attempt, command, stream, context, request.lease):
             yield chunk
 
-    async def _relay(self, rid: str, command: Open | Local,
+    async def _relay(self, attempt: str, command: Open | Local,
                      stream: OutputStream[RequestOutput],
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:
-        """Open the stream, then the request's outputs as chunks; however the call ends
-        (finish, cancel, deadline, error, the router gone), the request is freed."""
+                     context: grpc.aio.ServicerContext,
+                     lease: pb.Lease | None = None) -> AsyncIterator[pb.TokenChunk]:
+        """Open the stream, then the attempt's outputs as chunks; however the call ends
+        (finish, cancel, deadline, error, the router gone), the attempt is freed — unless
+        the loop refused to open it (then what it holds under the id, if anything, is
+        another call's: an ALREADY_EXISTS Local, or an open stream's reservation)."""
         started = time.monotonic()
         try:
-            await self.loop.acall(command, CALL_TIMEOUT_S)
+            await self.loop.acall(command, call_timeout(context))
         except WorkerError as exc:
+            if exc.code not in _NOT_OURS:
+                self.on_call_end(attempt, "the Generate call failed")
             await abort_with(context, exc)
+        except asyncio.CancelledError:
+            self.on_call_end(attempt, "the Generate call was cancelled")
+            raise
+        if lease is not None:
+            self.watch_lease(attempt, lease)
         num_completion, first = 0, True
         try:
             while True:
@@ -114,7 +146,13 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                 if out.finished:
                     return
         finally:
-            self.on_call_end(rid, "the Generate call ended")
+            self.on_call_end(attempt, "the Generate call ended")
+
+
+# Refusals of Open/Local after which the id's state (if any) belongs to another call.
+_NOT_OURS = frozenset({grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
+                       grpc.StatusCode.NOT_FOUND})
 
 
 def _plugin_config(args: argparse.Namespace, fingerprint: str) -> str:

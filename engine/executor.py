@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from engine.attention.metadata import LayerHook
-from engine.config import EngineConfig
+from engine.config import EngineConfig, rank_visible_gpu
 from engine.distributed import (
     LOOPBACK,
     Group,
@@ -269,7 +269,7 @@ def follower_main(config: EngineConfig, rank: int, address: StoreAddress, num_kv
     _watch_parent(parent_pid)
     torch.set_num_threads(threads)
     if torch.device(config.device).type == "cuda":
-        torch.cuda.set_device(rank)  # one GPU per rank: NCCL refuses two ranks on one
+        _bind_gpu(rank)
     size = config.parallel.tensor_parallel_size
     timeout = config.parallel.collective_timeout_s
     store = connect_store(address, timeout_s=timeout)
@@ -283,6 +283,16 @@ def follower_main(config: EngineConfig, rank: int, address: StoreAddress, num_kv
         if plugin is not None:
             plugin.close()
         tp.destroy()
+
+
+def _bind_gpu(rank: int) -> None:
+    """One GPU per rank (NCCL refuses two ranks on one): the rank's own under
+    ``$PDSERVE_RANK_GPUS`` (then the only one this process sees), else ``cuda:rank``.
+    Runs before anything in this process starts CUDA."""
+    own = rank_visible_gpu(rank, os.environ)
+    if own is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = own
+    torch.cuda.set_device(0 if own is not None else rank)
 
 
 def _serve_steps(runner: ModelRunner, plugin: RankPlugin | None, steps: Connection,

@@ -1,9 +1,10 @@
 """What two workers must agree on to exchange KV: the model fingerprint and KV layout.
 
 Torch-free: worker registration and the router may read it without loading torch.
-``KVLayout`` covers the model files, dtype, block size, block-hash algorithm and seed and
-the global KV layout (layers, KV heads, head size). Tensor-parallel sizes are *not* part
-of it: they may differ between prefill and decode, and KV is re-sharded in transit.
+``KVLayout`` covers the model files, dtype, block size, block-hash algorithm and seed, the
+global KV layout (layers, KV heads, head size) and the internal protocol version.
+Tensor-parallel sizes are *not* part of it: they may differ between prefill and decode,
+and KV is re-sharded in transit.
 """
 
 from __future__ import annotations
@@ -20,13 +21,21 @@ if TYPE_CHECKING:
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 """Bytes per element of the KV dtypes the engine supports."""
 
+PROTOCOL_VERSION = 1
+"""Version of what workers and the router exchange: the internal gRPC API
+(``proto/cluster/internal/v1``), the KV wire protocol (``kvtransfer.protocol``) and the
+cluster records. Bump it with any change an older process would misread: it is part of
+the fingerprint, so a rolling upgrade never mixes incompatible workers in one cluster
+(0 names a layout written before the version was recorded)."""
+
 
 @dataclass(frozen=True)
 class KVLayout:
     """The model fingerprint plus the global KV layout; equal layouts can exchange KV.
 
     ``model_fingerprint`` names the model files (``cluster.fingerprint.fingerprint_model_dir``);
-    ``hash_algorithm`` and ``hash_seed`` are the prefix-cache block-hash settings.
+    ``hash_algorithm`` and ``hash_seed`` are the prefix-cache block-hash settings;
+    ``protocol_version`` is ``PROTOCOL_VERSION`` of the process that made it.
     """
 
     model_fingerprint: str
@@ -37,6 +46,7 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -44,6 +54,8 @@ class KVLayout:
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.protocol_version < 0:
+            raise ValueError(f"protocol_version must be >= 0, got {self.protocol_version}")
 
     @property
     def element_size(self) -> int:
@@ -55,8 +67,9 @@ class KVLayout:
         return self.block_size * num_heads * self.head_dim * self.element_size
 
     def diff(self, other: KVLayout) -> str | None:
-        """``None`` when equal, else ``"field: mine != theirs"`` for the first differing field."""
-        for f in fields(self):
+        """``None`` when equal, else ``"field: mine != theirs"`` for the first differing
+        field (the protocol version first: with another one, nothing else is comparable)."""
+        for f in sorted(fields(self), key=lambda f: f.name != "protocol_version"):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if mine != theirs:
                 return f"{f.name}: {mine!r} != {theirs!r}"

@@ -1,8 +1,8 @@
 """One outgoing transfer on a prefill rank, and every transition of its state machine.
 
-``Outgoing`` is PENDING from its first ``KVSender.send`` until it is DONE (every layer
-queued, and every queued message — layers on each route, then the trailer — sent and
-acknowledged by its receiver) or FAILED (its first ``TransferError``: a refused or
+``Outgoing`` is PENDING from its first ``KVSender.send`` until it is DONE (its routes
+known, every layer queued, and every queued message — layers on each route, then the
+trailer — sent and acknowledged by its receiver) or FAILED (its first ``TransferError``: a refused or
 corrupted message, a broken channel, an abort, a timeout). Every transition happens
 here and notifies the sender's condition (``changed``), where ``wait`` sleeps. Its blocks
 are read only under ``lock`` while it is not FAILED; once ``fail`` returned, no block of
@@ -49,7 +49,11 @@ class Outgoing:
     num_layers: int  # of the layout: all of them must be queued before it can be DONE
     changed: threading.Condition  # the sender's; notified on every transition
     receiver_tp: int = 0
-    routes: list[Route] = field(default_factory=list)
+    # None until the receiver's layout and TP size are known (read off the network by the
+    # sender, never in the caller's thread); layers and the trailer queued before wait here
+    routes: list[Route] | None = None
+    deferred: list[range] = field(default_factory=list)
+    deferred_trailer: Trailer | None = None
     layers_queued: set[int] = field(default_factory=set)
     trailer_queued: bool = False
     jobs_open: int = 0
@@ -60,7 +64,8 @@ class Outgoing:
     def state(self) -> TransferState:
         if self.error is not None:
             return TransferState.FAILED
-        if self.jobs_open == 0 and len(self.layers_queued) == self.num_layers:
+        if self.routes is not None and self.jobs_open == 0 \
+                and len(self.layers_queued) == self.num_layers:
             return TransferState.DONE
         return TransferState.PENDING
 
@@ -79,6 +84,9 @@ class Outgoing:
             self.layers_queued.update(layers)
             if self.error is not None or len(layers) == 0:
                 return []
+            if self.routes is None:
+                self.deferred.append(layers)
+                return []
             jobs = [Job(self, route, layers.start, layers.stop) for route in self.routes]
             self.jobs_open += len(jobs)
             return jobs
@@ -93,9 +101,31 @@ class Outgoing:
             self.trailer_queued = True
             if self.error is not None:
                 return None
-            route = next(r for r in self.routes if r.receiver_rank == 0)
-            self.jobs_open += 1
-            return Job(self, route, 0, 0, trailer)
+            if self.routes is None:
+                self.deferred_trailer = trailer
+                return None
+            return self._trailer_job(trailer)
+
+    def _trailer_job(self, trailer: Trailer) -> Job:
+        assert self.routes is not None
+        route = next(r for r in self.routes if r.receiver_rank == 0)
+        self.jobs_open += 1
+        return Job(self, route, 0, 0, trailer)
+
+    def resolve(self, receiver_tp: int, routes: list[Route]) -> list[Job]:
+        """The receiver is known: the jobs of everything queued meanwhile (none once
+        FAILED), layers first, then the trailer."""
+        with self.changed:
+            self.receiver_tp, self.routes = receiver_tp, routes
+            if self.error is not None:
+                return []
+            jobs = [Job(self, route, r.start, r.stop) for r in self.deferred for route in routes]
+            self.jobs_open += len(jobs)
+            if self.deferred_trailer is not None:
+                jobs.append(self._trailer_job(self.deferred_trailer))
+            self.deferred, self.deferred_trailer = [], None
+            self.changed.notify_all()
+            return jobs
 
     def fail(self, error: TransferError) -> bool:
         """Record the transfer's first error (→ FAILED); False if it had one. No block is

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -233,7 +234,8 @@ class SendLane:
                     c.buffers.give(buffer)
         c.stats.parts_sent += len(parts)
         c.stats.bytes_sent += num_rows * row_bytes
-        return _check_ack(channel, ack_op, record.transfer_id, first_seq + len(parts) - 1)
+        return self._matching_ack(channel, ack_op, record.transfer_id,
+                                  first_seq + len(parts) - 1)
 
     def _send_trailer(self, channel: Channel, job: Job) -> Ack:
         """Send the transfer's trailer (a header-only part; marked cancelled when the
@@ -251,7 +253,7 @@ class SendLane:
         for op in [*ops, ack_op]:
             channel.wait(op, c.config.timeout_s)
         c.stats.parts_sent += 1
-        return _check_ack(channel, ack_op, record.transfer_id, seq)
+        return self._matching_ack(channel, ack_op, record.transfer_id, seq)
 
     def _prepare_part(self, job: Job, heads: tuple[int, int], rows: tuple[int, int],
                       buffer: torch.Tensor, seq: int, *, last: bool) -> PartHeader:
@@ -284,16 +286,35 @@ class SendLane:
         return header
 
 
-def _check_ack(channel: Channel, op: Pending, transfer_id: int, seq: int) -> Ack:
+    def _matching_ack(self, channel: Channel, op: Pending, transfer_id: int, seq: int) -> Ack:
+        """The acknowledgement of part ``seq`` of ``transfer_id`` (``op`` has completed).
+
+        An acknowledgement that is malformed or names another transfer or part (a
+        duplicate, a late one, a peer's bug) is counted (``unexpected_acks``), logged and
+        ignored: another receive is posted and the lane keeps waiting, up to the transfer
+        timeout from the first unexpected one. It never closes the channel or fails the
+        transfer by itself; only a wait that runs out does (``ChannelError``).
+        """
+        deadline: float | None = None
+        while True:
+            ack = _decode_ack(op)
+            if ack is not None and (ack.transfer_id, ack.seq) == (transfer_id, seq):
+                return ack
+            self.ctx.stats.unexpected_acks += 1
+            what = "malformed" if ack is None else f"for {ack.transfer_id}/{ack.seq}"
+            log.warning("send lane %s: ignoring an unexpected acknowledgement (%s) while "
+                        "waiting for %d/%d", self.key, what, transfer_id, seq)
+            now = time.monotonic()
+            deadline = now + self.ctx.config.timeout_s if deadline is None else deadline
+            op = channel.recv_ack(seq)
+            channel.wait(op, max(0.001, deadline - now))
+
+
+def _decode_ack(op: Pending) -> Ack | None:
     try:
-        ack = Ack.decode(op.tensor.tolist())
-    except ValueError as exc:
-        channel.close(f"malformed acknowledgement: {exc}")
-        raise ChannelError("malformed acknowledgement", transfer_id) from exc
-    if (ack.transfer_id, ack.seq) != (transfer_id, seq):
-        channel.close(f"acknowledgement for {ack.transfer_id}/{ack.seq} out of order")
-        raise ChannelError("acknowledgement out of order", transfer_id)
-    return ack
+        return Ack.decode(op.tensor.tolist())
+    except ValueError:
+        return None
 
 
 def _raise_for(ack: Ack, transfer_id: int) -> None:

@@ -79,6 +79,8 @@ class KVSender:
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._lanes: dict[LaneKey, SendLane] = {}
         self._peers: dict[StoreAddress, ReceiverInfo] = {}
+        self._resolving: dict[StoreAddress, list[Outgoing]] = {}  # waiting for a peer's info
+        self._resolvers: set[threading.Thread] = set()
         self._closed = False
 
     # ---------------------------------------------------------------- public API
@@ -92,20 +94,19 @@ class KVSender:
         ``block_ids`` in order. Later calls for the same transfer add other layers
         (same blocks, tokens and destination). Raises ``ValueError`` for bad arguments;
         network failures surface in ``wait()``. The first call for a destination reads
-        its advertised layout and TP size (bounded by ``config.timeout_s``); later calls
-        do not touch the network.
+        its advertised layout and TP size on a thread of its own (bounded by
+        ``config.timeout_s``): no call ever waits on the network; what is queued meanwhile
+        goes out once it is known.
         """
         layers = range(self.layout.num_layers) if layers is None else layers
         if layers.step != 1 or layers.start < 0 or layers.stop > self.layout.num_layers:
             raise ValueError(f"layers {layers} outside [0, {self.layout.num_layers})")
-        peer = self._peer_info(dest) if transfer_id not in self._records else None
         with self._cond:
             if self._closed:
                 raise RuntimeError("sender is closed")
             record = self._records.get(transfer_id)
             if record is None:
-                record = self._new_record(transfer_id, kv_cache, block_ids, num_tokens, dest,
-                                          peer)
+                record = self._new_record(transfer_id, kv_cache, block_ids, num_tokens, dest)
             if kv_cache is not record.kv_cache or num_tokens != record.num_tokens \
                     or dest != record.dest:
                 raise ValueError(f"transfer {transfer_id}: cache, tokens or destination changed")
@@ -191,7 +192,8 @@ class KVSender:
     def threads(self) -> list[threading.Thread]:
         with self._cond:
             lanes = list(self._lanes.values())
-        return [t for t in (lane.thread for lane in lanes) if t is not None]
+            resolvers = list(self._resolvers)
+        return [t for t in (lane.thread for lane in lanes) if t is not None] + resolvers
 
     def close(self) -> None:
         """Abort every transfer, close every channel and join the lanes' threads."""
@@ -212,8 +214,9 @@ class KVSender:
     # ---------------------------------------------------------------- internals
 
     def _new_record(self, transfer_id: int, kv_cache: torch.Tensor, block_ids: Sequence[int],
-                    num_tokens: int, dest: StoreAddress, peer: ReceiverInfo | TransferError | None
-                    ) -> Outgoing:
+                    num_tokens: int, dest: StoreAddress) -> Outgoing:
+        """A new transfer (lock held): its routes now if the receiver is known, else once
+        the resolver thread of ``dest`` read its advertisement."""
         if transfer_id in self._finished:
             raise ValueError(f"transfer id {transfer_id} was used before")
         self._check_cache(kv_cache)
@@ -229,17 +232,43 @@ class KVSender:
             num_tokens=num_tokens, num_blocks=num_blocks, num_layers=self.layout.num_layers,
             changed=self._cond)
         self._records[transfer_id] = record
+        peer = self._peers.get(dest)
+        if peer is not None:
+            self._resolve(record, peer)
+        else:
+            waiting = self._resolving.get(dest)
+            if waiting is None:
+                waiting = self._resolving[dest] = []
+                thread = threading.Thread(target=self._resolver, args=(dest,), daemon=True,
+                                          name=f"kvtransfer-resolve-{dest.port}")
+                self._resolvers.add(thread)
+                thread.start()
+            waiting.append(record)
+        return record
+
+    def _resolver(self, dest: StoreAddress) -> None:
+        """Read ``dest``'s advertisement, then route every transfer waiting for it."""
+        peer = self._peer_info(dest)
+        with self._cond:
+            waiting = self._resolving.pop(dest, [])
+            self._resolvers.discard(threading.current_thread())
+            for record in waiting:
+                self._resolve(record, peer)
+
+    def _resolve(self, record: Outgoing, peer: ReceiverInfo | TransferError) -> None:
+        """Route ``record`` to ``peer`` and submit what it queued meanwhile (lock held)."""
         try:
             if not isinstance(peer, ReceiverInfo):
-                raise peer or TransferError("no peer information")
-            record.receiver_tp = peer.tp_size
-            record.routes = routes_from(self.layout.num_kv_heads, self.tp_rank, self.tp_size,
-                                        record.receiver_tp)
+                raise peer
+            routes = routes_from(self.layout.num_kv_heads, self.tp_rank, self.tp_size,
+                                 peer.tp_size)
         except (TransferError, ValueError) as exc:
             err = exc if isinstance(exc, TransferError) else LayoutMismatch(str(exc))
-            err.transfer_id = transfer_id
-            record.error = err
-        return record
+            record.fail(type(err)(str(err), record.transfer_id))
+            record.resolve(0, [])
+            return
+        for job in record.resolve(peer.tp_size, routes):
+            self._submit(job)
 
     def _peer_info(self, dest: StoreAddress) -> ReceiverInfo | TransferError:
         """The decode worker's advertised layout and TP size (cached), or why not."""
@@ -259,6 +288,7 @@ class KVSender:
         with self._cond:
             self._peers[dest] = info
         return info
+
 
     def _check_cache(self, kv_cache: torch.Tensor) -> None:
         start, end = kv_head_range(self.layout.num_kv_heads, self.tp_rank, self.tp_size)

@@ -11,6 +11,7 @@ class SenderStats:
     retries: int = 0
     parts_sent: int = 0
     bytes_sent: int = 0
+    unexpected_acks: int = 0  # malformed, duplicate, late or for another part: ignored
 
 
 @dataclass

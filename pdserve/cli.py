@@ -8,6 +8,7 @@ is installed and otherwise says how to install it (``missing_server_modules``).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import sys
@@ -124,6 +125,9 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
                     help="start Redis and the workers only (run your own router)")
     up.add_argument("--demo", action="store_true",
                     help="once ready, stream one demo completion through the cluster")
+    from pdserve.ray_options import add_ray_args
+
+    add_ray_args(up)
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="stream a completion from a running cluster",
@@ -149,6 +153,7 @@ def _up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from pdserve.local_cluster import LocalClusterConfig, serve
+    from pdserve.ray_options import ray_only_flags_given
 
     try:
         config = LocalClusterConfig(
@@ -166,14 +171,38 @@ def _up(args: argparse.Namespace) -> int:
     if args.demo and not args.router:
         print("pdserve up: --demo needs the router", file=sys.stderr)
         return 2
-    return serve(config, on_ready=_cluster_demo if args.demo else None)
+    demo = functools.partial(_cluster_demo, builtin_model=args.model is None)
+    if args.ray:
+        return _up_ray(args, config, demo if args.demo else None)
+    if ray_only_flags_given(args):
+        print(f"pdserve up: {', '.join(ray_only_flags_given(args))} needs --ray", file=sys.stderr)
+        return 2
+    return serve(config, on_ready=demo if args.demo else None)
 
 
-def _cluster_demo(cluster: Any) -> int:
-    """Streams ``DEMO_PROMPT`` through a ready ``LocalCluster``; returns an exit code."""
+def _up_ray(args: argparse.Namespace, layout: Any, on_ready: Any) -> int:
+    from pdserve.ray_options import RAY_EXTRA, ray_config_from_args, ray_missing
+
+    try:
+        config = ray_config_from_args(args, layout)
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    if ray_missing():
+        print(f"pdserve up --ray: needs Ray, which is not installed; install it with: "
+              f"{RAY_EXTRA}", file=sys.stderr)
+        return 2
+    from pdserve.ray_cluster import serve
+
+    return serve(config, on_ready=on_ready)
+
+
+def _cluster_demo(cluster: Any, *, builtin_model: bool) -> int:
+    """Streams ``DEMO_PROMPT`` through a ready cluster (its ``router_address``); returns an
+    exit code."""
     from pdserve.client import Client
 
-    noise = " (random weights, so expect noise)" if cluster.config.model_dir is None else ""
+    noise = " (random weights, so expect noise)" if builtin_model else ""
     print(f"\nprompt: {DEMO_PROMPT}\ncompletion{noise}: ", end="", flush=True)
     with Client(cluster.router_address, api_key=_api_key()) as client:
         code = _stream(client, "pdserve up", DEMO_PROMPT, max_tokens=48, temperature=0.8,

@@ -458,16 +458,21 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 
 def serve(config: LocalClusterConfig, *,
-          on_ready: Callable[[LocalCluster], int | None] | None = None,
-          progress: Callable[[str], None] | None = None) -> int:
+          on_ready: Callable[[Any], int | None] | None = None,
+          progress: Callable[[str], None] | None = None,
+          make_cluster: Callable[[Callable[[str], None]], Any] | None = None) -> int:
     """``pdserve up``: start ``config``, call ``on_ready`` (a non-zero result stops with
     that exit code), serve until SIGINT/SIGTERM (exit 0) or until a child exits
     (``ClusterError``: reported on stderr, exit 1), and stop everything. Main thread only.
+    ``make_cluster(progress)`` builds what is served instead of a ``LocalCluster`` of
+    ``config`` (``pdserve up --ray``: a ``pdserve.ray_cluster.RayCluster``, which has the
+    same ``start``, ``wait``, ``stop``, ``router_address`` and ``redis_url``).
     """
     say = progress or (lambda line: print(line, flush=True))
     previous_int = signal.getsignal(signal.SIGINT)
     previous_term = signal.signal(signal.SIGTERM, _interrupt)
-    cluster = LocalCluster(config, progress=say)
+    cluster = (make_cluster(say) if make_cluster is not None
+               else LocalCluster(config, progress=say))
     try:
         cluster.start()
         code = on_ready(cluster) if on_ready is not None else None

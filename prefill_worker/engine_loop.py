@@ -28,12 +28,12 @@ from pathlib import Path
 
 import grpc
 
+from cluster import pause_points
 from engine.core import EngineCore, RequestOutput
 from engine.distributed import StoreAddress
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from prefill_worker.kv_leader import PrefillKVLeader, SendOutcome
-from worker import pause_points
 from worker.loop import Command, EngineLoop, OutputStream, WorkerError
 from worker.metrics import WorkerMetrics
 
@@ -72,13 +72,16 @@ class Submit(Command[None]):
     dest: StoreAddress
     stream: OutputStream[PrefillDone]
     deadline: float | None = None
+    client_request_id: str = ""  # for logs
 
 
 @dataclass
 class _Held:
     stream: OutputStream[PrefillDone]
     deadline: float | None
+    transfer_id: int
     received_at: float = 0.0  # monotonic
+    started: bool = False  # its prompt's first chunk was computed (pause point)
 
 
 class PrefillLoop(EngineLoop):
@@ -112,16 +115,17 @@ class PrefillLoop(EngineLoop):
                            cmd.dest)
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        self._held[cmd.request_id] = _Held(cmd.stream, cmd.deadline, time.monotonic())
+        self.named(cmd.request_id, cmd.client_request_id)
+        self._held[cmd.request_id] = _Held(cmd.stream, cmd.deadline, cmd.transfer_id,
+                                           time.monotonic())
         self.timings.received(cmd.request_id)
 
     def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
         held = self._held.pop(request_id, None)
-        found = self.kv.abort(request_id)
         self.timings.forget(request_id)
-        if held is not None:
+        if held is not None:  # the caller first: releasing calls into the ranks
             held.stream.fail(code, reason)
-        return found or held is not None
+        return self.kv.abort(request_id) or held is not None
 
     def _live_ids(self) -> list[str]:
         return list(self._held)
@@ -130,6 +134,7 @@ class PrefillLoop(EngineLoop):
         """Drop the queued requests whose deadline passed before their prefill started."""
         if pause_points.enabled():
             pause_points.pause("prefill.before_step", held=len(self._held))
+            self._started_points()
         now, requests = time.monotonic(), self.core.scheduler.requests
         for rid, held in list(self._held.items()):
             request = requests.get(rid)
@@ -139,15 +144,39 @@ class PrefillLoop(EngineLoop):
                     and request.num_preemptions == 0:
                 self.num_expired += 1
                 log.info("dropped: its deadline passed before its prefill started",
-                         extra={"request_id": rid})
+                         extra=self.log_extra(rid))
                 self._abort(rid, grpc.StatusCode.DEADLINE_EXCEEDED,
                             "the deadline passed before the prefill started")
+
+    def _started_points(self, also: str | None = None) -> None:
+        """``prefill.started`` for each held request whose first chunk was computed since
+        (``also``: one that just finished, possibly in its first step)."""
+        requests = self.core.scheduler.requests
+        for rid, held in self._held.items():
+            request = requests.get(rid)
+            if held.started or not (rid == also or request is not None
+                                    and request.num_computed_tokens > 0):
+                continue
+            held.started = True
+            pause_points.record("prefill.started", attempt_id=rid, transfer_id=held.transfer_id)
+            pause_points.pause("prefill.started", attempt_id=rid, transfer_id=held.transfer_id)
+
+    def _after_step(self) -> None:
+        if pause_points.enabled():
+            requests = self.core.scheduler.requests
+            for rid in self._held:
+                request = requests.get(rid)
+                if request is not None and request.num_computed_tokens:
+                    pause_points.record("prefill.computed", attempt_id=rid,
+                                        num_computed_tokens=request.num_computed_tokens)
 
     def _is_polling(self) -> bool:
         return bool(self.kv.num_sending)
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.finished and out.request_id in self._held:  # else: warm-up
+            if pause_points.enabled():
+                self._started_points(also=out.request_id)
             self.timings.prompt(out.num_prompt_tokens, out.num_cached_tokens)
             self.timings.output(out.request_id, len(out.new_token_ids), None)
             outcome = self.kv.finish(out)
@@ -170,9 +199,14 @@ class PrefillLoop(EngineLoop):
             self.timings.forget(outcome.request_id)
         if not outcome.ok or outcome.trailer is None:
             log.warning("KV send failed: %s", outcome.reason,
-                        extra={"request_id": outcome.request_id})
+                        extra=self.log_extra(outcome.request_id))
             stream.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {outcome.reason}")
             return
+        if pause_points.enabled():
+            pause_points.record("prefill.transfer_done", attempt_id=outcome.request_id,
+                                transfer_id=held.transfer_id)
+            pause_points.pause("prefill.transfer_done", attempt_id=outcome.request_id,
+                               transfer_id=held.transfer_id)
         stream.put(PrefillDone(outcome.trailer.first_token_id, outcome.trailer.num_cached_tokens,
                                outcome.num_prompt_tokens, _times(held, outcome)))
 

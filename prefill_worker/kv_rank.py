@@ -22,7 +22,7 @@ send until every rank reported a final state (or ABORT returned on every rank), 
 senders may read them; only then does ``PrefillKVLeader`` unpin them (``release_pinned``;
 they stay in the prefix cache).
 
-Test-only: with ``worker.pause_points`` enabled, the layer hook records and may pause at
+Test-only: with ``cluster.pause_points`` enabled, the layer hook records and may pause at
 ``prefill.layer_sent`` after queuing each layer.
 """
 
@@ -34,6 +34,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from cluster import pause_points
 from engine.attention.metadata import LayerHook
 from engine.distributed import StoreAddress
 from engine.rank_plugin import RankContext
@@ -42,7 +43,6 @@ from kvtransfer import KVLayout, KVSender, TransferConfig
 from kvtransfer.config import LOOPBACK
 from kvtransfer.protocol import Trailer
 from kvtransfer.states import TransferState
-from worker import pause_points
 from worker.rank_calls import (
     JsonConfig,
     KVRankPlugin,
@@ -151,7 +151,8 @@ class PrefillKVRank(KVRankPlugin):
     def stats(self) -> RankStats:
         return RankStats(self.sender.num_pending + len(self._failed),
                          self.sender.num_open_channels, self.sender.config.max_channels,
-                         self.sender.stats.bytes_sent)
+                         self.sender.stats.bytes_sent,
+                         unexpected_acks=self.sender.stats.unexpected_acks)
 
     def _finish(self, transfer_id: int, trailer: Trailer) -> None:
         if self.ctx.rank != 0 or transfer_id in self._failed:

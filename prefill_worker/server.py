@@ -23,12 +23,18 @@ from engine.core import EngineCore
 from engine.distributed import StoreAddress
 from prefill_worker.engine_loop import PrefillDone, PrefillLoop, Submit
 from prefill_worker.kv_rank import PLUGIN, PrefillKVConfig
-from worker.loop import CALL_TIMEOUT_S, EngineLoop, OutputStream, WorkerError
+from worker.loop import EngineLoop, OutputStream, WorkerError
 from worker.metrics import WorkerMetrics
 from worker.options import advertise_host
 from worker.process import WorkerKind, run_worker
 from worker.server import Identity
-from worker.servicer import LoopServicerMixin, abort_with, sampling_params_from_proto
+from worker.servicer import (
+    LoopServicerMixin,
+    abort_with,
+    attempt_of,
+    call_timeout,
+    sampling_params_from_proto,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,23 +47,29 @@ class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: pb.PrefillRequest,  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
-        rid = request.request_id
+        attempt = attempt_of(request)
         stream: OutputStream[PrefillDone] = OutputStream(1)
         remaining = context.time_remaining()
-        try:
-            submit = Submit(rid, list(request.prompt_token_ids),
-                            sampling_params_from_proto(request.sampling),
-                            request.target.transfer_id, _dest(request.target), stream,
-                            None if remaining is None else time.monotonic() + remaining)
-            await self.loop.acall(submit, CALL_TIMEOUT_S)
-        except WorkerError as exc:
-            await abort_with(context, exc)
-        try:  # however the call ends (cancelled, expired, failed), the request is freed
-            done = await stream.get(context.time_remaining())
-        except WorkerError as exc:
-            await abort_with(context, exc)
+        held = True  # unless the loop refused it: then nothing is held, nothing to abort
+        try:  # however the call ends (cancelled, expired, failed), the attempt is freed
+            try:
+                submit = Submit(attempt, list(request.prompt_token_ids),
+                                sampling_params_from_proto(request.sampling),
+                                request.target.transfer_id, _dest(request.target), stream,
+                                None if remaining is None else time.monotonic() + remaining,
+                                request.request_id)
+                await self.loop.acall(submit, call_timeout(context))
+            except WorkerError as exc:
+                held = exc.code not in REFUSALS
+                await abort_with(context, exc)
+            self.watch_lease(attempt, request.lease)
+            try:
+                done = await stream.get(context.time_remaining())
+            except WorkerError as exc:
+                await abort_with(context, exc)
         finally:
-            self.on_call_end(rid, "the Prefill call ended")
+            if held:
+                self.on_call_end(attempt, "the Prefill call ended")
         response = pb.PrefillResponse(first_token_id=done.first_token_id,
                                       num_cached_tokens=done.num_cached_tokens,
                                       num_prompt_tokens=done.num_prompt_tokens)
@@ -71,6 +83,12 @@ class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
 
 def _us(seconds: float) -> int:
     return max(0, round(seconds * 1e6))
+
+
+# What a refused Submit answers: the loop holds nothing for the call (and ALREADY_EXISTS:
+# what it holds under that attempt id is another call's)
+REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS,
+                      grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 def _dest(target: pb.KVTarget) -> StoreAddress:

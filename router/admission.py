@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -72,7 +73,10 @@ class Ticket:
         self._left = True
         self.first_token()
         self.admission.inflight -= 1
-        self.admission.live_ids.discard(self.request_id)
+        ids = self.admission.live_ids
+        ids[self.request_id] -= 1
+        if ids[self.request_id] <= 0:
+            del ids[self.request_id]
         self.admission.notify_capacity()
 
 
@@ -86,7 +90,9 @@ class Admission:
         self.clock = clock
         self.inflight = 0
         self.queued_tokens = 0
-        self.live_ids: set[str] = set()
+        # client request ids in flight, with how many requests carry each: clients may
+        # reuse an id (a cancel-and-resubmit); every attempt has its own id on the workers
+        self.live_ids: Counter[str] = Counter()
         self._turn = asyncio.Lock()  # FIFO: waiters are woken in arrival order
         self._capacity = asyncio.Condition()
         self.num_waiting = 0  # queued for their turn (the one holding it not counted)
@@ -107,15 +113,12 @@ class Admission:
 
     def enter(self, request_id: str, num_tokens: int) -> Ticket:
         """Admit a validated request of ``num_tokens`` prompt tokens, or refuse it at once
-        (RESOURCE_EXHAUSTED over a budget; INVALID_ARGUMENT for an id already in flight)."""
-        if request_id in self.live_ids:
-            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"request_id {request_id!r} is already in flight; request ids "
-                             "must be unique", "duplicate_id")
+        (RESOURCE_EXHAUSTED over a budget). A request id already in flight is no reason to
+        refuse: the workers never see client ids as keys (``router.handoff``)."""
         self.check(num_tokens)
         self.inflight += 1
         self.queued_tokens += num_tokens
-        self.live_ids.add(request_id)
+        self.live_ids[request_id] += 1
         return Ticket(self, request_id, num_tokens, self.clock())
 
     async def wait_turn(self, deadline: float) -> None:

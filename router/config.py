@@ -17,6 +17,8 @@ AFFINITY_BLOCKS = 4
 """Leading full blocks that make the prefill affinity key (64 tokens at block size 16)."""
 DEFAULT_EPSILON = 0.25
 """Bounded load: a prefill worker above ``(1 + epsilon) * mean`` load is skipped."""
+DEFAULT_LEASE_TTL_S = 10.0
+MIN_LEASE_TTL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,9 @@ class HandoffConfig:
     # "affinity": rendezvous hashing of the prompt's leading blocks with bounded load;
     # "round-robin": the next prefill worker in turn (the baseline of benchmarks)
     prefill_routing: str = "affinity"
+    # each attempt's lease in Redis (cluster.leases): renewed every third of it; a worker
+    # frees an attempt whose lease has been gone this long
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
 
     def __post_init__(self) -> None:
         if self.local_prefill not in LOCAL_PREFILL_MODES:
@@ -41,6 +46,8 @@ class HandoffConfig:
         if self.prefill_routing not in PREFILL_ROUTING:
             raise ValueError(f"prefill_routing must be one of {PREFILL_ROUTING}, "
                              f"got {self.prefill_routing!r}")
+        if not self.lease_ttl_s >= MIN_LEASE_TTL_S:
+            raise ValueError(f"lease_ttl_s must be >= {MIN_LEASE_TTL_S}, got {self.lease_ttl_s}")
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,8 @@ class RouterConfig:
     health_port: int | None = None  # also serve health alone, in plaintext, here (0: any)
     metrics_port: int | None = None  # serve /metrics here (0: any)
     http: HttpConfig | None = None  # None: no HTTP API
+    # serve the internal introspection service (RouterDebug) here (0: any); None: off
+    debug_port: int | None = None
 
     @property
     def address(self) -> str:

@@ -10,7 +10,8 @@ validation, else ``RouteError``): deadline already passed (DEADLINE_EXCEEDED) �
 budgets, checked against a cheap upper bound of the prompt's tokens before anything is
 tokenized (RESOURCE_EXHAUSTED) → validation and tokenization (INVALID_ARGUMENT) → workers
 known and big enough (UNAVAILABLE / INVALID_ARGUMENT) → admitted (RESOURCE_EXHAUSTED over
-a budget, INVALID_ARGUMENT for a request id in flight) → queued until a decode worker
+a budget; a client request id already in flight is served too: every attempt has its own
+id on the workers) → queued until a decode worker
 takes it (DEADLINE_EXCEEDED if its deadline passes first) → the handoff streams.
 
 Buffering: the handoff's chunks are pumped into a queue of at most ``max_buffered_chunks``
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import grpc
 import tokenizers
 
+from cluster.leases import LeaseKeeper, new_router_id
 from router.admission import Admission, Ticket
 from router.config import AdmissionConfig, HandoffConfig
 from router.errors import RouteError
@@ -123,11 +125,17 @@ class Generation:
     async def chunks(self) -> AsyncGenerator[OutputChunk, None]:
         """The request's chunks; raises ``RouteError``. Leaving early (client gone)
         cancels the request on every worker."""
-        handoff = self._owner.handoff(self.request, self.ticket, self.deadline, self.trace)
-        queue: asyncio.Queue[tuple[OutputChunk, float] | _End] = asyncio.Queue()
-        pump = asyncio.get_running_loop().create_task(self._pump(handoff, queue))
         record = _Record(self._owner.metrics, self.received_at)
-        try:
+        pump: asyncio.Task[None] | None = None
+        try:  # from here on, however it ends, the request leaves admission
+            try:
+                handoff = self._owner.handoff(self.request, self.ticket, self.deadline,
+                                              self.trace)
+            except RouteError as exc:  # e.g. no worker known any more
+                record.status = exc.code.name
+                raise
+            queue: asyncio.Queue[tuple[OutputChunk, float] | _End] = asyncio.Queue()
+            pump = asyncio.get_running_loop().create_task(self._pump(handoff, queue))
             while True:
                 item = await queue.get()
                 if isinstance(item, _End):
@@ -144,10 +152,14 @@ class Generation:
                 yield chunk
                 self.trace.chunk_written(arrived_at)  # the edge asks for more: written
         finally:
-            pump.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
+            # leave admission before any await: a second cancel of this task (the client
+            # gone, the server stopping) may interrupt the await below
+            if pump is not None:
+                pump.cancel()
             self.ticket.leave()
             record.done(self.ticket)
+            if pump is not None:
+                await asyncio.gather(pump, return_exceptions=True)
 
     async def _pump(self, handoff: Handoff,
                     queue: asyncio.Queue[tuple[OutputChunk, float] | _End]) -> None:
@@ -179,7 +191,8 @@ class Generations:
 
     def __init__(self, pool: WorkerPool, limits: ModelLimits, tokenizer: tokenizers.Tokenizer,
                  *, handoff: HandoffConfig, admission: AdmissionConfig,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, leases: LeaseKeeper | None = None
+                 ) -> None:
         self.pool = pool
         self.limits = limits
         self.config = admission
@@ -191,12 +204,19 @@ class Generations:
         self._transfer_ids: Iterator[int] = itertools.count((secrets.randbits(40) << 16) + 1)
         self._prefill_turns: Iterator[int] = itertools.count()  # round-robin routing
         self._background: set[asyncio.Future[object]] = set()
+        # every attempt's id and lease (no store: ids only, no lease in Redis)
+        self.leases = leases or LeaseKeeper(None, new_router_id(), handoff.lease_ttl_s)
+        self.draining = False  # set by the server's stop: new requests get UNAVAILABLE
 
     async def start(self, client: ClientRequest, timeout_s: float | None) -> Generation:
         """Validate and admit ``client`` (see module doc); its deadline is ``timeout_s``
         from now (None: the router's default)."""
         received_at = time.monotonic()
         try:
+            if self.draining:
+                raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                                 "the router is shutting down; retry on another router",
+                                 "draining")
             if timeout_s is not None and timeout_s <= 0:
                 raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                  "the deadline passed before the request was admitted", "deadline")
@@ -234,15 +254,28 @@ class Generations:
                 trace: Trace | None = None) -> Handoff:
         return Handoff(self.pool, request, ticket, deadline=deadline, config=self._handoff,
                        transfer_ids=self._transfer_ids, background=self._keep,
-                       metrics=self.metrics, trace=trace, turns=self._prefill_turns)
+                       metrics=self.metrics, leases=self.leases, trace=trace,
+                       turns=self._prefill_turns)
 
     @property
     def inflight(self) -> int:
         return self.admission.inflight
 
+    @property
+    def num_pending_aborts(self) -> int:
+        """Worker Aborts sent in the background and not answered yet."""
+        return len(self._background)
+
     def _keep(self, future: asyncio.Future[object]) -> None:
         self._background.add(future)
         future.add_done_callback(self._background.discard)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` until no request is in flight; whether none is."""
+        deadline = time.monotonic() + timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.inflight
 
     async def drain_background(self, timeout_s: float = 5.0) -> None:
         """Waits (bounded) for the pending worker aborts."""

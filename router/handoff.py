@@ -24,15 +24,27 @@ reading of a failed call (``classify``: retry elsewhere, the id already exists, 
 deadline passed, or the worker refused what the router sent); this module is the state
 machine only.
 
+Attempts and leases: every Reserve (and every local prefill) starts a new attempt with
+its own attempt id and lease (``cluster.leases.LeaseKeeper``: written to Redis, renewed
+while the attempt lives, deleted when it ends); the Prefill and Generate that follow name
+the same attempt, and so does every Abort. Workers key what they hold by attempt id, so
+nothing sent for one attempt — a late or timed-out Abort, a late end of a call — can
+touch another attempt of the same client request id (a retry, a resubmission, another
+router's request under the same id). A worker that holds something for an attempt whose
+lease is gone (this router died) frees it within the lease's TTL.
+
 Ownership: the workers own their blocks. Whenever an attempt ends other than by a clean
 finish — error, retry, client cancel (``GeneratorExit``/``CancelledError`` reaching the
-generator) — its worker calls are cancelled and ``Abort(request_id)`` (idempotent) goes
+generator) — its worker calls are cancelled and ``Abort(attempt_id)`` (idempotent) goes
 to the decode worker, and to the prefill worker if its Prefill had not returned, from a
 background task, so cleanup happens even while the caller is being cancelled; before a
-retry the decode Abort is awaited instead (the retry may reserve there again). A
-worker's ALREADY_EXISTS gets no Abort: the id's holder there is another request. After a
-clean finish the decode worker has freed everything and the prefill worker unpins on
+retry the decode Abort is awaited (bounded) so the retry finds the blocks free. Then its
+lease is deleted: a worker that missed the Abort frees the attempt within the TTL. After
+a clean finish the decode worker has freed everything and the prefill worker unpins on
 the decode side's acknowledgement; nothing more is sent.
+
+Test-only pause points (``cluster.pause_points``): ``router.queued`` before a request
+waits its turn, ``router.before_prefill`` once its reservation is held.
 """
 
 from __future__ import annotations
@@ -46,6 +58,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cluster import pause_points
+from cluster.leases import Lease, LeaseKeeper
 from engine.kvcache.block_hash import compute_block_hashes
 from router.admission import Ticket
 from router.config import HandoffConfig
@@ -86,6 +100,7 @@ class _Busy(Exception):
 @dataclass
 class _Attempt:
     number: int
+    lease: Lease  # its id (what every worker call names) and its lease in Redis
     decode_id: str
     transfer_id: int  # 0 when prefilled locally (no transfer)
     target: KVTarget | None  # None when prefilled locally
@@ -101,14 +116,16 @@ class Handoff:
     def __init__(self, pool: WorkerPool, request: ValidRequest, ticket: Ticket, *,
                  deadline: float, config: HandoffConfig, transfer_ids: Iterator[int],
                  background: Callable[[asyncio.Future[object]], None],
-                 metrics: RouterMetrics, clock: Callable[[], float] = time.monotonic,
+                 metrics: RouterMetrics, leases: LeaseKeeper,
+                 clock: Callable[[], float] = time.monotonic,
                  trace: Trace | None = None, turns: Iterator[int] | None = None) -> None:
         self._pool = pool
         self._metrics = metrics
         self._req = request
         self._ticket = ticket
         self._admission = ticket.admission
-        self._calls = WorkerCalls(pool, request)
+        self._leases = leases
+        self._calls = WorkerCalls(pool, request, leases.ttl_ms)
         self._deadline = deadline
         self._config = config
         self._transfer_ids = transfer_ids
@@ -135,6 +152,10 @@ class Handoff:
         while number <= self._config.max_attempts:
             attempt = await self._place(number)
             try:
+                if attempt.target is not None and pause_points.enabled():
+                    await pause_points.apause("router.before_prefill",
+                                              request_id=self._req.request_id,
+                                              attempt_id=attempt.lease.attempt_id)
                 with self._pool.busy(attempt.decode_id):
                     call = (self._start_local(attempt) if attempt.target is None
                             else self._start_generate(attempt, await self._prefill(attempt)))
@@ -170,6 +191,8 @@ class Handoff:
         if self._ticket.placed_at is not None:
             return self._local_attempt(number) if self._prefill_locally() \
                 else await self._reserve(number)
+        if pause_points.enabled():
+            await pause_points.apause("router.queued", request_id=self._req.request_id)
         async with self._ticket.turn(self._deadline):
             self._trace.mark("turn")
             attempt = self._local_attempt(number) if self._prefill_locally() \
@@ -211,7 +234,9 @@ class Handoff:
         self._log.info("attempt %d: prefilling locally on %s (%s)", number, decode_id,
                        "colocated mode" if self._config.local_prefill == "always"
                        else "no prefill worker left")
-        return _Attempt(number, decode_id, 0, None)
+        lease = self._leases.open(self._req.request_id)
+        self._leases.hold(lease, decode_id)
+        return _Attempt(number, lease, decode_id, 0, None)
 
     async def _reserve(self, number: int) -> _Attempt:
         """A reservation on the first decode worker (least busy first) that has room;
@@ -236,21 +261,33 @@ class Handoff:
         for decode_id in self._decode_order():
             transfer_id = next(self._transfer_ids)
             self._trace.worker_call()
+            lease = self._leases.open(self._req.request_id)  # a new attempt per Reserve
+            self._leases.hold(lease, decode_id)
             try:
-                with self._pool.busy(decode_id):  # counted by concurrent choices already
-                    reply = await self._calls.reserve(
-                        decode_id, transfer_id, self._timeout(self._config.reserve_timeout_s),
-                        wait_s=self._timeout())
+                call = self._calls.start_reserve(
+                    decode_id, lease, transfer_id,
+                    self._timeout(self._config.reserve_timeout_s), wait_s=self._timeout())
+                # counted by concurrent choices already; cancelled if the worker is hung
+                with self._pool.busy(decode_id), self._pool.watched(decode_id, call):
+                    reply = WorkerCalls.reserved(await call)
+                self._pool.heard_from(decode_id)
             except KeyError:  # left the registry meanwhile
+                self._leases.close(lease)
                 continue
             except asyncio.CancelledError:
-                self._abort_later(decode_id, "decode")  # it may hold a reservation
-                raise
+                self._abort_later(decode_id, "decode", lease)  # it may hold a reservation
+                self._leases.close(lease)
+                _reraise_if_we_are_cancelled()
+                self._excluded.add(decode_id)  # the pool took the call back: it is hung
+                refusals.append(f"{decode_id}: stopped answering health checks")
+                continue
             except grpc.aio.AioRpcError as exc:
                 failure = self._failure(exc)
                 if failure.kind is Failure.ALREADY_EXISTS:  # not ours to abort
+                    self._leases.close(lease)
                     raise self._id_in_use("") from None
-                self._abort_later(decode_id, "decode")  # it may hold a reservation
+                self._abort_later(decode_id, "decode", lease)  # it may hold a reservation
+                self._leases.close(lease)
                 self._check_deadline(failure)
                 if failure.kind is Failure.REFUSED:  # the worker refused what the router sent
                     raise RouteError(grpc.StatusCode.INTERNAL,
@@ -263,9 +300,12 @@ class Handoff:
                 continue
             if reply.accepted:
                 self._metrics.routed.labels("decode", decode_id).inc()
-                self._log.info("attempt %d: %d blocks reserved on %s (transfer %d)", number,
-                               reply.num_blocks, decode_id, transfer_id)
-                return _Attempt(number, decode_id, transfer_id, reply.target), refusals, True
+                self._log.info("attempt %d (%s): %d blocks reserved on %s (transfer %d)",
+                               number, lease.attempt_id, reply.num_blocks, decode_id,
+                               transfer_id)
+                return (_Attempt(number, lease, decode_id, transfer_id, reply.target),
+                        refusals, True)
+            self._leases.close(lease)  # refused: nothing is held for it
             refusals.append(f"{decode_id}: {reply.reason}")
             any_refused = True
         return None, refusals, any_refused
@@ -302,8 +342,10 @@ class Handoff:
         self._metrics.routed.labels("prefill", prefill_id).inc()
         assert attempt.target is not None
         self._trace.mark("prefill_started")
+        self._leases.hold(attempt.lease, prefill_id)
         try:
-            call = self._calls.start_prefill(prefill_id, attempt.target, self._timeout())
+            call = self._calls.start_prefill(prefill_id, attempt.lease, attempt.target,
+                                             self._timeout())
         except KeyError:
             self._excluded.add(prefill_id)
             raise _Retry(f"prefill worker {prefill_id} left the registry", "worker_left") from None
@@ -323,10 +365,10 @@ class Handoff:
             if failure.kind is Failure.BUSY:
                 attempt.prefill_id = None  # it took nothing
                 return None
-            self._worker_failed(prefill_id, failure)
-            if failure.kind is Failure.ALREADY_EXISTS:
+            if failure.kind is Failure.ALREADY_EXISTS:  # the worker did not fail
                 attempt.prefill_id = None  # the id's holder there is not ours to abort
                 raise self._id_in_use(" on a prefill worker") from None
+            self._worker_failed(prefill_id, failure)
             why = f"prefill on {prefill_id}: {failure}"
             if failure.kind is Failure.REFUSED:  # the worker refused what the router sent
                 raise RouteError(grpc.StatusCode.INTERNAL, why) from None
@@ -341,7 +383,8 @@ class Handoff:
     def _start_generate(self, attempt: _Attempt, first: Prefilled) -> grpc.aio.UnaryStreamCall:
         try:
             self._trace.mark("generate_started")
-            call = self._calls.start_generate(attempt.decode_id, first, self._timeout())
+            call = self._calls.start_generate(attempt.decode_id, attempt.lease, first,
+                                              self._timeout())
         except KeyError:  # left the registry meanwhile (its channel is closed)
             raise self._decode_left(attempt) from None
         attempt.calls.append(call)
@@ -351,7 +394,8 @@ class Handoff:
         try:
             self._trace.worker_call()
             self._trace.mark("generate_started")
-            call = self._calls.start_generate_local(attempt.decode_id, self._timeout())
+            call = self._calls.start_generate_local(attempt.decode_id, attempt.lease,
+                                                    self._timeout())
         except KeyError:
             raise self._decode_left(attempt) from None
         attempt.calls.append(call)
@@ -404,29 +448,31 @@ class Handoff:
 
     def _end(self, attempt: _Attempt) -> None:
         """Cancels the attempt's calls and, unless it finished cleanly, aborts it on both
-        workers in the background (idempotent there)."""
+        workers in the background (idempotent there); its lease ends either way."""
         for call in attempt.calls:
             call.cancel()
-        if attempt.finished:
-            return
-        if not attempt.decode_aborted:
-            self._abort_later(attempt.decode_id, "decode")
-        if attempt.prefill_id is not None:
-            self._abort_later(attempt.prefill_id, "prefill")
+        if not attempt.finished:
+            if not attempt.decode_aborted:
+                self._abort_later(attempt.decode_id, "decode", attempt.lease)
+            if attempt.prefill_id is not None:
+                self._abort_later(attempt.prefill_id, "prefill", attempt.lease)
+        self._leases.close(attempt.lease)
 
     async def _abort_decode_now(self, attempt: _Attempt) -> None:
         """Cancels the attempt's calls and waits (bounded) for the decode worker's Abort,
-        so a new reservation of this request there is not ALREADY_EXISTS. If this task
+        so the next attempt finds its blocks free. If this task
         is cancelled meanwhile, ``_end`` sends the Abort again in the background."""
         for call in attempt.calls:
             call.cancel()
-        call = self._calls.start_abort(attempt.decode_id, "decode")
+        call = self._calls.start_abort(attempt.decode_id, "decode", attempt.lease.attempt_id)
         if call is not None:
             await self._await_abort(call, attempt.decode_id)
         attempt.decode_aborted = True
 
-    def _abort_later(self, worker_id: str, role: str) -> None:
-        call = self._calls.start_abort(worker_id, role)
+    def _abort_later(self, worker_id: str, role: str, lease: Lease) -> None:
+        """Abort the attempt on the worker in the background (should the Abort not reach
+        it, the worker frees the attempt once its lease is gone)."""
+        call = self._calls.start_abort(worker_id, role, lease.attempt_id)
         if call is not None:
             self._background(asyncio.ensure_future(self._await_abort(call, worker_id)))
 
@@ -454,9 +500,11 @@ class Handoff:
                              "the request's deadline passed while the workers were serving it")
 
     def _id_in_use(self, where: str) -> RouteError:
-        return RouteError(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"request_id {self._req.request_id!r} is already in flight{where} "
-                          "(another router?); request ids must be unique")
+        """A worker holds this attempt's id already: attempt ids are unique per router and
+        random across routers, so this is a bug, not the client's doing."""
+        return RouteError(grpc.StatusCode.INTERNAL,
+                          f"an attempt id of request {self._req.request_id!r} is already held"
+                          f"{where} (attempt ids must be unique)")
 
     def _worker_failed(self, worker_id: str, failure: CallFailure) -> None:
         self._excluded.add(worker_id)

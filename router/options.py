@@ -8,6 +8,7 @@ import os
 
 from router.config import (
     DEFAULT_HTTP_PORT,
+    DEFAULT_LEASE_TTL_S,
     DEFAULT_PORT,
     LOCAL_PREFILL_MODES,
     PREFILL_ROUTING,
@@ -71,6 +72,15 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "hashing of the prompt's leading blocks, bounded load); "
                              "round-robin: the next one in turn, whatever the prompt (a "
                              "baseline for benchmarks; default: affinity)")
+    parser.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL_S,
+                        help="seconds of each attempt's lease in Redis (renewed every third of "
+                             "it): a worker frees what it holds for an attempt whose lease has "
+                             f"been gone this long, e.g. after this router died (default "
+                             f"{DEFAULT_LEASE_TTL_S:g})")
+    parser.add_argument("--debug-port", type=int,
+                        help="serve the internal introspection service (RouterDebug: requests, "
+                             "attempts, leases, pending aborts, channels) in plaintext on this "
+                             "port of --host (0: any free port; default: off). Internal only")
     parser.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
     parser.add_argument("--tls-key", help="... and this PEM private key")
     parser.add_argument("--api-key-file",

@@ -8,6 +8,10 @@ prefill worker are routable. The router reads only ``config.json`` and ``tokeniz
 of ``--model`` (no weights) and imports no torch — except to build the built-in tiny
 model when ``--model`` is not given.
 
+Each attempt of a request has a lease in Redis (``cluster.leases.LeaseKeeper``, renewed
+every ``--lease-ttl / 3``); with ``--debug-port`` the internal ``RouterDebug`` service
+(``router.debug``) reports what the router holds.
+
 Start-up fails at once, before touching Redis, when the port cannot be bound. SIGTERM or
 SIGINT: stop accepting, give in-flight streams ``grace_s`` to finish (then they are
 cancelled, which aborts them on the workers), close every channel, exit 0.
@@ -20,6 +24,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from cluster.files import write_json_atomic
 from cluster.fingerprint import fingerprint_model_dir
 from cluster.keepalive import SERVER_OPTIONS as KEEPALIVE_SERVER_OPTIONS
+from cluster.leases import LeaseKeeper, LeaseStore, new_router_id
 from cluster.registry import Registry, RegistryAuthError
 from engine.tokenizer import load_tokenizer
 from router.auth import ApiKeyInterceptor, load_api_key
@@ -42,6 +48,7 @@ from router.config import (
     RouterConfig,
     TLSFiles,
 )
+from router.debug import start_debug_server
 from router.generations import Generations
 from router.http.server import HttpServer, HttpStartError, build_http_server
 from router.service import SERVICE_NAME, GenerationService
@@ -72,8 +79,11 @@ class Router:
         self.registry = Registry(d.redis_url, cluster=d.cluster)
         self.pool = WorkerPool(self.registry, fingerprint, keep_missing_s=d.keep_missing_s,
                                suspect_s=d.suspect_s)
+        self.leases = LeaseKeeper(LeaseStore(d.redis_url, cluster=d.cluster), new_router_id(),
+                                  config.handoff.lease_ttl_s)
         self.generations = Generations(self.pool, self.limits, tokenizer,
-                                       handoff=config.handoff, admission=config.admission)
+                                       handoff=config.handoff, admission=config.admission,
+                                       leases=self.leases)
         self.service = GenerationService(self.generations)
         self.serving = False  # what health says (also the HTTP API's /health)
         self.http: HttpServer | None = None
@@ -91,6 +101,8 @@ class Router:
         self._metrics_server: Any = None
         self.metrics_address: str | None = None
         self._refresher: asyncio.Task[None] | None = None
+        self._debug_server: grpc.aio.Server | None = None
+        self.debug_address: str | None = None
         self.address = config.address
 
     async def start(self) -> str:
@@ -131,6 +143,13 @@ class Router:
             await self._start_health_server()
         if self.config.metrics_port is not None:
             self._start_metrics_server(self.config.metrics_port)
+        if self.config.debug_port is not None:
+            try:
+                self._debug_server, self.debug_address = await start_debug_server(
+                    self.generations, self.config.host, self.config.debug_port)
+            except RuntimeError as exc:
+                raise RouterStartError(str(exc)) from None
+        self.leases.start()
         await self._refresh()
         await server.start()
         self._server = server
@@ -185,14 +204,20 @@ class Router:
                 logger.exception("refreshing the worker view failed")
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Stops accepting, lets streams finish for ``grace_s``, releases everything."""
+        """Stops accepting (health NOT_SERVING; a new request gets UNAVAILABLE, on both
+        APIs, while the ports stay open), lets streams finish for ``grace_s``, then closes
+        the servers (cancelling what is left) and releases everything."""
         if self._refresher is not None:
             self._refresher.cancel()
         self.serving = False
+        self.generations.draining = True
         if self._server is not None:
+            grace = self.config.grace_s if grace_s is None else grace_s
+            started = time.monotonic()
             await self._health.enter_graceful_shutdown()
+            await self.generations.wait_idle(grace)
             await asyncio.gather(
-                self._server.stop(self.config.grace_s if grace_s is None else grace_s),
+                self._server.stop(max(0.0, grace - (time.monotonic() - started))),
                 *([self.http.stop()] if self.http is not None else []))
         if self._health_server is not None:
             await self._health_server.stop(None)
@@ -200,6 +225,11 @@ class Router:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         await self.generations.drain_background()
+        await self.leases.stop()
+        if self.leases.store is not None:
+            self.leases.store.close()
+        if self._debug_server is not None:
+            await self._debug_server.stop(None)
         await self.pool.close()
         self.registry.close()
 
@@ -219,10 +249,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         admission=AdmissionConfig(max_inflight=args.max_inflight,
                                   max_queued_tokens=args.max_queued_tokens or None,
                                   max_buffered_chunks=args.max_buffered_chunks),
-        handoff=HandoffConfig(local_prefill=args.local_prefill,
+        handoff=HandoffConfig(local_prefill=args.local_prefill, lease_ttl_s=args.lease_ttl,
                               prefill_routing=args.prefill_routing),
-        health_port=args.health_port,
-        metrics_port=args.metrics_port, http=_http(args))
+        health_port=args.health_port, metrics_port=args.metrics_port, http=_http(args),
+        debug_port=args.debug_port)
 
 
 def _http(args: argparse.Namespace) -> HttpConfig | None:
@@ -266,7 +296,7 @@ async def _serve(config: RouterConfig, ready_file: str | None) -> int:
         loop.add_signal_handler(sig, stop.set)
     if ready_file:
         ready = {"grpc_address": address, "role": "router", "model": router.limits.name}
-        for name in ("http_address", "health_address", "metrics_address"):
+        for name in ("http_address", "health_address", "metrics_address", "debug_address"):
             if getattr(router, name) is not None:
                 ready[name] = getattr(router, name)
         write_json_atomic(ready_file, ready)

@@ -18,6 +18,7 @@ import grpc
 
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
+from cluster.leases import Lease
 from router.outputs import OutputChunk, Usage
 from router.trace import PrefillTimes
 from router.validation import ValidRequest
@@ -109,36 +110,48 @@ def classify(exc: grpc.aio.AioRpcError, *, deadline_passed: bool) -> CallFailure
 
 
 class WorkerCalls:
-    """The internal API calls of one request (its id and sampling converted once)."""
+    """The internal API calls of one request (its id and sampling converted once). Every
+    call names an attempt (``Lease.attempt_id``): what the workers key everything by; the
+    client's ``request_id`` goes along for their logs. ``lease_ttl_ms`` is the leases'."""
 
-    def __init__(self, pool: WorkerPool, request: ValidRequest) -> None:
+    def __init__(self, pool: WorkerPool, request: ValidRequest, lease_ttl_ms: int) -> None:
         self._pool = pool
         self._req = request
         self._sampling = _sampling_proto(request)
+        self._lease_ttl_ms = lease_ttl_ms
 
-    async def reserve(self, decode_id: str, transfer_id: int, timeout_s: float,
-                      wait_s: float) -> Reservation:
-        """Reserve on ``decode_id`` (``KeyError`` if it left the registry; ``AioRpcError``
-        if the call failed); its transfer may wait ``wait_s`` to start."""
+    def _lease(self, lease: Lease) -> pb.Lease:
+        return pb.Lease(key=lease.key, ttl_ms=self._lease_ttl_ms if lease.key else 0)
+
+    def start_reserve(self, decode_id: str, lease: Lease, transfer_id: int, timeout_s: float,
+                      wait_s: float) -> grpc.aio.UnaryUnaryCall:
+        """The Reserve call for the attempt on ``decode_id`` (``KeyError`` if it left the
+        registry; awaiting it raises ``AioRpcError`` if it failed); its transfer may wait
+        ``wait_s`` to start. ``reserved`` reads the reply."""
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
-        reply = await stub.Reserve(pb.ReserveRequest(
+        return stub.Reserve(pb.ReserveRequest(
             request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
             sampling=self._sampling, transfer_id=transfer_id,
-            wait_ms=max(1, int(wait_s * 1000))), timeout=timeout_s)
+            wait_ms=max(1, int(wait_s * 1000)), attempt_id=lease.attempt_id,
+            lease=self._lease(lease)), timeout=timeout_s)
+
+    @staticmethod
+    def reserved(reply: pb.ReserveResponse) -> Reservation:
         if not reply.accepted:
             return Reservation(False, reason=reply.reason)
         t = reply.target
         return Reservation(True, reply.num_blocks, KVTarget(
             t.kv_address, t.tensor_parallel_size, t.transfer_id))
 
-    def start_prefill(self, prefill_id: str, target: KVTarget, timeout_s: float
+    def start_prefill(self, prefill_id: str, lease: Lease, target: KVTarget, timeout_s: float
                       ) -> grpc.aio.UnaryUnaryCall:
         stub = pb_grpc.PrefillWorkerStub(self._pool.channel(prefill_id))
         return stub.Prefill(pb.PrefillRequest(
             request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
             sampling=self._sampling, target=pb.KVTarget(
                 kv_address=target.kv_address, tensor_parallel_size=target.tensor_parallel_size,
-                transfer_id=target.transfer_id)), timeout=timeout_s)
+                transfer_id=target.transfer_id), attempt_id=lease.attempt_id,
+            lease=self._lease(lease)), timeout=timeout_s)
 
     @staticmethod
     def prefilled(reply: pb.PrefillResponse) -> Prefilled:
@@ -149,21 +162,25 @@ class WorkerCalls:
         return Prefilled(reply.first_token_id, reply.num_cached_tokens, reply.num_prompt_tokens,
                          times)
 
-    def start_generate(self, decode_id: str, first: Prefilled, timeout_s: float
+    def start_generate(self, decode_id: str, lease: Lease, first: Prefilled, timeout_s: float
                        ) -> grpc.aio.UnaryStreamCall:
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
         return stub.Generate(pb.GenerateRequest(
             request_id=self._req.request_id, first_token_id=first.first_token_id,
-            num_cached_tokens=first.num_cached_tokens), timeout=timeout_s)
+            num_cached_tokens=first.num_cached_tokens, attempt_id=lease.attempt_id),
+            timeout=timeout_s)
 
-    def start_generate_local(self, decode_id: str, timeout_s: float) -> grpc.aio.UnaryStreamCall:
+    def start_generate_local(self, decode_id: str, lease: Lease, timeout_s: float
+                             ) -> grpc.aio.UnaryStreamCall:
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
         return stub.GenerateLocal(pb.GenerateLocalRequest(
             request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
-            sampling=self._sampling), timeout=timeout_s)
+            sampling=self._sampling, attempt_id=lease.attempt_id, lease=self._lease(lease)),
+            timeout=timeout_s)
 
-    def start_abort(self, worker_id: str, role: str) -> grpc.aio.UnaryUnaryCall | None:
-        """``Abort(request_id)`` started on the worker; None if it left the registry."""
+    def start_abort(self, worker_id: str, role: str, attempt_id: str
+                    ) -> grpc.aio.UnaryUnaryCall | None:
+        """``Abort(attempt_id)`` started on the worker; None if it left the registry."""
         try:
             channel = self._pool.channel(worker_id)
         except KeyError:
@@ -171,8 +188,8 @@ class WorkerCalls:
         stub: pb_grpc.DecodeWorkerStub | pb_grpc.PrefillWorkerStub = (
             pb_grpc.DecodeWorkerStub(channel) if role == "decode"
             else pb_grpc.PrefillWorkerStub(channel))
-        return stub.Abort(pb.AbortRequest(request_id=self._req.request_id),
-                          timeout=ABORT_TIMEOUT_S)
+        return stub.Abort(pb.AbortRequest(request_id=self._req.request_id,
+                                          attempt_id=attempt_id), timeout=ABORT_TIMEOUT_S)
 
 
 async def chunks(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[OutputChunk]:

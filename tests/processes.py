@@ -150,3 +150,34 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str,
             pass
         assert time.monotonic() - start < timeout_s, f"timed out after {timeout_s}s waiting for {what}"
         time.sleep(period_s)
+
+
+def listening(pid: int) -> list[str]:
+    """``host:port`` of every TCP socket ``pid`` listens on (from its /proc entries)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                found.append(_proc_net_address(cols[1]))
+    return found
+
+
+def _proc_net_address(hex_address: str) -> str:
+    """/proc/net/tcp{,6}'s ``HEX:PORT`` (addresses as host-order 32-bit words)."""
+    host, port = hex_address.split(":")
+    words = bytes.fromhex(host)
+    raw = b"".join(words[i:i + 4][::-1] for i in range(0, len(words), 4))
+    if len(raw) == 16 and raw[:12] == bytes(10) + b"\xff\xff":  # IPv4-mapped IPv6
+        raw = raw[12:]
+    if len(raw) == 4:
+        return f"{'.'.join(str(b) for b in raw)}:{int(port, 16)}"
+    return f"[{raw.hex()}]:{int(port, 16)}"  # any other IPv6 address: named as is

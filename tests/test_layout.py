@@ -40,6 +40,7 @@ SDK_MODULES = ("pdserve", "pdserve.client", "pdserve.aio_client", "pdserve.v1")
 ADAPTERS = {
     "pdserve.client", "pdserve.aio_client",  # the SDK
     "router.api", "router.service", "router.worker_calls",  # the router's two edges
+    "router.debug",  # the router's introspection service
     "worker.servicer", "prefill_worker.server", "decode_worker.server",  # the workers' edge
 }
 GENERATED = ("pdserve.v1.generate_pb2", "pdserve.v1.generate_pb2_grpc",
@@ -49,8 +50,10 @@ TORCH_FREE = ("engine.kvcache", "engine.scheduler", "engine.request", "engine.co
               "engine.sampling_params", "engine.sharding", "engine.tokenizer",
               "kvtransfer.layout", "kvtransfer.protocol", "kvtransfer.config",
               "kvtransfer.states", "kvtransfer.plan", "cluster", "router", "worker.server",
-              "worker.loop", "worker.options", "worker.pause_points", "pdserve.cli",
-              "pdserve.local_cluster", "pdserve.redis_server", *SDK_MODULES)
+              "worker.loop", "worker.options", "cluster.pause_points", "pdserve.cli",
+              "pdserve.local_cluster", "pdserve.redis_server", "pdserve.ray_options",
+              "pdserve.ray_plan", "pdserve.ray_actors", "pdserve.ray_members", "pdserve.ray_cluster",
+              *SDK_MODULES)
 
 
 def _module_name(path: Path) -> str:
@@ -264,8 +267,11 @@ def test_torch_free_packages_import_without_torch() -> None:
         "import kvtransfer, kvtransfer.layout, kvtransfer.protocol, kvtransfer.plan\n"
         "import cluster.registry, cluster.heartbeat, cluster.view, cluster.fingerprint\n"
         "import router.server, router.service, router.handoff, router.api, router.worker_calls\n"
-        "import worker.server, worker.loop, worker.options, worker.pause_points\n"
+        "import worker.server, worker.loop, worker.options, cluster.pause_points\n"
         "import pdserve, pdserve.cli, pdserve.local_cluster, pdserve.redis_server\n"
+        "import pdserve.ray_options, pdserve.ray_plan, pdserve.ray_actors, pdserve.ray_members\n"
+        "import pdserve.ray_cluster\n"
+        "assert 'ray' not in sys.modules  # imported only when a cluster starts on Ray\n"
         "assert sys.modules['torch'] is None  # still blocked: nothing replaced or loaded it\n"
         "assert not [m for m in sys.modules if m.startswith('torch.')]\n"
         "assert engine.SamplingParams(max_tokens=1).max_tokens == 1\n"

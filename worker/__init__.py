@@ -9,7 +9,8 @@
 - ``worker.rank_calls``: the vocabulary of the leader's calls to its ranks' KV plugins
   (transfer statuses, aborts, per-rank stats);
 - ``worker.options``: the command-line options (standard library only);
-- ``worker.pause_points``: test-only pause points and event records.
+- ``worker.leases``: the attempts' leases a worker watches, and the watcher that frees an
+  attempt whose lease is gone.
 
 May import: ``cluster``, ``kvtransfer``, ``engine``; never ``prefill_worker``,
 ``decode_worker``, the router or the SDK.

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import grpc
 
+from cluster import pause_points
 from engine.kvcache import KVCacheUsage
+from worker.leases import LeaseBook
 from worker.metrics import RequestTimings, Snapshot, WorkerMetrics
 
 if TYPE_CHECKING:
@@ -88,6 +90,12 @@ class LoopInfo:
     num_expired: int = 0  # dropped at their deadline before any compute, since the start
     num_started: int = 0  # requests whose prompt the engine started computing
     num_failed_transfers: int = 0  # KV transfers that failed, since the start
+    attempt_ids: tuple[str, ...] = ()  # the attempts held (the engine's request ids)
+    watched_leases: int = 0  # leases of held attempts the worker watches
+    queued_commands: int = 0  # commands not yet picked up
+    num_lease_aborts: int = 0  # attempts freed because their lease was gone
+    num_expired_commands: int = 0  # commands dropped unrun: their caller's deadline passed
+    num_unexpected_acks: int = 0  # KV acknowledgements counted and ignored (prefill ranks)
 
 
 class KVLeader(Protocol):
@@ -104,6 +112,13 @@ class KVLeader(Protocol):
     def rank_totals(self) -> RankTotals:
         """The ranks' data-plane figures, summed."""
         ...
+
+
+@dataclass(frozen=True)
+class _Queued:
+    command: Command[Any]
+    future: Future[Any]
+    deadline: float | None  # monotonic: the caller's; a command picked up later never runs
 
 
 class EngineLoop:
@@ -130,13 +145,15 @@ class EngineLoop:
         self._snapshot_at = self._totals_at = 0.0
         self._totals: RankTotals | None = None
         self._preemptions_seen = 0
-        self._commands: queue.SimpleQueue[tuple[Command[Any], Future[Any]] | None] = (
-            queue.SimpleQueue())
+        self._commands: queue.SimpleQueue[_Queued | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = threading.Event()
         self.error: BaseException | None = None  # why the loop died, if it did
         self.progress_at = time.monotonic()  # the last step, or the last moment idle
         self.num_expired = 0  # requests dropped at their deadline before any compute
+        self.num_expired_commands = 0  # commands whose caller's deadline passed unrun
+        self.leases = LeaseBook()  # what the lease watcher watches (worker.leases)
+        self._client_ids: dict[str, str] = {}  # attempt id -> the client's request id (logs)
 
     def start(self) -> None:
         self._thread.start()
@@ -148,8 +165,9 @@ class EngineLoop:
     def call(self, command: Command[T], timeout_s: float | None = None) -> T:
         """Run ``command`` on the loop thread and return its reply (or raise its error),
         blocking this thread. ``WorkerError(UNAVAILABLE)`` when the loop is not running or
-        does not answer in ``timeout_s`` (a command not started by then never runs)."""
-        future = self._enqueue(command)
+        does not answer in ``timeout_s``. A command not started within ``timeout_s`` never
+        runs: the loop drops a command it picks up after its caller's deadline."""
+        future = self._enqueue(command, timeout_s)
         try:
             return future.result(timeout_s)
         except TimeoutError:
@@ -158,8 +176,10 @@ class EngineLoop:
                               f"engine loop did not answer {type(command).__name__}") from None
 
     async def acall(self, command: Command[T], timeout_s: float | None = None) -> T:
-        """``call`` for the gRPC side's event loop: awaits the reply, blocks nothing."""
-        future = self._enqueue(command)
+        """``call`` for the gRPC side's event loop: awaits the reply, blocks nothing.
+        Give the RPC's remaining time (``call_timeout``): a command whose caller left is
+        never run later."""
+        future = self._enqueue(command, timeout_s)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except TimeoutError:
@@ -182,11 +202,12 @@ class EngineLoop:
             return 0.0
         return time.monotonic() - self.progress_at
 
-    def _enqueue(self, command: Command[T]) -> Future[T]:
+    def _enqueue(self, command: Command[T], timeout_s: float | None = None) -> Future[T]:
         if not self.alive:
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
         future: Future[T] = Future()
-        self._commands.put((command, future))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._commands.put(_Queued(command, future, deadline))
         return future
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -203,6 +224,7 @@ class EngineLoop:
                     self._before_step()
                     for out in self.core.step():
                         self._deliver(out)
+                    self._after_step()
                 self.progress_at = time.monotonic()
                 self._refresh_metrics()
         except BaseException as exc:  # the loop is dead: health turns NOT_SERVING
@@ -225,14 +247,22 @@ class EngineLoop:
                 break
             if item is None:
                 return False
-            command, future = item
             block = False
-            if not future.set_running_or_notify_cancel():
+            if not item.future.set_running_or_notify_cancel():
                 continue
+            if item.deadline is not None and time.monotonic() > item.deadline:
+                self.num_expired_commands += 1  # its caller has left: never run it
+                item.future.set_exception(WorkerError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{type(item.command).__name__} not started before its caller's deadline"))
+                continue
+            if pause_points.enabled():
+                pause_points.pause("worker.command", command=type(item.command).__name__,
+                                   attempt_id=str(getattr(item.command, "request_id", "")))
             try:
-                future.set_result(self._handle(command))
+                item.future.set_result(self._handle(item.command))
             except Exception as exc:
-                future.set_exception(exc)
+                item.future.set_exception(exc)
         if self._is_polling():
             self._poll()
         return True
@@ -243,14 +273,23 @@ class EngineLoop:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if item is not None and item[1].set_running_or_notify_cancel():
-                item[1].set_exception(
+            if item is not None and item.future.set_running_or_notify_cancel():
+                item.future.set_exception(
                     WorkerError(grpc.StatusCode.UNAVAILABLE, "the engine loop stopped"))
 
     def _close(self) -> None:
+        """Fail every request still held (UNAVAILABLE: the caller may retry elsewhere) and
+        shut the engine down. Each abort on its own: when ranks are dead an abort that
+        calls into them raises, and every later request must still be failed at once."""
+        reason = ("the worker is shutting down" if self.error is None
+                  else f"the engine loop stopped: {self.error!r}")
         try:
             for rid in self._live_ids():
-                self._abort(rid, grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+                try:
+                    self._abort(rid, grpc.StatusCode.UNAVAILABLE, reason)
+                except Exception:
+                    log.warning("abort while closing failed (its caller was failed first)",
+                                exc_info=True, extra=self.log_extra(rid))
         finally:
             self.core.shutdown()
 
@@ -261,6 +300,7 @@ class EngineLoop:
         if now - self._snapshot_at < SNAPSHOT_S:
             return
         self._snapshot_at = now
+        self._forget_ended()
         if self._totals is None or now - self._totals_at >= TOTALS_S:
             self._totals, self._totals_at = self.kv_leader.rank_totals(), now
         sched, kv = self.core.scheduler, self.core.kv_usage()
@@ -269,7 +309,8 @@ class EngineLoop:
             kv_usage=(kv.in_use + kv.pinned) / kv.total if kv.total else 0.0,
             pinned_blocks=kv.pinned, open_channels=self._totals.open_channels,
             bytes_moved=self._totals.bytes_moved,
-            checksum_failures=self._totals.checksum_failures)
+            checksum_failures=self._totals.checksum_failures,
+            unexpected_acks=self._totals.unexpected_acks)
         preemptions = sched.stats.num_preemptions
         if preemptions > self._preemptions_seen:
             self.metrics.label(self.metrics.preemptions).inc(preemptions - self._preemptions_seen)
@@ -288,7 +329,26 @@ class EngineLoop:
             return self._info()
         return self._handle_own(command)
 
+    def named(self, attempt_id: str, request_id: str) -> None:
+        """Log lines about ``attempt_id`` name the client's ``request_id`` too (loop thread)."""
+        if request_id and request_id != attempt_id:
+            self._client_ids[attempt_id] = request_id
+
+    def log_extra(self, attempt_id: str) -> dict[str, str]:
+        """``extra`` of a log line about an attempt: ``request_id=<client id> attempt=<id>``."""
+        client = self._client_ids.get(attempt_id)
+        return {"request_id": attempt_id if client is None
+                else f"{client} attempt={attempt_id}"}
+
+    def _forget_ended(self) -> None:
+        """Drop what is kept per attempt for attempts no longer held."""
+        live = set(self._live_ids())
+        self.leases.retain(live)  # attempts that ended here by themselves
+        for attempt_id in set(self._client_ids) - live:
+            del self._client_ids[attempt_id]
+
     def _info(self) -> LoopInfo:
+        self._forget_ended()
         totals = self.kv_leader.rank_totals()
         sched = self.core.scheduler
         return LoopInfo(
@@ -298,13 +358,19 @@ class EngineLoop:
             waiting=len(sched.waiting) + self._num_unadmitted(),
             num_preemptions=sched.stats.num_preemptions, num_expired=self.num_expired,
             num_started=sched.stats.num_started,
-            num_failed_transfers=self.kv_leader.num_failed)
+            num_failed_transfers=self.kv_leader.num_failed,
+            attempt_ids=tuple(self._live_ids()), watched_leases=len(self.leases),
+            queued_commands=self._commands.qsize(), num_lease_aborts=self.leases.num_aborted,
+            num_expired_commands=self.num_expired_commands,
+            num_unexpected_acks=totals.unexpected_acks)
 
     # --- what each kind implements --------------------------------------------------
     def _handle_own(self, command: Command[Any]) -> Any:
         raise TypeError(f"unknown command {command!r}")
 
     def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
+        """Stop one request wherever it is: fail its caller's stream first, then release
+        what it holds (which may call into the ranks and raise)."""
         raise NotImplementedError
 
     def _live_ids(self) -> list[str]:
@@ -325,6 +391,9 @@ class EngineLoop:
 
     def _before_step(self) -> None:
         """Runs before each step (e.g. drop requests whose deadline passed)."""
+
+    def _after_step(self) -> None:
+        """Runs after each step, once its outputs were delivered."""
 
 
 def _log_failure(future: Future[Any]) -> None:

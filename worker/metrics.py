@@ -21,6 +21,7 @@ pdserve's own, under ``pdserve:``: ``pdserve:kv_transfers_total{direction, outco
 (sent/received, ok/failed), ``pdserve:kv_transfer_bytes_total{direction}``,
 ``pdserve:kv_transfer_seconds{direction}`` (sent: last layer computed → every decode rank
 acknowledged; received: reservation → KV verified on every rank), ``pdserve:kv_checksum_failures_total``,
+``pdserve:kv_unexpected_acks_total`` (acknowledgements a sender counted and ignored),
 ``pdserve:kv_pinned_blocks``, ``pdserve:kv_open_channels`` (gauges), and
 ``pdserve:worker_info{role, worker_id}`` (1).
 
@@ -57,6 +58,7 @@ class Snapshot:
     open_channels: int = 0
     bytes_moved: int = 0
     checksum_failures: int = 0
+    unexpected_acks: int = 0
 
 
 class _Live(Collector):
@@ -84,6 +86,11 @@ class _Live(Collector):
                                        "KV parts that arrived corrupted", labels=["model_name"])
         failures.add_metric(labels, s.checksum_failures)
         yield failures
+        acks = CounterMetricFamily("pdserve:kv_unexpected_acks",
+                                   "KV acknowledgements ignored (duplicate, late, unknown)",
+                                   labels=["model_name"])
+        acks.add_metric(labels, s.unexpected_acks)
+        yield acks
 
 
 class WorkerMetrics:

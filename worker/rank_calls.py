@@ -47,7 +47,7 @@ class Op(enum.IntEnum):
 # transfer_id, state, has trailer, first token id, cached tokens, len(reason); then reason
 _STATUS = struct.Struct("<qBBqqI")
 # pending, open channels, max channels, bytes moved, checksum failures
-_STATS = struct.Struct("<qqqqq")
+_STATS = struct.Struct("<qqqqqq")
 _ID = struct.Struct("<q")
 
 
@@ -104,17 +104,19 @@ def ints(raw: bytes) -> list[int]:
 @dataclass(frozen=True)
 class RankStats:
     """One rank's data-plane figures: transfers pending, channels open and their bound,
-    KV payload bytes moved (sent, or received) and checksum failures since the start."""
+    KV payload bytes moved (sent, or received), checksum failures and unexpected
+    acknowledgements (counted and ignored by a sender) since the start."""
 
     pending: int
     open_channels: int
     max_channels: int
     bytes_moved: int = 0
     checksum_failures: int = 0
+    unexpected_acks: int = 0
 
     def encode(self) -> bytes:
         return _STATS.pack(self.pending, self.open_channels, self.max_channels,
-                           self.bytes_moved, self.checksum_failures)
+                           self.bytes_moved, self.checksum_failures, self.unexpected_acks)
 
     @classmethod
     def decode(cls, raw: bytes) -> RankStats:
@@ -129,13 +131,15 @@ class RankTotals:
     open_channels: int = 0
     bytes_moved: int = 0
     checksum_failures: int = 0
+    unexpected_acks: int = 0
 
 
 def rank_totals(replies: Sequence[bytes]) -> RankTotals:
     """The ranks' ``STATS`` replies, summed."""
     stats = [RankStats.decode(r) for r in replies]
     return RankTotals(sum(s.pending for s in stats), sum(s.open_channels for s in stats),
-                      sum(s.bytes_moved for s in stats), sum(s.checksum_failures for s in stats))
+                      sum(s.bytes_moved for s in stats), sum(s.checksum_failures for s in stats),
+                      sum(s.unexpected_acks for s in stats))
 
 
 class JsonConfig:

@@ -1,6 +1,7 @@
 """What the prefill and decode worker processes share on their gRPC side, torch-free:
 the asyncio gRPC server, the ready file, health, Redis registration after readiness, the
-SIGTERM wait and drain (``serve_until_signal``). The engine side of a worker process is
+SIGTERM wait and drain (``serve_until_signal``), and with Redis the lease watcher
+(``worker.leases``: attempts whose router-owned lease is gone are freed). The engine side of a worker process is
 ``worker.process``; the engine-loop thread and its commands are ``worker.loop``; the
 protobuf adapters ``worker.servicer``.
 
@@ -31,10 +32,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cluster.files import write_json_atomic
 from cluster.heartbeat import Heartbeat
 from cluster.keepalive import SERVER_OPTIONS
+from cluster.leases import LeaseStore
 from cluster.records import WorkerLoad, WorkerRecord
 from cluster.registry import FingerprintMismatch, Registry
 from kvtransfer.layout import KVLayout
-from worker.loop import EngineLoop
+from worker.leases import LeaseWatcher
+from worker.loop import Abort, EngineLoop
 from worker.metrics import WorkerMetrics
 from worker.options import advertise_host
 
@@ -138,7 +141,9 @@ def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
     the address registered and written to the ready file is ``--advertise-host``'s.
 
     Order: server up → registration (``--redis-url``; a fingerprint mismatch exits 3
-    naming the field, as do invalid ``--heartbeat-interval``/``--registration-ttl``) →
+    naming the field — at once, or when a later heartbeat keeps finding one, after
+    draining — as do invalid ``--heartbeat-interval``/``--registration-ttl``; Redis down:
+    the heartbeat waits to join) →
     SERVING → ready file → wait. Stop: NOT_SERVING, deregister, refuse new RPCs and give
     in-flight ones ``args.grace`` seconds, cancel the rest (their cancellation aborts
     their requests), then stop the loop (aborts what is left, shuts the engine and its
@@ -169,12 +174,19 @@ async def _serve(args: Any, loop: EngineLoop, endpoint: Endpoint, metrics_addres
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     heartbeat: Heartbeat | None = None
     watcher: asyncio.Task[None] | None = None
+    leases: LeaseWatcher | None = None
     try:
         if args.redis_url:
+            aio_loop = asyncio.get_running_loop()
+
+            def refused(_: FingerprintMismatch) -> None:  # at a later beat: stop, exit 3
+                aio_loop.call_soon_threadsafe(stop.set)
+
             heartbeat = await asyncio.to_thread(_register, args, endpoint, grpc_address,
-                                                metrics_address)
+                                                metrics_address, refused)
             if heartbeat is None:
                 return 3
+            leases = start_lease_watcher(args, loop)
         await health_.set(True)
         watcher = asyncio.create_task(watch_progress(health_, loop, args.stall_timeout))
         if args.ready_file:
@@ -189,14 +201,30 @@ async def _serve(args: Any, loop: EngineLoop, endpoint: Endpoint, metrics_addres
         await health_.set(False)
         if heartbeat is not None:
             await asyncio.to_thread(run_guarded, "deregistering", heartbeat.stop)
+        if leases is not None:
+            await asyncio.to_thread(run_guarded, "stopping the lease watcher", leases.stop)
         start = time.monotonic()
         await server.stop(args.grace)
         log.info("gRPC server stopped in %.2fs", time.monotonic() - start)
+    if heartbeat is not None and heartbeat.refused is not None:
+        print(f"pdserve {identity.role}: left the cluster: {heartbeat.refused} "
+              f"(differing field: {heartbeat.refused.field})", file=sys.stderr)
+        return 3
     return 0
 
 
-def _register(args: Any, endpoint: Endpoint, grpc_address: str,
-              metrics_address: str) -> Heartbeat | None:
+def start_lease_watcher(args: Any, loop: EngineLoop) -> LeaseWatcher:
+    """Frees the attempts whose router-owned lease is gone (``worker.leases``)."""
+    def abort(attempt_id: str) -> None:
+        loop.post(Abort(attempt_id, "its lease is gone: the router that owned it died or "
+                        "lost it"))
+
+    return LeaseWatcher(LeaseStore(args.redis_url, cluster=args.cluster), loop.leases,
+                        abort).start()
+
+
+def _register(args: Any, endpoint: Endpoint, grpc_address: str, metrics_address: str,
+              on_mismatch: Callable[[FingerprintMismatch], None]) -> Heartbeat | None:
     """Start the heartbeat; None (after a message naming the field) on a fingerprint
     mismatch or invalid heartbeat/TTL settings."""
     identity = endpoint.identity
@@ -216,7 +244,7 @@ def _register(args: Any, endpoint: Endpoint, grpc_address: str,
         print(f"pdserve {identity.role}: {exc}", file=sys.stderr)
         return None
     try:
-        return Heartbeat(registry, record, endpoint.load_fn).start()
+        return Heartbeat(registry, record, endpoint.load_fn, on_mismatch=on_mismatch).start()
     except FingerprintMismatch as exc:
         print(f"pdserve {identity.role}: not joining the cluster: {exc} "
               f"(differing field: {exc.field})", file=sys.stderr)

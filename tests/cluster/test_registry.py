@@ -67,7 +67,7 @@ def test_record_round_trips_through_versioned_json() -> None:
     record = make_record(layout=OTHER_LAYOUT, tensor_parallel_size=2,
                          metrics_address="127.0.0.1:9090")
     text = record.to_json()
-    assert json.loads(text)["version"] == 2
+    assert json.loads(text)["version"] == 3
     assert WorkerRecord.from_json(text) == record
     assert WorkerRecord.from_json(text.encode()) == record
     # a version-1 record (before metrics_address existed) still reads
@@ -75,6 +75,15 @@ def test_record_round_trips_through_versioned_json() -> None:
     old.update(version=1)
     del old["metrics_address"]
     assert WorkerRecord.from_json(json.dumps(old)).metrics_address == ""
+    # a version-2 record (before the protocol version was recorded) reads as protocol 0,
+    # so it differs from every current layout in that field
+    old = json.loads(text)
+    old.update(version=2)
+    del old["layout"]["protocol_version"]
+    older = WorkerRecord.from_json(json.dumps(old))
+    assert older.layout.protocol_version == 0
+    diff = record.layout.diff(older.layout)
+    assert diff is not None and diff.startswith("protocol_version: 1 != 0"), diff
     assert record.with_load(WorkerLoad(1, 12, 5, 6)).load == WorkerLoad(1, 12, 5, 6)
 
 
@@ -85,7 +94,8 @@ def _mutated(change: Any) -> str:
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    (_mutated(lambda b: b.update(version=3)), "version 3"),
+    (_mutated(lambda b: b.update(version=4)), "version 4"),
+    (_mutated(lambda b: b["layout"].pop("protocol_version")), "missing"),
     (_mutated(lambda b: b.pop("version")), "version None"),
     (_mutated(lambda b: b.update(extra=1)), r"unknown \['extra'\]"),
     (_mutated(lambda b: b.pop("kv_address")), r"missing \['kv_address'\]"),
@@ -234,7 +244,7 @@ def test_a_view_of_an_unreachable_redis_is_empty_and_stale() -> None:
         snapshot = view.refresh()
         assert snapshot.stale and snapshot.workers == () and math.isinf(view.age_s())
         with pytest.raises(RegistryUnavailable):
-            Heartbeat(registry, make_record()).start()
+            registry.register(make_record())
 
 
 # -- fingerprints (row 8) -----------------------------------------------------------------------

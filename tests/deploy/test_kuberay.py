@@ -24,7 +24,6 @@ KUBERAY_DIR = REPO_ROOT / "deploy" / "kuberay"
 SCHEMA_DIR = REPO_ROOT.parent / "shared" / "schemas" / "kuberay"
 SCHEMA_FILES = {"RayCluster": "raycluster-ray.io-v1.json", "RayJob": "rayjob-ray.io-v1.json"}
 GPU = "nvidia.com/gpu"
-PENDING_UP_FLAGS = {"--ray", "--ray-address"}  # the Ray launcher adds them (issue 14)
 
 
 def _manifests() -> dict[str, dict]:
@@ -117,8 +116,6 @@ def _up_args(manifests: dict[str, dict]) -> argparse.Namespace:
     assert words[:3] == ["pdserve", "up", "--ray"]
     sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
     up = sub.choices["up"]
-    up.add_argument("--ray", action="store_true")
-    up.add_argument("--ray-address")
     up.exit_on_error = False
     known = {o for a in up._actions for o in a.option_strings}
     assert not {w for w in words if w.startswith("--")} - known
@@ -132,6 +129,7 @@ def test_rayjob_runs_pdserve_up_on_the_raycluster(manifests: dict[str, dict]) ->
     assert "activeDeadlineSeconds" not in job  # it serves until stopped
     args = _up_args(manifests)
     assert (args.ray, args.ray_address, args.host, args.port) == (True, "auto", "0.0.0.0", 50051)
+    assert args.device == "cuda" and args.ray_gpu_resource is None  # each rank: one Ray GPU
     for name, template in _pod_templates(manifests).items():
         if name == "submitter":
             continue

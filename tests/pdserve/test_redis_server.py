@@ -74,9 +74,18 @@ def test_a_port_taken_meanwhile_is_retried(monkeypatch: pytest.MonkeyPatch) -> N
         picks = iter([taken])
         real_free_port = redis_server_module._free_port
         monkeypatch.setattr(redis_server_module, "_free_port",
-                            lambda: next(picks, None) or real_free_port())
+                            lambda host: next(picks, None) or real_free_port(host))
         with RedisServer() as server:
             assert server.port != taken and client_of(server.url).ping()
+
+
+def test_it_binds_the_host_it_is_given() -> None:
+    # 127.0.0.2 is loopback too, but not 127.0.0.1: only the given address answers
+    with RedisServer(host="127.0.0.2", password="secret") as server:
+        assert server.url == f"redis://:secret@127.0.0.2:{server.port}/0"
+        assert client_of(server.url).ping()
+        with pytest.raises(redis.ConnectionError):
+            client_of(f"redis://:secret@127.0.0.1:{server.port}/0").ping()
 
 
 def test_an_explicit_taken_port_fails_at_once() -> None:

@@ -29,13 +29,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.internal.v1 import worker_pb2 as wpb
 from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
+from cluster.pause_points import PauseDir
 from pdserve import AsyncClient, Client, PdserveError
 from pdserve.local_cluster import LocalCluster, LocalClusterConfig
 from tests.factories import REPO_ROOT
 from tests.processes import wait_until
 from tests.router.cluster import Cluster, start_cluster
 from tests.worker.procs import assert_idle
-from worker.pause_points import PauseDir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -346,6 +346,7 @@ WORKER_METRICS = (
     "vllm:e2e_request_latency_seconds_count", "vllm:request_success_total",
     "pdserve:kv_transfers_total", "pdserve:kv_transfer_bytes_total",
     "pdserve:kv_transfer_seconds_count", "pdserve:kv_checksum_failures_total",
+    "pdserve:kv_unexpected_acks_total",
     "pdserve:kv_pinned_blocks", "pdserve:kv_open_channels", "pdserve:worker_info")
 
 

@@ -431,6 +431,66 @@ def test_a_worker_missing_from_redis_stays_for_keep_missing_s_then_is_forgotten(
     run(body())
 
 
+@pytest.mark.parametrize("then", ["finishes", "comes-back"])
+def test_a_lapsed_registration_keeps_the_channel_of_calls_in_flight(
+        registry: Registry, then: str) -> None:
+    # Defect: a worker whose registration lapsed (a delayed heartbeat) had its channel
+    # closed, cancelling its healthy streams. Now it is only taken out of routing; the
+    # channel closes once no call is in flight on it, or is reused when it comes back.
+    async def body() -> None:
+        async with fake_worker() as w:
+            record = make_record("decode-0", "decode", w.address)
+            registry.register(record)
+            clock = FakeClock()
+            pool = new_pool(registry, clock)
+            try:
+                await pool.refresh()
+                channel = pool.channel("decode-0")
+                call = channel.unary_unary(HANG_METHOD)(b"", timeout=WAIT_S * 2)
+                task: asyncio.Task[bytes] | None = None
+
+                async def stream() -> bytes:
+                    with pool.busy("decode-0"), pool.watched("decode-0", call):
+                        return bytes(await call)
+
+                task = asyncio.create_task(stream())
+                await asyncio.wait_for(w.hanging.wait(), WAIT_S)
+                # 1. the record lapses for longer than keep_missing_s
+                registry.deregister("decode-0")
+                await refresh_fresh(pool)
+                clock.advance(KEEP_MISSING_S + 1.0)
+                await refresh_fresh(pool)
+                # 2. no longer routable, but its call goes on, on the same open channel
+                assert pool.routable("decode") == [] and pool.max_decode_blocks() == 0
+                assert pool.num_channels == 1 and pool.channel("decode-0") is channel
+                await asyncio.sleep(0.2)
+                assert not task.done() and not w.hang_cancelled.is_set()
+                if then == "comes-back":
+                    # 3a. it beats again: routable on the same channel, the call unharmed
+                    registry.register(record)
+                    await pool.refresh()
+                    assert ids(pool.routable("decode")) == ["decode-0"]
+                    assert pool.channel("decode-0") is channel
+                    assert not task.done() and not w.hang_cancelled.is_set()
+                    call.cancel()
+                    await asyncio.wait([task], timeout=WAIT_S)
+                    await pool.refresh()
+                    assert pool.num_channels == 1  # registered: kept, idle or not
+                else:
+                    # 3b. its last call ends: the next refresh closes the channel
+                    call.cancel()
+                    await asyncio.wait([task], timeout=WAIT_S)
+                    assert task.done() and pool.inflight("decode-0") == 0
+                    await refresh_fresh(pool)
+                    assert pool.num_channels == 0
+                    with pytest.raises(KeyError):
+                        pool.channel("decode-0")
+            finally:
+                await pool.close()
+
+    run(body())
+
+
 # -- Redis unreachable (row 20) --------------------------------------------------------------
 
 def test_an_unreachable_redis_keeps_the_last_known_good_workers(
@@ -511,6 +571,24 @@ def test_a_failed_worker_is_skipped_for_suspect_s(
     messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert len(messages) == 2, messages
     assert "decode-0" in messages[0] and "UNAVAILABLE connection reset" in messages[0]
+
+
+def test_a_worker_restarted_at_a_new_address_is_no_longer_suspect(registry: Registry) -> None:
+    async def body() -> None:
+        async with fake_worker() as old, fake_worker() as new:
+            registry.register(make_record("prefill-0", "prefill", old.address))
+            pool = new_pool(registry, FakeClock())
+            try:
+                await pool.refresh()
+                pool.mark_failed("prefill-0", "UNAVAILABLE Socket closed")  # it died
+                assert pool.routable("prefill") == []
+                registry.register(make_record("prefill-0", "prefill", new.address))
+                await pool.refresh()  # its successor registered: routable at once
+                assert [r.grpc_address for r in pool.routable("prefill")] == [new.address]
+            finally:
+                await pool.close()
+
+    run(body())
 
 
 def test_busy_counts_nested_and_failing_requests(registry: Registry) -> None:

@@ -29,10 +29,10 @@ import pytest
 
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
+from cluster.pause_points import PauseDir
 from engine import LLM, SamplingParams
 from tests.processes import Proc, stop_all
 from tests.worker.procs import RPC_TIMEOUT_S, assert_idle, proto_params, spawn_worker
-from worker.pause_points import PauseDir
 
 pytestmark = pytest.mark.timeout(300)
 

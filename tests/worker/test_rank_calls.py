@@ -46,7 +46,7 @@ class Plugin(KVRankPlugin):
         return transfer_id == 5
 
     def stats(self) -> RankStats:
-        return RankStats(2, 1, 8, bytes_moved=4096, checksum_failures=1)
+        return RankStats(2, 1, 8, bytes_moved=4096, checksum_failures=1, unexpected_acks=2)
 
 
 def test_the_shared_ops_are_answered_by_the_base_plugin() -> None:
@@ -55,10 +55,10 @@ def test_the_shared_ops_are_answered_by_the_base_plugin() -> None:
         TransferStatus(1, S.DONE), TransferStatus(2, S.PENDING)]
     assert plugin.handle(abort_request(5)) == b"\x01"
     assert plugin.handle(abort_request(6)) == b"\x00" and plugin.aborted == [5, 6]
-    assert RankStats.decode(plugin.handle(stats_request())) == RankStats(2, 1, 8, 4096, 1)
+    assert RankStats.decode(plugin.handle(stats_request())) == RankStats(2, 1, 8, 4096, 1, 2)
     with pytest.raises(ValueError, match="FINISH"):
         plugin.handle(bytes([Op.FINISH]))
-    assert rank_totals([plugin.handle(stats_request())] * 3) == RankTotals(6, 3, 3 * 4096, 3)
+    assert rank_totals([plugin.handle(stats_request())] * 3) == RankTotals(6, 3, 3 * 4096, 3, 6)
 
 
 def test_poll_transfers_reads_every_rank_once() -> None:

@@ -36,19 +36,31 @@ class KVTarget(_message.Message):
     transfer_id: int
     def __init__(self, kv_address: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., transfer_id: _Optional[int] = ...) -> None: ...
 
+class Lease(_message.Message):
+    __slots__ = ("key", "ttl_ms")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    ttl_ms: int
+    def __init__(self, key: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_id", "wait_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_id", "wait_ms", "attempt_id", "lease")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     transfer_id: int
     wait_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    attempt_id: str
+    lease: Lease
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[int] = ..., wait_ms: _Optional[int] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("accepted", "reason", "num_blocks", "target")
@@ -63,24 +75,30 @@ class ReserveResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., num_blocks: _Optional[int] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "num_cached_tokens")
+    __slots__ = ("request_id", "first_token_id", "num_cached_tokens", "attempt_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    attempt_id: str
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., attempt_id: _Optional[str] = ...) -> None: ...
 
 class GenerateLocalRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "attempt_id", "lease")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    attempt_id: str
+    lease: Lease
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage", "timings")
@@ -113,16 +131,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "attempt_id", "lease")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     target: KVTarget
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
+    attempt_id: str
+    lease: Lease
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "num_cached_tokens", "num_prompt_tokens", "timings")
@@ -147,10 +169,12 @@ class PrefillTimings(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., transfer_us: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "attempt_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    attempt_id: str
+    def __init__(self, request_id: _Optional[str] = ..., attempt_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
@@ -177,7 +201,7 @@ class KVCacheUsage(_message.Message):
     def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., in_use_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "tensor_parallel_size", "model_fingerprint", "kv", "pending_transfers", "open_kv_channels", "running_requests", "waiting_requests", "num_preemptions", "num_expired_requests", "num_started_requests", "num_failed_transfers")
+    __slots__ = ("worker_id", "role", "tensor_parallel_size", "model_fingerprint", "kv", "pending_transfers", "open_kv_channels", "running_requests", "waiting_requests", "num_preemptions", "num_expired_requests", "num_started_requests", "num_failed_transfers", "attempt_ids", "watched_leases", "queued_commands", "num_lease_aborts", "num_expired_commands", "num_unexpected_acks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +215,12 @@ class WorkerInfo(_message.Message):
     NUM_EXPIRED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_STARTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    WATCHED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASE_ABORTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPIRED_COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNEXPECTED_ACKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     tensor_parallel_size: int
@@ -204,4 +234,30 @@ class WorkerInfo(_message.Message):
     num_expired_requests: int
     num_started_requests: int
     num_failed_transfers: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv: _Optional[_Union[KVCacheUsage, _Mapping]] = ..., pending_transfers: _Optional[int] = ..., open_kv_channels: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_expired_requests: _Optional[int] = ..., num_started_requests: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ...) -> None: ...
+    attempt_ids: _containers.RepeatedScalarFieldContainer[str]
+    watched_leases: int
+    queued_commands: int
+    num_lease_aborts: int
+    num_expired_commands: int
+    num_unexpected_acks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv: _Optional[_Union[KVCacheUsage, _Mapping]] = ..., pending_transfers: _Optional[int] = ..., open_kv_channels: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_expired_requests: _Optional[int] = ..., num_started_requests: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., attempt_ids: _Optional[_Iterable[str]] = ..., watched_leases: _Optional[int] = ..., queued_commands: _Optional[int] = ..., num_lease_aborts: _Optional[int] = ..., num_expired_commands: _Optional[int] = ..., num_unexpected_acks: _Optional[int] = ...) -> None: ...
+
+class RouterHoldings(_message.Message):
+    __slots__ = ("router_id", "inflight_requests", "request_ids", "attempt_ids", "pending_aborts", "open_channels", "lease_keys", "unwritten_leases")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_ABORTS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    UNWRITTEN_LEASES_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    inflight_requests: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    attempt_ids: _containers.RepeatedScalarFieldContainer[str]
+    pending_aborts: int
+    open_channels: int
+    lease_keys: _containers.RepeatedScalarFieldContainer[str]
+    unwritten_leases: int
+    def __init__(self, router_id: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., attempt_ids: _Optional[_Iterable[str]] = ..., pending_aborts: _Optional[int] = ..., open_channels: _Optional[int] = ..., lease_keys: _Optional[_Iterable[str]] = ..., unwritten_leases: _Optional[int] = ...) -> None: ...

@@ -91,17 +91,17 @@ class DecodeWorkerServicer:
         reservation.
         - Accepted: `target` is what the prefill worker needs to push the KV. The decode
         worker owns the reserved blocks and frees them on every rank when the Generate
-        stream ends, on `Abort(request_id)`, or at the reservation's deadline: its
+        stream ends, on `Abort(attempt_id)`, or at the reservation's deadline: its
         transfer must start within `wait_ms` (the request's remaining deadline; 0: the
         worker's transfer timeout) and, once started, complete within the worker's
         transfer timeout; and the KV, once arrived, must get a Generate stream within that
         timeout too. A long prefill queue therefore costs no transfer timeout. A
         reservation is never held without a deadline.
-        - Idempotent for retries: a second Reserve with the same request_id and transfer_id
-        returns the existing reservation. The same request_id with a different
+        - Idempotent for retries: a second Reserve with the same attempt_id and transfer_id
+        returns the existing reservation. The same attempt_id with a different
         transfer_id while one is live: ALREADY_EXISTS.
         - If the call itself fails (deadline, UNAVAILABLE), the caller cannot know whether
-        blocks were reserved; it sends `Abort(request_id)`.
+        blocks were reserved; it sends `Abort(attempt_id)`.
         Errors: INVALID_ARGUMENT (empty prompt, transfer_id 0, bad sampling params),
         ALREADY_EXISTS.
         """
@@ -121,7 +121,7 @@ class DecodeWorkerServicer:
         blocks on every rank; ending it before the KV arrived also disarms the receiver.
         At most one Generate per reservation; not retryable (a retry needs a new
         reservation and prefill).
-        Errors: NOT_FOUND (no live reservation for request_id), FAILED_PRECONDITION (a
+        Errors: NOT_FOUND (no live reservation for attempt_id), FAILED_PRECONDITION (a
         Generate stream is already open for it), UNAVAILABLE (the KV transfer failed or did
         not complete before the transfer deadline; nothing is held, the router may retry
         elsewhere), ABORTED (Abort was called while streaming), INTERNAL (a non-zero
@@ -139,7 +139,7 @@ class DecodeWorkerServicer:
         while it has no room; ending the stream in any way frees everything on every rank.
         Used by a router with no prefill worker to send to (`--local-prefill`) and as the
         colocated baseline of benchmarks. Errors: INVALID_ARGUMENT (empty prompt, bad
-        sampling params), ALREADY_EXISTS (request_id is live here), ABORTED (Abort),
+        sampling params), ALREADY_EXISTS (attempt_id is live here), ABORTED (Abort),
         RESOURCE_EXHAUSTED (the worker holds its limit of requests: busy, try later).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -386,12 +386,12 @@ class PrefillWorkerServicer:
         rest. Other requests keep prefilling while a transfer awaits its acknowledgement.
 
         Ownership: the prefill worker keeps the request's blocks pinned until the decode
-        side acknowledges receipt, `Abort(request_id)`, or the transfer deadline passes;
+        side acknowledges receipt, `Abort(attempt_id)`, or the transfer deadline passes;
         then unpins them into the prefix cache. It never frees or touches the decode
         worker's reservation: on any error the router aborts on the decode worker.
         On error, or when the caller cancels or its deadline expires, the prefill worker
         stops the request, releases its own blocks, and sends nothing more to `target`.
-        Not idempotent: a second Prefill for a request_id still held is ALREADY_EXISTS; a
+        Not idempotent: a second Prefill for an attempt_id still held is ALREADY_EXISTS; a
         retry aborts on both sides and starts over with a new reservation and transfer_id.
         A request whose deadline (the call's) passes before its prefill started is dropped
         with DEADLINE_EXCEEDED and never computed (`WorkerInfo.num_expired_requests`).
@@ -522,6 +522,84 @@ class PrefillWorker:
             '/pdserve.internal.v1.PrefillWorker/Info',
             cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
             cluster_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class RouterDebugStub:
+    """The router's introspection (internal: served only on `--debug-port`, never on the
+    public port), for leak checks and debugging: what this router holds right now.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Holdings = channel.unary_unary(
+                '/pdserve.internal.v1.RouterDebug/Holdings',
+                request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
+                response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.RouterHoldings.FromString,
+                _registered_method=True)
+
+
+class RouterDebugServicer:
+    """The router's introspection (internal: served only on `--debug-port`, never on the
+    public port), for leak checks and debugging: what this router holds right now.
+    """
+
+    def Holdings(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RouterDebugServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Holdings': grpc.unary_unary_rpc_method_handler(
+                    servicer.Holdings,
+                    request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.FromString,
+                    response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.RouterHoldings.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.internal.v1.RouterDebug', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.internal.v1.RouterDebug', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RouterDebug:
+    """The router's introspection (internal: served only on `--debug-port`, never on the
+    public port), for leak checks and debugging: what this router holds right now.
+    """
+
+    @staticmethod
+    def Holdings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.RouterDebug/Holdings',
+            cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.RouterHoldings.FromString,
             options,
             channel_credentials,
             insecure,

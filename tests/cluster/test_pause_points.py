@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from cluster import pause_points
+from cluster.pause_points import PauseDir
 from tests.factories import run_without_torch
-from worker import pause_points
-from worker.pause_points import PauseDir
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,7 +25,7 @@ def pause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> PauseDir:
 def test_off_without_the_environment_variable() -> None:
     result = run_without_torch(
         "import os; os.environ.pop('PDSERVE_TEST_PAUSE_DIR', None)\n"
-        "from worker import pause_points as p\n"
+        "from cluster import pause_points as p\n"
         "assert not p.enabled()\n"
         "p.pause('x', a=1); p.record('x', a=1)\n"
         "print('ok')\n")
@@ -56,3 +56,25 @@ def test_records_events_in_order(pause: PauseDir) -> None:
         pause_points.record("r", transfer_id=5, layer=layer)
     assert [e["layer"] for e in pause.records("r")] == [0, 1, 2]
     assert pause.records("other") == []
+
+
+def test_apause_waits_without_blocking_its_event_loop(pause: PauseDir) -> None:
+    import asyncio
+
+    async def scenario() -> list[str]:
+        events: list[str] = []
+        pause.arm("a", request_id="r-1")
+        await pause_points.apause("a", request_id="r-2")  # another id: no pause
+        paused = asyncio.ensure_future(pause_points.apause("a", request_id="r-1"))
+        await asyncio.to_thread(pause.wait_paused, "a", 10)
+        for _ in range(3):  # the event loop goes on while the point is held
+            await asyncio.sleep(0.01)
+            events.append("tick")
+        assert not paused.done()
+        pause.release("a")
+        await asyncio.wait_for(paused, 10)
+        events.append("released")
+        return events
+
+    assert asyncio.run(scenario()) == ["tick", "tick", "tick", "released"]
+    assert not list(pause.path.glob("a.*"))
