@@ -194,11 +194,17 @@ def test_a_reservation_whose_caller_left_while_it_was_made_is_freed_at_once(
         request_id=rid, attempt_id="t5-r1", prompt_token_ids=PROMPT, sampling=PARAMS,
         transfer_id=next(_transfer_ids), wait_ms=60_000), timeout=1.0)
     pause.wait_paused("worker.command", 30.0)
-    with pytest.raises(grpc.RpcError) as excinfo:
-        call.result(timeout=RPC_TIMEOUT_S)
-    assert excinfo.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    time.sleep(0.5)
-    # 2. released: the reservation is made, then freed at once — not after 60 s
-    pause.release("worker.command")
+    try:
+        with pytest.raises(grpc.RpcError) as excinfo:
+            call.result(timeout=RPC_TIMEOUT_S)
+        # the client's deadline, or the worker's own wait for its loop (given the call's
+        # remaining time) — whichever fires first
+        assert excinfo.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED or (
+            excinfo.value.code() == grpc.StatusCode.UNAVAILABLE
+            and "did not answer Reserve" in (excinfo.value.details() or "")), excinfo.value
+        time.sleep(0.5)
+    finally:
+        # 2. released: the reservation is made, then freed at once — not after 60 s
+        pause.release("worker.command")
     wait_until(lambda: not _info(_d(c)).attempt_ids, 10.0, "the decode worker to free it")
     assert not _abort(_d(c), rid, "t5-r1")  # nothing left for the router's Abort

@@ -139,7 +139,8 @@ def test_a_dead_decode_rank_fails_every_request_it_held(cluster: Cluster) -> Non
 @pytest.fixture(scope="module")
 def tp2_prefill(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = start_cluster(llama_dir, tmp_path_factory.mktemp("prefill-rank-death"), num_prefill=1,
-                      num_decode=1, decode_tp=1, prefill_args=("--tensor-parallel-size", "2"))
+                      num_decode=1, decode_tp=1, prefill_args=("--tensor-parallel-size", "2"),
+                      decode_kv_blocks=256)  # six 300-token reservations at once
     try:
         yield c
     finally:
@@ -178,6 +179,7 @@ def test_a_dead_prefill_rank_fails_every_prefill_it_held(tp2_prefill: Cluster) -
     os.kill(follower, signal.SIGKILL)
     for t in threads:
         t.join(TIMEOUT_S)
+    assert len(outcomes) == len(threads), outcomes  # every reservation was accepted
     failed = [o for o in outcomes if o[0] != "done"]
     assert failed and all(code == grpc.StatusCode.UNAVAILABLE for code, _ in failed), outcomes
     assert time.monotonic() - killed_at < FAST_S, outcomes
