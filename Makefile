@@ -16,7 +16,7 @@ $(PY):
 # torch is pinned to 2.13.0, the CPU build this machine image provides.
 $(STAMP): $(PY) $(DEPS)
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[server,test,ray,loadtest,bench]"
 	@touch $(STAMP)
 
 setup: $(STAMP)

@@ -101,6 +101,26 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def model_facts(model_dir: str | Path) -> dict[str, Any]:
+    """Size and shape of a checkpoint, from its ``config.json`` and the safetensors headers
+    (no weights loaded): parameters, the weights' dtype, layers, hidden size, KV heads."""
+    root = Path(model_dir)
+    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    parameters, dtypes = 0, set()
+    for path in sorted(root.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, tensor in header.items():
+            if name != "__metadata__":
+                parameters += math.prod(tensor["shape"])
+                dtypes.add(tensor["dtype"])
+    return {"model_dir": str(root), "parameters": parameters,
+            "weights_dtype": ",".join(sorted(dtypes)),
+            **{k: config.get(k) for k in ("hidden_size", "num_hidden_layers",
+                                          "num_attention_heads", "num_key_value_heads",
+                                          "vocab_size", "max_position_embeddings")}}
+
+
 # ---------------------------------------------------------------- statistics
 
 

@@ -1,91 +1,115 @@
 """The decode worker's engine loop: the one thread that drives the decode ``EngineCore``
-and its ``DecodeHandoff``.
+and its ``DecodeKVLeader``.
 
-Life of one request here (commands from gRPC handlers, see ``pdserve.worker_loop``):
-``Reserve`` (blocks + EXPECT on every rank) → ``Open`` (a Generate stream) → the loop
-polls the transfer; when the KV arrived on every rank, with its trailer (the first token
-and the prefill side's cached-token count) on rank 0, and a stream is open, it admits
-the request with that first token and streams every step's output → finished (engine
-frees). ``Abort`` at any point frees everything and fails an open stream with ABORTED.
+Life of one request here (commands from gRPC handlers, see ``worker.loop``), each phase
+recorded in one place, the request's ``_Live.phase``:
+
+- ``Reserve``: blocks reserved in the engine (``reserve_for_kv``), the transfer announced
+  to every rank (``DecodeKVLeader.expect``) — phase RESERVED;
+- the loop polls the leader; once the KV arrived on every rank, with its trailer (the
+  first token and the prefill side's cached-token count) on rank 0 — phase ARRIVED;
+- once the KV arrived and a Generate stream is open (``Open``), the request is admitted
+  with that first token (``admit_with_kv``) and every step's output is streamed — phase
+  RUNNING; finished: the engine frees its blocks.
+
+``Local`` (colocated mode) starts a request RUNNING: it is prefilled here. ``Abort`` at
+any point stops the transfer (if one is pending), frees everything and fails an open
+stream with ABORTED. ``AbortAll`` and ``Info`` are ``worker.loop``'s.
 
 The router may still send its copies of the first token and cached-token count with
 ``Open`` (from the Prefill response; 0 counts as absent). They are only checked: one
 that differs from what arrived with the KV ends the request with INTERNAL (and frees it).
 
-Ownership: from Reserve until admit, the blocks are ``DecodeHandoff``'s (it frees them on
-abort or failed transfer); after admit they are the engine's. A reservation whose KV
-arrived but whose stream was not opened within the transfer timeout is aborted by the
-loop, so nothing is held without a deadline.
+Ownership: from Reserve until admit, the blocks are reserved in the engine and written by
+the ranks' receivers while the transfer is pending; the loop frees them on abort or a
+failed transfer (after the leader made every rank stop writing); after admit they are the
+engine's. A reservation's transfer must start within the Reserve's wait (the request's deadline)
+and complete within the transfer timeout of that (the leader fails it otherwise); a
+request whose KV arrived but whose stream was not opened within the transfer timeout of
+its arrival is aborted by the loop, so nothing is held without a deadline. Past
+``max_requests`` held at once, a Reserve is not accepted and a Local is refused as busy.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
-from decode_worker.handoff import DecodeHandoff, KVTarget
+from cluster import pause_points
+from decode_worker.kv_leader import Arrival, DecodeKVLeader, KVTarget
 from engine.core import EngineCore, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.protocol import Trailer
-from pdserve.worker_loop import (
-    Abort,
-    AbortAll,
-    Command,
-    EngineLoop,
-    Info,
-    LoopInfo,
-    OutputStream,
-    WorkerError,
-)
+from worker.loop import Command, EngineLoop, OutputStream, WorkerError
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 MAX_REMEMBERED_FAILURES = 1024
 
 
 @dataclass(frozen=True)
-class Reserve(Command[KVTarget | None]):
+class Reserve(Command[KVTarget | str]):
+    """Reserve blocks and announce the transfer: its target, or why not now (out of KV
+    blocks, or busy). The transfer must start within ``wait_s`` (None: the transfer
+    timeout)."""
+
     request_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     transfer_id: int
+    wait_s: float | None = None
+    client_request_id: str = ""  # for logs
 
 
 @dataclass(frozen=True)
-class Open(Command[OutputStream[RequestOutput]]):
-    """Open the request's Generate stream: returns the stream of its ``RequestOutput``s
-    (room for every token, so the loop never waits on a slow reader). The router's
-    copies of the first token and cached-token count (None: absent) are checked against
-    the trailer that arrives with the KV."""
+class Open(Command[None]):
+    """Open the request's Generate stream: ``stream`` (made by the caller; the loop bounds
+    it to the reservation's ``max_tokens + 2`` items, and never waits on a slow reader)
+    gets its ``RequestOutput``s. The router's copies of the first token and cached-token count
+    (None: absent) are checked against the trailer that arrives with the KV."""
 
     request_id: str
+    stream: OutputStream[RequestOutput]
     first_token_id: int | None = None
     num_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
-class Local(Command[OutputStream[RequestOutput]]):
-    """Colocated mode: prefill the prompt here and stream every token (no KV transfer)."""
+class Local(Command[None]):
+    """Colocated mode: prefill the prompt here and stream every token (no KV transfer)
+    into ``stream`` (made by the caller, room for ``max_tokens + 2`` items)."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams
+    stream: OutputStream[RequestOutput]
+    client_request_id: str = ""  # for logs
+
+
+class Phase(enum.Enum):
+    RESERVED = "reserved"  # blocks reserved, the KV on its way (the leader tracks the transfer)
+    ARRIVED = "arrived"  # KV verified on every rank, trailer kept; waits for its stream
+    RUNNING = "running"  # admitted (or prefilled here): the engine owns the blocks
 
 
 @dataclass
 class _Live:
-    transfer_id: int
-    reserved_at: float
+    phase: Phase
     max_tokens: int
+    arrived_at: float | None = None  # monotonic, once its KV arrived
     stream: OutputStream[RequestOutput] | None = None
     claimed: Open | None = None  # the router's copies, from Open
     trailer: Trailer | None = None  # arrived with the KV
-    arrived: bool = False
-    admitted: bool = False
+    local: bool = False  # prefilled here (colocated)
+    transfer_id: int = 0  # 0 when prefilled here
+    num_streamed: int = 0  # tokens put on its stream
 
     def mismatch(self) -> str | None:
         """Why the router's copies disagree with the trailer (None: they agree or are
@@ -105,54 +129,67 @@ class _Live:
 class DecodeLoop(EngineLoop):
     """Owns ``core`` (built with the decode KV plugin) from ``start`` until ``stop``."""
 
-    def __init__(self, core: EngineCore, transfer_timeout_s: float) -> None:
-        super().__init__("pdserve-decode-loop")
-        self.core = core
-        self.handoff = DecodeHandoff(core)
+    def __init__(self, core: EngineCore, transfer_timeout_s: float,
+                 max_requests: int = 1024, metrics: WorkerMetrics | None = None) -> None:
+        self.kv = DecodeKVLeader(core)
+        super().__init__("pdserve-decode-loop", core, self.kv,
+                         metrics or WorkerMetrics(Path(core.config.model.model_dir).name,
+                                                  "decode", "-"))
         self.transfer_timeout_s = transfer_timeout_s
+        self.max_requests = max_requests
         self._live: dict[str, _Live] = {}
         # request id -> why its transfer failed before a stream was open (told to Generate)
         self._failed: OrderedDict[str, str] = OrderedDict()
 
     # --- commands -----------------------------------------------------------------
-    def _handle(self, command: Command) -> object:
+    def _handle_own(self, command: Command) -> object:
         if isinstance(command, Reserve):
             return self._reserve(command)
         if isinstance(command, Open):
-            return self._open(command)
+            self._open(command)
+            return None
         if isinstance(command, Local):
-            return self._local(command)
-        if isinstance(command, Abort):
-            return self._abort(command.request_id, grpc.StatusCode.ABORTED, command.reason)
-        if isinstance(command, AbortAll):
-            ids = list(self._live)
-            for rid in ids:
-                self._abort(rid, grpc.StatusCode.UNAVAILABLE, command.reason)
-            return len(ids)
-        if isinstance(command, Info):
-            return self._info()
-        raise TypeError(f"unknown command {command!r}")
+            self._local(command)
+            return None
+        return super()._handle_own(command)
 
-    def _reserve(self, cmd: Reserve) -> KVTarget | None:
-        live = self._live.get(cmd.request_id)
-        if live is not None:
-            if live.transfer_id == cmd.transfer_id:
-                return KVTarget(live.transfer_id, self.handoff.address,
-                                self.handoff.tp_size, len(cmd.prompt_token_ids))
+    def _reserve(self, cmd: Reserve) -> KVTarget | str:
+        rid = cmd.request_id
+        if rid in self._live:
+            if self.kv.transfer_id(rid) == cmd.transfer_id:  # a repeated Reserve
+                return KVTarget(cmd.transfer_id, self.kv.address, self.kv.tp_size,
+                                len(cmd.prompt_token_ids))
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
-                              f"request {cmd.request_id!r} holds transfer {live.transfer_id}")
+                              f"request {rid!r} is live here with another transfer")
+        if self.busy:
+            return (f"busy: {len(self._live)} requests held, the worker's limit "
+                    "(--max-requests)")
         try:
-            target = self.handoff.reserve(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                          cmd.transfer_id, self.transfer_timeout_s)
+            block_ids = self.core.reserve_for_kv(rid, cmd.prompt_token_ids, cmd.params)
+            if block_ids is None:
+                usage = self.core.kv_usage()
+                return f"out of KV blocks ({usage.free + usage.cached} of {usage.total} free)"
+            try:
+                target = self.kv.expect(rid, cmd.transfer_id, len(cmd.prompt_token_ids),
+                                        block_ids, self.transfer_timeout_s, cmd.wait_s)
+            except BaseException:
+                self.core.abort_request(rid)
+                raise
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        if target is not None:
-            self._failed.pop(cmd.request_id, None)
-            self._live[cmd.request_id] = _Live(cmd.transfer_id, time.monotonic(),
-                                               cmd.params.max_tokens)
+        self._failed.pop(rid, None)
+        self.named(rid, cmd.client_request_id)
+        self._live[rid] = _Live(Phase.RESERVED, cmd.params.max_tokens,
+                                transfer_id=cmd.transfer_id)
+        self.timings.received(rid)
         return target
 
-    def _open(self, cmd: Open) -> OutputStream[RequestOutput]:
+    @property
+    def busy(self) -> bool:
+        """It holds its limit of requests (``max_requests``)."""
+        return len(self._live) >= self.max_requests
+
+    def _open(self, cmd: Open) -> None:
         live = self._live.get(cmd.request_id)
         if live is None:
             failed = self._failed.pop(cmd.request_id, None)
@@ -172,84 +209,78 @@ class DecodeLoop(EngineLoop):
         if problem is not None:
             self._abort(cmd.request_id, grpc.StatusCode.INTERNAL, problem)
             raise WorkerError(grpc.StatusCode.INTERNAL, problem)
-        live.stream = OutputStream(live.max_tokens + 2)
-        if live.arrived:
+        live.stream = cmd.stream
+        live.stream.bound(live.max_tokens + 2)
+        if live.phase is Phase.ARRIVED:
             self._admit(cmd.request_id, live)
-        return live.stream
 
-    def _local(self, cmd: Local) -> OutputStream[RequestOutput]:
+    def _local(self, cmd: Local) -> None:
         if cmd.request_id in self._live:
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {cmd.request_id!r} is live here")
+        if self.busy:
+            raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"busy: {len(self._live)} requests held, the worker's limit "
+                              "(--max-requests)")
         try:
             self.core.add_request(cmd.request_id, list(cmd.prompt_token_ids), cmd.params)
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self._failed.pop(cmd.request_id, None)
-        live = _Live(0, time.monotonic(), cmd.params.max_tokens, arrived=True, admitted=True)
-        live.stream = OutputStream(live.max_tokens + 2)
-        self._live[cmd.request_id] = live
-        return live.stream
+        self.named(cmd.request_id, cmd.client_request_id)
+        self._live[cmd.request_id] = _Live(Phase.RUNNING, cmd.params.max_tokens,
+                                           stream=cmd.stream, local=True)
+        self.timings.received(cmd.request_id)
 
     def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
         self._failed.pop(request_id, None)
         live = self._live.pop(request_id, None)
         if live is None:
             return False
-        if live.admitted:
-            self.core.abort_request(request_id)
-        else:
-            self.handoff.abort(request_id)
-        if live.stream is not None:
+        self.timings.forget(request_id)
+        if live.stream is not None:  # the caller first: releasing calls into the ranks
             live.stream.fail(code, reason)
-        log.info("aborted", extra={"request_id": request_id, "role": "decode"})
+        if live.phase is Phase.RESERVED:
+            self.kv.abort(request_id)  # every rank stops writing before the blocks go
+        self.core.abort_request(request_id)
+        log.info("aborted", extra=self.log_extra(request_id))
         return True
 
-    def _info(self) -> LoopInfo:
-        stats = self.handoff.rank_stats()
-        sched = self.core.scheduler
-        return LoopInfo(
-            kv=self.core.kv_usage(),
-            pending_transfers=self.handoff.num_pending + sum(s.pending for s in stats),
-            open_kv_channels=sum(s.open_channels for s in stats),
-            running=len(sched.running),
-            waiting=len(sched.waiting) + sum(1 for v in self._live.values() if not v.admitted),
-            num_preemptions=sched.stats.num_preemptions)
+    def _live_ids(self) -> list[str]:
+        return list(self._live)
+
+    def _num_unadmitted(self) -> int:
+        return sum(1 for v in self._live.values() if v.phase is not Phase.RUNNING)
 
     # --- the loop -----------------------------------------------------------------
-    def _has_work(self) -> bool:
-        return self.core.has_unfinished()
-
     def _is_polling(self) -> bool:
-        return bool(self.handoff.num_pending)
+        """Transfers pending, or arrived KV waiting for its stream (it expires)."""
+        return bool(self.kv.num_pending) or any(
+            v.phase is Phase.ARRIVED for v in self._live.values())
 
-    def _tick(self) -> None:
-        if self.core.has_unfinished():
-            for out in self.core.step():
-                self._deliver(out)
-
-    def _serve_commands(self) -> bool:
-        alive = super()._serve_commands()
-        if alive and self.handoff.num_pending:
-            self._poll_transfers()
-        return alive
-
-    def _poll_transfers(self) -> None:
-        for result in self.handoff.poll():
-            live = self._live.get(result.request_id)
-            if live is None:
-                continue
-            if not result.ok:  # the handoff already freed the blocks
-                del self._live[result.request_id]
-                self._fail(result.request_id, live, result.reason)
-                continue
-            live.arrived, live.trailer = True, result.trailer
-            if live.stream is not None:
-                self._admit(result.request_id, live)
+    def _poll(self) -> None:
+        for arrival in self.kv.poll():
+            self._arrived(arrival)
         self._expire_unopened()
 
+    def _arrived(self, arrival: Arrival) -> None:
+        rid = arrival.request_id
+        self.metrics.transfer(arrival.ok, arrival.seconds)
+        live = self._live.get(rid)
+        if live is None:
+            return
+        if not arrival.ok:  # no rank writes the blocks any more: free them
+            del self._live[rid]
+            self.timings.forget(rid)
+            self.core.abort_request(rid)
+            self._fail(rid, live, arrival.reason)
+            return
+        live.phase, live.trailer, live.arrived_at = Phase.ARRIVED, arrival.trailer, time.monotonic()
+        if live.stream is not None:
+            self._admit(rid, live)
+
     def _fail(self, request_id: str, live: _Live, reason: str) -> None:
-        log.warning("KV transfer failed: %s", reason, extra={"request_id": request_id})
+        log.warning("KV transfer failed: %s", reason, extra=self.log_extra(request_id))
         if live.stream is not None:
             live.stream.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {reason}")
             return
@@ -258,32 +289,44 @@ class DecodeLoop(EngineLoop):
             self._failed.popitem(last=False)
 
     def _expire_unopened(self) -> None:
+        """KV that arrived but got no Generate stream within the transfer timeout is freed."""
         deadline = time.monotonic() - self.transfer_timeout_s
         for rid in [r for r, v in self._live.items()
-                    if v.arrived and v.stream is None and v.reserved_at < deadline]:
+                    if v.phase is Phase.ARRIVED and v.stream is None
+                    and v.arrived_at is not None and v.arrived_at < deadline]:
             self._abort(rid, grpc.StatusCode.UNAVAILABLE, "no Generate before the deadline")
             self._failed[rid] = "no Generate stream opened before the transfer deadline"
 
     def _admit(self, request_id: str, live: _Live) -> None:
         problem = live.mismatch()
         if problem is not None:
-            log.error("refusing the request: %s", problem, extra={"request_id": request_id})
+            log.error("refusing the request: %s", problem, extra=self.log_extra(request_id))
             self._abort(request_id, grpc.StatusCode.INTERNAL, problem)
             return
-        live.admitted = True
-        self._deliver(self.handoff.admit(request_id))
+        assert live.trailer is not None
+        if pause_points.enabled():
+            pause_points.record("decode.admitted", attempt_id=request_id,
+                                transfer_id=live.transfer_id)
+            pause_points.pause("decode.admitted", attempt_id=request_id,
+                               transfer_id=live.transfer_id)
+        live.phase = Phase.RUNNING
+        self._deliver(self.core.admit_with_kv(request_id, live.trailer.first_token_id,
+                                              live.trailer.num_cached_tokens))
 
     def _deliver(self, out: RequestOutput) -> None:
         live = self._live.get(out.request_id)
         if live is None or live.stream is None:
             return
+        if live.local and live.trailer is None and out.new_token_ids:  # its first token
+            live.trailer = Trailer(out.new_token_ids[0], out.num_cached_tokens)
+            self.timings.prompt(out.num_prompt_tokens, out.num_cached_tokens)
+        self.timings.output(out.request_id, len(out.new_token_ids),
+                            out.finish_reason if out.finished else None)
         live.stream.put(out)
+        first, live.num_streamed = live.num_streamed, live.num_streamed + len(out.new_token_ids)
         if out.finished:
             del self._live[out.request_id]
-
-    def _close(self) -> None:
-        try:
-            for rid in list(self._live):
-                self._abort(rid, grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-        finally:
-            self.core.shutdown()
+        if pause_points.enabled():
+            for n in range(first + 1, live.num_streamed + 1):
+                pause_points.record("decode.token", attempt_id=out.request_id, n=n)
+                pause_points.pause("decode.token", attempt_id=out.request_id, n=n)

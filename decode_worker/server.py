@@ -1,50 +1,41 @@
 """The decode worker process: ``pdserve decode --model DIR [--port P]
 [--tensor-parallel-size r] [--kv-port K] [--ready-file PATH] [--redis-url URL]``.
 
-Start-up order (gRPC and fork do not mix): build the engine — it spawns the r-1 follower
-ranks and rank 0's plugin starts the KV rendezvous store — run one warm-up step, start
-the engine loop, and only then create the gRPC server. ``DecodeServicer`` is the thin
-protobuf adapter; everything engine-side happens on the ``DecodeLoop`` thread.
+What is the decode kind's own: ``DecodeServicer`` (the thin protobuf adapter of
+``Reserve``, ``Generate`` and ``GenerateLocal``; ``Abort`` and ``Info`` are
+``worker.servicer``'s) and the ``WorkerKind`` that ``worker.process.run_worker`` starts.
+Rank 0's plugin starts the KV rendezvous store while the engine is built; everything
+engine-side happens on the ``DecodeLoop`` thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
-import uuid
-from collections.abc import Iterator
+import time
+from collections.abc import AsyncIterator
 
 import grpc
 
+from cluster import pause_points
+from cluster.internal.v1 import worker_pb2 as pb
+from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from decode_worker.engine_loop import DecodeLoop, Local, Open, Reserve
-from decode_worker.kv_plugin import PLUGIN, DecodeKVConfig
-from engine.config import (
-    CacheConfig,
-    EngineConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    load_model_config,
-)
+from decode_worker.kv_rank import PLUGIN, DecodeKVConfig
 from engine.core import EngineCore, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import load_tokenizer
-from kvtransfer import KVLayout, fingerprint_model_dir
-from pdserve.internal.v1 import worker_pb2 as pb
-from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
-from pdserve.registry import WorkerLoad
-from pdserve.worker_common import (
-    Endpoint,
-    Identity,
+from engine.sharding import num_blocks_for
+from worker.loop import EngineLoop, OutputStream, WorkerError
+from worker.metrics import WorkerMetrics
+from worker.options import advertise_host
+from worker.process import WorkerKind, run_worker
+from worker.server import Identity
+from worker.servicer import (
     LoopServicerMixin,
     abort_with,
+    attempt_of,
+    call_timeout,
     sampling_params_from_proto,
-    serve_until_signal,
-)
-from pdserve.worker_loop import (
-    CALL_TIMEOUT_S,
-    Info,
-    OutputStream,
-    WorkerError,
 )
 
 log = logging.getLogger(__name__)
@@ -53,127 +44,141 @@ log = logging.getLogger(__name__)
 class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
     """protobuf ⇄ ``DecodeLoop`` commands; see ``worker.proto`` for each RPC's contract."""
 
-    loop: DecodeLoop
-
-    def __init__(self, loop: DecodeLoop, identity: Identity) -> None:
-        self.loop = loop
-        self.identity = identity
-
-    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext
-                ) -> pb.ReserveResponse:
+    async def Reserve(self, request: pb.ReserveRequest,  # noqa: N802 - gRPC name
+                      context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+        attempt = attempt_of(request)
         try:
             if request.transfer_id == 0:
                 raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id must not be 0")
             params = sampling_params_from_proto(request.sampling)
-            target = self.loop.call(Reserve(request.request_id, list(request.prompt_token_ids),
-                                            params, request.transfer_id), CALL_TIMEOUT_S)
+            target = await self.loop.acall(Reserve(
+                attempt, list(request.prompt_token_ids), params,
+                request.transfer_id, request.wait_ms / 1000 if request.wait_ms else None,
+                request.request_id),
+                call_timeout(context))
+            if isinstance(target, str):
+                return pb.ReserveResponse(accepted=False, reason=target)
+            self.watch_lease(attempt, request.lease)
+            if pause_points.enabled():
+                pause_points.record("decode.reserved", request_id=request.request_id,
+                                    attempt_id=attempt, transfer_id=request.transfer_id)
+                await pause_points.apause("decode.reserved", request_id=request.request_id,
+                                          attempt_id=attempt, transfer_id=request.transfer_id)
+        except asyncio.CancelledError:  # the caller left: it may never learn of a reservation
+            self.on_call_end(attempt, "the Reserve call was cancelled")
+            raise
         except WorkerError as exc:
-            abort_with(context, exc)
-        if target is None:
-            usage = self.loop.call(Info(), CALL_TIMEOUT_S).kv
-            return pb.ReserveResponse(
-                accepted=False, reason=f"out of KV blocks ({usage.free + usage.cached} of "
-                f"{usage.total} free)")
+            if exc.code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
+                self.on_call_end(attempt, "the Reserve call failed")  # it may hold it
+            await abort_with(context, exc)
+        block_size = self.loop.core.config.cache.block_size
         return pb.ReserveResponse(
-            accepted=True, num_blocks=-(-target.num_tokens // self.loop.core.config.cache.block_size),
+            accepted=True, num_blocks=num_blocks_for(target.num_tokens, block_size),
             target=pb.KVTarget(kv_address=f"{target.address.host}:{target.address.port}",
                                tensor_parallel_size=target.tp_size,
                                transfer_id=target.transfer_id))
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext
-                 ) -> Iterator[pb.TokenChunk]:
-        rid = request.request_id
-        try:
-            # the first token and cached count come with the KV; the router's copies
-            # (0: absent) are only checked
-            stream = self.loop.call(Open(rid, request.first_token_id or None,
-                                         request.num_cached_tokens or None), CALL_TIMEOUT_S)
-        except WorkerError as exc:
-            abort_with(context, exc)
-        yield from self._relay(rid, stream, context)
+    async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 - gRPC name
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:
+        attempt = attempt_of(request)
+        stream: OutputStream[RequestOutput] = OutputStream()  # the loop bounds it at Open
+        # the first token and cached count come with the KV; the router's copies
+        # (0: absent) are only checked
+        command = Open(attempt, stream, request.first_token_id or None,
+                       request.num_cached_tokens or None)
+        async for chunk in self._relay(attempt, command, stream, context):
+            yield chunk
 
-    def GenerateLocal(self, request: pb.GenerateLocalRequest, context: grpc.ServicerContext
-                      ) -> Iterator[pb.TokenChunk]:
-        rid = request.request_id
+    async def GenerateLocal(self, request: pb.GenerateLocalRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:
+        attempt = attempt_of(request)
         try:
             if not request.prompt_token_ids:
                 raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
             params = sampling_params_from_proto(request.sampling)
-            stream = self.loop.call(Local(rid, list(request.prompt_token_ids), params),
-                                    CALL_TIMEOUT_S)
         except WorkerError as exc:
-            abort_with(context, exc)
-        yield from self._relay(rid, stream, context)
-
-    def _relay(self, rid: str, stream: OutputStream[RequestOutput],
-               context: grpc.ServicerContext) -> Iterator[pb.TokenChunk]:
-        """The request's outputs as chunks; however the call ends (cancel, deadline,
-        error), the request is freed."""
-        context.add_callback(lambda: self._abort_quietly(rid, "the Generate call ended"))
-        num_completion = 0
-        while True:
-            try:
-                out = stream.get(context.time_remaining())
-            except WorkerError as exc:
-                self._abort_quietly(rid, "the Generate call ended")
-                abort_with(context, exc)
-            num_completion += len(out.new_token_ids)
-            chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.text_delta)
-            if out.finished:
-                chunk.finish_reason = out.finish_reason or "stop"
-                # cached_tokens: the prefill worker's count, arrived with the KV
-                chunk.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens,
-                                              completion_tokens=num_completion,
-                                              cached_tokens=out.num_cached_tokens))
+            await abort_with(context, exc)
+        stream: OutputStream[RequestOutput] = OutputStream(params.max_tokens + 2)
+        command = Local(attempt, list(request.prompt_token_ids), params, stream,
+                        request.request_id)
+        async for chunk in self._relay(attempt, command, stream, context, request.lease):
             yield chunk
-            if out.finished:
-                return
+
+    async def _relay(self, attempt: str, command: Open | Local,
+                     stream: OutputStream[RequestOutput],
+                     context: grpc.aio.ServicerContext,
+                     lease: pb.Lease | None = None) -> AsyncIterator[pb.TokenChunk]:
+        """Open the stream, then the attempt's outputs as chunks; however the call ends
+        (finish, cancel, deadline, error, the router gone), the attempt is freed — unless
+        the loop refused to open it (then what it holds under the id, if anything, is
+        another call's: an ALREADY_EXISTS Local, or an open stream's reservation)."""
+        started = time.monotonic()
+        try:
+            await self.loop.acall(command, call_timeout(context))
+        except WorkerError as exc:
+            if exc.code not in _NOT_OURS:
+                self.on_call_end(attempt, "the Generate call failed")
+            await abort_with(context, exc)
+        except asyncio.CancelledError:
+            self.on_call_end(attempt, "the Generate call was cancelled")
+            raise
+        if lease is not None:
+            self.watch_lease(attempt, lease)
+        num_completion, first = 0, True
+        try:
+            while True:
+                try:
+                    out = await stream.get(context.time_remaining())
+                except WorkerError as exc:
+                    await abort_with(context, exc)
+                chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.text_delta)
+                if first:  # how long the first chunk took here
+                    chunk.timings.first_chunk_us = round((time.monotonic() - started) * 1e6)
+                    first = False
+                num_completion += len(out.new_token_ids)
+                if out.finished:
+                    chunk.finish_reason = out.finish_reason or "stop"
+                    # cached_tokens: the prefill worker's count, arrived with the KV
+                    chunk.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens,
+                                                  completion_tokens=num_completion,
+                                                  cached_tokens=out.num_cached_tokens))
+                yield chunk
+                if out.finished:
+                    return
+        finally:
+            self.on_call_end(attempt, "the Generate call ended")
 
 
-def build_engine(args: argparse.Namespace, fingerprint: str) -> EngineCore:
-    """The decode engine with its KV plugin; spawns the follower ranks (call before any
-    gRPC object exists). Rank 0's KV rendezvous store binds ``args.kv_port`` itself (0:
-    any); ``DecodeHandoff.address`` tells the port it got."""
-    kv = DecodeKVConfig(args.host, args.kv_port, fingerprint, timeout_s=args.transfer_timeout)
-    config = EngineConfig(
-        model=load_model_config(args.model),
-        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
-        rank_plugin=PLUGIN, rank_plugin_config=kv.to_json())
-    return EngineCore(config, load_tokenizer(args.model))
+# Refusals of Open/Local after which the id's state (if any) belongs to another call.
+_NOT_OURS = frozenset({grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
+                       grpc.StatusCode.NOT_FOUND})
 
 
-def warm_up(core: EngineCore) -> None:
-    """One local request through every rank; its blocks end free or cached."""
-    core.add_request("warm-up", [0], SamplingParams(max_tokens=1, temperature=0))
-    while core.has_unfinished():
-        core.step()
+def _plugin_config(args: argparse.Namespace, fingerprint: str) -> str:
+    # rank 0's KV rendezvous store binds args.kv_port itself (0: any); the leader reads the
+    # port it got (DecodeKVLeader.address)
+    return DecodeKVConfig(args.host, args.kv_port, fingerprint, timeout_s=args.transfer_timeout,
+                          advertise_host=advertise_host(args)).to_json()
+
+
+def _make_loop(core: EngineCore, args: argparse.Namespace, metrics: WorkerMetrics) -> EngineLoop:
+    return DecodeLoop(core, args.transfer_timeout, max_requests=args.max_requests, metrics=metrics)
+
+
+def _add_servicer(loop: EngineLoop, identity: Identity, server: grpc.aio.Server) -> None:
+    pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(loop, identity), server)
+
+
+def _kv_address(loop: EngineLoop) -> str:
+    assert isinstance(loop, DecodeLoop)
+    address = loop.kv.address  # the port rank 0's store bound
+    return f"{address.host}:{address.port}"
+
+
+DECODE = WorkerKind(role="decode", rank_plugin=PLUGIN, plugin_config=_plugin_config,
+                    make_loop=_make_loop, add_servicer=_add_servicer, kv_address=_kv_address)
 
 
 def main(args: argparse.Namespace) -> int:
-    fingerprint = fingerprint_model_dir(args.model)
-    core = build_engine(args, fingerprint)
-    try:
-        warm_up(core)
-    except BaseException:
-        core.shutdown()
-        raise
-    loop = DecodeLoop(core, args.transfer_timeout)
-    loop.start()
-    identity = Identity(args.worker_id or f"decode-{uuid.uuid4().hex[:12]}", "decode",
-                        args.tensor_parallel_size, fingerprint)
-    servicer = DecodeServicer(loop, identity)
-
-    def load() -> WorkerLoad:
-        info = loop.call(Info(), CALL_TIMEOUT_S)
-        return WorkerLoad(info.kv.free + info.kv.cached, info.kv.total, info.running,
-                          info.waiting)
-
-    kv = loop.handoff.address  # the port rank 0's store bound
-    endpoint = Endpoint(identity, KVLayout.from_engine_config(core.config, fingerprint),
-                        f"{kv.host}:{kv.port}",
-                        lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server),
-                        load)
-    return serve_until_signal(args, loop, endpoint)
+    return run_worker(args, DECODE)

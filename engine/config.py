@@ -9,6 +9,7 @@ is only what the user asks for; the resolved count is the executor's ``num_kv_bl
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,27 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+RANK_GPUS_ENV = "PDSERVE_RANK_GPUS"
+"""Set by a launcher that gives every tensor-parallel rank a GPU of its own (``pdserve up
+--ray``): the GPU ids of ranks 0, 1, ... in order, comma-separated, as
+``CUDA_VISIBLE_DEVICES`` names them. The launcher starts the leader (rank 0, the worker
+process) with ``CUDA_VISIBLE_DEVICES`` set to rank 0's id; each follower sets its own id
+(``rank_visible_gpu``) before CUDA starts in it. Every rank process then sees exactly one
+GPU, as ``cuda:0``. Unset: rank r uses ``cuda:r`` of the devices visible to the worker."""
+
+
+def rank_visible_gpu(rank: int, environ: Mapping[str, str]) -> str | None:
+    """The one GPU id rank ``rank`` may see under ``RANK_GPUS_ENV`` in ``environ``; None
+    when the variable is unset or empty. ``ConfigError`` when it names no GPU for the rank."""
+    listed = str(environ.get(RANK_GPUS_ENV) or "").strip()
+    if not listed:
+        return None
+    gpus = [g.strip() for g in listed.split(",")]
+    if rank >= len(gpus) or not gpus[rank]:
+        raise ConfigError(f"${RANK_GPUS_ENV}={listed!r} names no GPU for rank {rank}")
+    return gpus[rank]
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from engine.config import rank_visible_gpu
 from engine.distributed import StoreAddress, connect_store, make_group
 from engine.executor import TP_GROUP_PREFIX, make_plugin, plugin_hook, require_plugin
 from engine.messages import Op, StepMessage
@@ -76,7 +77,7 @@ def run_follower(launch: RankLaunch, steps: Connection, replies: Connection) -> 
     config, rank = launch.config, launch.rank
     torch.set_num_threads(launch.threads)
     if torch.device(config.device).type == "cuda":
-        torch.cuda.set_device(rank)  # one GPU per rank: NCCL refuses two ranks on one
+        _bind_gpu(rank)
     size = config.parallel.tensor_parallel_size
     timeout = config.parallel.collective_timeout_s
     store = connect_store(StoreAddress(launch.store_host, launch.store_port), timeout_s=timeout)
@@ -93,6 +94,16 @@ def run_follower(launch: RankLaunch, steps: Connection, replies: Connection) -> 
         if plugin is not None:
             plugin.close()
         tp.destroy()
+
+
+def _bind_gpu(rank: int) -> None:
+    """One GPU per rank (NCCL refuses two ranks on one): the rank's own under
+    ``$PDSERVE_RANK_GPUS`` (then the only one this process sees), else ``cuda:rank``.
+    Runs before anything in this process starts CUDA."""
+    own = rank_visible_gpu(rank, os.environ)
+    if own is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = own
+    torch.cuda.set_device(0 if own is not None else rank)
 
 
 def serve_steps(runner: ModelRunner, plugin: RankPlugin | None, steps: Connection,

@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued for (re)prefill
     WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; KV is written from outside
+    KV_READY = "kv_ready"  # that KV is in its blocks; joins the running batch at the next step
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -60,6 +60,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     # admissions of a waiting request in a step where another request was mid-decode
     num_admissions_during_decode: int = 0
+    num_started: int = 0  # requests admitted from waiting for the first time
 
 
 @dataclass
@@ -83,7 +84,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.kv_ready: deque[Request] = deque()  # KV written from outside, not yet running
+        self.kv_ready: deque[Request] = deque()  # KV_READY: written from outside, not yet running
         self.reserved: dict[str, Request] = {}  # WAITING_FOR_KV
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -107,8 +108,9 @@ class Scheduler:
     def admit_with_kv(self, request_id: str, num_computed_tokens: int,
                       first_token_id: int) -> StepUpdate:
         """The reserved request's first ``num_computed_tokens`` KV entries are in its blocks
-        and ``first_token_id`` was sampled elsewhere: it joins the running batch (or
-        finishes at once when that token ends it)."""
+        and ``first_token_id`` was sampled elsewhere: it is KV_READY and joins the running
+        batch at the next ``schedule()`` with room (or finishes at once when that token
+        ends it)."""
         request = self.reserved.pop(request_id)
         request.num_computed_tokens = num_computed_tokens
         self._cache_blocks(request)
@@ -117,7 +119,7 @@ class Scheduler:
         if reason is not None:
             self._finish(request, reason)
         else:
-            request.status = RequestStatus.RUNNING
+            request.status = RequestStatus.KV_READY
             self.kv_ready.append(request)
         return StepUpdate(request, first_token_id, reason is not None)
 
@@ -143,7 +145,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         while self.kv_ready and len(self.running) < self.config.max_num_seqs:
-            self.running.append(self.kv_ready.popleft())
+            request = self.kv_ready.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -179,6 +183,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
+                self.stats.num_started += 1
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -109,6 +109,18 @@ _TIED_SCALE = 4.0
 _BIAS_STD = 0.2
 _NORM_JITTER = 0.1  # norm weights: scale * (1 + jitter * N(0, 1))
 
+# A ChatML-like chat template (tokenizer_config.json "chat_template"), so the demo serves
+# /v1/chat/completions. The markers are plain text to this tokenizer; llama/mistral
+# tokenizers add <s> themselves when encoding text, so their template places it too (chat
+# prompts are tokenized without special tokens, as transformers does).
+_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_BOS_CHAT_TEMPLATE = "{{- bos_token }}" + _CHAT_TEMPLATE
+
 _WEIGHT_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -348,7 +360,8 @@ def make_tiny_model(
     `overrides` are merged into config.json last (unknown keys are kept); head_dim,
     vocab_size and max_window_layers are derived from the result unless overridden.
     Files: config.json, model.safetensors (or `num_shards` shards plus an index),
-    tokenizer.json, tokenizer_config.json, generation_config.json. Existing weight files in
+    tokenizer.json, tokenizer_config.json (with a ChatML-like chat template),
+    generation_config.json. Existing weight files in
     `out_dir` are replaced. Deterministic: the same arguments give byte-identical files.
     Returns `out_dir` as a Path.
     """
@@ -362,9 +375,11 @@ def make_tiny_model(
     _write_weights(out, specs, seed, num_shards)
     _write_json(out / "config.json", config)
     tokenizer.save(str(out / "tokenizer.json"))
+    chat_template = _BOS_CHAT_TEMPLATE if arch in ("llama", "mistral") else _CHAT_TEMPLATE
     _write_json(
         out / "tokenizer_config.json",
-        tokenizer_config(arch, config["max_position_embeddings"]),
+        {**tokenizer_config(arch, config["max_position_embeddings"]),
+         "chat_template": chat_template},
     )
     generation = {
         "bos_token_id": BOS_TOKEN_ID,

@@ -3,13 +3,15 @@ decode worker's ranks over ``torch.distributed`` point-to-point operations.
 
 Roles (each module's docstring says who owns what, when):
 
-- ``KVSender`` (``sender``, ``send_lane``) — one per prefill rank. ``send()`` queues
+- ``KVSender`` (``sender``; each transfer's state machine in ``outgoing``, the routes'
+  lanes in ``send_lane``) — one per prefill rank. ``send()`` queues
   layers of a request's KV (callable from the layer hook, layer by layer); on rank 0,
   ``finish()`` queues the transfer's ``Trailer`` (first token, cached-token count)
   behind them for decode rank 0; ``wait()`` returns (``done()`` says, without
   blocking, whether it would) once the decode ranks verified it all. The blocks stay
   the caller's to pin until then.
-- ``KVReceiver`` (``receiver``, ``recv_channel``) — one per decode rank; rank 0 hosts the
+- ``KVReceiver`` (``receiver``; each transfer's state machine in ``incoming``, the
+  channels' readers in ``recv_channel``) — one per decode rank; rank 0 hosts the
   worker's rendezvous store. ``expect()`` says which blocks a transfer fills (and, on
   rank 0, that a trailer completes it); ``wait()`` returns (the trailer, if any) once
   every part arrived, verified, in those blocks.
@@ -20,8 +22,10 @@ Roles (each module's docstring says who owns what, when):
   rendezvous messages), ``packing`` (paged blocks <-> contiguous parts), ``checksum``,
   ``plan`` (head re-sharding between TP sizes) and ``layout`` (what must match).
 
-``import kvtransfer`` and its ``layout``, ``protocol`` and ``config`` modules do not import
-torch; the roles load lazily on first access.
+Both directions speak one state vocabulary (``states.TransferState``). ``import kvtransfer``
+and its ``layout``, ``protocol``, ``config``, ``states`` and ``plan`` modules do not import
+torch; the roles load lazily on first access. May import ``engine`` (distributed groups,
+sharding rules) and nothing above it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvtransfer.config import TransferConfig
-from kvtransfer.layout import KVLayout, fingerprint_model_dir
+from kvtransfer.layout import KVLayout
 
 if TYPE_CHECKING:
     from kvtransfer.errors import (
@@ -53,7 +57,7 @@ _LAZY = {
         "ChecksumMismatch", "LayoutMismatch", "TransferRejected")},
 }
 
-__all__ = ["KVLayout", "KVReceiver", "KVSender", "TransferConfig", "fingerprint_model_dir",
+__all__ = ["KVLayout", "KVReceiver", "KVSender", "TransferConfig",
            "TransferError", "TransferTimeout", "ChannelError", "ChannelClosed",
            "ChecksumMismatch", "LayoutMismatch", "TransferRejected"]
 

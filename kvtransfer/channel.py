@@ -37,11 +37,11 @@ from kvtransfer.protocol import (
     OpenRequest,
     OpenStatus,
     PartHeader,
-    WorkerInfo,
+    ReceiverInfo,
 )
 
 SENDER, RECEIVER = 0, 1
-KEY_WORKER = "kvtransfer/worker"
+KEY_RECEIVER_INFO = "kvtransfer/worker"
 KEY_NEXT_CHANNEL = "kvtransfer/next_channel"
 
 
@@ -221,14 +221,14 @@ def _wait_polling(work: Any, timeout_s: float) -> None:
 # ---------------------------------------------------------------- handshake
 
 
-def advertise(store: Any, info: WorkerInfo) -> None:
+def advertise(store: Any, info: ReceiverInfo) -> None:
     """Publish the decode worker's layout and TP size in its rendezvous store."""
-    store.set(KEY_WORKER, info.encode())
+    store.set(KEY_RECEIVER_INFO, info.encode())
 
 
-def read_worker_info(store: Any, timeout_s: float) -> WorkerInfo:
-    store.wait([KEY_WORKER], datetime.timedelta(seconds=timeout_s))
-    return WorkerInfo.decode(store.get(KEY_WORKER))
+def read_receiver_info(store: Any, timeout_s: float) -> ReceiverInfo:
+    store.wait([KEY_RECEIVER_INFO], datetime.timedelta(seconds=timeout_s))
+    return ReceiverInfo.decode(store.get(KEY_RECEIVER_INFO))
 
 
 def open_channel(store: Any, address: StoreAddress, request: OpenRequest, device: torch.device,

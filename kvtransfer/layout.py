@@ -1,16 +1,16 @@
 """What two workers must agree on to exchange KV: the model fingerprint and KV layout.
 
 Torch-free: worker registration and the router may read it without loading torch.
-``KVLayout`` covers the model files, dtype, block size, block-hash algorithm and seed and
-the global KV layout (layers, KV heads, head size). Tensor-parallel sizes are *not* part
-of it: they may differ between prefill and decode, and KV is re-sharded in transit.
+``KVLayout`` covers the model files, dtype, block size, block-hash algorithm and seed, the
+global KV layout (layers, KV heads, head size) and the internal protocol version.
+Tensor-parallel sizes are *not* part of it: they may differ between prefill and decode,
+and KV is re-sharded in transit.
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import astuple, dataclass, fields
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -21,13 +21,21 @@ if TYPE_CHECKING:
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 """Bytes per element of the KV dtypes the engine supports."""
 
+PROTOCOL_VERSION = 1
+"""Version of what workers and the router exchange: the internal gRPC API
+(``proto/cluster/internal/v1``), the KV wire protocol (``kvtransfer.protocol``) and the
+cluster records. Bump it with any change an older process would misread: it is part of
+the fingerprint, so a rolling upgrade never mixes incompatible workers in one cluster
+(0 names a layout written before the version was recorded)."""
+
 
 @dataclass(frozen=True)
 class KVLayout:
     """The model fingerprint plus the global KV layout; equal layouts can exchange KV.
 
-    ``model_fingerprint`` names the model files (see ``fingerprint_model_dir``);
-    ``hash_algorithm`` and ``hash_seed`` are the prefix-cache block-hash settings.
+    ``model_fingerprint`` names the model files (``cluster.fingerprint.fingerprint_model_dir``);
+    ``hash_algorithm`` and ``hash_seed`` are the prefix-cache block-hash settings;
+    ``protocol_version`` is ``PROTOCOL_VERSION`` of the process that made it.
     """
 
     model_fingerprint: str
@@ -38,6 +46,7 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -45,14 +54,22 @@ class KVLayout:
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.protocol_version < 0:
+            raise ValueError(f"protocol_version must be >= 0, got {self.protocol_version}")
 
     @property
     def element_size(self) -> int:
         return DTYPE_SIZES[self.dtype]
 
+    def row_bytes(self, num_heads: int) -> int:
+        """Bytes of one row of a transfer (``kvtransfer.packing``): one block's
+        ``[block_size, num_heads, head_dim]`` slab of K or V of one layer."""
+        return self.block_size * num_heads * self.head_dim * self.element_size
+
     def diff(self, other: KVLayout) -> str | None:
-        """``None`` when equal, else ``"field: mine != theirs"`` for the first differing field."""
-        for f in fields(self):
+        """``None`` when equal, else ``"field: mine != theirs"`` for the first differing
+        field (the protocol version first: with another one, nothing else is comparable)."""
+        for f in sorted(fields(self), key=lambda f: f.name != "protocol_version"):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if mine != theirs:
                 return f"{f.name}: {mine!r} != {theirs!r}"
@@ -65,7 +82,7 @@ class KVLayout:
     @classmethod
     def from_engine_config(cls, config: EngineConfig, model_fingerprint: str) -> KVLayout:
         """The layout of an engine built from ``config`` (``model_fingerprint`` from
-        ``fingerprint_model_dir(config.model.model_dir)``)."""
+        ``cluster.fingerprint.fingerprint_model_dir``)."""
         from engine.kvcache.block_hash import HASH_ALGORITHM
 
         layers, kv_heads, head_dim = config.model.kv_layout
@@ -113,31 +130,3 @@ def decode_layout(data: bytes, offset: int = 0) -> tuple[KVLayout, int]:
     except (struct.error, UnicodeDecodeError) as exc:
         raise ValueError(f"malformed KV layout: {exc}") from exc
     return KVLayout(**values), offset  # type: ignore[arg-type]
-
-
-def fingerprint_model_dir(model_dir: str | Path) -> str:
-    """XXH3-128 hex digest of a checkpoint's identity: ``config.json`` and
-    ``tokenizer.json`` in full, and every ``*.safetensors`` file's name, size and
-    header (tensor names, dtypes, shapes, offsets). Weight bytes are not read, so this
-    stays fast for large checkpoints; two checkpoints with equal headers and configs
-    but different weight values are not told apart.
-    """
-    root = Path(model_dir)
-    hasher = xxhash.xxh3_128(b"pdserve/model-fingerprint/v1")
-    for name in ("config.json", "tokenizer.json"):
-        path = root / name
-        if path.is_file():
-            _update_named(hasher, name, path.read_bytes())
-    for path in sorted(root.glob("*.safetensors")):
-        with path.open("rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = f.read(min(header_len, 100 << 20))
-        _update_named(hasher, f"{path.name}:{path.stat().st_size}", header)
-    return hasher.hexdigest()
-
-
-def _update_named(hasher: xxhash.xxh3_128, name: str, payload: bytes) -> None:
-    raw = name.encode("utf-8")
-    hasher.update(struct.pack("<QQ", len(raw), len(payload)))
-    hasher.update(raw)
-    hasher.update(payload)

@@ -34,10 +34,6 @@ class Segment:
     offset: int
 
 
-def num_blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 def split_rows(num_rows: int, row_bytes: int, part_bytes: int) -> list[tuple[int, int]]:
     """``[row_start, row_end)`` of each part: as many whole rows as fit ``part_bytes``
     (at least one)."""

@@ -15,7 +15,7 @@ at most ``max_part_bytes``. A transfer may end with a *trailer* (``Kind.TRAILER`
 header-only part from sender rank 0 to receiver rank 0 whose header carries a ``Trailer``
 (the first token and cached-token count), covered by the header checksum.
 
-Channel opening goes through the receiver's rendezvous store (``WorkerInfo``,
+Channel opening goes through the receiver's rendezvous store (``ReceiverInfo``,
 ``OpenRequest``, ``OpenReply``): length-prefixed fields, see ``_Codec``.
 Torch-free.
 """
@@ -121,6 +121,34 @@ class PartHeader:
         """The header announcing a deliberate close (no payload follows)."""
         return cls(MAGIC, Kind.CLOSE, seq, *([0] * 20))
 
+    @classmethod
+    def data(cls, *, layout: KVLayout, seq: int, transfer_id: int, num_tokens: int,
+             layers: tuple[int, int], heads: tuple[int, int], rows: tuple[int, int],
+             payload_nbytes: int, checksum_algo: int, checksum: int, sender_rank: int,
+             sender_tp_size: int, flags: int) -> PartHeader:
+        """A ``Kind.DATA`` part: rows ``rows`` of global heads ``heads`` of layers
+        ``layers``; ``checksum`` is the payload's unsigned 64-bit digest."""
+        return cls(magic=MAGIC, kind=Kind.DATA, seq=seq, transfer_id=transfer_id,
+                   **_layout_fields(layout), num_tokens=num_tokens,
+                   layer_start=layers[0], layer_end=layers[1], head_start=heads[0],
+                   head_end=heads[1], row_start=rows[0], row_end=rows[1],
+                   payload_nbytes=payload_nbytes, checksum_algo=checksum_algo,
+                   checksum=_u64_to_i64(checksum), sender_rank=sender_rank,
+                   sender_tp_size=sender_tp_size, flags=flags)
+
+    @classmethod
+    def trailer_part(cls, *, layout: KVLayout, seq: int, transfer_id: int, num_tokens: int,
+                     trailer: Trailer, sender_rank: int, sender_tp_size: int, flags: int
+                     ) -> PartHeader:
+        """A ``Kind.TRAILER`` part: no payload; the header carries ``trailer``."""
+        return cls(magic=MAGIC, kind=Kind.TRAILER, seq=seq, transfer_id=transfer_id,
+                   **_layout_fields(layout), num_tokens=num_tokens, layer_start=0,
+                   layer_end=0, head_start=0, head_end=0, row_start=0, row_end=0,
+                   payload_nbytes=0, checksum_algo=0, checksum=0, sender_rank=sender_rank,
+                   sender_tp_size=sender_tp_size, flags=flags,
+                   first_token_id=trailer.first_token_id,
+                   num_cached_tokens=trailer.num_cached_tokens)
+
     @property
     def is_last(self) -> bool:
         return bool(self.flags & Flag.LAST_PART)
@@ -156,6 +184,13 @@ class PartHeader:
             if want != have:
                 return f"{name}: {want} != {have}"
         return None
+
+
+def _layout_fields(layout: KVLayout) -> dict[str, int]:
+    """The header fields that name the KV layout (checked by ``PartHeader.check_layout``)."""
+    return dict(layout_digest=layout.digest(), num_layers=layout.num_layers,
+                num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                dtype_code=DTYPE_CODES[layout.dtype], block_size=layout.block_size)
 
 
 assert len(fields(PartHeader)) + 1 == PartHeader.WORDS and 8 * PartHeader.WORDS <= HEADER_BYTES
@@ -228,8 +263,8 @@ class _Codec:
 
 
 @dataclass(frozen=True)
-class WorkerInfo:
-    """What a decode worker advertises in its rendezvous store."""
+class ReceiverInfo:
+    """What a decode worker's receivers advertise in its rendezvous store."""
 
     layout: KVLayout
     tp_size: int
@@ -238,7 +273,7 @@ class WorkerInfo:
         return _Codec.pack("Lq", (self.layout, self.tp_size))
 
     @classmethod
-    def decode(cls, data: bytes) -> WorkerInfo:
+    def decode(cls, data: bytes) -> ReceiverInfo:
         layout, tp_size = _Codec.unpack("Lq", data)
         return cls(layout, tp_size)  # type: ignore[arg-type]
 

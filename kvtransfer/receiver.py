@@ -1,10 +1,12 @@
 """Receiver: the decode side of the KV data plane, one per decode rank.
 
 The decode worker's rank 0 hosts the rendezvous store (``TCPStore``) and advertises its
-KV layout and TP size there; every rank's receiver accepts channels from prefill ranks
-through it (an accept thread per rank) and reads each channel on its own threads
-(``kvtransfer.recv_channel``). ``expect()`` announces a transfer: where its KV goes, and (on rank 0) whether a ``Trailer``
-completes it; ``wait()`` returns that trailer once everything arrived.
+KV layout and TP size there (``ReceiverInfo``); every rank's receiver accepts channels
+from prefill ranks through it (an accept thread per rank) and reads each channel on its
+own thread (``kvtransfer.recv_channel``). ``expect()`` announces a transfer: where its KV
+goes, and (on rank 0) whether a ``Trailer`` completes it; ``wait()`` returns that trailer
+once everything arrived. Each transfer's states and transitions are ``kvtransfer.incoming``'s;
+the receiver keeps the set of them, resolves parts to them and wakes their waiters.
 
 Ownership of the KV blocks: from ``expect()`` until ``wait()`` returns or raises, or
 ``abort()`` returns, the receiver may write the given blocks of ``kv_cache`` at any
@@ -16,19 +18,18 @@ hold unspecified bytes and the caller frees them.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from engine.distributed import StoreAddress, backend_for, connect_store, create_store_server
+from engine.sharding import num_blocks_for
 from kvtransfer.channel import (
     RECEIVER,
     accept_key,
@@ -38,9 +39,9 @@ from kvtransfer.channel import (
     reply_key,
 )
 from kvtransfer.config import TransferConfig
-from kvtransfer.errors import ChannelError, TransferError, TransferRejected, TransferTimeout
+from kvtransfer.errors import ChannelError, TransferError, TransferRejected
+from kvtransfer.incoming import Incoming, RankShard
 from kvtransfer.layout import KVLayout
-from kvtransfer.packing import num_blocks_for
 from kvtransfer.plan import check_tp_size
 from kvtransfer.pool import ChannelPool
 from kvtransfer.protocol import (
@@ -48,62 +49,25 @@ from kvtransfer.protocol import (
     OpenRequest,
     OpenStatus,
     PartHeader,
+    ReceiverInfo,
     Status,
     Trailer,
-    WorkerInfo,
 )
-from kvtransfer.recv_channel import RecvChannel, deliver_part
+from kvtransfer.recv_channel import RecvChannel
+from kvtransfer.states import TransferState
+from kvtransfer.stats import ReceiverStats
 
 log = logging.getLogger(__name__)
 ACCEPT_POLL_S = 0.01
-
-
-class State(enum.Enum):
-    ACTIVE = "active"
-    DONE = "done"
-    FAILED = "failed"
-
-
-@dataclass
-class ReceiverStats:
-    channels_accepted: int = 0
-    channels_refused: int = 0
-    busy_replies: int = 0
-    parts_received: int = 0
-    bytes_received: int = 0
-    late_parts: int = 0  # for transfers already finished (completed, failed or aborted)
-    duplicate_parts: int = 0  # the same rows and heads twice for a live transfer
-    unknown_parts: int = 0  # for transfers never expected (within the park timeout)
-    checksum_failures: int = 0
-
-
-@dataclass
-class Incoming:
-    """One expected transfer. ``lock`` is held while its blocks are written."""
-
-    transfer_id: int
-    kv_cache: torch.Tensor
-    block_ids: torch.Tensor  # [num_blocks] int64 on kv_cache's device
-    num_tokens: int
-    num_blocks: int
-    deadline: float
-    units_per_layer: int  # (K|V, block, head) slabs each layer needs
-    units: list[int]
-    seen: set[tuple[int, ...]] = field(default_factory=set)
-    channels: set[int] = field(default_factory=set)
-    wants_trailer: bool = False  # complete only once the sender's trailer arrived too
-    trailer: Trailer | None = None
-    state: State = State.ACTIVE
-    error: TransferError | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class KVReceiver:
     """Receives KV into this decode rank (``tp_rank`` of ``tp_size``).
 
     ``store_address``: where the worker's rendezvous store listens. With ``host_store``
-    (default: rank 0) this receiver starts it there (port 0 = any; see ``address``) and
-    advertises the layout; other ranks connect to ``leader.address``.
+    (default: rank 0) this receiver starts it there (port 0 = any) and advertises the
+    layout; ``address`` is where others reach it (``advertise_host``, when the store
+    listens on a wildcard, and the port it got); other ranks connect to ``leader.address``.
     Contract: transfer ids are never reused; parts for finished or unknown transfers
     are ignored and counted (``stats``); open channels never exceed
     ``config.max_channels`` (a sender asking for more is told to retry).
@@ -115,11 +79,13 @@ class KVReceiver:
     def __init__(self, layout: KVLayout, store_address: StoreAddress, *, tp_rank: int = 0,
                  tp_size: int = 1, host_store: bool | None = None,
                  device: str | torch.device = "cpu", config: TransferConfig | None = None,
-                 on_layer_received: Callable[[int, int], None] | None = None) -> None:
+                 on_layer_received: Callable[[int, int], None] | None = None,
+                 advertise_host: str | None = None) -> None:
         check_tp_size(layout.num_kv_heads, tp_size)
         self.layout = layout
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.shard = RankShard(layout, tp_rank, tp_size)
         self.device = torch.device(device)
         self.backend = backend_for(self.device)
         self.config = config or TransferConfig()
@@ -137,8 +103,9 @@ class KVReceiver:
         if tp_rank == 0 if host_store is None else host_store:
             self._server = create_store_server(store_address.host, store_address.port,
                                                timeout_s=self.config.timeout_s)
-            store_address = StoreAddress(store_address.host, int(self._server.port))
-            advertise(self._server, WorkerInfo(layout, tp_size))
+            store_address = StoreAddress(advertise_host or store_address.host,
+                                         int(self._server.port))
+            advertise(self._server, ReceiverInfo(layout, tp_size))
         self.address = store_address
         self._accept_store: Any = connect_store(store_address, timeout_s=self.config.timeout_s)
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
@@ -148,41 +115,42 @@ class KVReceiver:
     # ---------------------------------------------------------------- public API
 
     def expect(self, transfer_id: int, kv_cache: torch.Tensor, block_ids: Sequence[int],
-               num_tokens: int, timeout_s: float | None = None, *, trailer: bool = False
-               ) -> None:
+               num_tokens: int, timeout_s: float | None = None, *, trailer: bool = False,
+               start_timeout_s: float | None = None) -> None:
         """Announce a transfer: its tokens ``[0, num_tokens)`` go into ``block_ids`` (in
         order) of this rank's ``kv_cache``, all layers, this rank's KV heads. It fails
-        unless complete ``timeout_s`` (default ``config.timeout_s``) from now. With
+        unless its first part arrives within ``start_timeout_s`` (default: ``timeout_s``)
+        and it completes within ``timeout_s`` (default ``config.timeout_s``) of that. With
         ``trailer`` (rank 0 only: senders send trailers there) it is complete only once
         the sender's ``Trailer`` arrived as well."""
-        from engine.models.layers import kv_head_range
-
         num_blocks = num_blocks_for(num_tokens, self.layout.block_size)
         if num_tokens < 1 or len(block_ids) < num_blocks:
             raise ValueError(f"{num_tokens} tokens need {num_blocks} blocks, got {len(block_ids)}")
         ids = list(block_ids[:num_blocks])
         if min(ids) < 0 or max(ids) >= kv_cache.shape[2]:
             raise ValueError(f"block ids out of range [0, {kv_cache.shape[2]})")
-        start, end = kv_head_range(self.layout.num_kv_heads, self.tp_rank, self.tp_size)
+        start, end = self.shard.heads
         if kv_cache.dim() != 6 or kv_cache.shape[4] != end - start:
             raise ValueError(f"kv_cache of shape {tuple(kv_cache.shape)}: expected "
                              f"{end - start} local KV heads on axis 4")
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        record = Incoming(transfer_id, kv_cache,
-                          torch.tensor(ids, dtype=torch.int64, device=kv_cache.device),
-                          num_tokens, num_blocks, time.monotonic() + timeout,
-                          2 * num_blocks * (end - start), [0] * self.layout.num_layers,
-                          wants_trailer=trailer)
+        start_timeout = timeout if start_timeout_s is None else start_timeout_s
+        record = Incoming(
+            transfer_id=transfer_id, kv_cache=kv_cache,
+            block_ids=torch.tensor(ids, dtype=torch.int64, device=kv_cache.device),
+            num_tokens=num_tokens, num_blocks=num_blocks,
+            start_deadline=time.monotonic() + start_timeout, timeout_s=timeout,
+            units_per_layer=2 * num_blocks * (end - start), units=[0] * self.layout.num_layers,
+            wants_trailer=trailer)
         with self.cond:
             if self._closed:
                 raise RuntimeError("receiver is closed")
             if transfer_id in self._expected or transfer_id in self._finished:
                 raise ValueError(f"transfer id {transfer_id} was used before")
             if transfer_id in self._dropped:  # its parts came too early and were ignored
-                record.state = State.FAILED
-                record.error = TransferRejected(
+                record.fail(TransferRejected(
                     f"parts arrived more than {self.config.park_s:.1f}s before expect() and "
-                    "were dropped", transfer_id)
+                    "were dropped", transfer_id))
             self._expected[transfer_id] = record
             self.cond.notify_all()
 
@@ -197,15 +165,15 @@ class KVReceiver:
             record = self._expected.get(transfer_id)
             if record is None:
                 raise KeyError(f"unknown transfer {transfer_id}")
-            deadline = record.deadline
-            if timeout_s is not None:
-                deadline = min(deadline, time.monotonic() + timeout_s)
-            while record.state == State.ACTIVE and time.monotonic() < deadline:
+            limit = None if timeout_s is None else time.monotonic() + timeout_s
+            while record.state is TransferState.PENDING:
+                # the deadline moves once the transfer starts: read it each time
+                deadline = record.deadline if limit is None else min(record.deadline, limit)
+                if time.monotonic() >= deadline:
+                    break
                 self.cond.wait(deadline - time.monotonic())
-        if record.state == State.ACTIVE:
-            layers_in = all(u >= record.units_per_layer for u in record.units)
-            what = "trailer (first token) missing" if layers_in else "KV incomplete"
-            self.fail(record, TransferTimeout(f"{what} at the deadline", transfer_id))
+        if record.state is TransferState.PENDING:
+            self._notify(record.time_out())
             self._close_stalled(record)
         self._forget(record)
         if record.error is not None:
@@ -217,7 +185,7 @@ class KVReceiver:
         record = self._expected.get(transfer_id)
         if record is None:
             raise KeyError(f"unknown transfer {transfer_id}")
-        return record.state != State.ACTIVE or time.monotonic() >= record.deadline
+        return record.state.is_final or time.monotonic() >= record.deadline
 
     def abort(self, transfer_id: int) -> bool:
         """Stop a transfer; returns once no block of it is written any more."""
@@ -260,12 +228,8 @@ class KVReceiver:
     # ---------------------------------------------------------------- used by channels
 
     def fail(self, record: Incoming, error: TransferError) -> None:
-        """Fail an active transfer; no block of it is written after this returns."""
-        with record.lock:
-            if record.state == State.ACTIVE:
-                record.state, record.error = State.FAILED, error
-        with self.cond:
-            self.cond.notify_all()
+        """Fail a pending transfer; no block of it is written after this returns."""
+        self._notify(record.fail(error))
 
     def resolve(self, header: PartHeader) -> Incoming | Status:
         """The transfer a part belongs to, or the status to acknowledge it with when it
@@ -290,17 +254,20 @@ class KVReceiver:
 
     def deliver(self, header: PartHeader, payload: torch.Tensor, record: Incoming,
                 channel_id: int) -> Status:
-        status = deliver_part(self, header, payload, record, channel_id)
-        with self.cond:
-            self.cond.notify_all()
+        """Hand a resolved part to its transfer; wake waiters; report completed layers."""
+        status, completed = record.deliver(self.shard, header, payload, channel_id, self.stats)
+        self._notify(True)
+        if self.on_layer_received is not None:
+            for layer in completed:
+                self.on_layer_received(record.transfer_id, layer)
         return status
 
-    def channel_closed(self, channel: RecvChannel, reason: str | None) -> None:
+    def channel_closed(self, channel_id: int, reason: str | None) -> None:
         """A channel ended; with a ``reason`` (it broke), its unfinished transfers fail."""
         with self.cond:
-            self._channels.pop(channel.channel_id, None)
+            self._channels.pop(channel_id, None)
             affected = [r for r in self._expected.values()
-                        if r.state == State.ACTIVE and channel.channel_id in r.channels]
+                        if r.state is TransferState.PENDING and channel_id in r.channels]
         for record in affected:
             if reason is not None:
                 self.fail(record, ChannelError(reason, record.transfer_id))
@@ -370,7 +337,7 @@ class KVReceiver:
             return
         self.pool.add(request.channel_id, channel)
         self.pool.checkin(channel)
-        reader = RecvChannel(self, request, channel)
+        reader = RecvChannel(self, request.channel_id, channel)
         with self.cond:  # close() sees this thread or the reader, never neither
             self._channels[request.channel_id] = reader
             self._joiners.discard(threading.current_thread())
@@ -387,10 +354,16 @@ class KVReceiver:
             if channel.channel_id in record.channels:
                 channel.close(f"stalled: transfer {record.transfer_id} incomplete at its deadline")
 
+    def _notify(self, changed: bool) -> None:
+        if changed:
+            with self.cond:
+                self.cond.notify_all()
+
     def _forget(self, record: Incoming) -> None:
         with self.cond:
             if self._expected.pop(record.transfer_id, None) is not None:
-                self._remember(self._finished, record.transfer_id, record.state == State.DONE)
+                self._remember(self._finished, record.transfer_id,
+                               record.state is TransferState.DONE)
 
     def _remember(self, ids: OrderedDict[int, bool], transfer_id: int, value: bool) -> None:
         """Record an id in a bounded, oldest-first-forgotten map (lock held)."""

@@ -1,5 +1,9 @@
 """The receiving end of one channel: one thread, and a ring of receives posted ahead.
 
+The channel knows its receiver only through ``PartSink`` (resolve a part to its transfer,
+deliver it, fail a transfer, report the channel's end); each transfer's state machine is
+``kvtransfer.incoming``.
+
 The thread takes the parts in order (0, 1, ...). Each arrives whole (header and payload
 in one message, or on nccl the payload right after) into one of the ``RECV_DEPTH``
 buffers the ring keeps posted, so the sender never waits for a "ready to receive"
@@ -18,29 +22,17 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from kvtransfer.channel import Channel, Pending
-from kvtransfer.checksum import checksum
-from kvtransfer.errors import ChannelError, ChecksumMismatch, TransferRejected, TransferTimeout
-from kvtransfer.packing import rows_view, scatter, segments
-from kvtransfer.plan import local_heads
-from kvtransfer.protocol import (
-    HEADER_BYTES,
-    Ack,
-    ChecksumAlgo,
-    Flag,
-    Kind,
-    OpenRequest,
-    PartHeader,
-    Status,
-)
-
-if TYPE_CHECKING:
-    from kvtransfer.receiver import Incoming, KVReceiver
+from kvtransfer.config import TransferConfig
+from kvtransfer.errors import ChannelError, TransferError
+from kvtransfer.incoming import Incoming
+from kvtransfer.pool import ChannelPool
+from kvtransfer.protocol import HEADER_BYTES, Ack, Kind, PartHeader, Status
+from kvtransfer.stats import ReceiverStats
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +70,36 @@ class RecvRing:
         self.ops[seq + depth] = self.channel.recv_part(seq + depth, self.buffers[seq % depth])
 
 
+class PartSink(Protocol):
+    """What a channel needs of its receiver (``kvtransfer.receiver.KVReceiver``)."""
+
+    config: TransferConfig
+    stats: ReceiverStats
+    pool: ChannelPool
+    device: torch.device
+
+    def resolve(self, header: PartHeader) -> Incoming | Status:
+        """The transfer a part belongs to, or the status to acknowledge it with."""
+        ...
+
+    def deliver(self, header: PartHeader, payload: torch.Tensor, record: Incoming,
+                channel_id: int) -> Status:
+        """Verify and write one part of ``record``; the status to acknowledge it with."""
+        ...
+
+    def fail(self, record: Incoming, error: TransferError) -> None: ...
+
+    def channel_closed(self, channel_id: int, reason: str | None) -> None:
+        """The channel ended: on purpose (``reason`` None) or broken."""
+        ...
+
+
 class RecvChannel:
     """The thread and state of one accepted channel (see module doc)."""
 
-    def __init__(self, receiver: KVReceiver, request: OpenRequest, channel: Channel) -> None:
+    def __init__(self, receiver: PartSink, channel_id: int, channel: Channel) -> None:
         self.receiver = receiver
-        self.request = request
-        self.channel_id = request.channel_id
+        self.channel_id = channel_id
         self.channel = channel
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"kvtransfer-recv-{self.channel_id}")
@@ -107,7 +122,7 @@ class RecvChannel:
             reason = f"protocol error: {exc}"
         finally:
             rx.pool.discard(self.channel, reason or "closed")
-            rx.channel_closed(self, reason)
+            rx.channel_closed(self.channel_id, reason)
 
     def _loop(self, ring: RecvRing) -> str | None:
         """Handle parts until the channel ends: None when it was closed on purpose."""
@@ -162,138 +177,3 @@ class RecvChannel:
     def _acknowledge(self, header: PartHeader, status: Status) -> None:
         op = self.channel.send_ack(Ack(header.transfer_id, header.seq, status))
         self.channel.wait(op, self.receiver.config.timeout_s)
-
-
-def deliver_part(rx: KVReceiver, header: PartHeader, payload: torch.Tensor, record: Incoming,
-                 channel_id: int) -> Status:
-    """Verify one part of ``record`` and write it into its blocks (the receiver's side
-    of ``KVReceiver.deliver``); a trailer part is checked and kept."""
-    problem = (_check_trailer if header.kind == Kind.TRAILER else _check_part)(rx, header, record)
-    if problem is not None:
-        rx.fail(record, TransferRejected(f"invalid part: {problem}", record.transfer_id))
-        return Status.BAD_PART
-    if header.flags & Flag.CANCELLED:
-        rx.fail(record, TransferRejected("the sender aborted the transfer", record.transfer_id))
-        return Status.NOT_EXPECTED
-    if header.kind == Kind.TRAILER:
-        return _keep_trailer(rx, header, record, channel_id)
-    if checksum(payload, ChecksumAlgo(header.checksum_algo)) != header.checksum % (1 << 64):
-        rx.stats.checksum_failures += 1
-        rx.fail(record, ChecksumMismatch(f"payload of part {header.seq} corrupted",
-                                         record.transfer_id))
-        return Status.CHECKSUM_MISMATCH
-    status, completed = _write(rx, header, payload, record, channel_id)
-    if rx.on_layer_received is not None:
-        for layer in completed:
-            rx.on_layer_received(record.transfer_id, layer)
-    return status
-
-
-def _write(rx: KVReceiver, header: PartHeader, payload: torch.Tensor, record: Incoming,
-           channel_id: int) -> tuple[Status, list[int]]:
-    """Write a verified part into the blocks: its status, and the layers it completed."""
-    key = (header.layer_start, header.layer_end, header.row_start, header.row_end,
-           header.head_start, header.head_end)
-    lay = rx.layout
-    with record.lock:
-        status = _settled_status(rx, record)
-        if status is not None:
-            return status, []
-        if key in record.seen:
-            rx.stats.duplicate_parts += 1
-            return Status.OK, []
-        heads = local_heads(lay.num_kv_heads, rx.tp_rank, rx.tp_size, header.head_start,
-                            header.head_end)
-        rows = (header.row_start, header.row_end)
-        src = rows_view(payload, record.kv_cache.dtype, rows[1] - rows[0], lay.block_size,
-                        header.head_end - header.head_start, lay.head_dim)
-        scatter(record.kv_cache, record.block_ids, heads, header.layer_start, record.num_blocks,
-                rows, src)
-        record.seen.add(key)
-        record.channels.add(channel_id)
-        completed = []
-        for seg in segments(header.layer_start, record.num_blocks, *rows):
-            before = record.units[seg.layer]
-            record.units[seg.layer] += (seg.block_end - seg.block_start) * (
-                header.head_end - header.head_start)
-            if before < record.units_per_layer <= record.units[seg.layer]:
-                completed.append(seg.layer)
-        _settle_if_complete(record)
-    return Status.OK, completed
-
-
-def _keep_trailer(rx: KVReceiver, header: PartHeader, record: Incoming, channel_id: int
-                  ) -> Status:
-    with record.lock:
-        status = _settled_status(rx, record)
-        if status is not None:
-            return status
-        if record.trailer is not None:
-            rx.stats.duplicate_parts += 1
-            return Status.OK
-        record.trailer = header.trailer
-        record.channels.add(channel_id)
-        _settle_if_complete(record)
-    return Status.OK
-
-
-def _settled_status(rx: KVReceiver, record: Incoming) -> Status | None:
-    """The status for a part of a transfer that ended (lock held; a transfer past its
-    deadline fails here), or None while it is active."""
-    from kvtransfer.receiver import State
-
-    if record.state == State.ACTIVE and time.monotonic() > record.deadline:
-        record.state = State.FAILED
-        record.error = TransferTimeout("KV incomplete at the deadline", record.transfer_id)
-        return Status.NOT_EXPECTED
-    if record.state == State.ACTIVE:
-        return None
-    rx.stats.late_parts += 1
-    return Status.DONE_BEFORE if record.state == State.DONE else Status.NOT_EXPECTED
-
-
-def _settle_if_complete(record: Incoming) -> None:
-    """Every layer (and the trailer, when wanted) is in: the transfer is done (lock held)."""
-    from kvtransfer.receiver import State
-
-    if all(u >= record.units_per_layer for u in record.units) and (
-            record.trailer is not None or not record.wants_trailer):
-        record.state = State.DONE
-
-
-def _check_trailer(rx: KVReceiver, header: PartHeader, record: Incoming) -> str | None:
-    """Why trailer ``header`` cannot belong to ``record`` on this rank (None when it can)."""
-    mismatch = header.check_layout(rx.layout)
-    if mismatch is not None:
-        return f"KV layout differs: {mismatch}"
-    if not record.wants_trailer:
-        return f"a trailer for transfer {record.transfer_id}, which has none on rank {rx.tp_rank}"
-    if header.num_tokens != record.num_tokens or header.payload_nbytes:
-        return f"trailer of {header.num_tokens} tokens with {header.payload_nbytes} payload bytes"
-    if header.first_token_id < 0 or not 0 <= header.num_cached_tokens <= record.num_tokens:
-        return f"trailer {header.trailer} out of range"
-    return None
-
-
-def _check_part(rx: KVReceiver, header: PartHeader, record: Incoming) -> str | None:
-    """Why ``header`` cannot belong to ``record`` on this rank (None when it can)."""
-    lay = rx.layout
-    mismatch = header.check_layout(lay)
-    if mismatch is not None:
-        return f"KV layout differs: {mismatch}"
-    if header.num_tokens != record.num_tokens:
-        return f"num_tokens {header.num_tokens} != expected {record.num_tokens}"
-    if not 0 <= header.layer_start < header.layer_end <= lay.num_layers:
-        return f"layers [{header.layer_start}, {header.layer_end})"
-    try:
-        local_heads(lay.num_kv_heads, rx.tp_rank, rx.tp_size, header.head_start, header.head_end)
-    except ValueError as exc:
-        return str(exc)
-    num_rows = (header.layer_end - header.layer_start) * 2 * record.num_blocks
-    if not 0 <= header.row_start < header.row_end <= num_rows:
-        return f"rows [{header.row_start}, {header.row_end}) of {num_rows}"
-    row_bytes = lay.block_size * (header.head_end - header.head_start) * lay.head_dim * lay.element_size
-    nbytes = (header.row_end - header.row_start) * row_bytes
-    if not header.flags & Flag.CANCELLED and header.payload_nbytes != nbytes:
-        return f"payload of {header.payload_nbytes} bytes, expected {nbytes}"
-    return None

@@ -10,22 +10,28 @@ the transfer's layers on the same lane, it reaches the receiver after them.
 Ownership: while borrowed, the channel is used by this lane's thread only. Once part
 numbers are reserved every part is sent (a part of an aborted transfer goes out as a
 header marked cancelled, without payload), so the receiver's stream never has a gap;
-any failure in between closes the channel instead.
+any failure in between closes the channel instead. The lane owns its queue of jobs (under
+its own lock); it knows its sender only through a ``LaneContext`` and reports each job's
+end to the job's transfer (``kvtransfer.outgoing``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from engine.distributed import StoreAddress, connect_store
+from kvtransfer.buffers import BufferPool
 from kvtransfer.channel import Channel, Pending, open_channel
 from kvtransfer.checksum import algo_for, checksum
+from kvtransfer.config import TransferConfig
 from kvtransfer.errors import (
     ChannelClosed,
     ChannelError,
@@ -34,25 +40,20 @@ from kvtransfer.errors import (
     TransferError,
     TransferRejected,
 )
+from kvtransfer.layout import KVLayout
+from kvtransfer.outgoing import Job, Outgoing
 from kvtransfer.packing import gather, rows_view, split_rows
 from kvtransfer.plan import local_heads
-from kvtransfer.protocol import (
-    DTYPE_CODES,
-    HEADER_BYTES,
-    MAGIC,
-    Ack,
-    Flag,
-    Kind,
-    OpenRequest,
-    PartHeader,
-    Status,
-)
-
-if TYPE_CHECKING:
-    from kvtransfer.sender import Job, KVSender, Outgoing
+from kvtransfer.pool import ChannelPool
+from kvtransfer.protocol import HEADER_BYTES, Ack, Flag, OpenRequest, PartHeader, Status
+from kvtransfer.stats import SenderStats
 
 log = logging.getLogger(__name__)
 SEND_DEPTH = 3  # parts of a message in flight at once (each with its own buffer)
+
+FaultHook = Callable[[PartHeader, torch.Tensor], None]
+"""Test hook: called with each part's header and payload after the checksum, before
+sending (it may flip a byte, stop or kill the process, or abort the transfer)."""
 
 
 @dataclass(frozen=True)
@@ -61,34 +62,73 @@ class LaneKey:
     receiver_rank: int
 
 
-class SendLane:
-    """Jobs of one route; ``thread`` runs while there are any (see module doc)."""
+@dataclass(frozen=True)
+class LaneContext:
+    """What a lane needs of its sender: who sends (layout, rank, name), with what
+    (settings, the channel pool, staging buffers), where to count, the test fault hook,
+    and how to make the sender re-read a destination's layout after a broken channel."""
 
-    def __init__(self, sender: KVSender, key: LaneKey, backend: str) -> None:
-        self.sender = sender
+    layout: KVLayout
+    tp_rank: int
+    tp_size: int
+    name: str
+    config: TransferConfig
+    pool: ChannelPool
+    buffers: BufferPool
+    stats: SenderStats
+    fault_hook: FaultHook | None
+    forget_peer: Callable[[StoreAddress], None]
+
+
+class SendLane:
+    """Jobs of one route; its thread runs while there are any (see module doc)."""
+
+    def __init__(self, ctx: LaneContext, key: LaneKey, backend: str) -> None:
+        self.ctx = ctx
         self.key = key
         self.backend = backend
-        self.jobs: deque[Job] = deque()
-        self.thread: threading.Thread | None = None
-        self.store: Any = None  # client of the receiver's store, kept across channel opens
+        self._lock = threading.Lock()
+        self._jobs: deque[Job] = deque()
+        self._thread: threading.Thread | None = None
+        self._store: Any = None  # client of the receiver's store, kept across channel opens
 
-    def start(self) -> None:
-        name = f"kvtransfer-send-{self.key.dest.port}/{self.key.receiver_rank}"
-        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self.thread.start()
+    @property
+    def thread(self) -> threading.Thread | None:
+        with self._lock:
+            return self._thread
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` behind the lane's others; start the thread if it has none."""
+        with self._lock:
+            self._jobs.append(job)
+            if self._thread is None:
+                name = f"kvtransfer-send-{self.key.dest.port}/{self.key.receiver_rank}"
+                self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+                self._thread.start()
+
+    def drop_store(self) -> None:
+        """Forget the rendezvous connection (the sender is closing)."""
+        self._store = None
+
+    def _next_job(self) -> Job | None:
+        """The next job; None (and the lane has no thread any more) when there is none."""
+        with self._lock:
+            if self._jobs:
+                return self._jobs.popleft()
+            self._thread = None
+            return None
 
     def _main(self) -> None:
-        while (job := self.sender.next_job(self)) is not None:
+        while (job := self._next_job()) is not None:
             try:
                 self._run(job)
             except TransferError as exc:
-                self.sender.fail(job.record, exc)
+                job.record.fail(exc)
             except Exception as exc:  # a bug must fail the transfer, not kill the lane
                 log.exception("send lane %s failed", self.key)
-                self.sender.fail(job.record, TransferError(f"sender error: {exc!r}",
-                                                           job.record.transfer_id))
+                job.record.fail(TransferError(f"sender error: {exc!r}", job.record.transfer_id))
             finally:
-                self.sender.job_done(job.record)
+                job.record.job_done()
 
     def _run(self, job: Job) -> None:
         """Send one message; retried once on a fresh channel when a reused idle channel
@@ -104,43 +144,43 @@ class SendLane:
                 else:
                     ack = self._send_message(channel, job)
             except ChannelClosed as exc:
-                self.sender.pool.discard(channel, str(exc))
+                self.ctx.pool.discard(channel, str(exc))
                 if reused and attempt == 0:
-                    self.sender.stats.retries += 1
+                    self.ctx.stats.retries += 1
                     continue
-                self.sender.forget_peer(record.dest)
+                self.ctx.forget_peer(record.dest)
                 raise ChannelClosed(str(exc), record.transfer_id) from exc
             except ChannelError as exc:
-                self.sender.pool.discard(channel, str(exc))
-                self.sender.forget_peer(record.dest)
+                self.ctx.pool.discard(channel, str(exc))
+                self.ctx.forget_peer(record.dest)
                 raise ChannelError(str(exc), record.transfer_id) from exc
             except BaseException:
-                self.sender.pool.discard(channel, "sender error mid-message")
+                self.ctx.pool.discard(channel, "sender error mid-message")
                 raise
-            self.sender.pool.checkin(channel)
+            self.ctx.pool.checkin(channel)
             _raise_for(ack, record.transfer_id)
             return
 
     def _acquire(self, record: Outgoing) -> tuple[Channel, bool]:
         """The route's open channel (reused = True), else a newly opened one."""
-        pool, cfg = self.sender.pool, self.sender.config
+        pool, cfg = self.ctx.pool, self.ctx.config
         pool.sweep_idle()
         channel = pool.checkout(self.key)
         if channel is not None:
             return channel, True
         pool.reserve(cfg.timeout_s)
-        s = self.sender
-        request = OpenRequest(0, s.name, s.tp_rank, s.tp_size, self.key.receiver_rank,
-                              self.backend, s.layout)
+        c = self.ctx
+        request = OpenRequest(0, c.name, c.tp_rank, c.tp_size, self.key.receiver_rank,
+                              self.backend, c.layout)
         try:
-            if self.store is None:
-                self.store = connect_store(self.key.dest, timeout_s=cfg.timeout_s)
-            channel, reply = open_channel(self.store, self.key.dest, request,
+            if self._store is None:
+                self._store = connect_store(self.key.dest, timeout_s=cfg.timeout_s)
+            channel, reply = open_channel(self._store, self.key.dest, request,
                                           record.kv_cache.device, cfg)
         except BaseException as exc:
             pool.cancel()
             if not isinstance(exc, LayoutMismatch):
-                self.store = None  # reconnect next time: the receiver may have restarted
+                self._store = None  # reconnect next time: the receiver may have restarted
             if isinstance(exc, RuntimeError) and not isinstance(exc, TransferError):
                 raise ChannelError(f"decode worker at {self.key.dest.host}:{self.key.dest.port}"
                                    f" unreachable: {str(exc).splitlines()[0][:200]}") from exc
@@ -148,21 +188,21 @@ class SendLane:
         if reply.receiver_tp_size != record.receiver_tp:
             channel.close("receiver TP size changed")
             pool.cancel()
-            self.sender.forget_peer(record.dest)
+            self.ctx.forget_peer(record.dest)
             raise TransferError(f"decode worker's TP size changed ({record.receiver_tp} -> "
                                 f"{reply.receiver_tp_size})", record.transfer_id)
         channel.max_part_bytes = reply.max_part_bytes
         pool.add(self.key, channel)
-        self.sender.stats.channels_opened += 1
+        self.ctx.stats.channels_opened += 1
         return channel, False
 
     def _send_message(self, channel: Channel, job: Job) -> Ack:
         """Send one message's parts, ``SEND_DEPTH`` in flight, and await its acknowledgement."""
-        record, route, s = job.record, job.route, self.sender
-        lay = s.layout
-        heads = local_heads(lay.num_kv_heads, s.tp_rank, s.tp_size, route.head_start, route.head_end)
-        row_bytes = lay.block_size * route.num_heads * lay.head_dim * lay.element_size
-        part_bytes = min(s.config.part_bytes, channel.max_part_bytes)
+        record, route, c = job.record, job.route, self.ctx
+        lay = c.layout
+        heads = local_heads(lay.num_kv_heads, c.tp_rank, c.tp_size, route.head_start, route.head_end)
+        row_bytes = lay.row_bytes(route.num_heads)
+        part_bytes = min(c.config.part_bytes, channel.max_part_bytes)
         if row_bytes > part_bytes:
             raise TransferError(f"one block ({row_bytes} bytes per layer) exceeds the part size "
                                 f"({part_bytes} bytes)", record.transfer_id)
@@ -170,10 +210,10 @@ class SendLane:
         parts = split_rows(num_rows, row_bytes, part_bytes)
         first_seq = channel.alloc_seqs(len(parts))  # from here on, every part must be sent
         size = HEADER_BYTES + part_bytes - part_bytes % row_bytes
-        buffers = [s.buffers.take(size, record.kv_cache.device)
+        buffers = [c.buffers.take(size, record.kv_cache.device)
                    for _ in range(min(SEND_DEPTH, len(parts)))]
         inflight: deque[list[Pending]] = deque()
-        timeout = s.config.timeout_s
+        timeout = c.config.timeout_s
         try:
             for k, rows in enumerate(parts):
                 if len(inflight) == len(buffers):  # the oldest buffer must be free again
@@ -191,37 +231,37 @@ class SendLane:
         finally:
             if channel.is_open:  # else gloo may still hold them: let them be collected
                 for buffer in buffers:
-                    s.buffers.give(buffer)
-        s.stats.parts_sent += len(parts)
-        s.stats.bytes_sent += num_rows * row_bytes
-        return _check_ack(channel, ack_op, record.transfer_id, first_seq + len(parts) - 1)
+                    c.buffers.give(buffer)
+        c.stats.parts_sent += len(parts)
+        c.stats.bytes_sent += num_rows * row_bytes
+        return self._matching_ack(channel, ack_op, record.transfer_id,
+                                  first_seq + len(parts) - 1)
 
     def _send_trailer(self, channel: Channel, job: Job) -> Ack:
         """Send the transfer's trailer (a header-only part; marked cancelled when the
         transfer failed meanwhile) and await its acknowledgement."""
-        record, s, lay = job.record, self.sender, self.sender.layout
+        record, c = job.record, self.ctx
         assert job.trailer is not None
         seq = channel.alloc_seqs(1)  # from here on, the part must be sent
         flags = Flag.LAST_PART | (Flag.CANCELLED if record.error is not None else Flag.NONE)
-        header = PartHeader(
-            MAGIC, Kind.TRAILER, seq, record.transfer_id, lay.digest(), lay.num_layers,
-            lay.num_kv_heads, lay.head_dim, DTYPE_CODES[lay.dtype], lay.block_size,
-            record.num_tokens, 0, 0, 0, 0, 0, 0, 0, 0, 0, s.tp_rank, s.tp_size, int(flags),
-            job.trailer.first_token_id, job.trailer.num_cached_tokens)
+        header = PartHeader.trailer_part(
+            layout=c.layout, seq=seq, transfer_id=record.transfer_id,
+            num_tokens=record.num_tokens, trailer=job.trailer, sender_rank=c.tp_rank,
+            sender_tp_size=c.tp_size, flags=int(flags))
         ops = channel.send_part(header, torch.empty(HEADER_BYTES, dtype=torch.uint8))
         ack_op = channel.recv_ack(seq)
         for op in [*ops, ack_op]:
-            channel.wait(op, s.config.timeout_s)
-        s.stats.parts_sent += 1
-        return _check_ack(channel, ack_op, record.transfer_id, seq)
+            channel.wait(op, c.config.timeout_s)
+        c.stats.parts_sent += 1
+        return self._matching_ack(channel, ack_op, record.transfer_id, seq)
 
     def _prepare_part(self, job: Job, heads: tuple[int, int], rows: tuple[int, int],
                       buffer: torch.Tensor, seq: int, *, last: bool) -> PartHeader:
         """Gather the part's rows into ``buffer`` after its header room (unless the
         transfer failed meanwhile: then the part is marked cancelled) and build its header."""
-        record, route, s = job.record, job.route, self.sender
-        lay = s.layout
-        row_bytes = lay.block_size * route.num_heads * lay.head_dim * lay.element_size
+        record, route, c = job.record, job.route, self.ctx
+        lay = c.layout
+        row_bytes = lay.row_bytes(route.num_heads)
         payload = buffer[HEADER_BYTES : HEADER_BYTES + (rows[1] - rows[0]) * row_bytes]
         algo = algo_for(payload.device)
         flags = Flag.LAST_PART if last else Flag.NONE
@@ -234,30 +274,47 @@ class SendLane:
                        record.num_blocks, rows, out)
                 if payload.is_cuda:
                     torch.cuda.current_stream(payload.device).synchronize()
-        digest = 0 if cancelled else checksum(payload, algo)
-        header = PartHeader(
-            MAGIC, Kind.DATA, seq, record.transfer_id, lay.digest(), lay.num_layers,
-            lay.num_kv_heads, lay.head_dim, DTYPE_CODES[lay.dtype], lay.block_size,
-            record.num_tokens, job.layer_start, job.layer_end, route.head_start, route.head_end,
-            rows[0], rows[1], 0 if cancelled else payload.numel(), int(algo),
-            digest - (1 << 64) if digest >= 1 << 63 else digest, s.tp_rank, s.tp_size,
-            int(flags | Flag.CANCELLED) if cancelled else int(flags),
-        )
-        if s.fault_hook is not None and not cancelled:
-            s.fault_hook(header, payload)
+        header = PartHeader.data(
+            layout=lay, seq=seq, transfer_id=record.transfer_id, num_tokens=record.num_tokens,
+            layers=(job.layer_start, job.layer_end), heads=(route.head_start, route.head_end),
+            rows=rows, payload_nbytes=0 if cancelled else payload.numel(),
+            checksum_algo=int(algo), checksum=0 if cancelled else checksum(payload, algo),
+            sender_rank=c.tp_rank, sender_tp_size=c.tp_size,
+            flags=int(flags | Flag.CANCELLED) if cancelled else int(flags))
+        if c.fault_hook is not None and not cancelled:
+            c.fault_hook(header, payload)
         return header
 
 
-def _check_ack(channel: Channel, op: Pending, transfer_id: int, seq: int) -> Ack:
+    def _matching_ack(self, channel: Channel, op: Pending, transfer_id: int, seq: int) -> Ack:
+        """The acknowledgement of part ``seq`` of ``transfer_id`` (``op`` has completed).
+
+        An acknowledgement that is malformed or names another transfer or part (a
+        duplicate, a late one, a peer's bug) is counted (``unexpected_acks``), logged and
+        ignored: another receive is posted and the lane keeps waiting, up to the transfer
+        timeout from the first unexpected one. It never closes the channel or fails the
+        transfer by itself; only a wait that runs out does (``ChannelError``).
+        """
+        deadline: float | None = None
+        while True:
+            ack = _decode_ack(op)
+            if ack is not None and (ack.transfer_id, ack.seq) == (transfer_id, seq):
+                return ack
+            self.ctx.stats.unexpected_acks += 1
+            what = "malformed" if ack is None else f"for {ack.transfer_id}/{ack.seq}"
+            log.warning("send lane %s: ignoring an unexpected acknowledgement (%s) while "
+                        "waiting for %d/%d", self.key, what, transfer_id, seq)
+            now = time.monotonic()
+            deadline = now + self.ctx.config.timeout_s if deadline is None else deadline
+            op = channel.recv_ack(seq)
+            channel.wait(op, max(0.001, deadline - now))
+
+
+def _decode_ack(op: Pending) -> Ack | None:
     try:
-        ack = Ack.decode(op.tensor.tolist())
-    except ValueError as exc:
-        channel.close(f"malformed acknowledgement: {exc}")
-        raise ChannelError("malformed acknowledgement", transfer_id) from exc
-    if (ack.transfer_id, ack.seq) != (transfer_id, seq):
-        channel.close(f"acknowledgement for {ack.transfer_id}/{ack.seq} out of order")
-        raise ChannelError("acknowledgement out of order", transfer_id)
-    return ack
+        return Ack.decode(op.tensor.tolist())
+    except ValueError:
+        return None
 
 
 def _raise_for(ack: Ack, transfer_id: int) -> None:

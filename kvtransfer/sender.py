@@ -4,9 +4,11 @@
 rendezvous store is at ``dest``; it returns at once, so a prefill rank can call it from
 the layer hook for layer l while it computes layer l + 1. ``finish()`` (rank 0 only)
 queues the transfer's ``Trailer`` behind its layers for the receiver's rank 0.
-``done()`` says, without blocking, whether ``wait()`` would return at once. Each route of the plan
-(``kvtransfer.plan``) has a lane: a thread that exists while the lane has work, owns the
-lane's messages in order, and moves them over the lane's channel (see ``SendLane``).
+``done()`` says, without blocking, whether ``wait()`` would return at once. Each
+transfer's states and transitions are ``kvtransfer.outgoing``'s; the sender keeps the set
+of them. Each route of the plan (``kvtransfer.plan``) has a lane: a thread that exists
+while the lane has work, owns the lane's messages in order, and moves them over the
+lane's channel (see ``kvtransfer.send_lane``).
 
 Ownership of the KV blocks: from the first ``send()`` of a transfer until ``wait()``
 returns or raises, or ``abort()`` returns, the sender may read the given blocks of
@@ -21,67 +23,28 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 
 from engine.distributed import StoreAddress, backend_for, connect_store
+from engine.sharding import kv_head_range, num_blocks_for
 from kvtransfer.buffers import BufferPool
-from kvtransfer.channel import read_worker_info
+from kvtransfer.channel import read_receiver_info
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelError, LayoutMismatch, TransferError, TransferTimeout
 from kvtransfer.layout import KVLayout
-from kvtransfer.packing import num_blocks_for
-from kvtransfer.plan import Route, check_tp_size, routes_from
+from kvtransfer.outgoing import Job, Outgoing
+from kvtransfer.plan import check_tp_size, routes_from
 from kvtransfer.pool import ChannelPool
-from kvtransfer.protocol import PartHeader, Trailer, WorkerInfo
-from kvtransfer.send_lane import LaneKey, SendLane
+from kvtransfer.protocol import ReceiverInfo, Trailer
+from kvtransfer.send_lane import FaultHook, LaneContext, LaneKey, SendLane
+from kvtransfer.states import TransferState
+from kvtransfer.stats import SenderStats
 
 log = logging.getLogger(__name__)
 
-FaultHook = Callable[[PartHeader, torch.Tensor], None]
-"""Test hook: called with each part's header and payload after the checksum, before
-sending (it may flip a byte, stop or kill the process, or abort the transfer)."""
-
-
-@dataclass
-class SenderStats:
-    channels_opened: int = 0
-    retries: int = 0
-    parts_sent: int = 0
-    bytes_sent: int = 0
-
-
-@dataclass
-class Outgoing:
-    """One transfer on the sender. ``lock`` is held while its blocks are read."""
-
-    transfer_id: int
-    dest: StoreAddress
-    kv_cache: torch.Tensor
-    block_ids: torch.Tensor  # [num_blocks] int64 on kv_cache's device
-    num_tokens: int
-    num_blocks: int
-    receiver_tp: int
-    routes: list[Route]
-    layers_sent: set[int] = field(default_factory=set)
-    trailer_queued: bool = False
-    jobs_open: int = 0
-    error: TransferError | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-@dataclass(frozen=True)
-class Job:
-    """One message: ``route``'s heads of layers ``[layer_start, layer_end)``, or (with
-    ``trailer``, no layers) the transfer's trailer."""
-
-    record: Outgoing
-    route: Route
-    layer_start: int
-    layer_end: int
-    trailer: Trailer | None = None
+__all__ = ["FaultHook", "KVSender"]
 
 
 class KVSender:
@@ -107,11 +70,17 @@ class KVSender:
         self.stats = SenderStats()
         self.pool = ChannelPool(self.config.max_channels, self.config.idle_timeout_s)
         self.buffers = BufferPool(max_free=2 * self.config.max_channels + 2)
+        self._lane_context = LaneContext(
+            layout=layout, tp_rank=tp_rank, tp_size=tp_size, name=name, config=self.config,
+            pool=self.pool, buffers=self.buffers, stats=self.stats, fault_hook=fault_hook,
+            forget_peer=self._forget_peer)
         self._cond = threading.Condition()
         self._records: dict[int, Outgoing] = {}
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._lanes: dict[LaneKey, SendLane] = {}
-        self._peers: dict[StoreAddress, WorkerInfo] = {}
+        self._peers: dict[StoreAddress, ReceiverInfo] = {}
+        self._resolving: dict[StoreAddress, list[Outgoing]] = {}  # waiting for a peer's info
+        self._resolvers: set[threading.Thread] = set()
         self._closed = False
 
     # ---------------------------------------------------------------- public API
@@ -125,26 +94,24 @@ class KVSender:
         ``block_ids`` in order. Later calls for the same transfer add other layers
         (same blocks, tokens and destination). Raises ``ValueError`` for bad arguments;
         network failures surface in ``wait()``. The first call for a destination reads
-        its advertised layout and TP size (bounded by ``config.timeout_s``); later calls
-        do not touch the network.
+        its advertised layout and TP size on a thread of its own (bounded by
+        ``config.timeout_s``): no call ever waits on the network; what is queued meanwhile
+        goes out once it is known.
         """
         layers = range(self.layout.num_layers) if layers is None else layers
         if layers.step != 1 or layers.start < 0 or layers.stop > self.layout.num_layers:
             raise ValueError(f"layers {layers} outside [0, {self.layout.num_layers})")
-        peer = self._peer_info(dest) if transfer_id not in self._records else None
         with self._cond:
             if self._closed:
                 raise RuntimeError("sender is closed")
             record = self._records.get(transfer_id)
             if record is None:
-                record = self._new_record(transfer_id, kv_cache, block_ids, num_tokens, dest,
-                                          peer)
-            self._check_layers(record, layers, kv_cache, num_tokens, dest)
-            record.layers_sent.update(layers)
-            if record.error is not None or len(layers) == 0:
-                return
-            for route in record.routes:
-                self._submit(Job(record, route, layers.start, layers.stop))
+                record = self._new_record(transfer_id, kv_cache, block_ids, num_tokens, dest)
+            if kv_cache is not record.kv_cache or num_tokens != record.num_tokens \
+                    or dest != record.dest:
+                raise ValueError(f"transfer {transfer_id}: cache, tokens or destination changed")
+            for job in record.queue_layers(layers):
+                self._submit(job)
 
     def finish(self, transfer_id: int, trailer: Trailer) -> None:
         """Queue ``trailer`` for the receiver's rank 0, behind every layer of the transfer
@@ -156,16 +123,11 @@ class KVSender:
             record = self._records.get(transfer_id)
             if record is None:
                 raise KeyError(f"unknown transfer {transfer_id}")
-            if self.tp_rank != 0 or record.trailer_queued:
-                raise ValueError(f"transfer {transfer_id}: trailer from rank {self.tp_rank} "
-                                 f"(queued before: {record.trailer_queued})")
-            if len(record.layers_sent) < self.layout.num_layers:
-                raise ValueError(f"transfer {transfer_id}: trailer before every layer was sent")
-            record.trailer_queued = True
-            if record.error is not None:
-                return
-            route = next(r for r in record.routes if r.receiver_rank == 0)
-            self._submit(Job(record, route, 0, 0, trailer))
+            if self.tp_rank != 0:
+                raise ValueError(f"transfer {transfer_id}: trailer from rank {self.tp_rank}")
+            job = record.queue_trailer(trailer)
+            if job is not None:
+                self._submit(job)
 
     def done(self, transfer_id: int) -> bool:
         """True once ``wait()`` would return or raise at once (every queued message
@@ -174,7 +136,7 @@ class KVSender:
             record = self._records.get(transfer_id)
             if record is None:
                 raise KeyError(f"unknown transfer {transfer_id}")
-            return self._is_done(record)
+            return record.state.is_final
 
     def wait(self, transfer_id: int, timeout_s: float | None = None) -> None:
         """Block until every layer was sent and acknowledged.
@@ -191,19 +153,19 @@ class KVSender:
             record = self._records.get(transfer_id)
             if record is None:
                 raise KeyError(f"unknown transfer {transfer_id}")
-            while not self._is_done(record):
+            while record.state is TransferState.PENDING:
                 deadline = None if timeout_s is None else start + timeout_s
-                if len(record.layers_sent) < self.layout.num_layers:
+                if record.num_unqueued_layers:
                     unsent = start + self.config.timeout_s
                     deadline = unsent if deadline is None else min(deadline, unsent)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     break
                 self._cond.wait(remaining)
-        if not self._is_done(record):
-            missing = self.layout.num_layers - len(record.layers_sent)
+        if record.state is TransferState.PENDING:
+            missing = record.num_unqueued_layers
             why = f"{missing} layers never sent" if missing else "not acknowledged in time"
-            self.fail(record, TransferTimeout(why, transfer_id))
+            record.fail(TransferTimeout(why, transfer_id))
         self._forget(transfer_id)
         if record.error is not None:
             raise record.error
@@ -214,7 +176,7 @@ class KVSender:
         record = self._records.get(transfer_id)
         if record is None:
             return False
-        self.fail(record, TransferError("aborted by the sender", transfer_id))
+        record.fail(TransferError("aborted by the sender", transfer_id))
         self._forget(transfer_id)
         return True
 
@@ -229,7 +191,9 @@ class KVSender:
 
     def threads(self) -> list[threading.Thread]:
         with self._cond:
-            return [lane.thread for lane in self._lanes.values() if lane.thread is not None]
+            lanes = list(self._lanes.values())
+            resolvers = list(self._resolvers)
+        return [t for t in (lane.thread for lane in lanes) if t is not None] + resolvers
 
     def close(self) -> None:
         """Abort every transfer, close every channel and join the lanes' threads."""
@@ -242,42 +206,17 @@ class KVSender:
         for thread in self.threads():
             thread.join(timeout=self.config.timeout_s)
         with self._cond:
-            for lane in self._lanes.values():
-                lane.store = None  # drop the rendezvous connections
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.drop_store()  # the rendezvous connections
         self.buffers.clear()
-
-    # ---------------------------------------------------------------- used by lanes
-
-    def fail(self, record: Outgoing, error: TransferError) -> None:
-        """Record the transfer's first error; no block is read after this returns."""
-        with record.lock:
-            if record.error is None:
-                record.error = error
-        with self._cond:
-            self._cond.notify_all()
-
-    def job_done(self, record: Outgoing) -> None:
-        with self._cond:
-            record.jobs_open -= 1
-            self._cond.notify_all()
-
-    def next_job(self, lane: SendLane) -> Job | None:
-        """The lane's next job; None (and the lane has no thread) when there is none."""
-        with self._cond:
-            if lane.jobs:
-                return lane.jobs.popleft()
-            lane.thread = None
-            return None
-
-    def forget_peer(self, dest: StoreAddress) -> None:
-        with self._cond:
-            self._peers.pop(dest, None)
 
     # ---------------------------------------------------------------- internals
 
     def _new_record(self, transfer_id: int, kv_cache: torch.Tensor, block_ids: Sequence[int],
-                    num_tokens: int, dest: StoreAddress, peer: WorkerInfo | TransferError | None
-                    ) -> Outgoing:
+                    num_tokens: int, dest: StoreAddress) -> Outgoing:
+        """A new transfer (lock held): its routes now if the receiver is known, else once
+        the resolver thread of ``dest`` read its advertisement."""
         if transfer_id in self._finished:
             raise ValueError(f"transfer id {transfer_id} was used before")
         self._check_cache(kv_cache)
@@ -287,30 +226,58 @@ class KVSender:
         ids = list(block_ids[:num_blocks])
         if min(ids) < 0 or max(ids) >= kv_cache.shape[2]:
             raise ValueError(f"block ids out of range [0, {kv_cache.shape[2]})")
-        record = Outgoing(transfer_id, dest, kv_cache,
-                          torch.tensor(ids, dtype=torch.int64, device=kv_cache.device),
-                          num_tokens, num_blocks, 0, [])
+        record = Outgoing(
+            transfer_id=transfer_id, dest=dest, kv_cache=kv_cache,
+            block_ids=torch.tensor(ids, dtype=torch.int64, device=kv_cache.device),
+            num_tokens=num_tokens, num_blocks=num_blocks, num_layers=self.layout.num_layers,
+            changed=self._cond)
         self._records[transfer_id] = record
-        try:
-            if not isinstance(peer, WorkerInfo):
-                raise peer or TransferError("no peer information")
-            record.receiver_tp = peer.tp_size
-            record.routes = routes_from(self.layout.num_kv_heads, self.tp_rank, self.tp_size,
-                                        record.receiver_tp)
-        except (TransferError, ValueError) as exc:
-            err = exc if isinstance(exc, TransferError) else LayoutMismatch(str(exc))
-            err.transfer_id = transfer_id
-            record.error = err
+        peer = self._peers.get(dest)
+        if peer is not None:
+            self._resolve(record, peer)
+        else:
+            waiting = self._resolving.get(dest)
+            if waiting is None:
+                waiting = self._resolving[dest] = []
+                thread = threading.Thread(target=self._resolver, args=(dest,), daemon=True,
+                                          name=f"kvtransfer-resolve-{dest.port}")
+                self._resolvers.add(thread)
+                thread.start()
+            waiting.append(record)
         return record
 
-    def _peer_info(self, dest: StoreAddress) -> WorkerInfo | TransferError:
+    def _resolver(self, dest: StoreAddress) -> None:
+        """Read ``dest``'s advertisement, then route every transfer waiting for it."""
+        peer = self._peer_info(dest)
+        with self._cond:
+            waiting = self._resolving.pop(dest, [])
+            self._resolvers.discard(threading.current_thread())
+            for record in waiting:
+                self._resolve(record, peer)
+
+    def _resolve(self, record: Outgoing, peer: ReceiverInfo | TransferError) -> None:
+        """Route ``record`` to ``peer`` and submit what it queued meanwhile (lock held)."""
+        try:
+            if not isinstance(peer, ReceiverInfo):
+                raise peer
+            routes = routes_from(self.layout.num_kv_heads, self.tp_rank, self.tp_size,
+                                 peer.tp_size)
+        except (TransferError, ValueError) as exc:
+            err = exc if isinstance(exc, TransferError) else LayoutMismatch(str(exc))
+            record.fail(type(err)(str(err), record.transfer_id))
+            record.resolve(0, [])
+            return
+        for job in record.resolve(peer.tp_size, routes):
+            self._submit(job)
+
+    def _peer_info(self, dest: StoreAddress) -> ReceiverInfo | TransferError:
         """The decode worker's advertised layout and TP size (cached), or why not."""
         info = self._peers.get(dest)
         if info is not None:
             return info
         try:
             store = connect_store(dest, timeout_s=self.config.timeout_s)
-            info = read_worker_info(store, self.config.timeout_s)
+            info = read_receiver_info(store, self.config.timeout_s)
         except RuntimeError as exc:
             return ChannelError(f"decode worker at {dest.host}:{dest.port} unreachable: "
                                 f"{str(exc).splitlines()[0][:200]}")
@@ -322,9 +289,8 @@ class KVSender:
             self._peers[dest] = info
         return info
 
-    def _check_cache(self, kv_cache: torch.Tensor) -> None:
-        from engine.models.layers import kv_head_range
 
+    def _check_cache(self, kv_cache: torch.Tensor) -> None:
         start, end = kv_head_range(self.layout.num_kv_heads, self.tp_rank, self.tp_size)
         lay = self.layout
         want = (lay.num_layers, 2, lay.block_size, end - start, lay.head_dim)
@@ -335,28 +301,19 @@ class KVSender:
         if str(kv_cache.dtype).removeprefix("torch.") != lay.dtype:
             raise ValueError(f"kv_cache dtype {kv_cache.dtype} != layout dtype {lay.dtype}")
 
-    def _check_layers(self, record: Outgoing, layers: range, kv_cache: torch.Tensor,
-                      num_tokens: int, dest: StoreAddress) -> None:
-        if record.layers_sent.intersection(layers):
-            raise ValueError(f"transfer {record.transfer_id}: layers {layers} sent twice")
-        if kv_cache is not record.kv_cache or num_tokens != record.num_tokens or dest != record.dest:
-            raise ValueError(f"transfer {record.transfer_id}: cache, tokens or destination changed")
-
     def _submit(self, job: Job) -> None:
         """Queue ``job`` on its route's lane, starting the lane's thread if needed."""
         key = LaneKey(job.record.dest, job.route.receiver_rank)
         lane = self._lanes.get(key)
         if lane is None:
-            lane = self._lanes[key] = SendLane(self, key, backend_for(job.record.kv_cache.device))
-        job.record.jobs_open += 1
-        lane.jobs.append(job)
-        if lane.thread is None:
-            lane.start()
+            lane = self._lanes[key] = SendLane(self._lane_context, key,
+                                               backend_for(job.record.kv_cache.device))
+        lane.submit(job)
 
-    def _is_done(self, record: Outgoing) -> bool:
-        if record.error is not None:
-            return True
-        return record.jobs_open == 0 and len(record.layers_sent) == self.layout.num_layers
+    def _forget_peer(self, dest: StoreAddress) -> None:
+        """A lane's channel to ``dest`` broke: re-read its layout before the next transfer."""
+        with self._cond:
+            self._peers.pop(dest, None)
 
     def _forget(self, transfer_id: int) -> None:
         with self._cond:

@@ -11,6 +11,10 @@ Each child runs in its own session (so its process group id is its pid): a termi
 Ctrl-C reaches only the parent, which then stops its children in order. Grandchildren are
 the child's business (worker rank processes die with their worker), but ``terminate``
 SIGKILLs the whole group of a child that ignored SIGTERM.
+
+CPU pinning (``spawn(..., cpus=[...])``, Linux): the trampoline sets the CPU affinity
+before it execs the child, so every thread and process the child ever starts (OpenMP
+pools, rank processes) inherits it; nothing runs unpinned for a moment.
 """
 
 from __future__ import annotations
@@ -26,26 +30,37 @@ from concurrent.futures import Future
 from queue import SimpleQueue
 from typing import Any
 
-# Runs as ``python -I -S -c _TRAMPOLINE PARENT_PID EXECUTABLE ARGS...``.
+# Runs as ``python -I -S -c _TRAMPOLINE PARENT_PID CPUS EXECUTABLE ARGS...`` (CPUS: a
+# comma-separated CPU list, or empty to keep the parent's affinity).
 _TRAMPOLINE = (
     "import ctypes, os, signal, sys\n"
     "if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:\n"
     "    sys.exit('prctl(PR_SET_PDEATHSIG) failed')\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit('parent exited before the child started')\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
+    "if sys.argv[2]:\n"
+    "    os.sched_setaffinity(0, [int(c) for c in sys.argv[2].split(',')])\n"
+    "os.execv(sys.argv[3], sys.argv[3:])\n"
 )
 
 
-def spawn(argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[bytes]:
+def spawn(argv: Sequence[str], *, cpus: Sequence[int] | None = None,
+          **popen_kwargs: Any) -> subprocess.Popen[bytes]:
     """Start ``argv`` (``argv[0]`` a path to an executable) as a child that is SIGKILLed
     when this process dies, in its own session, with stdin from /dev/null and no inherited
-    file descriptors. Other ``Popen`` arguments (``stdout``, ``stderr``, ``cwd``, ``env``)
-    pass through. The caller owns the returned process: stop it with ``terminate``.
+    file descriptors; pinned to ``cpus`` (and so is everything it starts) when given
+    (Linux only: ``ValueError`` elsewhere, or for an empty list). Other ``Popen``
+    arguments (``stdout``, ``stderr``, ``cwd``, ``env``) pass through. The caller owns
+    the returned process: stop it with ``terminate``.
     """
     argv = list(argv)
-    if sys.platform.startswith("linux"):
-        argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *argv]
+    linux = sys.platform.startswith("linux")
+    if cpus is not None and (not linux or not cpus):
+        raise ValueError(f"cannot pin to CPUs {list(cpus)} here (Linux only, at least one)")
+    if linux:
+        cpu_list = ",".join(str(int(c)) for c in cpus) if cpus is not None else ""
+        argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), cpu_list,
+                *argv]
     kwargs: dict[str, Any] = {"stdin": subprocess.DEVNULL, "close_fds": True,
                               "start_new_session": True, **popen_kwargs}
     return _SPAWNER.popen(argv, **kwargs)

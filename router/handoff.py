@@ -19,15 +19,32 @@ starts a new one with a new transfer id, excluding the failed worker, up to
 has seen tokens): UNAVAILABLE naming how many tokens were streamed. The client's
 deadline is handed to every worker call; a passed deadline is DEADLINE_EXCEEDED.
 
+The calls themselves (protobuf, stubs) are ``router.worker_calls``'s, and so is the one
+reading of a failed call (``classify``: retry elsewhere, the id already exists, the
+deadline passed, or the worker refused what the router sent); this module is the state
+machine only.
+
+Attempts and leases: every Reserve (and every local prefill) starts a new attempt with
+its own attempt id and lease (``cluster.leases.LeaseKeeper``: written to Redis, renewed
+while the attempt lives, deleted when it ends); the Prefill and Generate that follow name
+the same attempt, and so does every Abort. Workers key what they hold by attempt id, so
+nothing sent for one attempt — a late or timed-out Abort, a late end of a call — can
+touch another attempt of the same client request id (a retry, a resubmission, another
+router's request under the same id). A worker that holds something for an attempt whose
+lease is gone (this router died) frees it within the lease's TTL.
+
 Ownership: the workers own their blocks. Whenever an attempt ends other than by a clean
 finish — error, retry, client cancel (``GeneratorExit``/``CancelledError`` reaching the
-generator) — its worker calls are cancelled and ``Abort(request_id)`` (idempotent) goes
+generator) — its worker calls are cancelled and ``Abort(attempt_id)`` (idempotent) goes
 to the decode worker, and to the prefill worker if its Prefill had not returned, from a
 background task, so cleanup happens even while the caller is being cancelled; before a
-retry the decode Abort is awaited instead (the retry may reserve there again). A
-worker's ALREADY_EXISTS gets no Abort: the id's holder there is another request. After a
-clean finish the decode worker has freed everything and the prefill worker unpins on
+retry the decode Abort is awaited (bounded) so the retry finds the blocks free. Then its
+lease is deleted: a worker that missed the Abort frees the attempt within the TTL. After
+a clean finish the decode worker has freed everything and the prefill worker unpins on
 the decode side's acknowledgement; nothing more is sent.
+
+Test-only pause points (``cluster.pause_points``): ``router.queued`` before a request
+waits its turn, ``router.before_prefill`` once its reservation is held.
 """
 
 from __future__ import annotations
@@ -41,84 +58,52 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cluster import pause_points
+from cluster.leases import Lease, LeaseKeeper
 from engine.kvcache.block_hash import compute_block_hashes
-from pdserve.internal.v1 import worker_pb2 as pb
-from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
-from router.routing import (
-    AFFINITY_BLOCKS,
-    DEFAULT_EPSILON,
-    DecodeCandidate,
-    affinity_key,
-    pick_prefill,
-    rank_decode,
-)
+from router.admission import Ticket
+from router.config import HandoffConfig
+from router.errors import RouteError
+from router.metrics import RouterMetrics
+from router.outputs import OutputChunk
+from router.routing import DecodeCandidate, affinity_key, pick_prefill, rank_decode, round_robin
+from router.trace import Trace
 from router.validation import ValidRequest
+from router.worker_calls import (
+    CallFailure,
+    Failure,
+    KVTarget,
+    Prefilled,
+    WorkerCalls,
+    chunks,
+    classify,
+)
 from router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
 
-# Codes of a failed worker call worth another attempt elsewhere (before the first token).
-# NOT_FOUND: the decode worker dropped the reservation (its transfer deadline passed).
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
-                       grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
-                       grpc.StatusCode.NOT_FOUND})
-ABORT_TIMEOUT_S = 5.0
-LOCAL_PREFILL_MODES = ("never", "fallback", "always")
-
-
-class RouteError(Exception):
-    """The request failed; ``code`` is the status the client gets, ``message`` says why."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
 
 class _Retry(Exception):
-    """This attempt failed before any token reached the client; another may succeed."""
+    """This attempt failed before any token reached the client; another may succeed.
+    ``cause``: reserve, prefill, generate, worker_left, health or no_prefill (metrics)."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class OutputChunk:
-    """New tokens of a request and their text; the last has ``finish_reason`` and usage."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None = None
-    usage: Usage | None = None
-
-
-@dataclass(frozen=True)
-class HandoffConfig:
-    max_attempts: int = 3
-    reserve_timeout_s: float = 10.0  # Reserve returns at once; this bounds a hung worker
-    affinity_blocks: int = AFFINITY_BLOCKS
-    load_epsilon: float = DEFAULT_EPSILON
-    # "never": no prefill worker left is UNAVAILABLE; "fallback": then the decode worker
-    # prefills locally; "always": colocated mode (every request prefilled on decode)
-    local_prefill: str = "never"
-
-    def __post_init__(self) -> None:
-        if self.local_prefill not in LOCAL_PREFILL_MODES:
-            raise ValueError(f"local_prefill must be one of {LOCAL_PREFILL_MODES}, "
-                             f"got {self.local_prefill!r}")
+class _Busy(Exception):
+    """A worker answered "busy" (RESOURCE_EXHAUSTED) before any token reached the client:
+    wait for capacity and try again; the worker is not suspected, the attempt not spent."""
 
 
 @dataclass
 class _Attempt:
     number: int
+    lease: Lease  # its id (what every worker call names) and its lease in Redis
     decode_id: str
     transfer_id: int  # 0 when prefilled locally (no transfer)
-    target: pb.KVTarget | None  # None when prefilled locally
+    target: KVTarget | None  # None when prefilled locally
     prefill_id: str | None = None
     calls: list[grpc.aio.Call] = field(default_factory=list)
     finished: bool = False
@@ -128,12 +113,19 @@ class _Attempt:
 class Handoff:
     """Drives one validated request to completion; iterate ``stream()`` once."""
 
-    def __init__(self, pool: WorkerPool, request: ValidRequest, *, deadline: float,
-                 config: HandoffConfig, transfer_ids: Iterator[int],
+    def __init__(self, pool: WorkerPool, request: ValidRequest, ticket: Ticket, *,
+                 deadline: float, config: HandoffConfig, transfer_ids: Iterator[int],
                  background: Callable[[asyncio.Future[object]], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: RouterMetrics, leases: LeaseKeeper,
+                 clock: Callable[[], float] = time.monotonic,
+                 trace: Trace | None = None, turns: Iterator[int] | None = None) -> None:
         self._pool = pool
+        self._metrics = metrics
         self._req = request
+        self._ticket = ticket
+        self._admission = ticket.admission
+        self._leases = leases
+        self._calls = WorkerCalls(pool, request, leases.ttl_ms)
         self._deadline = deadline
         self._config = config
         self._transfer_ids = transfer_ids
@@ -141,40 +133,72 @@ class Handoff:
         self._clock = clock
         self._excluded: set[str] = set()  # workers that failed this request
         self._log = logging.LoggerAdapter(logger, {"request_id": request.request_id})
-        self._sampling = _sampling_proto(request)
         layout = pool.layout()
         if layout is None:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy worker is registered")
         self._block_size = layout.block_size
-        self._layout = layout
+        self._hash_seed = layout.hash_seed
         self._key: bytes | None = None  # the prefill affinity key, computed on first use
+        self._trace = trace or Trace(clock(), clock)  # marks only (router.trace)
+        self._turns = turns  # round-robin prefill routing: this router's turn counter
+        self._turn: int | None = None
 
     async def stream(self) -> AsyncGenerator[OutputChunk, None]:
-        """The request's output chunks; raises ``RouteError`` on failure."""
+        """The request's output chunks; raises ``RouteError`` on failure. The first
+        attempt waits its turn in the router's queue (``Ticket.turn``) while no decode
+        worker can take it; later attempts (after a failure) go ahead of the queue."""
         failures: list[str] = []
-        for number in range(1, self._config.max_attempts + 1):
-            local = self._prefill_locally()
-            attempt = self._local_attempt(number) if local else await self._reserve(number)
+        number = 1
+        while number <= self._config.max_attempts:
+            attempt = await self._place(number)
             try:
+                if attempt.target is not None and pause_points.enabled():
+                    await pause_points.apause("router.before_prefill",
+                                              request_id=self._req.request_id,
+                                              attempt_id=attempt.lease.attempt_id)
                 with self._pool.busy(attempt.decode_id):
-                    call = (self._start_local(attempt) if local
+                    call = (self._start_local(attempt) if attempt.target is None
                             else self._start_generate(attempt, await self._prefill(attempt)))
-                    async with aclosing(self._relay(attempt, call)) as chunks:
-                        async for chunk in chunks:
+                    async with aclosing(self._relay(attempt, call)) as relayed:
+                        async for chunk in relayed:
                             yield chunk
                     return
+            except _Busy as busy:  # not the worker's fault: wait, then the same attempt again
+                self._metrics.retries.labels("busy").inc()
+                self._log.info("attempt %d: %s; waiting for capacity", number, busy)
+                await self._abort_decode_now(attempt)
+                await self._admission.capacity_changed(self._deadline)
             except _Retry as retry:
+                self._metrics.retries.labels(retry.cause).inc()
                 failures.append(str(retry))
                 self._log.warning("attempt %d failed, %s: %s", number,
                                   "retrying" if number < self._config.max_attempts
                                   else "giving up", retry)
                 if attempt.decode_id not in self._excluded:  # the next Reserve may go there
                     await self._abort_decode_now(attempt)
+                number += 1
             finally:
                 self._end(attempt)
         raise RouteError(grpc.StatusCode.UNAVAILABLE,
                          f"the workers failed {len(failures)} times before the first token: "
                          + "; ".join(failures))
+
+    async def _place(self, number: int) -> _Attempt:
+        """A decode worker for this attempt (a reservation, or local prefill); the first
+        placement of the request waits its turn in the router's queue."""
+        self._metrics.attempts.inc()
+        self._trace.attempts += 1
+        if self._ticket.placed_at is not None:
+            return self._local_attempt(number) if self._prefill_locally() \
+                else await self._reserve(number)
+        if pause_points.enabled():
+            await pause_points.apause("router.queued", request_id=self._req.request_id)
+        async with self._ticket.turn(self._deadline):
+            self._trace.mark("turn")
+            attempt = self._local_attempt(number) if self._prefill_locally() \
+                else await self._reserve(number)
+        self._ticket.placed()
+        return attempt
 
     # ----------------------------------------------------------------- steps
 
@@ -182,7 +206,7 @@ class Handoff:
         """The prompt's prefill affinity key (hashing only the blocks it needs)."""
         if self._key is None:
             head = self._req.prompt_token_ids[:self._config.affinity_blocks * self._block_size]
-            hashes = compute_block_hashes(head, self._block_size, seed=self._layout.hash_seed)
+            hashes = compute_block_hashes(head, self._block_size, seed=self._hash_seed)
             self._key = affinity_key(hashes, self._req.prompt_token_ids,
                                      self._config.affinity_blocks)
         return self._key
@@ -206,134 +230,193 @@ class Handoff:
 
     def _local_attempt(self, number: int) -> _Attempt:
         decode_id = self._decode_order()[0]
+        self._metrics.routed.labels("decode", decode_id).inc()
         self._log.info("attempt %d: prefilling locally on %s (%s)", number, decode_id,
                        "colocated mode" if self._config.local_prefill == "always"
                        else "no prefill worker left")
-        return _Attempt(number, decode_id, 0, None)
+        lease = self._leases.open(self._req.request_id)
+        self._leases.hold(lease, decode_id)
+        return _Attempt(number, lease, decode_id, 0, None)
 
     async def _reserve(self, number: int) -> _Attempt:
-        need = self._req.num_blocks(self._block_size)
-        order = self._decode_order()
+        """A reservation on the first decode worker (least busy first) that has room;
+        while every reachable one refuses (no room now, or at its stream limit), wait for
+        capacity (until the deadline). UNAVAILABLE when none answers at all."""
+        while True:
+            attempt, refusals, any_refused = await self._try_reserve(number)
+            if attempt is not None:
+                return attempt
+            if not any_refused:
+                raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                                 f"no decode worker could reserve "
+                                 f"{self._req.num_blocks(self._block_size)} KV blocks: "
+                                 + "; ".join(refusals))
+            await self._admission.capacity_changed(self._deadline)
+
+    async def _try_reserve(self, number: int) -> tuple[_Attempt | None, list[str], bool]:
+        """One pass over the decode workers: (the attempt, or None with why each refused
+        and whether any answered "no room now")."""
         refusals: list[str] = []
         any_refused = False  # a worker answered "no room" (vs. none answering at all)
-        for decode_id in order:
+        for decode_id in self._decode_order():
             transfer_id = next(self._transfer_ids)
-            request = pb.ReserveRequest(request_id=self._req.request_id,
-                                        prompt_token_ids=self._req.prompt_token_ids,
-                                        sampling=self._sampling, transfer_id=transfer_id)
+            self._trace.worker_call()
+            lease = self._leases.open(self._req.request_id)  # a new attempt per Reserve
+            self._leases.hold(lease, decode_id)
             try:
-                stub = self._pool.decode_stub(decode_id)
+                call = self._calls.start_reserve(
+                    decode_id, lease, transfer_id,
+                    self._timeout(self._config.reserve_timeout_s), wait_s=self._timeout())
+                # counted by concurrent choices already; cancelled if the worker is hung
+                with self._pool.busy(decode_id), self._pool.watched(decode_id, call):
+                    reply = WorkerCalls.reserved(await call)
+                self._pool.heard_from(decode_id)
             except KeyError:  # left the registry meanwhile
+                self._leases.close(lease)
                 continue
-            try:
-                with self._pool.busy(decode_id):  # counted by concurrent choices already
-                    reply = await stub.Reserve(
-                        request, timeout=self._timeout(self._config.reserve_timeout_s))
             except asyncio.CancelledError:
-                self._abort_later(decode_id, "decode")  # it may hold a reservation
-                raise
+                self._abort_later(decode_id, "decode", lease)  # it may hold a reservation
+                self._leases.close(lease)
+                _reraise_if_we_are_cancelled()
+                self._excluded.add(decode_id)  # the pool took the call back: it is hung
+                refusals.append(f"{decode_id}: stopped answering health checks")
+                continue
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # not ours to abort
-                    raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
-                                     f"request_id {self._req.request_id!r} is already in "
-                                     "flight (another router?); request ids must be unique"
-                                     ) from None
-                self._abort_later(decode_id, "decode")  # it may hold a reservation
-                self._check_deadline(exc)
-                if exc.code() not in RETRYABLE:  # the worker refused what the router sent
-                    raise RouteError(grpc.StatusCode.INTERNAL, f"reserve on {decode_id}: "
-                                     f"{exc.code().name} {exc.details()}") from None
-                self._worker_failed(decode_id, exc)
-                refusals.append(f"{decode_id}: {exc.code().name} {exc.details()}")
+                failure = self._failure(exc)
+                if failure.kind is Failure.ALREADY_EXISTS:  # not ours to abort
+                    self._leases.close(lease)
+                    raise self._id_in_use("") from None
+                self._abort_later(decode_id, "decode", lease)  # it may hold a reservation
+                self._leases.close(lease)
+                self._check_deadline(failure)
+                if failure.kind is Failure.REFUSED:  # the worker refused what the router sent
+                    raise RouteError(grpc.StatusCode.INTERNAL,
+                                     f"reserve on {decode_id}: {failure}") from None
+                refusals.append(f"{decode_id}: {failure}")
+                if failure.kind is Failure.BUSY:
+                    any_refused = True
+                    continue
+                self._worker_failed(decode_id, failure)
                 continue
             if reply.accepted:
-                self._log.info("attempt %d: %d blocks reserved on %s (transfer %d)", number,
-                               reply.num_blocks, decode_id, transfer_id)
-                return _Attempt(number, decode_id, transfer_id, reply.target)
+                self._metrics.routed.labels("decode", decode_id).inc()
+                self._log.info("attempt %d (%s): %d blocks reserved on %s (transfer %d)",
+                               number, lease.attempt_id, reply.num_blocks, decode_id,
+                               transfer_id)
+                return (_Attempt(number, lease, decode_id, transfer_id, reply.target),
+                        refusals, True)
+            self._leases.close(lease)  # refused: nothing is held for it
             refusals.append(f"{decode_id}: {reply.reason}")
             any_refused = True
-        raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED if any_refused
-                         else grpc.StatusCode.UNAVAILABLE,
-                         f"no decode worker could reserve {need} KV blocks now: "
-                         + "; ".join(refusals))
+        return None, refusals, any_refused
 
-    async def _prefill(self, attempt: _Attempt) -> pb.PrefillResponse:
-        workers = {r.worker_id: self._pool.inflight(r.worker_id)
-                   for r in self._pool.routable("prefill") if r.worker_id not in self._excluded}
-        order = pick_prefill(self._affinity_key(), workers, self._config.load_epsilon)
-        if not order:
-            if self._config.local_prefill == "fallback":  # the next attempt prefills locally
-                raise _Retry("no prefill worker left")
-            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
-        prefill_id = attempt.prefill_id = order[0]
-        request = pb.PrefillRequest(request_id=self._req.request_id,
-                                    prompt_token_ids=self._req.prompt_token_ids,
-                                    sampling=self._sampling, target=attempt.target)
+    async def _prefill(self, attempt: _Attempt) -> Prefilled:
+        """Prefill on the first prefill worker in rendezvous order (bounded load) that is
+        not busy; while all are, wait for capacity (the reservation waits meanwhile)."""
+        while True:
+            workers = {r.worker_id: self._pool.inflight(r.worker_id) for r in
+                       self._pool.routable("prefill") if r.worker_id not in self._excluded}
+            order = self._prefill_order(workers)
+            if not order:
+                if self._config.local_prefill == "fallback":  # the next attempt prefills locally
+                    raise _Retry("no prefill worker left", "no_prefill")
+                raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+            for prefill_id in order:
+                reply = await self._prefill_on(attempt, prefill_id)
+                if reply is not None:
+                    return reply
+            self._log.info("every prefill worker is busy; waiting for capacity")
+            await self._admission.capacity_changed(self._deadline)
+
+    def _prefill_order(self, workers: dict[str, int]) -> list[str]:
+        """Prefill workers to try: by affinity (bounded load), or round-robin."""
+        if self._config.prefill_routing == "round-robin":
+            if self._turn is None:
+                self._turn = next(self._turns) if self._turns is not None else 0
+            return round_robin(list(workers), self._turn)
+        return pick_prefill(self._affinity_key(), workers, self._config.load_epsilon)
+
+    async def _prefill_on(self, attempt: _Attempt, prefill_id: str) -> Prefilled | None:
+        """The Prefill call on ``prefill_id``: its reply, or None when it answered busy."""
+        attempt.prefill_id = prefill_id
+        self._metrics.routed.labels("prefill", prefill_id).inc()
+        assert attempt.target is not None
+        self._trace.mark("prefill_started")
+        self._leases.hold(attempt.lease, prefill_id)
         try:
-            stub = self._pool.prefill_stub(prefill_id)
+            call = self._calls.start_prefill(prefill_id, attempt.lease, attempt.target,
+                                             self._timeout())
         except KeyError:
             self._excluded.add(prefill_id)
-            raise _Retry(f"prefill worker {prefill_id} left the registry") from None
-        call = stub.Prefill(request, timeout=self._timeout())
+            raise _Retry(f"prefill worker {prefill_id} left the registry", "worker_left") from None
         attempt.calls.append(call)
         try:
             with self._pool.busy(prefill_id), self._pool.watched(prefill_id, call):
-                reply: pb.PrefillResponse = await call
+                reply = WorkerCalls.prefilled(await call)
+            self._pool.heard_from(prefill_id)
         except asyncio.CancelledError:
             _reraise_if_we_are_cancelled()
             self._excluded.add(prefill_id)
-            raise _Retry(f"prefill worker {prefill_id} stopped answering health checks"
-                         ) from None
+            raise _Retry(f"prefill worker {prefill_id} stopped answering health checks",
+                         "health") from None
         except grpc.aio.AioRpcError as exc:
-            self._check_deadline(exc)
-            self._worker_failed(prefill_id, exc)
-            why = f"prefill on {prefill_id}: {exc.code().name} {exc.details()}"
-            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+            failure = self._failure(exc)
+            self._check_deadline(failure)
+            if failure.kind is Failure.BUSY:
+                attempt.prefill_id = None  # it took nothing
+                return None
+            if failure.kind is Failure.ALREADY_EXISTS:  # the worker did not fail
                 attempt.prefill_id = None  # the id's holder there is not ours to abort
-                raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"request_id {self._req.request_id!r} is already in flight "
-                                 "on a prefill worker; request ids must be unique") from None
-            if exc.code() not in RETRYABLE:  # the worker refused what the router sent
+                raise self._id_in_use(" on a prefill worker") from None
+            self._worker_failed(prefill_id, failure)
+            why = f"prefill on {prefill_id}: {failure}"
+            if failure.kind is Failure.REFUSED:  # the worker refused what the router sent
                 raise RouteError(grpc.StatusCode.INTERNAL, why) from None
-            raise _Retry(why) from None
+            raise _Retry(why, "prefill") from None
         attempt.prefill_id = None  # it returned once the decode side acknowledged: done
+        self._trace.mark("prefill_returned")
+        self._trace.prefill = reply.times
         self._log.info("prefilled on %s (%d of %d prompt tokens cached)", prefill_id,
                        reply.num_cached_tokens, reply.num_prompt_tokens)
         return reply
 
-    def _start_generate(self, attempt: _Attempt, first: pb.PrefillResponse
-                        ) -> grpc.aio.UnaryStreamCall:
-        request = pb.GenerateRequest(request_id=self._req.request_id,
-                                     first_token_id=first.first_token_id,
-                                     num_cached_tokens=first.num_cached_tokens)
-        call = self._decode_stub(attempt).Generate(request, timeout=self._timeout())
+    def _start_generate(self, attempt: _Attempt, first: Prefilled) -> grpc.aio.UnaryStreamCall:
+        try:
+            self._trace.mark("generate_started")
+            call = self._calls.start_generate(attempt.decode_id, attempt.lease, first,
+                                              self._timeout())
+        except KeyError:  # left the registry meanwhile (its channel is closed)
+            raise self._decode_left(attempt) from None
         attempt.calls.append(call)
         return call
 
     def _start_local(self, attempt: _Attempt) -> grpc.aio.UnaryStreamCall:
-        request = pb.GenerateLocalRequest(request_id=self._req.request_id,
-                                          prompt_token_ids=self._req.prompt_token_ids,
-                                          sampling=self._sampling)
-        call = self._decode_stub(attempt).GenerateLocal(request, timeout=self._timeout())
+        try:
+            self._trace.worker_call()
+            self._trace.mark("generate_started")
+            call = self._calls.start_generate_local(attempt.decode_id, attempt.lease,
+                                                    self._timeout())
+        except KeyError:
+            raise self._decode_left(attempt) from None
         attempt.calls.append(call)
         return call
 
-    def _decode_stub(self, attempt: _Attempt) -> pb_grpc.DecodeWorkerStub:
-        try:
-            return self._pool.decode_stub(attempt.decode_id)
-        except KeyError:  # left the registry meanwhile (its channel is closed)
-            self._excluded.add(attempt.decode_id)
-            raise _Retry(f"decode worker {attempt.decode_id} left the registry") from None
+    def _decode_left(self, attempt: _Attempt) -> _Retry:
+        self._excluded.add(attempt.decode_id)
+        return _Retry(f"decode worker {attempt.decode_id} left the registry", "worker_left")
 
     async def _relay(self, attempt: _Attempt, call: grpc.aio.UnaryStreamCall
                      ) -> AsyncGenerator[OutputChunk, None]:
-        """The decode worker's stream as ``OutputChunk``s; a failure before the first
-        token is ``_Retry``, after it ``RouteError``."""
+        """The decode worker's stream; a failure before the first token is ``_Retry``,
+        after it ``RouteError``."""
         num_streamed = 0
         try:
             with self._pool.watched(attempt.decode_id, call):
-                async for message in call:
-                    chunk = _chunk(message)
+                async for chunk in chunks(call):
+                    self._pool.heard_from(attempt.decode_id)
+                    if chunk.worker_s is not None:  # the first chunk
+                        self._trace.mark("first_chunk")
+                        self._trace.decode_first_chunk_s = chunk.worker_s
                     num_streamed += len(chunk.token_ids)
                     if chunk.finish_reason is not None:
                         attempt.finished = True
@@ -343,18 +426,20 @@ class Handoff:
             self._excluded.add(attempt.decode_id)
             why = f"decode worker {attempt.decode_id} stopped answering health checks"
             if num_streamed == 0:
-                raise _Retry(why) from None
+                raise _Retry(why, "health") from None
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"{why} after {num_streamed} streamed tokens") from None
         except grpc.aio.AioRpcError as exc:
-            self._check_deadline(exc)
-            if num_streamed == 0 and exc.code() in RETRYABLE:
+            failure = self._failure(exc)
+            self._check_deadline(failure)
+            if num_streamed == 0 and failure.kind is Failure.BUSY:
+                raise _Busy(f"{attempt.decode_id} is busy: {failure}") from None
+            if num_streamed == 0 and failure.kind is Failure.RETRY:
                 self._excluded.add(attempt.decode_id)
-                raise _Retry(f"generate on {attempt.decode_id}: {exc.code().name} "
-                             f"{exc.details()}") from None
+                raise _Retry(f"generate on {attempt.decode_id}: {failure}", "generate") from None
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"decode worker {attempt.decode_id} failed after {num_streamed} "
-                             f"streamed tokens: {exc.code().name} {exc.details()}") from None
+                             f"streamed tokens: {failure}") from None
         if not attempt.finished:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, f"decode worker {attempt.decode_id} "
                              "ended the stream without a finish reason")
@@ -363,41 +448,33 @@ class Handoff:
 
     def _end(self, attempt: _Attempt) -> None:
         """Cancels the attempt's calls and, unless it finished cleanly, aborts it on both
-        workers in the background (idempotent there)."""
+        workers in the background (idempotent there); its lease ends either way."""
         for call in attempt.calls:
             call.cancel()
-        if attempt.finished:
-            return
-        if not attempt.decode_aborted:
-            self._abort_later(attempt.decode_id, "decode")
-        if attempt.prefill_id is not None:
-            self._abort_later(attempt.prefill_id, "prefill")
+        if not attempt.finished:
+            if not attempt.decode_aborted:
+                self._abort_later(attempt.decode_id, "decode", attempt.lease)
+            if attempt.prefill_id is not None:
+                self._abort_later(attempt.prefill_id, "prefill", attempt.lease)
+        self._leases.close(attempt.lease)
 
     async def _abort_decode_now(self, attempt: _Attempt) -> None:
         """Cancels the attempt's calls and waits (bounded) for the decode worker's Abort,
-        so a new reservation of this request there is not ALREADY_EXISTS. If this task
+        so the next attempt finds its blocks free. If this task
         is cancelled meanwhile, ``_end`` sends the Abort again in the background."""
         for call in attempt.calls:
             call.cancel()
-        call = self._abort_call(attempt.decode_id, "decode")
+        call = self._calls.start_abort(attempt.decode_id, "decode", attempt.lease.attempt_id)
         if call is not None:
             await self._await_abort(call, attempt.decode_id)
         attempt.decode_aborted = True
 
-    def _abort_later(self, worker_id: str, role: str) -> None:
-        call = self._abort_call(worker_id, role)
+    def _abort_later(self, worker_id: str, role: str, lease: Lease) -> None:
+        """Abort the attempt on the worker in the background (should the Abort not reach
+        it, the worker frees the attempt once its lease is gone)."""
+        call = self._calls.start_abort(worker_id, role, lease.attempt_id)
         if call is not None:
             self._background(asyncio.ensure_future(self._await_abort(call, worker_id)))
-
-    def _abort_call(self, worker_id: str, role: str) -> grpc.aio.UnaryUnaryCall | None:
-        """``Abort(request_id)`` started on the worker; None if it left the registry."""
-        try:
-            stub = (self._pool.decode_stub(worker_id) if role == "decode"
-                    else self._pool.prefill_stub(worker_id))
-        except KeyError:
-            return None
-        return stub.Abort(pb.AbortRequest(request_id=self._req.request_id),
-                          timeout=ABORT_TIMEOUT_S)
 
     async def _await_abort(self, call: grpc.aio.UnaryUnaryCall, worker_id: str) -> object:
         try:
@@ -413,15 +490,26 @@ class Handoff:
             raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
         return remaining if cap_s is None else min(remaining, cap_s)
 
-    def _check_deadline(self, exc: grpc.aio.AioRpcError) -> None:
-        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._clock() >= self._deadline:
+    def _failure(self, exc: grpc.aio.AioRpcError) -> CallFailure:
+        return classify(exc, deadline_passed=self._clock() >= self._deadline)
+
+    @staticmethod
+    def _check_deadline(failure: CallFailure) -> None:
+        if failure.kind is Failure.DEADLINE:
             raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
                              "the request's deadline passed while the workers were serving it")
 
-    def _worker_failed(self, worker_id: str, exc: grpc.aio.AioRpcError) -> None:
+    def _id_in_use(self, where: str) -> RouteError:
+        """A worker holds this attempt's id already: attempt ids are unique per router and
+        random across routers, so this is a bug, not the client's doing."""
+        return RouteError(grpc.StatusCode.INTERNAL,
+                          f"an attempt id of request {self._req.request_id!r} is already held"
+                          f"{where} (attempt ids must be unique)")
+
+    def _worker_failed(self, worker_id: str, failure: CallFailure) -> None:
         self._excluded.add(worker_id)
-        if _unreachable(exc):
-            self._pool.mark_failed(worker_id, f"{exc.code().name} {exc.details()}")
+        if failure.unreachable:
+            self._pool.mark_failed(worker_id, str(failure))
 
 
 def _reraise_if_we_are_cancelled() -> None:
@@ -430,30 +518,3 @@ def _reraise_if_we_are_cancelled() -> None:
     task = asyncio.current_task()
     if task is None or task.cancelling():
         raise  # noqa: PLE0704 -- re-raises the CancelledError being handled
-
-
-def _unreachable(exc: grpc.aio.AioRpcError) -> bool:
-    """Whether the call failed in transport (worker down or hung), not in the worker."""
-    details = (exc.details() or "").lower()
-    return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or (
-        exc.code() == grpc.StatusCode.UNAVAILABLE and any(
-            s in details for s in ("failed to connect", "connection refused", "socket closed",
-                                   "connection reset", "goaway")))
-
-
-def _sampling_proto(request: ValidRequest) -> pb.SamplingParams:
-    p = request.sampling
-    message = pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
-                                top_p=p.top_p, top_k=p.top_k, stop=p.stop,
-                                stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos)
-    if p.seed is not None:
-        message.seed = p.seed
-    return message
-
-
-def _chunk(message: pb.TokenChunk) -> OutputChunk:
-    if not message.finish_reason:
-        return OutputChunk(tuple(message.token_ids), message.text)
-    usage = message.usage
-    return OutputChunk(tuple(message.token_ids), message.text, message.finish_reason,
-                       Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens))

@@ -7,7 +7,8 @@ chained hash of the prompt's leading full blocks, so requests sharing those bloc
 share a worker and find them in its prefix cache. Bounded load ("consistent hashing with
 bounded loads"): a worker whose load would exceed ``ceil((1 + epsilon) * mean)`` is
 skipped for the next one in rendezvous order, so a hot prefix spills over to a stable
-second choice instead of overloading one worker.
+second choice instead of overloading one worker. ``--prefill-routing round-robin``
+(``round_robin``) ignores prompts altogether: the baseline affinity is measured against.
 
 Decode: the least running work (the router's own in-flight count on the worker), then
 the most free KV blocks (from its last heartbeat).
@@ -24,10 +25,7 @@ from fractions import Fraction
 import xxhash
 
 from engine.kvcache.block_hash import BlockHash
-
-AFFINITY_BLOCKS = 4
-"""Leading full blocks that make the prefill affinity key (64 tokens at block size 16)."""
-DEFAULT_EPSILON = 0.25
+from router.config import AFFINITY_BLOCKS, DEFAULT_EPSILON
 
 
 def affinity_key(block_hashes: Sequence[BlockHash], prompt_token_ids: Sequence[int],
@@ -62,6 +60,16 @@ def pick_prefill(key: bytes, loads: Mapping[str, int],
     order = rendezvous_order(key, list(loads))
     within = [w for w in order if loads[w] + 1 <= bound]
     return within + [w for w in order if w not in within]
+
+
+def round_robin(worker_ids: Sequence[str], turn: int) -> list[str]:
+    """``worker_ids`` (sorted) starting at the ``turn``-th: each request's turn is one more
+    than the last one's, so consecutive requests go to consecutive workers."""
+    ordered = sorted(worker_ids)
+    if not ordered:
+        return []
+    start = turn % len(ordered)
+    return ordered[start:] + ordered[:start]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""``pdserve router``: the public gRPC server (``pdserve.v1``), health and reflection.
+"""``pdserve router``: the public gRPC server (``pdserve.v1``), health and reflection, and
+the OpenAI-compatible HTTP API (``router.http``) on the same event loop.
 
 ``Router`` owns the asyncio gRPC server, the ``WorkerPool`` and its refresh task.
 Health (``grpc.health.v1``, service "" and ``pdserve.v1.Generation``) is SERVING while at
@@ -6,6 +7,10 @@ least one decode worker and (unless ``--local-prefill`` lets decode workers pref
 prefill worker are routable. The router reads only ``config.json`` and ``tokenizer.json``
 of ``--model`` (no weights) and imports no torch — except to build the built-in tiny
 model when ``--model`` is not given.
+
+Each attempt of a request has a lease in Redis (``cluster.leases.LeaseKeeper``, renewed
+every ``--lease-ttl / 3``); with ``--debug-port`` the internal ``RouterDebug`` service
+(``router.debug``) reports what the router holds.
 
 Start-up fails at once, before touching Redis, when the port cannot be bound. SIGTERM or
 SIGINT: stop accepting, give in-flight streams ``grace_s`` to finish (then they are
@@ -19,25 +24,33 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import grpc
+import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster.files import write_json_atomic
+from cluster.fingerprint import fingerprint_model_dir
+from cluster.keepalive import SERVER_OPTIONS as KEEPALIVE_SERVER_OPTIONS
+from cluster.leases import LeaseKeeper, LeaseStore, new_router_id
+from cluster.registry import Registry, RegistryAuthError
 from engine.tokenizer import load_tokenizer
-from kvtransfer.layout import fingerprint_model_dir
-from pdserve.files import write_json_atomic
-from pdserve.registry import Registry, RegistryAuthError
 from router.auth import ApiKeyInterceptor, load_api_key
 from router.config import (
-    DEFAULT_PORT,
     AdmissionConfig,
     DiscoveryConfig,
+    HandoffConfig,
+    HttpConfig,
     RouterConfig,
     TLSFiles,
 )
-from router.handoff import LOCAL_PREFILL_MODES, HandoffConfig
+from router.debug import start_debug_server
+from router.generations import Generations
+from router.http.server import HttpServer, HttpStartError, build_http_server
 from router.service import SERVICE_NAME, GenerationService
 from router.validation import ModelLimits
 from router.workers import WorkerPool
@@ -66,14 +79,30 @@ class Router:
         self.registry = Registry(d.redis_url, cluster=d.cluster)
         self.pool = WorkerPool(self.registry, fingerprint, keep_missing_s=d.keep_missing_s,
                                suspect_s=d.suspect_s)
-        a = config.admission
-        self.service = GenerationService(self.pool, self.limits, tokenizer,
-                                         handoff=config.handoff, max_inflight=a.max_inflight,
-                                         default_timeout_s=a.default_timeout_s,
-                                         max_queued_tokens=a.max_queued_tokens)
+        self.leases = LeaseKeeper(LeaseStore(d.redis_url, cluster=d.cluster), new_router_id(),
+                                  config.handoff.lease_ttl_s)
+        self.generations = Generations(self.pool, self.limits, tokenizer,
+                                       handoff=config.handoff, admission=config.admission,
+                                       leases=self.leases)
+        self.service = GenerationService(self.generations)
+        self.serving = False  # what health says (also the HTTP API's /health)
+        self.http: HttpServer | None = None
+        self.http_address: str | None = None
+        if config.http is not None:
+            try:
+                self.http = build_http_server(config, self.generations, tokenizer,
+                                              lambda: self.serving)
+            except HttpStartError as exc:
+                raise RouterStartError(str(exc)) from None
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health_address: str | None = None
+        self._metrics_server: Any = None
+        self.metrics_address: str | None = None
         self._refresher: asyncio.Task[None] | None = None
+        self._debug_server: grpc.aio.Server | None = None
+        self.debug_address: str | None = None
         self.address = config.address
 
     async def start(self) -> str:
@@ -82,6 +111,7 @@ class Router:
         server = grpc.aio.server(interceptors=interceptors, options=(
             ("grpc.max_receive_message_length", self.config.admission.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            *KEEPALIVE_SERVER_OPTIONS,  # a vanished client is noticed and its requests freed
         ))
         server.add_generic_rpc_handlers((self.service.handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -98,23 +128,68 @@ class Router:
         if port == 0:
             raise RouterStartError(f"cannot listen on {self.config.address} (port in use?)")
         self.address = f"{self.config.host}:{port}"
+        if self.http is not None:
+            try:
+                self.http_address = self.http.bind()
+            except HttpStartError as exc:
+                raise RouterStartError(str(exc)) from None
         try:
             await asyncio.to_thread(self.registry.ping)
         except RegistryAuthError as exc:
             raise RouterStartError(str(exc)) from None
         except Exception as exc:  # unreachable: keep going, the refresh loop retries
             logger.warning("Redis not reachable yet (%s); routing starts once it is", exc)
+        if self.config.health_port is not None:
+            await self._start_health_server()
+        if self.config.metrics_port is not None:
+            self._start_metrics_server(self.config.metrics_port)
+        if self.config.debug_port is not None:
+            try:
+                self._debug_server, self.debug_address = await start_debug_server(
+                    self.generations, self.config.host, self.config.debug_port)
+            except RuntimeError as exc:
+                raise RouterStartError(str(exc)) from None
+        self.leases.start()
         await self._refresh()
         await server.start()
         self._server = server
+        if self.http is not None:
+            await self.http.start()
         self._refresher = asyncio.create_task(self._refresh_forever())
         return self.address
+
+    def _start_metrics_server(self, port: int) -> None:
+        """``/metrics`` (Prometheus text) on its own port, served from a thread."""
+        try:
+            server, _ = prometheus_client.start_http_server(port, self.config.host,
+                                                            self.generations.metrics.registry)
+        except OSError as exc:
+            raise RouterStartError(f"cannot serve metrics on {self.config.host}:{port}: "
+                                   f"{exc.strerror or exc}") from None
+        self._metrics_server = server
+        self.metrics_address = f"{self.config.host}:{server.server_address[1]}"
+
+    async def _start_health_server(self) -> None:
+        """``grpc.health.v1`` alone, in plaintext, on ``health_port`` (probes of a TLS router)."""
+        server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        address = f"{self.config.host}:{self.config.health_port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise RouterStartError(f"cannot listen on {address}: {exc}") from None
+        if port == 0:
+            raise RouterStartError(f"cannot listen on {address} (port in use?)")
+        await server.start()
+        self._health_server = server
+        self.health_address = f"{self.config.host}:{port}"
 
     async def _refresh(self) -> None:
         await self.pool.refresh()
         colocated = self.config.handoff.local_prefill != "never"
         serving = bool(self.pool.routable("decode")
                        and (colocated or self.pool.routable("prefill")))
+        self.serving = serving
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", SERVICE_NAME):
@@ -129,13 +204,32 @@ class Router:
                 logger.exception("refreshing the worker view failed")
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Stops accepting, lets streams finish for ``grace_s``, releases everything."""
+        """Stops accepting (health NOT_SERVING; a new request gets UNAVAILABLE, on both
+        APIs, while the ports stay open), lets streams finish for ``grace_s``, then closes
+        the servers (cancelling what is left) and releases everything."""
         if self._refresher is not None:
             self._refresher.cancel()
+        self.serving = False
+        self.generations.draining = True
         if self._server is not None:
+            grace = self.config.grace_s if grace_s is None else grace_s
+            started = time.monotonic()
             await self._health.enter_graceful_shutdown()
-            await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
-        await self.service.drain_background()
+            await self.generations.wait_idle(grace)
+            await asyncio.gather(
+                self._server.stop(max(0.0, grace - (time.monotonic() - started))),
+                *([self.http.stop()] if self.http is not None else []))
+        if self._health_server is not None:
+            await self._health_server.stop(None)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        await self.generations.drain_background()
+        await self.leases.stop()
+        if self.leases.store is not None:
+            self.leases.store.close()
+        if self._debug_server is not None:
+            await self._debug_server.stop(None)
         await self.pool.close()
         self.registry.close()
 
@@ -144,47 +238,28 @@ class Router:
             await self._server.wait_for_termination()
 
 
-def add_router_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model",
-                        help="checkpoint directory (the router reads config.json and "
-                             "tokenizer.json only, never the weights; default: the "
-                             "built-in tiny model, built on first use)")
-    parser.add_argument("--redis-url", required=True, help="the cluster's Redis")
-    parser.add_argument("--host", default="127.0.0.1", help="address the API binds to")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
-                        help="API port (0: the OS picks)")
-    parser.add_argument("--cluster", default="default", help="Redis key namespace")
-    parser.add_argument("--ready-file",
-                        help='write {"grpc_address", "role", "model"} as JSON once serving')
-    parser.add_argument("--model-name", help="name clients may give (default: the directory name)")
-    parser.add_argument("--max-inflight", type=int, default=256,
-                        help="requests in flight at once; more get RESOURCE_EXHAUSTED")
-    parser.add_argument("--max-queued-tokens", type=int, default=65536,
-                        help="prompt tokens waiting for their first token at once; more get "
-                             "RESOURCE_EXHAUSTED (0: no limit)")
-    parser.add_argument("--grace", type=float, default=5.0,
-                        help="seconds in-flight requests get to finish on SIGTERM")
-    parser.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",
-                        help="never: no prefill worker left is UNAVAILABLE; fallback: then a "
-                             "decode worker prefills locally; always: colocated mode, every "
-                             "request prefilled on its decode worker (default: never)")
-    parser.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
-    parser.add_argument("--tls-key", help="... and this PEM private key")
-    parser.add_argument("--api-key-file",
-                        help="require 'authorization: Bearer KEY' on every call but health "
-                             "and reflection, KEY being this file's first line (default: "
-                             "$PDSERVE_API_KEY if set, else no key)")
-
-
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    if not args.redis_url:
+        raise ValueError("give --redis-url or $PDSERVE_REDIS_URL (the cluster's Redis)")
     return RouterConfig(
         model_dir=Path(args.model) if args.model else _demo_model_dir(), host=args.host, port=args.port,
         model_name=args.model_name, grace_s=args.grace,
         api_key=load_api_key(args.api_key_file), tls=_tls(args),
         discovery=DiscoveryConfig(redis_url=args.redis_url, cluster=args.cluster),
         admission=AdmissionConfig(max_inflight=args.max_inflight,
-                                  max_queued_tokens=args.max_queued_tokens or None),
-        handoff=HandoffConfig(local_prefill=args.local_prefill))
+                                  max_queued_tokens=args.max_queued_tokens or None,
+                                  max_buffered_chunks=args.max_buffered_chunks),
+        handoff=HandoffConfig(local_prefill=args.local_prefill, lease_ttl_s=args.lease_ttl,
+                              prefill_routing=args.prefill_routing),
+        health_port=args.health_port, metrics_port=args.metrics_port, http=_http(args),
+        debug_port=args.debug_port)
+
+
+def _http(args: argparse.Namespace) -> HttpConfig | None:
+    if not args.http:
+        return None
+    template = Path(args.chat_template) if args.chat_template else None
+    return HttpConfig(port=args.http_port, chat_template=template)
 
 
 def _tls(args: argparse.Namespace) -> TLSFiles | None:
@@ -201,7 +276,7 @@ def _demo_model_dir() -> Path:
 
 def main(args: argparse.Namespace) -> int:
     """Runs the router until SIGTERM/SIGINT; exit 0 then, 1 when it cannot start."""
-    from pdserve.logs import configure_logging
+    from cluster.logs import configure_logging
 
     configure_logging("router")
     try:
@@ -220,8 +295,11 @@ async def _serve(config: RouterConfig, ready_file: str | None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if ready_file:
-        write_json_atomic(ready_file, {"grpc_address": address, "role": "router",
-                                       "model": router.limits.name})
+        ready = {"grpc_address": address, "role": "router", "model": router.limits.name}
+        for name in ("http_address", "health_address", "metrics_address", "debug_address"):
+            if getattr(router, name) is not None:
+                ready[name] = getattr(router, name)
+        write_json_atomic(ready_file, ready)
     logger.info("serving %s on %s (%d prefill, %d decode workers known; %s)",
                 router.limits.name, address, len(router.pool.routable("prefill")),
                 len(router.pool.routable("decode")),
@@ -229,7 +307,7 @@ async def _serve(config: RouterConfig, ready_file: str | None) -> int:
     if config.tls is not None:
         logger.info("TLS on the public port (certificate %s)", config.tls.cert_file)
     await stop.wait()
-    logger.info("stopping: %d requests in flight get %.1fs", router.service.inflight,
+    logger.info("stopping: %d requests in flight get %.1fs", router.generations.inflight,
                 config.grace_s)
     await router.stop()
     return 0

@@ -22,6 +22,7 @@ import tokenizers
 from engine.config import load_model_config
 from engine.kvcache.block_hash import BlockHash, compute_block_hashes
 from engine.sampling_params import SamplingParams
+from engine.sharding import num_blocks_for
 from engine.tokenizer import TokenizerInfo, load_tokenizer
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -91,7 +92,7 @@ class ValidRequest:
 
     def num_blocks(self, block_size: int) -> int:
         """KV blocks the whole sequence can need: prompt + max_tokens, rounded up."""
-        return -(-(self.num_prompt_tokens + self.sampling.max_tokens) // block_size)
+        return num_blocks_for(self.num_prompt_tokens + self.sampling.max_tokens, block_size)
 
     def block_hashes(self, block_size: int, hash_seed: int) -> list[BlockHash]:
         """The prefix-cache keys of the prompt's full blocks, as the workers compute them."""

@@ -8,8 +8,15 @@ empties the registry for one heartbeat does not stop traffic; time while Redis i
 unreachable does not count), its model fingerprint is
 the router's, its ``grpc.health.v1`` check answered SERVING at the last refresh (a
 zombie whose engine loop died answers NOT_SERVING; a hung one does not answer), and it
-is not suspect. Channels of workers that stop being routable for
-good are closed. Used from one asyncio loop; ``refresh`` runs the Redis read in a thread.
+is not suspect. A worker whose checks time out ``HUNG_AFTER`` times in a row, and whose
+calls did not answer anything meanwhile (``heard_from``), is hung: the calls waiting on
+it are cancelled (so they are retried elsewhere). A worker whose streams still deliver is
+busy, never hung, however late its health answers arrive (a saturated router sees every
+answer late). A worker gone from the registry for longer than ``keep_missing_s`` is no
+longer routable; its channel is closed once the router has no call in flight on it (a
+registration that lapses for a few seconds, e.g. a delayed heartbeat, must not cancel the
+worker's healthy streams), and reused if the worker comes back first. Used from one
+asyncio loop; ``refresh`` runs the Redis read in a thread.
 """
 
 from __future__ import annotations
@@ -24,19 +31,20 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtransfer.layout import KVLayout
-from pdserve.cluster_view import WorkerView
-from pdserve.internal.v1 import worker_pb2_grpc as pb_grpc
-from pdserve.registry import Registry, WorkerRecord
+from cluster.keepalive import CHANNEL_OPTIONS as KEEPALIVE_CHANNEL_OPTIONS
+from cluster.records import WorkerRecord
+from cluster.registry import Registry
+from cluster.view import WorkerView
+from kvtransfer.layout import PROTOCOL_VERSION, KVLayout
 
 logger = logging.getLogger(__name__)
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.enable_retries", 0),
+    *KEEPALIVE_CHANNEL_OPTIONS,
 )
+HUNG_AFTER = 2  # consecutive health checks that time out before a worker's calls are taken back
 
 
 @dataclass
@@ -45,6 +53,8 @@ class _Known:
     channel: grpc.aio.Channel
     last_seen: float
     serving: bool = False
+    timeouts: int = 0  # consecutive health checks without an answer in time
+    gone: bool = False  # missing longer than keep_missing_s; kept for its calls in flight
 
 
 class WorkerPool:
@@ -52,8 +62,8 @@ class WorkerPool:
 
     def __init__(self, registry: Registry, model_fingerprint: str, *,
                  keep_missing_s: float = 6.0, suspect_s: float = 5.0,
-                 health_timeout_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self._view = WorkerView(registry, clock=clock)
+                 health_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._view = WorkerView(registry, clock=clock, model_fingerprint=model_fingerprint)
         self._fingerprint = model_fingerprint
         self._keep_missing_s = keep_missing_s
         self._suspect_s = suspect_s
@@ -63,6 +73,7 @@ class WorkerPool:
         self._suspect_until: dict[str, float] = {}
         self._inflight: dict[str, int] = {}
         self._calls: dict[str, set[grpc.aio.Call]] = {}  # see ``watched``
+        self._heard_from: dict[str, float] = {}  # worker id -> clock() of its last answer
         self._foreign: set[str] = set()  # ids logged as serving another model
         self._closing: set[asyncio.Task[None]] = set()  # channels being closed
 
@@ -84,13 +95,26 @@ class WorkerPool:
                 self._see(record, now)
             for worker_id, known in list(self._known.items()):
                 if now - known.last_seen > self._keep_missing_s:
-                    del self._known[worker_id]
-                    logger.info("worker %s left the registry; closing its channel", worker_id)
-                    await known.channel.close()
+                    await self._forget(worker_id, known)
             listed = {r.worker_id for r in snapshot.workers}
             self._foreign &= listed  # bounded by the registry, not by worker churn
             self._suspect_until = {w: t for w, t in self._suspect_until.items() if t > now}
         await asyncio.gather(*(self._check_health(w, k) for w, k in list(self._known.items())))
+
+    async def _forget(self, worker_id: str, known: _Known) -> None:
+        """``worker_id`` left the registry for good: not routable; its channel is closed
+        now if the router has no call on it, else at a later refresh once it has none."""
+        calls = self._inflight.get(worker_id, 0) + len(self._calls.get(worker_id, ()))
+        if calls:
+            if not known.gone:
+                logger.warning("worker %s left the registry; keeping its channel while %d "
+                               "of its calls are in flight", worker_id, calls)
+            known.gone = True
+            return
+        del self._known[worker_id]
+        self._heard_from.pop(worker_id, None)
+        logger.info("worker %s left the registry; closing its channel", worker_id)
+        await known.channel.close()
 
     async def _check_health(self, worker_id: str, known: _Known) -> None:
         try:
@@ -105,32 +129,52 @@ class WorkerPool:
             log = logger.info if serving else logger.warning
             log("worker %s is %s", worker_id, "serving" if serving else f"not serving: {why}")
         known.serving = serving
-        if hung:  # no answer in time: take its calls back. A worker that answers
-            # NOT_SERVING or refuses new calls is draining (its calls finish) or a zombie
-            # (it fails them itself); a dead one's calls fail by themselves.
+        if hung and self._clock() - self._heard_from.get(worker_id, -1e9) < \
+                HUNG_AFTER * self._health_timeout_s:
+            hung = False  # its calls keep answering: busy (or our own loop is), not hung
+        known.timeouts = known.timeouts + 1 if hung else 0
+        if known.timeouts == HUNG_AFTER:  # no answer in time, again: take its calls back.
+            # One late answer only stops new requests going there (a busy worker answers
+            # promptly: its server never blocks). A worker that answers NOT_SERVING or
+            # refuses new calls is draining (its calls finish) or a zombie (it fails them
+            # itself); a dead one's calls fail by themselves.
+            logger.warning("worker %s missed %d health checks: taking back its %d calls",
+                           worker_id, HUNG_AFTER, len(self._calls.get(worker_id, ())))
             for call in list(self._calls.get(worker_id, ())):
                 call.cancel()
 
     def _see(self, record: WorkerRecord, now: float) -> None:
-        if record.layout.model_fingerprint != self._fingerprint:
+        layout = record.layout
+        if (layout.model_fingerprint, layout.protocol_version) != \
+                (self._fingerprint, PROTOCOL_VERSION):
             if record.worker_id not in self._foreign:
                 self._foreign.add(record.worker_id)
-                logger.warning("ignoring worker %s: it serves model fingerprint %s, the router "
-                               "serves %s", record.worker_id, record.layout.model_fingerprint,
-                               self._fingerprint)
+                logger.warning("ignoring worker %s: it serves model fingerprint %s with "
+                               "protocol %d, the router serves %s with protocol %d",
+                               record.worker_id, layout.model_fingerprint,
+                               layout.protocol_version, self._fingerprint, PROTOCOL_VERSION)
             return
         known = self._known.get(record.worker_id)
         if known is None or known.record.grpc_address != record.grpc_address:
-            if known is not None:
+            if known is not None:  # a new process under the old id: nothing of the old holds
                 task = asyncio.get_running_loop().create_task(known.channel.close())
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
+                self._suspect_until.pop(record.worker_id, None)
+                self._heard_from.pop(record.worker_id, None)
             channel = grpc.aio.insecure_channel(record.grpc_address, options=CHANNEL_OPTIONS)
             logger.info("worker %s (%s, TP %d) at %s", record.worker_id, record.role,
                         record.tensor_parallel_size, record.grpc_address)
             self._known[record.worker_id] = _Known(record, channel, now)
         else:
-            known.record, known.last_seen = record, now
+            if known.gone:
+                logger.info("worker %s is back in the registry", record.worker_id)
+            known.record, known.last_seen, known.gone = record, now, False
+
+    @property
+    def pinned_layout(self) -> KVLayout | None:
+        """The cluster fingerprint this router pinned and re-asserts (``WorkerView``)."""
+        return self._view.pinned
 
     @property
     def view_age_s(self) -> float:
@@ -143,19 +187,20 @@ class WorkerPool:
     def layout(self) -> KVLayout | None:
         """The KV layout the workers share (block size, hash seed), ``None`` if none known."""
         for known in self._known.values():
-            return known.record.layout
+            if not known.gone:
+                return known.record.layout
         return None
 
     def routable(self, role: str) -> list[WorkerRecord]:
         now = self._clock()
         return [k.record for w, k in sorted(self._known.items())
-                if k.record.role == role and k.serving
+                if k.record.role == role and k.serving and not k.gone
                 and self._suspect_until.get(w, 0.0) <= now]
 
     def max_decode_blocks(self) -> int:
         """The largest KV pool of any known decode worker (0 if none)."""
         return max((k.record.total_kv_blocks for k in self._known.values()
-                    if k.record.role == "decode"), default=0)
+                    if k.record.role == "decode" and not k.gone), default=0)
 
     # ----------------------------------------------------------------- calls and load
 
@@ -165,11 +210,11 @@ class WorkerPool:
             logger.warning("not routing to %s for %.1fs: %s", worker_id, self._suspect_s, why)
         self._suspect_until[worker_id] = self._clock() + self._suspect_s
 
-    def decode_stub(self, worker_id: str) -> pb_grpc.DecodeWorkerStub:
-        return pb_grpc.DecodeWorkerStub(self._known[worker_id].channel)
-
-    def prefill_stub(self, worker_id: str) -> pb_grpc.PrefillWorkerStub:
-        return pb_grpc.PrefillWorkerStub(self._known[worker_id].channel)
+    def channel(self, worker_id: str) -> grpc.aio.Channel:
+        """The open channel to ``worker_id``; ``KeyError`` once it left the registry and
+        its channel was closed (a departed worker's channel serves its calls in flight,
+        and their aborts, until none is left)."""
+        return self._known[worker_id].channel
 
     def inflight(self, worker_id: str) -> int:
         return self._inflight.get(worker_id, 0)
@@ -186,6 +231,10 @@ class WorkerPool:
                 self._inflight[worker_id] = left
             else:
                 del self._inflight[worker_id]
+
+    def heard_from(self, worker_id: str) -> None:
+        """A call to ``worker_id`` just answered (a streamed chunk, a reply): it is alive."""
+        self._heard_from[worker_id] = self._clock()
 
     @contextmanager
     def watched(self, worker_id: str, call: grpc.aio.Call) -> Iterator[None]:

@@ -1,7 +1,10 @@
-"""Real pdserve processes for tests: spawn through the CLI, wait for the ready file, stop.
+"""Real processes for tests: the one spawner, the one ``wait_until`` and /proc helpers.
 
-Every process gets a log file (its tail goes into assertion messages), one torch thread,
-gloo on loopback, and is stopped with SIGTERM → SIGKILL by ``Proc.stop`` (bounded).
+``spawn`` starts ``python -m pdserve ARGS --ready-file ...`` with its output in a log file
+(its tail goes into assertion messages), one torch thread and gloo on loopback;
+``Proc.wait_ready`` waits for the ready file; ``Proc.stop`` stops it with SIGTERM → SIGKILL
+(bounded) and kills any child (rank) process left. Layer-specific helpers build on these:
+``tests.worker.procs`` (worker processes and their leak check), ``tests.router.cluster``.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import grpc
 
 from tests.factories import REPO_ROOT
 
@@ -27,12 +32,13 @@ STOP_TIMEOUT_S = 30.0
 class Proc:
     """One spawned ``python -m pdserve ROLE ...`` process and its ready file."""
 
-    name: str
+    name: str  # unique in its directory: names the log and ready files
     proc: subprocess.Popen[bytes]
     log_path: Path
     ready_path: Path
     ready: dict[str, Any] = field(default_factory=dict)
-    child_pids: list[int] = field(default_factory=list)
+    child_pids: list[int] = field(default_factory=list)  # e.g. a worker's rank processes
+    _channel: grpc.Channel | None = None
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
@@ -40,6 +46,13 @@ class Proc:
     @property
     def address(self) -> str:
         return str(self.ready["grpc_address"])
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """A channel to its gRPC address (once ready), closed by ``stop``."""
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.address)
+        return self._channel
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> Proc:
         deadline = time.monotonic() + timeout_s
@@ -61,15 +74,21 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(STOP_TIMEOUT_S)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         for pid in self.child_pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         return self.proc.returncode
 
 
-def spawn(name: str, args: list[str], tmp: Path, env: dict[str, str] | None = None) -> Proc:
+def spawn(name: str, args: Sequence[str], tmp: Path, env: dict[str, str] | None = None) -> Proc:
     """``python -m pdserve ARGS --ready-file ...`` with its output in ``tmp/NAME.log``
-    (``env``: extra environment variables)."""
+    (``env``: extra environment variables). A router gets ``--http-port 0`` unless ARGS
+    choose its HTTP port."""
+    if args and args[0] == "router" and not {"--http-port", "--no-http"} & set(args):
+        args = [*args, "--http-port", "0"]  # routers run side by side in tests
     log_path, ready_path = tmp / f"{name}.log", tmp / f"{name}.ready.json"
     ready_path.unlink(missing_ok=True)
     with open(log_path, "wb") as log:
@@ -80,8 +99,23 @@ def spawn(name: str, args: list[str], tmp: Path, env: dict[str, str] | None = No
     return Proc(name, proc, log_path, ready_path)
 
 
+def start_all(procs: Sequence[Proc]) -> None:
+    """Wait until every one of ``procs`` is ready; stop them all if one is not."""
+    try:
+        for p in procs:
+            p.wait_ready()
+    except BaseException:
+        stop_all(procs)
+        raise
+
+
+def stop_all(procs: Sequence[Proc]) -> None:
+    for p in procs:
+        p.stop()
+
+
 def children(pid: int) -> list[int]:
-    """Pids whose parent is ``pid`` (from /proc)."""
+    """Pids whose parent is ``pid``, zombies included (from /proc)."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -103,9 +137,47 @@ def alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str,
-               period_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+def wait_until(predicate: Callable[[], object], timeout_s: float, what: str,
+               period_s: float = 0.05, ignore: tuple[type[BaseException], ...] = ()) -> float:
+    """Poll ``predicate`` until it is true (an exception of ``ignore`` counts as false);
+    returns the seconds it took, fails the test after ``timeout_s``."""
+    start = time.monotonic()
+    while True:
+        try:
+            if predicate():
+                return time.monotonic() - start
+        except ignore:
+            pass
+        assert time.monotonic() - start < timeout_s, f"timed out after {timeout_s}s waiting for {what}"
         time.sleep(period_s)
+
+
+def listening(pid: int) -> list[str]:
+    """``host:port`` of every TCP socket ``pid`` listens on (from its /proc entries)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                found.append(_proc_net_address(cols[1]))
+    return found
+
+
+def _proc_net_address(hex_address: str) -> str:
+    """/proc/net/tcp{,6}'s ``HEX:PORT`` (addresses as host-order 32-bit words)."""
+    host, port = hex_address.split(":")
+    words = bytes.fromhex(host)
+    raw = b"".join(words[i:i + 4][::-1] for i in range(0, len(words), 4))
+    if len(raw) == 16 and raw[:12] == bytes(10) + b"\xff\xff":  # IPv4-mapped IPv6
+        raw = raw[12:]
+    if len(raw) == 4:
+        return f"{'.'.join(str(b) for b in raw)}:{int(port, 16)}"
+    return f"[{raw.hex()}]:{int(port, 16)}"  # any other IPv6 address: named as is

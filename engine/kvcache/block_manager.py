@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from engine.kvcache.block_hash import BlockHash
 from engine.kvcache.block_pool import BlockPool, KVCacheIntegrityError
+from engine.sharding import num_blocks_for
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class BlockManager:
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         """``ceil(num_tokens / block_size)``."""
-        return -(-num_tokens // self.block_size)
+        return num_blocks_for(num_tokens, self.block_size)
 
     def get_cached_prefix(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """Block ids of the longest leading run of ``block_hashes`` in the prefix cache

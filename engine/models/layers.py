@@ -21,21 +21,9 @@ from torch import nn
 
 from engine.distributed import Group
 from engine.linear_kernels import KERNELS, KernelPlan, LinearKernel
+from engine.sharding import kv_head_range, shard_range
 
-
-def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
-    """[start, end) of rank's equal share of ``total`` (which ``size`` divides)."""
-    assert total % size == 0, f"{total} is not divisible by {size}"
-    per = total // size
-    return rank * per, (rank + 1) * per
-
-
-def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
-    """[start, end) of the KV heads rank holds (the engine's head rule, see module doc)."""
-    if size <= num_kv_heads:
-        return shard_range(num_kv_heads, rank, size)
-    head = rank * num_kv_heads // size
-    return head, head + 1
+__all__ = ["kv_head_range", "shard_range"]  # defined in engine.sharding (torch-free)
 
 
 def _new_param(*shape: int) -> nn.Parameter:

@@ -2,6 +2,6 @@
 
 ``generate_pb2`` (messages) and ``generate_pb2_grpc`` (the ``Generation`` stub and
 servicer) are generated and committed: edit the ``.proto`` and run
-``python -m pdserve.protogen``, never edit them by hand. Most users want the SDK instead:
+``python -m tools.protogen``, never edit them by hand. Most users want the SDK instead:
 ``pdserve.Client`` / ``pdserve.AsyncClient``.
 """

@@ -20,6 +20,7 @@ from engine.config import (
     RopeScaling,
     SchedulerConfig,
     load_model_config,
+    rank_visible_gpu,
 )
 
 ModelFactory = Callable[..., Path]
@@ -247,3 +248,12 @@ def test_engine_config_rejects_intermediate_size_not_divisible_by_tp() -> None:
         EngineConfig(model=make_model_config(intermediate_size=130),
                      parallel=ParallelConfig(tensor_parallel_size=4))
 
+
+def test_rank_visible_gpu_gives_each_rank_its_own() -> None:
+    environ = {"PDSERVE_RANK_GPUS": "3, 5,7"}
+    assert [rank_visible_gpu(r, environ) for r in range(3)] == ["3", "5", "7"]
+    assert rank_visible_gpu(0, {}) is None and rank_visible_gpu(1, {"PDSERVE_RANK_GPUS": ""}) is None
+    with pytest.raises(ConfigError, match="no GPU for rank 3"):
+        rank_visible_gpu(3, environ)
+    with pytest.raises(ConfigError, match="no GPU for rank 1"):
+        rank_visible_gpu(1, {"PDSERVE_RANK_GPUS": "0,,2"})

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.factories import PROMPTS
+from tests.factories import PROMPTS, REPO_ROOT
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -34,3 +37,16 @@ def test_flash_attn_backend_matches_cpu(llama_dir: Path) -> None:
         out = gpu.generate(PROMPTS[:6], GREEDY)
     # bf16 drifts from fp32; the first tokens must agree
     assert sum(o.token_ids[:4] == r.token_ids[:4] for o, r in zip(out, ref, strict=True)) >= 4
+
+
+def test_a_follower_sees_only_its_own_gpu() -> None:
+    # $PDSERVE_RANK_GPUS (set by pdserve up --ray): rank 1 narrows CUDA_VISIBLE_DEVICES to
+    # its own id before CUDA starts, and binds cuda:0 (one GPU here: both ranks name "0")
+    code = ("import os, torch\nfrom engine.rank_main import _bind_gpu\n_bind_gpu(1)\n"
+            "print(os.environ['CUDA_VISIBLE_DEVICES'], torch.cuda.device_count(),"
+            " torch.cuda.current_device())\n")
+    env = {**os.environ, "PDSERVE_RANK_GPUS": "0,0", "CUDA_VISIBLE_DEVICES": "0"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "1", "0"]

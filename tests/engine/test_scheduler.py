@@ -447,9 +447,10 @@ def test_reserve_and_admit_with_kv_lifecycle() -> None:
     # 2. the KV arrived with the first token sampled elsewhere: it joins the batch
     update = sched.admit_with_kv("kv", 10, first_token_id=40)
     assert (update.request, update.new_token_id, update.finished) == (request, 40, False)
-    assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == 10
-    # 3. decoding continues at position 10 in the reserved blocks
+    assert request.status is RequestStatus.KV_READY and request.num_computed_tokens == 10
+    # 3. decoding continues at position 10 in the reserved blocks, now RUNNING
     out = sched.schedule()
+    assert request.status is RequestStatus.RUNNING
     (chunk,) = out.decodes
     assert (chunk.start_position, chunk.token_ids, chunk.block_ids) == (10, (40,), tuple(block_ids))
     sched.update(out, fake_execute(sched, out))

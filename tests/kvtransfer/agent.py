@@ -35,12 +35,13 @@ from engine.distributed import (
     make_group,
 )
 from engine.models.layers import kv_head_range
-from kvtransfer.channel import KEY_NEXT_CHANNEL, accept_key, open_channel
+from kvtransfer.channel import KEY_NEXT_CHANNEL, Pending, accept_key, open_channel
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import TransferError
 from kvtransfer.layout import KVLayout
-from kvtransfer.protocol import OpenRequest, PartHeader, Trailer
+from kvtransfer.protocol import Ack, OpenRequest, PartHeader, Status, Trailer
 from kvtransfer.receiver import KVReceiver
+from kvtransfer.recv_channel import RecvChannel
 from kvtransfer.sender import KVSender
 
 
@@ -223,6 +224,24 @@ class AgentState:
         channel_id = int(store.add(KEY_NEXT_CHANNEL, 1))
         store.queue_push(accept_key(0),
                          OpenRequest(channel_id, "ghost", 0, 1, 0, "gloo", layout).encode())
+
+    def send_stray_acks(self, transfer_id: int) -> None:
+        """Receiver: before the first acknowledgement of ``transfer_id``, send two on the
+        same tag that its sender does not expect: one naming another transfer (as a late
+        or duplicate acknowledgement would) and one malformed. Fires once."""
+        original = RecvChannel._acknowledge
+
+        def acknowledge(rc: RecvChannel, header: PartHeader, status: Status) -> None:
+            if header.transfer_id == transfer_id:
+                RecvChannel._acknowledge = original  # type: ignore[method-assign]
+                ch, timeout_s = rc.channel, rc.receiver.config.timeout_s
+                ch.wait(ch.send_ack(Ack(transfer_id + 10_000, header.seq, Status.OK)), timeout_s)
+                junk = torch.tensor([7, 7, 7, 7], dtype=torch.int64)  # bad checksum word
+                ch.wait(Pending(ch._post(ch._control.isend, junk, header.seq), junk, "junk"),
+                        timeout_s)
+            original(rc, header, status)
+
+        RecvChannel._acknowledge = acknowledge  # type: ignore[method-assign,assignment]
 
     # ------------------------------------------------ spike: a raw group, no kvtransfer
 

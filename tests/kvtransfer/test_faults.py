@@ -213,6 +213,24 @@ def test_unknown_and_late_parts_are_ignored_and_counted(agents: AgentsFactory) -
     assert sender.call("report")["stats"]["channels_opened"] == 1
 
 
+def test_unexpected_acknowledgements_are_ignored_and_counted(agents: AgentsFactory) -> None:
+    # Row 7, sender side: an acknowledgement naming another transfer and a malformed one
+    # arrive before the real one; the sender counts and ignores them and keeps waiting:
+    # the transfer succeeds on the same channel, and so does the next one
+    sender, receiver = agents(2)
+    decode, prefill = make_decode([receiver]), make_prefill([sender])
+    receiver.call("send_stray_acks", 91)
+    req = make_request(91, 40)
+    transfer(prefill, decode, req)
+    assert_received(decode, req)
+    after = make_request(92, 40)
+    transfer(prefill, decode, after)
+    assert_received(decode, after)
+    stats = sender.call("report")["stats"]
+    assert stats["unexpected_acks"] == 2, stats
+    assert stats["channels_opened"] == 1 and stats["retries"] == 0, stats
+
+
 def test_a_sender_dead_mid_open_does_not_hold_up_other_opens(agents: AgentsFactory) -> None:
     # 1. a "sender" asks the decode rank for a channel and never joins it (died mid-open);
     #    the receiver waits for it up to the timeout, on a thread of that channel's own

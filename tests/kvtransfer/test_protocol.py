@@ -19,9 +19,9 @@ from kvtransfer.protocol import (
     OpenRequest,
     OpenStatus,
     PartHeader,
+    ReceiverInfo,
     Status,
     Trailer,
-    WorkerInfo,
 )
 from tests.kvtransfer.topology import LAYOUT
 
@@ -88,8 +88,8 @@ def test_tags_fit_and_never_hit_the_abort_tag() -> None:
 
 
 def test_rendezvous_messages_round_trip() -> None:
-    info = WorkerInfo(LAYOUT, 2)
-    assert WorkerInfo.decode(info.encode()) == info
+    info = ReceiverInfo(LAYOUT, 2)
+    assert ReceiverInfo.decode(info.encode()) == info
     req = OpenRequest(3, "prefill-ä", 1, 2, 0, "gloo", LAYOUT)
     assert OpenRequest.decode(req.encode()) == req
     reply = OpenReply(OpenStatus.LAYOUT_MISMATCH, 2, 4 << 20, "block_size: 16 != 32")

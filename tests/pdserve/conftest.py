@@ -8,62 +8,35 @@ from __future__ import annotations
 
 import os
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis
 
 from pdserve.redis_server import RedisServer
-
-
-def child_pids() -> set[int]:
-    """Direct children of this process, zombies included (an unreaped child is a leak)."""
-    me = os.getpid()
-    children = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # field 4: ppid
-            children.add(int(entry))
-    return children
-
-
-def process_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_until(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.02
-               ) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval_s)
-    return True
+from tests.processes import children, wait_until
 
 
 def _heartbeat_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("pdserve-heartbeat")]
 
 
+def _leaked(before: set[int]) -> str | None:
+    """The cluster layer's leak check: what this test left running beyond ``before``."""
+    pids, threads = set(children(os.getpid())) - before, _heartbeat_threads()
+    if pids or threads:
+        return f"leaked child processes {sorted(pids)}, heartbeat threads {threads}"
+    return None
+
+
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
-    before = child_pids()
+    before = set(children(os.getpid()))
     yield
-    assert wait_until(lambda: not (child_pids() - before) and not _heartbeat_threads(), 5.0), (
-        f"leaked child processes {sorted(child_pids() - before)}, "
-        f"heartbeat threads {_heartbeat_threads()}")
+    try:
+        wait_until(lambda: _leaked(before) is None, 5.0, "no leaked process or thread")
+    except AssertionError:
+        raise AssertionError(_leaked(before)) from None
 
 
 @pytest.fixture

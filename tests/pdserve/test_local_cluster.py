@@ -24,7 +24,7 @@ import pytest
 
 from pdserve.local_cluster import ChildExited, LocalCluster, LocalClusterConfig
 from tests.factories import REPO_ROOT
-from tests.pdserve.conftest import wait_until
+from tests.processes import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,7 +82,7 @@ class Up:
 
     def __init__(self, model_dir: Path, log_dir: Path, *args: str) -> None:
         argv = [sys.executable, "-m", "pdserve", "up", "--model", str(model_dir),
-                "--port", "0", "--num-kv-blocks", str(NUM_KV_BLOCKS),
+                "--port", "0", "--http-port", "0", "--num-kv-blocks", str(NUM_KV_BLOCKS),
                 "--log-dir", str(log_dir), *args]
         self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
@@ -154,17 +154,20 @@ def _generate(address: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 # ------------------------------------------------------------------------ scenarios
 
-def test_a_taken_port_fails_at_once_and_starts_nothing(llama_dir: Path, tmp_path: Path
-                                                       ) -> None:
+@pytest.mark.parametrize("flag", ["--port", "--http-port"])
+def test_a_taken_port_fails_at_once_and_starts_nothing(llama_dir: Path, tmp_path: Path,
+                                                       flag: str) -> None:
     log_dir = tmp_path / "logs"
     with socket.create_server(("127.0.0.1", 0)) as squatter:
         taken = squatter.getsockname()[1]
+        ports = {"--port": "0", "--http-port": "0", flag: str(taken)}
         result = subprocess.run(
             [sys.executable, "-m", "pdserve", "up", "--model", str(llama_dir),
-             "--port", str(taken), "--log-dir", str(log_dir)],
+             *[word for item in ports.items() for word in item], "--log-dir", str(log_dir)],
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
     assert result.returncode != 0
     assert f"port {taken}" in result.stderr and "not available" in result.stderr
+    assert f"pick another with {flag}" in result.stderr
     assert "starting" not in result.stdout  # neither Redis nor any worker
     assert not log_dir.exists()  # no child ever wrote a log
 
@@ -211,6 +214,24 @@ def test_generate_reports_invalid_argument(served: Up) -> None:
     assert result.stdout == ""
 
 
+def test_up_serves_the_openai_api(served: Up) -> None:
+    import openai
+
+    match = re.search(r"OpenAI-compatible HTTP API at (http://\S+:\d+/v1)", served.output)
+    assert match, served.output
+    with openai.OpenAI(base_url=match.group(1), api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        completion = client.completions.create(model="", prompt="Hello", max_tokens=4,
+                                               temperature=0)
+        chat = client.chat.completions.create(
+            model=client.models.list().data[0].id, max_tokens=3,
+            messages=[{"role": "user", "content": "Hi"}])
+    assert completion.usage is not None and completion.usage.completion_tokens <= 4
+    assert completion.choices[0].finish_reason in ("length", "stop")
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage is not None and chat.usage.completion_tokens <= 3
+
+
 def test_sigint_stops_every_child_with_exit_code_0(served: Up) -> None:
     assert served.pids_running("redis-server") and served.pids_running("--worker-id decode-0")
     served.proc.send_signal(signal.SIGINT)
@@ -223,7 +244,7 @@ def test_sigterm_while_starting_stops_everything(llama_dir: Path, tmp_path: Path
     up = Up(llama_dir, tmp_path)
     try:
         up.wait_for("starting prefill-0")
-        assert wait_until(lambda: up.pids_running("--worker-id decode-0"), 30.0)
+        wait_until(lambda: up.pids_running("--worker-id decode-0"), 30.0, "decode-0 to run")
         up.proc.send_signal(signal.SIGTERM)  # the workers are loading
         assert up.exit_code() == 0, up.output
         assert READY_LINE not in up.output
@@ -246,7 +267,7 @@ def test_sigkill_of_up_leaves_no_descendant(llama_dir: Path, tmp_path: Path) -> 
         assert up.pids_running("pdserve router")
         up.proc.kill()
         up.exit_code()
-        assert wait_until(lambda: not up.survivors(), 10.0), up.survivors()
+        wait_until(lambda: not up.survivors(), 10.0, "every child of pdserve up to die")
     finally:
         up.close()
 
@@ -254,7 +275,7 @@ def test_sigkill_of_up_leaves_no_descendant(llama_dir: Path, tmp_path: Path) -> 
 def test_a_child_that_dies_is_named_and_everything_stops(llama_dir: Path, tmp_path: Path
                                                          ) -> None:
     lines: list[str] = []
-    config = LocalClusterConfig(model_dir=llama_dir, port=0, num_kv_blocks=NUM_KV_BLOCKS,
+    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS,
                                 log_dir=tmp_path, stop_grace_s=5.0)
     with LocalCluster(config, progress=lines.append) as cluster:
         pids = cluster.pids()
@@ -277,7 +298,7 @@ def test_colocated_cluster_without_prefill_workers(llama_dir: Path, tmp_path: Pa
     from engine import LLM, SamplingParams
     from pdserve.client import Client
 
-    config = LocalClusterConfig(model_dir=llama_dir, port=0, num_kv_blocks=NUM_KV_BLOCKS,
+    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS,
                                 log_dir=tmp_path, num_prefill=0, local_prefill="always")
     with LocalCluster(config, progress=lambda _: None) as cluster:
         assert set(cluster.pids()) == {"redis", "decode-0", "router"}
@@ -290,3 +311,49 @@ def test_colocated_cluster_without_prefill_workers(llama_dir: Path, tmp_path: Pa
     assert list(result.token_ids) == expected.token_ids
     with pytest.raises(ValueError, match="--local-prefill always"):
         LocalClusterConfig(num_prefill=0)
+
+
+def _cpus_allowed(pid: int) -> set[int]:
+    """Union of the CPU affinity of every thread of ``pid``."""
+    allowed: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        allowed |= os.sched_getaffinity(int(task.name))
+    return allowed
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs to pin to")
+def test_children_run_on_the_cpus_they_are_pinned_to(llama_dir: Path, tmp_path: Path) -> None:
+    from pdserve.child_process import spawn
+
+    cpus = sorted(os.sched_getaffinity(0))
+    first, last = cpus[0], cpus[-1]
+    # 1. spawn itself: the child is pinned before it runs a line of its own
+    probe = spawn([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                  cpus=[last], stdout=subprocess.PIPE)
+    out, _ = probe.communicate(timeout=30)
+    assert out.decode().strip() == f"[{last}]"
+    # 2. a cluster: prefill-0 on the first CPU, decode-0 on the last, router and Redis free
+    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=None,
+                                num_kv_blocks=NUM_KV_BLOCKS, log_dir=tmp_path,
+                                cpu_affinity={"prefill-0": (first,), "decode-0": (last,)})
+    with LocalCluster(config, progress=lambda _: None) as cluster:
+        pids = cluster.pids()
+        assert _cpus_allowed(pids["prefill-0"]) == {first}  # every thread, torch's included
+        assert _cpus_allowed(pids["decode-0"]) == {last}
+        assert _cpus_allowed(pids["router"]) == set(cpus)
+        from pdserve.client import Client
+
+        with Client(cluster.router_address) as client:
+            assert client.complete("pinned", max_tokens=3, timeout=60).finish_reason
+    # 3. what cannot be pinned is refused before anything starts
+    with pytest.raises(ValueError, match="not a process of this cluster"):
+        LocalClusterConfig(cpu_affinity={"decode-1": (0,)})
+    with pytest.raises(ValueError, match="CPU numbers"):
+        LocalClusterConfig(cpu_affinity={"router": ()})
+    from pdserve.local_cluster import ClusterError
+
+    with pytest.raises(ClusterError, match="may use only"):
+        LocalCluster(LocalClusterConfig(model_dir=llama_dir, port=0, http_port=None,
+                                        log_dir=tmp_path, cpu_affinity={"router": (4096,)})
+                     ).start()

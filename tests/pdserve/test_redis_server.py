@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import redis
 
 import pdserve.redis_server as redis_server_module
 from pdserve.redis_server import RedisServer, RedisServerError
-from tests.pdserve.conftest import child_pids, process_alive, wait_until
+from tests.processes import alive, children, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -37,10 +38,10 @@ def test_serves_on_loopback_in_memory_only(redis_server: RedisServer,
 def test_stop_is_idempotent_and_reaps_the_process() -> None:
     server = RedisServer().start()
     pid = server.pid
-    assert pid is not None and process_alive(pid)
+    assert pid is not None and alive(pid)
     server.stop()
     server.stop()
-    assert not process_alive(pid) and pid not in child_pids()
+    assert not alive(pid) and pid not in children(os.getpid())
     assert not server.running and server.pid is None
 
 
@@ -73,9 +74,18 @@ def test_a_port_taken_meanwhile_is_retried(monkeypatch: pytest.MonkeyPatch) -> N
         picks = iter([taken])
         real_free_port = redis_server_module._free_port
         monkeypatch.setattr(redis_server_module, "_free_port",
-                            lambda: next(picks, None) or real_free_port())
+                            lambda host: next(picks, None) or real_free_port(host))
         with RedisServer() as server:
             assert server.port != taken and client_of(server.url).ping()
+
+
+def test_it_binds_the_host_it_is_given() -> None:
+    # 127.0.0.2 is loopback too, but not 127.0.0.1: only the given address answers
+    with RedisServer(host="127.0.0.2", password="secret") as server:
+        assert server.url == f"redis://:secret@127.0.0.2:{server.port}/0"
+        assert client_of(server.url).ping()
+        with pytest.raises(redis.ConnectionError):
+            client_of(f"redis://:secret@127.0.0.1:{server.port}/0").ping()
 
 
 def test_an_explicit_taken_port_fails_at_once() -> None:
@@ -114,7 +124,8 @@ def test_the_server_outlives_the_thread_that_started_it() -> None:
     thread.join(15)
     server = holder[0]
     try:
-        assert not wait_until(lambda: not server.running, 0.5)
+        time.sleep(0.5)  # the spawning thread is gone: the server must outlive it
+        assert server.running
         assert client_of(server.url).ping()
     finally:
         server.stop()
@@ -136,12 +147,12 @@ def test_the_server_dies_when_its_owner_is_sigkilled(tmp_path: Path) -> None:
     owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(pid_file)],
                              cwd=Path(__file__).parents[2])
     try:
-        assert wait_until(pid_file.exists, 20), "the owner never started its redis-server"
+        wait_until(pid_file.exists, 20, "the owner never started its redis-server")
         redis_pid = int(pid_file.read_text())
-        assert process_alive(redis_pid)
+        assert alive(redis_pid)
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait(10)
-        assert wait_until(lambda: not process_alive(redis_pid), 5), "redis-server survived"
+        wait_until(lambda: not alive(redis_pid), 5, "redis-server survived")
     finally:
         if owner.poll() is None:
             owner.kill()

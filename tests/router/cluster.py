@@ -1,8 +1,11 @@
 """A real cluster for router tests: Redis, prefill and decode workers, the router.
 
 All processes are started through the ``pdserve`` command line on loopback with small
-KV pools, and stopped (bounded) by ``Cluster.close``. ``assert_no_leaks`` asks every
-worker's ``Info`` until nothing is held (aborts travel asynchronously).
+KV pools, and stopped (bounded) by ``Cluster.close``. ``assert_no_leaks`` is the whole
+cluster's leak check (``tests.leaks.assert_cluster_idle``: every worker, the router's
+introspection and Redis), retried while freeing is under way. Every process gets a
+test-only pause directory (``pause_dir``); the router serves its introspection on a
+``--debug-port`` and keeps its leases for ``lease_ttl_s``.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.internal.v1 import worker_pb2 as wpb
-from pdserve.internal.v1 import worker_pb2_grpc as wpb_grpc
-from pdserve.pause_points import ENV as PAUSE_ENV
+from cluster.internal.v1 import worker_pb2 as wpb
+from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
+from cluster.pause_points import ENV as PAUSE_ENV
 from pdserve.redis_server import RedisServer
 from prefill_worker.server import FAULT_HOOK_ENV
+from tests.leaks import assert_cluster_idle
 from tests.processes import Proc, spawn, wait_until
-from tests.workers.kv_faults import FIRST_OF_LENGTH_SPEC
+from tests.worker.kv_faults import FIRST_OF_LENGTH_SPEC
+from tests.worker.procs import assert_idle
 
 NUM_KV_BLOCKS = 64
 RPC_TIMEOUT_S = 30.0
@@ -36,7 +41,8 @@ class Cluster:
     prefill: list[Proc] = field(default_factory=list)
     decode: list[Proc] = field(default_factory=list)
     router: Proc | None = None
-    _channels: dict[str, grpc.Channel] = field(default_factory=dict)
+    lease_ttl_s: float = 10.0
+    routers: list[Proc] = field(default_factory=list)  # every router started, live or not
 
     @property
     def address(self) -> str:
@@ -46,61 +52,63 @@ class Cluster:
     def start_worker(self, role: str, index: int, *extra: str,
                      env: dict[str, str] | None = None) -> Proc:
         name = f"{role}-{index}"
+        env = {PAUSE_ENV: str(self.pause_dir(name)), **(env or {})}
         proc = spawn(name, [role, "--model", str(self.model_dir), "--redis-url", self.redis.url,
                             "--worker-id", name, *WORKER_FLAGS, *extra], self.tmp, env)
         (self.prefill if role == "prefill" else self.decode).append(proc)
         return proc
 
-    def start_router(self, *extra: str) -> Proc:
-        self.router = spawn("router", ["router", "--model", str(self.model_dir), "--port", "0",
-                                       "--redis-url", self.redis.url, "--grace", "2", *extra],
-                             self.tmp)
-        return self.router.wait_ready()
+    def start_router(self, *extra: str, name: str = "router") -> Proc:
+        """A router (the cluster's ``router`` unless ``name`` differs): debug port, pause
+        directory ``pause_dir(name)``, the cluster's lease TTL."""
+        router = spawn(name, ["router", "--model", str(self.model_dir), "--port", "0",
+                              "--redis-url", self.redis.url, "--grace", "2", "--debug-port",
+                              "0", "--lease-ttl", str(self.lease_ttl_s), *extra], self.tmp,
+                       {PAUSE_ENV: str(self.pause_dir(name))})
+        self.routers.append(router)
+        if name == "router":
+            self.router = router
+        return router.wait_ready()
 
-    def pause_dir(self, prefill_index: int) -> Path:
-        """The test-only pause directory of prefill worker ``prefill_index``."""
-        path = self.tmp / f"pause-prefill-{prefill_index}"
+    def wait_serving(self, timeout_s: float = 30.0) -> None:
+        """Until the router sees every worker (health SERVING, then one more refresh)."""
+        wait_until(lambda: _router_sees_all(self), timeout_s, "the router to see every worker")
+
+    def pause_dir(self, process: int | str) -> Path:
+        """The test-only pause directory of a process: a worker's name ("decode-0"), a
+        router's ("router"), or an int for prefill worker ``prefill-<int>``."""
+        name = f"prefill-{process}" if isinstance(process, int) else process
+        path = self.tmp / f"pause-{name}"
         path.mkdir(exist_ok=True)
         return path
 
     def workers(self) -> list[Proc]:
         return [*self.prefill, *self.decode]
 
+    def stub(self, worker: Proc) -> wpb_grpc.PrefillWorkerStub | wpb_grpc.DecodeWorkerStub:
+        return (wpb_grpc.PrefillWorkerStub(worker.channel) if worker.ready["role"] == "prefill"
+                else wpb_grpc.DecodeWorkerStub(worker.channel))
+
     def info(self, worker: Proc) -> wpb.WorkerInfo:
-        channel = self._channels.get(worker.address)
-        if channel is None:
-            channel = self._channels[worker.address] = grpc.insecure_channel(worker.address)
-        stub = (wpb_grpc.PrefillWorkerStub(channel) if worker.ready["role"] == "prefill"
-                else wpb_grpc.DecodeWorkerStub(channel))
-        return stub.Info(wpb.InfoRequest(), timeout=RPC_TIMEOUT_S)
+        return self.stub(worker).Info(wpb.InfoRequest(), timeout=RPC_TIMEOUT_S)
 
     def assert_no_leaks(self, workers: list[Proc] | None = None,
                         timeout_s: float = 15.0) -> None:
-        """Every live worker (of ``workers``, default all): all blocks free or cached,
-        nothing pending, running or waiting."""
-        for worker in self.workers() if workers is None else workers:
-            if worker.proc.poll() is not None:
-                continue
-            last: list[wpb.WorkerInfo] = []
-
-            def idle(worker: Proc = worker, last: list[wpb.WorkerInfo] = last) -> bool:
-                info = self.info(worker)
-                last[:] = [info]
-                kv = info.kv
-                assert kv.free_blocks + kv.cached_blocks + kv.pinned_blocks + \
-                    kv.in_use_blocks == kv.total_blocks > 0, info
-                return (kv.in_use_blocks, kv.pinned_blocks, info.pending_transfers,
-                        info.running_requests, info.waiting_requests) == (0, 0, 0, 0, 0)
-
-            try:
-                wait_until(idle, timeout_s, f"{worker.name} to free everything", period_s=0.1)
-            except AssertionError:
-                raise AssertionError(f"{worker.name} still holds state: {last}") from None
+        """The whole cluster's leak check (``tests.leaks.assert_cluster_idle``): every live
+        worker (of ``workers``, default all) idle; with every worker checked, also every
+        live router's holdings and Redis (keys == live workers' records, no lease)."""
+        live = [w for w in (self.workers() if workers is None else workers)
+                if w.proc.poll() is None]
+        if workers is not None or not self.redis.running:
+            assert_idle(*(self.stub(w) for w in live), timeout_s=timeout_s)
+            return
+        routers = [r.ready["debug_address"] for r in self.routers
+                   if r.proc.poll() is None and "debug_address" in r.ready]
+        assert_cluster_idle([self.stub(w) for w in live], routers, self.redis.url,
+                            [w.name for w in live], timeout_s=timeout_s)
 
     def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
-        for proc in ([self.router] if self.router else []) + self.workers():
+        for proc in self.routers + self.workers():
             proc.stop()
         self.redis.stop()
 
@@ -108,10 +116,11 @@ class Cluster:
 def start_cluster(model_dir: Path, tmp: Path, *, num_prefill: int, num_decode: int,
                   decode_tp: int, router_args: tuple[str, ...] = (),
                   decode_kv_blocks: int = NUM_KV_BLOCKS,
-                  decode_args: tuple[str, ...] = ()) -> Cluster:
+                  decode_args: tuple[str, ...] = (),
+                  prefill_args: tuple[str, ...] = (), lease_ttl_s: float = 10.0) -> Cluster:
     redis = RedisServer(start_timeout_s=10.0)
     redis.start()
-    cluster = Cluster(model_dir, tmp, redis)
+    cluster = Cluster(model_dir, tmp, redis, lease_ttl_s=lease_ttl_s)
     try:
         for i in range(num_decode):
             cluster.start_worker("decode", i, "--tensor-parallel-size", str(decode_tp),
@@ -119,14 +128,14 @@ def start_cluster(model_dir: Path, tmp: Path, *, num_prefill: int, num_decode: i
         for i in range(num_prefill):
             # pause points (tests arm them in pause_dir(i)); prefill-0 also corrupts the
             # first KV transfer of a CORRUPT_NUM_TOKENS-token prompt
-            env = {PAUSE_ENV: str(cluster.pause_dir(i))}
+            env = {}
             if i == 0:
                 env[FAULT_HOOK_ENV] = FIRST_OF_LENGTH_SPEC
-            cluster.start_worker("prefill", i, env=env)
+            cluster.start_worker("prefill", i, *prefill_args, env=env)
         for worker in cluster.workers():
             worker.wait_ready()
         cluster.start_router(*router_args)
-        wait_until(lambda: _router_sees_all(cluster), 30.0, "the router to see every worker")
+        cluster.wait_serving()
     except BaseException:
         cluster.close()
         raise

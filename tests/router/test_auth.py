@@ -79,7 +79,8 @@ def test_the_key_is_never_logged(router: Proc) -> None:
 
 def test_tls_public_port(llama_dir: Path, tmp_path: Path) -> None:
     # the router serves TLS; a client trusting the CA gets through (with the key), a
-    # plaintext client does not, and neither does a client trusting another CA
+    # plaintext client does not, and neither does a client trusting another CA; health
+    # alone answers in plaintext on --health-port (for probes), without the key
     from tests.router.tls import make_certificates
 
     cert, key, ca = make_certificates(tmp_path)
@@ -90,11 +91,19 @@ def test_tls_public_port(llama_dir: Path, tmp_path: Path) -> None:
     with RedisServer(start_timeout_s=10.0) as redis:
         proc = spawn("router-tls", ["router", "--model", str(llama_dir), "--port", "0",
                                     "--redis-url", redis.url, "--api-key-file", str(key_file),
-                                    "--tls-cert", str(cert), "--tls-key", str(key)],
+                                    "--tls-cert", str(cert), "--tls-key", str(key),
+                                    "--health-port", "0"],
                      tmp_path).wait_ready()
         try:
             with Client(proc.address, api_key=KEY, root_certificates=ca) as client:
                 assert client.model_info(timeout=TIMEOUT_S).vocab_size == 704
+            with grpc.insecure_channel(proc.ready["health_address"]) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
+                assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING  # no worker
+                with pytest.raises(grpc.RpcError) as refused:  # nothing else is served there
+                    grpc_generic_call(channel)
+                assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
             for kwargs in ({}, {"root_certificates": other_ca}):
                 with Client(proc.address, api_key=KEY, **kwargs) as client:  # type: ignore[arg-type]
                     with pytest.raises(PdserveError) as excinfo:
@@ -103,3 +112,11 @@ def test_tls_public_port(llama_dir: Path, tmp_path: Path) -> None:
         finally:
             assert proc.stop(signal.SIGTERM) == 0, proc.log_tail()
     assert "TLS on the public port" in proc.log_tail()
+
+
+def grpc_generic_call(channel: grpc.Channel) -> None:
+    """A ``GetModelInfo`` call on ``channel`` (raises its ``RpcError``)."""
+    from pdserve.v1 import generate_pb2, generate_pb2_grpc
+
+    generate_pb2_grpc.GenerationStub(channel).GetModelInfo(generate_pb2.ModelInfoRequest(),
+                                                           timeout=TIMEOUT_S)

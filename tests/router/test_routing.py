@@ -9,17 +9,19 @@ import struct
 from collections import Counter
 from fractions import Fraction
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.kvcache.block_hash import compute_block_hashes
+from router.config import AFFINITY_BLOCKS, HandoffConfig
 from router.routing import (
-    AFFINITY_BLOCKS,
     DecodeCandidate,
     affinity_key,
     pick_prefill,
     rank_decode,
     rendezvous_order,
+    round_robin,
 )
 
 WORKERS = ["prefill-0", "prefill-1", "prefill-2", "prefill-3"]
@@ -240,3 +242,13 @@ def test_rank_decode_excludes_pools_too_small_for_the_request() -> None:
     assert rank_decode(candidates, num_blocks=8) == ["small", "exact", "big"]
     assert rank_decode(candidates, num_blocks=65) == []
     assert rank_decode([], num_blocks=1) == []
+
+
+def test_round_robin_takes_workers_in_turn_whatever_the_prompt() -> None:
+    workers = ["p-b", "p-a", "p-c"]
+    firsts = [round_robin(workers, turn)[0] for turn in range(6)]
+    assert firsts == ["p-a", "p-b", "p-c", "p-a", "p-b", "p-c"]
+    assert round_robin(workers, 1) == ["p-b", "p-c", "p-a"]  # the rest follow as fallbacks
+    assert round_robin([], 3) == []
+    with pytest.raises(ValueError, match="prefill_routing"):
+        HandoffConfig(prefill_routing="random")

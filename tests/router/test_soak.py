@@ -1,18 +1,24 @@
 """Soak (RELIABILITY row 37, marked ``slow``: ``pytest -m slow tests/router/test_soak.py``).
 
-A cluster (2 prefill workers, 1 decode worker with 2 ranks, the router) serves mixed
-load from several client threads for ``PDSERVE_SOAK_S`` seconds (default 60): greedy
+A cluster (2 prefill workers, 2 decode workers with 2 ranks each, the router) serves
+mixed load from several client threads for ``PDSERVE_SOAK_S`` seconds (default 60): greedy
 requests whose tokens are checked against ``engine.LLM``, streams cancelled after a few
 chunks, calls with deadlines too short to finish — while a prefill worker is SIGKILLed
-and started again and Redis is restarted (losing everything). Afterwards every request
-that was not hit by a fault has the right tokens, every failure has an expected status,
-no worker holds a block, pin or transfer, and no process grew without bound.
+and started again, a decode worker is hung (SIGSTOP) and resumed (SIGCONT), the other
+decode worker is SIGKILLed and started again, and Redis is restarted (losing everything).
+Afterwards every greedy request has the right tokens; a request fails only with the
+status its kind allows (a too-short deadline: DEADLINE_EXCEEDED) or, if a fault touched
+it (it was in flight while a worker was down or hung, or within the router's time to
+notice), UNAVAILABLE or RESOURCE_EXHAUSTED — a Redis restart is no such fault; no worker
+holds a block, pin or transfer, Redis lists exactly the live workers, and no process grew
+without bound.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import signal
 import threading
 import time
 from collections import Counter
@@ -22,26 +28,28 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cluster.registry import Registry, RegistryError
 from engine import LLM, SamplingParams
 from pdserve.client import Client, PdserveError
 from tests.factories import PROMPTS
-from tests.processes import Proc
-from tests.router.cluster import Cluster, start_cluster
+from tests.processes import Proc, wait_until
+from tests.router.cluster import NUM_KV_BLOCKS, Cluster, start_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "60"))
 NUM_CLIENTS = 6
 MAX_TOKENS = 12
-# statuses a request may end with when a fault or the client itself cut it short
-EXPECTED_FAILURES = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
-                     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# statuses a request may end with when a worker fault cut it short
+FAULT_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+NOTICE_S = 15.0  # after a fault ends, requests may still meet it this long (detection, retries)
+HANG_S = 5.0  # how long the decode worker stays SIGSTOPped
 
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = start_cluster(llama_dir, tmp_path_factory.mktemp("soak"), num_prefill=2,
-                      num_decode=1, decode_tp=2)
+                      num_decode=2, decode_tp=2)
     try:
         yield c
     finally:
@@ -56,7 +64,8 @@ def _rss_kib(pid: int) -> int:
 
 
 class Load:
-    """Client threads issuing a random mix until ``stop``; tallies every outcome."""
+    """Client threads issuing a random mix until ``stop``; tallies every outcome, and
+    keeps each failure with its time span to judge it once the fault windows are known."""
 
     def __init__(self, address: str, expected: dict[str, list[int]]) -> None:
         self.address = address
@@ -64,7 +73,7 @@ class Load:
         self.stop = threading.Event()
         self.outcomes: Counter[str] = Counter()
         self.wrong: list[str] = []
-        self.unexpected: list[str] = []
+        self.failures: list[tuple[str, grpc.StatusCode, float, float, str]] = []
         self._lock = threading.Lock()
 
     def run(self, seed: int) -> None:
@@ -73,13 +82,27 @@ class Load:
             while not self.stop.is_set():
                 kind = rng.choice(("greedy", "greedy", "greedy", "cancel", "deadline"))
                 prompt = rng.choice(list(self.expected))
+                start = time.monotonic()
                 try:
                     getattr(self, f"_{kind}")(client, prompt, rng)
                     self._tally(kind)
                 except PdserveError as exc:
-                    if exc.code not in EXPECTED_FAILURES:
-                        self.unexpected.append(f"{kind}: {exc}")
+                    with self._lock:
+                        self.failures.append((kind, exc.code, start, time.monotonic(),
+                                              exc.details))
                     self._tally(f"{kind}:{exc.code.name}")
+
+    def unexpected(self, faults: list[tuple[float, float]]) -> list[str]:
+        """Failures neither their kind nor a fault they met explains."""
+        out = []
+        for kind, code, start, end, details in self.failures:
+            touched = any(start <= f_end + NOTICE_S and end >= f_start
+                          for f_start, f_end in faults)
+            allowed = {grpc.StatusCode.DEADLINE_EXCEEDED} if kind == "deadline" else set()
+            if code not in allowed | (FAULT_FAILURES if touched else set()):
+                out.append(f"{kind} {code.name} ({'touched' if touched else 'no fault'}, "
+                           f"{end - start:.1f}s): {details}")
+        return out
 
     def _greedy(self, client: Client, prompt: str, rng: random.Random) -> None:
         result = client.complete(prompt, max_tokens=MAX_TOKENS, temperature=0,
@@ -115,30 +138,58 @@ def test_soak(cluster: Cluster, llama_dir: Path) -> None:
     for thread in threads:
         thread.start()
     procs: list[Proc] = [p for p in [cluster.router, *cluster.workers()] if p is not None]
+    faults: list[tuple[float, float]] = []  # (start, end) of each worker fault
     try:
-        time.sleep(SOAK_S / 3)
-        rss_mid = {p.name: _rss_kib(p.proc.pid) for p in procs}
-        _kill_and_restart_prefill(cluster)
         time.sleep(SOAK_S / 6)
-        cluster.redis.restart()
-        time.sleep(SOAK_S / 2)
+        rss_mid = {p.name: _rss_kib(p.proc.pid) for p in procs}
+        faults.append(_kill_and_restart(cluster, "prefill", 1))
+        time.sleep(SOAK_S / 6)
+        faults.append(_hang_and_resume(cluster.decode[0]))
+        time.sleep(SOAK_S / 6)
+        faults.append(_kill_and_restart(cluster, "decode", 1))
+        time.sleep(SOAK_S / 6)
+        cluster.redis.restart()  # not a fault: no request may fail of it
+        time.sleep(SOAK_S / 3)
     finally:
         load.stop.set()
         for thread in threads:
             thread.join(90)
     print(f"soak outcomes over {SOAK_S:.0f}s: {dict(load.outcomes)}")
     assert not load.wrong, load.wrong[:5]
-    assert not load.unexpected, load.unexpected[:5]
+    unexpected = load.unexpected(faults)
+    assert not unexpected, unexpected[:5]
     assert load.outcomes["greedy"] >= 10, load.outcomes  # the cluster kept serving
     cluster.assert_no_leaks(timeout_s=30.0)
-    for proc in procs:
-        if proc.proc.poll() is None and proc.name in rss_mid:
+    with Registry(cluster.redis.url) as registry:  # Redis: one key per live worker
+        wait_until(lambda: {r.worker_id for r in registry.list_workers()} ==
+                   {w.name for w in cluster.workers()}, 30.0,
+                   "Redis to list exactly the live workers", ignore=(RegistryError,))
+    for proc in [p for p in [cluster.router, *cluster.workers()] if p is not None]:
+        if proc in procs and proc.proc.poll() is None and proc.name in rss_mid:
             rss_end = _rss_kib(proc.proc.pid)
             assert rss_end < 1.5 * rss_mid[proc.name] + 64 * 1024, \
                 (proc.name, rss_mid[proc.name], rss_end)
 
 
-def _kill_and_restart_prefill(cluster: Cluster) -> None:
-    victim = cluster.prefill.pop(1)
+def _kill_and_restart(cluster: Cluster, role: str, index: int) -> tuple[float, float]:
+    """SIGKILL worker ROLE-INDEX and start it again; the fault's (start, end)."""
+    workers = cluster.prefill if role == "prefill" else cluster.decode
+    victim = next(w for w in workers if w.name == f"{role}-{index}")
+    workers.remove(victim)
+    start = time.monotonic()
     victim.stop(sig=9)
-    cluster.start_worker("prefill", 1).wait_ready()
+    extra = ("--tensor-parallel-size", "2", "--num-kv-blocks", str(NUM_KV_BLOCKS)) \
+        if role == "decode" else ()
+    cluster.start_worker(role, index, *extra).wait_ready()
+    return start, time.monotonic()
+
+
+def _hang_and_resume(victim: Proc) -> tuple[float, float]:
+    """SIGSTOP ``victim`` (its ranks keep running) for ``HANG_S``, then SIGCONT."""
+    start = time.monotonic()
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(HANG_S)
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    return start, time.monotonic()

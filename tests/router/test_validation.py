@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import tokenizers
 
+from cluster.internal.v1 import worker_pb2
 from engine.kvcache.block_hash import compute_block_hashes
-from pdserve.internal.v1 import worker_pb2
 from pdserve.v1 import generate_pb2 as pb
 from router.api import parse_generate_request, to_response
-from router.handoff import OutputChunk, Usage
+from router.outputs import OutputChunk, Usage
 from router.validation import (
     DEFAULT_MAX_TOKENS,
     REQUEST_ID_RE,
@@ -27,7 +27,7 @@ from router.validation import (
     load_router_tokenizer,
     validate,
 )
-from tests.factories import PROMPTS, run_without_torch
+from tests.factories import PROMPTS
 
 # Small limits make every boundary cheap to reach with token-id prompts.
 SMALL = ModelLimits(name="tiny", context_length=32, vocab_size=100, eos_token_ids=(2,))
@@ -308,10 +308,3 @@ def test_to_response_sets_usage_only_on_the_last_chunk() -> None:
     assert last.HasField("usage")
     assert (last.usage.prompt_tokens, last.usage.completion_tokens,
             last.usage.cached_tokens) == (3, 3, 2)
-
-
-def test_router_modules_import_without_torch() -> None:
-    result = run_without_torch(
-        "import router.server, router.service, router.handoff, router.api\n"
-        "assert sys.modules['torch'] is None\n")
-    assert result.returncode == 0, result.stderr

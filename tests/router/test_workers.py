@@ -27,11 +27,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from cluster.internal.v1 import worker_pb2 as wpb
+from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
+from cluster.records import WorkerRecord
+from cluster.registry import Registry
 from kvtransfer.layout import KVLayout
-from pdserve.internal.v1 import worker_pb2 as wpb
 from pdserve.redis_server import RedisServer
-from pdserve.registry import Registry, WorkerRecord
-from router.workers import WorkerPool
+from router.workers import HUNG_AFTER, WorkerPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -197,7 +199,8 @@ def test_registered_serving_workers_are_routable_by_role(registry: Registry) -> 
                 assert pool.max_decode_blocks() == 64
                 assert pool.num_channels == 3 and pool.view_age_s == 0.0
                 # The stubs use channels that reach those workers (which serve only health).
-                for stub in (pool.prefill_stub("prefill-0"), pool.decode_stub("decode-1")):
+                for stub in (pb_grpc.PrefillWorkerStub(pool.channel("prefill-0")),
+                             pb_grpc.DecodeWorkerStub(pool.channel("decode-1"))):
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await stub.Info(wpb.InfoRequest(), timeout=WAIT_S)
                     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -293,6 +296,27 @@ def test_stopped_and_silent_workers_are_not_routable(registry: Registry) -> None
     run(body())
 
 
+async def _unwatched_calls_survive(pool: WorkerPool, w1: Any, hung1: asyncio.Task[None],
+                                   hang: Any, ch1: grpc.aio.Channel) -> None:
+    """A call that left ``watched`` is not cancelled by a later failure."""
+    w1.hanging.clear()
+    hung1.cancel()
+    await asyncio.wait([hung1], timeout=WAIT_S)
+    await asyncio.wait_for(w1.hang_cancelled.wait(), WAIT_S)
+    w1.hanging.clear()
+    w1.hang_cancelled.clear()
+    unwatched = asyncio.create_task(hang("decode-1", ch1, watch_until_done=False))
+    await asyncio.wait_for(w1.hanging.wait(), WAIT_S)
+    w1.hang_health_checks()
+    for _ in range(HUNG_AFTER):
+        await pool.refresh()
+    assert pool.routable("decode") == []
+    await asyncio.sleep(0.1)
+    assert not unwatched.done() and not w1.hang_cancelled.is_set()
+    unwatched.cancel()
+    await asyncio.wait([unwatched], timeout=WAIT_S)
+
+
 def test_watched_calls_are_cancelled_when_their_worker_fails_its_check(
         registry: Registry) -> None:
     async def body() -> None:
@@ -332,9 +356,14 @@ def test_watched_calls_are_cancelled_when_their_worker_fails_its_check(
                     assert ids(pool.routable("decode")) == ["decode-1"]
                     await asyncio.sleep(0.1)
                     assert not hung0.done()
-                    # no answer at all (hung): its calls are taken back
+                    # no answer at all (hung): after one missed check no new requests
+                    # go there; after HUNG_AFTER in a row its calls are taken back
                     w0.hang_health_checks()
                     await pool.refresh()
+                    await asyncio.sleep(0.1)
+                    assert not hung0.done() and HUNG_AFTER > 1
+                    for _ in range(HUNG_AFTER - 1):
+                        await pool.refresh()
                     done, _ = await asyncio.wait([hung0], timeout=WAIT_S)
                     assert hung0 in done and hung0.cancelled()
                     assert cancelling == {"decode-0": 0}  # the pool cancelled the call, not us
@@ -342,22 +371,7 @@ def test_watched_calls_are_cancelled_when_their_worker_fails_its_check(
                     await asyncio.sleep(0.1)
                     assert not hung1.done()  # decode-1 is healthy: its call goes on
 
-                    # A call that left ``watched`` is not cancelled by a later failure.
-                    w1.hanging.clear()
-                    hung1.cancel()
-                    await asyncio.wait([hung1], timeout=WAIT_S)
-                    await asyncio.wait_for(w1.hang_cancelled.wait(), WAIT_S)
-                    w1.hanging.clear()
-                    w1.hang_cancelled.clear()
-                    unwatched = asyncio.create_task(hang("decode-1", ch1, watch_until_done=False))
-                    await asyncio.wait_for(w1.hanging.wait(), WAIT_S)
-                    w1.hang_health_checks()
-                    await pool.refresh()
-                    assert pool.routable("decode") == []
-                    await asyncio.sleep(0.1)
-                    assert not unwatched.done() and not w1.hang_cancelled.is_set()
-                    unwatched.cancel()
-                    await asyncio.wait([unwatched], timeout=WAIT_S)
+                    await _unwatched_calls_survive(pool, w1, hung1, hang, ch1)
             finally:
                 await pool.close()
 
@@ -382,7 +396,7 @@ def test_a_worker_missing_from_redis_stays_for_keep_missing_s_then_is_forgotten(
             try:
                 await pool.refresh()
                 assert ids(pool.routable("prefill")) == ["prefill-0"]
-                old_stub = pool.prefill_stub("prefill-0")
+                old_stub = pb_grpc.PrefillWorkerStub(pool.channel("prefill-0"))
 
                 if how == "deregistered":
                     registry.deregister("prefill-0")
@@ -411,6 +425,66 @@ def test_a_worker_missing_from_redis_stays_for_keep_missing_s_then_is_forgotten(
                 await pool.refresh()
                 assert ids(pool.routable("prefill")) == ["prefill-0"]
                 assert pool.num_channels == 1
+            finally:
+                await pool.close()
+
+    run(body())
+
+
+@pytest.mark.parametrize("then", ["finishes", "comes-back"])
+def test_a_lapsed_registration_keeps_the_channel_of_calls_in_flight(
+        registry: Registry, then: str) -> None:
+    # Defect: a worker whose registration lapsed (a delayed heartbeat) had its channel
+    # closed, cancelling its healthy streams. Now it is only taken out of routing; the
+    # channel closes once no call is in flight on it, or is reused when it comes back.
+    async def body() -> None:
+        async with fake_worker() as w:
+            record = make_record("decode-0", "decode", w.address)
+            registry.register(record)
+            clock = FakeClock()
+            pool = new_pool(registry, clock)
+            try:
+                await pool.refresh()
+                channel = pool.channel("decode-0")
+                call = channel.unary_unary(HANG_METHOD)(b"", timeout=WAIT_S * 2)
+                task: asyncio.Task[bytes] | None = None
+
+                async def stream() -> bytes:
+                    with pool.busy("decode-0"), pool.watched("decode-0", call):
+                        return bytes(await call)
+
+                task = asyncio.create_task(stream())
+                await asyncio.wait_for(w.hanging.wait(), WAIT_S)
+                # 1. the record lapses for longer than keep_missing_s
+                registry.deregister("decode-0")
+                await refresh_fresh(pool)
+                clock.advance(KEEP_MISSING_S + 1.0)
+                await refresh_fresh(pool)
+                # 2. no longer routable, but its call goes on, on the same open channel
+                assert pool.routable("decode") == [] and pool.max_decode_blocks() == 0
+                assert pool.num_channels == 1 and pool.channel("decode-0") is channel
+                await asyncio.sleep(0.2)
+                assert not task.done() and not w.hang_cancelled.is_set()
+                if then == "comes-back":
+                    # 3a. it beats again: routable on the same channel, the call unharmed
+                    registry.register(record)
+                    await pool.refresh()
+                    assert ids(pool.routable("decode")) == ["decode-0"]
+                    assert pool.channel("decode-0") is channel
+                    assert not task.done() and not w.hang_cancelled.is_set()
+                    call.cancel()
+                    await asyncio.wait([task], timeout=WAIT_S)
+                    await pool.refresh()
+                    assert pool.num_channels == 1  # registered: kept, idle or not
+                else:
+                    # 3b. its last call ends: the next refresh closes the channel
+                    call.cancel()
+                    await asyncio.wait([task], timeout=WAIT_S)
+                    assert task.done() and pool.inflight("decode-0") == 0
+                    await refresh_fresh(pool)
+                    assert pool.num_channels == 0
+                    with pytest.raises(KeyError):
+                        pool.channel("decode-0")
             finally:
                 await pool.close()
 
@@ -499,6 +573,24 @@ def test_a_failed_worker_is_skipped_for_suspect_s(
     assert "decode-0" in messages[0] and "UNAVAILABLE connection reset" in messages[0]
 
 
+def test_a_worker_restarted_at_a_new_address_is_no_longer_suspect(registry: Registry) -> None:
+    async def body() -> None:
+        async with fake_worker() as old, fake_worker() as new:
+            registry.register(make_record("prefill-0", "prefill", old.address))
+            pool = new_pool(registry, FakeClock())
+            try:
+                await pool.refresh()
+                pool.mark_failed("prefill-0", "UNAVAILABLE Socket closed")  # it died
+                assert pool.routable("prefill") == []
+                registry.register(make_record("prefill-0", "prefill", new.address))
+                await pool.refresh()  # its successor registered: routable at once
+                assert [r.grpc_address for r in pool.routable("prefill")] == [new.address]
+            finally:
+                await pool.close()
+
+    run(body())
+
+
 def test_busy_counts_nested_and_failing_requests(registry: Registry) -> None:
     pool = new_pool(registry, FakeClock())  # no worker needed: counting only
     assert pool.inflight("decode-0") == 0 and pool.total_inflight == 0
@@ -538,8 +630,8 @@ def test_close_closes_every_channel(registry: Registry) -> None:
             pool = new_pool(registry, FakeClock())
             try:
                 await pool.refresh()
-                prefill_stub = pool.prefill_stub("prefill-0")
-                decode_stub = pool.decode_stub("decode-0")
+                prefill_stub = pb_grpc.PrefillWorkerStub(pool.channel("prefill-0"))
+                decode_stub = pb_grpc.DecodeWorkerStub(pool.channel("decode-0"))
                 assert pool.num_channels == 2
             finally:
                 await pool.close()

@@ -1,0 +1,93 @@
+"""Clusters the serving benchmarks start on this machine, and the load they send them.
+
+A cluster is ``pdserve up`` as a library (``pdserve.local_cluster.LocalCluster``) on
+loopback with free ports, no HTTP API, its logs in a temporary folder (kept when it fails
+to start: the error names it). The load goes through ``bench.serving`` over gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.serving import GrpcBackend, Outcome, run
+from loadtest.workloads import Request
+from pdserve.local_cluster import LocalCluster, LocalClusterConfig, child_env
+
+
+def bench_model(quick: bool) -> Path:
+    """The 55M-parameter ``bench55m`` Llama, or (``quick``) the built-in tiny model."""
+    if quick:
+        from engine.tiny_model import ensure_demo_model
+
+        return Path(ensure_demo_model())
+    from bench.engine import ensure_bench_model
+
+    return ensure_bench_model()
+
+
+def two_cpus() -> tuple[int, int]:
+    """The first and last CPU this process may use (the two cores a comparison pins)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit(f"this benchmark pins two processes to two cores; only CPUs {cpus} "
+                         "are available")
+    return cpus[0], cpus[-1]
+
+
+@contextlib.contextmanager
+def cluster(model_dir: Path, *, num_prefill: int, num_decode: int,
+            local_prefill: str = "never", cpu_affinity: Mapping[str, tuple[int, ...]] | None = None,
+            num_kv_blocks: int | None = None, router_args: Sequence[str] = (),
+            worker_args: Sequence[str] = ()) -> Iterator[LocalCluster]:
+    """A running ``LocalCluster`` of these processes (stopped on exit)."""
+    config = LocalClusterConfig(
+        model_dir=model_dir, num_prefill=num_prefill, num_decode=num_decode, port=0,
+        http_port=None, local_prefill=local_prefill, cpu_affinity=dict(cpu_affinity or {}),
+        num_kv_blocks=num_kv_blocks, router_args=tuple(router_args),
+        worker_args=tuple(worker_args), max_inflight=4096)
+    with LocalCluster(config, progress=lambda line: None) as running:
+        yield running
+
+
+def describe(running: LocalCluster) -> dict[str, Any]:
+    """What a reader needs to check two arms differ only where they should: each process,
+    its CPUs and threads, and the workers' and router's flags."""
+    cfg = running.config
+    processes = {}
+    for name in [*cfg.worker_names, "router"]:
+        cpus = cfg.cpu_affinity.get(name)
+        processes[name] = {
+            "cpus": list(cpus) if cpus else "unpinned (any)",
+            "torch_threads": int(child_env(cfg, cpus)["OMP_NUM_THREADS"]) if name != "router"
+            else None}
+    return {"processes": processes, "local_prefill": cfg.local_prefill,
+            "num_kv_blocks_per_worker": cfg.num_kv_blocks, "worker_args": list(cfg.worker_args),
+            "router_args": list(cfg.router_args)}
+
+
+def send(address: str, requests: Sequence[Request], *, request_rate: float, seed: int = 0,
+         max_concurrency: int | None = None,
+         limit_s: Callable[[Request], float] | None = None) -> tuple[list[Outcome], float]:
+    """``requests`` to the router at ``address`` (Poisson arrivals at ``request_rate``;
+    ``limit_s`` as for ``bench.serving.run``)."""
+
+    async def go() -> tuple[list[Outcome], float]:
+        backend = GrpcBackend(address)
+        try:
+            return await run(backend, requests, request_rate=request_rate, seed=seed,
+                             max_concurrency=max_concurrency, limit_s=limit_s)
+        finally:
+            await backend.close()
+
+    return asyncio.run(go())
+
+
+def one_by_one(address: str, requests: Sequence[Request]) -> list[Outcome]:
+    """Each request alone (the next is sent once the last finished): unloaded latencies."""
+    outcomes, _ = send(address, requests, request_rate=float("inf"), max_concurrency=1)
+    return outcomes

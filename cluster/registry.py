@@ -1,0 +1,291 @@
+"""Cluster state in Redis: the ``Registry`` client, its key schema and its errors.
+
+Torch-free (imports ``redis``, ``cluster.records`` and ``kvtransfer.layout`` only), so the
+router can use it. The records' JSON is ``cluster.records``; ``cluster.heartbeat`` keeps a
+worker's record alive and ``cluster.view`` is the router's view of the live workers, both
+built on a ``Registry``.
+
+Key schema — built only by ``Keys``; everything lives under ``pdserve:{cluster}:``::
+
+    worker:{worker_id}  WorkerRecord JSON. Written only by that worker's ``Heartbeat`` with
+                        ``SET … PX ttl`` every beat (never EXPIRE: after a Redis restart
+                        the key is simply written again); it vanishes ttl after the last
+                        beat and is deleted by the worker on graceful stop.
+    fingerprint         The cluster's ``KVLayout`` JSON, no TTL. ``SET NX`` by every
+                        registration (so the first worker sets it and a restarted Redis gets
+                        it back within one beat); re-asserted (overwritten) by the router on
+                        every refresh once it pinned the layout of its own model
+                        (``assert_fingerprint``), so a worker of another model that claims
+                        it first after Redis lost its data does not keep it; nobody deletes it.
+
+Redis down: ``Registry`` methods raise ``RegistryUnavailable`` after at most a few socket
+timeouts (no retries inside); ``Heartbeat`` logs and retries on its next beat; ``WorkerView``
+keeps its last-known-good view and reports it stale. Records are JSON with a version field,
+decoded strictly; never pickle.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cluster.records import (
+    ROLES,
+    RecordFormatError,
+    WorkerRecord,
+    check_name,
+    layout_from_json,
+    layout_to_json,
+)
+from kvtransfer.layout import KVLayout
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CLUSTER = "default"
+DEFAULT_TTL_S = 10.0
+DEFAULT_HEARTBEAT_S = 3.0
+DEFAULT_TIMEOUT_S = 1.0
+"""Socket connect and read timeout of every Redis call."""
+
+
+class RegistryError(Exception):
+    """Redis could not serve a registry operation (base class)."""
+
+
+class RegistryUnavailable(RegistryError):
+    """Redis is unreachable or did not answer within the timeout."""
+
+
+class RegistryAuthError(RegistryError):
+    """Redis refused the credentials of the URL (wrong or missing password)."""
+
+
+class FingerprintMismatch(RegistryError):
+    """A layout differs from the cluster's fingerprint; ``field`` names the first difference."""
+
+    def __init__(self, cluster: str, diff: str) -> None:
+        self.field = diff.split(":", 1)[0]
+        super().__init__(f"KV layout differs from cluster {cluster!r}'s fingerprint in "
+                         f"{self.field} (ours != cluster's: {diff.split(':', 1)[1].strip()})")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The one place Redis key names are built."""
+
+    cluster: str = DEFAULT_CLUSTER
+
+    def __post_init__(self) -> None:
+        check_name("cluster", self.cluster)
+
+    @property
+    def prefix(self) -> str:
+        return f"pdserve:{self.cluster}:"
+
+    @property
+    def fingerprint(self) -> str:
+        return f"{self.prefix}fingerprint"
+
+    @property
+    def worker_pattern(self) -> str:
+        """SCAN pattern of all worker keys (names cannot hold glob characters)."""
+        return f"{self.prefix}worker:*"
+
+    def worker(self, worker_id: str) -> str:
+        check_name("worker_id", worker_id)
+        return f"{self.prefix}worker:{worker_id}"
+
+    def worker_id_of(self, key: str) -> str:
+        return key.removeprefix(f"{self.prefix}worker:")
+
+
+class Registry:
+    """Client of the cluster state in one Redis. Thread-safe (one connection pool).
+
+    Every call has ``timeout_s`` socket timeouts and no internal retries; Redis errors
+    surface as ``RegistryUnavailable`` (unreachable, timed out), ``RegistryAuthError`` or
+    ``RegistryError``. Messages name the Redis URL with its password redacted.
+    """
+
+    def __init__(self, redis_url: str, *, cluster: str = DEFAULT_CLUSTER,
+                 ttl_s: float = DEFAULT_TTL_S, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not 0 < heartbeat_s < ttl_s:
+            raise ValueError(f"need 0 < heartbeat_s < ttl_s, got {heartbeat_s} and {ttl_s}")
+        if ttl_s < 0.001 or timeout_s <= 0:
+            raise ValueError(f"ttl_s and timeout_s must be positive, got {ttl_s}, {timeout_s}")
+        self.keys = Keys(cluster)
+        self.ttl_s = ttl_s
+        self.heartbeat_s = heartbeat_s
+        self.where = redact_url(redis_url)
+        self._client = redis.Redis.from_url(
+            redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0), protocol=2, health_check_interval=0)
+        self._skip_reasons: dict[str, str] = {}  # key -> last reason logged (no log spam)
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._client.close()
+
+    def ping(self) -> None:
+        """Raises unless Redis answers with these credentials (a startup check)."""
+        with self._errors("pinging"):
+            self._client.ping()
+
+    def cluster_layout(self) -> KVLayout | None:
+        """The cluster fingerprint, or ``None`` when none is set yet."""
+        with self._errors("reading the cluster fingerprint"):
+            raw = self._client.get(self.keys.fingerprint)
+        return None if raw is None else self._decode_fingerprint(raw)
+
+    def claim_fingerprint(self, layout: KVLayout) -> None:
+        """Set the cluster fingerprint to ``layout`` unless one is set (``SET NX``).
+
+        Raises ``FingerprintMismatch`` naming the first differing field when the existing
+        fingerprint differs. Tensor-parallel sizes are not part of the layout.
+        """
+        with self._errors("claiming the cluster fingerprint"):
+            for _ in range(3):  # the key may vanish (Redis restart) between SET NX and GET
+                if self._client.set(self.keys.fingerprint, layout_to_json(layout), nx=True):
+                    return
+                raw = self._client.get(self.keys.fingerprint)
+                if raw is not None:
+                    break
+            else:
+                raise RegistryError(f"{self.keys.fingerprint} keeps vanishing at {self.where}")
+        diff = layout.diff(self._decode_fingerprint(raw))
+        if diff is not None:
+            raise FingerprintMismatch(self.keys.cluster, diff)
+
+    def assert_fingerprint(self, layout: KVLayout) -> str | None:
+        """Make ``layout`` the cluster fingerprint, overwriting whatever is there (one
+        atomic ``SET … GET``). Only the router calls this, with the layout it pinned.
+
+        Returns ``None`` when the key already held ``layout``, else what was replaced:
+        ``"missing"``, ``"malformed"`` or the first differing field (``"field: ours !=
+        theirs"``, as ``KVLayout.diff`` names it).
+        """
+        with self._errors("re-asserting the cluster fingerprint"):
+            raw = self._client.set(self.keys.fingerprint, layout_to_json(layout), get=True)
+        if raw is None:
+            return "missing"
+        try:
+            return layout.diff(layout_from_json(raw))  # type: ignore[arg-type]
+        except RecordFormatError:
+            return "malformed"
+
+    def register(self, record: WorkerRecord) -> None:
+        """Claim the fingerprint, then ``SET worker-key record PX ttl`` (refreshes the TTL).
+
+        Called by the worker (through ``Heartbeat``) only once its endpoints are ready.
+        Raises ``FingerprintMismatch`` without writing when the layouts differ.
+        """
+        self.claim_fingerprint(record.layout)
+        with self._errors(f"registering worker {record.worker_id}"):
+            self._client.set(self.keys.worker(record.worker_id), record.to_json(),
+                             px=max(1, round(self.ttl_s * 1000)))
+
+    def deregister(self, worker_id: str) -> None:
+        """Delete the worker's key (idempotent). Only the worker itself should call this."""
+        with self._errors(f"deregistering worker {worker_id}"):
+            self._client.delete(self.keys.worker(worker_id))
+
+    def list_workers(self, role: str | None = None) -> list[WorkerRecord]:
+        """Live workers (of ``role``) sorted by id, via SCAN + MGET.
+
+        Skips, logging once per key and reason: malformed records, records whose key and
+        id disagree, and records whose layout differs from the cluster fingerprint (all of
+        them while no fingerprint is set: they cannot be checked; heartbeats restore it).
+        """
+        if role is not None and role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES} or None, got {role!r}")
+        with self._errors("listing workers"):
+            raw_fingerprint = self._client.get(self.keys.fingerprint)
+            keys = [k.decode() for k in self._client.scan_iter(match=self.keys.worker_pattern, count=512)]
+            values = self._client.mget(keys) if keys else []
+        try:
+            cluster = None if raw_fingerprint is None else layout_from_json(raw_fingerprint)
+        except RecordFormatError as exc:
+            logger.error("ignoring every worker: malformed %s: %s", self.keys.fingerprint, exc)
+            cluster = None
+        records = []
+        for key, raw in zip(keys, values, strict=True):
+            if raw is not None:  # None: expired between SCAN and MGET
+                record = self._accept(key, raw, cluster)
+                if record is not None and role in (None, record.role):
+                    records.append(record)
+        return sorted(records, key=lambda r: r.worker_id)
+
+    def _accept(self, key: str, raw: bytes | str, cluster: KVLayout | None
+                ) -> WorkerRecord | None:
+        try:
+            record = WorkerRecord.from_json(raw)
+        except RecordFormatError as exc:
+            self._skip(key, f"malformed record: {exc}")
+            return None
+        reason = None
+        if record.worker_id != self.keys.worker_id_of(key):
+            reason = f"record names worker {record.worker_id!r}"
+        elif cluster is None:
+            reason = "no valid cluster fingerprint to check its layout against"
+        elif (diff := record.layout.diff(cluster)) is not None:
+            reason = f"KV layout differs from the cluster fingerprint: {diff}"
+        if reason is not None:
+            self._skip(key, reason)
+            return None
+        self._skip_reasons.pop(key, None)
+        return record
+
+    def _skip(self, key: str, reason: str) -> None:
+        if self._skip_reasons.get(key) != reason:
+            if len(self._skip_reasons) > 10_000:
+                self._skip_reasons.clear()
+            self._skip_reasons[key] = reason
+            logger.warning("ignoring %s: %s", key, reason)
+
+    def _decode_fingerprint(self, raw: bytes | str) -> KVLayout:
+        try:
+            return layout_from_json(raw)
+        except RecordFormatError as exc:
+            raise RegistryError(f"malformed {self.keys.fingerprint} at {self.where}: {exc}") \
+                from None
+
+    @contextmanager
+    def _errors(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except redis.AuthenticationError as exc:
+            raise RegistryAuthError(f"Redis at {self.where} refused authentication while "
+                                    f"{action}: {exc} (check the password in the Redis URL)"
+                                    ) from None
+        except redis.ResponseError as exc:
+            if str(exc).startswith(("NOAUTH", "WRONGPASS")):
+                raise RegistryAuthError(f"Redis at {self.where} refused authentication while "
+                                        f"{action}: {exc}") from None
+            raise RegistryError(f"Redis at {self.where} failed while {action}: {exc}") from exc
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise RegistryUnavailable(f"Redis at {self.where} is unreachable while {action}: "
+                                      f"{exc}") from exc
+        except redis.RedisError as exc:
+            raise RegistryError(f"Redis at {self.where} failed while {action}: {exc}") from exc
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for messages and logs)."""
+    return re.sub(r"(://[^:@/]*:)[^@/]*@", r"\1***@", url)
+
+

@@ -1,0 +1,115 @@
+"""What the ``pdserve up --ray`` driver knows of each of its actors, and how it learns it.
+
+``Member`` owns one actor's life as the driver sees it: its latest ``ChildStatus``, whether
+it is ready, how often Ray restarted it, and whether it was reported down. ``poll`` asks
+every member at once; ``Member.follow`` turns what came back into progress lines ("decode-0
+is down ...; Ray restarts it", "decode-0 ready at ... (restart 1)") or ``ChildExited`` when a
+process is gone for good. Ray is imported only inside the functions that call it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.local_cluster import ChildExited
+from pdserve.ray_plan import ChildStatus
+
+STATUS_TIMEOUT_S = 5.0
+_LOG_LINES = 30
+
+
+@dataclass
+class Member:
+    """One actor of the cluster (a worker, the router or Redis).
+
+    States, for a ``restartable`` worker: ready (``down`` False) → down (its actor is
+    unreachable, its child exited, or a new incarnation is starting: ``restarts`` counts
+    new incarnations) → ready again. The router and Redis are never restarted: their child
+    exiting, or their actor dying, is ``ChildExited``.
+    """
+
+    name: str
+    actor: Any  # a Ray actor handle
+    restartable: bool
+    status: ChildStatus | None = None
+    ready: dict[str, Any] | None = None
+    restarts: int = 0
+    down: bool = False  # reported down, not yet ready again
+
+    def learn(self, ref: Any, deadline: float) -> ChildStatus | None:
+        """The status ``ref`` (a ``status()`` call) brings; None while the actor is
+        unreachable (Ray restarts it). ``ChildExited`` when the actor is dead for good."""
+        import ray
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
+
+        try:
+            status = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except (ActorUnavailableError, GetTimeoutError):
+            return None
+        except ActorDiedError as exc:
+            why = ("and Ray will not restart it again" if self.restartable
+                   else "(it is not restarted)")
+            raise ChildExited(self.name, f"{self.name}'s actor died {why}: "
+                                         f"{first_line(exc)}; {quote(self.status)}") from None
+        if self.status is not None and status.actor_pid != self.status.actor_pid:
+            self.restarts += 1
+            self.ready = None
+        self.status = status
+        return status
+
+    def follow(self, status: ChildStatus | None, progress: Callable[[str], None]) -> None:
+        """Reports a worker going down and coming back; raises ``ChildExited`` when the
+        router or Redis exited, or a restarted worker failed before it was ready."""
+        if not self.restartable:
+            if status is not None and status.exit is not None:
+                raise ChildExited(self.name, f"{self.name} exited unexpectedly "
+                                             f"({status.exit}); {quote(status)}")
+            return
+        if status is not None and status.exit is None and status.ready is not None:
+            if self.down:
+                self.ready, self.down = status.ready, False
+                progress(self.describe_ready() + f" (restart {self.restarts})")
+            return
+        if not self.down:
+            self.down = True
+            progress(f"{self.name} is down ({_down_reason(status)}); Ray restarts it")
+        if status is not None and status.exit is not None and status.ready is None:
+            raise ChildExited(self.name, f"{self.name} exited before it was ready after a "
+                                         f"restart ({status.exit}); {quote(status)}")
+
+    def describe_ready(self) -> str:
+        ready = self.ready or {}
+        address = ready.get("grpc_address") or ready.get("address") or "?"
+        node = self.status.node_ip if self.status is not None else "?"
+        kv = f", KV {ready['kv_address']}" if ready.get("kv_address") else ""
+        return f"{self.name} ready at {address} (node {node}{kv})"
+
+
+def poll(members: Sequence[Member]) -> list[ChildStatus | None]:
+    """Every member's status, asked of all at once (``Member.learn`` for each)."""
+    refs = [member.actor.status.remote() for member in members]
+    deadline = time.monotonic() + STATUS_TIMEOUT_S
+    return [member.learn(ref, deadline) for member, ref in zip(members, refs, strict=True)]
+
+
+def _down_reason(status: ChildStatus | None) -> str:
+    if status is None:
+        return "its actor is unreachable"
+    return status.exit or "restarted"
+
+
+def quote(status: ChildStatus | None) -> str:
+    """The end of a child's log, for an error message."""
+    if status is None:
+        return "no log yet"
+    lines = (status.log_tail or "(log not read)").splitlines()[-_LOG_LINES:]
+    return f"the end of its log {status.log_path} on {status.node_ip}:\n" + "\n".join(
+        "    " + line for line in lines)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

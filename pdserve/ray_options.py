@@ -1,0 +1,61 @@
+"""Command-line options of ``pdserve up --ray`` (standard library only, like
+``worker.options``: the ``pdserve`` parser is built from them even without the server or
+``ray`` extras)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from typing import Any
+
+RAY_EXTRA = "pip install 'pdserve[server,ray]'"
+_RAY_ONLY = ("ray_address", "device", "ray_gpu_resource", "ray_cpus_per_rank",
+             "ray_max_restarts")
+
+
+def add_ray_args(up: argparse.ArgumentParser) -> None:
+    """``--ray`` and the options that only mean something with it."""
+    ray = up.add_argument_group(
+        "Ray", "pdserve up --ray: Redis and the router on this node, every worker a Ray "
+        "actor with its tensor-parallel group in a placement group of its own "
+        f"(needs {RAY_EXTRA})")
+    ray.add_argument("--ray", action="store_true", help="run the cluster on Ray")
+    ray.add_argument("--ray-address",
+                     help="connect to this Ray cluster (auto: the one this node belongs to; "
+                          "default: start a local Ray bound to --host, dashboard off)")
+    ray.add_argument("--device", choices=("cpu", "cuda"),
+                     help="the workers' device (default: cpu; cuda: each rank reserves a GPU)")
+    ray.add_argument("--ray-gpu-resource", metavar="NAME",
+                     help="the Ray resource each rank reserves one unit of (default: GPU with "
+                          "--device cuda, none with cpu)")
+    ray.add_argument("--ray-cpus-per-rank", type=float, metavar="N",
+                     help="CPUs each rank reserves (default: 1)")
+    ray.add_argument("--ray-max-restarts", type=int, metavar="N",
+                     help="how often Ray restarts a worker that died (default: 3; -1: always)")
+
+
+def ray_only_flags_given(args: argparse.Namespace) -> list[str]:
+    """The options given that need ``--ray`` (as typed: ``--ray-address``, ...)."""
+    return [f"--{name.replace('_', '-')}" for name in _RAY_ONLY if getattr(args, name) is not None]
+
+
+def ray_missing() -> bool:
+    return importlib.util.find_spec("ray") is None
+
+
+def ray_config_from_args(args: argparse.Namespace, layout: Any) -> Any:
+    """The ``pdserve.ray_plan.RayClusterConfig`` of ``pdserve up --ray ARGS`` around
+    ``layout`` (a ``LocalClusterConfig``); without ``--redis-url``, ``$PDSERVE_REDIS_URL``
+    names the Redis (it reaches the processes in their environment only). ``ValueError``
+    for values that do not go together."""
+    import dataclasses
+
+    from pdserve.ray_plan import RayClusterConfig
+
+    redis_url = layout.redis_url or os.environ.get("PDSERVE_REDIS_URL") or None
+    given = {key: value for key, value in (
+        ("address", args.ray_address), ("device", args.device),
+        ("gpu_resource", args.ray_gpu_resource), ("cpus_per_rank", args.ray_cpus_per_rank),
+        ("max_restarts", args.ray_max_restarts)) if value is not None}
+    return RayClusterConfig(layout=dataclasses.replace(layout, redis_url=redis_url), **given)

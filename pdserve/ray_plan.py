@@ -1,0 +1,242 @@
+"""``pdserve up --ray`` as plain data: what the launcher asks Ray for, and what each actor runs.
+
+Torch-free and Ray-free (unit-tested without either): ``RayClusterConfig``; the placement of
+a tensor-parallel group (``worker_bundle``, ``actor_resources``); the child process of every
+actor (``ChildSpec``, built on the driver; ``child_argv`` and ``child_env``, built on the
+actor's node, which alone knows its IP and its GPU ids); and ``ChildStatus``, what an actor
+reports. ``pdserve.ray_actors`` runs the specs, ``pdserve.ray_cluster`` places them.
+
+Resources and GPUs. A worker of tensor-parallel size R gets a placement group of its own
+(``STRICT_PACK``) holding one bundle ``{"CPU": R * cpus_per_rank, GPU: R}`` (GPU being
+``gpu_resource``: Ray's ``GPU``, or a custom resource that stands in for it). The worker's
+actor claims the whole bundle and runs ``pdserve prefill|decode --tensor-parallel-size R``,
+which spawns ranks 1..R-1 itself. A bundle lives on one node, so a TP group never straddles
+nodes, and the reservation outlives the actor: Ray restarts a dead worker in the same
+bundle. With Ray's ``GPU`` resource Ray gives the actor R GPU ids; its child starts with
+``CUDA_VISIBLE_DEVICES`` = rank 0's id and ``PDSERVE_RANK_GPUS`` = all R ids in rank order,
+so every rank process sees exactly its own GPU (``engine.config.RANK_GPUS_ENV``).
+
+Secrets (the Redis URL with its password, the router's API key) reach the children in their
+environment only (``$PDSERVE_REDIS_URL``, ``$PDSERVE_API_KEY``), never on a command line.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import RANK_GPUS_ENV
+from pdserve.local_cluster import LocalClusterConfig
+from router.auth import API_KEY_ENV
+from worker.options import REDIS_URL_ENV, WILDCARDS
+
+DEVICES = ("cpu", "cuda")
+RAY_GPU = "GPU"  # Ray's own GPU resource (it sets CUDA_VISIBLE_DEVICES for an actor)
+WORKER_ROLES = ("prefill", "decode")
+NAMESPACE = "pdserve"  # the Ray namespace of every actor the launcher creates
+
+
+@dataclass(frozen=True)
+class RayClusterConfig:
+    """``pdserve up --ray``: the processes of ``layout`` run by Ray.
+
+    ``address`` None starts a local Ray bound to ``layout.host`` (dashboard off); "auto"
+    or ``HOST:PORT`` connects to a running one. ``gpu_resource`` is what one rank reserves
+    one unit of (default: Ray's ``GPU`` with ``device="cuda"``, nothing with ``"cpu"``);
+    ``cpus_per_rank`` the CPUs it reserves. ``max_restarts``: how often Ray restarts each
+    worker (-1: without limit; the router and Redis are not restarted).
+    """
+
+    layout: LocalClusterConfig = field(default_factory=LocalClusterConfig)
+    address: str | None = None
+    device: str = "cpu"  # the workers' --device
+    gpu_resource: str | None = None
+    cpus_per_rank: float = 1.0
+    router_cpus: float = 1.0
+    max_restarts: int = 3
+    placement_timeout_s: float = 120.0  # for every placement group to be placed
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.cpus_per_rank < 0 or self.router_cpus < 0:
+            raise ValueError("cpus_per_rank and router_cpus must not be negative")
+        if self.cpus_per_rank == 0 and self.rank_gpu_resource is None:
+            raise ValueError("a rank must reserve something: give cpus_per_rank > 0 or a "
+                             "gpu_resource")
+        if self.max_restarts < -1:
+            raise ValueError(f"max_restarts must be -1 (no limit) or more, got {self.max_restarts}")
+        if self.address == "":
+            raise ValueError("address must be None (a local Ray), 'auto' or HOST:PORT")
+
+    @property
+    def rank_gpu_resource(self) -> str | None:
+        """The resource one rank reserves one unit of (None: CPUs only)."""
+        if self.gpu_resource is not None:
+            return self.gpu_resource
+        return RAY_GPU if self.device == "cuda" else None
+
+
+def worker_bundle(tp: int, *, cpus_per_rank: float, gpu_resource: str | None
+                  ) -> dict[str, float]:
+    """The one bundle of a worker's placement group: all ``tp`` ranks' resources, so the
+    whole tensor-parallel group is reserved at once, on one node."""
+    if tp < 1:
+        raise ValueError(f"a worker has at least one rank, got {tp}")
+    bundle = {"CPU": cpus_per_rank * tp} if cpus_per_rank else {}
+    if gpu_resource is not None:
+        bundle[gpu_resource] = float(tp)
+    return bundle
+
+
+def actor_resources(bundle: Mapping[str, float]) -> dict[str, Any]:
+    """Ray actor options that claim exactly ``bundle`` (``num_cpus``/``num_gpus`` for Ray's
+    own resources, ``resources`` for the rest)."""
+    custom = {k: v for k, v in bundle.items() if k not in ("CPU", RAY_GPU)}
+    return {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get(RAY_GPU, 0),
+            "resources": custom}
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One ``python -m pdserve COMMAND ...`` process a Ray actor runs and supervises.
+
+    ``options`` are what the driver knows (never a secret, never an address of the actor's
+    node); ``secrets`` go into the child's environment only. A worker binds its node's IP
+    (every interface when ``host`` is a wildcard) and advertises its node's IP; the router
+    binds ``host``. ``restart``: the actor exits when its child dies after it was ready, so
+    that Ray restarts both.
+    """
+
+    name: str  # "prefill-0", "decode-1", "router": names the log and ready files too
+    command: str  # "prefill", "decode" or "router"
+    options: tuple[str, ...]
+    model_dir: str | None  # None: the built-in tiny model, built on the node on first use
+    log_dir: str  # on the actor's node (created there)
+    host: str  # the layout's --host
+    threads: int  # OMP_NUM_THREADS of each of its processes
+    restart: bool
+    secrets: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+
+    @property
+    def is_worker(self) -> bool:
+        return self.command in WORKER_ROLES
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One worker: its name, tensor-parallel size and placement-group bundle."""
+
+    name: str
+    role: str
+    tp: int
+    bundle: dict[str, float]
+
+
+def plan_workers(config: RayClusterConfig) -> list[WorkerPlan]:
+    """Every prefill worker, then every decode worker, with the bundle it reserves."""
+    layout = config.layout
+    roles = [("prefill", i, layout.prefill_tp) for i in range(layout.num_prefill)]
+    roles += [("decode", i, layout.decode_tp) for i in range(layout.num_decode)]
+    return [WorkerPlan(f"{role}-{i}", role, tp,
+                       worker_bundle(tp, cpus_per_rank=config.cpus_per_rank,
+                                     gpu_resource=config.rank_gpu_resource))
+            for role, i, tp in roles]
+
+
+def worker_spec(config: RayClusterConfig, plan: WorkerPlan, *, log_dir: str,
+                redis_url: str) -> ChildSpec:
+    layout = config.layout
+    options = ["--worker-id", plan.name, "--tensor-parallel-size", str(plan.tp),
+               "--cluster", layout.cluster, "--grace", str(layout.drain_s),
+               "--device", config.device]
+    if layout.num_kv_blocks is not None:
+        options += ["--num-kv-blocks", str(layout.num_kv_blocks)]
+    return ChildSpec(plan.name, plan.role, tuple(options), _model(layout), log_dir, layout.host,
+                     threads=max(1, int(config.cpus_per_rank)), restart=True,
+                     secrets=((REDIS_URL_ENV, redis_url),))
+
+
+def router_spec(config: RayClusterConfig, *, log_dir: str, redis_url: str,
+                api_key: str | None) -> ChildSpec:
+    layout = config.layout
+    options = ["--port", str(layout.port), "--cluster", layout.cluster,
+               "--local-prefill", layout.local_prefill]
+    if layout.model_name is not None:
+        options += ["--model-name", layout.model_name]
+    if layout.max_inflight is not None:
+        options += ["--max-inflight", str(layout.max_inflight)]
+    options += (["--no-http"] if layout.http_port is None
+                else ["--http-port", str(layout.http_port)])
+    if layout.chat_template is not None:
+        options += ["--chat-template", str(layout.chat_template)]
+    options += list(layout.router_args)
+    secrets = [(REDIS_URL_ENV, redis_url)] + ([(API_KEY_ENV, api_key)] if api_key else [])
+    return ChildSpec("router", "router", tuple(options), _model(layout), log_dir, layout.host,
+                     threads=max(1, int(config.router_cpus)), restart=False,
+                     secrets=tuple(secrets))
+
+
+def _model(layout: LocalClusterConfig) -> str | None:
+    return None if layout.model_dir is None else str(layout.model_dir)
+
+
+def child_argv(spec: ChildSpec, *, node_ip: str, model_dir: str, ready_path: str,
+               python: str = sys.executable) -> list[str]:
+    """The child's command line on a node whose IP is ``node_ip``."""
+    argv = [python, "-m", "pdserve", spec.command, "--model", model_dir]
+    if spec.is_worker:
+        bind = spec.host if spec.host in WILDCARDS else node_ip
+        argv += ["--host", bind, "--advertise-host", node_ip]
+    else:
+        argv += ["--host", spec.host]
+    return [*argv, *spec.options, "--ready-file", ready_path]
+
+
+def child_env(spec: ChildSpec, *, base: Mapping[str, str], node_ip: str,
+              gpu_ids: Sequence[str]) -> dict[str, str]:
+    """The child's environment: ``base`` (the actor's) without secrets it was not given,
+    plus its own secrets, its thread count, gloo on loopback when the node's IP is, and its
+    ranks' GPUs (``gpu_ids``, the actor's, in rank order)."""
+    env = {k: v for k, v in base.items() if k not in (REDIS_URL_ENV, API_KEY_ENV, RANK_GPUS_ENV)}
+    env.update(spec.secrets)
+    env["OMP_NUM_THREADS"] = str(spec.threads)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    if is_loopback(node_ip):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = gpu_ids[0]  # the leader is rank 0
+        env[RANK_GPUS_ENV] = ",".join(gpu_ids)
+    return env
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ChildStatus:
+    """What an actor reports about its child (a worker, the router, Redis).
+
+    ``actor_pid`` changes when Ray restarts the actor. ``ready`` is the child's ready file
+    (None before it is written, again after each restart); ``exit`` says how the child
+    ended (None while it runs) and ``log_tail`` then quotes its log.
+    """
+
+    name: str
+    actor_pid: int
+    node_ip: str
+    child_pid: int | None
+    ready: dict[str, Any] | None
+    exit: str | None
+    log_path: str
+    log_tail: str = ""

@@ -1,0 +1,52 @@
+"""The router's introspection service (``pdserve.internal.v1.RouterDebug``): what this
+router holds right now, for leak checks and debugging. A thin gRPC adapter.
+
+Internal only: served on its own plaintext port (``--debug-port``, bound to ``--host``),
+never on the public API port, and it carries no authentication: give it a loopback or
+otherwise private address.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from cluster.internal.v1 import worker_pb2 as pb
+from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
+from router.generations import Generations
+
+
+class RouterDebugServicer(pb_grpc.RouterDebugServicer):
+    """``Holdings`` over one router's ``Generations`` (its admission, leases, aborts, pool)."""
+
+    def __init__(self, generations: Generations) -> None:
+        self._generations = generations
+
+    async def Holdings(self, request: pb.InfoRequest,  # noqa: N802 - gRPC name
+                       context: grpc.aio.ServicerContext) -> pb.RouterHoldings:
+        return holdings(self._generations)
+
+
+def holdings(generations: Generations) -> pb.RouterHoldings:
+    leases = generations.leases
+    live = leases.live()
+    return pb.RouterHoldings(
+        router_id=leases.router_id, inflight_requests=generations.inflight,
+        request_ids=sorted(generations.admission.live_ids.elements()),
+        attempt_ids=[lease.attempt_id for lease in live],
+        pending_aborts=generations.num_pending_aborts,
+        open_channels=generations.pool.num_channels,
+        lease_keys=sorted(lease.key for lease in live if lease.key),
+        unwritten_leases=leases.num_unwritten)
+
+
+async def start_debug_server(generations: Generations, host: str, port: int
+                             ) -> tuple[grpc.aio.Server, str]:
+    """The RouterDebug service alone on ``host:port`` (0: any); (server, "host:port").
+    ``RuntimeError`` when the port cannot be bound."""
+    server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+    pb_grpc.add_RouterDebugServicer_to_server(RouterDebugServicer(generations), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot listen on {host}:{port} (port in use?)")
+    await server.start()
+    return server, f"{host}:{bound}"

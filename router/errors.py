@@ -1,0 +1,17 @@
+"""The router's one failure type: what status a client gets, and why (torch-free)."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RouteError(Exception):
+    """The request failed; ``code`` is the status the client gets (a ``grpc.StatusCode``,
+    which the HTTP API maps to its own codes), ``message`` says why, ``limit`` names the
+    admission limit that refused it (for metrics; "" otherwise)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, limit: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.limit = limit

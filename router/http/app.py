@@ -1,0 +1,225 @@
+"""The FastAPI application of the HTTP API (``build_app``).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (API
+key required when the router has one: ``Authorization: Bearer KEY``, compared in constant
+time, never logged), and, open to all, ``GET /health`` (200 while the router's gRPC health
+says SERVING, else 503), ``GET /version``, ``GET /metrics`` (the router's Prometheus
+metrics). Bodies are read by the endpoints themselves, bounded by the router's max message
+bytes (413 past it), and parsed by ``router.http.protocol``; the requests then run in a
+``router.http.relay.Relay``. Every error, routing ones included, has OpenAI's body.
+
+Deadline: ``X-Request-Timeout: SECONDS`` in the request, else the router's default.
+Request id: the body's ``request_id`` or an ``X-Request-Id`` header, else a fresh one;
+it is sent back in ``X-Request-Id`` and in the response ``id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import tokenizers
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from router.generations import TOKENIZE_IN_THREAD_CHARS, Generations
+from router.http.chat_template import ChatTemplate
+from router.http.errors import ApiError
+from router.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, parse
+from router.http.relay import REQUEST_ID_HEADER, Relay
+from router.validation import InvalidRequest
+
+TIMEOUT_HEADER = "x-request-timeout"
+
+
+@dataclass(frozen=True)
+class HttpApi:
+    """What the HTTP API serves and with what (the ``Router`` builds it)."""
+
+    generations: Generations
+    tokenizer: tokenizers.Tokenizer  # for chat prompts (rendered text, no special tokens)
+    serving: Callable[[], bool]  # the router's health: SERVING or not
+    chat_template: ChatTemplate | None = None  # None: chat requests get a 400
+    api_key: str | None = None  # None: no authentication
+    max_body_bytes: int = 4 << 20
+    version: str = "0"
+    created: int = 0  # Unix seconds the model has been served since (/v1/models)
+
+
+def build_app(api: HttpApi) -> FastAPI:
+    """The application; every route's contract is in the module doc."""
+    app = FastAPI(title="pdserve", version=api.version, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.api = api
+    _add_error_handlers(app)
+    _add_open_routes(app, api)
+    expected = f"Bearer {api.api_key}".encode() if api.api_key else None
+
+    def authorize(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode("latin-1", "replace")
+        if not hmac.compare_digest(given, expected):
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        authorize(request)
+        limits = api.generations.limits
+        return {"object": "list", "data": [{
+            "id": limits.name, "object": "model", "created": api.created,
+            "owned_by": "pdserve", "root": limits.name, "parent": None,
+            "max_model_len": limits.context_length}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        authorize(request)
+        body = parse(CompletionRequest, await _read_body(request, api.max_body_bytes))
+        _check_common(body, api)
+        text, token_ids = body.prompt_parts()
+        client = body.client_request(request_id=_request_id(body, request),
+                                     max_tokens=body.max_tokens, text=text, token_ids=token_ids)
+        return _relay(api, request, body, client, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        body = parse(ChatCompletionRequest, await _read_body(request, api.max_body_bytes))
+        _check_common(body, api)
+        token_ids = await _chat_prompt(api, body)
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = _room_left(api.generations, len(token_ids))
+        client = body.client_request(request_id=_request_id(body, request),
+                                     max_tokens=max_tokens, token_ids=token_ids)
+        return _relay(api, request, body, client, chat=True)
+
+    return app
+
+
+def _add_open_routes(app: FastAPI, api: HttpApi) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        serving = api.serving()
+        return JSONResponse({"status": "SERVING" if serving else "NOT_SERVING"},
+                            status_code=200 if serving else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": api.version}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data, content_type = api.generations.metrics.render()
+        return Response(data, media_type=content_type)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid(request: Request, exc: InvalidRequest) -> Response:
+        return JSONResponse(ApiError.from_invalid(exc).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        error = ApiError(exc.status_code, str(exc.detail), code=None)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def request_invalid(request: Request, exc: RequestValidationError) -> Response:
+        return JSONResponse(ApiError.invalid(str(exc)).body(), status_code=400)
+
+
+def _relay(api: HttpApi, request: Request, body: SamplingRequest, client: Any,
+           *, chat: bool) -> Relay:
+    return Relay(api.generations, client, timeout_s=_timeout(request), chat=chat,
+                 model=api.generations.limits.name, stream=body.stream,
+                 include_usage=body.include_usage)
+
+
+def _check_common(body: SamplingRequest, api: HttpApi) -> None:
+    body.check_extras()
+    served = api.generations.limits.name
+    if body.model and body.model != served:
+        raise ApiError(404, f"the model {body.model!r} does not exist; this cluster serves "
+                            f"{served!r}", param="model", code="model_not_found")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The whole body; 413 past ``limit`` bytes (announced or sent)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise _too_large(size, limit)
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"request body of {size} bytes is over the router's limit of {limit} "
+                         "bytes", code="request_too_large")
+
+
+def _timeout(request: Request) -> float | None:
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ApiError.invalid(f"{TIMEOUT_HEADER} must be a positive number of seconds, got "
+                               f"{value[:40]!r}", TIMEOUT_HEADER)
+    return seconds
+
+
+def _request_id(body: SamplingRequest, request: Request) -> str:
+    return body.request_id or request.headers.get(REQUEST_ID_HEADER) or ""
+
+
+async def _chat_prompt(api: HttpApi, body: ChatCompletionRequest) -> tuple[int, ...]:
+    """The conversation rendered with the chat template and tokenized without adding
+    special tokens (the template places them, as in ``transformers``)."""
+    if api.chat_template is None:
+        raise ApiError.invalid("this model has no chat template, so it serves /v1/completions "
+                               "only; start the router with --chat-template FILE to serve "
+                               "chat", "messages", code="no_chat_template")
+    text = api.chat_template.render(body.template_messages(),
+                                    add_generation_prompt=body.add_generation_prompt,
+                                    extra=body.chat_template_kwargs)
+    limit = 64 * api.generations.limits.context_length  # as router.validation bounds text
+    if len(text) > limit:
+        raise ApiError.invalid(f"the rendered conversation of {len(text)} characters cannot fit "
+                               f"the context length of {limit // 64} tokens", "messages")
+
+    def encode() -> tuple[int, ...]:
+        return tuple(api.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    if len(text) > TOKENIZE_IN_THREAD_CHARS:
+        return await asyncio.to_thread(encode)
+    return encode()
+
+
+def _room_left(generations: Generations, num_prompt_tokens: int) -> int | None:
+    """A chat request's default ``max_tokens``: up to the context length, within what the
+    largest decode worker can hold (None when nothing is left: validation says why)."""
+    room = generations.limits.context_length - num_prompt_tokens
+    layout, largest = generations.pool.layout(), generations.pool.max_decode_blocks()
+    if layout is not None and largest:
+        room = min(room, largest * layout.block_size - num_prompt_tokens)
+    return room if room > 0 else None

@@ -1,0 +1,193 @@
+"""The request bodies of the HTTP API, and their mapping to the router's ``ClientRequest``.
+
+Field names and defaults are OpenAI's, plus vLLM's sampling extensions (``top_k``,
+``ignore_eos``, ``stop_token_ids``, ``request_id``). Types are checked strictly (a string
+is not a number); integers are bounded to what the gRPC API can carry, and everything else
+is checked by ``router.validation`` with the same messages the gRPC API sends.
+
+Unknown fields are ignored, as vLLM does, with two exceptions that get a 400 naming the
+field: parameters pdserve does not implement, set to anything but their default
+(``UNSUPPORTED``: never silently ignored), and names of pdserve's internal fields
+(``INTERNAL_FIELDS``: a client cannot set them on either API).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from router.http.errors import ApiError
+from router.validation import ClientRequest
+
+INT64 = Field(ge=-(1 << 63), le=(1 << 63) - 1)
+Int64 = Annotated[int, INT64]
+Int32 = Annotated[int, Field(ge=-(1 << 31), le=(1 << 31) - 1)]
+Seed = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
+M = TypeVar("M", bound=BaseModel)
+
+# parameter -> the values that mean "not used" (anything else: 400)
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,),
+    "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0), "logit_bias": ({},),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "min_p": (0, 0.0), "min_tokens": (0,),
+    "use_beam_search": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "structured_outputs": (),
+}
+INTERNAL_FIELDS = ("transfer_id", "attempt_id", "worker_id", "target", "kv_address",
+                   "kv_target", "first_token_id", "num_cached_tokens", "model_fingerprint",
+                   "lease", "prefill_worker", "decode_worker", "prompt_token_ids")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """What both endpoints share: the model, sampling, streaming; extras are kept (and
+    checked by ``check_extras``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    max_tokens: Annotated[int, INT64] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int32 | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int64] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, ignored
+    request_id: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_extras(self) -> None:
+        """400 for an internal field or an unsupported parameter not at its default."""
+        extras = self.model_extra or {}
+        internal = sorted(name for name in extras if name in INTERNAL_FIELDS)
+        if internal:
+            raise ApiError.invalid(f"fields {internal} are not part of the public API "
+                                   "(internal fields cannot be set by clients)", internal[0])
+        for name, defaults in UNSUPPORTED.items():
+            value = extras.get(name)
+            if value is not None and not _is_default(value, defaults):
+                shown = json.dumps(value)[:60]
+                hint = f"; leave it unset or {json.dumps(defaults[0])}" if defaults else ""
+                raise ApiError.invalid(f"{name} is not supported by pdserve (got {shown}){hint}",
+                                       name, code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError.invalid("stream_options can only be given with stream=true",
+                                   "stream_options")
+
+    def client_request(self, *, request_id: str, max_tokens: int | None,
+                       text: str | None = None,
+                       token_ids: tuple[int, ...] | None = None) -> ClientRequest:
+        """The ``ClientRequest`` of this body with the given prompt."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return ClientRequest(
+            request_id=request_id, model=self.model or "", text=text, token_ids=token_ids,
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, seed=self.seed, stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``: one prompt, as text or token ids (a batch of one is
+    accepted too: ``["text"]``, ``[[1, 2, 3]]``)."""
+
+    prompt: str | list[Int64] | list[str] | list[list[Int64]]
+
+    def prompt_parts(self) -> tuple[str | None, tuple[int, ...] | None]:
+        """(text, token ids): exactly one is not None; 400 for a batch of several."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt, None
+        if prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError.invalid(f"prompt: a batch of {len(prompt)} prompts is not "
+                                       "supported; send one prompt per request", "prompt")
+            first = prompt[0]
+            return (first, None) if isinstance(first, str) else (None, tuple(first))
+        return None, tuple(p for p in prompt if isinstance(p, int))
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One message; fields beyond role and content reach the chat template as given."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        """The message as the template sees it (text parts joined into one string)."""
+        message = {**(self.model_extra or {}), "role": self.role, "content": self.content}
+        if isinstance(self.content, list):
+            for j, part in enumerate(self.content):
+                if part.type != "text" or part.text is None:
+                    raise ApiError.invalid(f"messages[{index}].content[{j}]: only text parts "
+                                           f"are supported, got type {part.type!r}",
+                                           "messages", code="unsupported_parameter")
+            message["content"] = "".join(part.text or "" for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``: ``max_completion_tokens`` wins over ``max_tokens``;
+    vLLM's ``add_generation_prompt`` and ``chat_template_kwargs`` reach the template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, INT64] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template(i) for i, m in enumerate(self.messages)]
+
+
+def parse(model: type[M], body: bytes) -> M:
+    """``model`` from a JSON body; 400 naming the first offending field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        loc = [str(part) for part in first["loc"] if not _is_union_branch(part)]
+        where = ".".join(loc)
+        message = f"{where}: {first['msg']}" if where else f"request body: {first['msg']}"
+        raise ApiError.invalid(message, loc[0] if loc else None) from None
+
+
+def _is_union_branch(part: object) -> bool:
+    """pydantic names the member of a union in an error's location (``str``, ``list[int]``)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool")
+                                      or part.startswith(("list[", "dict[")))
+
+
+def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``defaults`` (``True`` is not ``1``)."""
+    return any(value == d and isinstance(value, bool) == isinstance(d, bool) for d in defaults)

@@ -1,0 +1,189 @@
+"""One HTTP request from ``Generations.start`` to its last byte: an ASGI response.
+
+``Relay`` is returned by the endpoints once the body is parsed. When uvicorn runs it, it
+starts the generation and relays its chunks, while a second task waits for the client to
+disconnect. Whichever ends first cancels the other, so a client that leaves — while queued,
+before the first token, mid-stream, or waiting for a non-streamed response — cancels the
+relay, whose ``aclosing(generation.chunks())`` then cancels the request on every worker and
+leaves admission at once (as a gRPC cancel does in ``router.service``).
+
+The response status is chosen as late as possible: headers go out with the first chunk,
+so anything that fails before it (refused at admission, invalid, no worker, deadline
+passed in the queue) is a plain HTTP error with its status; a non-streamed response is
+sent only when complete, so its errors always are. An error after a stream started is an
+SSE ``error`` event (OpenAI's error body) followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Any, Protocol
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from router.errors import RouteError
+from router.http.errors import ApiError, as_api_error
+from router.http.responses import DONE, Shape, sse
+from router.outputs import OutputChunk
+from router.validation import ClientRequest, InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+class StartedGeneration(Protocol):
+    """What the relay needs of ``router.generations.Generation``."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    def chunks(self) -> AsyncGenerator[OutputChunk, None]: ...
+
+
+class GenerationStarter(Protocol):
+    """What the relay needs of ``router.generations.Generations``."""
+
+    async def start(self, client: ClientRequest,
+                    timeout_s: float | None) -> StartedGeneration: ...
+
+
+async def send_json(send: Send, status: int, body: dict[str, Any],
+                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    data = json.dumps(body, ensure_ascii=False).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+class Relay(Response):
+    """Runs ``client`` through ``generations`` and writes the result (see module doc)."""
+
+    def __init__(self, generations: GenerationStarter, client: ClientRequest, *,
+                 timeout_s: float | None, chat: bool, model: str, stream: bool,
+                 include_usage: bool) -> None:
+        super().__init__()
+        self._generations = generations
+        self._client = client
+        self._timeout_s = timeout_s
+        self._chat, self._model, self._stream = chat, model, stream
+        self._include_usage = include_usage
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.ensure_future(self._run(send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, gone):
+                task.cancel()
+            await asyncio.gather(work, gone, return_exceptions=True)
+        if work.done() and not work.cancelled() and work.exception() is not None:
+            logger.error("writing the response failed", exc_info=work.exception())
+
+    async def _run(self, send: Send) -> None:
+        try:
+            generation = await self._generations.start(self._client, self._timeout_s)
+        except Exception as exc:  # refused before any work: a plain HTTP error
+            error = as_api_error(exc)
+            if isinstance(exc, RouteError | InvalidRequest):
+                logger.info("refused: %d %s", error.status, error.message)
+            else:
+                logger.exception("start failed unexpectedly")
+            await send_json(send, error.status, error.body())
+            return
+        rid = generation.request_id
+        shape = Shape.of(chat=self._chat, request_id=rid, model=self._model,
+                         created=int(time.time()), include_usage=self._include_usage)
+        headers = [(REQUEST_ID_HEADER.encode(), rid.encode())]
+        log = logging.LoggerAdapter(logger, {"request_id": rid})
+        started = time.monotonic()
+        try:
+            await self._relay(send, generation, shape, headers, log)
+        except asyncio.CancelledError:
+            log.info("cancelled after %.2fs (the client left, or the router stopped)",
+                     time.monotonic() - started)
+            raise
+
+    async def _relay(self, send: Send, generation: StartedGeneration, shape: Shape,
+                     headers: list[tuple[bytes, bytes]],
+                     log: logging.LoggerAdapter[logging.Logger]) -> None:
+        async with aclosing(generation.chunks()) as chunks:
+            try:
+                first = await anext(chunks, None)  # the status waits for the first chunk
+            except Exception as exc:  # nothing sent yet: a plain HTTP error
+                error = _failed(log, exc)
+                await send_json(send, error.status, error.body(), headers)
+                return
+            if self._stream:
+                await self._write_stream(send, shape, first, chunks, headers, log)
+            else:
+                await self._write_whole(send, shape, first, chunks, headers, log)
+
+    async def _write_stream(self, send: Send, shape: Shape, first: OutputChunk | None,
+                            chunks: AsyncIterator[OutputChunk],
+                            headers: list[tuple[bytes, bytes]],
+                            log: logging.LoggerAdapter[logging.Logger]) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*_SSE_HEADERS, *headers]})
+
+        async def write(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        events = shape.opening() + (shape.chunks(first) if first is not None else [])
+        await write(b"".join(sse(e) for e in events))
+        last = first
+        try:
+            async for chunk in chunks:
+                events = shape.chunks(chunk)
+                if events:
+                    await write(b"".join(sse(e) for e in events))
+                last = chunk
+        except Exception as exc:
+            await write(sse(_failed(log, exc).body(), event="error"))
+        else:
+            usage = last.usage if last is not None else None
+            await write(b"".join(sse(e) for e in shape.closing(usage)))
+        await send({"type": "http.response.body", "body": DONE, "more_body": False})
+
+    async def _write_whole(self, send: Send, shape: Shape, first: OutputChunk | None,
+                           chunks: AsyncIterator[OutputChunk],
+                           headers: list[tuple[bytes, bytes]],
+                           log: logging.LoggerAdapter[logging.Logger]) -> None:
+        received = [first] if first is not None else []
+        try:
+            received += [chunk async for chunk in chunks]
+        except Exception as exc:
+            error = _failed(log, exc)
+            await send_json(send, error.status, error.body(), headers)
+            return
+        last = received[-1] if received else None
+        body = shape.whole("".join(c.text for c in received),
+                           last.finish_reason if last is not None else None,
+                           last.usage if last is not None else None)
+        await send_json(send, 200, body, headers)
+
+
+def _failed(log: logging.LoggerAdapter[logging.Logger], exc: Exception) -> ApiError:
+    """The error a failure becomes, logged (unexpected ones with their traceback)."""
+    error = as_api_error(exc)
+    if isinstance(exc, RouteError | ApiError | InvalidRequest):
+        log.warning("failed: %d %s", error.status, error.message)
+    else:
+        log.exception("failed unexpectedly")
+    return error
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client has gone (the body was read before the relay started)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

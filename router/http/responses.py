@@ -1,0 +1,106 @@
+"""OpenAI's response bodies and stream chunks, built from the router's ``OutputChunk``s.
+
+One ``Shape`` per endpoint says how a request's output looks:
+
+- completions: ``object`` ``text_completion``; a stream chunk per ``OutputChunk`` with
+  ``choices[0].text``, the last one with its ``finish_reason``;
+- chat: ``chat.completion`` / ``chat.completion.chunk``; a stream opens with the role
+  (``delta: {"role": "assistant", "content": ""}``), then one content delta per
+  ``OutputChunk``, then a chunk with an empty delta and the ``finish_reason``.
+
+With ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last
+chunk with no choices carries the usage. ``usage`` is OpenAI's, with
+``prompt_tokens_details.cached_tokens`` (prompt tokens served from a prefix cache).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from router.outputs import OutputChunk, Usage
+
+DONE = b"data: [DONE]\n\n"
+
+
+def usage_body(usage: Usage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def sse(data: dict[str, Any], event: str | None = None) -> bytes:
+    """One server-sent event (``event:`` line only when named)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one request's output looks on the wire (see module doc)."""
+
+    chat: bool
+    response_id: str  # "cmpl-<request id>" / "chatcmpl-<request id>"
+    model: str
+    created: int  # Unix seconds
+    include_usage: bool = False
+
+    @classmethod
+    def of(cls, *, chat: bool, request_id: str, model: str, created: int,
+           include_usage: bool = False) -> Shape:
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return cls(chat, prefix + request_id, model, created, include_usage)
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.response_id, "object": obj, "created": self.created,
+                "model": self.model}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"),
+                "choices": choices}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Chunks sent before any output (chat: the role)."""
+        if not self.chat:
+            return []
+        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])]
+
+    def chunks(self, chunk: OutputChunk) -> list[dict[str, Any]]:
+        """The stream chunks of one ``OutputChunk`` (none for an empty, unfinished one)."""
+        out = []
+        finish = chunk.finish_reason
+        if self.chat:
+            if chunk.text:
+                out.append(self._chunk([{"index": 0, "delta": {"content": chunk.text},
+                                         "logprobs": None, "finish_reason": None}]))
+            if finish is not None:
+                out.append(self._chunk([{"index": 0, "delta": {}, "logprobs": None,
+                                         "finish_reason": finish}]))
+        elif chunk.text or finish is not None:
+            out.append(self._chunk([{"index": 0, "text": chunk.text, "logprobs": None,
+                                     "finish_reason": finish}]))
+        return out
+
+    def closing(self, usage: Usage | None) -> list[dict[str, Any]]:
+        """Chunks after the output: the usage chunk when it was asked for."""
+        if not self.include_usage or usage is None:
+            return []
+        return [{**self._chunk([]), "usage": usage_body(usage)}]
+
+    def whole(self, text: str, finish_reason: str | None, usage: Usage | None) -> dict[str, Any]:
+        """The non-streamed response."""
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                      "message": {"role": "assistant", "content": text},
+                                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("chat.completion" if self.chat else "text_completion"),
+                "choices": [choice], "usage": usage_body(usage)}

@@ -1,0 +1,72 @@
+"""The router's Prometheus metrics (prometheus-client), one registry per ``Router``.
+
+Names are ``pdserve:router_*`` (vLLM has no router; the workers export vLLM's names).
+Latencies are what the client sees from the router: time to first token, the gaps between
+streamed chunks, end-to-end, and the time a request waited in the router's queue.
+``render()`` is the exposition the HTTP API serves on ``/metrics`` (and ``--metrics-port``).
+
+- ``pdserve:router_time_to_first_token_seconds``, ``..._inter_token_latency_seconds``,
+  ``..._e2e_request_latency_seconds``, ``..._queue_time_seconds`` (histograms);
+- ``pdserve:router_requests_total{status, finish_reason}``: finished requests by their final
+  gRPC status name (OK, CANCELLED, ...) and finish reason ("" unless OK);
+- ``pdserve:router_rejections_total{limit}``: refused at admission (max_inflight,
+  max_queued_tokens, invalid, deadline, unavailable);
+- ``pdserve:router_attempts_total``, ``pdserve:router_retries_total{cause}``: handoff
+  attempts, and the ones that failed before the first token and were retried, by cause
+  (reserve, prefill, generate, worker_left, health, busy);
+- ``pdserve:router_routed_total{role, worker}``: calls placed on each worker;
+- ``pdserve:router_prompt_tokens_total``, ``..._generation_tokens_total``,
+  ``..._cached_tokens_total``: over finished requests;
+- ``pdserve:router_requests_running``, ``pdserve:router_requests_waiting`` (gauges).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0, 600.0)
+GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class RouterMetrics:
+    """Every metric of one router (see module doc)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, p = self.registry, "pdserve:router_"
+        self.ttft = Histogram(p + "time_to_first_token_seconds",
+                              "Request received to first token sent", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.itl = Histogram(p + "inter_token_latency_seconds",
+                             "Gap between consecutive chunks sent to a client", registry=r,
+                             buckets=GAP_BUCKETS)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds",
+                             "Request received to its last chunk sent", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.queue = Histogram(p + "queue_time_seconds",
+                               "Time a request waited in the router's queue", registry=r,
+                               buckets=LATENCY_BUCKETS)
+        self.requests = Counter(p + "requests", "Finished requests",
+                                ["status", "finish_reason"], registry=r)
+        self.rejections = Counter(p + "rejections", "Requests refused at admission",
+                                  ["limit"], registry=r)
+        self.attempts = Counter(p + "attempts", "Handoff attempts", registry=r)
+        self.retries = Counter(p + "retries", "Attempts retried before the first token",
+                               ["cause"], registry=r)
+        self.routed = Counter(p + "routed", "Calls placed on a worker", ["role", "worker"],
+                              registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens",
+                                         "Tokens generated for finished requests", registry=r)
+        self.cached_tokens = Counter(p + "cached_tokens",
+                                     "Prompt tokens served from a prefix cache", registry=r)
+        self.running = Gauge(p + "requests_running", "Requests placed on workers", registry=r)
+        self.waiting = Gauge(p + "requests_waiting", "Requests in the router's queue",
+                             registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,159 @@
+"""Leases against a real redis-server, with a manual clock: the router's keeper writes,
+renews, re-writes after a restart and deletes; the worker's watcher frees an attempt only
+once its lease has been missing for a full TTL while Redis answered."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import redis
+
+from cluster.clock import ManualClock
+from cluster.leases import LeaseKeeper, LeaseKeys, LeaseStore, new_router_id
+from pdserve.redis_server import RedisServer
+from tests.processes import wait_until
+from worker.leases import LeaseBook, LeaseWatcher
+
+pytestmark = pytest.mark.timeout(60)
+
+TTL_S = 0.6
+
+
+def test_keys_name_the_cluster_router_and_attempt() -> None:
+    keys = LeaseKeys("c1")
+    assert keys.lease("r1", 7) == "pdserve:c1:lease:r1:7"
+    assert keys.router_pattern("r1") == "pdserve:c1:lease:r1:*"
+    with pytest.raises(ValueError):
+        LeaseKeys("bad name*")
+    assert new_router_id() != new_router_id()
+
+
+def test_keeper_writes_renews_and_deletes(redis_server: RedisServer,
+                                          raw_redis: redis.Redis) -> None:
+    async def scenario() -> None:
+        store = LeaseStore(redis_server.url, cluster="c")
+        keeper = LeaseKeeper(store, "r1", TTL_S)
+        keeper.start()
+        # 1. an attempt's lease is written at once, naming its request and holders
+        lease = keeper.open("client-id")
+        keeper.hold(lease, "decode-0")
+        assert lease.attempt_id == "r1-1" and lease.key == "pdserve:c:lease:r1:1"
+        await _until(lambda: raw_redis.exists(lease.key))
+        keeper.hold(lease, "prefill-0")
+        await _until(lambda: json.loads(raw_redis.get(lease.key) or "{}").get("holders")
+                     == ["decode-0", "prefill-0"])
+        assert json.loads(raw_redis.get(lease.key) or "{}")["request_id"] == "client-id"
+        # 2. renewed: alive after several TTLs
+        await asyncio.sleep(3 * TTL_S)
+        assert raw_redis.exists(lease.key) and 0 < raw_redis.pttl(lease.key) <= 600
+        # 3. Redis restarted empty: re-written within one renewal period (ttl / 3)
+        redis_server.restart()
+        await _until(lambda: _exists(redis_server, lease.key), timeout_s=5 * TTL_S)
+        # 4. a second attempt of the same request has another id and key
+        other = keeper.open("client-id")
+        assert other.attempt_id != lease.attempt_id and other.key != lease.key
+        # 5. ended: deleted; stop deletes what is left
+        keeper.close(lease)
+        await _until(lambda: not _exists(redis_server, lease.key))
+        await keeper.stop()
+        assert not _exists(redis_server, other.key)
+        assert keeper.live() == [] and keeper.num_unwritten == 0
+        store.close()
+
+    asyncio.run(scenario())
+
+
+def test_keeper_survives_redis_down(redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        store = LeaseStore(redis_server.url, cluster="c", timeout_s=0.2)
+        keeper = LeaseKeeper(store, "r2", TTL_S)
+        keeper.start()
+        port = redis_server.port
+        redis_server.stop()
+        lease = keeper.open("x")  # Redis down: the attempt goes on, the write waits
+        await asyncio.sleep(TTL_S)
+        assert keeper.num_failures >= 1 and keeper.num_unwritten == 1
+        back = RedisServer(port=port, start_timeout_s=10.0).start()
+        try:
+            await _until(lambda: _exists(back, lease.key), timeout_s=10.0)
+            assert keeper.num_unwritten == 0
+            await keeper.stop()
+            assert not _exists(back, lease.key)
+        finally:
+            back.stop()
+        store.close()
+
+    asyncio.run(scenario())
+
+
+def test_watcher_frees_only_after_a_full_ttl_missing_with_redis_up(
+        redis_server: RedisServer, raw_redis: redis.Redis) -> None:
+    clock = ManualClock()
+    book, freed = LeaseBook(), list[str]()
+    watcher = LeaseWatcher(LeaseStore(redis_server.url, timeout_s=0.3), book, freed.append,
+                           clock)
+    raw_redis.set("pdserve:default:lease:r:1", "{}")
+    book.watch("r-1", "pdserve:default:lease:r:1", 10.0)
+    book.watch("r-2", "pdserve:default:lease:r:2", 10.0)  # never written: missing
+    # 1. present: kept; missing: its clock starts, nothing freed before a full TTL
+    assert watcher.check() == []
+    clock.advance(9.9)
+    assert watcher.check() == [] and len(book) == 2
+    # 2. Redis unreachable: nothing is acted on, and the missing clock starts over
+    port = redis_server.port
+    redis_server.stop()
+    clock.advance(5.0)
+    assert watcher.check() == []
+    back = RedisServer(port=port, start_timeout_s=10.0).start()  # back, empty
+    try:
+        assert watcher.check() == []  # seen missing again: a new TTL from now
+        clock.advance(9.9)
+        assert watcher.check() == [] and not freed
+        # 3. a full TTL missing since Redis was last seen healthy: both freed, forgotten
+        clock.advance(0.2)
+        assert sorted(watcher.check()) == ["r-1", "r-2"]
+        assert sorted(freed) == ["r-1", "r-2"] and len(book) == 0 and book.num_aborted == 2
+    finally:
+        back.stop()
+        watcher.stop()
+
+
+def test_watcher_keeps_a_lease_that_comes_back(redis_server: RedisServer,
+                                               raw_redis: redis.Redis) -> None:
+    clock = ManualClock()
+    book, freed = LeaseBook(), list[str]()
+    watcher = LeaseWatcher(LeaseStore(redis_server.url), book, freed.append, clock)
+    book.watch("a", "pdserve:default:lease:r:9", 2.0)
+    assert watcher.check() == []
+    clock.advance(1.5)
+    raw_redis.set("pdserve:default:lease:r:9", "{}")  # the router re-wrote it
+    assert watcher.check() == []
+    clock.advance(1.5)
+    raw_redis.delete("pdserve:default:lease:r:9")
+    assert watcher.check() == []  # missing again: a new clock
+    clock.advance(1.9)
+    assert watcher.check() == [] and not freed
+    book.retain(set())  # the worker no longer holds it: forgotten, never freed
+    clock.advance(5.0)
+    assert watcher.check() == [] and not freed
+    watcher.stop()
+
+
+def test_book_watches_nothing_without_a_watcher() -> None:
+    book = LeaseBook()
+    book.watch("a", "k", 1.0)
+    assert len(book) == 0
+
+
+def _exists(server: RedisServer, key: str) -> bool:
+    try:
+        with redis.Redis.from_url(server.url, socket_timeout=1) as client:
+            return bool(client.exists(key))
+    except redis.RedisError:
+        return False
+
+
+async def _until(predicate: object, timeout_s: float = 5.0) -> None:
+    await asyncio.to_thread(wait_until, predicate, timeout_s, "the lease state")  # type: ignore[arg-type]

@@ -1,0 +1,135 @@
+"""Rendering the Helm chart and walking what it renders (shared by the chart tests)."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHART_DIR = REPO_ROOT / "deploy" / "helm" / "pdserve"
+CI_VALUES_DIR = CHART_DIR / "ci"
+RELEASE = "pd"
+NAMESPACE = "serving"
+FULLNAME = f"{RELEASE}-pdserve"
+KUBE_VERSION = "1.35.0"  # rendered for, and validated against, this Kubernetes release
+HELM_TIMEOUT_S = 60
+
+# The rendering cases: name → values file under ci/ (None: the chart's defaults).
+CASES: dict[str, str | None] = {
+    "defaults": None,
+    "external-redis": "external-redis-values.yaml",
+    "decode-tp4": "decode-tp4-values.yaml",
+    "cpu": "cpu-values.yaml",
+    "tls-apikey": "tls-apikey-values.yaml",
+    "extras": "extras-values.yaml",
+    "minimal": "minimal-values.yaml",
+}
+
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+
+
+def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(helm), *args], capture_output=True, text=True,
+                          timeout=HELM_TIMEOUT_S)
+
+
+def template_args(values_file: str | None, *sets: str) -> list[str]:
+    args = ["template", RELEASE, str(CHART_DIR), "--namespace", NAMESPACE,
+            "--kube-version", KUBE_VERSION]
+    if values_file is not None:
+        args += ["-f", str(CI_VALUES_DIR / values_file)]
+    for item in sets:
+        args += ["--set", item]
+    return args
+
+
+def render(helm: Path, values_file: str | None, *sets: str) -> list[dict[str, Any]]:
+    """The objects ``helm template`` renders (empty documents dropped); raises on failure."""
+    done = run_helm(helm, *template_args(values_file, *sets))
+    if done.returncode != 0:
+        raise AssertionError(f"helm template failed:\n{done.stderr}")
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+# ------------------------------------------------------------------ walking the objects
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind
+            and (name is None or d["metadata"]["name"] == name)]
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    found = find(docs, kind, name)
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def workloads(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] in WORKLOAD_KINDS]
+
+
+def workload(docs: list[dict], component: str) -> dict:
+    """The Deployment or StatefulSet of a component (router, prefill, decode, redis)."""
+    found = [d for d in workloads(docs)
+             if d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
+             == component]
+    assert len(found) == 1, f"expected one workload of {component}, found {len(found)}"
+    return found[0]
+
+
+def pod_spec(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]
+
+
+def containers(obj: dict, *, init: bool = True) -> list[dict]:
+    spec = pod_spec(obj)
+    return list(spec.get("initContainers", []) if init else []) + list(spec["containers"])
+
+
+def main_container(obj: dict) -> dict:
+    (first, *_) = pod_spec(obj)["containers"]
+    return first
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def container_ports(obj: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for c in containers(obj, init=False)
+            for p in c.get("ports", []) if "name" in p}
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value after ``flag`` in an argument list, None when the flag is absent."""
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def selector_matches(match_labels: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in match_labels.items())
+
+
+def secret_values(docs: list[dict]) -> list[str]:
+    """Every value of every Secret the chart renders, decoded."""
+    values = []
+    for secret in find(docs, "Secret"):
+        values += [base64.b64decode(v).decode() for v in secret.get("data", {}).values()]
+        values += list(secret.get("stringData", {}).values())
+    return values
+
+
+def strings_in(obj: Any) -> Iterator[str]:
+    """Every string anywhere inside a YAML value."""
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from strings_in(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from strings_in(value)

@@ -1,0 +1,414 @@
+"""``pdserve up --ray`` on a real single-node Ray cluster that this module starts once,
+bound to loopback only, with ``pdserve_gpu`` standing in for GPUs (so every worker's TP
+group is reserved through a placement group): greedy output through the router equals
+``engine.LLM``; each TP group is one STRICT_PACK placement group; workers advertise their
+node and get the Redis URL from their environment; a dead worker (its process, or its
+actor's) is restarted by Ray and registers again while traffic goes on; stopping leaves no
+actor, placement group or process; the command line serves and stops on SIGTERM; a layout
+that does not fit fails and leaves nothing. The test that stops the shared cluster runs
+after the tests that use it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from pdserve.local_cluster import ClusterError, LocalClusterConfig
+from pdserve.ray_plan import NAMESPACE, RayClusterConfig
+from tests.factories import PROMPTS
+from tests.processes import alive, wait_until
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                       reason="Ray is not installed: pip install 'pdserve[server,ray]' "
+                              "(make setup installs it)"),
+]
+
+GPU = "pdserve_gpu"
+NUM_GPUS = 4
+NUM_CPUS = 4
+NUM_KV_BLOCKS = 32
+TIMEOUT_S = 60.0
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray keeps 127.0.0.1 as is
+
+
+# ------------------------------------------------------------------------ Ray and /proc
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[Any]:
+    """A single-node Ray on 127.0.0.1 (dashboard off), shut down at module end; then no
+    process it started is left."""
+    from tests.processes import children
+
+    before = set(children(os.getpid()))
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in LOOPBACK_ENV.items():
+            patch.setenv(key, value)
+        import ray
+
+        ray.init(num_cpus=NUM_CPUS, resources={GPU: NUM_GPUS}, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=False, logging_level="WARNING")
+    try:
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
+        assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+        yield ray
+    finally:
+        ray.shutdown()
+        wait_until(lambda: not set(children(os.getpid())) - before, 30.0,
+                   "Ray's processes to exit")
+
+
+def _descendants(pid: int) -> list[int]:
+    from tests.processes import children
+
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def _our_processes(statuses: dict[str, Any]) -> list[int]:
+    """Every actor of the cluster and every process below it (children, ranks)."""
+    pids = [s.actor_pid for s in statuses.values()]
+    return sorted({p for pid in pids for p in [pid, *_descendants(pid)]})
+
+
+def assert_nothing_left(ray: Any, pids: list[int], log_dir: Path) -> None:
+    """No actor of ours, no placement group still placed, every resource free again; none
+    of ``pids`` alive, no actor process left under Ray, no process naming ``log_dir``."""
+    def named() -> list[dict[str, str]]:
+        return [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == NAMESPACE]
+
+    wait_until(lambda: not named(), 30.0, "every actor to go")
+    states = {pg["name"]: pg["state"] for pg in ray.util.placement_group_table().values()}
+    wait_until(lambda: set(_group_states(ray).values()) <= {"REMOVED"}, 30.0,
+               f"every placement group to be removed: {states}")
+    wait_until(lambda: _free(ray) == _total(ray), 30.0, "every resource to be free")
+    wait_until(lambda: not _left(pids, log_dir), 30.0, "every process to exit")
+
+
+def _group_states(ray: Any) -> dict[str, str]:
+    return {pg["name"]: pg["state"] for pg in ray.util.placement_group_table().values()}
+
+
+def _left(pids: list[int], log_dir: Path) -> list[str]:
+    """Processes of ours still alive: of ``pids``; actor processes under this test's Ray;
+    any process whose command line names ``log_dir`` (the children's ready files)."""
+    from tests.processes import children
+
+    left = [f"{p} {_cmdline(p)!r}" for p in pids if alive(p)]
+    actors = (b"ray::SupervisedChild", b"ray::RedisActor")
+    left += [f"{p} {_cmdline(p)!r}" for p in _descendants(os.getpid())
+             if _cmdline(p).startswith(actors) and alive(p)]
+    marker = str(log_dir).encode()
+    left += [f"{p} {_cmdline(p)!r}" for p in map(int, filter(str.isdigit, os.listdir("/proc")))
+             if marker in _cmdline(p) and alive(p) and p not in children(os.getpid())]
+    return left
+
+
+def _free(ray: Any) -> dict[str, float]:
+    return {k: ray.available_resources().get(k, 0.0) for k in ("CPU", GPU)}
+
+
+def _total(ray: Any) -> dict[str, float]:
+    return {k: ray.cluster_resources()[k] for k in ("CPU", GPU)}
+
+
+# ------------------------------------------------------------------------ the cluster
+
+@pytest.fixture(scope="module")
+def served(ray_head: Any, llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Any]:
+    """2 prefill workers (TP 1) and 1 decode worker (TP 2): all 4 pdserve_gpu."""
+    from pdserve.ray_cluster import launch
+
+    layout = LocalClusterConfig(model_dir=llama_dir, num_prefill=2, num_decode=1, decode_tp=2,
+                                port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS,
+                                stop_grace_s=5.0,
+                                log_dir=tmp_path_factory.mktemp("ray-up"), start_timeout_s=120)
+    lines: list[str] = []
+    cluster = launch(RayClusterConfig(layout=layout, gpu_resource=GPU, cpus_per_rank=0.5,
+                                      max_restarts=2), progress=lines.append)
+    cluster.lines = lines  # type: ignore[attr-defined]
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> Iterator[Any]:
+    from engine import LLM
+
+    with LLM(llama_dir) as engine:
+        yield engine
+
+
+def _greedy(prompts: list[str], llm: Any, max_tokens: int = 6) -> list[list[int]]:
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [r.token_ids for r in llm.generate(prompts, params)]
+
+
+def _complete_all(address: str, prompts: list[str], max_tokens: int = 6) -> list[list[int]]:
+    from pdserve.client import Client
+
+    with Client(address) as client, ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda p: list(client.complete(
+            p, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=TIMEOUT_S
+        ).token_ids), prompts))
+
+
+def _stub(address: str, role: str = "prefill") -> Any:
+    from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
+
+    channel = grpc.insecure_channel(address)
+    kind = wpb_grpc.PrefillWorkerStub if role == "prefill" else wpb_grpc.DecodeWorkerStub
+    return channel, kind(channel)
+
+
+def _info(address: str) -> Any:
+    from cluster.internal.v1 import worker_pb2 as wpb
+
+    channel, stub = _stub(address)
+    with channel:
+        return stub.Info(wpb.InfoRequest(), timeout=TIMEOUT_S)
+
+
+def test_greedy_output_through_the_router_matches_llm(served: Any, llm: Any) -> None:
+    from tests.worker.procs import assert_idle
+
+    prompts = [PROMPTS[i % len(PROMPTS)] + " #" * (i // len(PROMPTS)) for i in range(12)]
+    assert _complete_all(served.router_address, prompts) == _greedy(prompts, llm)
+    body = json.dumps({"prompt": prompts[0], "max_tokens": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{served.http_url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:  # the OpenAI HTTP API too
+        assert json.load(reply)["usage"]["completion_tokens"] == 8
+    for status in served.statuses().values():
+        if status.name not in ("redis", "router"):
+            channel, stub = _stub(status.ready["grpc_address"], status.ready["role"])
+            with channel:
+                assert_idle(stub)
+    lines = served.lines
+    assert lines[0].startswith("logs in ") and "ray: using this process's Ray connection" in lines
+    assert any(re.fullmatch(r"placed prefill-0 on 127\.0\.0\.1, .*decode-0 on 127\.0\.0\.1", line)
+               for line in lines), lines
+    assert any(line.startswith("decode-0 ready at 127.0.0.1:") for line in lines), lines
+    assert any(line.startswith("router ready at 127.0.0.1:") for line in lines), lines
+
+
+def test_each_tp_group_is_one_strict_pack_placement_group(served: Any, ray_head: Any) -> None:
+    table = [ray_head.util.placement_group_table(pg) for pg in served.placement_groups]
+    assert [t["name"] for t in table] == ["pdserve-default-prefill-0", "pdserve-default-prefill-1",
+                                          "pdserve-default-decode-0"]
+    assert {t["strategy"] for t in table} == {"STRICT_PACK"}
+    assert {t["state"] for t in table} == {"CREATED"}
+    assert [t["bundles"] for t in table] == [{0: {"CPU": 0.5, GPU: 1.0}}] * 2 + [
+        {0: {"CPU": 1.0, GPU: 2.0}}]
+    assert all(len(set(t["bundles_to_node_id"].values())) == 1 for t in table)
+    assert ray_head.available_resources().get(GPU, 0.0) == 0.0  # all 4 reserved
+    # each worker's ranks run under its actor: the worker process leads, followers below it
+    statuses = served.statuses()
+    assert [len(_followers(statuses[n].child_pid)) for n in ("prefill-0", "decode-0")] == [0, 1]
+
+
+def _followers(worker_pid: int) -> list[int]:
+    """The rank processes a worker started (``python -m engine.rank_main``)."""
+    return [p for p in _descendants(worker_pid) if b"engine.rank_main" in _cmdline(p)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if item)
+
+
+def test_workers_advertise_their_node_and_get_secrets_from_the_environment(served: Any) -> None:
+    from cluster.registry import Registry
+
+    assert served.redis_url.startswith("redis://:") and "@127.0.0.1:" in served.redis_url
+    with Registry(served.redis_url) as registry:
+        records = {r.worker_id: r for r in registry.list_workers()}
+    statuses = served.statuses()
+    assert set(records) == {"prefill-0", "prefill-1", "decode-0"}
+    for name, record in records.items():
+        assert record.grpc_address == statuses[name].ready["grpc_address"]
+        assert record.grpc_address.startswith("127.0.0.1:")  # the node's IP (loopback here)
+        argv = _cmdline(statuses[name].child_pid).split(b"\0")
+        assert argv[argv.index(b"--advertise-host") + 1] == b"127.0.0.1"
+        assert b"redis" not in b" ".join(argv)  # no URL (nor its password) on a command line
+        env = _environ(statuses[name].child_pid)
+        assert env["PDSERVE_REDIS_URL"] == served.redis_url
+        assert env["OMP_NUM_THREADS"] == "1" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    router = statuses["router"]
+    assert b"redis" not in _cmdline(router.child_pid)
+    assert _environ(router.child_pid)["PDSERVE_REDIS_URL"] == served.redis_url
+
+
+def _follow_until(cluster: Any, name: str, old_actor_pid: int, timeout_s: float = 120.0
+                  ) -> Any:
+    """Follow the cluster (as ``pdserve up`` does) until ``name`` is ready in a new actor."""
+    def back() -> bool:
+        cluster.check()
+        status = cluster.statuses()[name]
+        return status.actor_pid != old_actor_pid and status.ready is not None \
+            and status.exit is None and not cluster.workers[_index(cluster, name)].down
+
+    wait_until(back, timeout_s, f"{name} to be restarted and ready", period_s=0.25)
+    return cluster.statuses()[name]
+
+
+def _index(cluster: Any, name: str) -> int:
+    return [m.name for m in cluster.workers].index(name)
+
+
+def test_a_dead_worker_is_restarted_and_reregisters(served: Any, llm: Any) -> None:
+    from cluster.registry import Registry
+
+    prompts = [f"topic {i * 7919} " + PROMPTS[i % len(PROMPTS)] * 2 for i in range(8)]
+    expected = _greedy(prompts, llm, max_tokens=4)
+    # 1. prefill-1's worker process dies: traffic goes on through prefill-0 meanwhile
+    old = served.statuses()["prefill-1"]
+    os.kill(old.child_pid, signal.SIGKILL)
+    assert _complete_all(served.router_address, prompts, max_tokens=4) == expected
+    new = _follow_until(served, "prefill-1", old.actor_pid)
+    assert new.child_pid != old.child_pid and not alive(old.child_pid)
+    assert any(line.startswith("prefill-1 is down (") and line.endswith("Ray restarts it")
+               for line in served.lines), served.lines
+    assert any(line.startswith("prefill-1 ready at ") and line.endswith("(restart 1)")
+               for line in served.lines), served.lines
+    # 2. it registered again, under its id, with its new address, and serves again
+    with Registry(served.redis_url) as registry:
+        record = {r.worker_id: r for r in registry.list_workers("prefill")}["prefill-1"]
+    assert record.grpc_address == new.ready["grpc_address"]
+    wait_until(lambda: _prefill_gets_traffic(served, new.ready["grpc_address"], prompts),
+               60.0, "the router to send prefill-1 requests again", period_s=1.0)
+    # 3. decode-0's actor process is killed: Ray restarts it (and its two ranks)
+    old = served.statuses()["decode-0"]
+    os.kill(old.actor_pid, signal.SIGKILL)
+    new = _follow_until(served, "decode-0", old.actor_pid)
+    wait_until(lambda: not alive(old.child_pid), 10.0, "the old decode worker to die with it")
+    assert any(line.startswith("decode-0 ready at ") and line.endswith("(restart 1)")
+               for line in served.lines), served.lines
+    assert [m.restarts for m in served.workers] == [0, 1, 1]
+    # the router sees the new decode worker within a refresh of its view
+    from pdserve.client import PdserveError
+
+    wait_until(lambda: _complete_all(served.router_address, prompts[:4], max_tokens=4)
+               == expected[:4], 30.0, "requests to succeed again", period_s=0.5,
+               ignore=(PdserveError,))
+
+
+def _prefill_gets_traffic(cluster: Any, address: str, prompts: list[str]) -> bool:
+    before = _info(address).kv.cached_blocks
+    _complete_all(cluster.router_address, [f"again {p}" for p in prompts], max_tokens=1)
+    return bool(_info(address).kv.cached_blocks > before)
+
+
+def test_stop_removes_every_actor_placement_group_and_process(served: Any, ray_head: Any
+                                                              ) -> None:
+    pids = _our_processes(served.statuses())
+    assert len(pids) >= 2 * 5  # 5 actors, each with its child (and the ranks below)
+    served.stop()
+    assert served.lines[-1] == "all processes stopped"
+    assert served.statuses() == {} and served.placement_groups == []
+    assert_nothing_left(ray_head, pids, served.log_dir)
+    served.stop()  # idempotent
+
+
+# ------------------------------------------------------------------------ the command line
+
+def _up_on(ray_head: Any, llama_dir: Path, log_dir: Path, *args: str) -> Any:
+    """``pdserve up --ray`` connected to this module's Ray (a ``test_local_cluster.Up``)."""
+    from tests.pdserve.test_local_cluster import Up
+
+    address = ray_head.get_runtime_context().gcs_address
+    os.environ.update(LOOPBACK_ENV)  # the CLI's Ray driver must join the node at 127.0.0.1
+    try:
+        return Up(llama_dir, log_dir, "--ray", "--ray-address", address, "--ray-gpu-resource",
+                  GPU, "--ray-cpus-per-rank", "0.5", *args)
+    finally:
+        for key in LOOPBACK_ENV:
+            os.environ.pop(key, None)
+
+
+def test_pdserve_up_ray_serves_and_stops_on_sigterm(ray_head: Any, llama_dir: Path,
+                                                    tmp_path: Path) -> None:
+    from tests.pdserve.test_local_cluster import READY_LINE
+
+    address = ray_head.get_runtime_context().gcs_address
+    up = _up_on(ray_head, llama_dir, tmp_path, "--decode-tp", "2", "--demo")
+    try:
+        up.wait_for(READY_LINE, timeout_s=150.0)
+        out = up.output
+        assert f"ray: connected to {address} (1 node)" in out
+        assert "placed prefill-0 on 127.0.0.1, decode-0 on 127.0.0.1" in out
+        assert "completion_tokens=48" in out  # the demo streamed through the router
+        assert re.search(r"redis ready at redis://:\*\*\*@127\.0\.0\.1:\d+/0", out), out
+        names = {a["name"] for a in ray_head.util.list_named_actors(all_namespaces=True)}
+        assert {"pdserve-default-prefill-0", "pdserve-default-decode-0",
+                "pdserve-default-router", "pdserve-default-redis"} <= names
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.exit_code(60.0) == 0, up.output
+        assert "all processes stopped" in up.output
+        assert_nothing_left(ray_head, [], tmp_path)
+        assert (tmp_path / "decode-0.log").is_file() and (tmp_path / "router.log").is_file()
+    finally:
+        up.close()
+
+
+def test_sigkill_of_pdserve_up_ray_leaves_nothing(ray_head: Any, llama_dir: Path,
+                                                  tmp_path: Path) -> None:
+    # the actors and placement groups are the driver's: Ray removes them when it dies, and
+    # every child dies with its actor
+    from tests.pdserve.test_local_cluster import READY_LINE
+
+    up = _up_on(ray_head, llama_dir, tmp_path)
+    try:
+        up.wait_for(READY_LINE, timeout_s=150.0)
+        assert _left([], tmp_path), "the workers and the router name the log dir"
+        up.proc.kill()
+        up.exit_code()
+        assert_nothing_left(ray_head, [], tmp_path)
+    finally:
+        up.close()
+
+
+def test_a_layout_that_does_not_fit_fails_and_leaves_nothing(ray_head: Any, llama_dir: Path,
+                                                              tmp_path: Path) -> None:
+    from pdserve.ray_cluster import RayCluster
+
+    layout = LocalClusterConfig(model_dir=llama_dir, num_prefill=1, num_decode=1,
+                                decode_tp=NUM_GPUS + 1, port=0, http_port=0, log_dir=tmp_path)
+    config = RayClusterConfig(layout=layout, gpu_resource=GPU, cpus_per_rank=0.5,
+                              placement_timeout_s=2.0)
+    lines: list[str] = []
+    with pytest.raises(ClusterError, match=r"no room for decode-0 within 2s: decode-0 needs "
+                                           r"one node with CPU=2.5, pdserve_gpu=5"):
+        RayCluster(config, progress=lines.append).start()
+    assert "redis ready at" in " ".join(lines) and lines[-1] == "all processes stopped"
+    assert_nothing_left(ray_head, [], tmp_path)

@@ -1,0 +1,326 @@
+"""Every import rule of the tree, in one place (DESIGN.md "Import rules").
+
+The graph is read statically (``ast``) from every non-test, non-generated module, with
+every import at any depth — module level, inside functions, under ``TYPE_CHECKING`` — so a
+function-level import cannot hide a cycle or a forbidden edge. Runtime checks then import
+the torch-free packages in an interpreter where ``import torch`` fails.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from tests.factories import REPO_ROOT, run_without_torch
+
+PACKAGES = ("engine", "kvtransfer", "cluster", "worker", "prefill_worker", "decode_worker",
+            "router", "pdserve", "tools", "bench", "loadtest")
+TORCH = ("torch", "flash_attn", "triton")
+
+# What each package may import from the tree (besides itself). Imports point down:
+# pdserve (SDK, CLI) -> router, prefill_worker, decode_worker -> worker -> cluster,
+# kvtransfer, engine.
+MAY_IMPORT = {
+    "engine": set(),
+    "kvtransfer": {"engine"},
+    "cluster": {"kvtransfer.layout"},  # the KV layout a fingerprint is part of
+    "worker": {"cluster", "kvtransfer", "engine"},
+    "prefill_worker": {"worker", "cluster", "kvtransfer", "engine"},
+    "decode_worker": {"worker", "cluster", "kvtransfer", "engine"},
+    "router": {"cluster", "kvtransfer.layout", "engine", "pdserve.v1"},
+}
+SDK_MODULES = ("pdserve", "pdserve.client", "pdserve.aio_client", "pdserve.v1")
+# The thin gRPC adapters: the only modules that import generated protobuf code.
+ADAPTERS = {
+    "pdserve.client", "pdserve.aio_client",  # the SDK
+    "router.api", "router.service", "router.worker_calls",  # the router's two edges
+    "router.debug",  # the router's introspection service
+    "worker.servicer", "prefill_worker.server", "decode_worker.server",  # the workers' edge
+}
+GENERATED = ("pdserve.v1.generate_pb2", "pdserve.v1.generate_pb2_grpc",
+             "cluster.internal.v1.worker_pb2", "cluster.internal.v1.worker_pb2_grpc")
+# Modules that must never load torch (statically, through everything they import).
+TORCH_FREE = ("engine.kvcache", "engine.scheduler", "engine.request", "engine.config",
+              "engine.sampling_params", "engine.sharding", "engine.tokenizer",
+              "kvtransfer.layout", "kvtransfer.protocol", "kvtransfer.config",
+              "kvtransfer.states", "kvtransfer.plan", "cluster", "router", "worker.server",
+              "worker.loop", "worker.options", "cluster.pause_points", "pdserve.cli",
+              "pdserve.local_cluster", "pdserve.redis_server", "pdserve.ray_options",
+              "pdserve.ray_plan", "pdserve.ray_actors", "pdserve.ray_members", "pdserve.ray_cluster",
+              *SDK_MODULES)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    """Every non-test, non-generated module of the tree, by name."""
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            if "_pb2" not in path.name:
+                found[_module_name(path)] = path
+    return found
+
+
+def _import_time_nodes(tree: ast.AST) -> Iterable[ast.AST]:
+    """The nodes that run when the module is imported: not function bodies, not
+    ``if TYPE_CHECKING:`` blocks."""
+    todo = list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def imported_names(path: Path, package: str, *, import_time: bool = False) -> set[str]:
+    """Absolute names of every module ``path`` imports, at any depth (with
+    ``import_time``: only those imported when the module itself is); ``package`` is the
+    module's package (for relative imports)."""
+    names: set[str] = set()
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in _import_time_nodes(tree) if import_time else ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _resolve(name: str) -> str | None:
+    """The tree module ``name`` refers to (a module, or the package of a name in it)."""
+    while name:
+        if name in modules() or name in GENERATED:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _package_of(module: str) -> str:
+    return module if modules()[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+@cache
+def edges(module: str) -> frozenset[str]:
+    """Tree modules (generated ones included) that ``module`` imports, anywhere."""
+    targets = {_resolve(n) for n in imported_names(modules()[module], _package_of(module))}
+    return frozenset(t for t in targets if t is not None and t != module)
+
+
+@cache
+def import_time_edges(module: str) -> frozenset[str]:
+    """Tree modules that importing ``module`` loads directly, with their parent packages
+    (importing ``a.b`` runs ``a/__init__.py`` first)."""
+    names = imported_names(modules()[module], _package_of(module), import_time=True)
+    targets = set()
+    for name in names:
+        resolved = _resolve(name)
+        while resolved:
+            targets.add(resolved)
+            resolved = resolved.rpartition(".")[0]
+    return frozenset(t for t in targets if t != module and (t in modules() or t in GENERATED))
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges(v):
+            if w not in modules():
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for module in sorted(modules()):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def _within(name: str, prefixes: Iterable[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+# ----------------------------------------------------------------------------- the rules
+
+def test_no_import_cycle() -> None:
+    assert _cycles() == []
+
+
+@pytest.mark.parametrize("package", sorted(MAY_IMPORT))
+def test_imports_point_down(package: str) -> None:
+    allowed = MAY_IMPORT[package] | {package}
+    bad = {(m, t) for m in modules() if _within(m, [package])
+           for t in edges(m) if not _within(t, allowed)}
+    assert not bad, sorted(bad)
+
+
+def _is_sdk(module: str) -> bool:
+    return module in SDK_MODULES or _within(module, ["pdserve.v1"])
+
+
+def test_the_sdk_imports_nothing_of_the_server() -> None:
+    sdk = [m for m in modules() if _is_sdk(m)]
+    assert {"pdserve", "pdserve.client", "pdserve.aio_client"} <= set(sdk)
+    bad = {(m, t) for m in sdk for t in edges(m) if not _is_sdk(t) and t not in GENERATED}
+    assert not bad, sorted(bad)
+
+
+def test_loadtest_imports_only_the_sdk() -> None:
+    # locust users run where only the SDK (and locust) is installed
+    users = [m for m in modules() if _within(m, ["loadtest"])]
+    assert "loadtest.locustfile" in users
+    bad = {(m, t) for m in users for t in edges(m) if not (_within(t, ["loadtest"]) or _is_sdk(t))}
+    assert not bad, sorted(bad)
+
+
+def test_servers_never_import_the_sdk_client() -> None:
+    servers = [p for p in MAY_IMPORT]
+    bad = {(m, t) for m in modules() if _within(m, servers)
+           for t in edges(m) if _within(t, ["pdserve"]) and not _within(t, ["pdserve.v1"])}
+    assert not bad, sorted(bad)
+
+
+def test_only_adapters_import_generated_code() -> None:
+    importers = {m for m in modules() if not _within(m, ["tools", "bench"])
+                 and any(t in GENERATED for t in edges(m))}
+    assert importers <= ADAPTERS, sorted(importers - ADAPTERS)
+    assert importers == ADAPTERS  # each adapter listed here still is one
+
+
+def test_worker_kinds_never_import_each_other() -> None:
+    for package, other in (("prefill_worker", "decode_worker"), ("decode_worker", "prefill_worker")):
+        bad = {(m, t) for m in modules() if _within(m, [package])
+               for t in edges(m) if _within(t, [other])}
+        assert not bad, sorted(bad)
+
+
+def _imports_torch_at_import(module: str) -> bool:
+    names = imported_names(modules()[module], _package_of(module), import_time=True)
+    return any(n.split(".")[0] in TORCH for n in names)
+
+
+def _loaded_by(module: str) -> set[str]:
+    """Every tree module that importing ``module`` loads (statically)."""
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m in seen or m not in modules():
+            continue
+        seen.add(m)
+        todo.extend(import_time_edges(m))
+    return seen
+
+
+@pytest.mark.parametrize("root", TORCH_FREE)
+def test_torch_free_modules_never_load_torch(root: str) -> None:
+    members = [m for m in modules() if m == root or (root != "pdserve" and _within(m, [root]))]
+    assert members, f"{root} is not a module of the tree"
+    loaded = set().union(*(_loaded_by(m) for m in members))
+    assert not sorted(m for m in loaded if _imports_torch_at_import(m))
+
+
+def test_torch_free_packages_import_without_torch() -> None:
+    result = run_without_torch(
+        "import engine, engine.kvcache, engine.scheduler, engine.config, engine.sharding\n"
+        "import kvtransfer, kvtransfer.layout, kvtransfer.protocol, kvtransfer.plan\n"
+        "import cluster.registry, cluster.heartbeat, cluster.view, cluster.fingerprint\n"
+        "import router.server, router.service, router.handoff, router.api, router.worker_calls\n"
+        "import worker.server, worker.loop, worker.options, cluster.pause_points\n"
+        "import pdserve, pdserve.cli, pdserve.local_cluster, pdserve.redis_server\n"
+        "import pdserve.ray_options, pdserve.ray_plan, pdserve.ray_actors, pdserve.ray_members\n"
+        "import pdserve.ray_cluster\n"
+        "assert 'ray' not in sys.modules  # imported only when a cluster starts on Ray\n"
+        "assert sys.modules['torch'] is None  # still blocked: nothing replaced or loaded it\n"
+        "assert not [m for m in sys.modules if m.startswith('torch.')]\n"
+        "assert engine.SamplingParams(max_tokens=1).max_tokens == 1\n"
+        "print('ok')\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_import_engine_does_not_load_torch() -> None:
+    code = ("import sys\nimport engine, engine.kvcache, engine.scheduler, engine.config\n"
+            "print('torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_engine_llm_is_loaded_lazily() -> None:
+    # Accessing engine.LLM imports torch: blocked, it must fail only at that point.
+    result = run_without_torch(
+        "import engine\ntry:\n    engine.LLM\nexcept ImportError as exc:\n"
+        "    print('ImportError', exc.name)\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ImportError torch"
+
+
+# ----------------------------------------------------------------------------- the checker
+
+def test_the_checker_sees_nested_and_relative_imports(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    from torch import nn\n")
+    assert "torch" in imported_names(sample, "x")
+    sample.write_text("def f():\n    import torch.nn.functional as F\nfrom . import sibling\n"
+                      "from ..up import thing\n")
+    assert {"torch.nn.functional", "a.b.sibling", "a.up.thing"} <= imported_names(sample, "a.b")
+    assert _resolve("engine.config.EngineConfig") == "engine.config"
+    assert _resolve("cluster.internal.v1.worker_pb2") in GENERATED
+    assert "router.generations" in edges("router.service")
+    sample.write_text("import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    import torch\ndef f():\n    import numpy\nclass C:\n    import json\n")
+    assert imported_names(sample, "x", import_time=True) == {"os", "typing", "typing.TYPE_CHECKING",
+                                                             "json"}
+    assert {"engine", "engine.kvcache"} <= import_time_edges("engine.scheduler")
+
+
+def test_the_cycle_finder_finds_a_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = {"a": frozenset({"b"}), "b": frozenset({"c"}), "c": frozenset({"a"}),
+            "d": frozenset({"a"})}
+    monkeypatch.setattr(sys.modules[__name__], "modules", lambda: dict.fromkeys(fake))
+    monkeypatch.setattr(sys.modules[__name__], "edges", lambda m: fake[m])
+    assert _cycles() == [["a", "b", "c"]]

@@ -1,0 +1,449 @@
+"""The engine-loop thread of a worker process and what crosses into it, torch-free.
+
+Threading model of a worker: one ``EngineLoop`` thread owns the engine (``EngineCore`` is
+not thread-safe). The gRPC side is one asyncio event loop (``grpc.aio``); its handlers
+never touch the engine: they send typed commands through ``EngineLoop.acall`` (a
+thread-safe queue; the reply comes back through a ``Future``; ``call`` for other
+threads, ``post`` when no reply is wanted) and await their request's results on an
+``OutputStream`` that only the loop writes. No handler ever blocks a thread, so no number
+of open streams can starve health, ``Abort``, ``Info`` or ``Reserve``. The commands every worker kind answers the same way (``Abort``, ``AbortAll``,
+``Info``) are handled here; each kind adds its own (``prefill_worker.engine_loop``,
+``decode_worker.engine_loop``). The gRPC side of a worker (ready file, health,
+registration, signals) is ``worker.server``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+import grpc
+
+from cluster import pause_points
+from engine.kvcache import KVCacheUsage
+from worker.leases import LeaseBook
+from worker.metrics import RequestTimings, Snapshot, WorkerMetrics
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore, RequestOutput
+    from worker.rank_calls import RankTotals
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+IDLE_POLL_S = 0.001  # how often the loop re-checks KV transfers when it has nothing to step
+SNAPSHOT_S = 0.25  # how often the metrics' gauges are refreshed (while the loop runs)
+TOTALS_S = 1.0  # ... and the data plane's totals (a call to every rank)
+
+
+class WorkerError(Exception):
+    """A failure reported to a gRPC caller: ``code`` is the status, ``message`` its text."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+CALL_TIMEOUT_S = 30.0  # a command the loop does not answer in this long: UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class Command(Generic[T]):
+    """Base of the typed commands a loop accepts; ``T`` is the reply type."""
+
+
+@dataclass(frozen=True)
+class Abort(Command[bool]):
+    """Stop a request wherever it is and release what it holds; False if unknown."""
+
+    request_id: str
+    reason: str = "aborted"
+
+
+@dataclass(frozen=True)
+class AbortAll(Command[int]):
+    reason: str = "the worker is shutting down"
+
+
+@dataclass(frozen=True)
+class Info(Command["LoopInfo"]):
+    pass
+
+
+@dataclass(frozen=True)
+class LoopInfo:
+    """A worker's state for ``Info`` and the leak checks."""
+
+    kv: KVCacheUsage
+    pending_transfers: int  # the leader's open handoffs + every rank's pending transfers
+    open_kv_channels: int  # summed over ranks
+    running: int
+    waiting: int
+    num_preemptions: int = 0  # since the worker started
+    num_expired: int = 0  # dropped at their deadline before any compute, since the start
+    num_started: int = 0  # requests whose prompt the engine started computing
+    num_failed_transfers: int = 0  # KV transfers that failed, since the start
+    attempt_ids: tuple[str, ...] = ()  # the attempts held (the engine's request ids)
+    watched_leases: int = 0  # leases of held attempts the worker watches
+    queued_commands: int = 0  # commands not yet picked up
+    num_lease_aborts: int = 0  # attempts freed because their lease was gone
+    num_expired_commands: int = 0  # commands dropped unrun: their caller's deadline passed
+    num_unexpected_acks: int = 0  # KV acknowledgements counted and ignored (prefill ranks)
+
+
+class KVLeader(Protocol):
+    """What the loop asks a worker kind's KV leader (``*_worker.kv_leader``) for ``Info``."""
+
+    @property
+    def num_pending(self) -> int: ...
+
+    @property
+    def num_failed(self) -> int:
+        """Transfers that failed since the start."""
+        ...
+
+    def rank_totals(self) -> RankTotals:
+        """The ranks' data-plane figures, summed."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Queued:
+    command: Command[Any]
+    future: Future[Any]
+    deadline: float | None  # monotonic: the caller's; a command picked up later never runs
+
+
+class EngineLoop:
+    """A thread that owns an engine: runs commands between steps, steps while there is
+    work, and sleeps on its command queue otherwise.
+
+    ``Abort``, ``AbortAll`` and ``Info`` are answered here for every kind; subclasses
+    implement ``_handle_own(command)`` for their own commands (runs on the loop thread; its
+    return value or exception goes to the caller), ``_abort(request_id, code, reason)``
+    (stop one request wherever it is; False if unknown), ``_live_ids()`` (the requests it
+    holds), ``_deliver(output)`` (one step output), and may override ``_is_polling()``
+    (waiting on something outside the engine, e.g. a KV transfer: ``_poll()`` runs every
+    ``IDLE_POLL_S`` and after each round of commands) and ``_num_unadmitted()``. When the
+    loop stops (asked to, or dead of an error) every live request is aborted and the
+    engine shut down, once, on the loop thread.
+    """
+
+    def __init__(self, name: str, core: EngineCore, kv_leader: KVLeader,
+                 metrics: WorkerMetrics) -> None:
+        self.core = core
+        self.kv_leader = kv_leader
+        self.metrics = metrics
+        self.timings = RequestTimings(metrics)
+        self._snapshot_at = self._totals_at = 0.0
+        self._totals: RankTotals | None = None
+        self._preemptions_seen = 0
+        self._commands: queue.SimpleQueue[_Queued | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stopped = threading.Event()
+        self.error: BaseException | None = None  # why the loop died, if it did
+        self.progress_at = time.monotonic()  # the last step, or the last moment idle
+        self.num_expired = 0  # requests dropped at their deadline before any compute
+        self.num_expired_commands = 0  # commands whose caller's deadline passed unrun
+        self.leases = LeaseBook()  # what the lease watcher watches (worker.leases)
+        self._client_ids: dict[str, str] = {}  # attempt id -> the client's request id (logs)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    def call(self, command: Command[T], timeout_s: float | None = None) -> T:
+        """Run ``command`` on the loop thread and return its reply (or raise its error),
+        blocking this thread. ``WorkerError(UNAVAILABLE)`` when the loop is not running or
+        does not answer in ``timeout_s``. A command not started within ``timeout_s`` never
+        runs: the loop drops a command it picks up after its caller's deadline."""
+        future = self._enqueue(command, timeout_s)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                              f"engine loop did not answer {type(command).__name__}") from None
+
+    async def acall(self, command: Command[T], timeout_s: float | None = None) -> T:
+        """``call`` for the gRPC side's event loop: awaits the reply, blocks nothing.
+        Give the RPC's remaining time (``call_timeout``): a command whose caller left is
+        never run later."""
+        future = self._enqueue(command, timeout_s)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                              f"engine loop did not answer {type(command).__name__}") from None
+
+    def post(self, command: Command[Any]) -> None:
+        """Queue ``command`` without waiting for its reply (errors are logged); nothing
+        when the loop is not running (it released everything when it stopped)."""
+        try:
+            future = self._enqueue(command)
+        except WorkerError:
+            return
+        future.add_done_callback(_log_failure)
+
+    def stalled_s(self) -> float:
+        """Seconds the loop has had work but completed no step (0 when it makes progress)."""
+        if not self.core.has_unfinished():
+            return 0.0
+        return time.monotonic() - self.progress_at
+
+    def _enqueue(self, command: Command[T], timeout_s: float | None = None) -> Future[T]:
+        if not self.alive:
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the engine loop is not running")
+        future: Future[T] = Future()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._commands.put(_Queued(command, future, deadline))
+        return future
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask the loop to close (abort everything, shut the engine down) and wait."""
+        if self._thread.is_alive():
+            self._commands.put(None)
+            self._thread.join(timeout_s)
+
+    # --- the thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._serve_commands():
+                if self.core.has_unfinished():
+                    self._before_step()
+                    for out in self.core.step():
+                        self._deliver(out)
+                    self._after_step()
+                self.progress_at = time.monotonic()
+                self._refresh_metrics()
+        except BaseException as exc:  # the loop is dead: health turns NOT_SERVING
+            log.exception("engine loop failed")
+            self.error = exc
+        finally:
+            self._stopped.set()
+            self._fail_queued()
+            self._close()
+
+    def _serve_commands(self) -> bool:
+        """Run queued commands (block for one when idle), then ``_poll`` if polling.
+        False once asked to stop."""
+        block = not self.core.has_unfinished()
+        timeout = IDLE_POLL_S if self._is_polling() else None
+        while True:
+            try:
+                item = self._commands.get(block=block, timeout=timeout if block else None)
+            except queue.Empty:
+                break
+            if item is None:
+                return False
+            block = False
+            if not item.future.set_running_or_notify_cancel():
+                continue
+            if item.deadline is not None and time.monotonic() > item.deadline:
+                self.num_expired_commands += 1  # its caller has left: never run it
+                item.future.set_exception(WorkerError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{type(item.command).__name__} not started before its caller's deadline"))
+                continue
+            if pause_points.enabled():
+                pause_points.pause("worker.command", command=type(item.command).__name__,
+                                   attempt_id=str(getattr(item.command, "request_id", "")))
+            try:
+                item.future.set_result(self._handle(item.command))
+            except Exception as exc:
+                item.future.set_exception(exc)
+        if self._is_polling():
+            self._poll()
+        return True
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item.future.set_running_or_notify_cancel():
+                item.future.set_exception(
+                    WorkerError(grpc.StatusCode.UNAVAILABLE, "the engine loop stopped"))
+
+    def _close(self) -> None:
+        """Fail every request still held (UNAVAILABLE: the caller may retry elsewhere) and
+        shut the engine down. Each abort on its own: when ranks are dead an abort that
+        calls into them raises, and every later request must still be failed at once."""
+        reason = ("the worker is shutting down" if self.error is None
+                  else f"the engine loop stopped: {self.error!r}")
+        try:
+            for rid in self._live_ids():
+                try:
+                    self._abort(rid, grpc.StatusCode.UNAVAILABLE, reason)
+                except Exception:
+                    log.warning("abort while closing failed (its caller was failed first)",
+                                exc_info=True, extra=self.log_extra(rid))
+        finally:
+            self.core.shutdown()
+
+    def _refresh_metrics(self) -> None:
+        """The gauges' snapshot (every ``SNAPSHOT_S``; the ranks' totals every
+        ``TOTALS_S``) and the preemption counter, on the loop thread."""
+        now = time.monotonic()
+        if now - self._snapshot_at < SNAPSHOT_S:
+            return
+        self._snapshot_at = now
+        self._forget_ended()
+        if self._totals is None or now - self._totals_at >= TOTALS_S:
+            self._totals, self._totals_at = self.kv_leader.rank_totals(), now
+        sched, kv = self.core.scheduler, self.core.kv_usage()
+        self.metrics.snapshot = Snapshot(
+            running=len(sched.running), waiting=len(sched.waiting) + self._num_unadmitted(),
+            kv_usage=(kv.in_use + kv.pinned) / kv.total if kv.total else 0.0,
+            pinned_blocks=kv.pinned, open_channels=self._totals.open_channels,
+            bytes_moved=self._totals.bytes_moved,
+            checksum_failures=self._totals.checksum_failures,
+            unexpected_acks=self._totals.unexpected_acks)
+        preemptions = sched.stats.num_preemptions
+        if preemptions > self._preemptions_seen:
+            self.metrics.label(self.metrics.preemptions).inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
+
+    # --- the commands every kind shares -------------------------------------------
+    def _handle(self, command: Command[Any]) -> Any:
+        if isinstance(command, Abort):
+            return self._abort(command.request_id, grpc.StatusCode.ABORTED, command.reason)
+        if isinstance(command, AbortAll):
+            ids = self._live_ids()
+            for rid in ids:
+                self._abort(rid, grpc.StatusCode.UNAVAILABLE, command.reason)
+            return len(ids)
+        if isinstance(command, Info):
+            return self._info()
+        return self._handle_own(command)
+
+    def named(self, attempt_id: str, request_id: str) -> None:
+        """Log lines about ``attempt_id`` name the client's ``request_id`` too (loop thread)."""
+        if request_id and request_id != attempt_id:
+            self._client_ids[attempt_id] = request_id
+
+    def log_extra(self, attempt_id: str) -> dict[str, str]:
+        """``extra`` of a log line about an attempt: ``request_id=<client id> attempt=<id>``."""
+        client = self._client_ids.get(attempt_id)
+        return {"request_id": attempt_id if client is None
+                else f"{client} attempt={attempt_id}"}
+
+    def _forget_ended(self) -> None:
+        """Drop what is kept per attempt for attempts no longer held."""
+        live = set(self._live_ids())
+        self.leases.retain(live)  # attempts that ended here by themselves
+        for attempt_id in set(self._client_ids) - live:
+            del self._client_ids[attempt_id]
+
+    def _info(self) -> LoopInfo:
+        self._forget_ended()
+        totals = self.kv_leader.rank_totals()
+        sched = self.core.scheduler
+        return LoopInfo(
+            kv=self.core.kv_usage(),
+            pending_transfers=self.kv_leader.num_pending + totals.pending,
+            open_kv_channels=totals.open_channels, running=len(sched.running),
+            waiting=len(sched.waiting) + self._num_unadmitted(),
+            num_preemptions=sched.stats.num_preemptions, num_expired=self.num_expired,
+            num_started=sched.stats.num_started,
+            num_failed_transfers=self.kv_leader.num_failed,
+            attempt_ids=tuple(self._live_ids()), watched_leases=len(self.leases),
+            queued_commands=self._commands.qsize(), num_lease_aborts=self.leases.num_aborted,
+            num_expired_commands=self.num_expired_commands,
+            num_unexpected_acks=totals.unexpected_acks)
+
+    # --- what each kind implements --------------------------------------------------
+    def _handle_own(self, command: Command[Any]) -> Any:
+        raise TypeError(f"unknown command {command!r}")
+
+    def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
+        """Stop one request wherever it is: fail its caller's stream first, then release
+        what it holds (which may call into the ranks and raise)."""
+        raise NotImplementedError
+
+    def _live_ids(self) -> list[str]:
+        raise NotImplementedError
+
+    def _deliver(self, out: RequestOutput) -> None:
+        raise NotImplementedError
+
+    def _is_polling(self) -> bool:
+        return False
+
+    def _poll(self) -> None:
+        """Check on what the loop waits for outside the engine (e.g. KV transfers)."""
+
+    def _num_unadmitted(self) -> int:
+        """Requests this worker holds that the scheduler does not count as waiting yet."""
+        return 0
+
+    def _before_step(self) -> None:
+        """Runs before each step (e.g. drop requests whose deadline passed)."""
+
+    def _after_step(self) -> None:
+        """Runs after each step, once its outputs were delivered."""
+
+
+def _log_failure(future: Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("a posted engine-loop command failed: %s", future.exception())
+
+
+class OutputStream(Generic[T]):
+    """One request's results, written by the loop thread, awaited by one asyncio task.
+
+    Made on the reader's event loop (the loop thread wakes the reader through it). Bounded
+    by construction: the loop puts at most ``capacity`` items (one per token plus the
+    end; set at construction or by ``bound``), so ``put`` never waits; a put beyond it is
+    a bug and raises. The end of the
+    stream is an item for which the reader's own check says so, or a ``WorkerError``
+    (put with ``fail``). Items for a reader whose event loop closed are dropped.
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self._event_loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[T | WorkerError] = asyncio.Queue()
+        self._capacity = capacity
+        self._num_put = 0  # loop thread only
+
+    def bound(self, capacity: int) -> None:
+        """Set the capacity (the loop thread, when it learns how many items there can be)."""
+        self._capacity = capacity
+
+    def put(self, item: T) -> None:
+        if self._capacity is not None and self._num_put >= self._capacity:
+            raise RuntimeError(f"more than {self._capacity} items for one request")
+        self._num_put += 1
+        self._deliver(item)
+
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
+        self._deliver(WorkerError(code, message))
+
+    def _deliver(self, item: T | WorkerError) -> None:
+        try:
+            self._event_loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the reader's event loop is closed: nobody reads any more
+            pass
+
+    async def get(self, timeout_s: float | None) -> T:
+        """The next item; raises the ``WorkerError`` put by ``fail``, or
+        ``WorkerError(DEADLINE_EXCEEDED)`` after ``timeout_s``."""
+        try:
+            item = await asyncio.wait_for(self._queue.get(), timeout_s)
+        except TimeoutError:
+            raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+        if isinstance(item, WorkerError):
+            raise item
+        return item

@@ -1,0 +1,80 @@
+"""Command-line options of the worker commands (``pdserve prefill``, ``pdserve decode``).
+
+Standard library only: the ``pdserve`` command line builds its parser from this module
+even where the server extra is not installed (it then says which extra to install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+REDIS_URL_ENV = "PDSERVE_REDIS_URL"
+"""Where ``--redis-url`` defaults from (so a password never has to be on a command line)."""
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """Options both worker commands take."""
+    parser.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
+    parser.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to")
+    parser.add_argument("--advertise-host",
+                        help="address other processes reach this worker at: registered in "
+                             "Redis, advertised by the KV endpoint, bound by the KV data "
+                             "plane's groups (default: --host, which must then not be a "
+                             "wildcard such as 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (0: the OS picks)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the model and its KV cache live (cuda: one GPU per rank)")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                        help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--ready-file", help="write the addresses here as JSON once ready")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus metrics on this port's /metrics (0: any free "
+                             "port; registered and in the ready file as metrics_address)")
+    parser.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV),
+                        help=f"register in this Redis (default: ${REDIS_URL_ENV}; neither: run "
+                             "unregistered)")
+    parser.add_argument("--cluster", default="default", help="Redis key namespace")
+    parser.add_argument("--heartbeat-interval", type=float,
+                        help="seconds between registration heartbeats (default: 3)")
+    parser.add_argument("--registration-ttl", type=float,
+                        help="seconds the record outlives the last heartbeat (default: 10)")
+    parser.add_argument("--worker-id", help="default: ROLE-<random>")
+    parser.add_argument("--num-kv-blocks", type=int, help="default: fit to memory")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--transfer-timeout", type=float, default=30.0,
+                        help="seconds a KV transfer may take")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds in-flight RPCs get on SIGTERM before they are aborted")
+    parser.add_argument("--max-requests", type=int, default=1024,
+                        help="requests held at once (queued, prefilling, reserved or "
+                             "streaming); more are refused as busy (RESOURCE_EXHAUSTED, or a "
+                             "Reserve not accepted), which the router waits on")
+    parser.add_argument("--stall-timeout", type=float, default=60.0,
+                        help="seconds the engine loop may complete no step while it has work "
+                             "before health says NOT_SERVING")
+
+
+def add_decode_args(parser: argparse.ArgumentParser) -> None:
+    """What only ``pdserve decode`` takes, besides ``add_worker_args``."""
+    parser.add_argument("--kv-port", type=int, default=0,
+                        help="KV rendezvous store port (0: the OS picks when the store "
+                        "binds; the ready file and registration tell the port it got)")
+
+
+def advertise_host(args: argparse.Namespace) -> str:
+    """The address this worker is reached at (``--advertise-host``, else ``--host``);
+    ``ValueError`` when that would be a wildcard."""
+    host = args.advertise_host or args.host
+    if host in WILDCARDS:
+        raise ValueError(f"--host {args.host} binds every interface: give --advertise-host, "
+                         "the address other processes reach this worker at")
+    return str(host)
+
+
+def dtype(args: argparse.Namespace) -> str:
+    return str(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))

@@ -1,0 +1,155 @@
+"""The engine side of a worker process, the same for both kinds: ``run_worker``.
+
+Start-up order (gRPC and fork do not mix): with ``--redis-url``, check the cluster
+fingerprint first (a worker that could never join exits 3 before it loads anything), build
+the engine — it spawns the follower ranks, whose rank plugins (the kind's ``kv_rank``) start their KV endpoints — run one
+warm-up step through every rank, start the engine loop, and only then create the gRPC
+server (``worker.server.serve_until_signal``). A ``WorkerKind`` names what differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from cluster.fingerprint import fingerprint_model_dir
+from cluster.records import WorkerLoad
+from cluster.registry import FingerprintMismatch, Registry, RegistryError
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    load_model_config,
+)
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
+from kvtransfer.layout import KVLayout
+from worker import options
+from worker.loop import EngineLoop, Info, WorkerError
+from worker.metrics import WorkerMetrics
+from worker.server import Endpoint, Identity, serve_until_signal
+
+log = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 1.0
+"""How long a heartbeat waits for the engine loop's figures before it sends the last ones."""
+
+
+@dataclass(frozen=True)
+class WorkerKind:
+    """What a worker kind adds to the shared process.
+
+    - ``role``: "prefill" or "decode";
+    - ``rank_plugin``: the ``"module:factory"`` of its KV rank plugin;
+    - ``plugin_config(args, fingerprint)``: that plugin's configuration (JSON);
+    - ``make_loop(core, args, metrics)``: its engine loop over the built engine (not
+      started), recording into ``metrics``;
+    - ``add_servicer(loop, identity, server)``: registers its gRPC service;
+    - ``kv_address(loop)``: its KV endpoint as ``host:port`` ("" when it has none).
+    """
+
+    role: str
+    rank_plugin: str
+    plugin_config: Callable[[argparse.Namespace, str], str]
+    make_loop: Callable[[EngineCore, argparse.Namespace, WorkerMetrics], EngineLoop]
+    add_servicer: Callable[[EngineLoop, Identity, grpc.Server], None]
+    kv_address: Callable[[EngineLoop], str]
+
+
+def engine_config(args: argparse.Namespace, rank_plugin: str = "",
+                  plugin_config: str = "") -> EngineConfig:
+    """The worker's engine configuration (reads the model's ``config.json`` only)."""
+    return EngineConfig(
+        model=load_model_config(args.model, dtype=options.dtype(args)), device=args.device,
+        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        rank_plugin=rank_plugin, rank_plugin_config=plugin_config)
+
+
+def build_engine(args: argparse.Namespace, rank_plugin: str, plugin_config: str) -> EngineCore:
+    """The worker's engine with its rank plugin on every rank; spawns the follower ranks
+    (call before any gRPC object exists)."""
+    return EngineCore(engine_config(args, rank_plugin, plugin_config),
+                      load_tokenizer(args.model))
+
+
+def refusal(args: argparse.Namespace, layout: KVLayout) -> FingerprintMismatch | None:
+    """Why this worker could never join its cluster, asked before anything is loaded:
+    the cluster fingerprint differs from ``layout``. ``None`` when it matches, none is
+    set, or Redis does not answer now (registration, after readiness, checks again and
+    waits for Redis)."""
+    if not args.redis_url:
+        return None
+    try:
+        with Registry(args.redis_url, cluster=args.cluster) as registry:
+            cluster = registry.cluster_layout()
+    except RegistryError as exc:
+        log.info("could not check the cluster fingerprint before loading: %s", exc)
+        return None
+    diff = None if cluster is None else layout.diff(cluster)
+    return None if diff is None else FingerprintMismatch(args.cluster, diff)
+
+
+def warm_up(core: EngineCore) -> None:
+    """One local request through every rank; its blocks end free or cached."""
+    core.add_request("warm-up", [0], SamplingParams(max_tokens=1, temperature=0))
+    while core.has_unfinished():
+        core.step()
+
+
+def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
+    """Run one worker of ``kind`` until SIGTERM/SIGINT (see ``serve_until_signal``);
+    returns the exit code (2 for unusable options, before anything starts)."""
+    try:
+        options.advertise_host(args)
+    except ValueError as exc:
+        print(f"pdserve {kind.role}: {exc}", file=sys.stderr)
+        return 2
+    fingerprint = fingerprint_model_dir(args.model)
+    layout = KVLayout.from_engine_config(engine_config(args), fingerprint)
+    if (refused := refusal(args, layout)) is not None:
+        print(f"pdserve {kind.role}: not joining the cluster: {refused} "
+              f"(differing field: {refused.field})", file=sys.stderr)
+        return 3
+    identity = Identity(args.worker_id or f"{kind.role}-{uuid.uuid4().hex[:12]}", kind.role,
+                        args.tensor_parallel_size, fingerprint)
+    metrics = WorkerMetrics(Path(args.model).resolve().name, kind.role, identity.worker_id)
+    core = build_engine(args, kind.rank_plugin, kind.plugin_config(args, fingerprint))
+    try:
+        warm_up(core)
+        loop = kind.make_loop(core, args, metrics)
+    except BaseException:
+        core.shutdown()
+        raise
+    loop.start()
+
+    last: list[WorkerLoad] = []
+
+    def load() -> WorkerLoad:
+        """The heartbeat's figures. While the loop is inside a long step, the last ones:
+        a busy worker must not miss beats and drop out of the registry."""
+        try:
+            info = loop.call(Info(), LOAD_TIMEOUT_S)
+        except WorkerError:
+            if not loop.alive or not last:
+                raise
+            return last[0]
+        last[:] = [WorkerLoad(info.kv.free + info.kv.cached, info.kv.total, info.running,
+                              info.waiting)]
+        return last[0]
+
+    endpoint = Endpoint(identity, layout,
+                        kind.kv_address(loop),
+                        lambda server: kind.add_servicer(loop, identity, server), load, metrics)
+    return serve_until_signal(args, loop, endpoint)

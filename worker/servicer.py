@@ -1,0 +1,115 @@
+"""The protobuf edge both worker kinds share: ``Abort`` and ``Info`` over an ``EngineLoop``,
+the end of a call (``on_call_end``), and the conversions between ``cluster.internal.v1``
+messages and the engine's types.
+
+A thin gRPC adapter, asynchronous (``grpc.aio``): the one module of ``worker/`` that imports
+the generated internal API. Everything it hands to the loop is a plain dataclass
+(``worker.loop`` commands); it awaits replies and results, never blocking a thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import grpc
+
+from cluster.internal.v1 import worker_pb2 as pb
+from engine.sampling_params import SamplingParams
+from worker.loop import CALL_TIMEOUT_S, Abort, EngineLoop, Info, LoopInfo, WorkerError
+from worker.server import Identity
+
+
+def call_timeout(context: grpc.aio.ServicerContext) -> float:
+    """How long an engine-loop command of this RPC may take: the call's remaining time,
+    at most ``CALL_TIMEOUT_S`` (a command not started by then never runs)."""
+    remaining = context.time_remaining()
+    return CALL_TIMEOUT_S if remaining is None else max(0.0, min(CALL_TIMEOUT_S, remaining))
+
+
+def attempt_of(request: Any) -> str:
+    """The key of what a request message names: its ``attempt_id`` (its ``request_id``
+    when empty: a caller that predates attempts)."""
+    return str(request.attempt_id or request.request_id)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: WorkerError) -> NoReturn:
+    """Ends the RPC with ``error``'s status (raises)."""
+    await context.abort(error.code, error.message)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+class LoopServicerMixin:
+    """``Abort`` and ``Info`` RPCs over an ``EngineLoop``, shared by both worker kinds."""
+
+    def __init__(self, loop: EngineLoop, identity: Identity) -> None:
+        self.loop = loop
+        self.identity = identity
+
+    def on_call_end(self, attempt_id: str, reason: str) -> None:
+        """However a call that holds ``attempt_id`` ends (finished, failed, cancelled by
+        its caller or its deadline, the caller gone): abort whatever is left of that
+        attempt — never another one, so a late callback cannot touch a retry. Posted, not
+        awaited: it runs even while the handler is being cancelled, and aborting a
+        finished attempt is a no-op."""
+        self.loop.leases.forget(attempt_id)
+        self.loop.post(Abort(attempt_id, reason))
+
+    def watch_lease(self, attempt_id: str, lease: pb.Lease) -> None:
+        """Free the attempt if its router's lease goes (``worker.leases``); call once the
+        loop holds the attempt (the loop forgets leases of attempts it no longer holds)."""
+        self.loop.leases.watch(attempt_id, lease.key, lease.ttl_ms / 1000)
+
+    async def Abort(self, request: pb.AbortRequest,  # noqa: N802 - gRPC name
+                    context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        attempt_id = attempt_of(request)
+        try:
+            found: bool = await self.loop.acall(Abort(attempt_id), call_timeout(context))
+            self.loop.leases.forget(attempt_id)
+            return pb.AbortResponse(found=found)
+        except WorkerError as exc:
+            await abort_with(context, exc)
+
+    async def Info(self, request: pb.InfoRequest,  # noqa: N802 - gRPC name
+                   context: grpc.aio.ServicerContext) -> pb.WorkerInfo:
+        try:
+            return info_to_proto(self.identity,
+                                 await self.loop.acall(Info(), call_timeout(context)))
+        except WorkerError as exc:
+            await abort_with(context, exc)
+
+
+def sampling_kwargs(msg: Any) -> dict[str, Any]:
+    """``pdserve.internal.v1.SamplingParams`` → keyword arguments of the engine's
+    ``SamplingParams`` (which validates them)."""
+    return dict(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p,
+                top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None,
+                stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+                ignore_eos=msg.ignore_eos)
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Validated engine ``SamplingParams``; bad values → ``INVALID_ARGUMENT``."""
+    try:
+        return SamplingParams(**sampling_kwargs(msg))
+    except ValueError as exc:
+        raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
+
+def info_to_proto(identity: Identity, info: LoopInfo) -> pb.WorkerInfo:
+    """A loop's info snapshot → ``WorkerInfo``."""
+    kv = info.kv
+    return pb.WorkerInfo(
+        worker_id=identity.worker_id, role=identity.role,
+        tensor_parallel_size=identity.tensor_parallel_size,
+        model_fingerprint=identity.model_fingerprint,
+        kv=pb.KVCacheUsage(total_blocks=kv.total, free_blocks=kv.free,
+                           cached_blocks=kv.cached, pinned_blocks=kv.pinned,
+                           in_use_blocks=kv.in_use),
+        pending_transfers=info.pending_transfers, open_kv_channels=info.open_kv_channels,
+        running_requests=info.running, waiting_requests=info.waiting,
+        num_preemptions=info.num_preemptions, num_expired_requests=info.num_expired,
+        num_started_requests=info.num_started, num_failed_transfers=info.num_failed_transfers,
+        attempt_ids=info.attempt_ids, watched_leases=info.watched_leases,
+        queued_commands=info.queued_commands, num_lease_aborts=info.num_lease_aborts,
+        num_expired_commands=info.num_expired_commands,
+        num_unexpected_acks=info.num_unexpected_acks)
