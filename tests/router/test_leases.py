@@ -121,17 +121,30 @@ def test_router_killed_between_reserve_and_prefill_frees_decode_within_the_ttl(
 
 def test_router_hung_mid_stream_frees_its_attempt_within_the_ttl(idle: Cluster) -> None:
     # SIGSTOP: the router's connections stay open, so only its lease (no longer renewed)
-    # tells the workers it is gone
+    # tells the workers it is gone. The decode loop is held at the stream's 20th token
+    # meanwhile: unheld, the tiny model could finish all 1500 tokens within the TTL, and the
+    # stream would end normally before the lease had lapsed
     c = idle
     assert c.router is not None
+    decode = c.decode[0]
+    pause = PauseDir(c.pause_dir(decode.name))
     aborted = _decode_info(c).num_lease_aborts
+    gone = "is gone (its router died or lost it)"
+    seen = decode.log_path.read_text(errors="replace").count(gone)
+    pause.arm("decode.token", n=20)
     with ThreadPoolExecutor(1) as pool:
         result = _stream_async(pool, c.address, "hung router " * 3, 1500, "hung")
-        _until_streaming(c)
-        c.router.proc.send_signal(signal.SIGSTOP)
         try:
-            took = wait_until(lambda: not _holds(_decode_info(c)), 30.0,
-                              "the decode worker to free the hung router's stream")
+            pause.wait_paused("decode.token", 30.0)
+            c.router.proc.send_signal(signal.SIGSTOP)
+            took = wait_until(lambda: decode.log_path.read_text(errors="replace").count(gone)
+                              > seen, 30.0, "the decode worker to see the hung router's lease gone")
+        finally:
+            pause.disarm("decode.token")
+            pause.release("decode.token")
+        try:  # the abort the watcher queued runs before the next step
+            wait_until(lambda: not _holds(_decode_info(c)), 30.0,
+                       "the decode worker to free the hung router's stream")
         finally:
             c.router.proc.send_signal(signal.SIGCONT)
         with pytest.raises(PdserveError) as excinfo:
