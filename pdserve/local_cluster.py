@@ -469,7 +469,8 @@ def serve(config: LocalClusterConfig, *,
     same ``start``, ``wait``, ``stop``, ``router_address`` and ``redis_url``).
     """
     say = progress or (lambda line: print(line, flush=True))
-    previous_int = signal.getsignal(signal.SIGINT)
+    # installed, not inherited: a shell starts background jobs with SIGINT ignored
+    previous_int = signal.signal(signal.SIGINT, _interrupt)
     previous_term = signal.signal(signal.SIGTERM, _interrupt)
     cluster = (make_cluster(say) if make_cluster is not None
                else LocalCluster(config, progress=say))

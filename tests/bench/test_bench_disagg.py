@@ -37,7 +37,10 @@ def check_workload(result: dict[str, Any]) -> None:
         for entry in rates:
             missing = [k for k in RATE_KEYS if k not in entry]
             assert not missing, missing
-            assert entry["completed"] == entry["num_requests"] and entry["failed"] == 0
+            # nothing failed but what the benchmark cut off itself (a loaded machine can
+            # make the quick run's tight SLO unreachable at its top rate)
+            assert entry["failed"] == entry["cut_off"], entry
+            assert entry["completed"] + entry["cut_off"] == entry["num_requests"]
             assert 0 <= entry["slo_attainment"] <= min(entry["ttft_attainment"],
                                                        entry["tpot_attainment"]) <= 1
             assert entry["request_rate"] > 0 and entry["request_throughput"] > 0

@@ -76,6 +76,10 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Up:
     """A ``pdserve up`` process: its output (stdout + stderr) line by line, and every
     descendant seen while it ran (pid → start time, cmdline)."""
@@ -84,8 +88,11 @@ class Up:
         argv = [sys.executable, "-m", "pdserve", "up", "--model", str(model_dir),
                 "--port", "0", "--http-port", "0", "--num-kv-blocks", str(NUM_KV_BLOCKS),
                 "--log-dir", str(log_dir), *args]
+        # started with SIGINT ignored, as a shell starts a background job (`pdserve up &`):
+        # Ctrl-C / SIGINT must stop it all the same, whatever the test runner inherited
         self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+                                     stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=_ignore_sigint)
         self.lines: list[str] = []
         self.seen: dict[int, tuple[str, str]] = {}
         self._threads = [threading.Thread(target=self._read, daemon=True),
