@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +62,15 @@ def model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pat
 @pytest.fixture(scope="session")
 def llama_dir(model_factory: Callable[..., Path]) -> Path:
     return model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> Iterator[Any]:
+    """A ``pdserve up`` of this module (``LocalCluster``, the library the command runs):
+    the tiny Llama, one prefill and one decode worker, any free gRPC and HTTP ports."""
+    from pdserve.local_cluster import LocalCluster, LocalClusterConfig  # server extra
+
+    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=0,
+                                log_dir=tmp_path_factory.mktemp("up"))
+    with LocalCluster(config, progress=lambda line: None) as cluster:
+        yield cluster

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 
 from bench import serve
 from bench.serving import Outcome, arrival_times, metrics, parse_goodput
-from pdserve.local_cluster import LocalCluster, LocalClusterConfig
+from pdserve.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,14 +24,6 @@ KEYS = ("duration", "completed", "failed", "total_input_tokens", "total_output_t
         "request_throughput", "output_throughput", "total_token_throughput",
         "request_goodput", "slo_attainment", "max_concurrent_requests", *METRIC_KEYS,
         "input_lens", "output_lens", "ttfts", "itls", "errors", "machine")
-
-
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> Iterator[LocalCluster]:
-    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=0,
-                                log_dir=tmp_path_factory.mktemp("up"))
-    with LocalCluster(config, progress=lambda line: None) as cluster:
-        yield cluster
 
 
 def check_result(data: dict[str, Any], num_prompts: int) -> None:

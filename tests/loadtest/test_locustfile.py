@@ -8,12 +8,11 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pdserve.local_cluster import LocalCluster, LocalClusterConfig
+from pdserve.local_cluster import LocalCluster
 from tests.factories import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(240)
@@ -22,14 +21,6 @@ LOCUST = Path(sys.executable).with_name("locust")
 if not LOCUST.exists():  # pragma: no cover - make setup installs the loadtest extra
     pytest.skip(f"locust is not installed next to {sys.executable}: "
                 "pip install -e '.[loadtest]' (make setup does)", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> Iterator[LocalCluster]:
-    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=0,
-                                log_dir=tmp_path_factory.mktemp("up"))
-    with LocalCluster(config, progress=lambda line: None) as cluster:
-        yield cluster
 
 
 def _locust(tmp: Path, host: str, seconds: int, *extra: str) -> dict[tuple[str, str], dict]:
