@@ -71,6 +71,9 @@ class RayClusterConfig:
             raise ValueError(f"max_restarts must be -1 (no limit) or more, got {self.max_restarts}")
         if self.address == "":
             raise ValueError("address must be None (a local Ray), 'auto' or HOST:PORT")
+        if self.layout.cpu_affinity:
+            raise ValueError("cpu_affinity pins LocalCluster's children; under Ray each rank "
+                             "gets the CPUs its placement-group bundle reserves")
 
     @property
     def rank_gpu_resource(self) -> str | None:
@@ -155,6 +158,7 @@ def worker_spec(config: RayClusterConfig, plan: WorkerPlan, *, log_dir: str,
                "--device", config.device]
     if layout.num_kv_blocks is not None:
         options += ["--num-kv-blocks", str(layout.num_kv_blocks)]
+    options += list(layout.worker_args)
     return ChildSpec(plan.name, plan.role, tuple(options), _model(layout), log_dir, layout.host,
                      threads=max(1, int(config.cpus_per_rank)), restart=True,
                      secrets=((REDIS_URL_ENV, redis_url),))

@@ -5,7 +5,8 @@
 1. Reserve KV blocks on a decode worker (least busy first; a refusal moves on to the next
    worker; all refusing → RESOURCE_EXHAUSTED; none reachable → UNAVAILABLE).
 2. Prefill on a prefill worker in rendezvous order of the prompt's affinity key (bounded
-   load), naming the reservation's KV target; it pushes the KV and the first token.
+   load; or in turn, with ``prefill_routing`` "round-robin"), naming the reservation's KV
+   target; it pushes the KV and the first token.
 3. Generate on the decode worker and relay its chunks.
 
 With ``local_prefill`` "always" (colocated mode), or "fallback" once no prefill worker
@@ -311,8 +312,9 @@ class Handoff:
         return None, refusals, any_refused
 
     async def _prefill(self, attempt: _Attempt) -> Prefilled:
-        """Prefill on the first prefill worker in rendezvous order (bounded load) that is
-        not busy; while all are, wait for capacity (the reservation waits meanwhile)."""
+        """Prefill on the first prefill worker in ``_prefill_order`` (rendezvous order with
+        bounded load, or round-robin) that is not busy; while all are, wait for capacity
+        (the reservation waits meanwhile)."""
         while True:
             workers = {r.worker_id: self._pool.inflight(r.worker_id) for r in
                        self._pool.routable("prefill") if r.worker_id not in self._excluded}

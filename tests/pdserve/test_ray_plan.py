@@ -81,6 +81,8 @@ def test_config_checks_and_the_default_gpu_resource() -> None:
         RayClusterConfig(layout=layout, device="tpu")
     with pytest.raises(ValueError, match="max_restarts"):
         RayClusterConfig(layout=layout, max_restarts=-2)
+    with pytest.raises(ValueError, match="cpu_affinity"):
+        RayClusterConfig(layout=LocalClusterConfig(cpu_affinity={"decode-0": (1,)}))
 
 
 # ------------------------------------------------------------------------ command lines
@@ -99,6 +101,15 @@ def test_a_worker_binds_and_advertises_its_node() -> None:
     assert argv[-2:] == ["--ready-file", "/logs/decode-0.ready.json"]
     assert not any("redis" in word or "s3cret" in word for word in argv)
     assert _parses(argv[3:])  # the real worker parser takes it
+
+
+def test_worker_args_reach_every_worker() -> None:
+    config = _config(worker_args=("--max-num-seqs", "8"))
+    for plan in plan_workers(config):
+        spec = worker_spec(config, plan, log_dir="/l", redis_url=REDIS_URL)
+        argv = child_argv(spec, node_ip="10.0.0.7", model_dir="/m", ready_path="/r")
+        assert _option(argv, "--max-num-seqs") == "8", argv
+        assert _parses(argv[3:])
 
 
 def test_a_wildcard_host_binds_every_interface_and_still_advertises_the_node() -> None:
