@@ -116,7 +116,9 @@ def test_three_hundred_streams_complete_while_health_answers(up: LocalCluster) -
     with HealthPoller([c.address for c in up.workers]) as health:
         counts = asyncio.run(all_of_them())
     assert counts == [128] * 300  # every request complete, none failed
-    assert health.answers > 20 and health.slowest_s < 0.5, health.slowest_s
+    # far from a missed check: the router's health timeout is 2 s (router.workers), and
+    # only HUNG_AFTER misses in a row take a worker back (a liveness bound, not a speed)
+    assert health.answers > 20 and health.slowest_s < 1.0, health.slowest_s
     for _, stub in _worker_stubs(up):
         assert_idle(stub)
 
