@@ -76,7 +76,7 @@ def test_a_new_decode_worker_that_hangs_never_blocks_the_prefill_step(
         # worker is prefilled and its KV delivered at the normal pace
         start = time.monotonic()
         info = cluster.info(cluster.prefill[0])
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < 5.0  # not the 30 s a blocked lookup held it
         assert "to-hung" in info.attempt_ids
         for i in range(3):
             prompt = [23 + (7 * i + j) % 300 for j in range(48)]
