@@ -107,6 +107,12 @@ class Cluster:
         assert_cluster_idle([self.stub(w) for w in live], routers, self.redis.url,
                             [w.name for w in live], timeout_s=timeout_s)
 
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         for proc in self.routers + self.workers():
             proc.stop()

@@ -45,12 +45,9 @@ _transfer_ids = itertools.count((secrets.randbits(32) << 8) + 1)
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(llama_dir, tmp_path_factory.mktemp("attempts"), num_prefill=1,
-                      num_decode=1, decode_tp=1)
-    try:
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("attempts"), num_prefill=1,
+                           num_decode=1, decode_tp=1) as c:
         yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture

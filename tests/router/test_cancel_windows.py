@@ -35,12 +35,9 @@ _salts = itertools.count(1)
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(llama_dir, tmp_path_factory.mktemp("cancel"), num_prefill=1,
-                      num_decode=1, decode_tp=1)
-    try:
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("cancel"), num_prefill=1,
+                           num_decode=1, decode_tp=1) as c:
         yield c
-    finally:
-        c.close()
 
 
 _channels: list[grpc.Channel] = []  # closed after each test (never from a call's callback:

@@ -38,12 +38,9 @@ LONG_PREFIX = " ".join(PROMPTS[3:5] + PROMPTS[3:4])  # > 4 blocks of 16 tokens
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(llama_dir, tmp_path_factory.mktemp("router"), num_prefill=2,
-                      num_decode=1, decode_tp=2)
-    try:
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("router"), num_prefill=2,
+                           num_decode=1, decode_tp=2) as c:
         yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture

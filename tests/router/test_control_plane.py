@@ -46,12 +46,9 @@ TTL_S = 3.0  # tests.router.cluster.WORKER_FLAGS' --registration-ttl
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(llama_dir, tmp_path_factory.mktemp("control"), num_prefill=1,
-                      num_decode=2, decode_tp=1)
-    try:
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("control"), num_prefill=1,
+                           num_decode=2, decode_tp=1) as c:
         yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture

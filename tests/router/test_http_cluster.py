@@ -38,12 +38,9 @@ NO_EOS = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(llama_dir, tmp_path_factory.mktemp("http"), num_prefill=1,
-                      num_decode=1, decode_tp=1)
-    try:
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("http"), num_prefill=1,
+                           num_decode=1, decode_tp=1) as c:
         yield c
-    finally:
-        c.close()
 
 
 def http_url(router: Proc, scheme: str = "http") -> str:

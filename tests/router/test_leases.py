@@ -43,13 +43,10 @@ FREED_WITHIN_S = 3 * LEASE_TTL_S + 3.0  # the TTL, a renewal, a check period, an
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(llama_dir, tmp_path_factory.mktemp("leases"), num_prefill=1,
-                      num_decode=1, decode_tp=1, lease_ttl_s=LEASE_TTL_S,
-                      decode_kv_blocks=256)  # room for two long streams
-    try:
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("leases"), num_prefill=1,
+                           num_decode=1, decode_tp=1, lease_ttl_s=LEASE_TTL_S,
+                           decode_kv_blocks=256) as c:  # room for two long streams
         yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture

@@ -168,14 +168,11 @@ def test_a_burst_over_the_limit_is_refused_fast_and_memory_stays(
 def small(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """One prefill and one decode worker of 64 KV blocks whose transfer timeout is short
     (2 s), and a router that buffers at most 8 chunks of a stream and serves metrics."""
-    cluster = start_cluster(llama_dir, tmp_path_factory.mktemp("small"), num_prefill=1,
-                            num_decode=1, decode_tp=1,
-                            router_args=("--max-buffered-chunks", "8", "--metrics-port", "0"),
-                            decode_args=("--transfer-timeout", "2"))
-    try:
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("small"), num_prefill=1,
+                       num_decode=1, decode_tp=1,
+                       router_args=("--max-buffered-chunks", "8", "--metrics-port", "0"),
+                       decode_args=("--transfer-timeout", "2")) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 def _metrics(cluster: Cluster) -> dict[str, float]:

@@ -30,12 +30,9 @@ SAMPLING = wpb.SamplingParams(max_tokens=4, temperature=0, top_p=1.0, top_k=-1)
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(llama_dir, tmp_path_factory.mktemp("peer-resolution"), num_prefill=1,
-                      num_decode=2, decode_tp=1)
-    try:
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("peer-resolution"), num_prefill=1,
+                           num_decode=2, decode_tp=1) as c:
         yield c
-    finally:
-        c.close()
 
 
 def _reserve(cluster: Cluster, decode: int, attempt: str, prompt: list[int],

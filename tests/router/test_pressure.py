@@ -25,13 +25,10 @@ MAX_TOKENS = 100  # each request grows to ~8 blocks; 6 of them need ~48
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(llama_dir, tmp_path_factory.mktemp("pressure"), num_prefill=1,
-                      num_decode=1, decode_tp=1, decode_kv_blocks=DECODE_KV_BLOCKS,
-                      decode_args=("--grace", "20"))
-    try:
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("pressure"), num_prefill=1,
+                           num_decode=1, decode_tp=1, decode_kv_blocks=DECODE_KV_BLOCKS,
+                           decode_args=("--grace", "20")) as c:
         yield c
-    finally:
-        c.close()
 
 
 def test_decode_kv_pressure_preempts_and_every_request_is_right(cluster: Cluster,

@@ -36,12 +36,9 @@ SAMPLING = wpb.SamplingParams(max_tokens=8, temperature=0, top_p=1.0, top_k=-1)
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(llama_dir, tmp_path_factory.mktemp("rank-death"), num_prefill=1,
-                      num_decode=1, decode_tp=2)
-    try:
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("rank-death"), num_prefill=1,
+                           num_decode=1, decode_tp=2) as c:
         yield c
-    finally:
-        c.close()
 
 
 def _is_rank(pid: int) -> bool:
@@ -138,13 +135,10 @@ def test_a_dead_decode_rank_fails_every_request_it_held(cluster: Cluster) -> Non
 
 @pytest.fixture(scope="module")
 def tp2_prefill(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(llama_dir, tmp_path_factory.mktemp("prefill-rank-death"), num_prefill=1,
-                      num_decode=1, decode_tp=1, prefill_args=("--tensor-parallel-size", "2"),
-                      decode_kv_blocks=256)  # six 300-token reservations at once
-    try:
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("prefill-rank-death"), num_prefill=1,
+                           num_decode=1, decode_tp=1, prefill_args=("--tensor-parallel-size", "2"),
+                           decode_kv_blocks=256) as c:  # six 300-token reservations at once
         yield c
-    finally:
-        c.close()
 
 
 def test_a_dead_prefill_rank_fails_every_prefill_it_held(tp2_prefill: Cluster) -> None:

@@ -48,12 +48,9 @@ HANG_S = 5.0  # how long the decode worker stays SIGSTOPped
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(llama_dir, tmp_path_factory.mktemp("soak"), num_prefill=2,
-                      num_decode=2, decode_tp=2)
-    try:
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("soak"), num_prefill=2,
+                           num_decode=2, decode_tp=2) as c:
         yield c
-    finally:
-        c.close()
 
 
 def _rss_kib(pid: int) -> int:

@@ -42,12 +42,9 @@ PREFILLS = ("prefill-0", "prefill-1")
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(llama_dir, tmp_path_factory.mktemp("transfer"), num_prefill=2,
-                      num_decode=1, decode_tp=1)
-    try:
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("transfer"), num_prefill=2,
+                           num_decode=1, decode_tp=1) as c:
         yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture
