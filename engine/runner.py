@@ -189,10 +189,17 @@ class ModelRunner:
             decode_block_tables=self._tensor(tables).view(len(decodes), width),
             decode_context_lens=lens,
             max_decode_context_len=max_context,
-            decode_key_mask=torch.arange(width * bs, device=self.device) < lens.unsqueeze(1),
+            decode_key_bias=self._key_bias(lens, width * bs),
             prefills=spans,
         )
         return self._tensor(token_ids), self._tensor(positions), meta, self._tensor(sample_rows)
+
+    def _key_bias(self, context_lens: torch.Tensor, width: int) -> torch.Tensor:
+        """``[num_decodes, width]``: 0 for the keys each decode attends to, -inf past its
+        context; built once per step, shared by every layer."""
+        past = torch.arange(width, device=self.device) >= context_lens.unsqueeze(1)
+        bias = torch.zeros(past.shape, dtype=self.dtype, device=self.device)
+        return bias.masked_fill_(past, float("-inf"))
 
     def _tensor(self, values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

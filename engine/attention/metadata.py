@@ -38,8 +38,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor  # [num_decodes] int64, including the new token
     max_decode_context_len: int
-    # [num_decodes, max_blocks * block_size] bool: key slot j of sequence i is valid
-    decode_key_mask: torch.Tensor
+    # [num_decodes, max_blocks * block_size] in the model's dtype, added to the decode
+    # attention scores: 0 where key slot j of sequence i is valid, -inf past its context
+    decode_key_bias: torch.Tensor
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 

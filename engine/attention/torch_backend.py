@@ -78,20 +78,24 @@ class TorchAttentionBackend:
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        num_seqs = q.shape[0]
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        """One query token per sequence, q ``[B, Hq, D]`` → ``[B, Hq, D]``, over the keys of
+        its blocks. The query heads that share a KV head go in as that head's query rows
+        (``[B, Hk, Hq / Hk, D]``): SDPA then walks each sequence's K/V once per KV head
+        rather than once per query head."""
+        num_seqs, num_q_heads, head_dim = q.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
         flat_tables = meta.decode_block_tables.reshape(-1)
         length = meta.decode_block_tables.shape[1] * block_size
-        # [B * blocks, block_size, Hk, D] -> [B, Hk, L, D]
+        # [B * blocks, block_size, Hk, D] -> [B, L, Hk, D], used as [B, Hk, L, D]
         keys = kv_cache[0].index_select(0, flat_tables).view(num_seqs, length, num_kv_heads, head_dim)
         values = kv_cache[1].index_select(0, flat_tables).view(num_seqs, length, num_kv_heads, head_dim)
+        group = num_q_heads // num_kv_heads
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, Hq, 1, D]
+            q.view(num_seqs, num_kv_heads, group, head_dim),
             keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=meta.decode_key_mask.view(num_seqs, 1, 1, length), scale=scale,
-            enable_gqa=True,
+            attn_mask=meta.decode_key_bias.view(num_seqs, 1, 1, length), scale=scale,
         )
-        return out.squeeze(2)
+        return out.view(num_seqs, num_q_heads, head_dim)
 
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

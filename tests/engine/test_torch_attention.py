@@ -1,10 +1,11 @@
-"""The CPU attention backend's batching of fresh prefill chunks."""
+"""The CPU attention backend: batching of fresh prefill chunks, and decode attention."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from engine.attention.metadata import PrefillSpan
+from engine.attention.metadata import AttentionMetadata, PrefillSpan
 from engine.attention.torch_backend import TorchAttentionBackend, fresh_runs
 
 BLOCKS = torch.arange(4)
@@ -36,3 +37,35 @@ def test_a_batched_run_is_bitwise_the_per_chunk_attention() -> None:
         for i in range(num_seqs)])
     batched = TorchAttentionBackend._prefill_fresh(q, k, v, num_seqs, 0.25)
     assert torch.equal(batched, per_chunk)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_decode_attention_matches_dense_attention_per_sequence(num_q_heads: int,
+                                                                num_kv_heads: int) -> None:
+    """Each decode row attends over exactly its own context (padded table entries and
+    slots past its length ignored), with query head h using KV head h // (Hq / Hk)."""
+    torch.manual_seed(0)
+    block_size, head_dim, num_blocks, scale = 4, 8, 16, 0.3
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    context_lens = [9, 3, 12]  # 3, 1 and 3 blocks
+    width = 3
+    perm = torch.randperm(num_blocks).tolist()
+    tables = [perm[0:3], perm[3:4] + [0, 0], perm[4:7]]
+    lens = torch.tensor(context_lens)
+    past = torch.arange(width * block_size) >= lens.unsqueeze(1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64), num_decode_tokens=3,
+        decode_block_tables=torch.tensor(tables), decode_context_lens=lens,
+        max_decode_context_len=max(context_lens),
+        decode_key_bias=torch.zeros(past.shape).masked_fill_(past, float("-inf")))
+    q = torch.randn(3, num_q_heads, head_dim)
+
+    out = TorchAttentionBackend._decode(q, kv_cache, meta, scale)
+
+    group = num_q_heads // num_kv_heads
+    for i, (blocks, n) in enumerate(zip(tables, context_lens)):
+        keys = kv_cache[0][blocks].flatten(0, 1)[:n]  # [n, Hk, D]
+        values = kv_cache[1][blocks].flatten(0, 1)[:n]
+        for h in range(num_q_heads):
+            weights = torch.softmax(keys[:, h // group] @ q[i, h] * scale, dim=0)
+            assert torch.allclose(out[i, h], weights @ values[:, h // group], atol=1e-5)
