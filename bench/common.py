@@ -204,3 +204,11 @@ def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(_json_safe(obj), indent=2) + "\n", encoding="utf-8")
+
+
+def publish(table: str, json_path: str | Path | None, obj: Mapping[str, Any]) -> None:
+    """Print a benchmark's table, and write ``obj`` to ``json_path`` when one is given."""
+    print(table, flush=True)
+    if json_path is not None:
+        write_json(json_path, obj)
+        print(f"wrote {json_path}")

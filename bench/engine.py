@@ -54,9 +54,9 @@ from bench.common import (
     format_table,
     load_average,
     machine_info,
+    publish,
     timed,
     torch_threads,
-    write_json,
 )
 from engine.config import LINEAR_KERNELS
 from engine.executor import LocalExecutor, TPExecutor
@@ -417,10 +417,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out["load_avg_end"] = [round(x, 2) for x in load_average()]
     out["elapsed_s"] = time.perf_counter() - started
     out["noise_warnings"] = noise_warnings(out)
-    print(render(out), flush=True)
-    if args.json is not None:
-        write_json(args.json, out)
-        print(f"wrote {args.json}")
+    publish(render(out), args.json, out)
     return out
 
 

@@ -40,8 +40,8 @@ from bench.common import (
     BandwidthProbe,
     format_table,
     machine_info,
+    publish,
     torch_threads,
-    write_json,
 )
 from bench.engine import PromptSource, ensure_bench_model, kernel_facts, model_runner
 from engine.models.layers import linear_layers
@@ -254,10 +254,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         finally:
             llm.shutdown()
             probe.release()
-    print(render(out), flush=True)
-    if args.json is not None:
-        write_json(args.json, out)
-        print(f"wrote {args.json}")
+    publish(render(out), args.json, out)
     return out
 
 
