@@ -9,13 +9,15 @@ timed twice: once plain (the step's median), once with a stopwatch around each p
   ``down_proj``, ``lm_head``), with what it reached: GB/s of weight read (the figure that
   matters at batch 1) and GFLOP/s (at larger batches);
 - attention core: the attention module less its two linears (RoPE, the KV write, the
-  paged-KV gather and SDPA);
-- RMSNorm; the MLP activation (the MLP less its two linears);
+  paged-KV gather and SDPA; Qwen3's per-head q/k norms too);
+- RMSNorm (the layers' and the final one); the MLP activation (the MLP less its two
+  linears);
 - the rest of the model forward (embedding, residual adds, RoPE table lookup);
 - outside the forward: input tensors, sampling, scheduler and outputs.
 
 Parts are wall times on the leader rank, per step; the stopwatches add a few
-microseconds per call (both step times are printed). Runs on the
+microseconds per call, which lands in the parts measured as differences (attention core,
+activation, rest of the forward); both step times are printed. Runs on the
 ``bench55m`` model by default, the thread count of ``bench.engine`` [2]; the CPU model,
 the kernels chosen and the machine's read bandwidth are printed next to the table, and
 ``--json PATH`` writes every figure.
@@ -110,20 +112,20 @@ def stopwatches_on(llm: engine.LLM) -> Iterator[Stopwatches]:
     """Stopwatches on the leader rank's model parts and on the whole forward."""
     watches = Stopwatches()
     model = model_runner(llm).model
-    for layer in model.decoder_layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        watches.wrap(attn, "forward", "attention module")
-        watches.wrap(attn.qkv_proj, "project", "qkv_proj")
-        watches.wrap(attn.o_proj, "forward", "o_proj")
-        watches.wrap(mlp, "forward", "mlp module")
-        watches.wrap(mlp.gate_up_proj, "forward", "gate_up_proj")
-        watches.wrap(mlp.down_proj, "forward", "down_proj")
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            watches.wrap(norm, "forward", "rms_norm")
-    watches.wrap(model.norm, "forward", "rms_norm")
-    watches.wrap(model, "forward", "model forward")
-    watches.wrap(model, "compute_logits", "lm_head")
     try:
+        for layer in model.decoder_layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            watches.wrap(attn, "forward", "attention module")
+            watches.wrap(attn.qkv_proj, "project", "qkv_proj")
+            watches.wrap(attn.o_proj, "forward", "o_proj")
+            watches.wrap(mlp, "forward", "mlp module")
+            watches.wrap(mlp.gate_up_proj, "forward", "gate_up_proj")
+            watches.wrap(mlp.down_proj, "forward", "down_proj")
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                watches.wrap(norm, "forward", "rms_norm")
+        watches.wrap(model.norm, "forward", "rms_norm")
+        watches.wrap(model, "forward", "model forward")
+        watches.wrap(model, "compute_logits", "lm_head")
         yield watches
     finally:
         watches.restore()
@@ -161,22 +163,37 @@ def decode_steps(llm: engine.LLM, prompts: list[list[int]], num_steps: int,
                  on_step: Callable[[float], None],
                  on_start: Callable[[], None] | None = None) -> None:
     """Prefill ``prompts`` (untimed), call ``on_start``, then report the wall time of
-    ``num_steps`` steps in which every request decodes; the requests are aborted after."""
+    ``num_steps`` steps in each of which every request decodes one token (checked;
+    ``RuntimeError`` otherwise, e.g. when the engine cannot hold them all). The requests
+    are aborted afterwards."""
     core = llm.core
     ids = [core.new_request_id() for _ in prompts]
-    params = engine.SamplingParams(max_tokens=num_steps + 4, temperature=0.0, ignore_eos=True)
-    for rid, prompt in zip(ids, prompts):
-        core.add_request(rid, prompt, params)
-    while core.scheduler.waiting or _prefilling(core):
-        core.step()
-    if on_start is not None:
-        on_start()
-    for _ in range(num_steps):
-        start = time.perf_counter()
-        core.step()
-        on_step(time.perf_counter() - start)
-    for rid in ids:
-        core.abort_request(rid)
+    # enough tokens that none finishes: the first prefilled decode while the rest prefill
+    prefill_steps = len(prompts) + -(-sum(map(len, prompts))
+                                     // core.config.scheduler.max_num_batched_tokens)
+    params = engine.SamplingParams(max_tokens=num_steps + prefill_steps + 1, temperature=0.0,
+                                   ignore_eos=True)
+    try:
+        for rid, prompt in zip(ids, prompts):
+            core.add_request(rid, prompt, params)
+        while core.scheduler.waiting or _prefilling(core):
+            core.step()
+        if on_start is not None:
+            on_start()
+        for _ in range(num_steps):
+            before = _output_tokens(core)
+            start = time.perf_counter()
+            core.step()
+            on_step(time.perf_counter() - start)
+            if _output_tokens(core) - before != len(prompts):
+                raise RuntimeError(f"a timed step did not decode all {len(prompts)} requests")
+    finally:
+        for rid in ids:
+            core.abort_request(rid)
+
+
+def _output_tokens(core: Any) -> int:
+    return sum(len(r.output_token_ids) for r in core.scheduler.running)
 
 
 def _prefilling(core: Any) -> bool:

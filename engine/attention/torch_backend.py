@@ -95,7 +95,9 @@ class TorchAttentionBackend:
             keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=meta.decode_key_bias.view(num_seqs, 1, 1, length), scale=scale,
         )
-        return out.view(num_seqs, num_q_heads, head_dim)
+        # reshape: CUDA's memory-efficient kernel returns [B, Hk, g, D] with Hk and g not
+        # adjacent in memory
+        return out.reshape(num_seqs, num_q_heads, head_dim)
 
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

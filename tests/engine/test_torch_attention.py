@@ -39,14 +39,27 @@ def test_a_batched_run_is_bitwise_the_per_chunk_attention() -> None:
     assert torch.equal(batched, per_chunk)
 
 
+@pytest.mark.parametrize("device,dtype", [
+    ("cpu", torch.float32),
+    pytest.param("cuda", torch.float32, marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu),
+])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_decode_attention_matches_dense_attention_per_sequence(num_q_heads: int,
-                                                                num_kv_heads: int) -> None:
+def test_decode_attention_matches_dense_attention_per_sequence(
+        num_q_heads: int, num_kv_heads: int, device: str, dtype: torch.dtype) -> None:
     """Each decode row attends over exactly its own context (padded table entries and
     slots past its length ignored), with query head h using KV head h // (Hq / Hk)."""
     torch.manual_seed(0)
+    torch.set_default_device(device)
+    try:
+        _check_decode_attention(num_q_heads, num_kv_heads, dtype)
+    finally:
+        torch.set_default_device(None)
+
+
+def _check_decode_attention(num_q_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
     block_size, head_dim, num_blocks, scale = 4, 8, 16, 0.3
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     context_lens = [9, 3, 12]  # 3, 1 and 3 blocks
     width = 3
     perm = torch.randperm(num_blocks).tolist()
@@ -57,15 +70,17 @@ def test_decode_attention_matches_dense_attention_per_sequence(num_q_heads: int,
         slot_mapping=torch.empty(0, dtype=torch.int64), num_decode_tokens=3,
         decode_block_tables=torch.tensor(tables), decode_context_lens=lens,
         max_decode_context_len=max(context_lens),
-        decode_key_bias=torch.zeros(past.shape).masked_fill_(past, float("-inf")))
-    q = torch.randn(3, num_q_heads, head_dim)
+        decode_key_bias=torch.zeros(past.shape, dtype=dtype).masked_fill_(past, float("-inf")))
+    # a slice of the q|k heads, as the model passes it
+    q = torch.randn(3, num_q_heads + num_kv_heads, head_dim, dtype=dtype)[:, :num_q_heads]
 
-    out = TorchAttentionBackend._decode(q, kv_cache, meta, scale)
+    out = TorchAttentionBackend._decode(q, kv_cache, meta, scale).float()
 
     group = num_q_heads // num_kv_heads
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (blocks, n) in enumerate(zip(tables, context_lens)):
-        keys = kv_cache[0][blocks].flatten(0, 1)[:n]  # [n, Hk, D]
-        values = kv_cache[1][blocks].flatten(0, 1)[:n]
+        keys = kv_cache[0][blocks].flatten(0, 1)[:n].float()  # [n, Hk, D]
+        values = kv_cache[1][blocks].flatten(0, 1)[:n].float()
         for h in range(num_q_heads):
-            weights = torch.softmax(keys[:, h // group] @ q[i, h] * scale, dim=0)
-            assert torch.allclose(out[i, h], weights @ values[:, h // group], atol=1e-5)
+            weights = torch.softmax(keys[:, h // group] @ q[i, h].float() * scale, dim=0)
+            assert torch.allclose(out[i, h], weights @ values[:, h // group], atol=atol)
