@@ -26,7 +26,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -134,6 +134,20 @@ class GrpcBackend:
         await self.client.close()
 
 
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """An SSE body's lines, split at line ends only (LF, CR or CRLF, as the SSE format
+    says): not at the other characters ``str.splitlines`` (and httpx's ``aiter_lines``)
+    break at, such as U+2028 or U+0085, which JSON carries unescaped in generated text."""
+    pending = b""
+    async for chunk in chunks:
+        lines = (pending + chunk).replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            yield line.decode("utf-8")
+    if pending:
+        yield pending.decode("utf-8")
+
+
 class HttpBackend:
     """The OpenAI-compatible ``/v1/completions`` with ``stream`` (httpx)."""
 
@@ -160,7 +174,7 @@ class HttpBackend:
                     text = (await response.aread()).decode(errors="replace")
                     outcome.error = f"HTTP {response.status_code}: {text[:200]}"
                     return
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response.aiter_bytes()):
                     usage = self._event(line, clock, outcome) or usage
         except Exception as exc:  # the connection failed: reported, never raised
             outcome.error = f"{type(exc).__name__}: {exc}"

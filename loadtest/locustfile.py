@@ -199,7 +199,10 @@ class OpenAIStreamUser(_StreamUser):
                 if response.status_code != 200:
                     self.failed(started, f"HTTP {response.status_code}: {response.text[:200]}")
                     return
-                first, usage, error = self._read(response.iter_lines(decode_unicode=True))
+                # bytes: split at line ends only (decoded text would also split at U+2028
+                # and the like, which the JSON of generated text carries unescaped)
+                first, usage, error = self._read(
+                    line.decode("utf-8") for line in response.iter_lines())
         except OSError as exc:  # requests' errors are OSErrors
             self.failed(started, f"{type(exc).__name__}: {exc}")
             return

@@ -5,15 +5,17 @@ exact lengths and the plots; never a speed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench import serve
-from bench.serving import Outcome, arrival_times, metrics, parse_goodput
+from bench.serving import Outcome, arrival_times, metrics, parse_goodput, sse_lines
 from pdserve.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -140,3 +142,21 @@ def test_a_request_past_its_limit_is_cut_off() -> None:
                                   limit_s=lambda r: 0.2))
     assert outcomes[0].success and not outcomes[1].success
     assert outcomes[1].error.startswith(CUT_OFF) and Slow.cancelled == 1
+
+
+def test_sse_lines_split_at_line_ends_only() -> None:
+    """Generated text may hold U+2028, U+0085 or a form feed, which JSON carries unescaped
+    and ``str.splitlines`` would break a data line at; chunks end anywhere."""
+    event = json.dumps({"choices": [{"text": "a\u2028b\x85c\u2029d"}]}, ensure_ascii=False)
+    body = f"data: {event}\r\n\r\ndata: [DONE]\n\n".encode()
+
+    async def lines(chunk_size: int) -> list[str]:
+        async def chunks() -> AsyncIterator[bytes]:
+            for i in range(0, len(body), chunk_size):
+                yield body[i:i + chunk_size]
+        return [line async for line in sse_lines(chunks())]
+
+    for size in (1, 3, 7, len(body)):
+        data = [line for line in asyncio.run(lines(size)) if line]
+        assert data == [f"data: {event}", "data: [DONE]"], size
+        assert json.loads(data[0][5:])["choices"][0]["text"] == "a\u2028b\x85c\u2029d"
