@@ -11,10 +11,11 @@ the workers report (``router.trace``: the ``pdserve-trace`` trailer).
    (the decode worker's Reserve), ``prefill_queue``, ``prefill_compute`` and
    ``exposed_transfer`` (the prefill worker's own clock: queued → first chunk scheduled →
    last layer computed → every decode rank acknowledged the KV, i.e. the transfer left
-   after the last layer), ``prefill_rpc`` (the rest of the Prefill call), ``to_generate``
-   (Prefill returned → Generate called), ``decode_admission`` (Generate called → its first
-   chunk at the router: the KV's arrival noticed, the request admitted),
-   ``router_relay`` (that chunk through the router to the client's stream) and
+   after the last layer), ``decode_admission`` (the rest until the Generate stream's first
+   chunk reaches the router: the Prefill request's trip to its worker, and on the decode
+   side the KV's arrival noticed, the request admitted, the chunk sent; the Generate
+   stream is opened together with the Prefill, so its set-up and the Prefill's reply are
+   off this path), ``router_relay`` (that chunk through the router to the client's stream) and
    ``delivery`` (the request's trip in and the token's trip out, client side).
    ``orchestration`` is TTFT minus compute, exposed transfer and delivery: everything but
    compute and the wire. ``one_layer_transfer_ms``: one pdserve KV transfer (gather,
@@ -76,7 +77,7 @@ from loadtest.workloads import Request, Workload, WorkloadSpec, oracle_cached_to
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 PARTS = ("router_queue", "reserve", "prefill_queue", "prefill_compute", "exposed_transfer",
-         "prefill_rpc", "to_generate", "decode_admission", "router_relay", "delivery")
+         "decode_admission", "router_relay", "delivery")
 OUTPUT_LEN = 8
 OVERHEAD_OUTPUT_LEN = 4
 SUFFIX_LEN = 16  # router overhead: the tokens of each prompt not shared with the others
@@ -163,14 +164,12 @@ async def send_traced(address: str, requests: Sequence[Request], rate: float | N
 def breakdown(result: dict[str, Any]) -> dict[str, float]:
     """The parts of one request's TTFT (ms); they add up to it exactly."""
     m, p = result["trace"]["marks_ms"], result["trace"]["prefill_ms"]
-    prefill_call = m["prefill_returned"] - m["prefill_started"]
+    to_first_chunk = m["first_chunk"] - m["prefill_started"]
     return {
         "router_queue": m["first_call"], "reserve": m["prefill_started"] - m["first_call"],
         "prefill_queue": p["queue"], "prefill_compute": p["compute"],
         "exposed_transfer": p["transfer"],
-        "prefill_rpc": prefill_call - p["queue"] - p["compute"] - p["transfer"],
-        "to_generate": m["generate_started"] - m["prefill_returned"],
-        "decode_admission": m["first_chunk"] - m["generate_started"],
+        "decode_admission": to_first_chunk - p["queue"] - p["compute"] - p["transfer"],
         "router_relay": m["first_sent"] - m["first_chunk"],
         "delivery": result["ttft_ms"] - m["first_sent"]}
 

@@ -310,6 +310,8 @@ class DecodeLoop(EngineLoop):
             pause_points.pause("decode.admitted", attempt_id=request_id,
                                transfer_id=live.transfer_id)
         live.phase = Phase.RUNNING
+        if live.stream is not None:
+            live.stream.inputs_arrived_at = live.arrived_at
         self._deliver(self.core.admit_with_kv(request_id, live.trailer.first_token_id,
                                               live.trailer.num_cached_tokens))
 

@@ -132,8 +132,9 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                 except WorkerError as exc:
                     await abort_with(context, exc)
                 chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.text_delta)
-                if first:  # how long the first chunk took here
-                    chunk.timings.first_chunk_us = round((time.monotonic() - started) * 1e6)
+                if first:  # how long the first chunk took here (from the later arrival)
+                    since = max(started, stream.inputs_arrived_at or started)
+                    chunk.timings.first_chunk_us = round((time.monotonic() - since) * 1e6)
                     first = False
                 num_completion += len(out.new_token_ids)
                 if out.finished:

@@ -7,7 +7,10 @@
 2. Prefill on a prefill worker in rendezvous order of the prompt's affinity key (bounded
    load; or in turn, with ``prefill_routing`` "round-robin"), naming the reservation's KV
    target; it pushes the KV and the first token.
-3. Generate on the decode worker and relay its chunks.
+3. Generate on the decode worker, opened together with the Prefill, and relay its
+   chunks: the first leaves once the KV (with the first token) has arrived there, without
+   waiting for the Prefill's reply. Until that first chunk a failed Prefill fails the
+   attempt as before.
 
 With ``local_prefill`` "always" (colocated mode), or "fallback" once no prefill worker
 is left for the request, an attempt is one ``GenerateLocal`` on the decode worker
@@ -45,7 +48,8 @@ a clean finish the decode worker has freed everything and the prefill worker unp
 the decode side's acknowledgement; nothing more is sent.
 
 Test-only pause points (``cluster.pause_points``): ``router.queued`` before a request
-waits its turn, ``router.before_prefill`` once its reservation is held.
+waits its turn, ``router.before_prefill`` once its reservation is held,
+``router.before_generate`` once its Prefill is under way (the Generate stream not opened).
 """
 
 from __future__ import annotations
@@ -82,6 +86,13 @@ from router.worker_calls import (
 from router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
+
+# how long a finished stream waits for its Prefill's reply (normally back already: the
+# prefill worker answers once the decode side acknowledged the KV) before letting it go
+PREFILL_SETTLE_S = 1.0
+# how long a Generate stream that failed before its first chunk waits for the Prefill's
+# own failure, which says whose fault a failed transfer was
+PREFILL_VERDICT_S = 2.0
 
 
 class _Retry(Exception):
@@ -158,9 +169,9 @@ class Handoff:
                                               request_id=self._req.request_id,
                                               attempt_id=attempt.lease.attempt_id)
                 with self._pool.busy(attempt.decode_id):
-                    call = (self._start_local(attempt) if attempt.target is None
-                            else self._start_generate(attempt, await self._prefill(attempt)))
-                    async with aclosing(self._relay(attempt, call)) as relayed:
+                    chunks_of = (self._relay(attempt, self._start_local(attempt))
+                                 if attempt.target is None else self._prefill_and_relay(attempt))
+                    async with aclosing(chunks_of) as relayed:
                         async for chunk in relayed:
                             yield chunk
                     return
@@ -382,11 +393,75 @@ class Handoff:
                        reply.num_cached_tokens, reply.num_prompt_tokens)
         return reply
 
-    def _start_generate(self, attempt: _Attempt, first: Prefilled) -> grpc.aio.UnaryStreamCall:
+    async def _prefill_and_relay(self, attempt: _Attempt) -> AsyncGenerator[OutputChunk, None]:
+        """Generate opened on the decode worker together with the Prefill: its first chunk
+        leaves as soon as the KV has arrived there, not after the Prefill reply's trip
+        back and a Generate call behind it. Until that chunk a failed Prefill fails the
+        attempt (the stream is cancelled with it); once the stream is done, the Prefill's
+        reply is awaited briefly for its timings, then the call is let go."""
+        prefill = asyncio.ensure_future(self._prefill(attempt))
+        relayed: AsyncGenerator[OutputChunk, None] | None = None
+        try:
+            if pause_points.enabled():
+                await pause_points.apause("router.before_generate",
+                                          request_id=self._req.request_id,
+                                          attempt_id=attempt.lease.attempt_id)
+            relayed = self._relay(attempt, self._start_generate(attempt))
+            first = asyncio.ensure_future(_next(relayed))
+            try:
+                await asyncio.wait((first, prefill), return_when=asyncio.FIRST_COMPLETED)
+                if not first.done():
+                    prefill.result()  # raises the Prefill's failure; a reply: the KV is there
+                    await asyncio.wait((first,))
+            finally:
+                if not first.done():
+                    first.cancel()
+                    await asyncio.wait((first,))
+            try:
+                chunk = first.result()
+            except _Retry:  # e.g. the KV failed its checksum: whose fault the Prefill says
+                blame = await self._prefill_failure(prefill)
+                if blame is None:
+                    raise
+                self._excluded.discard(attempt.decode_id)  # the decode worker only reported it
+                raise blame from None
+            if chunk is not None:
+                yield chunk
+                async for chunk in relayed:
+                    yield chunk
+        finally:
+            if relayed is not None:
+                await relayed.aclose()
+            await self._settle(prefill, PREFILL_SETTLE_S if attempt.finished else 0.0)
+
+    async def _prefill_failure(self, prefill: asyncio.Future[Prefilled]
+                               ) -> _Retry | RouteError | None:
+        """How the Prefill ended, waited for up to ``PREFILL_VERDICT_S`` after the Generate
+        stream failed before its first chunk: its failure (which names the prefill worker,
+        as when the Prefill fails first), or None (it returned, or has not answered)."""
+        if not prefill.done():
+            await asyncio.wait((prefill,), timeout=PREFILL_VERDICT_S)
+        if not prefill.done() or prefill.cancelled():
+            return None
+        failure = prefill.exception()
+        return failure if isinstance(failure, _Retry | RouteError) else None
+
+    async def _settle(self, prefill: asyncio.Future[Prefilled], wait_s: float) -> None:
+        """Let the Prefill task end: waited for up to ``wait_s``, then cancelled (``_end``
+        aborts the attempt on the prefill worker if its call had not returned)."""
+        if not prefill.done() and wait_s > 0:
+            await asyncio.wait((prefill,), timeout=wait_s)
+        if not prefill.done():
+            prefill.cancel()
+            await asyncio.wait((prefill,))
+        if not prefill.cancelled() and prefill.exception() is not None and wait_s > 0:
+            self._log.warning("the Prefill call failed after the stream ended: %r",
+                              prefill.exception())
+
+    def _start_generate(self, attempt: _Attempt) -> grpc.aio.UnaryStreamCall:
         try:
             self._trace.mark("generate_started")
-            call = self._calls.start_generate(attempt.decode_id, attempt.lease, first,
-                                              self._timeout())
+            call = self._calls.start_generate(attempt.decode_id, attempt.lease, self._timeout())
         except KeyError:  # left the registry meanwhile (its channel is closed)
             raise self._decode_left(attempt) from None
         attempt.calls.append(call)
@@ -512,6 +587,14 @@ class Handoff:
         self._excluded.add(worker_id)
         if failure.unreachable:
             self._pool.mark_failed(worker_id, str(failure))
+
+
+async def _next(chunks_of: AsyncGenerator[OutputChunk, None]) -> OutputChunk | None:
+    """The next chunk, or None when the stream is over."""
+    try:
+        return await anext(chunks_of)
+    except StopAsyncIteration:
+        return None
 
 
 def _reraise_if_we_are_cancelled() -> None:

@@ -162,13 +162,14 @@ class WorkerCalls:
         return Prefilled(reply.first_token_id, reply.num_cached_tokens, reply.num_prompt_tokens,
                          times)
 
-    def start_generate(self, decode_id: str, lease: Lease, first: Prefilled, timeout_s: float
+    def start_generate(self, decode_id: str, lease: Lease, timeout_s: float
                        ) -> grpc.aio.UnaryStreamCall:
+        """The reservation's Generate stream, opened alongside the Prefill: the first token
+        and cached-token count come to the decode worker with the KV (the request's
+        ``first_token_id`` and ``num_cached_tokens`` stay 0: absent)."""
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
         return stub.Generate(pb.GenerateRequest(
-            request_id=self._req.request_id, first_token_id=first.first_token_id,
-            num_cached_tokens=first.num_cached_tokens, attempt_id=lease.attempt_id),
-            timeout=timeout_s)
+            request_id=self._req.request_id, attempt_id=lease.attempt_id), timeout=timeout_s)
 
     def start_generate_local(self, decode_id: str, lease: Lease, timeout_s: float
                              ) -> grpc.aio.UnaryStreamCall:

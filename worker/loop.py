@@ -417,6 +417,9 @@ class OutputStream(Generic[T]):
         self._queue: asyncio.Queue[T | WorkerError] = asyncio.Queue()
         self._capacity = capacity
         self._num_put = 0  # loop thread only
+        # monotonic, set by the loop: when what the request waited on outside this worker
+        # arrived (a decode stream opened before its KV: the KV's arrival); None: nothing
+        self.inputs_arrived_at: float | None = None
 
     def bound(self, capacity: int) -> None:
         """Set the capacity (the loop thread, when it learns how many items there can be)."""

@@ -66,10 +66,12 @@ def test_quick_reports_every_key(tmp_path: Path) -> None:
 
 def test_the_parts_add_up_to_the_ttft() -> None:
     result = {"ttft_ms": 50.0, "trace": {
-        "marks_ms": {"first_call": 1.0, "prefill_started": 2.0, "prefill_returned": 40.0,
-                     "generate_started": 40.5, "first_chunk": 45.0, "first_sent": 45.5},
+        "marks_ms": {"first_call": 1.0, "generate_started": 1.9, "prefill_started": 2.0,
+                     "first_chunk": 45.0, "prefill_returned": 45.2, "first_sent": 45.5},
         "prefill_ms": {"queue": 1.0, "compute": 30.0, "transfer": 5.0}}}
     parts = handoff.breakdown(result)
+    assert set(parts) == set(handoff.PARTS)
     assert sum(parts.values()) == pytest.approx(50.0)
-    assert parts["prefill_rpc"] == pytest.approx(2.0) and parts["delivery"] == 4.5
-    assert parts["decode_admission"] == 4.5 and parts["router_relay"] == 0.5
+    assert parts["reserve"] == pytest.approx(1.0) and parts["delivery"] == 4.5
+    # the first chunk 43 ms after the Prefill was sent, 36 of them on the prefill worker
+    assert parts["decode_admission"] == pytest.approx(7.0) and parts["router_relay"] == 0.5

@@ -155,10 +155,14 @@ def test_cancel_during_the_transfer(idle: Cluster) -> None:
 
 def test_cancel_between_prefill_and_decode(idle: Cluster) -> None:
     c = idle
+    router = PauseDir(c.pause_dir("router"))
     prefill, decode = PauseDir(c.pause_dir(0)), PauseDir(c.pause_dir("decode-0"))
+    # the Generate stream is opened alongside the Prefill; held back, the KV arrives first
+    router.arm("router.before_generate", request_id="w-between")
     prefill.arm("prefill.transfer_done")
     call = _start(c, "w-between", _prompt(40), 8)
     paused = prefill.wait_paused("prefill.transfer_done", PAUSED_S)
+    router.wait_paused("router.before_generate", PAUSED_S)
     try:
         _cancelled(call)
         _router_let_go(c)
@@ -166,6 +170,7 @@ def test_cancel_between_prefill_and_decode(idle: Cluster) -> None:
         wait_until(lambda: _decode_holds_nothing(c), 20.0, "decode to free the arrived KV")
     finally:
         prefill.release("prefill.transfer_done")
+        router.disarm("router.before_generate")
     attempt = paused["attempt_id"]
     assert not [r for r in decode.records("decode.admitted") if r["attempt_id"] == attempt]
     assert not [r for r in decode.records("decode.token") if r["attempt_id"] == attempt]
