@@ -193,6 +193,11 @@ def measure_breakdowns(args: argparse.Namespace, model_dir: Path, vocab: int
             asyncio.run(send_traced(running.router_address, warm, None))
             requests = Workload(spec, vocab, seed=args.seed + length).take(args.requests)
             results, _ = asyncio.run(send_traced(running.router_address, requests, None))
+            # a Prefill reply later than the stream's end (the router waits 1 s) has no
+            # timings in the trace: such a request cannot be split
+            results = [r for r in results if r["trace"]["prefill_ms"]]
+            if not results:
+                raise SystemExit("bench.handoff: no request's trace had the prefill timings")
             parts = [breakdown(r) for r in results]
             orchestration = [r["ttft_ms"] - b["prefill_compute"] - b["exposed_transfer"]
                              - b["delivery"] for r, b in zip(results, parts, strict=True)]

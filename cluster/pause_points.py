@@ -23,6 +23,9 @@ id of one attempt). Points, in the order of a request's life (what pauses where)
 - ``router.before_prefill`` (apause; request_id, attempt_id): the attempt's decode
   reservation is held (``decode.reserved`` passed) and its lease written; the Prefill
   call has not been sent.
+- ``router.before_generate`` (apause; request_id, attempt_id): the attempt's Prefill call
+  is under way; its Generate stream (normally opened with it) is not opened yet, so the
+  KV can arrive on the decode worker before any stream waits for it.
 - ``decode.reserved`` (apause, record; request_id, attempt_id, transfer_id): the decode
   worker reserved the attempt's blocks and armed its receiver; the Reserve reply is not
   sent yet (the decode worker's event loop goes on serving other calls).

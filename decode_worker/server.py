@@ -132,7 +132,8 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                 except WorkerError as exc:
                     await abort_with(context, exc)
                 chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.text_delta)
-                if first:  # how long the first chunk took here (from the later arrival)
+                if first:  # how long the first chunk took here (from the later of the call
+                    # and the loop noticing the KV's arrival)
                     since = max(started, stream.inputs_arrived_at or started)
                     chunk.timings.first_chunk_us = round((time.monotonic() - since) * 1e6)
                     first = False

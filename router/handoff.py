@@ -1,4 +1,4 @@
-"""One request's trip through the cluster: Reserve → Prefill → Generate, with retries.
+"""One request's trip through the cluster: Reserve, then Prefill and Generate, with retries.
 
 ``Handoff.stream()`` is the router's state machine for DESIGN.md's request lifecycle:
 
@@ -401,6 +401,7 @@ class Handoff:
         reply is awaited briefly for its timings, then the call is let go."""
         prefill = asyncio.ensure_future(self._prefill(attempt))
         relayed: AsyncGenerator[OutputChunk, None] | None = None
+        first: asyncio.Future[OutputChunk | None] | None = None
         try:
             if pause_points.enabled():
                 await pause_points.apause("router.before_generate",
@@ -430,6 +431,8 @@ class Handoff:
                 async for chunk in relayed:
                     yield chunk
         finally:
+            if first is not None and first.done() and not first.cancelled():
+                first.exception()  # retrieved: raised above, or superseded by a cancel
             if relayed is not None:
                 await relayed.aclose()
             await self._settle(prefill, PREFILL_SETTLE_S if attempt.finished else 0.0)
@@ -447,13 +450,16 @@ class Handoff:
         return failure if isinstance(failure, _Retry | RouteError) else None
 
     async def _settle(self, prefill: asyncio.Future[Prefilled], wait_s: float) -> None:
-        """Let the Prefill task end: waited for up to ``wait_s``, then cancelled (``_end``
-        aborts the attempt on the prefill worker if its call had not returned)."""
-        if not prefill.done() and wait_s > 0:
-            await asyncio.wait((prefill,), timeout=wait_s)
-        if not prefill.done():
-            prefill.cancel()
-            await asyncio.wait((prefill,))
+        """Let the Prefill task end: waited for up to ``wait_s``, then cancelled, also when
+        this task is cancelled meanwhile (``_end`` aborts the attempt on the prefill worker
+        if it did not finish cleanly and the call had not returned)."""
+        try:
+            if not prefill.done() and wait_s > 0:
+                await asyncio.wait((prefill,), timeout=wait_s)
+        finally:
+            if not prefill.done():
+                prefill.cancel()
+                await asyncio.wait((prefill,))
         if not prefill.cancelled() and prefill.exception() is not None and wait_s > 0:
             self._log.warning("the Prefill call failed after the stream ended: %r",
                               prefill.exception())

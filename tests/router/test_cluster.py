@@ -210,7 +210,6 @@ def test_a_client_that_asks_gets_the_trace(cluster: Cluster) -> None:
     prefill = trace["prefill_ms"]
     assert all(prefill[k] >= 0 for k in ("queue", "compute", "transfer")) and prefill["compute"] > 0
     assert sum(prefill.values()) <= marks["prefill_returned"] - marks["prefill_started"] + 0.1
-    assert sum(prefill.values()) <= marks["first_chunk"] - marks["prefill_started"] + 0.1
     assert 0 < trace["decode_first_chunk_ms"] <= (marks["first_chunk"]
                                                   - marks["generate_started"]) + 0.1
     assert len(trace["relay_ms"]) == len(chunks) and min(trace["relay_ms"]) >= 0

@@ -33,7 +33,7 @@ class DecodeWorkerStub:
     The first token and the prefill worker's cached-token count travel with the KV (as
     the transfer's last, checksummed message, to rank 0), so Generate needs nothing from
     the Prefill response; it may be opened any time after Reserve (the router opens it
-    once Prefill returned).
+    together with the Prefill call).
     """
 
     def __init__(self, channel):
@@ -77,7 +77,7 @@ class DecodeWorkerServicer:
     The first token and the prefill worker's cached-token count travel with the KV (as
     the transfer's last, checksummed message, to rank 0), so Generate needs nothing from
     the Prefill response; it may be opened any time after Reserve (the router opens it
-    once Prefill returned).
+    together with the Prefill call).
     """
 
     def Reserve(self, request, context):
@@ -207,7 +207,7 @@ class DecodeWorker:
     The first token and the prefill worker's cached-token count travel with the KV (as
     the transfer's last, checksummed message, to rank 0), so Generate needs nothing from
     the Prefill response; it may be opened any time after Reserve (the router opens it
-    once Prefill returned).
+    together with the Prefill call).
     """
 
     @staticmethod
