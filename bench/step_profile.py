@@ -46,6 +46,7 @@ from bench.common import (
     torch_threads,
 )
 from bench.engine import PromptSource, ensure_bench_model, kernel_facts, model_runner
+from engine.config import LINEAR_KERNELS
 from engine.models.layers import linear_layers
 
 LINEAR_ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
@@ -63,7 +64,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per pass")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--linear-kernel", default="auto", choices=["auto", "onednn", "torch", "mm_t"])
+    p.add_argument("--linear-kernel", default="auto", choices=list(LINEAR_KERNELS))
     p.add_argument("--bandwidth-mib", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)

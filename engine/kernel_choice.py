@@ -5,11 +5,12 @@ apply after loading (the leader chooses; its ranks get the plan in their launch
 message, so every rank runs the same kernels). In order of precedence:
 
 1. ``EngineConfig.linear_kernel`` other than ``"auto"``: that kernel everywhere;
-2. ``PDSERVE_LINEAR_KERNEL=onednn|torch|mm_t`` in the environment: likewise;
+2. ``PDSERVE_LINEAR_KERNEL=onednn|onednn_gemv|torch|mm_t`` in the environment: likewise;
 3. not a CPU, or only one kernel available: ``torch`` (``F.linear``);
 4. the cache (``$XDG_CACHE_HOME/pdserve/linear_kernels.json``, else
    ``~/.cache/pdserve/``), keyed by CPU model, torch version and CPU capability,
-   thread count and dtype, then by weight shape and timed batch sizes;
+   thread count, dtype and the candidate kernels, then by weight shape and timed batch
+   sizes;
 5. else every candidate is timed on this rank's real weight shapes (random weights) at
    a batch-1 decode, a batched decode and a prefill chunk (the LM head only at the two
    decode sizes: it sees one row per sequence); per shape the kernel with the lowest
@@ -85,10 +86,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def machine_key(dtype: torch.dtype, threads: int) -> str:
-    """What a cached timing is only valid for: CPU, torch build, threads, dtype."""
+def machine_key(dtype: torch.dtype, threads: int, candidates: Sequence[str] = ()) -> str:
+    """What a cached timing is only valid for: CPU, torch build, threads, dtype and the
+    kernels that were candidates (a choice made without a kernel says nothing about it)."""
     return (f"cpu={cpu_model()}|capability={torch.backends.cpu.get_cpu_capability()}"
-            f"|torch={torch.__version__}|threads={threads}|dtype={str(dtype).removeprefix('torch.')}")
+            f"|torch={torch.__version__}|threads={threads}|dtype={str(dtype).removeprefix('torch.')}"
+            f"|kernels={','.join(candidates)}")
 
 
 def default_cache_path() -> Path:
@@ -141,7 +144,7 @@ def choose_kernel_plan(config: EngineConfig, threads: int, *,
             return KernelPlan.uniform(pairs, str(wanted), source)
     if device.type != "cpu" or len(candidates) == 1:
         return KernelPlan.uniform(pairs, "torch", "default")
-    cache = KernelCache(cache_path or default_cache_path(), machine_key(dtype, threads))
+    cache = KernelCache(cache_path or default_cache_path(), machine_key(dtype, threads, candidates))
     chosen = {s: cache.get(s, candidates) for s in shapes}
     missing = [s for s, kernel in chosen.items() if kernel is None]
     if missing and measure is None:
@@ -169,7 +172,8 @@ def _check_forced(wanted: str, candidates: Sequence[str], source: str) -> None:
                          f"{sorted(KERNELS)} or 'auto'")
     if wanted not in candidates:
         raise ValueError(f"{where}={wanted!r} cannot run here (available: {list(candidates)}); "
-                         "onednn needs a CPU, float32 and a oneDNN-enabled torch")
+                         "onednn needs a CPU, float32 and a oneDNN-enabled torch; "
+                         "onednn_gemv also pdserve's compiled CPU kernels (a C compiler)")
 
 
 def pick_kernel(timings: Timings) -> str:
@@ -220,7 +224,7 @@ def measure_kernels(shape: LinearShape, kernels: Sequence[str], dtype: torch.dty
     return timings
 
 
-def _sample_block(x: torch.Tensor, prepared: dict[str, list[torch.Tensor]]) -> dict[str, list[float]]:
+def _sample_block(x: torch.Tensor, prepared: dict[str, list[Any]]) -> dict[str, list[float]]:
     """Interleaved calls of every kernel on ``x`` (each on the next of its prepared
     copies): a few, then as many more as fit in ``_BUDGET_S``."""
     block = {k: _sample_calls(KERNELS[k].apply, x, p, _SAMPLES[0]) for k, p in prepared.items()}
@@ -252,7 +256,7 @@ def warm_up(kernels: Sequence[str], dtype: torch.dtype, seconds: float = 0.03) -
 
 
 def _sample_calls(apply: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor],
-                  x: torch.Tensor, prepared: list[torch.Tensor], num: int, *,
+                  x: torch.Tensor, prepared: list[Any], num: int, *,
                   start: int | None = None) -> list[float]:
     """Seconds of ``num`` calls, each on the next prepared copy (``start=None``: the
     first sampling, after an untimed warm-up call)."""

@@ -7,6 +7,10 @@ from a copy of ``W`` it prepared once after loading (or ``W`` itself):
 - ``onednn``: oneDNN's pre-packed blocked layout (``mkldnn._linear_pointwise``); CPU fp32.
 - ``mm_t``: ``torch.mm``/``addmm`` on a contiguous ``W^T [in, out]`` (the "NN" GEMM
   layout rather than "NT"); any device.
+- ``onednn_gemv``: ``onednn``, except that one or two rows of ``x`` (a small decode
+  batch) go to pdserve's compiled GEMV (``engine.cpu_kernels``) on ``W`` itself, which
+  keeps more of the memory bus busy than oneDNN does at batch 1; CPU fp32, where the
+  compiled kernels could be built.
 
 Which is fastest depends on the CPU (MKL is slow on AMD, tuned on Intel), the shape
 and the batch size, so ``engine.kernel_choice`` times them and writes a
@@ -17,9 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from engine.cpu_kernels import ENV as CPU_KERNELS_ENV
+from engine.cpu_kernels import NativeKernels, native
 
 # Batch size oneDNN tunes the packed layout for; any batch size works.
 _ONEDNN_BATCH_HINT = 32
@@ -27,11 +35,12 @@ _ONEDNN_BATCH_HINT = 32
 
 @dataclass(frozen=True)
 class LinearKernel:
-    """``prepare(W [out, in]) -> prepared`` once; ``apply(x [..., in], prepared, bias)``."""
+    """``prepare(W [out, in]) -> prepared`` once (a tensor, or what the kernel needs);
+    ``apply(x [..., in], prepared, bias)``."""
 
     name: str
-    prepare: Callable[[torch.Tensor], torch.Tensor]
-    apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    prepare: Callable[[torch.Tensor], Any]
+    apply: Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
     available: Callable[[torch.device, torch.dtype], bool]
 
 
@@ -49,6 +58,41 @@ def _onednn_apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@dataclass(frozen=True)
+class _GemvPrepared:
+    """``onednn_gemv``'s copy: ``W`` itself for the GEMV, oneDNN's packing for the rest."""
+
+    weight: torch.Tensor
+    packed: torch.Tensor
+    kernels: NativeKernels
+
+
+def _onednn_gemv_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return _onednn_available(device, dtype) and native() is not None
+
+
+def _onednn_gemv_prepare(weight: torch.Tensor) -> _GemvPrepared:
+    kernels = native()
+    if kernels is None:
+        raise RuntimeError("linear kernel onednn_gemv needs pdserve's compiled CPU kernels, "
+                           f"which are unavailable here ({CPU_KERNELS_ENV}=0, or the build "
+                           "failed: see the log)")
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"linear kernel onednn_gemv takes a 2-d fp32 CPU weight, got "
+                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    weight = weight.contiguous()
+    return _GemvPrepared(weight, _onednn_prepare(weight), kernels)
+
+
+def _onednn_gemv_apply(x: torch.Tensor, prepared: _GemvPrepared,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is None or (bias.is_contiguous() and bias.dtype == torch.float32):
+        y = prepared.kernels.gemv_checked_weight(x, prepared.weight, bias)
+        if y is not None:
+            return y
+    return _onednn_apply(x, prepared.packed, bias)
+
+
 def _mm_t_apply(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     y = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
@@ -61,6 +105,8 @@ KERNELS: dict[str, LinearKernel] = {
     "onednn": LinearKernel("onednn", _onednn_prepare, _onednn_apply, _onednn_available),
     "mm_t": LinearKernel("mm_t", lambda w: w.t().contiguous(), _mm_t_apply,
                          lambda device, dtype: True),
+    "onednn_gemv": LinearKernel("onednn_gemv", _onednn_gemv_prepare, _onednn_gemv_apply,
+                                _onednn_gemv_available),
 }
 
 

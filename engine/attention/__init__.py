@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.flash_backend import FlashAttentionBackend, flash_available
 from engine.attention.metadata import (
     AttentionMetadata,
@@ -16,6 +17,7 @@ from engine.attention.metadata import (
     get_forward_context,
 )
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.cpu_kernels import native
 
 
 class AttentionBackend(Protocol):
@@ -27,9 +29,14 @@ class AttentionBackend(Protocol):
 
 def select_backend(device: torch.device, block_size: int, dtype: torch.dtype) -> AttentionBackend:
     """flash-attn on CUDA (fp16/bf16) when importable and the block size fits its kernels;
-    else torch SDPA."""
+    on the CPU in fp32, pdserve's compiled decode kernel where it could be built
+    (``PDSERVE_CPU_KERNELS=0`` switches it off); else torch SDPA."""
     if flash_available(device, block_size, dtype):
         return FlashAttentionBackend()
+    if device.type == "cpu" and dtype == torch.float32:
+        kernels = native()
+        if kernels is not None:
+            return CpuAttentionBackend(kernels)
     return TorchAttentionBackend()
 
 

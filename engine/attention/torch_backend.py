@@ -75,8 +75,7 @@ class TorchAttentionBackend:
                                              scale=scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(num_seqs * n, q.shape[1], q.shape[2])
 
-    @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         """One query token per sequence, q ``[B, Hq, D]`` → ``[B, Hq, D]``, over the keys of
         its blocks. The query heads that share a KV head go in as that head's query rows

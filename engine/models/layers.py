@@ -15,10 +15,13 @@ shape, with that kernel's prepared copy of the weight (e.g. oneDNN's packed layo
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cpu_kernels import native
 from engine.distributed import Group
 from engine.linear_kernels import KERNELS, KernelPlan, LinearKernel
 from engine.sharding import kv_head_range, shard_range
@@ -44,7 +47,7 @@ class _Linear(nn.Module):
 
     def _init_kernel(self) -> None:
         self._kernel: LinearKernel = KERNELS["torch"]
-        self._prepared: torch.Tensor | None = None
+        self._prepared: Any = None
 
     @property
     def kernel_name(self) -> str:
@@ -218,6 +221,9 @@ class ParallelLMHead(VocabParallelEmbedding, _Linear):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dim: pdserve's compiled kernel for contiguous fp32 CPU
+    inputs where it could be built (``engine.cpu_kernels``), else ``F.rms_norm``."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -225,6 +231,11 @@ class RMSNorm(nn.Module):
         self.weight.data.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            kernels = native()
+            out = kernels.rms_norm(x, self.weight, self.eps) if kernels is not None else None
+            if out is not None:
+                return out
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def load_weight(self, name: str, loaded: torch.Tensor) -> None:
@@ -232,6 +243,12 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: silu(gate) * up over the last dim split in halves (one new tensor)."""
+    """SwiGLU: silu(gate) * up over the last dim split in halves (one new tensor); in one
+    pass by pdserve's compiled kernel for contiguous fp32 CPU inputs where it was built."""
+    if gate_up.device.type == "cpu" and gate_up.dtype == torch.float32:
+        kernels = native()
+        out = kernels.silu_and_mul(gate_up) if kernels is not None else None
+        if out is not None:
+            return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)

@@ -224,7 +224,7 @@ def test_forced_kernels_generate_the_same_tokens(llama_dir: Path) -> None:
         with LLM(llama_dir, num_kv_blocks=64, linear_kernel=kernel) as llm:
             assert llm.core.executor.runner.linear_kernel == kernel
             tokens[kernel] = [r.token_ids for r in llm.generate(PROMPTS[:3], greedy)]
-    assert tokens["onednn"] == tokens["torch"] == tokens["mm_t"]
+    assert all(t == tokens["torch"] for t in tokens.values()), tokens
 
 
 def test_a_plan_without_a_shape_is_refused() -> None:

@@ -1,12 +1,15 @@
-"""The CPU attention backend: batching of fresh prefill chunks, and decode attention."""
+"""The CPU attention backends: batching of fresh prefill chunks, and decode attention
+(torch SDPA, and pdserve's compiled paged decode kernel)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.metadata import AttentionMetadata, PrefillSpan
 from engine.attention.torch_backend import TorchAttentionBackend, fresh_runs
+from engine.cpu_kernels import native
 
 BLOCKS = torch.arange(4)
 
@@ -39,6 +42,13 @@ def test_a_batched_run_is_bitwise_the_per_chunk_attention() -> None:
     assert torch.equal(batched, per_chunk)
 
 
+def _compiled() -> CpuAttentionBackend:
+    kernels = native()
+    if kernels is None:
+        pytest.skip("pdserve's compiled CPU kernels could not be built here")
+    return CpuAttentionBackend(kernels)
+
+
 @pytest.mark.parametrize("device,dtype", [
     ("cpu", torch.float32),
     pytest.param("cuda", torch.float32, marks=pytest.mark.gpu),
@@ -52,15 +62,38 @@ def test_decode_attention_matches_dense_attention_per_sequence(
     torch.manual_seed(0)
     torch.set_default_device(device)
     try:
-        _check_decode_attention(num_q_heads, num_kv_heads, dtype)
+        _check_decode_attention(TorchAttentionBackend(), num_q_heads, num_kv_heads, dtype,
+                                block_size=4, head_dim=8)
     finally:
         torch.set_default_device(None)
 
 
-def _check_decode_attention(num_q_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
-    block_size, head_dim, num_blocks, scale = 4, 8, 16, 0.3
+@pytest.mark.parametrize("block_size,head_dim", [(4, 16), (32, 32), (16, 64)])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_compiled_decode_attention_matches_dense_attention_per_sequence(
+        num_q_heads: int, num_kv_heads: int, block_size: int, head_dim: int) -> None:
+    """The compiled kernel, over runs of 16 keys that end at a block's end (block size
+    4), fill part of a block (32) or exactly one (16), contexts ending mid-run."""
+    torch.manual_seed(1)
+    _check_decode_attention(_compiled(), num_q_heads, num_kv_heads, torch.float32,
+                            block_size=block_size, head_dim=head_dim)
+
+
+def test_compiled_backend_hands_shapes_it_does_not_take_to_torch() -> None:
+    """head_dim 8 is not a multiple of the kernel's 16 lanes: the torch path answers."""
+    torch.manual_seed(2)
+    backend = _compiled()
+    assert not backend.kernels.supports_decode_attention(torch.empty(3, 4, 8),
+                                                         torch.empty(2, 16, 4, 2, 8))
+    _check_decode_attention(backend, 4, 2, torch.float32, block_size=4, head_dim=8)
+
+
+def _check_decode_attention(backend: TorchAttentionBackend, num_q_heads: int, num_kv_heads: int,
+                            dtype: torch.dtype, *, block_size: int, head_dim: int) -> None:
+    num_blocks, scale = 16, 0.3
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-    context_lens = [9, 3, 12]  # 3, 1 and 3 blocks
+    # 3, 1 and 3 blocks (at block size 4); longer contexts where blocks are larger
+    context_lens = [2 * block_size + 1, min(3, block_size), 3 * block_size]
     width = 3
     perm = torch.randperm(num_blocks).tolist()
     tables = [perm[0:3], perm[3:4] + [0, 0], perm[4:7]]
@@ -74,7 +107,7 @@ def _check_decode_attention(num_q_heads: int, num_kv_heads: int, dtype: torch.dt
     # a slice of the q|k heads, as the model passes it
     q = torch.randn(3, num_q_heads + num_kv_heads, head_dim, dtype=dtype)[:, :num_q_heads]
 
-    out = TorchAttentionBackend._decode(q, kv_cache, meta, scale).float()
+    out = backend._decode(q, kv_cache, meta, scale).float()
 
     group = num_q_heads // num_kv_heads
     atol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -114,3 +114,9 @@ def test_client_commands_work_without_the_extra(sdk_env: Path) -> None:
     result = _python(sdk_env, "-m", "pdserve", "generate", "hi", "--address", "127.0.0.1:1",
                      "--timeout", "2")
     assert result.returncode == 1 and "UNAVAILABLE" in result.stderr, result.stderr
+
+
+def test_the_installed_package_carries_the_cpu_kernels_source(sdk_env: Path) -> None:
+    """engine.cpu_kernels compiles kernels.c on the user's machine: it must be installed."""
+    installed = sdk_env / "site" / "engine" / "cpu_kernels" / "kernels.c"
+    assert installed.read_text() == (REPO_ROOT / "engine" / "cpu_kernels" / "kernels.c").read_text()

@@ -1,0 +1,192 @@
+"""pdserve's compiled CPU kernels: a batch-1/2 GEMV that keeps the memory bus busy, a
+paged decode attention that reads K/V where they lie in the cache, and RMSNorm and
+SwiGLU in one pass each (torch runs several small kernels for either).
+
+Contract (used by ``engine.linear_kernels`` and ``engine.attention.cpu_backend``):
+
+- ``native()`` returns the loaded kernels, building them on first use
+  (``engine.cpu_kernels.build``), or ``None`` where they cannot run: not x86-64/ARM
+  Linux with a C compiler, the build failed (logged once, with the compiler's output),
+  or ``PDSERVE_CPU_KERNELS=0`` in the environment. Callers then use their torch path,
+  so a machine without a compiler serves exactly as before, only slower.
+- Every kernel takes fp32 CPU tensors, runs on ``torch.get_num_threads()`` threads of
+  torch's own OpenMP pool, and returns a new tensor. ``gemv`` and
+  ``paged_decode_attention`` raise ``ValueError`` for arguments they do not handle
+  (callers check ``supports_*`` first); ``rms_norm``, ``silu_and_mul`` and
+  ``gemv_checked_weight`` return ``None`` instead, and the caller runs its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import torch
+
+from engine.cpu_kernels.build import BuildError, build
+
+__all__ = ["ENV", "BuildError", "NativeKernels", "native"]
+
+ENV = "PDSERVE_CPU_KERNELS"
+GEMV_MAX_ROWS = 2  # above this oneDNN's packed GEMM is faster (measured on AMD EPYC)
+_log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_loaded: dict[str, NativeKernels | None] = {}
+
+_i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+def _ptr_of(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeKernels:
+    """The loaded library's kernels as torch functions."""
+
+    def __init__(self, library: ctypes.CDLL, path: str) -> None:
+        self.path = path
+        self._gemv = library.pd_gemv_f32
+        self._gemv.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int]
+        self._gemv.restype = _int
+        self._attn = library.pd_paged_decode_attention_f32
+        self._attn.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                               _ptr, _i64, _ptr, _i64, _f32, _ptr, _int]
+        self._attn.restype = _int
+        self._rms_norm = library.pd_rms_norm_f32
+        self._rms_norm.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr, _int]
+        self._rms_norm.restype = _int
+        self._silu_mul = library.pd_silu_mul_f32
+        self._silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, _int]
+        self._silu_mul.restype = _int
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim, or ``None`` unless
+        ``x`` and ``weight`` are contiguous fp32 CPU tensors of matching width."""
+        if not (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
+                and x.dim() > 0 and x.is_contiguous() and weight.is_contiguous()
+                and weight.shape == (x.shape[-1],) and x.shape[-1] > 0):
+            return None
+        out = torch.empty_like(x)
+        rc = self._rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+                            weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+        return out if rc == 0 else None
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """SwiGLU ``silu(gate) * up`` of ``gate_up [..., 2 * n]`` (gate | up) → ``[..., n]``,
+        or ``None`` unless it is a contiguous fp32 CPU tensor with an even last dim."""
+        if not (gate_up.dtype == torch.float32 and gate_up.device.type == "cpu"
+                and gate_up.dim() > 0 and gate_up.is_contiguous() and gate_up.shape[-1] > 0
+                and gate_up.shape[-1] % 2 == 0):
+            return None
+        half = gate_up.shape[-1] // 2
+        out = torch.empty(*gate_up.shape[:-1], half, dtype=gate_up.dtype)
+        rc = self._silu_mul(gate_up.data_ptr(), gate_up.numel() // gate_up.shape[-1], half,
+                            out.data_ptr(), torch.get_num_threads())
+        return out if rc == 0 else None
+
+    @staticmethod
+    def supports_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``gemv`` takes these (at most ``GEMV_MAX_ROWS`` rows of ``x``)."""
+        return (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
+                and weight.device.type == "cpu" and x.numel() > 0
+                and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS
+                and x.is_contiguous() and weight.is_contiguous() and weight.dim() == 2
+                and x.shape[-1] == weight.shape[1])
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., in] @ weight[out, in]^T + bias``, for a few rows of ``x``."""
+        if not self.supports_gemv(x, weight):
+            raise ValueError(f"gemv takes contiguous fp32 CPU tensors and at most "
+                             f"{GEMV_MAX_ROWS} rows; got x {tuple(x.shape)} {x.dtype}, "
+                             f"weight {tuple(weight.shape)} {weight.dtype}")
+        if bias is not None:
+            bias = bias.contiguous()
+            if bias.shape != (weight.shape[0],) or bias.dtype != torch.float32:
+                raise ValueError(f"gemv bias must be fp32 [{weight.shape[0]}], got "
+                                 f"{tuple(bias.shape)} {bias.dtype}")
+        y = self.gemv_checked_weight(x, weight, bias)
+        assert y is not None  # supports_gemv said yes
+        return y
+
+    def gemv_checked_weight(self, x: torch.Tensor, weight: torch.Tensor,
+                            bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``gemv`` for a caller that checked ``weight`` (contiguous fp32 CPU ``[out, in]``)
+        and ``bias`` (``None`` or contiguous fp32 ``[out]``) once, at load: checks only
+        ``x`` (per call), and returns ``None`` where ``x`` is not for the GEMV."""
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        if not (0 < rows <= GEMV_MAX_ROWS and x.dtype == torch.float32 and x.is_contiguous()
+                and x.device.type == "cpu" and x.shape[-1] == weight.shape[1]):
+            return None
+        n = weight.shape[0]
+        y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+        rc = self._gemv(x.data_ptr(), rows, x.shape[-1], weight.data_ptr(), n, _ptr_of(bias),
+                        y.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"gemv refused its arguments (code {rc})")
+        return y
+
+    @staticmethod
+    def supports_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether ``paged_decode_attention`` takes q ``[B, Hq, D]`` over this cache."""
+        if q.dim() != 3 or kv_cache.dim() != 5 or q.numel() == 0:
+            return False
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_q_heads = q.shape[1]
+        return (q.dtype == kv_cache.dtype == torch.float32 and q.device.type == "cpu"
+                and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+                and q.shape[2] == head_dim and num_q_heads % num_kv_heads == 0
+                and q.stride(2) == 1 and q.stride(1) == head_dim
+                and num_q_heads // num_kv_heads <= 64 and head_dim % 16 == 0
+                and num_q_heads // num_kv_heads * head_dim <= 8192)
+
+    def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+        """Softmax attention of each sequence's one query token ``q [B, Hq, D]`` over the
+        first ``context_lens[i]`` slots of its blocks ``block_tables [B, max_blocks]`` in
+        ``kv_cache [2, num_blocks, block_size, Hk, D]`` → ``[B, Hq, D]``. Query heads
+        ``h * Hq/Hk .. (h+1) * Hq/Hk - 1`` share KV head ``h`` (GQA/MQA)."""
+        if not self.supports_decode_attention(q, kv_cache):
+            raise ValueError(f"paged_decode_attention does not take q {tuple(q.shape)} "
+                             f"{q.dtype} over a cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
+        num_seqs, num_q_heads, head_dim = q.shape
+        num_blocks, block_size, num_kv_heads = kv_cache.shape[1:4]
+        tables = block_tables.to(torch.int64).contiguous()
+        lens = context_lens.to(torch.int64).contiguous()
+        if tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
+            raise ValueError(f"block_tables {tuple(tables.shape)} and context_lens "
+                             f"{tuple(lens.shape)} do not match {num_seqs} sequences")
+        out = torch.empty(num_seqs, num_q_heads, head_dim, dtype=q.dtype)
+        rc = self._attn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                        num_blocks, block_size, num_kv_heads, head_dim,
+                        num_q_heads // num_kv_heads, tables.data_ptr(), tables.shape[1],
+                        lens.data_ptr(), num_seqs, scale, out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            what = {-2: "a context length outside its block table",
+                    -3: "a block id outside the cache"}.get(rc, f"code {rc}")
+            raise ValueError(f"paged_decode_attention refused its arguments: {what}")
+        return out
+
+
+def native() -> NativeKernels | None:
+    """The compiled kernels, built and loaded on first call (once per process), or
+    ``None`` where they are switched off or cannot be built here (see the module
+    docstring)."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    with _lock:
+        if "kernels" not in _loaded:
+            _loaded["kernels"] = _load()
+        return _loaded["kernels"]
+
+
+def _load() -> NativeKernels | None:
+    try:
+        path = build()
+        return NativeKernels(ctypes.CDLL(str(path)), str(path))
+    except (BuildError, OSError) as e:
+        _log.warning("pdserve's compiled CPU kernels are unavailable, using torch kernels: %s", e)
+        return None

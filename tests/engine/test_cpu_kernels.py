@@ -1,0 +1,172 @@
+"""pdserve's compiled CPU kernels: building and caching the library, the GEMV, RMSNorm
+and SwiGLU against torch's, the argument checks, and what happens where they cannot be
+built or are switched off (the paged decode attention: tests/engine/test_torch_attention.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.cpu_kernels import GEMV_MAX_ROWS, NativeKernels, native
+from engine.cpu_kernels.build import SOURCE, build, library_path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> NativeKernels:
+    loaded = native()
+    if loaded is None:
+        pytest.skip("pdserve's compiled CPU kernels could not be built here")
+    return loaded
+
+
+@pytest.mark.parametrize("rows", range(1, GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("out_features,in_features", [(768, 512), (33, 17), (5, 3), (4, 1)])
+def test_gemv_is_the_linear(kernels: NativeKernels, rows: int, out_features: int,
+                            in_features: int) -> None:
+    """Every output row (the ones past the last group of 4 too), with and without bias,
+    for 2-d and 3-d inputs."""
+    torch.manual_seed(rows * out_features)
+    x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+    b = torch.randn(out_features)
+    torch.testing.assert_close(kernels.gemv(x, w, b), x @ w.T + b, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.gemv(x[None], w), (x @ w.T)[None], rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_refuses_what_it_does_not_take(kernels: NativeKernels) -> None:
+    w = torch.randn(8, 16)
+    for x in (torch.randn(GEMV_MAX_ROWS + 1, 16),  # a batch oneDNN should take
+              torch.randn(16, 2).T,  # not contiguous
+              torch.randn(1, 16, dtype=torch.float64),
+              torch.randn(1, 15)):  # inner sizes differ
+        assert not kernels.supports_gemv(x, w)
+        with pytest.raises(ValueError, match="gemv takes"):
+            kernels.gemv(x, w)
+    with pytest.raises(ValueError, match="bias"):
+        kernels.gemv(torch.randn(1, 16), w, torch.randn(7))
+
+
+@pytest.mark.parametrize("shape", [(1, 512), (33, 512), (5, 7), (2, 3, 64), (0, 16)])
+def test_rms_norm_is_torchs(kernels: NativeKernels, shape: tuple[int, ...]) -> None:
+    """Widths that fill the vector lanes and ones that do not; more rows than one
+    thread takes; a 3-d input; no rows at all."""
+    torch.manual_seed(len(shape) + shape[-1])
+    x, w = torch.randn(*shape) * 3, torch.randn(shape[-1])
+    out = kernels.rms_norm(x, w, 1e-6)
+    assert out is not None
+    torch.testing.assert_close(out, F.rms_norm(x, (shape[-1],), w, 1e-6))
+
+
+@pytest.mark.parametrize("shape", [(1, 2816), (32, 2816), (3, 14), (2, 3, 64)])
+def test_silu_and_mul_is_torchs(kernels: NativeKernels, shape: tuple[int, ...]) -> None:
+    """Including gates far out on both sides (where e^-g would overflow)."""
+    torch.manual_seed(shape[-1])
+    gate_up = torch.randn(*shape) * 8
+    gate_up.view(-1)[:4] = torch.tensor([-120.0, 120.0, -0.0, 1e-30])
+    out = kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert out is not None and torch.isfinite(out).all()
+    torch.testing.assert_close(out, F.silu(gate) * up)
+
+
+def test_norm_and_activation_leave_what_they_do_not_take_to_torch(kernels: NativeKernels) -> None:
+    x = torch.randn(4, 32)
+    assert kernels.rms_norm(x.T, torch.randn(4), 1e-6) is None  # not contiguous
+    assert kernels.rms_norm(x.double(), torch.randn(32).double(), 1e-6) is None
+    assert kernels.rms_norm(x, torch.randn(31), 1e-6) is None
+    assert kernels.silu_and_mul(torch.randn(4, 7)) is None  # odd width
+    assert kernels.silu_and_mul(x.T) is None
+
+
+def test_decode_attention_refuses_tables_that_point_outside_the_cache(
+        kernels: NativeKernels) -> None:
+    kv_cache = torch.randn(2, 4, 16, 2, 16)
+    q = torch.randn(2, 4, 16)
+    tables = torch.tensor([[0, 1], [2, 3]])
+    ok = kernels.paged_decode_attention(q, kv_cache, tables, torch.tensor([17, 32]), 0.25)
+    assert ok.shape == (2, 4, 16) and torch.isfinite(ok).all()
+    with pytest.raises(ValueError, match="block id outside the cache"):
+        kernels.paged_decode_attention(q, kv_cache, torch.tensor([[0, 1], [2, 4]]),
+                                       torch.tensor([17, 32]), 0.25)
+    with pytest.raises(ValueError, match="context length outside its block table"):
+        kernels.paged_decode_attention(q, kv_cache, tables, torch.tensor([17, 33]), 0.25)
+    with pytest.raises(ValueError, match="context length outside its block table"):
+        kernels.paged_decode_attention(q, kv_cache, tables, torch.tensor([0, 3]), 0.25)
+    with pytest.raises(ValueError, match="do not match"):
+        kernels.paged_decode_attention(q, kv_cache, tables[:1], torch.tensor([17]), 0.25)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_kernels_share_torchs_openmp_runtime(kernels: NativeKernels) -> None:
+    """One libgomp in the process: the kernels' threads are torch's, not a second pool
+    spinning against it on the same cores."""
+    kernels.gemv(torch.randn(1, 64), torch.randn(64, 64))
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_the_library_is_built_once_per_source(tmp_path: Path) -> None:
+    """Concurrent builders end with one library; another source gets another file."""
+    paths: list[Path] = []
+    threads = [threading.Thread(target=lambda: paths.append(build(directory=tmp_path)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(paths) == 3 and len(set(paths)) == 1 and paths[0].exists()
+    assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]  # no temporary left
+    other = tmp_path / "other.c"
+    other.write_text(SOURCE.read_text() + "\n/* changed */\n")
+    assert library_path(other, tmp_path) != paths[0]
+
+
+def _probe(env: dict[str, str]) -> list[str]:
+    """What a fresh process gets with ``env``: the kernels, the attention backend,
+    the linear kernels on offer, then its stderr lines."""
+    code = ("import torch\n"
+            "from engine.cpu_kernels import native\n"
+            "from engine.attention import select_backend\n"
+            "from engine.linear_kernels import available_kernels\n"
+            "print(native() is not None)\n"
+            "print(select_backend(torch.device('cpu'), 16, torch.float32).name)\n"
+            "print(','.join(available_kernels(torch.device('cpu'), torch.float32)))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines() + done.stderr.splitlines()
+
+
+def test_switched_off_the_engine_uses_its_torch_kernels(tmp_path: Path) -> None:
+    out = _probe({"PDSERVE_CPU_KERNELS": "0", "XDG_CACHE_HOME": str(tmp_path)})
+    assert out[:2] == ["False", "torch"] and "onednn_gemv" not in out[2].split(",")
+    assert not (tmp_path / "pdserve" / "kernels").exists()  # nothing was built
+
+
+def test_without_a_working_compiler_the_engine_uses_its_torch_kernels(tmp_path: Path) -> None:
+    """A failing build is logged once with the compiler's words, not raised."""
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fake-cc 1.0; exit 0; }\n"
+                       "echo 'fake-cc: cannot compile here' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    out = _probe({"CC": str(failing), "XDG_CACHE_HOME": str(tmp_path)})
+    assert out[:2] == ["False", "torch"] and "onednn_gemv" not in out[2].split(",")
+    warnings = [line for line in out[3:] if "compiled CPU kernels are unavailable" in line]
+    assert len(warnings) == 1 and "fake-cc: cannot compile here" in "\n".join(out[3:])
+
+
+def test_with_a_compiler_the_engine_uses_the_compiled_kernels(tmp_path: Path) -> None:
+    out = _probe({"XDG_CACHE_HOME": str(tmp_path)})
+    if out[0] != "True":
+        pytest.skip("pdserve's compiled CPU kernels could not be built here")
+    assert out[1] == "cpu" and "onednn_gemv" in out[2].split(",")
+    assert len(list((tmp_path / "pdserve" / "kernels").glob("*.so"))) == 1
