@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
+from engine.cpu_kernels import native
 from engine.sampling_params import SamplingParams
 
 _SEED_DOMAIN = b"pdserve.sample.v1"
@@ -36,7 +37,9 @@ def sample(
     """
     _check_inputs(logits, params, positions)
     if all(p.greedy for p in params):
-        return logits.argmax(dim=-1).tolist()
+        kernels = native() if logits.device.type == "cpu" else None
+        fast = kernels.argmax_rows(logits) if kernels is not None else None
+        return (fast if fast is not None else logits.argmax(dim=-1)).tolist()
     token_ids = logits.argmax(dim=-1)  # [num_seqs]; random rows are overwritten below
     rows = [i for i, p in enumerate(params) if not p.greedy]
     row_params = [params[i] for i in rows]

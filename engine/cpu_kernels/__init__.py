@@ -1,6 +1,7 @@
 """pdserve's compiled CPU kernels: a batch-1/2 GEMV that keeps the memory bus busy, a
-paged decode attention that reads K/V where they lie in the cache, and RMSNorm and
-SwiGLU in one pass each (torch runs several small kernels for either).
+paged decode attention that reads K/V where they lie in the cache, RMSNorm and SwiGLU
+in one pass each (torch runs several small kernels for either), the rotary embedding,
+and a row-wise argmax for greedy sampling.
 
 Contract (used by ``engine.linear_kernels`` and ``engine.attention.cpu_backend``):
 
@@ -12,8 +13,9 @@ Contract (used by ``engine.linear_kernels`` and ``engine.attention.cpu_backend``
 - Every kernel takes fp32 CPU tensors, runs on ``torch.get_num_threads()`` threads of
   torch's own OpenMP pool, and returns a new tensor. ``gemv`` and
   ``paged_decode_attention`` raise ``ValueError`` for arguments they do not handle
-  (callers check ``supports_*`` first); ``rms_norm``, ``silu_and_mul`` and
-  ``gemv_checked_weight`` return ``None`` instead, and the caller runs its torch path.
+  (callers check ``supports_*`` first); ``rms_norm``, ``silu_and_mul``, ``rope``,
+  ``argmax_rows`` and ``gemv_checked_weight`` return ``None`` instead, and the caller
+  runs its torch path.
 """
 
 from __future__ import annotations
@@ -60,6 +62,40 @@ class NativeKernels:
         self._silu_mul = library.pd_silu_mul_f32
         self._silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, _int]
         self._silu_mul.restype = _int
+        self._argmax = library.pd_argmax_rows_f32
+        self._argmax.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _int]
+        self._argmax.restype = _int
+        self._rope = library.pd_rope_f32
+        self._rope.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int]
+        self._rope.restype = _int
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """Rotary embedding (rotate-half layout) of ``x [T, H, D]`` with per-token
+        ``cos``, ``sin [T, 1, D]`` (``sin`` as ``(-sin | sin)``): ``x * cos + [x2 | x1] *
+        sin`` → a new contiguous ``[T, H, D]``; ``None`` unless the heads of each token of
+        ``x`` are contiguous and everything is fp32 on the CPU."""
+        if not (x.dim() == 3 and x.dtype == cos.dtype == sin.dtype == torch.float32
+                and x.device.type == "cpu" and x.shape[2] % 2 == 0 and x.shape[2] > 0
+                and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+                and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2])
+                and cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        out = torch.empty(x.shape, dtype=x.dtype)
+        rc = self._rope(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2],
+                        x.stride(0) if x.shape[0] > 1 else x.shape[1] * x.shape[2],
+                        cos.data_ptr(), sin.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        return out if rc == 0 else None
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x.argmax(dim=-1)`` of a 2-d fp32 CPU tensor whose rows are contiguous (ties and
+        NaN as torch: the first largest, the first NaN), or ``None`` for anything else."""
+        if not (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+                and x.shape[1] > 0 and x.stride(1) == 1 and x.stride(0) >= x.shape[1]):
+            return None
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        rc = self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+                          torch.get_num_threads())
+        return out if rc == 0 else None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim, or ``None`` unless
@@ -172,14 +208,16 @@ class NativeKernels:
 
 
 def native() -> NativeKernels | None:
-    """The compiled kernels, built and loaded on first call (once per process), or
-    ``None`` where they are switched off or cannot be built here (see the module
-    docstring)."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
+    """The compiled kernels, built and loaded on first call, or ``None`` where they are
+    switched off or cannot be built here (see the module docstring). Decided once per
+    process (``PDSERVE_CPU_KERNELS`` is read at the first call): later calls are a
+    dictionary lookup, cheap enough for every layer's forward."""
+    if "kernels" in _loaded:
+        return _loaded["kernels"]
     with _lock:
         if "kernels" not in _loaded:
-            _loaded["kernels"] = _load()
+            off = os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off")
+            _loaded["kernels"] = None if off else _load()
         return _loaded["kernels"]
 
 

@@ -210,6 +210,75 @@ int pd_silu_mul_f32(const float *gate_up, int64_t rows, int64_t half, float *out
     return 0;
 }
 
+/* --------------------------------------------------------------------- RoPE */
+
+/* Rotary embedding in the "rotate half" layout: for token t and head h of x
+ * (x + t * token_stride + h * dim, heads contiguous), with c = cos[t], s = sin[t] (each
+ * [dim], the second half of s already negated on the first: (-sin | sin)),
+ * out[t, h] = x * c + [x2 | x1] * s where x = [x1 | x2]. out is [tokens, heads, dim]. */
+int pd_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t dim,
+                int64_t token_stride, const float *cos, const float *sin, float *out,
+                int num_threads) {
+    if (tokens < 0 || heads < 1 || dim < 2 || dim % 2 || token_stride < heads * dim
+        || num_threads < 1)
+        return -1;
+    const int64_t half = dim / 2;
+    const int threads = tokens * heads * dim >= 65536 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * dim, *s = sin + t * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + t * token_stride + h * dim;
+            float *o = out + (t * heads + h) * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++) o[d] = xh[d] * c[d] + xh[d + half] * s[d];
+#pragma omp simd
+            for (int64_t d = half; d < dim; d++) o[d] = xh[d] * c[d] + xh[d - half] * s[d];
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------- argmax */
+
+/* out[r] = the index of the largest of x[r, 0..cols), the first one on ties, as
+ * torch.argmax does; a row holding NaN gives its first NaN's index (torch counts NaN
+ * as the largest). Rows start row_stride floats apart. */
+int pd_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t row_stride,
+                       int64_t *out, int num_threads) {
+    if (rows < 0 || cols < 1 || row_stride < cols || num_threads < 1) return -1;
+    const int threads = rows * cols >= 65536 ? num_threads : 1;
+    const int64_t vec = cols - cols % LANES;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * row_stride;
+        /* pass 1: the maximum, and whether a NaN is there (NaN != NaN) */
+        f16v best = (f16v){0} - INFINITY;
+        i16v nan = {0};
+        for (int64_t c = 0; c < vec; c += LANES) {
+            const f16v v = load16(xr + c);
+            nan |= v != v;
+            best = select16(v > best, v, best);
+        }
+        float m = max16(best);
+        int any_nan = 0;
+        for (int i = 0; i < LANES; i++) any_nan |= nan[i] != 0;
+        for (int64_t c = vec; c < cols; c++) {
+            any_nan |= xr[c] != xr[c];
+            m = xr[c] > m ? xr[c] : m;
+        }
+        /* pass 2: its first index */
+        int64_t found = 0;
+        for (int64_t c = 0; c < cols; c++)
+            if (any_nan ? xr[c] != xr[c] : xr[c] == m) {
+                found = c;
+                break;
+            }
+        out[r] = found;
+    }
+    return 0;
+}
+
 /* Prefetch (into L2) the keys and values of the run of up to 16 positions from pos,
  * heads_width floats of each token from head_offset: a run starts in a block anywhere in
  * the cache, where the hardware prefetcher cannot guess it. */

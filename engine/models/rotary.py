@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from engine.config import RopeScaling
+from engine.cpu_kernels import native
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -55,7 +56,13 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on ``x [T, H, D]`` — any heads, e.g. a layer's q and k heads side by side,
-        rotated in one pass: ``[x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin]``."""
+        rotated in one pass: ``[x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin]``; by
+        pdserve's compiled kernel for fp32 CPU tensors where it was built."""
         cos, signed_sin = cos_sin
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            kernels = native()
+            out = kernels.rope(x, cos, signed_sin) if kernels is not None else None
+            if out is not None:
+                return out
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin

@@ -77,6 +77,39 @@ def test_silu_and_mul_is_torchs(kernels: NativeKernels, shape: tuple[int, ...]) 
     torch.testing.assert_close(out, F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("tokens,dim", [(1, 64), (5, 16), (37, 6)])
+def test_rope_is_the_rotate_half_formula(kernels: NativeKernels, tokens: int, dim: int) -> None:
+    """On the q|k head slice of a fused qkv row, as the model passes it."""
+    from engine.models.rotary import RotaryEmbedding
+
+    torch.manual_seed(tokens)
+    rotary = RotaryEmbedding(dim, 512, 10000.0, None)
+    cos, sin = rotary.cos_sin(torch.randint(0, 512, (tokens,)), torch.float32)
+    qkv = torch.randn(tokens, 7 * dim)
+    qk = qkv[:, :5 * dim].view(tokens, 5, dim)
+    x1, x2 = qk.chunk(2, dim=-1)
+    out = kernels.rope(qk, cos, sin)
+    assert out is not None
+    torch.testing.assert_close(out, qk * cos + torch.cat((x2, x1), dim=-1) * sin)
+    assert kernels.rope(qk.transpose(0, 1), cos, sin) is None  # heads not contiguous
+
+
+def test_argmax_rows_is_torchs(kernels: NativeKernels) -> None:
+    """Random rows, ties (the first wins), NaN (the first NaN wins), -inf and constant
+    rows, widths off the vector lanes, and a row-strided view."""
+    torch.manual_seed(3)
+    x = torch.randn(40, 32003)
+    x[1, 7] = x[1, 20000] = 50.0  # a tie
+    x[2, 30000], x[2, 5] = float("nan"), float("nan")
+    x[3] = float("-inf")
+    x[4] = 1.5
+    x[5, -1] = 99.0  # in the tail past the last full vector
+    for view in (x, x[:, :31000], x[:, :5], x[:0]):
+        out = kernels.argmax_rows(view)
+        assert out is not None and torch.equal(out, view.argmax(dim=-1)), view.shape
+    assert kernels.argmax_rows(x.T) is None and kernels.argmax_rows(x[0]) is None
+
+
 def test_norm_and_activation_leave_what_they_do_not_take_to_torch(kernels: NativeKernels) -> None:
     x = torch.randn(4, 32)
     assert kernels.rms_norm(x.T, torch.randn(4), 1e-6) is None  # not contiguous
