@@ -126,7 +126,7 @@ class NativeKernels:
     def supports_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``gemv`` takes these (at most ``GEMV_MAX_ROWS`` rows of ``x``)."""
         return (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
-                and weight.device.type == "cpu" and x.numel() > 0
+                and weight.device.type == "cpu" and x.numel() > 0 and weight.numel() > 0
                 and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS
                 and x.is_contiguous() and weight.is_contiguous() and weight.dim() == 2
                 and x.shape[-1] == weight.shape[1])
@@ -152,7 +152,9 @@ class NativeKernels:
         """``gemv`` for a caller that checked ``weight`` (contiguous fp32 CPU ``[out, in]``)
         and ``bias`` (``None`` or contiguous fp32 ``[out]``) once, at load: checks only
         ``x`` (per call), and returns ``None`` where ``x`` is not for the GEMV."""
-        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        if x.dim() == 0 or x.shape[-1] == 0 or weight.shape[0] == 0:
+            return None
+        rows = x.numel() // x.shape[-1]
         if not (0 < rows <= GEMV_MAX_ROWS and x.dtype == torch.float32 and x.is_contiguous()
                 and x.device.type == "cpu" and x.shape[-1] == weight.shape[1]):
             return None
@@ -175,6 +177,7 @@ class NativeKernels:
                 and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
                 and q.shape[2] == head_dim and num_q_heads % num_kv_heads == 0
                 and q.stride(2) == 1 and q.stride(1) == head_dim
+                and (q.shape[0] == 1 or q.stride(0) >= num_q_heads * head_dim)
                 and num_q_heads // num_kv_heads <= 64 and head_dim % 16 == 0
                 and num_q_heads // num_kv_heads * head_dim <= 8192)
 
@@ -196,7 +199,8 @@ class NativeKernels:
             raise ValueError(f"block_tables {tuple(tables.shape)} and context_lens "
                              f"{tuple(lens.shape)} do not match {num_seqs} sequences")
         out = torch.empty(num_seqs, num_q_heads, head_dim, dtype=q.dtype)
-        rc = self._attn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        q_stride = q.stride(0) if num_seqs > 1 else num_q_heads * head_dim
+        rc = self._attn(q.data_ptr(), q_stride, kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
                         num_blocks, block_size, num_kv_heads, head_dim,
                         num_q_heads // num_kv_heads, tables.data_ptr(), tables.shape[1],
                         lens.data_ptr(), num_seqs, scale, out.data_ptr(), torch.get_num_threads())
@@ -222,9 +226,17 @@ def native() -> NativeKernels | None:
 
 
 def _load() -> NativeKernels | None:
+    """Build (or find) and load the library; a cached library that does not load (cut
+    short, or from another build) is rebuilt once. Any failure is logged, never raised:
+    the engine then runs its torch kernels."""
     try:
-        path = build()
-        return NativeKernels(ctypes.CDLL(str(path)), str(path))
-    except (BuildError, OSError) as e:
+        for attempt in (0, 1):
+            path = build(rebuild=attempt == 1)
+            try:
+                return NativeKernels(ctypes.CDLL(str(path)), str(path))
+            except (OSError, AttributeError) as e:
+                if attempt == 1:
+                    raise BuildError(f"the built library {path} does not load: {e}") from e
+    except Exception as e:  # noqa: BLE001 - whatever went wrong, serve with torch's kernels
         _log.warning("pdserve's compiled CPU kernels are unavailable, using torch kernels: %s", e)
-        return None
+    return None

@@ -2,15 +2,17 @@
 
 The library goes to ``$XDG_CACHE_HOME/pdserve/kernels/`` (else ``~/.cache/pdserve/``),
 named by a hash of what it depends on: the source, the compiler's identity, the flags
-and the CPU (``-march=native`` compiles for the CPU it runs on). A fresh build takes
-about a second; concurrent builders each compile to a temporary file and rename it into
-place, so a reader never sees half a library.
+and the CPU (``-march=native`` compiles for the CPU it runs on), with the digest of its
+bytes beside it (``.so.sha256``). A fresh build takes about a second; concurrent builders
+each compile to a temporary file, sync it and rename it into place, so a reader never
+sees half a library, and one that does not match its digest is built again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -20,21 +22,26 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast")
 COMPILER_ENV = "CC"
 BUILD_TIMEOUT_S = 120.0
+# /proc/cpuinfo lines naming the CPU and its features (x86: model name, flags; ARM:
+# Features and the implementer/part ids), all of which -march=native compiles for
+_CPU_LINES = ("model name", "flags", "Features", "CPU implementer", "CPU architecture",
+              "CPU variant", "CPU part")
 
 
 class BuildError(RuntimeError):
     """The kernels could not be compiled; the message names the compiler and its output."""
 
 
-def compiler() -> str:
-    """The C compiler to use: ``$CC``, else the first of cc, gcc, clang on ``PATH``."""
-    wanted = os.environ.get(COMPILER_ENV)
+def compiler() -> list[str]:
+    """The C compiler's command: ``$CC`` (split like a shell would, e.g. ``ccache gcc``),
+    else the first of cc, gcc, clang on ``PATH``."""
+    wanted = os.environ.get(COMPILER_ENV, "").strip()
     if wanted:
-        return wanted
+        return shlex.split(wanted)
     for name in ("cc", "gcc", "clang"):
         found = shutil.which(name)
         if found:
-            return found
+            return [found]
     raise BuildError("no C compiler found (cc, gcc or clang on PATH, or $CC); "
                      "the compiled CPU kernels are unavailable")
 
@@ -45,55 +52,96 @@ def cache_dir() -> Path:
 
 
 def _cpu_identity() -> str:
-    """The CPU's model and feature flags (what ``-march=native`` compiles for)."""
+    """The CPU's model and feature lines (what ``-march=native`` compiles for)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
+            lines = [line for line in f if line.startswith(_CPU_LINES)]
+        return "".join(sorted(set(lines))) or os.uname().machine
     except OSError:
         return os.uname().machine
 
 
-def _compiler_identity(cc: str) -> str:
+def _compiler_identity(cc: list[str]) -> str:
     try:
-        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        done = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise BuildError(f"C compiler {cc!r} does not run: {e}") from e
+        raise BuildError(f"C compiler {' '.join(cc)!r} does not run: {e}") from e
     if done.returncode != 0:
-        raise BuildError(f"C compiler {cc!r} --version failed: {done.stderr.strip()[:500]}")
+        raise BuildError(f"C compiler {' '.join(cc)!r} --version failed: {done.stderr.strip()[:500]}")
     return done.stdout
+
+
+def _flags(identity: str) -> tuple[str, ...]:
+    """``FLAGS``, with clang told to use GNU OpenMP: its own runtime (libomp) would be a
+    second thread pool beside the libgomp torch loads."""
+    if "clang" in identity.lower():
+        return tuple("-fopenmp=libgomp" if f == "-fopenmp" else f for f in FLAGS)
+    return FLAGS
 
 
 def library_path(source: Path = SOURCE, directory: Path | None = None) -> Path:
     """Where the library for ``source`` on this machine lives (built or not)."""
     cc = compiler()
+    identity = _compiler_identity(cc)
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), _compiler_identity(cc).encode(), " ".join(FLAGS).encode(),
-                 _cpu_identity().encode()):
+    for part in (source.read_bytes(), " ".join(cc).encode(), identity.encode(),
+                 " ".join(_flags(identity)).encode(), _cpu_identity().encode()):
         digest.update(part)
         digest.update(b"\0")
     return (directory or cache_dir()) / f"pdserve_kernels-{digest.hexdigest()[:16]}.so"
 
 
-def build(source: Path = SOURCE, directory: Path | None = None) -> Path:
-    """The path of the built library, compiling it first if it is not there yet.
-    Raises ``BuildError`` with the compiler's output when compiling fails."""
+def _sidecar(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def intact(library: Path) -> bool:
+    """Whether ``library`` is there and is the file its build wrote (the digest beside
+    it matches): a file cut short would crash the loader (SIGBUS), not raise."""
+    try:
+        return _sidecar(library).read_text().strip() == _file_digest(library)
+    except OSError:
+        return False
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def build(source: Path = SOURCE, directory: Path | None = None, *, rebuild: bool = False) -> Path:
+    """The path of the built library, compiling it first unless an intact one is there
+    (``rebuild``: compile in any case). Raises ``BuildError`` with the compiler's output
+    when compiling fails."""
     target = library_path(source, directory)
-    if target.exists():
+    if not rebuild and intact(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler(), *FLAGS, "-o", tmp, str(source), "-lm"]
+    cc = compiler()
+    cmd = [*cc, *_flags(_compiler_identity(cc)), "-o", tmp, str(source), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise BuildError(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n"
                              f"{done.stderr.strip()[:4000]}")
+        built = Path(tmp).read_bytes()
+        _write_synced(Path(tmp), built)
+        side_tmp = Path(tmp + ".sha256")
+        _write_synced(side_tmp, hashlib.sha256(built).hexdigest().encode())
         os.replace(tmp, target)
+        os.replace(side_tmp, _sidecar(target))
     except subprocess.TimeoutExpired as e:
         raise BuildError(f"compiling the CPU kernels took over {BUILD_TIMEOUT_S:.0f} s") from e
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, tmp + ".sha256"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return target

@@ -27,9 +27,9 @@ static inline void gemv_group(const float *restrict x, int64_t m, int64_t k,
     const float *w0 = w + row * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
     /* one test per line (not one per group) measured 25% faster at batch 1 on an AMD
      * EPYC: the burst of prefetches is spread out a little */
-    const char *next = (const char *)(w0 + GEMV_PREFETCH_ROWS * k), *end = (const char *)(w + n * k);
-    for (int64_t b = 0; b < (int64_t)(GEMV_ROWS * sizeof(float)) * k; b += 64)
-        if (next + b < end) __builtin_prefetch(next + b, 0, 0);
+    const int64_t next = (row + GEMV_PREFETCH_ROWS) * k, end = n * k; /* in floats */
+    for (int64_t f = 0; f < GEMV_ROWS * k; f += 64 / sizeof(float))
+        if (next + f < end) __builtin_prefetch(w + next + f, 0, 0);
     for (int64_t i = 0; i < m; i++) {
         const float *xi = x + i * k;
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
@@ -136,16 +136,17 @@ static inline f16v select16(i16v mask, f16v a, f16v b) {
 }
 
 /* e^x for x <= 0 (softmax weights), lane-wise: x = n ln2 + r with |r| <= ln2 / 2, e^r by
- * its degree-6 Taylor polynomial (relative error below 2e-7), 2^n from the exponent
- * bits. Arguments below -87 give e^-87 (about 1.6e-38: a zero weight). */
+ * its degree-6 Taylor polynomial (relative error about 2.3e-7), 2^n from the exponent
+ * bits. Arguments below -87 (-inf included) give 0. */
 static inline f16v exp_nonpositive16(f16v x) {
-    const f16v lowest = x - x - 87.f, magic = x - x + 12582912.f; /* 1.5 * 2^23 rounds */
-    x = select16(x < lowest, lowest, x);
+    const f16v zero = {0}, lowest = zero - 87.f, magic = zero + 12582912.f; /* 1.5 * 2^23 rounds */
+    const i16v underflow = x < lowest;
+    x = select16(underflow, lowest, x);
     f16v n = (x * 1.44269504f + magic) - magic;
     f16v r = x - n * 0.693359375f + n * 2.12194440e-4f;
     f16v p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
     i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
-    return p * (f16v)bits;
+    return select16(underflow, zero, p * (f16v)bits);
 }
 
 /* The dot products of query qg [chunks * 16] with n <= 16 keys, token t's at
@@ -185,7 +186,7 @@ static inline float sum16(f16v v) {
 
 /* out[r, d] = silu(gu[r, d]) * gu[r, half + d] for rows of 2 * half floats, silu(g) =
  * g / (1 + e^-g), written with e = e^-|g| so the exponential never overflows: g / (1 + e)
- * for g >= 0, g e / (1 + e) below. */
+ * for g >= 0, g e / (1 + e) below (as torch: silu(inf) = inf, silu(-inf) = NaN). */
 int pd_silu_mul_f32(const float *gate_up, int64_t rows, int64_t half, float *out,
                     int num_threads) {
     if (rows < 0 || half < 1 || num_threads < 1) return -1;
@@ -196,7 +197,7 @@ int pd_silu_mul_f32(const float *gate_up, int64_t rows, int64_t half, float *out
         const float *g = gate_up + r * 2 * half, *u = g + half;
         float *o = out + r * half;
         for (int64_t d = 0; d < vec; d += LANES) {
-            const f16v gv = load16(g + d), zero = gv - gv;
+            const f16v gv = load16(g + d), zero = {0};
             const i16v positive = gv >= zero;
             const f16v e = exp_nonpositive16(select16(positive, zero - gv, gv));
             const f16v silu = select16(positive, gv, gv * e) / (1.f + e);

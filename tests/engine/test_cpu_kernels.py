@@ -5,6 +5,7 @@ built or are switched off (the paged decode attention: tests/engine/test_torch_a
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -54,10 +55,10 @@ def test_gemv_refuses_what_it_does_not_take(kernels: NativeKernels) -> None:
         kernels.gemv(torch.randn(1, 16), w, torch.randn(7))
 
 
-@pytest.mark.parametrize("shape", [(1, 512), (33, 512), (5, 7), (2, 3, 64), (0, 16)])
+@pytest.mark.parametrize("shape", [(1, 512), (33, 512), (200, 512), (5, 7), (2, 3, 64), (0, 16)])
 def test_rms_norm_is_torchs(kernels: NativeKernels, shape: tuple[int, ...]) -> None:
-    """Widths that fill the vector lanes and ones that do not; more rows than one
-    thread takes; a 3-d input; no rows at all."""
+    """Widths that fill the vector lanes and ones that do not; enough rows to split them
+    over the threads (200 x 512); a 3-d input; no rows at all."""
     torch.manual_seed(len(shape) + shape[-1])
     x, w = torch.randn(*shape) * 3, torch.randn(shape[-1])
     out = kernels.rms_norm(x, w, 1e-6)
@@ -65,16 +66,20 @@ def test_rms_norm_is_torchs(kernels: NativeKernels, shape: tuple[int, ...]) -> N
     torch.testing.assert_close(out, F.rms_norm(x, (shape[-1],), w, 1e-6))
 
 
-@pytest.mark.parametrize("shape", [(1, 2816), (32, 2816), (3, 14), (2, 3, 64)])
+@pytest.mark.parametrize("shape", [(1, 2816), (32, 2816), (3, 14), (2, 42), (2, 3, 64)])
 def test_silu_and_mul_is_torchs(kernels: NativeKernels, shape: tuple[int, ...]) -> None:
-    """Including gates far out on both sides (where e^-g would overflow)."""
+    """Including gates far out on both sides (where e^-g would overflow) and infinite
+    ones, in the vectorised part of a row and in its scalar tail: as torch, everywhere."""
     torch.manual_seed(shape[-1])
     gate_up = torch.randn(*shape) * 8
-    gate_up.view(-1)[:4] = torch.tensor([-120.0, 120.0, -0.0, 1e-30])
+    half = shape[-1] // 2
+    edge = torch.tensor([-120.0, 120.0, -0.0, 1e-30, float("inf"), float("-inf"), -1e30])
+    gate_up.view(-1, shape[-1])[0, :7] = edge[: min(7, half)].repeat(7)[: min(7, half)]
+    gate_up.view(-1, shape[-1])[-1, half - 3:half] = edge[4:7][-min(3, half):]
     out = kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    assert out is not None and torch.isfinite(out).all()
-    torch.testing.assert_close(out, F.silu(gate) * up)
+    assert out is not None
+    torch.testing.assert_close(out, F.silu(gate) * up, equal_nan=True)
 
 
 @pytest.mark.parametrize("tokens,dim", [(1, 64), (5, 16), (37, 6)])
@@ -143,7 +148,8 @@ def test_the_kernels_share_torchs_openmp_runtime(kernels: NativeKernels) -> None
     spinning against it on the same cores."""
     kernels.gemv(torch.randn(1, 64), torch.randn(64, 64))
     with open("/proc/self/maps", encoding="utf-8") as f:
-        runtimes = {line.split()[-1] for line in f if "libgomp" in line}
+        runtimes = {line.split()[-1] for line in f
+                    if any(name in line for name in ("libgomp", "libomp", "libiomp"))}
     assert len(runtimes) == 1, runtimes
 
 
@@ -157,7 +163,8 @@ def test_the_library_is_built_once_per_source(tmp_path: Path) -> None:
     for t in threads:
         t.join(timeout=120)
     assert len(paths) == 3 and len(set(paths)) == 1 and paths[0].exists()
-    assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]  # no temporary left
+    # no temporary left: the library and its digest
+    assert sorted(p.name for p in tmp_path.iterdir()) == [paths[0].name, paths[0].name + ".sha256"]
     other = tmp_path / "other.c"
     other.write_text(SOURCE.read_text() + "\n/* changed */\n")
     assert library_path(other, tmp_path) != paths[0]
@@ -203,3 +210,25 @@ def test_with_a_compiler_the_engine_uses_the_compiled_kernels(tmp_path: Path) ->
         pytest.skip("pdserve's compiled CPU kernels could not be built here")
     assert out[1] == "cpu" and "onednn_gemv" in out[2].split(",")
     assert len(list((tmp_path / "pdserve" / "kernels").glob("*.so"))) == 1
+
+
+def test_a_damaged_cached_library_is_built_again(tmp_path: Path) -> None:
+    """A library cut short (loading it would kill the process with SIGBUS) or emptied
+    is noticed by its digest and rebuilt, in the next process that wants it."""
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    if _probe(env)[0] != "True":
+        pytest.skip("pdserve's compiled CPU kernels could not be built here")
+    (library,) = (tmp_path / "pdserve" / "kernels").glob("*.so")
+    for damage in (1000, 0):
+        with open(library, "r+b") as f:
+            f.truncate(damage)
+        assert _probe(env)[:2] == ["True", "cpu"]
+        assert library.stat().st_size > 1000
+
+
+def test_a_compiler_command_with_arguments_is_run_as_one(tmp_path: Path) -> None:
+    """``CC="env cc"`` (as ``CC="ccache gcc"``) is split like a shell would."""
+    cc = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    if cc is None or shutil.which("env") is None:
+        pytest.skip("no C compiler here")
+    assert _probe({"CC": f"env {cc}", "XDG_CACHE_HOME": str(tmp_path)})[:2] == ["True", "cpu"]

@@ -79,33 +79,50 @@ def test_compiled_decode_attention_matches_dense_attention_per_sequence(
                             block_size=block_size, head_dim=head_dim)
 
 
+@pytest.mark.parametrize("block_size", [1, 64])
+def test_compiled_decode_attention_with_many_sequences(block_size: int) -> None:
+    """Enough sequences that a task takes all KV heads of one (the split the kernel
+    makes when every thread gets two tasks anyway), one-slot and 64-slot blocks."""
+    torch.manual_seed(3)
+    _check_decode_attention(_compiled(), 8, 2, torch.float32, block_size=block_size,
+                            head_dim=32, num_seqs=9)
+
+
 def test_compiled_backend_hands_shapes_it_does_not_take_to_torch() -> None:
-    """head_dim 8 is not a multiple of the kernel's 16 lanes: the torch path answers."""
+    """head_dim 8 is not a multiple of the kernel's 16 lanes, and a q whose tokens
+    overlap (stride 0) or interleave with its heads is not a layout it reads: the torch
+    path answers."""
     torch.manual_seed(2)
     backend = _compiled()
-    assert not backend.kernels.supports_decode_attention(torch.empty(3, 4, 8),
-                                                         torch.empty(2, 16, 4, 2, 8))
+    cache = torch.empty(2, 16, 4, 2, 16)
+    for q in (torch.empty(3, 4, 8), torch.randn(1, 4, 16).expand(3, 4, 16),
+              torch.randn(4, 1, 16).transpose(0, 1).expand(2, 4, 16)):
+        assert not backend.kernels.supports_decode_attention(
+            q, cache if q.shape[2] == 16 else torch.empty(2, 16, 4, 2, 8))
     _check_decode_attention(backend, 4, 2, torch.float32, block_size=4, head_dim=8)
 
 
 def _check_decode_attention(backend: TorchAttentionBackend, num_q_heads: int, num_kv_heads: int,
-                            dtype: torch.dtype, *, block_size: int, head_dim: int) -> None:
-    num_blocks, scale = 16, 0.3
+                            dtype: torch.dtype, *, block_size: int, head_dim: int,
+                            num_seqs: int = 3) -> None:
+    width = 3
+    num_blocks, scale = max(16, num_seqs * width), 0.3
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     # 3, 1 and 3 blocks (at block size 4); longer contexts where blocks are larger
-    context_lens = [2 * block_size + 1, min(3, block_size), 3 * block_size]
-    width = 3
+    pattern = [2 * block_size + 1, min(3, block_size), 3 * block_size]
+    context_lens = [pattern[i % 3] for i in range(num_seqs)]
     perm = torch.randperm(num_blocks).tolist()
-    tables = [perm[0:3], perm[3:4] + [0, 0], perm[4:7]]
+    tables = [perm[width * i:width * i + -(-n // block_size)] for i, n in enumerate(context_lens)]
+    tables = [t + [0] * (width - len(t)) for t in tables]
     lens = torch.tensor(context_lens)
     past = torch.arange(width * block_size) >= lens.unsqueeze(1)
     meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.int64), num_decode_tokens=3,
+        slot_mapping=torch.empty(0, dtype=torch.int64), num_decode_tokens=num_seqs,
         decode_block_tables=torch.tensor(tables), decode_context_lens=lens,
         max_decode_context_len=max(context_lens),
         decode_key_bias=torch.zeros(past.shape, dtype=dtype).masked_fill_(past, float("-inf")))
     # a slice of the q|k heads, as the model passes it
-    q = torch.randn(3, num_q_heads + num_kv_heads, head_dim, dtype=dtype)[:, :num_q_heads]
+    q = torch.randn(num_seqs, num_q_heads + num_kv_heads, head_dim, dtype=dtype)[:, :num_q_heads]
 
     out = backend._decode(q, kv_cache, meta, scale).float()
 
