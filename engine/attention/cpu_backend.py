@@ -2,8 +2,9 @@
 
 Decode tokens go to ``engine.cpu_kernels``' paged decode attention, which reads each
 sequence's keys and values in place in its blocks (the torch path first gathers them
-into a dense copy, then runs SDPA over it); prefill chunks, and decode shapes the
-kernel does not take, use the torch path (``TorchAttentionBackend``).
+into a dense copy, then runs SDPA over it), and the step's K/V go into their slots in
+one compiled call; prefill chunks, and shapes the kernels do not take, use the torch
+path (``TorchAttentionBackend``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend, write_kv
 from engine.cpu_kernels import NativeKernels
 
 
@@ -20,6 +21,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, kernels: NativeKernels) -> None:
         self.kernels = kernels
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        if not self.kernels.write_kv(kv_cache, k, v, slot_mapping):
+            write_kv(kv_cache, k, v, slot_mapping)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

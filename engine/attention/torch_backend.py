@@ -45,7 +45,7 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q ``[T, Hq, D]``, k/v ``[T, Hk, D]`` → output ``[T, Hq, D]``; writes k/v to the cache."""
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        self.write_kv(kv_cache, k, v, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:  # a decode-only step: no output rows to assemble
             return self._decode(q, kv_cache, meta, scale)
@@ -60,6 +60,11 @@ class TorchAttentionBackend:
             else:
                 out[rows] = self._prefill_fresh(q[rows], k[rows], v[rows], len(run), scale)
         return out
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Scatter the step's K/V into their slots (``write_kv``)."""
+        write_kv(kv_cache, k, v, slot_mapping)
 
     @staticmethod
     def _prefill_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,

@@ -68,6 +68,33 @@ class NativeKernels:
         self._rope = library.pd_rope_f32
         self._rope.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int]
         self._rope.restype = _int
+        self._write_kv = library.pd_write_kv_f32
+        self._write_kv.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]
+        self._write_kv.restype = _int
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> bool:
+        """Write ``k``, ``v [T, Hk, D]`` into slots ``slot_mapping [T]`` of ``kv_cache
+        [2, num_blocks, block_size, Hk, D]``; ``False`` (nothing written) unless all are
+        fp32 CPU tensors with each token's heads contiguous and a contiguous cache.
+        Raises ``ValueError`` for a slot outside the cache."""
+        if not (k.dim() == v.dim() == 3 and kv_cache.dim() == 5
+                and k.dtype == v.dtype == kv_cache.dtype == torch.float32
+                and k.device.type == v.device.type == kv_cache.device.type == "cpu"
+                and kv_cache.is_contiguous() and k.shape == v.shape
+                and k.shape[1:] == kv_cache.shape[3:] and k.shape[0] == slot_mapping.shape[0]
+                and k.stride(2) == v.stride(2) == 1
+                and k.stride(1) == v.stride(1) == k.shape[2]):
+            return False
+        tokens, width = k.shape[0], k.shape[1] * k.shape[2]
+        slots = slot_mapping.to(torch.int64).contiguous()
+        rc = self._write_kv(k.data_ptr(), k.stride(0) if tokens > 1 else width, v.data_ptr(),
+                            v.stride(0) if tokens > 1 else width, tokens, width,
+                            slots.data_ptr(), kv_cache.shape[1] * kv_cache.shape[2],
+                            kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
+        if rc == -3:
+            raise ValueError("write_kv: a slot outside the cache")
+        return rc == 0
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         """Rotary embedding (rotate-half layout) of ``x [T, H, D]`` with per-token

@@ -115,19 +115,30 @@ static inline f16v load16(const float *p) {
 
 static inline void store16(float *p, f16v v) { __builtin_memcpy(p, &v, sizeof v); }
 
-/* Pairwise lane sums of a and b: [a0+a1, a2+a3, ..., a14+a15, b0+b1, ..., b14+b15]. */
-static inline f16v pair_sums(f16v a, f16v b) {
-    const i16v even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const i16v odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
-}
-
-/* The lane sums of 16 vectors, as one vector: out[t] = sum of v[t]'s lanes. Four
- * rounds of pair_sums keep the order (each round halves the lanes per vector). */
+/* The lane sums of 16 vectors, as one vector: out[t] = sum of v[t]'s lanes. Seen as
+ * four 4-float quarters, the first two rounds interleave and add within quarters (cheap
+ * in-quarter shuffles: unpack by float, then by float pair), leaving quarter q of u[j]
+ * with the partial sums of tokens 4j..4j+3 over quarter q's lanes; the last two add
+ * quarters across vectors, which puts token t in lane t. */
 static inline f16v lane_sums16(f16v v[LANES]) {
-    for (int width = LANES; width > 1; width /= 2)
-        for (int i = 0; i < width / 2; i++) v[i] = pair_sums(v[2 * i], v[2 * i + 1]);
-    return v[0];
+    const i16v lo1 = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
+    const i16v hi1 = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
+    const i16v lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const i16v hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const i16v even_quarters = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const i16v odd_quarters = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    f16v pairs[8], quads[4];
+    for (int i = 0; i < 8; i++)
+        pairs[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo1)
+                   + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi1);
+    for (int i = 0; i < 4; i++)
+        quads[i] = __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], lo2)
+                   + __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], hi2);
+    for (int i = 0; i < 2; i++)
+        quads[i] = __builtin_shuffle(quads[2 * i], quads[2 * i + 1], even_quarters)
+                   + __builtin_shuffle(quads[2 * i], quads[2 * i + 1], odd_quarters);
+    return __builtin_shuffle(quads[0], quads[1], even_quarters)
+           + __builtin_shuffle(quads[0], quads[1], odd_quarters);
 }
 
 /* where mask lanes are set, a; elsewhere b */
@@ -170,16 +181,28 @@ static inline f16v score16(const float *qg, const float *kb, int64_t stride, int
     return lane_sums16(dots);
 }
 
+/* v with its lanes moved by `by` within each group of 2 * by (a butterfly step) */
+static inline f16v swap_lanes(f16v v, int by) {
+    static const i16v masks[4] = {
+        {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
+        {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+        {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+        {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}};
+    return __builtin_shuffle(v, masks[by == 1 ? 0 : by == 2 ? 1 : by == 4 ? 2 : 3]);
+}
+
+/* the largest lane (NaN-free input), by four butterfly steps */
 static inline float max16(f16v v) {
-    float m = v[0];
-    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
-    return m;
+    for (int by = 8; by >= 1; by /= 2) {
+        const f16v w = swap_lanes(v, by);
+        v = select16(w > v, w, v);
+    }
+    return v[0];
 }
 
 static inline float sum16(f16v v) {
-    float s = 0.f;
-    for (int i = 0; i < LANES; i++) s += v[i];
-    return s;
+    for (int by = 8; by >= 1; by /= 2) v += swap_lanes(v, by);
+    return v[0];
 }
 
 /* ------------------------------------------------------------------- SwiGLU */
@@ -236,6 +259,24 @@ int pd_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t dim,
 #pragma omp simd
             for (int64_t d = half; d < dim; d++) o[d] = xh[d] * c[d] + xh[d - half] * s[d];
         }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ KV write */
+
+/* The step's keys and values into their cache slots: token t's width floats (its KV
+ * heads, contiguous) from k + t * k_stride and v + t * v_stride to slot slots[t] of
+ * k_cache and v_cache (width floats per slot). Every slot is checked first. */
+int pd_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                    int64_t tokens, int64_t width, const int64_t *slots, int64_t num_slots,
+                    float *k_cache, float *v_cache) {
+    if (tokens < 0 || width < 1 || k_stride < width || v_stride < width) return -1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -3;
+    for (int64_t t = 0; t < tokens; t++) {
+        __builtin_memcpy(k_cache + slots[t] * width, k + t * k_stride, width * sizeof(float));
+        __builtin_memcpy(v_cache + slots[t] * width, v + t * v_stride, width * sizeof(float));
     }
     return 0;
 }
@@ -370,7 +411,9 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
                 sc = select16(valid, sc, (f16v){0} - INFINITY);
                 const float new_max = max16(sc) > run_max[r] ? max16(sc) : run_max[r];
                 const f16v p = select16(valid, exp_nonpositive16(sc - new_max), (f16v){0});
-                const float correction = run_max[r] == -INFINITY ? 0.f
+                /* the running sums were taken against run_max: rescale them when it grew */
+                const float correction = new_max == run_max[r] ? 1.f
+                    : run_max[r] == -INFINITY ? 0.f
                     : exp_nonpositive16((f16v){0} + (run_max[r] - new_max))[0];
                 if (correction != 1.f) {
                     float *ar = acc + r * head_dim;

@@ -99,6 +99,26 @@ def test_rope_is_the_rotate_half_formula(kernels: NativeKernels, tokens: int, di
     assert kernels.rope(qk.transpose(0, 1), cos, sin) is None  # heads not contiguous
 
 
+def test_write_kv_is_index_copy(kernels: NativeKernels) -> None:
+    """Strided k and v (slices of the fused projection), slots in any order; a slot
+    outside the cache is refused before anything is written."""
+    from engine.attention.torch_backend import write_kv
+
+    torch.manual_seed(4)
+    qkv = torch.randn(6, 8 * 16)
+    k, v = qkv[:, 64:96].view(6, 2, 16), qkv[:, 96:].view(6, 2, 16)
+    slots = torch.tensor([17, 3, 40, 0, 63, 22])
+    ours, theirs = torch.zeros(2, 8, 8, 2, 16), torch.zeros(2, 8, 8, 2, 16)
+    assert kernels.write_kv(ours, k, v, slots)
+    write_kv(theirs, k, v, slots)
+    assert torch.equal(ours, theirs)
+    before = ours.clone()
+    with pytest.raises(ValueError, match="outside the cache"):
+        kernels.write_kv(ours, k, v, torch.tensor([1, 2, 3, 4, 5, 64]))
+    assert torch.equal(ours, before)
+    assert not kernels.write_kv(ours.double(), k.double(), v.double(), slots)
+
+
 def test_argmax_rows_is_torchs(kernels: NativeKernels) -> None:
     """Random rows, ties (the first wins), NaN (the first NaN wins), -inf and constant
     rows, widths off the vector lanes, and a row-strided view."""
