@@ -59,6 +59,7 @@ from bench.common import (
     torch_threads,
 )
 from engine.config import LINEAR_KERNELS
+from engine.cpu_kernels import native
 from engine.executor import LocalExecutor, TPExecutor
 from engine.runner import ModelRunner
 from engine.tiny_model import _generator_fingerprint, default_model_cache_dir, make_tiny_model
@@ -227,17 +228,28 @@ def model_runner(llm: engine.LLM) -> ModelRunner:
 
 
 def kernel_facts(llm: engine.LLM) -> dict[str, Any]:
-    """The linear kernels pdserve runs, where the choice came from and what it cost at load."""
+    """The linear kernels pdserve runs, where the choice came from and what it cost at
+    load; the attention backend; the compiled CPU kernels' library (``None``: not built)."""
     executor = llm.core.executor
     assert isinstance(executor, LocalExecutor | TPExecutor)
     plan = executor.kernel_plan
+    compiled = native()
     return {
+        "attention_backend": model_runner(llm).backend.name,
+        "cpu_kernels_library": compiled.path if compiled is not None else None,
         "linear_kernel": plan.summary,
         "linear_kernel_source": plan.source,
         "linear_kernel_plan": [{"out_features": o, "in_features": i, "kernel": k}
                                for o, i, k in plan.kernels],
         "kernel_choice_s": executor.kernel_choice_s,
     }
+
+
+def compiled_summary(out: dict[str, Any]) -> str:
+    """One line part: the attention backend, and whether the compiled kernels run."""
+    library = out["cpu_kernels_library"]
+    return (f"attention {out['attention_backend']}, compiled CPU kernels "
+            f"{'on' if library else 'off (torch kernels)'}")
 
 
 def kv_bytes_read(llm: engine.LLM, context_len: int) -> int:
@@ -357,7 +369,8 @@ def render(out: dict[str, Any]) -> str:
         f"{out['threads']}, load avg at start {machine['load_avg_1m_5m_15m']}, "
         f"at end {out['load_avg_end']}",
         f"kernels   {out['linear_kernel']} ({out['linear_kernel_source']}, "
-        f"{out['kernel_choice_s'] * 1e3:.0f} ms to choose at load) on {out['cpu_model']}",
+        f"{out['kernel_choice_s'] * 1e3:.0f} ms to choose at load) on {out['cpu_model']}; "
+        f"{compiled_summary(out)}",
         f"bandwidth {out['bandwidth_gbps']:.2f} GB/s (best of "
         f"{[round(x, 1) for x in out['bandwidth_samples_gbps']]}, "
         f"{out['bandwidth_buffer_bytes'] / MIB:.0f} MiB torch.sum passes)",

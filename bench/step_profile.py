@@ -45,7 +45,13 @@ from bench.common import (
     publish,
     torch_threads,
 )
-from bench.engine import PromptSource, ensure_bench_model, kernel_facts, model_runner
+from bench.engine import (
+    PromptSource,
+    compiled_summary,
+    ensure_bench_model,
+    kernel_facts,
+    model_runner,
+)
 from engine.config import LINEAR_KERNELS
 from engine.models.layers import linear_layers
 
@@ -227,7 +233,8 @@ def profile_batch(llm: engine.LLM, prompts: PromptSource, batch: int, steps: int
 def render(out: dict[str, Any]) -> str:
     lines = [f"model     {out['model_dir']}",
              f"machine   {out['machine']['cpu_model']}, torch threads {out['threads']}",
-             f"kernels   {out['linear_kernel']} ({out['linear_kernel_source']})",
+             f"kernels   {out['linear_kernel']} ({out['linear_kernel_source']}); "
+             f"{compiled_summary(out)}",
              f"bandwidth {out['bandwidth_gbps']:.1f} GB/s (torch.sum read)", ""]
     batches = out["batches"]
     headers = ["part"]

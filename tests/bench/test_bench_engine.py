@@ -57,6 +57,8 @@ def test_bench_engine_writes_required_keys(model_factory: Callable[..., Path], t
     else:
         assert data["linear_kernel"].startswith("mixed: ")
     assert data["kernel_choice_s"] >= 0
+    assert data["attention_backend"] in ("cpu", "torch")
+    assert (data["attention_backend"] == "cpu") == (data["cpu_kernels_library"] is not None)
     printed = capsys.readouterr().out
     assert "ratio_vs_hf" in printed and "roofline_fraction" in printed
     assert f"kernels   {data['linear_kernel']} ({data['linear_kernel_source']}" in printed
