@@ -11,17 +11,20 @@ sees half a library, and one that does not match its digest is built again.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast")
 COMPILER_ENV = "CC"
 BUILD_TIMEOUT_S = 120.0
+_log = logging.getLogger(__name__)
 # /proc/cpuinfo lines naming the CPU and its features (x86: model name, flags; ARM:
 # Features and the implementer/part ids), all of which -march=native compiles for
 _CPU_LINES = ("model name", "flags", "Features", "CPU implementer", "CPU architecture",
@@ -123,6 +126,8 @@ def build(source: Path = SOURCE, directory: Path | None = None, *, rebuild: bool
     if not rebuild and intact(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    _log.info("compiling pdserve's CPU kernels for this CPU (once, about a second) ...")
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".so", dir=target.parent)
     os.close(fd)
     cc = compiler()
@@ -138,6 +143,7 @@ def build(source: Path = SOURCE, directory: Path | None = None, *, rebuild: bool
         _write_synced(side_tmp, hashlib.sha256(built).hexdigest().encode())
         os.replace(tmp, target)
         os.replace(side_tmp, _sidecar(target))
+        _log.info("compiled pdserve's CPU kernels in %.1f s: %s", time.monotonic() - started, target)
     except subprocess.TimeoutExpired as e:
         raise BuildError(f"compiling the CPU kernels took over {BUILD_TIMEOUT_S:.0f} s") from e
     finally:
