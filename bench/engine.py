@@ -233,9 +233,12 @@ def kernel_facts(llm: engine.LLM) -> dict[str, Any]:
     executor = llm.core.executor
     assert isinstance(executor, LocalExecutor | TPExecutor)
     plan = executor.kernel_plan
-    compiled = native()
+    runner = model_runner(llm)
+    # the compiled kernels take fp32 CPU tensors only: for other models they do not run
+    fp32_cpu = runner.dtype == torch.float32 and runner.device.type == "cpu"
+    compiled = native() if fp32_cpu else None
     return {
-        "attention_backend": model_runner(llm).backend.name,
+        "attention_backend": runner.backend.name,
         "cpu_kernels_library": compiled.path if compiled is not None else None,
         "linear_kernel": plan.summary,
         "linear_kernel_source": plan.source,

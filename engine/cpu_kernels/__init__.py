@@ -76,11 +76,14 @@ class NativeKernels:
                  slot_mapping: torch.Tensor) -> bool:
         """Write ``k``, ``v [T, Hk, D]`` into slots ``slot_mapping [T]`` of ``kv_cache
         [2, num_blocks, block_size, Hk, D]``; ``False`` (nothing written) unless all are
-        fp32 CPU tensors with each token's heads contiguous and a contiguous cache.
-        Raises ``ValueError`` for a slot outside the cache."""
-        if not (k.dim() == v.dim() == 3 and kv_cache.dim() == 5
+        fp32 CPU tensors with each token's heads contiguous and a contiguous cache, and
+        ``slot_mapping`` a 1-d int32/int64 CPU tensor. Raises ``IndexError`` (as
+        ``index_copy_`` does) for a slot outside the cache, before writing anything."""
+        if not (k.dim() == v.dim() == 3 and kv_cache.dim() == 5 and kv_cache.shape[0] == 2
                 and k.dtype == v.dtype == kv_cache.dtype == torch.float32
                 and k.device.type == v.device.type == kv_cache.device.type == "cpu"
+                and slot_mapping.dim() == 1 and slot_mapping.device.type == "cpu"
+                and slot_mapping.dtype in (torch.int32, torch.int64)
                 and kv_cache.is_contiguous() and k.shape == v.shape
                 and k.shape[1:] == kv_cache.shape[3:] and k.shape[0] == slot_mapping.shape[0]
                 and k.stride(2) == v.stride(2) == 1
@@ -93,7 +96,7 @@ class NativeKernels:
                             slots.data_ptr(), kv_cache.shape[1] * kv_cache.shape[2],
                             kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
         if rc == -3:
-            raise ValueError("write_kv: a slot outside the cache")
+            raise IndexError("write_kv: a slot outside the cache")
         return rc == 0
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:

@@ -99,24 +99,39 @@ def test_rope_is_the_rotate_half_formula(kernels: NativeKernels, tokens: int, di
     assert kernels.rope(qk.transpose(0, 1), cos, sin) is None  # heads not contiguous
 
 
-def test_write_kv_is_index_copy(kernels: NativeKernels) -> None:
-    """Strided k and v (slices of the fused projection), slots in any order; a slot
-    outside the cache is refused before anything is written."""
+@pytest.mark.parametrize("slots", [[17, 3, 40, 0, 63, 22], [5], [9, 30, 9]])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_write_kv_is_index_copy(kernels: NativeKernels, slots: list[int],
+                                slot_dtype: torch.dtype) -> None:
+    """k and v with different token strides, as the model passes them (k from the
+    rotated q|k heads, v from the fused projection); slots in any order, one token, a
+    slot written twice (the later token wins, as with index_copy_)."""
     from engine.attention.torch_backend import write_kv
 
     torch.manual_seed(4)
-    qkv = torch.randn(6, 8 * 16)
-    k, v = qkv[:, 64:96].view(6, 2, 16), qkv[:, 96:].view(6, 2, 16)
-    slots = torch.tensor([17, 3, 40, 0, 63, 22])
+    tokens = len(slots)
+    k = torch.randn(tokens, 6, 16)[:, 4:]  # heads 4..5 of 6: token stride 96
+    v = torch.randn(tokens, 8 * 16)[:, 96:].view(tokens, 2, 16)  # token stride 128
+    mapping = torch.tensor(slots, dtype=slot_dtype)
     ours, theirs = torch.zeros(2, 8, 8, 2, 16), torch.zeros(2, 8, 8, 2, 16)
-    assert kernels.write_kv(ours, k, v, slots)
-    write_kv(theirs, k, v, slots)
+    assert kernels.write_kv(ours, k, v, mapping)
+    write_kv(theirs, k, v, mapping.long())
     assert torch.equal(ours, theirs)
-    before = ours.clone()
-    with pytest.raises(ValueError, match="outside the cache"):
-        kernels.write_kv(ours, k, v, torch.tensor([1, 2, 3, 4, 5, 64]))
-    assert torch.equal(ours, before)
-    assert not kernels.write_kv(ours.double(), k.double(), v.double(), slots)
+
+
+def test_write_kv_refuses_what_it_does_not_take(kernels: NativeKernels) -> None:
+    """A slot outside the cache raises before anything is written; slot maps and caches
+    of other kinds are left to torch."""
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    cache = torch.zeros(2, 8, 8, 2, 16)
+    with pytest.raises(IndexError, match="outside the cache"):
+        kernels.write_kv(cache, k, v, torch.tensor([1, 2, 64]))
+    assert not cache.any()
+    for slots in (torch.tensor([1.7, 2.2, 3.9]), torch.tensor([[1], [2], [3]])):
+        assert not kernels.write_kv(cache, k, v, slots)
+    assert not kernels.write_kv(cache.double(), k.double(), v.double(), torch.tensor([1, 2, 3]))
+    assert not kernels.write_kv(cache[:1], k, v, torch.tensor([1, 2, 3]))
+    assert not cache.any()
 
 
 def test_argmax_rows_is_torchs(kernels: NativeKernels) -> None:

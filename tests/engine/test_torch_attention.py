@@ -88,6 +88,40 @@ def test_compiled_decode_attention_with_many_sequences(block_size: int) -> None:
                             head_dim=32, num_seqs=9)
 
 
+def test_compiled_backend_runs_a_mixed_step_as_the_torch_backend() -> None:
+    """Two decodes, a fresh prefill chunk and one over cached keys in one forward: the
+    same output and the same cache as the torch backend, each token's K/V written
+    once."""
+    torch.manual_seed(5)
+    hq, hk, d, bs = 4, 2, 16, 4
+    blocks = {0: [3, 7], 1: [1, 9, 12], 2: [4, 5], 3: [2, 6, 8]}
+    decodes = [(0, 6), (1, 10)]  # (sequence, context length including the new token)
+    # sequence 2: a fresh 5-token chunk; sequence 3: 3 new tokens after 6 cached ones
+    spans = [PrefillSpan(2, 5, 5, torch.tensor(blocks[2])),
+             PrefillSpan(7, 3, 9, torch.tensor(blocks[3]))]
+    positions = [n - 1 for _, n in decodes] + list(range(5)) + list(range(6, 9))
+    owners = [s for s, _ in decodes] + [2] * 5 + [3] * 3
+    slots = torch.tensor([blocks[s][p // bs] * bs + p % bs for s, p in zip(owners, positions)])
+    lens = torch.tensor([n for _, n in decodes])
+    tables = torch.tensor([blocks[0] + [0], blocks[1]])
+    past = torch.arange(3 * bs) >= lens.unsqueeze(1)
+    meta = AttentionMetadata(
+        slot_mapping=slots, num_decode_tokens=2, decode_block_tables=tables,
+        decode_context_lens=lens, max_decode_context_len=10,
+        decode_key_bias=torch.zeros(past.shape).masked_fill_(past, float("-inf")),
+        prefills=spans)
+    qk = torch.randn(10, hq + hk, d)
+    q, k = qk[:, :hq], qk[:, hq:]
+    v = torch.randn(10, (hq + 2 * hk) * d)[:, (hq + hk) * d:].view(10, hk, d)
+    cache = torch.randn(2, 16, bs, hk, d)
+    theirs, ours = cache.clone(), cache.clone()
+    expected = TorchAttentionBackend().forward(q, k, v, theirs, meta, 0.25)
+    got = _compiled().forward(q, k, v, ours, meta, 0.25)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours, cache)
+
+
 def test_compiled_backend_hands_shapes_it_does_not_take_to_torch() -> None:
     """head_dim 8 is not a multiple of the kernel's 16 lanes, and a q whose tokens
     overlap (stride 0) or interleave with its heads is not a layout it reads: the torch
