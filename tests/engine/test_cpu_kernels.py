@@ -53,6 +53,9 @@ def test_gemv_refuses_what_it_does_not_take(kernels: NativeKernels) -> None:
             kernels.gemv(x, w)
     with pytest.raises(ValueError, match="bias"):
         kernels.gemv(torch.randn(1, 16), w, torch.randn(7))
+    # empty shapes are not for the GEMV; the onednn_gemv kernel multiplies them with oneDNN
+    assert kernels.gemv_checked_weight(torch.randn(1, 0), torch.randn(8, 0), None) is None
+    assert kernels.gemv_checked_weight(torch.randn(1, 16), torch.randn(0, 16), None) is None
 
 
 @pytest.mark.parametrize("shape", [(1, 512), (33, 512), (200, 512), (5, 7), (2, 3, 64), (0, 16)])
