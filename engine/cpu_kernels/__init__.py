@@ -3,7 +3,8 @@ paged decode attention that reads K/V where they lie in the cache, RMSNorm and S
 in one pass each (torch runs several small kernels for either), the rotary embedding,
 and a row-wise argmax for greedy sampling.
 
-Contract (used by ``engine.linear_kernels`` and ``engine.attention.cpu_backend``):
+Contract (used by ``engine.linear_kernels``, ``engine.attention.cpu_backend``, the
+model's ``RMSNorm``, ``silu_and_mul`` and ``RotaryEmbedding`` and ``engine.sampler``):
 
 - ``native()`` returns the loaded kernels, building them on first use
   (``engine.cpu_kernels.build``), or ``None`` where they cannot run: not x86-64/ARM

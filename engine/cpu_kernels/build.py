@@ -85,7 +85,10 @@ def _flags(identity: str) -> tuple[str, ...]:
 def library_path(source: Path = SOURCE, directory: Path | None = None) -> Path:
     """Where the library for ``source`` on this machine lives (built or not)."""
     cc = compiler()
-    identity = _compiler_identity(cc)
+    return _library_path(source, directory, cc, _compiler_identity(cc))
+
+
+def _library_path(source: Path, directory: Path | None, cc: list[str], identity: str) -> Path:
     digest = hashlib.sha256()
     for part in (source.read_bytes(), " ".join(cc).encode(), identity.encode(),
                  " ".join(_flags(identity)).encode(), _cpu_identity().encode()):
@@ -118,11 +121,18 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _sync(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
 def build(source: Path = SOURCE, directory: Path | None = None, *, rebuild: bool = False) -> Path:
     """The path of the built library, compiling it first unless an intact one is there
     (``rebuild``: compile in any case). Raises ``BuildError`` with the compiler's output
     when compiling fails."""
-    target = library_path(source, directory)
+    cc = compiler()
+    identity = _compiler_identity(cc)
+    target = _library_path(source, directory, cc, identity)
     if not rebuild and intact(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -130,17 +140,15 @@ def build(source: Path = SOURCE, directory: Path | None = None, *, rebuild: bool
     _log.info("compiling pdserve's CPU kernels for this CPU (once, about a second) ...")
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".so", dir=target.parent)
     os.close(fd)
-    cc = compiler()
-    cmd = [*cc, *_flags(_compiler_identity(cc)), "-o", tmp, str(source), "-lm"]
+    cmd = [*cc, *_flags(identity), "-o", tmp, str(source), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise BuildError(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n"
                              f"{done.stderr.strip()[:4000]}")
-        built = Path(tmp).read_bytes()
-        _write_synced(Path(tmp), built)
+        _sync(Path(tmp))
         side_tmp = Path(tmp + ".sha256")
-        _write_synced(side_tmp, hashlib.sha256(built).hexdigest().encode())
+        _write_synced(side_tmp, _file_digest(Path(tmp)).encode())
         os.replace(tmp, target)
         os.replace(side_tmp, _sidecar(target))
         _log.info("compiled pdserve's CPU kernels in %.1f s: %s", time.monotonic() - started, target)

@@ -321,6 +321,14 @@ int pd_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t row_s
     return 0;
 }
 
+/* Positions in the run from pos: up to 16, fewer where its block or the context ends
+ * (a run never spans two blocks). */
+static inline int64_t run_length(int64_t pos, int64_t block_size, int64_t ctx) {
+    const int64_t to_block_end = block_size - pos % block_size;
+    const int64_t n = to_block_end < LANES ? to_block_end : LANES;
+    return ctx - pos < n ? ctx - pos : n;
+}
+
 /* Prefetch (into L2) the keys and values of the run of up to 16 positions from pos,
  * heads_width floats of each token from head_offset: a run starts in a block anywhere in
  * the cache, where the hardware prefetcher cannot guess it. */
@@ -328,8 +336,7 @@ static inline void prefetch_run(const float *k_cache, const float *v_cache, cons
                                 int64_t block_size, int64_t token_stride, int64_t head_offset,
                                 int64_t heads_width, int64_t pos, int64_t ctx) {
     const int64_t blk = pos / block_size, off = pos % block_size;
-    int64_t n = block_size - off < LANES ? block_size - off : LANES;
-    n = ctx - pos < n ? ctx - pos : n;
+    const int64_t n = run_length(pos, block_size, ctx);
     const int64_t first = (table[blk] * block_size + off) * token_stride + head_offset;
     for (int64_t t = 0; t < n; t++)
         for (int64_t d = 0; d < heads_width; d += 64 / sizeof(float)) {
@@ -394,12 +401,9 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
             run_max[r] = -INFINITY;
             run_sum[r] = 0.f;
         }
-        /* positions pos .. pos + 15 of the context (fewer at its end, and where a
-         * block ends: a run never spans two blocks) */
-        for (int64_t pos = 0; pos < ctx;) {
+        for (int64_t pos = 0; pos < ctx;) { /* one run of run_length positions a turn */
             const int64_t blk = pos / block_size, off = pos % block_size;
-            int64_t n = block_size - off < LANES ? block_size - off : LANES;
-            n = ctx - pos < n ? ctx - pos : n;
+            const int64_t n = run_length(pos, block_size, ctx);
             const int64_t first = (tables[s * max_blocks + blk] * block_size + off) * token_stride;
             const i16v valid = lane_index < (i16v){0} + (int32_t)n;
             if (pos + n < ctx) /* the next run's keys and values start on their way */
