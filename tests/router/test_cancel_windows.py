@@ -101,6 +101,13 @@ def test_cancel_while_queued_at_the_router(idle: Cluster) -> None:
     call = _start(c, "w-queued", _prompt(40), 8)
     router.wait_paused("router.queued", PAUSED_S)
     _cancelled(call)
+    # the client's cancel is local at once; the router learns it over the connection: wait
+    # until it has (the request left its admission, the paused task was cancelled) before
+    # releasing, or the released request could race ahead to a Reserve
+    assert c.router is not None
+    debug = c.router.ready["debug_address"]
+    wait_until(lambda: "w-queued" not in router_holdings(debug).request_ids, 20.0,
+               "the router to see the cancel")
     router.release("router.queued")
     _router_let_go(c)
     # nothing ever reached a worker
