@@ -61,6 +61,7 @@ from bench.common import (
 from engine.config import LINEAR_KERNELS
 from engine.cpu_kernels import native
 from engine.executor import LocalExecutor, TPExecutor
+from engine.models.decoder_stack import CompiledDecoderStack
 from engine.runner import ModelRunner
 from engine.tiny_model import _generator_fingerprint, default_model_cache_dir, make_tiny_model
 
@@ -229,7 +230,8 @@ def model_runner(llm: engine.LLM) -> ModelRunner:
 
 def kernel_facts(llm: engine.LLM) -> dict[str, Any]:
     """The linear kernels pdserve runs, where the choice came from and what it cost at
-    load; the attention backend; the compiled CPU kernels' library (``None``: not built)."""
+    load; the attention backend; the compiled CPU kernels' library (``None``: not built)
+    and the largest decode batch the compiled decoder stack takes (0: none)."""
     executor = llm.core.executor
     assert isinstance(executor, LocalExecutor | TPExecutor)
     plan = executor.kernel_plan
@@ -237,9 +239,11 @@ def kernel_facts(llm: engine.LLM) -> dict[str, Any]:
     # the compiled kernels take fp32 CPU tensors only: for other models they do not run
     fp32_cpu = runner.dtype == torch.float32 and runner.device.type == "cpu"
     compiled = native() if fp32_cpu else None
+    stack = CompiledDecoderStack.build(runner.model) if compiled is not None else None
     return {
         "attention_backend": runner.backend.name,
         "cpu_kernels_library": compiled.path if compiled is not None else None,
+        "decoder_stack_max_batch": stack.max_rows if stack is not None else 0,
         "linear_kernel": plan.summary,
         "linear_kernel_source": plan.source,
         "linear_kernel_plan": [{"out_features": o, "in_features": i, "kernel": k}
@@ -250,9 +254,11 @@ def kernel_facts(llm: engine.LLM) -> dict[str, Any]:
 
 def compiled_summary(out: dict[str, Any]) -> str:
     """One line part: the attention backend, and whether the compiled kernels run."""
-    library = out["cpu_kernels_library"]
-    return (f"attention {out['attention_backend']}, compiled CPU kernels "
-            f"{'on' if library else 'off (torch kernels)'}")
+    library, stack = out["cpu_kernels_library"], out["decoder_stack_max_batch"]
+    if not library:
+        return f"attention {out['attention_backend']}, compiled CPU kernels off (torch kernels)"
+    return (f"attention {out['attention_backend']}, compiled CPU kernels on, decoder stack "
+            + (f"in one call up to batch {stack}" if stack else "per layer"))
 
 
 def kv_bytes_read(llm: engine.LLM, context_len: int) -> int:

@@ -12,6 +12,10 @@ timed twice: once plain (the step's median), once with a stopwatch around each p
   paged-KV gather and SDPA; Qwen3's per-head q/k norms too);
 - RMSNorm (the layers' and the final one); the MLP activation (the MLP less its two
   linears);
+- the compiled decoder stack, where a step runs all layers in one compiled call
+  (``engine.models.decoder_stack``: batch 1 and 2 on the CPU), with the GB/s and GFLOP/s
+  of all its layers' linears; the parts inside it (the layers' linears, attention,
+  norms, activation) then read 0 for that batch;
 - the rest of the model forward (embedding, residual adds, RoPE table lookup);
 - outside the forward: input tensors, sampling, scheduler and outputs.
 
@@ -53,11 +57,13 @@ from bench.engine import (
     model_runner,
 )
 from engine.config import LINEAR_KERNELS
+from engine.cpu_kernels import native
 from engine.models.layers import linear_layers
 
 LINEAR_ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-PARTS = (*LINEAR_ROLES, "attention core", "rms_norm", "mlp activation", "rest of forward",
-         "outside the forward")
+STACK = "decoder stack (compiled)"
+PARTS = (*LINEAR_ROLES, STACK, "attention core", "rms_norm", "mlp activation",
+         "rest of forward", "outside the forward")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -131,6 +137,9 @@ def stopwatches_on(llm: engine.LLM) -> Iterator[Stopwatches]:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 watches.wrap(norm, "forward", "rms_norm")
         watches.wrap(model.norm, "forward", "rms_norm")
+        kernels = native()
+        if kernels is not None:
+            watches.wrap(kernels, "decoder_stack", STACK)
         watches.wrap(model, "forward", "model forward")
         watches.wrap(model, "compute_logits", "lm_head")
         yield watches
@@ -145,8 +154,9 @@ def split_parts(seconds: dict[str, float], step_s: float) -> dict[str, float]:
     parts["attention core"] = s["attention module"] - s["qkv_proj"] - s["o_proj"]
     parts["rms_norm"] = s["rms_norm"]
     parts["mlp activation"] = s["mlp module"] - s["gate_up_proj"] - s["down_proj"]
+    parts[STACK] = s[STACK]
     parts["rest of forward"] = (s["model forward"] - s["attention module"] - s["mlp module"]
-                                - s["rms_norm"])
+                                - s["rms_norm"] - s[STACK])
     parts["outside the forward"] = step_s - s["model forward"] - s["lm_head"]
     return parts
 
@@ -163,6 +173,8 @@ def linear_figures(llm: engine.LLM, batch: int) -> dict[str, dict[str, float]]:
         f = figures.setdefault(name.rsplit(".", 1)[-1], {"bytes": 0.0, "flops": 0.0})
         f["bytes"] += layer.weight.numel() * layer.weight.element_size()
         f["flops"] += 2.0 * batch * out_features * in_features
+    layers = [f for role, f in figures.items() if role != "lm_head"]
+    figures[STACK] = {key: sum(f[key] for f in layers) for key in ("bytes", "flops")}
     return figures
 
 
@@ -223,10 +235,10 @@ def profile_batch(llm: engine.LLM, prompts: PromptSource, batch: int, steps: int
         "step_ms": statistics.median(plain) * 1e3,
         "timed_step_ms": statistics.fmean(timed) * 1e3,
         "parts_ms": {k: v * 1e3 for k, v in parts.items()},
-        "linear_gbps": {r: figures[r]["bytes"] / parts[r] / GB for r in LINEAR_ROLES
+        "linear_gbps": {r: figures[r]["bytes"] / parts[r] / GB for r in (*LINEAR_ROLES, STACK)
                         if parts[r] > 0},
-        "linear_gflops": {r: figures[r]["flops"] / parts[r] / GB for r in LINEAR_ROLES
-                          if parts[r] > 0},
+        "linear_gflops": {r: figures[r]["flops"] / parts[r] / GB
+                          for r in (*LINEAR_ROLES, STACK) if parts[r] > 0},
     }
 
 

@@ -1,10 +1,12 @@
 """pdserve's compiled CPU kernels: a batch-1/2 GEMV that keeps the memory bus busy, a
 paged decode attention that reads K/V where they lie in the cache, RMSNorm and SwiGLU
 in one pass each (torch runs several small kernels for either), the rotary embedding,
-and a row-wise argmax for greedy sampling.
+a row-wise argmax for greedy sampling, and a whole decoder stack's decode step in one
+call (those kernels, layer after layer, over ``DecoderLayers``).
 
 Contract (used by ``engine.linear_kernels``, ``engine.attention.cpu_backend``, the
-model's ``RMSNorm``, ``silu_and_mul`` and ``RotaryEmbedding`` and ``engine.sampler``):
+model's ``RMSNorm``, ``silu_and_mul`` and ``RotaryEmbedding``, ``engine.sampler`` and
+``engine.models.decoder_stack``):
 
 - ``native()`` returns the loaded kernels, building them on first use
   (``engine.cpu_kernels.build``), or ``None`` where they cannot run: not x86-64/ARM
@@ -12,9 +14,10 @@ model's ``RMSNorm``, ``silu_and_mul`` and ``RotaryEmbedding`` and ``engine.sampl
   or ``PDSERVE_CPU_KERNELS=0`` in the environment. Callers then use their torch path,
   so a machine without a compiler serves exactly as before, only slower.
 - Every kernel takes fp32 CPU tensors, runs on ``torch.get_num_threads()`` threads of
-  torch's own OpenMP pool, and returns a new tensor. ``gemv`` and
-  ``paged_decode_attention`` raise ``ValueError`` for arguments they do not handle
-  (callers check ``supports_*`` first); ``rms_norm``, ``silu_and_mul``, ``rope``,
+  torch's own OpenMP pool, and returns a new tensor (``decoder_stack`` updates its
+  hidden states in place and writes the KV cache). ``gemv``, ``paged_decode_attention``
+  and ``decoder_stack`` raise ``ValueError`` for arguments they do not handle (callers
+  check ``supports_*`` first); ``rms_norm``, ``silu_and_mul``, ``rope``,
   ``argmax_rows`` and ``gemv_checked_weight`` return ``None`` instead, and the caller
   runs its torch path.
 """
@@ -25,12 +28,14 @@ import ctypes
 import logging
 import os
 import threading
+from dataclasses import dataclass
 
 import torch
 
 from engine.cpu_kernels.build import BuildError, build
 
-__all__ = ["ENV", "BuildError", "NativeKernels", "native"]
+__all__ = ["ENV", "BuildError", "DecoderLayerWeights", "DecoderLayers", "DecoderShape",
+           "NativeKernels", "native"]
 
 ENV = "PDSERVE_CPU_KERNELS"
 GEMV_MAX_ROWS = 2  # above this oneDNN's packed GEMM is faster (measured on AMD EPYC)
@@ -43,6 +48,83 @@ _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+class DecoderShape(ctypes.Structure):
+    """A decoder stack's sizes (``pd_decoder_shape``): hidden, query heads, KV heads,
+    head dim, MLP width, the cache's blocks and block size, RMSNorm's eps, the attention
+    scale."""
+
+    _fields_ = [("hidden", _i64), ("num_q_heads", _i64), ("num_kv_heads", _i64),
+                ("head_dim", _i64), ("intermediate", _i64), ("num_cache_blocks", _i64),
+                ("block_size", _i64), ("rms_eps", _f32), ("scale", _f32)]
+
+
+_LAYER_FIELDS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b",
+                 "gate_up_w", "down_w", "down_b", "k_cache", "v_cache")
+
+
+class _LayerPointers(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in _LAYER_FIELDS]
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One Llama-family layer for ``decoder_stack``: weights in the checkpoint layout
+    (q | k | v heads fused, gate | up fused), the optional biases and per-head q/k norms,
+    and the layer's KV cache ``[2, num_blocks, block_size, Hk, D]``."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    gate_up_w: torch.Tensor
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
+    kv_cache: torch.Tensor
+
+
+class DecoderLayers:
+    """A decoder stack's weights and caches checked once and laid out for one
+    ``decoder_stack`` call per step. Holds the tensors, so the pointers it hands the
+    kernel stay valid while it lives; ``ValueError`` for any tensor of the wrong shape,
+    type or layout."""
+
+    def __init__(self, shape: DecoderShape, layers: list[DecoderLayerWeights]) -> None:
+        hidden, d, inter = shape.hidden, shape.head_dim, shape.intermediate
+        hq, hk = shape.num_q_heads, shape.num_kv_heads
+        if not layers or min(hidden, d, inter, hq, hk) < 1 or hq % hk:
+            raise ValueError(f"decoder stack of {len(layers)} layers with sizes {hidden=} "
+                             f"{d=} {inter=} {hq=} {hk=}")
+        cache = (2, shape.num_cache_blocks, shape.block_size, hk, d)
+        want = {"input_norm": (hidden,), "post_norm": (hidden,),
+                "qkv_w": ((hq + 2 * hk) * d, hidden), "qkv_b": ((hq + 2 * hk) * d,),
+                "q_norm": (d,), "k_norm": (d,), "o_w": (hidden, hq * d), "o_b": (hidden,),
+                "gate_up_w": (2 * inter, hidden), "down_w": (hidden, inter),
+                "down_b": (hidden,), "kv_cache": cache}
+        self.shape = DecoderShape.from_buffer_copy(shape)  # checked once: not the caller's to change
+        self.layers = list(layers)
+        self.table = (_LayerPointers * len(layers))()
+        for i, layer in enumerate(layers):
+            if (layer.q_norm is None) != (layer.k_norm is None):
+                raise ValueError(f"layer {i}: q_norm and k_norm come together")
+            for name, size in want.items():
+                t = getattr(layer, name)
+                if t is None and name in ("qkv_b", "q_norm", "k_norm", "o_b", "down_b"):
+                    continue
+                if not (t.shape == size and t.dtype == torch.float32 and t.is_contiguous()
+                        and t.device.type == "cpu"):
+                    raise ValueError(f"layer {i}: {name} must be a contiguous fp32 CPU "
+                                     f"tensor {size}, got {tuple(t.shape)} {t.dtype}")
+            entry = self.table[i]
+            for name in _LAYER_FIELDS[:-2]:
+                setattr(entry, name, _ptr_of(getattr(layer, name)))
+            entry.k_cache = layer.kv_cache[0].data_ptr()
+            entry.v_cache = layer.kv_cache[1].data_ptr()
 
 
 class NativeKernels:
@@ -72,6 +154,60 @@ class NativeKernels:
         self._write_kv = library.pd_write_kv_f32
         self._write_kv.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]
         self._write_kv.restype = _int
+        self._stack = library.pd_decoder_stack_f32
+        self._stack.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
+                                _ptr, _ptr, _int]
+        self._stack.restype = _int
+        self._stack_scratch = library.pd_decoder_scratch_floats
+        self._stack_scratch.argtypes = [_ptr]
+        self._stack_scratch.restype = _i64
+        self._stack_shape_ok = library.pd_decoder_shape_ok
+        self._stack_shape_ok.argtypes = [_ptr]
+        self._stack_shape_ok.restype = _int
+
+    def supports_decoder_stack(self, shape: DecoderShape) -> bool:
+        """Whether ``decoder_stack`` takes a stack of these sizes (the attention kernel's
+        limits: head dim a multiple of 16, at most 64 query heads per KV head)."""
+        return bool(self._stack_shape_ok(ctypes.byref(shape)))
+
+    def decoder_stack(self, layers: DecoderLayers, h: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor) -> None:
+        """A decode step of a whole decoder stack in one call (``DecoderLayers``): ``h
+        [B, hidden]`` (contiguous fp32, one token per sequence) goes in as the embeddings
+        and comes out as the last layer's output, each layer's K/V written to its cache;
+        ``cos``, ``sin [B, 1, D]`` as ``rope`` takes them; ``slot_mapping [B]``,
+        ``block_tables [B, max_blocks]`` and ``context_lens [B]`` (int64) as
+        ``write_kv`` and ``paged_decode_attention`` take them. The same kernels in the same
+        order as the model's per-layer forward, so the same result to the bit. Raises
+        ``ValueError`` for inputs of other shapes or types, ``IndexError`` for a slot or
+        block outside the cache (checked before anything is written)."""
+        rows = h.shape[0] if h.dim() == 2 else 0
+        shape = layers.shape
+        width = shape.head_dim
+        if not (rows > 0 and h.shape[1] == shape.hidden and h.dtype == torch.float32
+                and h.is_contiguous() and h.device.type == "cpu"
+                and cos.shape == sin.shape == (rows, 1, width) and cos.is_contiguous()
+                and sin.is_contiguous() and cos.dtype == sin.dtype == torch.float32
+                and cos.device.type == sin.device.type == "cpu"
+                and slot_mapping.shape == (rows,) and context_lens.shape == (rows,)
+                and block_tables.dim() == 2 and block_tables.shape[0] == rows
+                and block_tables.shape[1] > 0
+                and all(t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu"
+                        for t in (slot_mapping, block_tables, context_lens))):
+            raise ValueError(f"decoder_stack does not take h {tuple(h.shape)} {h.dtype} "
+                             f"with these cos/sin, slots, tables and lengths")
+        scratch = torch.empty(rows * self._stack_scratch(ctypes.byref(shape)), dtype=torch.float32)
+        rc = self._stack(layers.table, len(layers.table), ctypes.byref(shape), h.data_ptr(), rows,
+                         cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
+                         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
+                         scratch.data_ptr(), torch.get_num_threads())
+        if rc in (-3, -4):
+            raise IndexError(f"decoder_stack: a {'slot' if rc == -3 else 'block id'} "
+                             "outside the cache")
+        if rc != 0:
+            what = {-2: "a context length outside its block table"}.get(rc, f"code {rc}")
+            raise ValueError(f"decoder_stack refused its arguments: {what}")
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> bool:

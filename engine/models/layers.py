@@ -15,6 +15,7 @@ shape, with that kernel's prepared copy of the weight (e.g. oneDNN's packed layo
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -27,6 +28,16 @@ from engine.linear_kernels import KERNELS, KernelPlan, LinearKernel
 from engine.sharding import kv_head_range, shard_range
 
 __all__ = ["kv_head_range", "shard_range"]  # defined in engine.sharding (torch-free)
+
+
+_kernel_changes = itertools.count(1)
+_kernel_generation = 0
+
+
+def kernel_generation() -> int:
+    """A number that changes whenever any linear layer is given a kernel (``set_kernel``):
+    what is built from the layers' prepared weights is rebuilt when it moves."""
+    return _kernel_generation
 
 
 def _new_param(*shape: int) -> nn.Parameter:
@@ -57,8 +68,10 @@ class _Linear(nn.Module):
         """Multiply with kernel ``name`` from now on, (re)preparing its copy of the weight;
         call after loading, and again if the weight changes."""
         kernel = KERNELS[name]
+        global _kernel_generation
         self._prepared = kernel.prepare(self.weight.detach())
         self._kernel = kernel
+        _kernel_generation = next(_kernel_changes)
 
     def _apply_weight(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._prepared is None:

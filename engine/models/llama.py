@@ -16,7 +16,9 @@ from torch import nn
 
 from engine.attention import AttentionBackend, get_forward_context
 from engine.config import ModelConfig
+from engine.cpu_kernels import GEMV_MAX_ROWS
 from engine.distributed import Group
+from engine.models.decoder_stack import CompiledDecoderStack
 from engine.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -24,6 +26,7 @@ from engine.models.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    kernel_generation,
     silu_and_mul,
 )
 from engine.models.rotary import RotaryEmbedding
@@ -110,16 +113,31 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._stack: CompiledDecoderStack | None = None
+        self._stack_key: int | None = None  # the kernel_generation() it was built at
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hook = get_forward_context().layer_hook
+        ctx = get_forward_context()
+        hook = ctx.layer_hook
         h = self.embed_tokens(token_ids)
         rope = self.rotary.cos_sin(positions, h.dtype)
+        if hook is None and h.shape[0] <= GEMV_MAX_ROWS:
+            stack = self._compiled_stack()
+            if stack is not None and stack.takes(h, ctx.attn):
+                return self.norm(stack.run(h, rope, ctx.attn))
         for idx, layer in enumerate(self.layers):
             h = layer(rope, h)
             if hook is not None:
                 hook(idx)
         return self.norm(h)
+
+    def _compiled_stack(self) -> CompiledDecoderStack | None:
+        """The decode fast path (``engine.models.decoder_stack``), built on first use and
+        again once any linear's kernel or the cache changed."""
+        key = kernel_generation()
+        if key != self._stack_key:
+            self._stack, self._stack_key = CompiledDecoderStack.build(self), key
+        return self._stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -128,6 +146,7 @@ class LlamaForCausalLM(nn.Module):
         """Attach ``kv_cache [layers, 2, blocks, block_size, local KV heads, head_dim]``."""
         for idx, layer in enumerate(self.decoder_layers):
             layer.self_attn.kv_cache = kv_cache[idx]
+        self._stack, self._stack_key = None, None  # built again on the new cache
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:

@@ -13,26 +13,43 @@ import pytest
 import engine
 from bench import step_profile
 from bench.engine import PromptSource
+from engine.cpu_kernels import native
 from engine.models.layers import linear_layers
 
+# layers inside the compiled decoder stack, where it runs the step
+INSIDE_THE_STACK = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "attention core",
+                    "mlp activation")
 
+
+@pytest.mark.parametrize("kernel", ["torch", "onednn_gemv"])
 def test_step_profile_splits_a_decode_step_into_parts(model_factory: Callable[..., Path],
-                                                      tmp_path: Path,
+                                                      tmp_path: Path, kernel: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """With torch's linears every step runs layer by layer; with ``onednn_gemv`` a
+    batch-1 step runs the compiled decoder stack (where the kernels could be built)."""
+    if kernel == "onednn_gemv" and native() is None:
+        pytest.skip("pdserve's compiled CPU kernels could not be built here")
     out_path = tmp_path / "profile.json"
     returned = step_profile.main([
         "--model", str(model_factory("llama")), "--batch-sizes", "1,3", "--prompt-len", "5",
-        "--steps", "4", "--threads", "1", "--bandwidth-mib", "16", "--json", str(out_path)])
+        "--steps", "4", "--threads", "1", "--bandwidth-mib", "16", "--linear-kernel", kernel,
+        "--json", str(out_path)])
     data = json.loads(out_path.read_text())
     assert data == json.loads(json.dumps(returned))
     assert [b["batch_size"] for b in data["batches"]] == [1, 3]
+    stacked = {b["batch_size"]: b["parts_ms"][step_profile.STACK] > 0 for b in data["batches"]}
+    assert stacked == {1: kernel == "onednn_gemv", 3: False}
+    assert data["decoder_stack_max_batch"] == (2 if kernel == "onednn_gemv" else 0)
     for batch in data["batches"]:
         parts = batch["parts_ms"]
         assert set(parts) == set(step_profile.PARTS)
-        for role in step_profile.LINEAR_ROLES:  # every linear ran and was timed
-            assert parts[role] > 0 and batch["linear_gbps"][role] > 0, role
+        inside = INSIDE_THE_STACK if stacked[batch["batch_size"]] else (step_profile.STACK,)
+        assert all(parts[part] == 0 for part in inside), parts
+        for role in (*step_profile.LINEAR_ROLES, step_profile.STACK):  # each ran and was timed
+            if role not in inside:
+                assert parts[role] > 0 and batch["linear_gbps"][role] > 0, role
         # parts measured as differences would go negative if anything were counted twice
-        assert all(ms > 0 for ms in parts.values()), parts
+        assert all(ms > 0 for part, ms in parts.items() if part not in inside), parts
         assert batch["step_ms"] > 0
     printed = capsys.readouterr().out
     assert "attention core" in printed and data["machine"]["cpu_model"] in printed
@@ -58,6 +75,8 @@ def test_timed_steps_decode_the_whole_batch_and_leave_nothing(
         # every stopwatch is gone: no instance attribute shadows a method any more
         for module in [model, *model.modules(), *linear_layers(model)]:
             assert not {"forward", "project", "compute_logits"} & set(vars(module)), module
+        kernels = native()
+        assert kernels is None or "decoder_stack" not in vars(kernels)
         with pytest.raises(RuntimeError, match="did not decode all 2 requests"):
             # one request cannot run beside another: the check refuses the timing
             with engine.LLM(model_factory("llama"), max_num_seqs=1) as small:

@@ -15,18 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels import GEMV_MAX_ROWS, NativeKernels, native
+from engine.cpu_kernels import GEMV_MAX_ROWS, NativeKernels
 from engine.cpu_kernels.build import SOURCE, build, library_path
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def kernels() -> NativeKernels:
-    loaded = native()
-    if loaded is None:
-        pytest.skip("pdserve's compiled CPU kernels could not be built here")
-    return loaded
 
 
 @pytest.mark.parametrize("rows", range(1, GEMV_MAX_ROWS + 1))

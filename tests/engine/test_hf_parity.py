@@ -125,3 +125,30 @@ def test_torch_and_onednn_linear_kernels_agree(llama_dir: Path) -> None:
         assert packed.core.executor.runner.linear_kernel == "onednn"
         out = packed.generate(prompts, GREEDY)
     assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+
+
+def test_one_and_two_streams_through_the_compiled_decoder_stack_match(
+        case: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch 1 and 2 decode steps on the CPU fast path (engine.models.decoder_stack)."""
+    from engine.cpu_kernels import NativeKernels, native
+
+    if native() is None:
+        pytest.skip("pdserve's compiled CPU kernels could not be built here")
+    model_dir, hf, _ = case
+    rows: list[int] = []
+    real = NativeKernels.decoder_stack
+
+    def counted(self: NativeKernels, layers: Any, h: torch.Tensor, *args: Any) -> None:
+        rows.append(h.shape[0])
+        real(self, layers, h, *args)
+
+    monkeypatch.setattr(NativeKernels, "decoder_stack", counted)
+    with LLM(model_dir, num_kv_blocks=128, linear_kernel="onednn_gemv") as llm:
+        for prompts in (PROMPTS[:1], PROMPTS[1:3]):
+            results = llm.generate(prompts, GREEDY)
+            for res, (ref, ref_logits) in zip(results, _reference(hf, llm, prompts), strict=True):
+                assert_greedy_match(res.token_ids, ref, ref_logits)
+        llm.core.check_integrity()
+    assert rows.count(1) >= GREEDY.max_tokens - 1  # the single stream, all its decode steps
+    qk_norm = hf.config.model_type == "qwen3"  # two rows go through the per-layer forward
+    assert (2 in rows) != qk_norm

@@ -1,0 +1,139 @@
+"""The CPU decode step's fast path: at batch 1 and 2, a Llama-family model hands its whole
+decoder stack to one call of pdserve's compiled kernels (``NativeKernels.decoder_stack``)
+instead of about a dozen torch calls per layer. The kernels and their order are the
+ones the per-layer forward would run at that batch size (the GEMV, RMSNorm, RoPE, the KV
+write, the paged attention, SwiGLU), so the hidden states come out the same to the bit;
+what goes is the interpreter and dispatch time between them, which at batch 1 is a
+large part of a small model's step.
+
+Used only where the per-layer forward would run exactly those kernels: fp32 on the CPU,
+one rank (no all-reduce between the layers), the compiled attention backend, every
+decoder linear on the ``onednn_gemv`` kernel (the measured choice, ``engine.kernel_choice``),
+a decode-only step of at most ``GEMV_MAX_ROWS`` tokens, and no layer hook (the prefill
+worker's layer-wise KV sending needs the forward to stop after each layer).
+``PDSERVE_CPU_DECODER_STACK=0`` keeps the per-layer forward (read whenever the stack is
+built: at the first small step, and after any linear layer in the process is given a
+kernel); ``PDSERVE_CPU_KERNELS=0`` turns off all compiled kernels. A slot or block id
+outside the cache raises ``IndexError`` before anything is written (the per-layer forward
+raises once it reaches the bad one).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.cpu_kernels import (
+    GEMV_MAX_ROWS,
+    DecoderLayers,
+    DecoderLayerWeights,
+    DecoderShape,
+    native,
+)
+
+if TYPE_CHECKING:
+    from engine.models.layers import _Linear
+
+# engine.models.llama's model and decoder layer (typed loosely: llama imports this module)
+LlamaForCausalLM = Any
+DecoderLayer = Any
+
+GEMV_KERNEL = "onednn_gemv"
+ENV = "PDSERVE_CPU_DECODER_STACK"  # "0": always the per-layer forward (to compare the two)
+
+
+class CompiledDecoderStack:
+    """The model's layers laid out for ``decoder_stack``: ``build`` makes one where the
+    model can use it (the model builds it again after ``set_kernel`` on any linear, and
+    after ``set_kv_cache``), ``takes`` whether one step's inputs are for it."""
+
+    def __init__(self, layers: DecoderLayers) -> None:
+        self._layers = layers  # holds the weights and caches it points to
+        # Qwen3's per-head q/k norms: the per-layer forward norms two tokens' heads with
+        # torch (not laid out for the compiled RMSNorm), so the stack takes one token
+        self.max_rows = 1 if layers.layers[0].q_norm is not None else GEMV_MAX_ROWS
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM) -> CompiledDecoderStack | None:
+        """The compiled stack for ``model``, or ``None`` where it would not run the same
+        kernels as the per-layer forward (see the module docstring)."""
+        layers = model.decoder_layers
+        # the compiled attention backend is chosen only where the kernels loaded (fp32 on
+        # the CPU): checked first, so no other model ever builds the library for this
+        if not layers or layers[0].self_attn.backend.name != "cpu":
+            return None
+        if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+            return None
+        kernels = native()
+        if kernels is None or layers[0].input_layernorm.weight.dtype != torch.float32:
+            return None
+        first = layers[0].self_attn
+        if first.o_proj.tp.size != 1 or first.kv_cache.numel() == 0:
+            return None
+        cfg = model.cfg
+        shape = DecoderShape(
+            hidden=cfg.hidden_size, num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, intermediate=cfg.intermediate_size,
+            num_cache_blocks=first.kv_cache.shape[1], block_size=first.kv_cache.shape[2],
+            rms_eps=cfg.rms_norm_eps, scale=first.scale)
+        if not kernels.supports_decoder_stack(shape):
+            return None
+        if any(linear.kernel_name != GEMV_KERNEL for layer in layers for linear in _linears(layer)):
+            return None
+        try:
+            stack = DecoderLayers(shape, [_weights(layer) for layer in layers])
+        except ValueError:  # a layout the kernel does not take: the per-layer forward
+            return None
+        return cls(stack)
+
+    def takes(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether a step is for the stack: decode tokens only, at most ``max_rows``
+        (``GEMV_MAX_ROWS``, 1 with per-head q/k norms)."""
+        rows = h.shape[0]
+        return (0 < rows <= self.max_rows and meta.num_decode_tokens == rows
+                and not meta.prefills and h.dtype == torch.float32 and h.device.type == "cpu"
+                and all(t.dtype == torch.int64 and t.device.type == "cpu" for t in
+                        (meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)))
+
+    def run(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+            meta: AttentionMetadata) -> torch.Tensor:
+        """The stack's output for embeddings ``h [B, hidden]`` (updated in place)."""
+        kernels = native()
+        assert kernels is not None  # build() saw them
+        cos, sin = rope
+        h = h.contiguous()
+        kernels.decoder_stack(self._layers, h, cos.contiguous(), sin.contiguous(),
+                              meta.slot_mapping, meta.decode_block_tables,
+                              meta.decode_context_lens)
+        return h
+
+
+def _linears(layer: DecoderLayer) -> list[_Linear]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _weight(linear: _Linear) -> torch.Tensor:
+    """The weight the GEMV reads: ``onednn_gemv``'s prepared copy (contiguous)."""
+    weight: torch.Tensor = linear._prepared.weight
+    return weight
+
+
+def _weights(layer: DecoderLayer) -> DecoderLayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    return DecoderLayerWeights(
+        input_norm=layer.input_layernorm.weight.detach(),
+        post_norm=layer.post_attention_layernorm.weight.detach(),
+        qkv_w=_weight(attn.qkv_proj), qkv_b=_detached(attn.qkv_proj.bias),
+        q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach(),
+        k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach(),
+        o_w=_weight(attn.o_proj), o_b=_detached(attn.o_proj.bias),
+        gate_up_w=_weight(mlp.gate_up_proj), down_w=_weight(mlp.down_proj),
+        down_b=_detached(mlp.down_proj.bias), kv_cache=attn.kv_cache)
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()

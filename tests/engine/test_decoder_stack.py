@@ -1,0 +1,262 @@
+"""The CPU decode fast path (``engine.models.decoder_stack``): the whole decoder stack in
+one compiled call at batch 1 and 2. It must give the per-layer forward's logits and KV
+cache to the bit, run only where the per-layer forward would run the same kernels, follow
+a new cache or kernel plan, and check what it is handed before writing anything. Parity
+with Hugging Face through it: tests/engine/test_hf_parity.py."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.attention import ForwardContext, forward_context
+from engine.config import EngineConfig, load_model_config
+from engine.cpu_kernels import DecoderLayers, NativeKernels
+from engine.distributed import Group
+from engine.kernel_choice import linear_shapes
+from engine.linear_kernels import KernelPlan
+from engine.models import decoder_stack
+from engine.models.layers import apply_kernel_plan
+from engine.runner import ModelRunner
+from engine.scheduler import ScheduledChunk
+
+pytestmark = pytest.mark.timeout(120)
+
+BLOCK = 16
+ARCHS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}),
+         "mqa": ("llama", {"num_key_value_heads": 1}),
+         # widths off the GEMV's groups of 4 rows and the 16-float vectors (their tails)
+         "odd-widths": ("llama", {"hidden_size": 70, "intermediate_size": 99,
+                                  "num_attention_heads": 5, "num_key_value_heads": 1,
+                                  "head_dim": 16}),
+         # head_dim 128, 8 query heads per KV head
+         "wide-heads": ("llama", {"hidden_size": 128, "num_attention_heads": 8,
+                                  "num_key_value_heads": 1, "head_dim": 128})}
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch, kernels: NativeKernels) -> Iterator[list[int]]:
+    """The batch size of every ``decoder_stack`` call (the real kernel runs)."""
+    seen: list[int] = []
+    real = NativeKernels.decoder_stack
+
+    def counted(self: NativeKernels, layers: DecoderLayers, h: torch.Tensor,
+                *args: Any) -> None:
+        seen.append(h.shape[0])
+        real(self, layers, h, *args)
+
+    monkeypatch.setattr(NativeKernels, "decoder_stack", counted)
+    yield seen
+
+
+def _config(model_dir: Path) -> EngineConfig:
+    return EngineConfig(model=load_model_config(model_dir))
+
+
+def _plan(config: EngineConfig, kernel: str) -> KernelPlan:
+    return KernelPlan.uniform([(s.out_features, s.in_features) for s in linear_shapes(config)],
+                              kernel, "config")
+
+
+def _runner(config: EngineConfig, kernel: str = "onednn_gemv") -> ModelRunner:
+    return ModelRunner(config, Group.single(), 24, _plan(config, kernel))
+
+
+class Seq:
+    """One request's tokens and blocks, as the scheduler would hand them to the runner."""
+
+    def __init__(self, name: str, prompt: list[int], first_block: int) -> None:
+        self.name, self.tokens, self.first_block = name, list(prompt), first_block
+        self.computed = 0
+
+    def chunk(self) -> ScheduledChunk:
+        new = self.tokens[self.computed:]
+        blocks = tuple(range(self.first_block, self.first_block + -(-len(self.tokens) // BLOCK)))
+        chunk = ScheduledChunk(self.name, tuple(new), self.computed, blocks, True)
+        self.computed = len(self.tokens)
+        return chunk
+
+
+def _steps(vocab: int) -> Iterator[list[Seq]]:
+    """Two prompts prefilled together, 20 decode steps of both (crossing block ends), then
+    6 of one alone: the batches the stack takes (2, then 1) after one it does not."""
+    ids = itertools.cycle(range(3, vocab))
+    a = Seq("a", [next(ids) for _ in range(21)], 0)
+    b = Seq("b", [next(ids) for _ in range(9)], 8)
+    yield [a, b]
+    for step in range(26):
+        live = [a, b] if step < 20 else [a]
+        for seq in live:
+            seq.tokens.append(next(ids))
+        yield live
+
+
+def _run(runner: ModelRunner, steps: Iterator[list[Seq]]) -> list[torch.Tensor]:
+    out = []
+    for live in steps:
+        chunks = [s.chunk() for s in live]
+        decodes = [c for c in chunks if c.is_decode]
+        out.append(runner.execute(decodes + [c for c in chunks if not c.is_decode]))
+    return out
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("case", list(ARCHS))
+def test_the_stack_gives_the_per_layer_forwards_logits_and_cache_to_the_bit(
+        model_factory: Callable[..., Path], case: str, calls: list[int], threads: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    arch, overrides = ARCHS[case]
+    config = _config(model_factory(arch, **overrides))
+    vocab = config.model.vocab_size
+    with monkeypatch.context() as off:
+        off.setenv(decoder_stack.ENV, "0")
+        layered = _runner(config)
+        reference = _run(layered, _steps(vocab))
+    assert calls == []
+    stacked = _runner(config)
+    got = _run(stacked, _steps(vocab))
+    # Qwen3's per-head q/k norms: one token at a time (see CompiledDecoderStack.max_rows)
+    assert calls == ([1] * 6 if arch == "qwen3" else [2] * 20 + [1] * 6)
+    for step, (x, y) in enumerate(zip(got, reference, strict=True)):
+        assert torch.equal(x, y), f"step {step}: {(x - y).abs().max()}"
+    assert torch.equal(stacked.kv_cache, layered.kv_cache)
+
+
+def test_steps_the_stack_does_not_take_run_the_per_layer_forward(
+        llama_dir: Path, calls: list[int]) -> None:
+    config = _config(llama_dir)
+    runner = _runner(config)
+    seqs = [Seq(f"s{i}", [5 + i, 6, 7], 4 * i) for i in range(3)]
+    _run(runner, iter([seqs]))  # a prefill
+    for seq in seqs:
+        seq.tokens.append(9)
+    _run(runner, iter([seqs]))  # three decodes: past the GEMV's rows
+    assert calls == []
+    seqs[0].tokens.append(10)
+    late = Seq("late", [11, 12], 16)
+    _run(runner, iter([[seqs[0], late]]))  # a decode with a prefill
+    _run(runner, iter([[Seq("short", [15, 16], 20)]]))  # a prefill of two tokens
+    seqs[2].tokens.append(17)
+    partial = ScheduledChunk("part", (18,), 0, (22,), False)  # a chunk that samples nothing
+    runner.execute([seqs[2].chunk(), partial])  # two tokens, one of them not a decode
+    assert calls == []
+    seqs[0].tokens.append(13)
+    chunk = seqs[0].chunk()
+    token_ids, positions, meta, _ = runner._prepare([chunk])
+    layers: list[int] = []
+    with torch.inference_mode(), forward_context(ForwardContext(meta, layers.append)):
+        runner.model(token_ids, positions)  # a layer hook must see every layer
+    assert layers == list(range(config.model.num_layers)) and calls == []
+    seqs[1].tokens.append(14)
+    _run(runner, iter([[seqs[1]]]))
+    assert calls == [1]
+
+
+def test_linears_on_another_kernel_keep_the_per_layer_forward(llama_dir: Path,
+                                                              calls: list[int]) -> None:
+    """The measured plan chose oneDNN's GEMM even at batch 1: the stack is not used."""
+    runner = _runner(_config(llama_dir), kernel="onednn")
+    _run(runner, _steps(runner.config.model.vocab_size))
+    assert calls == []
+
+
+def test_a_new_plan_or_cache_is_followed(llama_dir: Path, calls: list[int]) -> None:
+    config = _config(llama_dir)
+    runner = _runner(config)
+    steps = _steps(config.model.vocab_size)
+    _run(runner, itertools.islice(steps, 2))
+    assert calls == [2]
+    apply_kernel_plan(runner.model, _plan(config, "onednn"))
+    _run(runner, itertools.islice(steps, 1))
+    assert calls == [2]
+    apply_kernel_plan(runner.model, _plan(config, "onednn_gemv"))
+    _run(runner, itertools.islice(steps, 1))
+    assert calls == [2, 2]
+    # a new cache (a copy of the old): the next step writes into it, the old stays as it was
+    old = runner.kv_cache
+    runner.kv_cache = old.clone()
+    runner.model.set_kv_cache(runner.kv_cache)
+    before = old.clone()
+    _run(runner, itertools.islice(steps, 1))
+    assert calls == [2, 2, 2]
+    assert torch.equal(old, before) and not torch.equal(runner.kv_cache, old)
+
+
+def _stack_inputs(runner: ModelRunner, **changes: Any) -> dict[str, Any]:
+    """Two well-formed decode rows (slots 3 and 21 of blocks 0 and 1), then ``changes``."""
+    cfg = runner.config.model
+    inputs = {"h": torch.randn(2, cfg.hidden_size), "cos": torch.ones(2, 1, cfg.head_dim),
+              "sin": torch.zeros(2, 1, cfg.head_dim), "slot_mapping": torch.tensor([3, 21]),
+              "block_tables": torch.tensor([[0], [1]]), "context_lens": torch.tensor([4, 6])}
+    return {**inputs, **changes}
+
+
+def test_slots_lengths_and_blocks_are_checked_before_anything_is_written(
+        llama_dir: Path, kernels: NativeKernels) -> None:
+    runner = _runner(_config(llama_dir))
+    stack = decoder_stack.CompiledDecoderStack.build(runner.model)
+    assert stack is not None
+    layers = stack._layers
+    before = runner.kv_cache.clone()
+    slots = runner.num_kv_blocks * BLOCK
+    # the second row is the bad one: the first, well formed, must not be written either
+    for changes, error, words in (
+            ({"slot_mapping": torch.tensor([3, slots])}, IndexError, "slot"),
+            ({"slot_mapping": torch.tensor([3, -1])}, IndexError, "slot"),
+            ({"block_tables": torch.tensor([[0], [runner.num_kv_blocks]])}, IndexError,
+             "block id"),
+            ({"context_lens": torch.tensor([4, BLOCK + 1])}, ValueError, "context length"),
+            ({"context_lens": torch.tensor([4, 0])}, ValueError, "context length"),
+            ({"slot_mapping": torch.tensor([3, 21], dtype=torch.int32)}, ValueError,
+             "does not take"),
+            ({"h": torch.randn(2, 8)}, ValueError, "does not take")):
+        inputs = _stack_inputs(runner, **changes)
+        h = inputs["h"].clone()
+        with pytest.raises(error, match=words):
+            kernels.decoder_stack(layers, **inputs)
+        assert torch.equal(inputs["h"], h)
+    assert torch.equal(runner.kv_cache, before)
+    inputs = _stack_inputs(runner)  # the same, well formed
+    h = inputs["h"].clone()
+    kernels.decoder_stack(layers, **inputs)
+    assert not torch.equal(runner.kv_cache, before) and not torch.equal(inputs["h"], h)
+
+
+def test_layers_of_the_wrong_shape_are_refused(llama_dir: Path, kernels: NativeKernels) -> None:
+    runner = _runner(_config(llama_dir))
+    stack = decoder_stack.CompiledDecoderStack.build(runner.model)
+    assert stack is not None
+    good = stack._layers.layers[0]
+    for change in ({"qkv_w": good.qkv_w[:-1]}, {"o_w": good.o_w.T},
+                   {"q_norm": torch.ones(3), "k_norm": torch.ones(3)}, {"k_norm": torch.ones(16)},
+                   {"down_w": good.down_w.double()}):
+        with pytest.raises(ValueError, match="layer 0"):
+            DecoderLayers(stack._layers.shape, [replace(good, **change)])
+
+
+def test_a_model_off_the_compiled_backend_never_loads_the_kernels_for_it(
+        llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, or in bf16, the model has another attention backend: asking whether the
+    stack applies must not build the compiled library."""
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.models import build_model
+
+    def refuse() -> None:
+        raise AssertionError("the compiled kernels were asked for")
+
+    monkeypatch.setattr(decoder_stack, "native", refuse)
+    model = build_model(_config(llama_dir).model, Group.single(), TorchAttentionBackend())
+    assert decoder_stack.CompiledDecoderStack.build(model) is None
