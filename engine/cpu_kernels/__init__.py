@@ -174,7 +174,8 @@ class NativeKernels:
                       sin: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor) -> None:
         """A decode step of a whole decoder stack in one call (``DecoderLayers``): ``h
-        [B, hidden]`` (contiguous fp32, one token per sequence) goes in as the embeddings
+        [B, hidden]`` (contiguous fp32, one token for each of ``B <= GEMV_MAX_ROWS``
+        sequences) goes in as the embeddings
         and comes out as the last layer's output, each layer's K/V written to its cache;
         ``cos``, ``sin [B, 1, D]`` as ``rope`` takes them; ``slot_mapping [B]``,
         ``block_tables [B, max_blocks]`` and ``context_lens [B]`` (int64) as
@@ -185,7 +186,7 @@ class NativeKernels:
         rows = h.shape[0] if h.dim() == 2 else 0
         shape = layers.shape
         width = shape.head_dim
-        if not (rows > 0 and h.shape[1] == shape.hidden and h.dtype == torch.float32
+        if not (0 < rows <= GEMV_MAX_ROWS and h.shape[1] == shape.hidden and h.dtype == torch.float32
                 and h.is_contiguous() and h.device.type == "cpu"
                 and cos.shape == sin.shape == (rows, 1, width) and cos.is_contiguous()
                 and sin.is_contiguous() and cos.dtype == sin.dtype == torch.float32

@@ -222,7 +222,13 @@ def test_slots_lengths_and_blocks_are_checked_before_anything_is_written(
             ({"context_lens": torch.tensor([4, 0])}, ValueError, "context length"),
             ({"slot_mapping": torch.tensor([3, 21], dtype=torch.int32)}, ValueError,
              "does not take"),
-            ({"h": torch.randn(2, 8)}, ValueError, "does not take")):
+            ({"h": torch.randn(2, 8)}, ValueError, "does not take"),
+            ({"h": torch.randn(3, runner.config.model.hidden_size),  # past the GEMV's rows
+              "cos": torch.ones(3, 1, runner.config.model.head_dim),
+              "sin": torch.zeros(3, 1, runner.config.model.head_dim),
+              "slot_mapping": torch.tensor([3, 21, 40]),
+              "block_tables": torch.tensor([[0], [1], [2]]),
+              "context_lens": torch.tensor([4, 6, 9])}, ValueError, "does not take")):
         inputs = _stack_inputs(runner, **changes)
         h = inputs["h"].clone()
         with pytest.raises(error, match=words):
