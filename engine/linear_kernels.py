@@ -7,7 +7,7 @@ from a copy of ``W`` it prepared once after loading (or ``W`` itself):
 - ``onednn``: oneDNN's pre-packed blocked layout (``mkldnn._linear_pointwise``); CPU fp32.
 - ``mm_t``: ``torch.mm``/``addmm`` on a contiguous ``W^T [in, out]`` (the "NN" GEMM
   layout rather than "NT"); any device.
-- ``onednn_gemv``: ``onednn``, except that one or two rows of ``x`` (a small decode
+- ``onednn_gemv``: ``onednn``, except that one to three rows of ``x`` (a small decode
   batch) go to pdserve's compiled GEMV (``engine.cpu_kernels``) on ``W`` itself, which
   keeps more of the memory bus busy than oneDNN does at batch 1; CPU fp32, where the
   compiled kernels could be built.

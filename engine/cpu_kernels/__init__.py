@@ -1,4 +1,4 @@
-"""pdserve's compiled CPU kernels: a batch-1/2 GEMV that keeps the memory bus busy, a
+"""pdserve's compiled CPU kernels: a batch-1 to 3 GEMV that keeps the memory bus busy, a
 paged decode attention that reads K/V where they lie in the cache, RMSNorm and SwiGLU
 in one pass each (torch runs several small kernels for either), the rotary embedding,
 a row-wise argmax for greedy sampling, and a whole decoder stack's decode step in one
@@ -38,7 +38,7 @@ __all__ = ["ENV", "BuildError", "DecoderLayerWeights", "DecoderLayers", "Decoder
            "NativeKernels", "native"]
 
 ENV = "PDSERVE_CPU_KERNELS"
-GEMV_MAX_ROWS = 2  # above this oneDNN's packed GEMM is faster (measured on AMD EPYC)
+GEMV_MAX_ROWS = 3  # above this oneDNN's packed GEMM is faster (measured on AMD EPYC)
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: dict[str, NativeKernels | None] = {}

@@ -163,8 +163,9 @@ static inline int omp_get_thread_num(void) { return 0; }
 static inline int omp_get_num_threads(void) { return 1; }
 #endif
 
-/* y[i, row] for rows [first, end) of w and rows i < m <= 2 of x; inlined with m a
- * constant, so the sums stay in registers */
+/* y[i, row] for rows [first, end) of w and rows i < m <= GEMV_MAX_X_ROWS of x; inlined
+ * with m a constant, so the sums stay in registers */
+#define GEMV_MAX_X_ROWS 3 /* four were slower than oneDNN on an AMD EPYC */
 static inline __attribute__((always_inline)) void gemv_rows(const float *restrict x, int64_t m, int64_t k, const float *restrict w,
                       int64_t first, int64_t end, int64_t n, const float *restrict bias,
                       float *restrict y) {
@@ -172,7 +173,7 @@ static inline __attribute__((always_inline)) void gemv_rows(const float *restric
     const int64_t vec = k - k % GEMV_CHUNK;
     for (int64_t row = first; row < end; row++) {
         const float *wr = w + row * k;
-        f16v acc[2][4] = {{{0}}};
+        f16v acc[GEMV_MAX_X_ROWS][4] = {{{0}}};
         for (int64_t j = 0; j < vec; j += GEMV_CHUNK) {
             const float *ahead = wr + j + GEMV_PREFETCH_FLOATS;
             if (ahead + GEMV_CHUNK <= stop)
@@ -196,8 +197,7 @@ static inline __attribute__((always_inline)) void gemv_rows(const float *restric
 }
 
 /* y[m, n] = x[m, k] w[n, k]^T (+ bias[n]); all contiguous, m small (a decode batch:
- * at most GEMV_MAX_X_ROWS, above that oneDNN's packed GEMM is the kernel). */
-#define GEMV_MAX_X_ROWS 2
+ * at most GEMV_MAX_X_ROWS; the caller decides from how many oneDNN's GEMM takes over). */
 int pd_gemv_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
                 const float *bias, float *y, int num_threads) {
     if (m < 1 || m > GEMV_MAX_X_ROWS || k < 1 || n < 1 || num_threads < 1) return -1;
@@ -207,10 +207,11 @@ int pd_gemv_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
     {
         const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
         const int64_t first = n * t / count, end = n * (t + 1) / count;
-        if (m == 1)
-            gemv_rows(x, 1, k, w, first, end, n, bias, y);
-        else
-            gemv_rows(x, 2, k, w, first, end, n, bias, y);
+        switch (m) {
+        case 1: gemv_rows(x, 1, k, w, first, end, n, bias, y); break;
+        case 2: gemv_rows(x, 2, k, w, first, end, n, bias, y); break;
+        default: gemv_rows(x, 3, k, w, first, end, n, bias, y); break;
+        }
     }
     return 0;
 }

@@ -1,4 +1,4 @@
-"""The CPU decode step's fast path: at batch 1 and 2, a Llama-family model hands its whole
+"""The CPU decode step's fast path: at batch 1 to 3, a Llama-family model hands its whole
 decoder stack to one call of pdserve's compiled kernels (``NativeKernels.decoder_stack``)
 instead of about a dozen torch calls per layer. The kernels and their order are the
 ones the per-layer forward would run at that batch size (the GEMV, RMSNorm, RoPE, the KV

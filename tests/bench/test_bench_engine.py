@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +47,16 @@ def test_bench_engine_writes_required_keys(model_factory: Callable[..., Path], t
     assert isinstance(data["noise_warnings"], list)
     assert 0 < data["weight_bytes_per_step"] < data["weight_bytes"]
     assert data["bandwidth_gbps"] == max(data["bandwidth_samples_gbps"])
+    # each of the 3 step blocks against the bandwidth sampled next to it (never above the
+    # run's best, so each block's fraction is at least the strict one of its own steps)
+    blocks = data["roofline_fraction_by_block"]
+    assert len(blocks) == len(data["bandwidth_by_block_gbps"]) == 3
+    assert all(0 < gbps <= data["bandwidth_gbps"] for gbps in data["bandwidth_by_block_gbps"])
+    steps = data["batch1_steps_ms"]
+    for fraction, gbps, block in zip(blocks, data["bandwidth_by_block_gbps"],
+                                     (steps[:2], steps[2:4], steps[4:]), strict=True):
+        assert fraction == pytest.approx(
+            data["roofline_step_ms"] * data["bandwidth_gbps"] / gbps / statistics.median(block))
     assert returned["pdserve_tok_s"] == data["pdserve_tok_s"]
     # the CPU model and the kernels chosen at load (measured, or from the cache)
     assert data["cpu_model"] == data["machine"]["cpu_model"] and data["cpu_model"]

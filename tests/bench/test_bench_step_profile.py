@@ -13,7 +13,7 @@ import pytest
 import engine
 from bench import step_profile
 from bench.engine import PromptSource
-from engine.cpu_kernels import native
+from engine.cpu_kernels import GEMV_MAX_ROWS, native
 from engine.models.layers import linear_layers
 
 # layers inside the compiled decoder stack, where it runs the step
@@ -31,15 +31,15 @@ def test_step_profile_splits_a_decode_step_into_parts(model_factory: Callable[..
         pytest.skip("pdserve's compiled CPU kernels could not be built here")
     out_path = tmp_path / "profile.json"
     returned = step_profile.main([
-        "--model", str(model_factory("llama")), "--batch-sizes", "1,3", "--prompt-len", "5",
+        "--model", str(model_factory("llama")), "--batch-sizes", "1,4", "--prompt-len", "5",
         "--steps", "4", "--threads", "1", "--bandwidth-mib", "16", "--linear-kernel", kernel,
         "--json", str(out_path)])
     data = json.loads(out_path.read_text())
     assert data == json.loads(json.dumps(returned))
-    assert [b["batch_size"] for b in data["batches"]] == [1, 3]
+    assert [b["batch_size"] for b in data["batches"]] == [1, 4]
     stacked = {b["batch_size"]: b["parts_ms"][step_profile.STACK] > 0 for b in data["batches"]}
-    assert stacked == {1: kernel == "onednn_gemv", 3: False}
-    assert data["decoder_stack_max_batch"] == (2 if kernel == "onednn_gemv" else 0)
+    assert stacked == {1: kernel == "onednn_gemv", 4: False}  # 4: past the GEMV's rows
+    assert data["decoder_stack_max_batch"] == (GEMV_MAX_ROWS if kernel == "onednn_gemv" else 0)
     for batch in data["batches"]:
         parts = batch["parts_ms"]
         assert set(parts) == set(step_profile.PARTS)

@@ -1,5 +1,5 @@
 """The CPU decode fast path (``engine.models.decoder_stack``): the whole decoder stack in
-one compiled call at batch 1 and 2. It must give the per-layer forward's logits and KV
+one compiled call at batch 1 to 3. It must give the per-layer forward's logits and KV
 cache to the bit, run only where the per-layer forward would run the same kernels, follow
 a new cache or kernel plan, and check what it is handed before writing anything. Parity
 with Hugging Face through it: tests/engine/test_hf_parity.py."""
@@ -17,7 +17,7 @@ import torch
 
 from engine.attention import ForwardContext, forward_context
 from engine.config import EngineConfig, load_model_config
-from engine.cpu_kernels import DecoderLayers, NativeKernels
+from engine.cpu_kernels import GEMV_MAX_ROWS, DecoderLayers, NativeKernels
 from engine.distributed import Group
 from engine.kernel_choice import linear_shapes
 from engine.linear_kernels import KernelPlan
@@ -84,14 +84,16 @@ class Seq:
 
 
 def _steps(vocab: int) -> Iterator[list[Seq]]:
-    """Two prompts prefilled together, 20 decode steps of both (crossing block ends), then
-    6 of one alone: the batches the stack takes (2, then 1) after one it does not."""
+    """Three prompts prefilled together, then decode steps (crossing block ends) of all
+    three (10), two (10) and one (6): the batches the stack takes (3, 2, 1) after one it
+    does not."""
     ids = itertools.cycle(range(3, vocab))
     a = Seq("a", [next(ids) for _ in range(21)], 0)
     b = Seq("b", [next(ids) for _ in range(9)], 8)
-    yield [a, b]
+    c = Seq("c", [next(ids) for _ in range(14)], 12)
+    yield [a, b, c]
     for step in range(26):
-        live = [a, b] if step < 20 else [a]
+        live = [a, b, c] if step < 10 else [a, b] if step < 20 else [a]
         for seq in live:
             seq.tokens.append(next(ids))
         yield live
@@ -129,7 +131,7 @@ def test_the_stack_gives_the_per_layer_forwards_logits_and_cache_to_the_bit(
     stacked = _runner(config)
     got = _run(stacked, _steps(vocab))
     # Qwen3's per-head q/k norms: one token at a time (see CompiledDecoderStack.max_rows)
-    assert calls == ([1] * 6 if arch == "qwen3" else [2] * 20 + [1] * 6)
+    assert calls == ([1] * 6 if arch == "qwen3" else [3] * 10 + [2] * 10 + [1] * 6)
     for step, (x, y) in enumerate(zip(got, reference, strict=True)):
         assert torch.equal(x, y), f"step {step}: {(x - y).abs().max()}"
     assert torch.equal(stacked.kv_cache, layered.kv_cache)
@@ -139,18 +141,18 @@ def test_steps_the_stack_does_not_take_run_the_per_layer_forward(
         llama_dir: Path, calls: list[int]) -> None:
     config = _config(llama_dir)
     runner = _runner(config)
-    seqs = [Seq(f"s{i}", [5 + i, 6, 7], 4 * i) for i in range(3)]
+    seqs = [Seq(f"s{i}", [5 + i, 6, 7], 4 * i) for i in range(GEMV_MAX_ROWS + 1)]
     _run(runner, iter([seqs]))  # a prefill
     for seq in seqs:
         seq.tokens.append(9)
-    _run(runner, iter([seqs]))  # three decodes: past the GEMV's rows
+    _run(runner, iter([seqs]))  # one decode more than the GEMV's rows
     assert calls == []
     seqs[0].tokens.append(10)
-    late = Seq("late", [11, 12], 16)
+    late = Seq("late", [11, 12], 17)
     _run(runner, iter([[seqs[0], late]]))  # a decode with a prefill
-    _run(runner, iter([[Seq("short", [15, 16], 20)]]))  # a prefill of two tokens
+    _run(runner, iter([[Seq("short", [15, 16], 19)]]))  # a prefill of two tokens
     seqs[2].tokens.append(17)
-    partial = ScheduledChunk("part", (18,), 0, (22,), False)  # a chunk that samples nothing
+    partial = ScheduledChunk("part", (18,), 0, (21,), False)  # a chunk that samples nothing
     runner.execute([seqs[2].chunk(), partial])  # two tokens, one of them not a decode
     assert calls == []
     seqs[0].tokens.append(13)
@@ -178,21 +180,31 @@ def test_a_new_plan_or_cache_is_followed(llama_dir: Path, calls: list[int]) -> N
     runner = _runner(config)
     steps = _steps(config.model.vocab_size)
     _run(runner, itertools.islice(steps, 2))
-    assert calls == [2]
+    assert calls == [3]
     apply_kernel_plan(runner.model, _plan(config, "onednn"))
     _run(runner, itertools.islice(steps, 1))
-    assert calls == [2]
+    assert calls == [3]
     apply_kernel_plan(runner.model, _plan(config, "onednn_gemv"))
     _run(runner, itertools.islice(steps, 1))
-    assert calls == [2, 2]
+    assert calls == [3, 3]
     # a new cache (a copy of the old): the next step writes into it, the old stays as it was
     old = runner.kv_cache
     runner.kv_cache = old.clone()
     runner.model.set_kv_cache(runner.kv_cache)
     before = old.clone()
     _run(runner, itertools.islice(steps, 1))
-    assert calls == [2, 2, 2]
+    assert calls == [3, 3, 3]
     assert torch.equal(old, before) and not torch.equal(runner.kv_cache, old)
+
+
+def _rows(runner: ModelRunner, rows: int) -> dict[str, Any]:
+    """Inputs for ``rows`` well-formed decode rows (row i: slot 3 of block i)."""
+    cfg = runner.config.model
+    return {"h": torch.randn(rows, cfg.hidden_size), "cos": torch.ones(rows, 1, cfg.head_dim),
+            "sin": torch.zeros(rows, 1, cfg.head_dim),
+            "slot_mapping": torch.tensor([BLOCK * i + 3 for i in range(rows)]),
+            "block_tables": torch.tensor([[i] for i in range(rows)]),
+            "context_lens": torch.tensor([4] * rows)}
 
 
 def _stack_inputs(runner: ModelRunner, **changes: Any) -> dict[str, Any]:
@@ -223,12 +235,7 @@ def test_slots_lengths_and_blocks_are_checked_before_anything_is_written(
             ({"slot_mapping": torch.tensor([3, 21], dtype=torch.int32)}, ValueError,
              "does not take"),
             ({"h": torch.randn(2, 8)}, ValueError, "does not take"),
-            ({"h": torch.randn(3, runner.config.model.hidden_size),  # past the GEMV's rows
-              "cos": torch.ones(3, 1, runner.config.model.head_dim),
-              "sin": torch.zeros(3, 1, runner.config.model.head_dim),
-              "slot_mapping": torch.tensor([3, 21, 40]),
-              "block_tables": torch.tensor([[0], [1], [2]]),
-              "context_lens": torch.tensor([4, 6, 9])}, ValueError, "does not take")):
+            (_rows(runner, GEMV_MAX_ROWS + 1), ValueError, "does not take")):  # past the GEMV
         inputs = _stack_inputs(runner, **changes)
         h = inputs["h"].clone()
         with pytest.raises(error, match=words):
