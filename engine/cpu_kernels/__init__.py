@@ -91,8 +91,9 @@ class DecoderLayerWeights:
 class DecoderLayers:
     """A decoder stack's weights and caches checked once and laid out for one
     ``decoder_stack`` call per step. Holds the tensors, so the pointers it hands the
-    kernel stay valid while it lives; ``ValueError`` for any tensor of the wrong shape,
-    type or layout."""
+    kernel stay valid while it lives, and the kernel's work space (so one call at a time,
+    as a model's forward runs); ``ValueError`` for any tensor of the wrong shape, type or
+    layout."""
 
     def __init__(self, shape: DecoderShape, layers: list[DecoderLayerWeights]) -> None:
         hidden, d, inter = shape.hidden, shape.head_dim, shape.intermediate
@@ -108,6 +109,7 @@ class DecoderLayers:
                 "down_b": (hidden,), "kv_cache": cache}
         self.shape = DecoderShape.from_buffer_copy(shape)  # checked once: not the caller's to change
         self.layers = list(layers)
+        self.scratch: torch.Tensor | None = None  # the kernel's work space, made at first use
         self.table = (_LayerPointers * len(layers))()
         for i, layer in enumerate(layers):
             if (layer.q_norm is None) != (layer.k_norm is None):
@@ -175,8 +177,8 @@ class NativeKernels:
                       context_lens: torch.Tensor) -> None:
         """A decode step of a whole decoder stack in one call (``DecoderLayers``): ``h
         [B, hidden]`` (contiguous fp32, one token for each of ``B <= GEMV_MAX_ROWS``
-        sequences) goes in as the embeddings
-        and comes out as the last layer's output, each layer's K/V written to its cache;
+        sequences) goes in as the embeddings and comes out as the last layer's output,
+        each layer's K/V written to its cache;
         ``cos``, ``sin [B, 1, D]`` as ``rope`` takes them; ``slot_mapping [B]``,
         ``block_tables [B, max_blocks]`` and ``context_lens [B]`` (int64) as
         ``write_kv`` and ``paged_decode_attention`` take them. The same kernels in the same
@@ -198,7 +200,10 @@ class NativeKernels:
                         for t in (slot_mapping, block_tables, context_lens))):
             raise ValueError(f"decoder_stack does not take h {tuple(h.shape)} {h.dtype} "
                              f"with these cos/sin, slots, tables and lengths")
-        scratch = torch.empty(rows * self._stack_scratch(ctypes.byref(shape)), dtype=torch.float32)
+        if layers.scratch is None:  # sized for the most rows, reused by every step
+            layers.scratch = torch.empty(GEMV_MAX_ROWS * self._stack_scratch(ctypes.byref(shape)),
+                                         dtype=torch.float32)
+        scratch = layers.scratch
         rc = self._stack(layers.table, len(layers.table), ctypes.byref(shape), h.data_ptr(), rows,
                          cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
                          block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),

@@ -31,6 +31,7 @@ from engine.cpu_kernels import (
     DecoderLayers,
     DecoderLayerWeights,
     DecoderShape,
+    NativeKernels,
     native,
 )
 
@@ -50,7 +51,8 @@ class CompiledDecoderStack:
     model can use it (the model builds it again after ``set_kernel`` on any linear, and
     after ``set_kv_cache``), ``takes`` whether one step's inputs are for it."""
 
-    def __init__(self, layers: DecoderLayers) -> None:
+    def __init__(self, kernels: NativeKernels, layers: DecoderLayers) -> None:
+        self._kernels = kernels
         self._layers = layers  # holds the weights and caches it points to
         # Qwen3's per-head q/k norms: the per-layer forward norms two tokens' heads with
         # torch (not laid out for the compiled RMSNorm), so the stack takes one token
@@ -87,7 +89,7 @@ class CompiledDecoderStack:
             stack = DecoderLayers(shape, [_weights(layer) for layer in layers])
         except ValueError:  # a layout the kernel does not take: the per-layer forward
             return None
-        return cls(stack)
+        return cls(kernels, stack)
 
     def takes(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether a step is for the stack: decode tokens only, at most ``max_rows``
@@ -101,11 +103,9 @@ class CompiledDecoderStack:
     def run(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
             meta: AttentionMetadata) -> torch.Tensor:
         """The stack's output for embeddings ``h [B, hidden]`` (updated in place)."""
-        kernels = native()
-        assert kernels is not None  # build() saw them
         cos, sin = rope
         h = h.contiguous()
-        kernels.decoder_stack(self._layers, h, cos.contiguous(), sin.contiguous(),
+        self._kernels.decoder_stack(self._layers, h, cos.contiguous(), sin.contiguous(),
                               meta.slot_mapping, meta.decode_block_tables,
                               meta.decode_context_lens)
         return h

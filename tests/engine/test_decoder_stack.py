@@ -208,12 +208,8 @@ def _rows(runner: ModelRunner, rows: int) -> dict[str, Any]:
 
 
 def _stack_inputs(runner: ModelRunner, **changes: Any) -> dict[str, Any]:
-    """Two well-formed decode rows (slots 3 and 21 of blocks 0 and 1), then ``changes``."""
-    cfg = runner.config.model
-    inputs = {"h": torch.randn(2, cfg.hidden_size), "cos": torch.ones(2, 1, cfg.head_dim),
-              "sin": torch.zeros(2, 1, cfg.head_dim), "slot_mapping": torch.tensor([3, 21]),
-              "block_tables": torch.tensor([[0], [1]]), "context_lens": torch.tensor([4, 6])}
-    return {**inputs, **changes}
+    """Two well-formed decode rows (slot 3 of blocks 0 and 1), then ``changes``."""
+    return {**_rows(runner, 2), **changes}
 
 
 def test_slots_lengths_and_blocks_are_checked_before_anything_is_written(
