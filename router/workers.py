@@ -45,6 +45,7 @@ CHANNEL_OPTIONS = (
     *KEEPALIVE_CHANNEL_OPTIONS,
 )
 HUNG_AFTER = 2  # consecutive health checks that time out before a worker's calls are taken back
+HEALTH_TIMEOUT_S = 2.0  # a health check not answered within this long counts as timed out
 
 
 @dataclass
@@ -62,7 +63,7 @@ class WorkerPool:
 
     def __init__(self, registry: Registry, model_fingerprint: str, *,
                  keep_missing_s: float = 6.0, suspect_s: float = 5.0,
-                 health_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 health_timeout_s: float = HEALTH_TIMEOUT_S, clock: Callable[[], float] = time.monotonic) -> None:
         self._view = WorkerView(registry, clock=clock, model_fingerprint=model_fingerprint)
         self._fingerprint = model_fingerprint
         self._keep_missing_s = keep_missing_s

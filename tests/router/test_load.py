@@ -32,6 +32,7 @@ from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
 from cluster.pause_points import PauseDir
 from pdserve import AsyncClient, Client, PdserveError
 from pdserve.local_cluster import LocalCluster, LocalClusterConfig
+from router.workers import HEALTH_TIMEOUT_S
 from tests.factories import REPO_ROOT
 from tests.processes import wait_until
 from tests.router.cluster import Cluster, start_cluster
@@ -50,12 +51,13 @@ def _rss_mb(pid: int) -> float:
 
 
 class HealthPoller:
-    """Polls ``grpc.health.v1`` of some addresses at 10 Hz on a thread; keeps the slowest."""
+    """Polls ``grpc.health.v1`` of some servers (name -> address) at 10 Hz on a thread;
+    keeps every answer's latency per name."""
 
-    def __init__(self, addresses: list[str]) -> None:
-        self._channels = [grpc.insecure_channel(a) for a in addresses]
-        self.slowest_s = 0.0
-        self.answers = 0
+    def __init__(self, addresses: dict[str, str]) -> None:
+        self._names = list(addresses)
+        self._channels = [grpc.insecure_channel(a) for a in addresses.values()]
+        self.latencies: dict[str, list[float]] = {name: [] for name in addresses}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -72,12 +74,29 @@ class HealthPoller:
     def _run(self) -> None:
         stubs = [health_pb2_grpc.HealthStub(c) for c in self._channels]
         while not self._stop.wait(0.1):
-            for stub in stubs:
+            for name, stub in zip(self._names, stubs, strict=True):
                 start = time.monotonic()
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=10.0)
-                self.slowest_s = max(self.slowest_s, time.monotonic() - start)
+                self.latencies[name].append(time.monotonic() - start)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
-                self.answers += 1
+
+    @property
+    def answers(self) -> int:
+        return sum(len(v) for v in self.latencies.values())
+
+    @property
+    def slowest_s(self) -> float:
+        return max((max(v) for v in self.latencies.values() if v), default=0.0)
+
+    def summary(self) -> str:
+        """Per server: median, 90th percentile and slowest answer, in ms."""
+        parts = []
+        for name, values in self.latencies.items():
+            ordered = sorted(values) or [0.0]
+            parts.append(f"{name}: median {ordered[len(ordered) // 2] * 1e3:.0f}, "
+                         f"p90 {ordered[int(len(ordered) * 0.9)] * 1e3:.0f}, "
+                         f"max {ordered[-1] * 1e3:.0f} ms over {len(values)}")
+        return "; ".join(parts)
 
 
 def _worker_stubs(cluster: LocalCluster) -> list[tuple[str, object]]:
@@ -113,12 +132,16 @@ def test_three_hundred_streams_complete_while_health_answers(up: LocalCluster) -
         async with AsyncClient(up.router_address) as client:
             return await asyncio.gather(*(one(client, i) for i in range(300)))
 
-    with HealthPoller([c.address for c in up.workers]) as health:
+    with HealthPoller({c.name: c.address for c in up.workers}) as health:
         counts = asyncio.run(all_of_them())
     assert counts == [128] * 300  # every request complete, none failed
-    # far from a missed check: the router's health timeout is 2 s (router.workers), and
-    # only HUNG_AFTER misses in a row take a worker back (a liveness bound, not a speed)
-    assert health.answers > 20 and health.slowest_s < 1.0, health.slowest_s
+    # No check the router would have counted as missed (its timeout, router.workers; and
+    # only HUNG_AFTER misses in a row take a worker back): a liveness bound, not a speed.
+    # Measured on 2 cores: medians 2-8 ms, p90 under 120 ms, the slowest 0.15-0.5 s
+    # (once 1.2 s) while Redis, the router, both workers and this client take turns on
+    # them (load average about 4.6): time the health handler's threads wait to be run.
+    assert health.answers > 20, health.summary()
+    assert health.slowest_s < HEALTH_TIMEOUT_S, health.summary()
     for _, stub in _worker_stubs(up):
         assert_idle(stub)
 
