@@ -24,7 +24,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 
 _DTYPES = ("float32", "float16", "bfloat16")
 # engine.linear_kernels.KERNELS' names (kept here, torch-free, to validate configs).
-LINEAR_KERNELS = ("auto", "onednn", "torch", "mm_t", "onednn_gemv")
+LINEAR_KERNELS = ("auto", "onednn", "torch", "mm_t", "onednn_gemv", "packed")
 
 
 class ConfigError(ValueError):

@@ -5,7 +5,7 @@ apply after loading (the leader chooses; its ranks get the plan in their launch
 message, so every rank runs the same kernels). In order of precedence:
 
 1. ``EngineConfig.linear_kernel`` other than ``"auto"``: that kernel everywhere;
-2. ``PDSERVE_LINEAR_KERNEL=onednn|onednn_gemv|torch|mm_t`` in the environment: likewise;
+2. ``PDSERVE_LINEAR_KERNEL=onednn|onednn_gemv|packed|torch|mm_t`` in the environment: likewise;
 3. not a CPU, or only one kernel available: ``torch`` (``F.linear``);
 4. the cache (``$XDG_CACHE_HOME/pdserve/linear_kernels.json``, else
    ``~/.cache/pdserve/``), keyed by CPU model, torch version and CPU capability,
@@ -173,7 +173,8 @@ def _check_forced(wanted: str, candidates: Sequence[str], source: str) -> None:
     if wanted not in candidates:
         raise ValueError(f"{where}={wanted!r} cannot run here (available: {list(candidates)}); "
                          "onednn needs a CPU, float32 and a oneDNN-enabled torch; "
-                         "onednn_gemv also pdserve's compiled CPU kernels (a C compiler)")
+                         "onednn_gemv also, and packed only, pdserve's compiled CPU kernels "
+                         "(a C compiler)")
 
 
 def pick_kernel(timings: Timings) -> str:

@@ -11,6 +11,11 @@ from a copy of ``W`` it prepared once after loading (or ``W`` itself):
   batch) go to pdserve's compiled GEMV (``engine.cpu_kernels``) on ``W`` itself, which
   keeps more of the memory bus busy than oneDNN does at batch 1; CPU fp32, where the
   compiled kernels could be built.
+- ``packed``: pdserve's own kernels only (``engine.cpu_kernels``): the GEMV on ``W``
+  itself for one to three rows, and for more rows its GEMM over a copy of ``W`` packed in
+  panels of 32 output features (``NativeKernels.pack_panels``), which keeps a block of
+  up to 14 rows' sums in registers per panel; CPU fp32, where the compiled kernels could
+  be built (no oneDNN needed).
 
 Which is fastest depends on the CPU (MKL is slow on AMD, tuned on Intel), the shape
 and the batch size, so ``engine.kernel_choice`` times them and writes a
@@ -93,6 +98,44 @@ def _onednn_gemv_apply(x: torch.Tensor, prepared: _GemvPrepared,
     return _onednn_apply(x, prepared.packed, bias)
 
 
+@dataclass(frozen=True)
+class _PackedPrepared:
+    """``packed``'s copies: ``W`` itself for the GEMV, its panels for the GEMM."""
+
+    weight: torch.Tensor
+    panels: torch.Tensor
+    kernels: NativeKernels
+
+
+def _packed_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and native() is not None
+
+
+def _packed_prepare(weight: torch.Tensor) -> _PackedPrepared:
+    kernels = native()
+    if kernels is None:
+        raise RuntimeError("linear kernel packed needs pdserve's compiled CPU kernels, "
+                           f"which are unavailable here ({CPU_KERNELS_ENV}=0, or the build "
+                           "failed: see the log)")
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"linear kernel packed takes a 2-d fp32 CPU weight, got "
+                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    weight = weight.contiguous()
+    return _PackedPrepared(weight, kernels.pack_panels(weight), kernels)
+
+
+def _packed_apply(x: torch.Tensor, prepared: _PackedPrepared,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is None or (bias.is_contiguous() and bias.dtype == torch.float32):
+        kernels, weight = prepared.kernels, prepared.weight
+        y = kernels.gemv_checked_weight(x, weight, bias)
+        if y is None:
+            y = kernels.gemm_packed_checked(x, prepared.panels, weight.shape[0], bias)
+        if y is not None:
+            return y
+    return F.linear(x, prepared.weight, bias)  # a strided x, or another dtype of bias
+
+
 def _mm_t_apply(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     y = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
@@ -107,6 +150,7 @@ KERNELS: dict[str, LinearKernel] = {
                          lambda device, dtype: True),
     "onednn_gemv": LinearKernel("onednn_gemv", _onednn_gemv_prepare, _onednn_gemv_apply,
                                 _onednn_gemv_available),
+    "packed": LinearKernel("packed", _packed_prepare, _packed_apply, _packed_available),
 }
 
 

@@ -1,5 +1,5 @@
 """pdserve's compiled CPU kernels: a batch-1 to 3 GEMV that keeps the memory bus busy, a
-paged decode attention that reads K/V where they lie in the cache, RMSNorm and SwiGLU
+GEMM over weights packed in panels for larger batches, a paged decode attention that reads K/V where they lie in the cache, RMSNorm and SwiGLU
 in one pass each (torch runs several small kernels for either), the rotary embedding,
 a row-wise argmax for greedy sampling, and a whole decoder stack's decode step in one
 call (those kernels, layer after layer, over ``DecoderLayers``).
@@ -28,17 +28,18 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.cpu_kernels.build import BuildError, build
 
-__all__ = ["ENV", "BuildError", "DecoderLayerWeights", "DecoderLayers", "DecoderShape",
-           "NativeKernels", "native"]
+__all__ = ["ENV", "STACK_MAX_ROWS", "BuildError", "DecoderLayerWeights", "DecoderLayers",
+           "DecoderShape", "NativeKernels", "native"]
 
 ENV = "PDSERVE_CPU_KERNELS"
-GEMV_MAX_ROWS = 3  # above this oneDNN's packed GEMM is faster (measured on AMD EPYC)
+GEMV_MAX_ROWS = 3  # above this a GEMM (oneDNN's or gemm_packed) is faster (on AMD EPYC)
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: dict[str, NativeKernels | None] = {}
@@ -62,17 +63,20 @@ class DecoderShape(ctypes.Structure):
 
 _LAYER_FIELDS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b",
                  "gate_up_w", "down_w", "down_b", "k_cache", "v_cache")
+_PANEL_FIELDS = ("qkv_p", "o_p", "gate_up_p", "down_p")  # packed copies of qkv_w .. down_w
 
 
 class _LayerPointers(ctypes.Structure):
-    _fields_ = [(name, _ptr) for name in _LAYER_FIELDS]
+    _fields_ = [(name, _ptr) for name in _LAYER_FIELDS + _PANEL_FIELDS]
 
 
 @dataclass(frozen=True)
 class DecoderLayerWeights:
     """One Llama-family layer for ``decoder_stack``: weights in the checkpoint layout
     (q | k | v heads fused, gate | up fused), the optional biases and per-head q/k norms,
-    and the layer's KV cache ``[2, num_blocks, block_size, Hk, D]``."""
+    the layer's KV cache ``[2, num_blocks, block_size, Hk, D]``, and optionally the four
+    weights packed by ``NativeKernels.pack_panels`` (all four or none: with them the
+    stack takes batches past the GEMV's rows)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -86,6 +90,13 @@ class DecoderLayerWeights:
     down_w: torch.Tensor
     down_b: torch.Tensor | None
     kv_cache: torch.Tensor
+    qkv_p: torch.Tensor | None = None
+    o_p: torch.Tensor | None = None
+    gate_up_p: torch.Tensor | None = None
+    down_p: torch.Tensor | None = None
+
+
+STACK_MAX_ROWS = 256  # decode rows one decoder_stack call takes where every weight is packed
 
 
 class DecoderLayers:
@@ -93,9 +104,11 @@ class DecoderLayers:
     ``decoder_stack`` call per step. Holds the tensors, so the pointers it hands the
     kernel stay valid while it lives, and the kernel's work space (so one call at a time,
     as a model's forward runs); ``ValueError`` for any tensor of the wrong shape, type or
-    layout."""
+    layout. ``max_rows``: ``STACK_MAX_ROWS`` where every layer has its packed weights,
+    else ``GEMV_MAX_ROWS``."""
 
-    def __init__(self, shape: DecoderShape, layers: list[DecoderLayerWeights]) -> None:
+    def __init__(self, shape: DecoderShape, layers: list[DecoderLayerWeights],
+                 panel_floats: Callable[[int, int], int] | None = None) -> None:
         hidden, d, inter = shape.hidden, shape.head_dim, shape.intermediate
         hq, hk = shape.num_q_heads, shape.num_kv_heads
         if not layers or min(hidden, d, inter, hq, hk) < 1 or hq % hk:
@@ -109,7 +122,14 @@ class DecoderLayers:
                 "down_b": (hidden,), "kv_cache": cache}
         self.shape = DecoderShape.from_buffer_copy(shape)  # checked once: not the caller's to change
         self.layers = list(layers)
-        self.scratch: torch.Tensor | None = None  # the kernel's work space, made at first use
+        self.scratch: torch.Tensor | None = None  # the kernel's work space, grown as needed
+        packed = [all(getattr(layer, f) is not None for f in _PANEL_FIELDS) for layer in layers]
+        if any(any(getattr(layer, f) is not None for f in _PANEL_FIELDS) and not full
+               for layer, full in zip(layers, packed, strict=True)):
+            raise ValueError("a layer's packed weights come all four or none")
+        self.max_rows = STACK_MAX_ROWS if all(packed) else GEMV_MAX_ROWS
+        if self.max_rows > GEMV_MAX_ROWS and panel_floats is None:
+            raise ValueError("packed weights need panel_floats to be checked")
         self.table = (_LayerPointers * len(layers))()
         for i, layer in enumerate(layers):
             if (layer.q_norm is None) != (layer.k_norm is None):
@@ -127,6 +147,19 @@ class DecoderLayers:
                 setattr(entry, name, _ptr_of(getattr(layer, name)))
             entry.k_cache = layer.kv_cache[0].data_ptr()
             entry.v_cache = layer.kv_cache[1].data_ptr()
+            if self.max_rows == GEMV_MAX_ROWS:
+                continue
+            assert panel_floats is not None
+            for name, weight in zip(_PANEL_FIELDS, ("qkv_w", "o_w", "gate_up_w", "down_w"),
+                                    strict=True):
+                t, size = getattr(layer, name), want[weight]
+                if not (t.dim() == 1 and t.numel() == panel_floats(*size)
+                        and t.dtype == torch.float32 and t.is_contiguous()
+                        and t.device.type == "cpu"):
+                    raise ValueError(f"layer {i}: {name} must be {weight} packed by pack_panels "
+                                     f"({panel_floats(*size)} contiguous fp32 CPU floats), "
+                                     f"got {tuple(t.shape)} {t.dtype}")
+                setattr(entry, name, t.data_ptr())
 
 
 class NativeKernels:
@@ -156,6 +189,15 @@ class NativeKernels:
         self._write_kv = library.pd_write_kv_f32
         self._write_kv.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]
         self._write_kv.restype = _int
+        self._gemm = library.pd_gemm_packed_f32
+        self._gemm.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int]
+        self._gemm.restype = _int
+        self._panel_floats = library.pd_gemm_panel_floats
+        self._panel_floats.argtypes = [_i64, _i64]
+        self._panel_floats.restype = _i64
+        width = library.pd_gemm_panel_width
+        width.restype = _i64
+        self.panel_width = int(width())  # output features per panel of gemm_packed's weight
         self._stack = library.pd_decoder_stack_f32
         self._stack.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
                                 _ptr, _ptr, _int]
@@ -176,7 +218,7 @@ class NativeKernels:
                       sin: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor) -> None:
         """A decode step of a whole decoder stack in one call (``DecoderLayers``): ``h
-        [B, hidden]`` (contiguous fp32, one token for each of ``B <= GEMV_MAX_ROWS``
+        [B, hidden]`` (contiguous fp32, one token for each of ``B <= layers.max_rows``
         sequences) goes in as the embeddings and comes out as the last layer's output,
         each layer's K/V written to its cache;
         ``cos``, ``sin [B, 1, D]`` as ``rope`` takes them; ``slot_mapping [B]``,
@@ -188,7 +230,7 @@ class NativeKernels:
         rows = h.shape[0] if h.dim() == 2 else 0
         shape = layers.shape
         width = shape.head_dim
-        if not (0 < rows <= GEMV_MAX_ROWS and h.shape[1] == shape.hidden and h.dtype == torch.float32
+        if not (0 < rows <= layers.max_rows and h.shape[1] == shape.hidden and h.dtype == torch.float32
                 and h.is_contiguous() and h.device.type == "cpu"
                 and cos.shape == sin.shape == (rows, 1, width) and cos.is_contiguous()
                 and sin.is_contiguous() and cos.dtype == sin.dtype == torch.float32
@@ -200,9 +242,11 @@ class NativeKernels:
                         for t in (slot_mapping, block_tables, context_lens))):
             raise ValueError(f"decoder_stack does not take h {tuple(h.shape)} {h.dtype} "
                              f"with these cos/sin, slots, tables and lengths")
-        if layers.scratch is None:  # sized for the most rows, reused by every step
-            layers.scratch = torch.empty(GEMV_MAX_ROWS * self._stack_scratch(ctypes.byref(shape)),
-                                         dtype=torch.float32)
+        per_row = self._stack_scratch(ctypes.byref(shape))
+        if layers.scratch is None or layers.scratch.numel() < rows * per_row:
+            # reused by every step: sized for the GEMV's rows, then for twice the most seen
+            most = GEMV_MAX_ROWS if rows <= GEMV_MAX_ROWS else min(2 * rows, layers.max_rows)
+            layers.scratch = torch.empty(most * per_row, dtype=torch.float32)
         scratch = layers.scratch
         rc = self._stack(layers.table, len(layers.table), ctypes.byref(shape), h.data_ptr(), rows,
                          cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
@@ -337,6 +381,62 @@ class NativeKernels:
                         y.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"gemv refused its arguments (code {rc})")
+        return y
+
+    def panel_floats(self, out_features: int, in_features: int) -> int:
+        """Floats of ``pack_panels`` of an ``[out_features, in_features]`` weight."""
+        return int(self._panel_floats(out_features, in_features))
+
+    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight [out, in]`` (fp32 CPU) in ``gemm_packed``'s layout: panels of
+        ``panel_width`` output features, each ``[in, panel_width]`` (``W^T`` of those
+        rows; the last panel padded with zeros), one flat tensor."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(f"pack_panels takes a 2-d fp32 CPU weight, got "
+                             f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+        n, k = weight.shape
+        width = self.panel_width
+        padded = torch.zeros(-(-n // width) * width, k, dtype=weight.dtype)
+        padded[:n] = weight
+        panels = padded.view(-1, width, k).transpose(1, 2).contiguous().view(-1)
+        assert panels.numel() == self._panel_floats(n, k)
+        return panels
+
+    def gemm_packed(self, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., in] @ W^T + bias`` from ``panels = pack_panels(W)``, any number of
+        rows (the decode batches between the GEMV and a prefill chunk are what it is
+        for)."""
+        k = x.shape[-1] if x.dim() else 0
+        if not (x.dtype == panels.dtype == torch.float32 and x.device.type == "cpu"
+                and panels.device.type == "cpu" and panels.is_contiguous() and k > 0
+                and x.numel() > 0 and out_features > 0 and panels.numel() == self._panel_floats(out_features, k)):
+            raise ValueError(f"gemm_packed takes fp32 CPU tensors and panels of a "
+                             f"[{out_features}, {k}] weight; got x {tuple(x.shape)} {x.dtype}, "
+                             f"{panels.numel()} panel floats")
+        if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32):
+            raise ValueError(f"gemm_packed bias must be fp32 [{out_features}], got "
+                             f"{tuple(bias.shape)} {bias.dtype}")
+        y = self.gemm_packed_checked(x.contiguous(), panels, out_features,
+                                     None if bias is None else bias.contiguous())
+        assert y is not None
+        return y
+
+    def gemm_packed_checked(self, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                            bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``gemm_packed`` for a caller that made ``panels`` with ``pack_panels`` and
+        checked ``bias`` once, at load: checks only ``x`` (per call); ``None`` where ``x``
+        is not contiguous fp32 on the CPU with the weight's ``in`` features."""
+        if x.dim() == 0 or x.numel() == 0 or not (
+                x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
+                and panels.numel() == self._panel_floats(out_features, x.shape[-1])):
+            return None
+        rows = x.numel() // x.shape[-1]
+        y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+        rc = self._gemm(x.data_ptr(), rows, x.shape[-1], panels.data_ptr(), out_features,
+                        _ptr_of(bias), y.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"gemm_packed refused its arguments (code {rc})")
         return y
 
     @staticmethod

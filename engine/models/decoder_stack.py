@@ -1,15 +1,17 @@
-"""The CPU decode step's fast path: at batch 1 to 3, a Llama-family model hands its whole
-decoder stack to one call of pdserve's compiled kernels (``NativeKernels.decoder_stack``)
-instead of about a dozen torch calls per layer. The kernels and their order are the
-ones the per-layer forward would run at that batch size (the GEMV, RMSNorm, RoPE, the KV
+"""The CPU decode step's fast path: a Llama-family model hands its whole decoder stack to
+one call of pdserve's compiled kernels (``NativeKernels.decoder_stack``) instead of about
+a dozen torch calls per layer. The kernels and their order are the ones the per-layer
+forward would run at that batch size (the GEMV or the packed GEMM, RMSNorm, RoPE, the KV
 write, the paged attention, SwiGLU), so the hidden states come out the same to the bit;
-what goes is the interpreter and dispatch time between them, which at batch 1 is a
-large part of a small model's step.
+what goes is the interpreter and dispatch time between them, a large part of a small
+model's step (at batch 1, and still at batch 32).
 
 Used only where the per-layer forward would run exactly those kernels: fp32 on the CPU,
 one rank (no all-reduce between the layers), the compiled attention backend, every
-decoder linear on the ``onednn_gemv`` kernel (the measured choice, ``engine.kernel_choice``),
-a decode-only step of at most ``GEMV_MAX_ROWS`` tokens, and no layer hook (the prefill
+decoder linear on the ``onednn_gemv`` or ``packed`` kernel (the measured choice,
+``engine.kernel_choice``; both hand up to 3 rows to the GEMV), a decode-only step of at
+most ``GEMV_MAX_ROWS`` tokens, or ``STACK_MAX_ROWS`` where every one is on ``packed`` (whose
+GEMM the compiled code can call too), and no layer hook (the prefill
 worker's layer-wise KV sending needs the forward to stop after each layer).
 ``PDSERVE_CPU_DECODER_STACK=0`` keeps the per-layer forward (read whenever the stack is
 built: at the first small step, and after any linear layer in the process is given a
@@ -27,7 +29,6 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.cpu_kernels import (
-    GEMV_MAX_ROWS,
     DecoderLayers,
     DecoderLayerWeights,
     DecoderShape,
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 LlamaForCausalLM = Any
 DecoderLayer = Any
 
-GEMV_KERNEL = "onednn_gemv"
+GEMV_KERNELS = ("onednn_gemv", "packed")  # the linear kernels whose rows <= 3 go to the GEMV
 ENV = "PDSERVE_CPU_DECODER_STACK"  # "0": always the per-layer forward (to compare the two)
 
 
@@ -56,7 +57,7 @@ class CompiledDecoderStack:
         self._layers = layers  # holds the weights and caches it points to
         # Qwen3's per-head q/k norms: the per-layer forward norms two tokens' heads with
         # torch (not laid out for the compiled RMSNorm), so the stack takes one token
-        self.max_rows = 1 if layers.layers[0].q_norm is not None else GEMV_MAX_ROWS
+        self.max_rows = 1 if layers.layers[0].q_norm is not None else layers.max_rows
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> CompiledDecoderStack | None:
@@ -83,17 +84,19 @@ class CompiledDecoderStack:
             rms_eps=cfg.rms_norm_eps, scale=first.scale)
         if not kernels.supports_decoder_stack(shape):
             return None
-        if any(linear.kernel_name != GEMV_KERNEL for layer in layers for linear in _linears(layer)):
+        if any(linear.kernel_name not in GEMV_KERNELS for layer in layers for linear in _linears(layer)):
             return None
         try:
-            stack = DecoderLayers(shape, [_weights(layer) for layer in layers])
+            stack = DecoderLayers(shape, [_weights(layer) for layer in layers],
+                                  kernels.panel_floats)
         except ValueError:  # a layout the kernel does not take: the per-layer forward
             return None
         return cls(kernels, stack)
 
     def takes(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether a step is for the stack: decode tokens only, at most ``max_rows``
-        (``GEMV_MAX_ROWS``, 1 with per-head q/k norms)."""
+        (``GEMV_MAX_ROWS``, ``STACK_MAX_ROWS`` with every weight packed, 1 with per-head
+        q/k norms)."""
         rows = h.shape[0]
         return (0 < rows <= self.max_rows and meta.num_decode_tokens == rows
                 and not meta.prefills and h.dtype == torch.float32 and h.device.type == "cpu"
@@ -117,13 +120,22 @@ def _linears(layer: DecoderLayer) -> list[_Linear]:
 
 
 def _weight(linear: _Linear) -> torch.Tensor:
-    """The weight the GEMV reads: ``onednn_gemv``'s prepared copy (contiguous)."""
+    """The weight the GEMV reads: ``onednn_gemv``'s or ``packed``'s (``W``, contiguous)."""
     weight: torch.Tensor = linear._prepared.weight
     return weight
 
 
+def _panels(linear: _Linear) -> torch.Tensor | None:
+    """The packed copy the compiled GEMM reads: ``packed``'s panels, else none."""
+    panels: torch.Tensor | None = getattr(linear._prepared, "panels", None)
+    return panels if linear.kernel_name == "packed" else None
+
+
 def _weights(layer: DecoderLayer) -> DecoderLayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
+    panels = [_panels(linear) for linear in _linears(layer)]
+    if any(p is None for p in panels):  # all four or none: the stack stops at the GEMV's rows
+        panels = [None] * 4
     return DecoderLayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
         post_norm=layer.post_attention_layernorm.weight.detach(),
@@ -132,7 +144,8 @@ def _weights(layer: DecoderLayer) -> DecoderLayerWeights:
         k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach(),
         o_w=_weight(attn.o_proj), o_b=_detached(attn.o_proj.bias),
         gate_up_w=_weight(mlp.gate_up_proj), down_w=_weight(mlp.down_proj),
-        down_b=_detached(mlp.down_proj.bias), kv_cache=attn.kv_cache)
+        down_b=_detached(mlp.down_proj.bias), kv_cache=attn.kv_cache,
+        qkv_p=panels[0], o_p=panels[1], gate_up_p=panels[2], down_p=panels[3])
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:

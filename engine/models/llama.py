@@ -16,7 +16,6 @@ from torch import nn
 
 from engine.attention import AttentionBackend, get_forward_context
 from engine.config import ModelConfig
-from engine.cpu_kernels import GEMV_MAX_ROWS
 from engine.distributed import Group
 from engine.models.decoder_stack import CompiledDecoderStack
 from engine.models.layers import (
@@ -121,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
         hook = ctx.layer_hook
         h = self.embed_tokens(token_ids)
         rope = self.rotary.cos_sin(positions, h.dtype)
-        if hook is None and h.shape[0] <= GEMV_MAX_ROWS:
+        if hook is None and not ctx.attn.prefills:  # a decode step: the compiled stack's
             stack = self._compiled_stack()
             if stack is not None and stack.takes(h, ctx.attn):
                 return self.norm(stack.run(h, rope, ctx.attn))

@@ -62,7 +62,7 @@ def test_bench_engine_writes_required_keys(model_factory: Callable[..., Path], t
     assert data["cpu_model"] == data["machine"]["cpu_model"] and data["cpu_model"]
     assert data["linear_kernel_source"] in ("measured", "cache")
     kernels = {entry["kernel"] for entry in data["linear_kernel_plan"]}
-    assert kernels <= {"torch", "onednn", "mm_t", "onednn_gemv"} and len(data["linear_kernel_plan"]) >= 5
+    assert kernels <= {"torch", "onednn", "mm_t", "onednn_gemv", "packed"} and len(data["linear_kernel_plan"]) >= 5
     if len(kernels) == 1:
         assert data["linear_kernel"] == kernels.pop()
     else:

@@ -13,7 +13,7 @@ import pytest
 import engine
 from bench import step_profile
 from bench.engine import PromptSource
-from engine.cpu_kernels import GEMV_MAX_ROWS, native
+from engine.cpu_kernels import GEMV_MAX_ROWS, STACK_MAX_ROWS, native
 from engine.models.layers import linear_layers
 
 # layers inside the compiled decoder stack, where it runs the step
@@ -21,13 +21,14 @@ INSIDE_THE_STACK = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "attentio
                     "mlp activation")
 
 
-@pytest.mark.parametrize("kernel", ["torch", "onednn_gemv"])
+@pytest.mark.parametrize("kernel", ["torch", "onednn_gemv", "packed"])
 def test_step_profile_splits_a_decode_step_into_parts(model_factory: Callable[..., Path],
                                                       tmp_path: Path, kernel: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """With torch's linears every step runs layer by layer; with ``onednn_gemv`` a
-    batch-1 step runs the compiled decoder stack (where the kernels could be built)."""
-    if kernel == "onednn_gemv" and native() is None:
+    batch-1 step runs the compiled decoder stack (where the kernels could be built), with
+    ``packed`` every decode step does."""
+    if kernel != "torch" and native() is None:
         pytest.skip("pdserve's compiled CPU kernels could not be built here")
     out_path = tmp_path / "profile.json"
     returned = step_profile.main([
@@ -38,8 +39,10 @@ def test_step_profile_splits_a_decode_step_into_parts(model_factory: Callable[..
     assert data == json.loads(json.dumps(returned))
     assert [b["batch_size"] for b in data["batches"]] == [1, 4]
     stacked = {b["batch_size"]: b["parts_ms"][step_profile.STACK] > 0 for b in data["batches"]}
-    assert stacked == {1: kernel == "onednn_gemv", 4: False}  # 4: past the GEMV's rows
-    assert data["decoder_stack_max_batch"] == (GEMV_MAX_ROWS if kernel == "onednn_gemv" else 0)
+    # 4: past the GEMV's rows, where only the packed GEMM is also in the compiled stack
+    assert stacked == {1: kernel != "torch", 4: kernel == "packed"}
+    assert data["decoder_stack_max_batch"] == {"torch": 0, "onednn_gemv": GEMV_MAX_ROWS,
+                                               "packed": STACK_MAX_ROWS}[kernel]
     for batch in data["batches"]:
         parts = batch["parts_ms"]
         assert set(parts) == set(step_profile.PARTS)

@@ -50,6 +50,48 @@ def test_gemv_refuses_what_it_does_not_take(kernels: NativeKernels) -> None:
     assert kernels.gemv_checked_weight(torch.randn(1, 16), torch.randn(0, 16), None) is None
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("out_features,in_features", [(768, 512), (100, 1408), (33, 129), (5, 3),
+                                                      (1, 1)])
+def test_packed_gemm_is_the_linear(kernels: NativeKernels, out_features: int, in_features: int,
+                                   threads: int) -> None:
+    """Rows in one block and across blocks and row tiles (14 and 256 on AVX-512), output
+    features past the last full panel, K past the last full chunk (128), with and without
+    bias, 2-d and 3-d; against float64."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(out_features + in_features)
+        w, b = torch.randn(out_features, in_features), torch.randn(out_features)
+        panels = kernels.pack_panels(w)
+        assert panels.numel() == kernels.panel_floats(out_features, in_features)
+        for rows in (1, 4, 14, 15, 29, 32, 64, 257):
+            x = torch.randn(rows, in_features)
+            want = x.double() @ w.double().T
+            torch.testing.assert_close(kernels.gemm_packed(x, panels, out_features, b).double(),
+                                       want + b.double(), rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(kernels.gemm_packed(x[None], panels, out_features).double(),
+                                       want[None], rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_packed_gemm_refuses_what_it_does_not_take(kernels: NativeKernels) -> None:
+    w = torch.randn(40, 16)
+    panels = kernels.pack_panels(w)
+    for x in (torch.randn(4, 15), torch.randn(4, 16, dtype=torch.float64), torch.randn(0, 16)):
+        with pytest.raises(ValueError, match="gemm_packed takes"):
+            kernels.gemm_packed(x, panels, 40)
+    with pytest.raises(ValueError, match="gemm_packed takes"):  # another weight's panels
+        kernels.gemm_packed(torch.randn(4, 16), panels, 70)
+    with pytest.raises(ValueError, match="bias"):
+        kernels.gemm_packed(torch.randn(4, 16), panels, 40, torch.randn(39))
+    with pytest.raises(ValueError, match="pack_panels takes"):
+        kernels.pack_panels(w.double())
+    # a strided x is the caller's to make contiguous: the per-call check says no
+    assert kernels.gemm_packed_checked(torch.randn(16, 4).T, panels, 40, None) is None
+
+
 @pytest.mark.parametrize("shape", [(1, 512), (33, 512), (200, 512), (5, 7), (2, 3, 64), (0, 16)])
 def test_rms_norm_is_torchs(kernels: NativeKernels, shape: tuple[int, ...]) -> None:
     """Widths that fill the vector lanes and ones that do not; enough rows to split them

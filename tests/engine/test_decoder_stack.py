@@ -1,5 +1,6 @@
 """The CPU decode fast path (``engine.models.decoder_stack``): the whole decoder stack in
-one compiled call at batch 1 to 3. It must give the per-layer forward's logits and KV
+one compiled call at batch 1 to 3, and at any decode batch up to ``STACK_MAX_ROWS`` with
+every linear on the ``packed`` kernel. It must give the per-layer forward's logits and KV
 cache to the bit, run only where the per-layer forward would run the same kernels, follow
 a new cache or kernel plan, and check what it is handed before writing anything. Parity
 with Hugging Face through it: tests/engine/test_hf_parity.py."""
@@ -17,7 +18,7 @@ import torch
 
 from engine.attention import ForwardContext, forward_context
 from engine.config import EngineConfig, load_model_config
-from engine.cpu_kernels import GEMV_MAX_ROWS, DecoderLayers, NativeKernels
+from engine.cpu_kernels import GEMV_MAX_ROWS, STACK_MAX_ROWS, DecoderLayers, NativeKernels
 from engine.distributed import Group
 from engine.kernel_choice import linear_shapes
 from engine.linear_kernels import KernelPlan
@@ -64,8 +65,8 @@ def _plan(config: EngineConfig, kernel: str) -> KernelPlan:
                               kernel, "config")
 
 
-def _runner(config: EngineConfig, kernel: str = "onednn_gemv") -> ModelRunner:
-    return ModelRunner(config, Group.single(), 24, _plan(config, kernel))
+def _runner(config: EngineConfig, kernel: str = "onednn_gemv", blocks: int = 24) -> ModelRunner:
+    return ModelRunner(config, Group.single(), blocks, _plan(config, kernel))
 
 
 class Seq:
@@ -135,6 +136,67 @@ def test_the_stack_gives_the_per_layer_forwards_logits_and_cache_to_the_bit(
     for step, (x, y) in enumerate(zip(got, reference, strict=True)):
         assert torch.equal(x, y), f"step {step}: {(x - y).abs().max()}"
     assert torch.equal(stacked.kv_cache, layered.kv_cache)
+
+
+# decode batches of the many-sequence run: past the GEMV's rows, across the packed GEMM's
+# row blocks (14 rows on AVX-512), down to the GEMV's
+MANY = [32] * 3 + [29] * 2 + [15] * 2 + [14] * 2 + [4] * 2 + [3, 1]
+
+
+def _many_steps(vocab: int) -> Iterator[list[Seq]]:
+    """32 prompts (5 to 36 tokens, 4 blocks each) prefilled together, then the decode
+    batches of ``MANY`` (the first sequences stay)."""
+    ids = itertools.cycle(range(3, vocab))
+    seqs = [Seq(f"s{i}", [next(ids) for _ in range(5 + i)], 4 * i) for i in range(MANY[0])]
+    yield seqs
+    for batch in MANY:
+        for seq in seqs[:batch]:
+            seq.tokens.append(next(ids))
+        yield seqs[:batch]
+
+
+@pytest.mark.parametrize("case", [c for c in ARCHS if ARCHS[c][0] != "qwen3"])
+def test_on_the_packed_kernel_the_stack_takes_every_decode_batch_to_the_bit(
+        model_factory: Callable[..., Path], case: str, calls: list[int], threads: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    arch, overrides = ARCHS[case]
+    config = _config(model_factory(arch, **overrides))
+    vocab = config.model.vocab_size
+    with monkeypatch.context() as off:
+        off.setenv(decoder_stack.ENV, "0")
+        layered = _runner(config, "packed", blocks=4 * MANY[0])
+        reference = _run(layered, _many_steps(vocab))
+    assert calls == []
+    stacked = _runner(config, "packed", blocks=4 * MANY[0])
+    got = _run(stacked, _many_steps(vocab))
+    assert calls == MANY
+    for step, (x, y) in enumerate(zip(got, reference, strict=True)):
+        assert torch.equal(x, y), f"step {step}: {(x - y).abs().max()}"
+    assert torch.equal(stacked.kv_cache, layered.kv_cache)
+
+
+def test_qwen3_on_the_packed_kernel_stacks_one_token_only(
+        model_factory: Callable[..., Path], calls: list[int]) -> None:
+    config = _config(model_factory("qwen3"))
+    runner = _runner(config, "packed", blocks=4 * MANY[0])
+    _run(runner, _many_steps(config.model.vocab_size))
+    assert calls == [1]
+
+
+def test_a_plan_mixing_packed_and_onednn_gemv_stops_the_stack_at_the_gemvs_rows(
+        llama_dir: Path, calls: list[int]) -> None:
+    config = _config(llama_dir)
+    shapes = sorted({(s.out_features, s.in_features) for s in linear_shapes(config)})
+    plan = KernelPlan(tuple((o, i, "onednn_gemv" if (o, i) == shapes[0] else "packed")
+                            for o, i in shapes), "config")
+    runner = ModelRunner(config, Group.single(), 4 * MANY[0], plan)
+    stack = decoder_stack.CompiledDecoderStack.build(runner.model)
+    assert stack is not None and stack.max_rows == GEMV_MAX_ROWS
+    _run(runner, _many_steps(config.model.vocab_size))
+    assert calls == [3, 1]
+    packed = _runner(config, "packed")
+    stack = decoder_stack.CompiledDecoderStack.build(packed.model)
+    assert stack is not None and stack.max_rows == STACK_MAX_ROWS
 
 
 def test_steps_the_stack_does_not_take_run_the_per_layer_forward(
@@ -254,6 +316,25 @@ def test_layers_of_the_wrong_shape_are_refused(llama_dir: Path, kernels: NativeK
                    {"down_w": good.down_w.double()}):
         with pytest.raises(ValueError, match="layer 0"):
             DecoderLayers(stack._layers.shape, [replace(good, **change)])
+
+
+def test_packed_weights_come_all_four_and_of_their_size(llama_dir: Path,
+                                                         kernels: NativeKernels) -> None:
+    runner = _runner(_config(llama_dir), "packed")
+    stack = decoder_stack.CompiledDecoderStack.build(runner.model)
+    assert stack is not None and stack._layers.max_rows == STACK_MAX_ROWS
+    good, shape = stack._layers.layers[0], stack._layers.shape
+    with pytest.raises(ValueError, match="all four or none"):
+        DecoderLayers(shape, [replace(good, o_p=None)], kernels.panel_floats)
+    with pytest.raises(ValueError, match="layer 0: down_p"):
+        DecoderLayers(shape, [replace(good, down_p=good.down_p[:-1])], kernels.panel_floats)
+    with pytest.raises(ValueError, match="layer 0: qkv_p"):  # another weight's panels
+        DecoderLayers(shape, [replace(good, qkv_p=good.o_p)], kernels.panel_floats)
+    without = DecoderLayers(shape, [replace(good, qkv_p=None, o_p=None, gate_up_p=None,
+                                            down_p=None)])
+    assert without.max_rows == GEMV_MAX_ROWS
+    with pytest.raises(ValueError, match="does not take"):  # past the GEMV without panels
+        kernels.decoder_stack(without, **_rows(runner, GEMV_MAX_ROWS + 1))
 
 
 def test_a_model_off_the_compiled_backend_never_loads_the_kernels_for_it(

@@ -152,3 +152,30 @@ def test_one_to_three_streams_through_the_compiled_decoder_stack_match(
     assert rows.count(1) >= GREEDY.max_tokens - 1  # the single stream, all its decode steps
     qk_norm = hf.config.model_type == "qwen3"  # more rows go through the per-layer forward
     assert (3 in rows) != qk_norm
+
+
+def test_many_streams_through_the_compiled_decoder_stack_on_the_packed_kernel_match(
+        case: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every decode batch (8 streams down to 1) in one compiled call, the linears on the
+    packed GEMM past the GEMV's rows."""
+    from engine.cpu_kernels import GEMV_MAX_ROWS, NativeKernels, native
+
+    if native() is None:
+        pytest.skip("pdserve's compiled CPU kernels could not be built here")
+    model_dir, hf, _ = case
+    rows: list[int] = []
+    real = NativeKernels.decoder_stack
+
+    def counted(self: NativeKernels, layers: Any, h: torch.Tensor, *args: Any) -> None:
+        rows.append(h.shape[0])
+        real(self, layers, h, *args)
+
+    monkeypatch.setattr(NativeKernels, "decoder_stack", counted)
+    prompts = PROMPTS[:8]
+    with LLM(model_dir, num_kv_blocks=128, linear_kernel="packed") as llm:
+        results = llm.generate(prompts, GREEDY)
+        for res, (ref, ref_logits) in zip(results, _reference(hf, llm, prompts), strict=True):
+            assert_greedy_match(res.token_ids, ref, ref_logits)
+        llm.core.check_integrity()
+    qk_norm = hf.config.model_type == "qwen3"  # one row at a time only (its per-head norms)
+    assert (max(rows, default=0) > GEMV_MAX_ROWS) != qk_norm
