@@ -13,7 +13,7 @@ from a copy of ``W`` it prepared once after loading (or ``W`` itself):
   compiled kernels could be built.
 - ``packed``: pdserve's own kernels only (``engine.cpu_kernels``): the GEMV on ``W``
   itself for one to three rows, and for more rows its GEMM over a copy of ``W`` packed in
-  panels of 32 output features (``NativeKernels.pack_panels``), which keeps a block of
+  panels of 32 output features (16 without AVX-512) (``NativeKernels.pack_panels``), which keeps a block of
   up to 14 rows' sums in registers per panel; CPU fp32, where the compiled kernels could
   be built (no oneDNN needed).
 

@@ -218,21 +218,25 @@ int pd_gemv_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
 
 /* ------------------------------------------------------------ packed GEMM */
 
-/* y[m, n] = x[m, k] w[n, k]^T from w packed in panels of GEMM_NR output features:
+/* y[m, n] = x[m, k] w[n, k]^T from w packed in panels of GEMM_NR output features (32
+ * with AVX-512, else 16: two vector registers):
  * panel p holds w[p * NR + j, kk] at (p * k + kk) * NR + j (rows past n are 0; see
  * pd_gemm_panel_floats). Each thread takes a contiguous run of panels and, per panel,
  * the rows of x in blocks of at most GEMM_MR: a block's GEMM_MR x NR sums stay in
- * registers, K goes in chunks of GEMM_KC so a chunk of the panel (16 KiB) is read from
+ * registers, K goes in chunks of GEMM_KC so a chunk of the panel (8-16 KiB) is read from
  * memory once and from L1 by the other blocks, and the first block prefetches (into L2)
  * two chunks ahead within the thread's run. Timed on an AMD EPYC (2 threads, the
  * bench55m model's 33 linears in a step's order, every weight from memory): 1.2-1.3x
  * faster than oneDNN's packed GEMM at 32 rows, 1.4-1.9x at 4-16, about equal from 128. */
 #if defined(__AVX512F__)
+#define GEMM_VW 16 /* floats per vector register */
 #define GEMM_MR 14 /* 28 sums in 32 registers */
 #else
-#define GEMM_MR 3 /* a 16-float vector is two or four registers: keep the sums in them */
+#define GEMM_VW 8 /* AVX2 (and others): 256-bit vectors, 16 registers */
+#define GEMM_MR 6 /* 12 sums */
 #endif
-#define GEMM_NR (2 * LANES)
+#define GEMM_NR (2 * GEMM_VW) /* a panel's output features: two vectors */
+typedef float gvec __attribute__((vector_size(GEMM_VW * sizeof(float))));
 #define GEMM_KC 128
 #define GEMM_PREFETCH_ROWS (2 * GEMM_KC)
 #define GEMM_ROW_TILE 256 /* rows of x per pass over the panels (the sums' buffer) */
@@ -244,39 +248,48 @@ int64_t pd_gemm_panel_floats(int64_t n, int64_t k) {
 }
 
 /* c[mr, NR] = (or +=, after the first chunk) a[mr, k0:k1] panel[k0:k1, NR] */
+static inline __attribute__((always_inline)) gvec gload(const float *p) {
+    gvec v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void gstore(float *p, gvec v) {
+    __builtin_memcpy(p, &v, sizeof v);
+}
+
 static inline __attribute__((always_inline)) void gemm_block(
     const float *restrict a, int64_t lda, int mr, const float *restrict panel, int64_t k0,
     int64_t k1, float *restrict c, int first, const float *prefetch_end) {
-    f16v acc[GEMM_MR][2];
+    gvec acc[GEMM_MR][2];
     for (int i = 0; i < GEMM_MR; i++) {
         if (i < mr && !first) {
-            acc[i][0] = load16(c + i * GEMM_NR);
-            acc[i][1] = load16(c + i * GEMM_NR + LANES);
+            acc[i][0] = gload(c + i * GEMM_NR);
+            acc[i][1] = gload(c + i * GEMM_NR + GEMM_VW);
         } else {
-            acc[i][0] = acc[i][1] = (f16v){0};
+            acc[i][0] = acc[i][1] = (gvec){0};
         }
     }
     for (int64_t kk = k0; kk < k1; kk++) {
-        const f16v b0 = load16(panel + kk * GEMM_NR), b1 = load16(panel + kk * GEMM_NR + LANES);
+        const gvec b0 = gload(panel + kk * GEMM_NR), b1 = gload(panel + kk * GEMM_NR + GEMM_VW);
         if (prefetch_end) {
             const float *ahead = panel + (kk + GEMM_PREFETCH_ROWS) * GEMM_NR;
-            if (ahead < prefetch_end) {
-                __builtin_prefetch(ahead, 0, 2);
-                __builtin_prefetch(ahead + LANES, 0, 2);
-            }
+            if (ahead < prefetch_end)
+                for (int line = 0; line < GEMM_NR; line += 64 / (int)sizeof(float))
+                    __builtin_prefetch(ahead + line, 0, 2);
         }
 #pragma GCC unroll 14
         for (int i = 0; i < GEMM_MR; i++) {
             if (i < mr) {
-                const float xi = a[i * lda + kk];
+                const float xi = a[i * lda + kk]; /* broadcast to one register */
                 acc[i][0] += xi * b0;
                 acc[i][1] += xi * b1;
             }
         }
     }
     for (int i = 0; i < mr; i++) {
-        store16(c + i * GEMM_NR, acc[i][0]);
-        store16(c + i * GEMM_NR + LANES, acc[i][1]);
+        gstore(c + i * GEMM_NR, acc[i][0]);
+        gstore(c + i * GEMM_NR + GEMM_VW, acc[i][1]);
     }
 }
 
@@ -289,9 +302,9 @@ static void gemm_block_any(const float *a, int64_t lda, int mr, const float *pan
 #if GEMM_MR == 14
     GEMM_BLOCK_CASE(14) GEMM_BLOCK_CASE(13) GEMM_BLOCK_CASE(12) GEMM_BLOCK_CASE(11)
     GEMM_BLOCK_CASE(10) GEMM_BLOCK_CASE(9) GEMM_BLOCK_CASE(8) GEMM_BLOCK_CASE(7)
-    GEMM_BLOCK_CASE(6) GEMM_BLOCK_CASE(5) GEMM_BLOCK_CASE(4)
 #endif
-    GEMM_BLOCK_CASE(3) GEMM_BLOCK_CASE(2)
+    GEMM_BLOCK_CASE(6) GEMM_BLOCK_CASE(5) GEMM_BLOCK_CASE(4) GEMM_BLOCK_CASE(3)
+    GEMM_BLOCK_CASE(2)
     default: gemm_block(a, lda, 1, panel, k0, k1, c, first, prefetch_end); return;
 #undef GEMM_BLOCK_CASE
     }
