@@ -48,114 +48,134 @@ int pd_rms_norm_f32(const float *x, int64_t rows, int64_t dim, const float *weig
 #define ATTN_MAX_ROWS 64        /* query heads in one task */
 #define ATTN_MAX_ACC 8192       /* query rows * head_dim: one task's accumulators */
 
-/* 16 floats: GCC/Clang vector extensions, lowered to the target's registers (one
- * AVX-512 register, two AVX2 ones, ...). Loads and stores go through memcpy (unaligned). */
-typedef float f16v __attribute__((vector_size(64)));
-typedef int32_t i16v __attribute__((vector_size(64)));
+/* One vector register of floats: GCC/Clang vector extensions in the target's own width
+ * (16 floats with AVX-512, else 8: AVX2, and NEON as two registers). A 64-byte vector
+ * on an AVX2 target is kept in memory by GCC, which made every kernel here several times
+ * slower there. Loads and stores go through memcpy (unaligned). */
+#if defined(__AVX512F__)
 #define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float fv __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t iv __attribute__((vector_size(LANES * sizeof(int32_t))));
+#define ATTN_HEAD_MULTIPLE 16 /* head_dim the attention takes (what the Python side checks) */
 
-static inline f16v load16(const float *p) {
-    f16v v;
+static inline fv loadv(const float *p) {
+    fv v;
     __builtin_memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline void store16(float *p, f16v v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline void storev(float *p, fv v) { __builtin_memcpy(p, &v, sizeof v); }
 
-/* The lane sums of 16 vectors, as one vector: out[t] = sum of v[t]'s lanes. Seen as
- * four 4-float quarters, the first two rounds interleave and add within quarters (cheap
+/* The lane sums of LANES vectors, as one vector: out[t] = sum of v[t]'s lanes. Seen as
+ * 4-float quarters, the first two rounds interleave and add within quarters (cheap
  * in-quarter shuffles: unpack by float, then by float pair), leaving quarter q of u[j]
- * with the partial sums of tokens 4j..4j+3 over quarter q's lanes; the last two add
+ * with the partial sums of tokens 4j..4j+3 over quarter q's lanes; the last rounds add
  * quarters across vectors, which puts token t in lane t. */
-static inline f16v lane_sums16(f16v v[LANES]) {
-    const i16v lo1 = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
-    const i16v hi1 = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
-    const i16v lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-    const i16v hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-    const i16v even_quarters = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const i16v odd_quarters = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    f16v pairs[8], quads[4];
-    for (int i = 0; i < 8; i++)
+static inline fv lane_sums(fv v[LANES]) {
+#if LANES == 16
+    const iv lo1 = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
+    const iv hi1 = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
+    const iv lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const iv hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const iv even_quarters = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const iv odd_quarters = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+#else
+    const iv lo1 = {0, 8, 1, 9, 4, 12, 5, 13}, hi1 = {2, 10, 3, 11, 6, 14, 7, 15};
+    const iv lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const iv even_quarters = {0, 1, 2, 3, 8, 9, 10, 11}, odd_quarters = {4, 5, 6, 7, 12, 13, 14, 15};
+#endif
+    fv pairs[LANES / 2], quads[LANES / 4];
+    for (int i = 0; i < LANES / 2; i++)
         pairs[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo1)
                    + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi1);
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < LANES / 4; i++)
         quads[i] = __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], lo2)
                    + __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], hi2);
+#if LANES == 16
     for (int i = 0; i < 2; i++)
         quads[i] = __builtin_shuffle(quads[2 * i], quads[2 * i + 1], even_quarters)
                    + __builtin_shuffle(quads[2 * i], quads[2 * i + 1], odd_quarters);
+#endif
     return __builtin_shuffle(quads[0], quads[1], even_quarters)
            + __builtin_shuffle(quads[0], quads[1], odd_quarters);
 }
 
 /* where mask lanes are set, a; elsewhere b */
-static inline f16v select16(i16v mask, f16v a, f16v b) {
-    return (f16v)((mask & (i16v)a) | (~mask & (i16v)b));
+static inline fv selectv(iv mask, fv a, fv b) {
+    return (fv)((mask & (iv)a) | (~mask & (iv)b));
 }
 
 /* e^x for x <= 0 (softmax weights), lane-wise: x = n ln2 + r with |r| <= ln2 / 2, e^r by
  * its degree-6 Taylor polynomial (relative error about 2.3e-7), 2^n from the exponent
  * bits. Arguments below -87 (-inf included) give 0. */
-static inline f16v exp_nonpositive16(f16v x) {
-    const f16v zero = {0}, lowest = zero - 87.f, magic = zero + 12582912.f; /* 1.5 * 2^23 rounds */
-    const i16v underflow = x < lowest;
-    x = select16(underflow, lowest, x);
-    f16v n = (x * 1.44269504f + magic) - magic;
-    f16v r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    f16v p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
-    i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
-    return select16(underflow, zero, p * (f16v)bits);
+static inline fv exp_nonpositive(fv x) {
+    const fv zero = {0}, lowest = zero - 87.f, magic = zero + 12582912.f; /* 1.5 * 2^23 rounds */
+    const iv underflow = x < lowest;
+    x = selectv(underflow, lowest, x);
+    fv n = (x * 1.44269504f + magic) - magic;
+    fv r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    fv p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+    iv bits = (__builtin_convertvector(n, iv) + 127) << 23;
+    return selectv(underflow, zero, p * (fv)bits);
 }
 
-/* The dot products of query qg [chunks * 16] with n <= 16 keys, token t's at
- * kb + t * stride, as one vector (lanes past n are 0). A full run keeps its 16
+/* The dot products of query qg [chunks * LANES] with n <= LANES keys, token t's at
+ * kb + t * stride, as one vector (lanes past n are 0). A full run keeps its LANES
  * partial sums in registers (the loops have constant bounds). */
-static inline f16v score16(const float *qg, const float *kb, int64_t stride, int64_t chunks,
+static inline fv score_run(const float *qg, const float *kb, int64_t stride, int64_t chunks,
                            int64_t n) {
-    f16v dots[LANES];
-    for (int t = 0; t < LANES; t++) dots[t] = (f16v){0};
+    fv dots[LANES];
+    for (int t = 0; t < LANES; t++) dots[t] = (fv){0};
     if (n == LANES) {
         for (int64_t c = 0; c < chunks; c++) {
-            const f16v qc = load16(qg + c * LANES);
+            const fv qc = loadv(qg + c * LANES);
 #pragma GCC unroll 16
-            for (int t = 0; t < LANES; t++) dots[t] += qc * load16(kb + t * stride + c * LANES);
+            for (int t = 0; t < LANES; t++) dots[t] += qc * loadv(kb + t * stride + c * LANES);
         }
     } else {
         for (int t = 0; t < n; t++)
             for (int64_t c = 0; c < chunks; c++)
-                dots[t] += load16(qg + c * LANES) * load16(kb + t * stride + c * LANES);
+                dots[t] += loadv(qg + c * LANES) * loadv(kb + t * stride + c * LANES);
     }
-    return lane_sums16(dots);
+    return lane_sums(dots);
 }
 
 /* v with its lanes moved by `by` within each group of 2 * by (a butterfly step) */
-static inline f16v swap_lanes(f16v v, int by) {
-    static const i16v masks[4] = {
+static inline fv swap_lanes(fv v, int by) {
+#if LANES == 16
+    static const iv masks[4] = {
         {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
         {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
         {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
         {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}};
+#else
+    static const iv masks[3] = {
+        {1, 0, 3, 2, 5, 4, 7, 6}, {2, 3, 0, 1, 6, 7, 4, 5}, {4, 5, 6, 7, 0, 1, 2, 3}};
+#endif
     return __builtin_shuffle(v, masks[by == 1 ? 0 : by == 2 ? 1 : by == 4 ? 2 : 3]);
 }
 
-/* the largest lane (NaN-free input), by four butterfly steps */
-static inline float max16(f16v v) {
-    for (int by = 8; by >= 1; by /= 2) {
-        const f16v w = swap_lanes(v, by);
-        v = select16(w > v, w, v);
+/* the largest lane (NaN-free input), by butterfly steps */
+static inline float max_lanes(fv v) {
+    for (int by = LANES / 2; by >= 1; by /= 2) {
+        const fv w = swap_lanes(v, by);
+        v = selectv(w > v, w, v);
     }
     return v[0];
 }
 
-static inline float sum16(f16v v) {
-    for (int by = 8; by >= 1; by /= 2) v += swap_lanes(v, by);
+static inline float sum_lanes(fv v) {
+    for (int by = LANES / 2; by >= 1; by /= 2) v += swap_lanes(v, by);
     return v[0];
 }
 
 /* ------------------------------------------------------------------------- GEMV */
 
 /* Each thread takes one contiguous run of weight rows and reads it as one stream, a
- * row at a time (four 16-float sums per row of x), prefetching GEMV_PREFETCH_FLOATS
+ * row at a time (four vector sums per row of x), prefetching GEMV_PREFETCH_FLOATS
  * ahead within its run. Paired timings of the bench55m decode stack and LM head on an
  * AMD EPYC: 1.22x faster at batch 1 and 1.42x at batch 2 than four rows at a time with
  * the next group prefetched (the hardware prefetcher alone leaves the core waiting on
@@ -173,23 +193,23 @@ static inline __attribute__((always_inline)) void gemv_rows(
     const int64_t vec = k - k % GEMV_CHUNK;
     for (int64_t row = first; row < end; row++) {
         const float *wr = w + row * k;
-        f16v acc[GEMV_MAX_X_ROWS][4] = {{{0}}};
+        fv acc[GEMV_MAX_X_ROWS][4] = {{{0}}};
         for (int64_t j = 0; j < vec; j += GEMV_CHUNK) {
             const float *ahead = wr + j + GEMV_PREFETCH_FLOATS;
             if (ahead + GEMV_CHUNK <= stop)
                 for (int c = 0; c < 4; c++) __builtin_prefetch(ahead + c * LANES, 0, 0);
-            const f16v w0 = load16(wr + j), w1 = load16(wr + j + LANES);
-            const f16v w2 = load16(wr + j + 2 * LANES), w3 = load16(wr + j + 3 * LANES);
+            const fv w0 = loadv(wr + j), w1 = loadv(wr + j + LANES);
+            const fv w2 = loadv(wr + j + 2 * LANES), w3 = loadv(wr + j + 3 * LANES);
             for (int64_t i = 0; i < m; i++) {
                 const float *xi = x + i * k + j;
-                acc[i][0] += w0 * load16(xi);
-                acc[i][1] += w1 * load16(xi + LANES);
-                acc[i][2] += w2 * load16(xi + 2 * LANES);
-                acc[i][3] += w3 * load16(xi + 3 * LANES);
+                acc[i][0] += w0 * loadv(xi);
+                acc[i][1] += w1 * loadv(xi + LANES);
+                acc[i][2] += w2 * loadv(xi + 2 * LANES);
+                acc[i][3] += w3 * loadv(xi + 3 * LANES);
             }
         }
         for (int64_t i = 0; i < m; i++) {
-            float a = sum16((acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3]));
+            float a = sum_lanes((acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3]));
             for (int64_t j = vec; j < k; j++) a += wr[j] * x[i * k + j];
             y[i * n + row] = bias ? a + bias[row] : a;
         }
@@ -228,15 +248,12 @@ int pd_gemv_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
  * two chunks ahead within the thread's run. Timed on an AMD EPYC (2 threads, the
  * bench55m model's 33 linears in a step's order, every weight from memory): 1.2-1.3x
  * faster than oneDNN's packed GEMM at 32 rows, 1.4-1.9x at 4-16, about equal from 128. */
-#if defined(__AVX512F__)
-#define GEMM_VW 16 /* floats per vector register */
-#define GEMM_MR 14 /* 28 sums in 32 registers */
+#if LANES == 16
+#define GEMM_MR 14 /* 28 sums in AVX-512's 32 registers */
 #else
-#define GEMM_VW 8 /* AVX2 (and others): 256-bit vectors, 16 registers */
-#define GEMM_MR 6 /* 12 sums */
+#define GEMM_MR 6 /* 12 sums in AVX2's 16 */
 #endif
-#define GEMM_NR (2 * GEMM_VW) /* a panel's output features: two vectors */
-typedef float gvec __attribute__((vector_size(GEMM_VW * sizeof(float))));
+#define GEMM_NR (2 * LANES) /* a panel's output features: two vectors */
 #define GEMM_KC 128
 #define GEMM_PREFETCH_ROWS (2 * GEMM_KC)
 #define GEMM_ROW_TILE 256 /* rows of x per pass over the panels (the sums' buffer) */
@@ -248,30 +265,20 @@ int64_t pd_gemm_panel_floats(int64_t n, int64_t k) {
 }
 
 /* c[mr, NR] = (or +=, after the first chunk) a[mr, k0:k1] panel[k0:k1, NR] */
-static inline __attribute__((always_inline)) gvec gload(const float *p) {
-    gvec v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline __attribute__((always_inline)) void gstore(float *p, gvec v) {
-    __builtin_memcpy(p, &v, sizeof v);
-}
-
 static inline __attribute__((always_inline)) void gemm_block(
     const float *restrict a, int64_t lda, int mr, const float *restrict panel, int64_t k0,
     int64_t k1, float *restrict c, int first, const float *prefetch_end) {
-    gvec acc[GEMM_MR][2];
+    fv acc[GEMM_MR][2];
     for (int i = 0; i < GEMM_MR; i++) {
         if (i < mr && !first) {
-            acc[i][0] = gload(c + i * GEMM_NR);
-            acc[i][1] = gload(c + i * GEMM_NR + GEMM_VW);
+            acc[i][0] = loadv(c + i * GEMM_NR);
+            acc[i][1] = loadv(c + i * GEMM_NR + LANES);
         } else {
-            acc[i][0] = acc[i][1] = (gvec){0};
+            acc[i][0] = acc[i][1] = (fv){0};
         }
     }
     for (int64_t kk = k0; kk < k1; kk++) {
-        const gvec b0 = gload(panel + kk * GEMM_NR), b1 = gload(panel + kk * GEMM_NR + GEMM_VW);
+        const fv b0 = loadv(panel + kk * GEMM_NR), b1 = loadv(panel + kk * GEMM_NR + LANES);
         if (prefetch_end) {
             const float *ahead = panel + (kk + GEMM_PREFETCH_ROWS) * GEMM_NR;
             if (ahead < prefetch_end)
@@ -288,8 +295,8 @@ static inline __attribute__((always_inline)) void gemm_block(
         }
     }
     for (int i = 0; i < mr; i++) {
-        gstore(c + i * GEMM_NR, acc[i][0]);
-        gstore(c + i * GEMM_NR + GEMM_VW, acc[i][1]);
+        storev(c + i * GEMM_NR, acc[i][0]);
+        storev(c + i * GEMM_NR + LANES, acc[i][1]);
     }
 }
 
@@ -375,11 +382,11 @@ int pd_silu_mul_f32(const float *gate_up, int64_t rows, int64_t half, float *out
         const float *g = gate_up + r * 2 * half, *u = g + half;
         float *o = out + r * half;
         for (int64_t d = 0; d < vec; d += LANES) {
-            const f16v gv = load16(g + d), zero = {0};
-            const i16v positive = gv >= zero;
-            const f16v e = exp_nonpositive16(select16(positive, zero - gv, gv));
-            const f16v silu = select16(positive, gv, gv * e) / (1.f + e);
-            store16(o + d, silu * load16(u + d));
+            const fv gv = loadv(g + d), zero = {0};
+            const iv positive = gv >= zero;
+            const fv e = exp_nonpositive(selectv(positive, zero - gv, gv));
+            const fv silu = selectv(positive, gv, gv * e) / (1.f + e);
+            storev(o + d, silu * loadv(u + d));
         }
         for (int64_t d = vec; d < half; d++) {
             const float e = expf(-fabsf(g[d]));
@@ -450,14 +457,14 @@ int pd_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t row_s
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * row_stride;
         /* pass 1: the maximum, and whether a NaN is there (NaN != NaN) */
-        f16v best = (f16v){0} - INFINITY;
-        i16v nan = {0};
+        fv best = (fv){0} - INFINITY;
+        iv nan = {0};
         for (int64_t c = 0; c < vec; c += LANES) {
-            const f16v v = load16(xr + c);
+            const fv v = loadv(xr + c);
             nan |= v != v;
-            best = select16(v > best, v, best);
+            best = selectv(v > best, v, best);
         }
-        float m = max16(best);
+        float m = max_lanes(best);
         int any_nan = 0;
         for (int i = 0; i < LANES; i++) any_nan |= nan[i] != 0;
         for (int64_t c = vec; c < cols; c++) {
@@ -476,7 +483,7 @@ int pd_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t row_s
     return 0;
 }
 
-/* Positions in the run from pos: up to 16, fewer where its block or the context ends
+/* Positions in the run from pos: up to LANES, fewer where its block or the context ends
  * (a run never spans two blocks). */
 static inline int64_t run_length(int64_t pos, int64_t block_size, int64_t ctx) {
     const int64_t to_block_end = block_size - pos % block_size;
@@ -484,7 +491,7 @@ static inline int64_t run_length(int64_t pos, int64_t block_size, int64_t ctx) {
     return ctx - pos < n ? ctx - pos : n;
 }
 
-/* Prefetch (into L2) the keys and values of the run of up to 16 positions from pos,
+/* Prefetch (into L2) the keys and values of the run of up to LANES positions from pos,
  * heads_width floats of each token from head_offset: a run starts in a block anywhere in
  * the cache, where the hardware prefetcher cannot guess it. */
 static inline void prefetch_run(const float *k_cache, const float *v_cache, const int64_t *table,
@@ -504,8 +511,8 @@ static inline void prefetch_run(const float *k_cache, const float *v_cache, cons
  * they lie in the paged cache (no gather). A task is one sequence and a range of its KV
  * heads (all of them when there are enough sequences to keep every thread busy, so a
  * task reads each token's K and V contiguously); its query rows are the query heads
- * sharing those KV heads. For each row, 16 keys at a time are scored into one vector
- * (lane_sums16) and folded into an online softmax (running max and sum, the
+ * sharing those KV heads. For each row, LANES keys at a time are scored into one vector
+ * (lane_sums) and folded into an online softmax (running max and sum, the
  * accumulator rescaled when the max grows). head_dim must be a multiple of 16.
  *
  * q        [B, Hk * G, D], token i's heads at q + i * q_stride   out [B, Hk * G, D]
@@ -518,7 +525,8 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
                                   int64_t group, const int64_t *tables, int64_t max_blocks,
                                   const int64_t *context_lens, int64_t num_seqs, float scale,
                                   float *out, int num_threads) {
-    if (group < 1 || group > ATTN_MAX_ROWS || head_dim < LANES || head_dim % LANES
+    if (group < 1 || group > ATTN_MAX_ROWS || head_dim < ATTN_HEAD_MULTIPLE
+        || head_dim % ATTN_HEAD_MULTIPLE
         || group * head_dim > ATTN_MAX_ACC || block_size < 1 || num_kv_heads < 1
         || q_stride < num_kv_heads * group * head_dim || num_threads < 1 || num_seqs < 0)
         return -1;
@@ -541,7 +549,11 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
     const int64_t tasks_per_seq = (num_kv_heads + heads_per_task - 1) / heads_per_task;
     const int64_t hq = num_kv_heads * group, token_stride = num_kv_heads * head_dim;
     const int64_t chunks = head_dim / LANES;
-    const i16v lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    #if LANES == 16
+    const iv lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+    const iv lane_index = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t task = 0; task < num_seqs * tasks_per_seq; task++) {
         const int64_t s = task / tasks_per_seq, ctx = context_lens[s];
@@ -550,7 +562,7 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
         const int64_t rows = (h1 - h0) * group; /* query heads h0 * group .. h1 * group - 1 */
         const float *q_rows = q + s * q_stride + h0 * group * head_dim;
         float acc[ATTN_MAX_ACC], run_max[ATTN_MAX_ROWS], run_sum[ATTN_MAX_ROWS];
-        float weights[ATTN_MAX_ROWS * LANES]; /* [rows][16]: one run of 16 keys */
+        float weights[ATTN_MAX_ROWS * LANES]; /* [rows][LANES]: one run of keys */
         for (int64_t i = 0; i < rows * head_dim; i++) acc[i] = 0.f;
         for (int64_t r = 0; r < rows; r++) {
             run_max[r] = -INFINITY;
@@ -560,27 +572,27 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
             const int64_t blk = pos / block_size, off = pos % block_size;
             const int64_t n = run_length(pos, block_size, ctx);
             const int64_t first = (tables[s * max_blocks + blk] * block_size + off) * token_stride;
-            const i16v valid = lane_index < (i16v){0} + (int32_t)n;
+            const iv valid = lane_index < (iv){0} + (int32_t)n;
             if (pos + n < ctx) /* the next run's keys and values start on their way */
                 prefetch_run(k_cache, v_cache, tables + s * max_blocks, block_size, token_stride,
                              h0 * head_dim, (h1 - h0) * head_dim, pos + n, ctx);
             for (int64_t r = 0; r < rows; r++) {
                 const float *kb = k_cache + first + (h0 + r / group) * head_dim;
-                f16v sc = score16(q_rows + r * head_dim, kb, token_stride, chunks, n) * scale;
-                sc = select16(valid, sc, (f16v){0} - INFINITY);
-                const float new_max = max16(sc) > run_max[r] ? max16(sc) : run_max[r];
-                const f16v p = select16(valid, exp_nonpositive16(sc - new_max), (f16v){0});
+                fv sc = score_run(q_rows + r * head_dim, kb, token_stride, chunks, n) * scale;
+                sc = selectv(valid, sc, (fv){0} - INFINITY);
+                const float new_max = max_lanes(sc) > run_max[r] ? max_lanes(sc) : run_max[r];
+                const fv p = selectv(valid, exp_nonpositive(sc - new_max), (fv){0});
                 /* the running sums were taken against run_max: rescale them when it grew */
                 const float correction = new_max == run_max[r] ? 1.f
                     : run_max[r] == -INFINITY ? 0.f
-                    : exp_nonpositive16((f16v){0} + (run_max[r] - new_max))[0];
+                    : exp_nonpositive((fv){0} + (run_max[r] - new_max))[0];
                 if (correction != 1.f) {
                     float *ar = acc + r * head_dim;
                     for (int64_t d = 0; d < head_dim; d++) ar[d] *= correction;
                 }
-                run_sum[r] = run_sum[r] * correction + sum16(p);
+                run_sum[r] = run_sum[r] * correction + sum_lanes(p);
                 run_max[r] = new_max;
-                store16(weights + r * LANES, p);
+                storev(weights + r * LANES, p);
             }
             for (int64_t r = 0; r < rows; r++) {
                 const float *wr = weights + r * LANES;
@@ -589,16 +601,16 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
                     float *ar = acc + r * head_dim + c * LANES;
                     const float *vc = vb + c * LANES;
                     /* four sums: one FMA chain would wait on its own latency */
-                    f16v a0 = load16(ar), a1 = {0}, a2 = {0}, a3 = {0};
+                    fv a0 = loadv(ar), a1 = {0}, a2 = {0}, a3 = {0};
                     int t = 0;
                     for (; t + 4 <= n; t += 4) {
-                        a0 += wr[t] * load16(vc + t * token_stride);
-                        a1 += wr[t + 1] * load16(vc + (t + 1) * token_stride);
-                        a2 += wr[t + 2] * load16(vc + (t + 2) * token_stride);
-                        a3 += wr[t + 3] * load16(vc + (t + 3) * token_stride);
+                        a0 += wr[t] * loadv(vc + t * token_stride);
+                        a1 += wr[t + 1] * loadv(vc + (t + 1) * token_stride);
+                        a2 += wr[t + 2] * loadv(vc + (t + 2) * token_stride);
+                        a3 += wr[t + 3] * loadv(vc + (t + 3) * token_stride);
                     }
-                    for (; t < n; t++) a0 += wr[t] * load16(vc + t * token_stride);
-                    store16(ar, (a0 + a1) + (a2 + a3));
+                    for (; t < n; t++) a0 += wr[t] * loadv(vc + t * token_stride);
+                    storev(ar, (a0 + a1) + (a2 + a3));
                 }
             }
             pos += n;
@@ -640,7 +652,8 @@ typedef struct {
 /* whether every kernel of the stack takes these sizes (the attention's limits) */
 int pd_decoder_shape_ok(const pd_decoder_shape *s) {
     const int64_t hq = s->num_q_heads, hk = s->num_kv_heads, d = s->head_dim;
-    return hq >= 1 && hk >= 1 && hq % hk == 0 && d >= LANES && d % LANES == 0
+    return hq >= 1 && hk >= 1 && hq % hk == 0 && d >= ATTN_HEAD_MULTIPLE
+           && d % ATTN_HEAD_MULTIPLE == 0
            && hq / hk <= ATTN_MAX_ROWS && hq / hk * d <= ATTN_MAX_ACC;
 }
 
