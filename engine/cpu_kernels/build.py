@@ -2,7 +2,8 @@
 
 The library goes to ``$XDG_CACHE_HOME/pdserve/kernels/`` (else ``~/.cache/pdserve/``),
 named by a hash of what it depends on: the source, the compiler's identity, the flags
-and the CPU (``-march=native`` compiles for the CPU it runs on), with the digest of its
+and the CPU (``-march=native`` compiles for the CPU it runs on; ``PDSERVE_CPU_KERNELS_MARCH``
+names another target, e.g. ``x86-64-v3`` for AVX2 machines), with the digest of its
 bytes beside it (``.so.sha256``). A fresh build takes about a second; concurrent builders
 each compile to a temporary file, sync it and rename it into place, so a reader never
 sees half a library, and one that does not match its digest is built again.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -23,6 +25,7 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast")
 COMPILER_ENV = "CC"
+MARCH_ENV = "PDSERVE_CPU_KERNELS_MARCH"  # the -march target; default: native
 BUILD_TIMEOUT_S = 120.0
 _log = logging.getLogger(__name__)
 # /proc/cpuinfo lines naming the CPU and its features (x86: model name, flags; ARM:
@@ -75,11 +78,16 @@ def _compiler_identity(cc: list[str]) -> str:
 
 
 def _flags(identity: str) -> tuple[str, ...]:
-    """``FLAGS``, with clang told to use GNU OpenMP: its own runtime (libomp) would be a
-    second thread pool beside the libgomp torch loads."""
+    """``FLAGS``, for the target ``$PDSERVE_CPU_KERNELS_MARCH`` names (default ``native``),
+    with clang told to use GNU OpenMP: its own runtime (libomp) would be a second thread
+    pool beside the libgomp torch loads."""
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9._+-]+", march):
+        raise BuildError(f"{MARCH_ENV}={march!r} is not a -march target name")
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
     if "clang" in identity.lower():
-        return tuple("-fopenmp=libgomp" if f == "-fopenmp" else f for f in FLAGS)
-    return FLAGS
+        return tuple("-fopenmp=libgomp" if f == "-fopenmp" else f for f in flags)
+    return flags
 
 
 def library_path(source: Path = SOURCE, directory: Path | None = None) -> Path:

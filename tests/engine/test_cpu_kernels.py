@@ -304,3 +304,39 @@ def test_a_compiler_command_with_arguments_is_run_as_one(tmp_path: Path) -> None
     if cc is None or shutil.which("env") is None:
         pytest.skip("no C compiler here")
     assert _probe({"CC": f"env {cc}", "XDG_CACHE_HOME": str(tmp_path)})[:2] == ["True", "cpu"]
+
+
+def _has_avx2() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return all(f in flags.split() for f in ("avx2", "fma", "bmi2"))
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="needs an x86-64 CPU with AVX2")
+@pytest.mark.timeout(300)
+def test_the_kernels_built_for_avx2_compute_the_same(tmp_path: Path) -> None:
+    """The same source for an AVX2 machine (8-float vectors, the GEMM's 16-wide panels):
+    this module's kernel tests and the decoder stack's (to the bit against the per-layer
+    forward) again, on a library built with -march=x86-64-v3."""
+    env = {**os.environ, "PDSERVE_CPU_KERNELS_MARCH": "x86-64-v3",
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+         str(Path(__file__).with_name("test_decoder_stack.py")), "-k", "not avx2",
+         "--basetemp", str(tmp_path / "t")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout
+    built = list((tmp_path / "cache" / "pdserve" / "kernels").glob("pdserve_kernels-*.so"))
+    assert len(built) == 1  # one library, for that target, not this machine's own
+
+
+def test_a_bad_march_target_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from engine.cpu_kernels.build import BuildError, build
+
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS_MARCH", "native; rm -rf /")
+    with pytest.raises(BuildError, match="not a -march target"):
+        build(directory=tmp_path)
