@@ -13,7 +13,7 @@ timed twice: once plain (the step's median), once with a stopwatch around each p
 - RMSNorm (the layers' and the final one); the MLP activation (the MLP less its two
   linears);
 - the compiled decoder stack, where a step runs all layers in one compiled call
-  (``engine.models.decoder_stack``: batch 1 to 3 on the CPU, any decode batch on the
+  (``engine.models.decoder_stack``: batch 1 to 3 on the CPU, up to 256 on the
   ``packed`` kernel), with the GB/s and GFLOP/s
   of all its layers' linears; the parts inside it (the layers' linears, attention,
   norms, activation) then read 0 for that batch;

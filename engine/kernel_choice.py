@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_kernels import native
 from engine.linear_kernels import KERNELS, KernelPlan, available_kernels
 from engine.models.layers import kv_head_range, shard_range
 
@@ -87,11 +88,17 @@ def cpu_model() -> str:
 
 
 def machine_key(dtype: torch.dtype, threads: int, candidates: Sequence[str] = ()) -> str:
-    """What a cached timing is only valid for: CPU, torch build, threads, dtype and the
-    kernels that were candidates (a choice made without a kernel says nothing about it)."""
-    return (f"cpu={cpu_model()}|capability={torch.backends.cpu.get_cpu_capability()}"
-            f"|torch={torch.__version__}|threads={threads}|dtype={str(dtype).removeprefix('torch.')}"
-            f"|kernels={','.join(candidates)}")
+    """What a cached timing is only valid for: CPU, torch build, threads, dtype, the
+    kernels that were candidates (a choice made without a kernel says nothing about it)
+    and, where they are among them, which build of pdserve's compiled kernels (its file
+    name hashes the source, compiler, flags and target)."""
+    key = (f"cpu={cpu_model()}|capability={torch.backends.cpu.get_cpu_capability()}"
+           f"|torch={torch.__version__}|threads={threads}|dtype={str(dtype).removeprefix('torch.')}"
+           f"|kernels={','.join(candidates)}")
+    if any(KERNELS[k].uses_native for k in candidates):
+        kernels = native()
+        key += f"|library={Path(kernels.path).name if kernels is not None else 'none'}"
+    return key
 
 
 def default_cache_path() -> Path:

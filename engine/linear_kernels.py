@@ -13,8 +13,8 @@ from a copy of ``W`` it prepared once after loading (or ``W`` itself):
   compiled kernels could be built.
 - ``packed``: pdserve's own kernels only (``engine.cpu_kernels``): the GEMV on ``W``
   itself for one to three rows, and for more rows its GEMM over a copy of ``W`` packed in
-  panels of 32 output features (16 without AVX-512) (``NativeKernels.pack_panels``), which keeps a block of
-  up to 14 rows' sums in registers per panel; CPU fp32, where the compiled kernels could
+  panels of 32 output features (16 without AVX-512; ``NativeKernels.pack_panels``), which
+  keeps a block of up to 14 rows' sums (6 without AVX-512) in registers per panel; CPU fp32, where the compiled kernels could
   be built (no oneDNN needed).
 
 Which is fastest depends on the CPU (MKL is slow on AMD, tuned on Intel), the shape
@@ -47,6 +47,7 @@ class LinearKernel:
     prepare: Callable[[torch.Tensor], Any]
     apply: Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
     available: Callable[[torch.device, torch.dtype], bool]
+    uses_native: bool = False  # runs pdserve's compiled kernels (engine.cpu_kernels)
 
 
 def _onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -60,6 +61,9 @@ def _onednn_prepare(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _onednn_apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # oneDNN reads the bias as contiguous whatever its strides (a strided one gave wrong
+    # sums): .contiguous() is free for the usual, contiguous, bias
+    bias = None if bias is None else bias.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -149,8 +153,9 @@ KERNELS: dict[str, LinearKernel] = {
     "mm_t": LinearKernel("mm_t", lambda w: w.t().contiguous(), _mm_t_apply,
                          lambda device, dtype: True),
     "onednn_gemv": LinearKernel("onednn_gemv", _onednn_gemv_prepare, _onednn_gemv_apply,
-                                _onednn_gemv_available),
-    "packed": LinearKernel("packed", _packed_prepare, _packed_apply, _packed_available),
+                                _onednn_gemv_available, uses_native=True),
+    "packed": LinearKernel("packed", _packed_prepare, _packed_apply, _packed_available,
+                           uses_native=True),
 }
 
 

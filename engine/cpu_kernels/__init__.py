@@ -1,5 +1,5 @@
-"""pdserve's compiled CPU kernels: a batch-1 to 3 GEMV that keeps the memory bus busy, a
-GEMM over weights packed in panels for larger batches, a paged decode attention that reads K/V where they lie in the cache, RMSNorm and SwiGLU
+"""pdserve's compiled CPU kernels: a batch-1 to 3 GEMV that keeps the memory bus busy,
+a GEMM over weights packed in panels for larger batches, a paged decode attention that reads K/V where they lie in the cache, RMSNorm and SwiGLU
 in one pass each (torch runs several small kernels for either), the rotary embedding,
 a row-wise argmax for greedy sampling, and a whole decoder stack's decode step in one
 call (those kernels, layer after layer, over ``DecoderLayers``).
@@ -17,9 +17,9 @@ model's ``RMSNorm``, ``silu_and_mul`` and ``RotaryEmbedding``, ``engine.sampler`
   torch's own OpenMP pool, and returns a new tensor (``decoder_stack`` updates its
   hidden states in place and writes the KV cache). ``gemv``, ``paged_decode_attention``
   and ``decoder_stack`` raise ``ValueError`` for arguments they do not handle (callers
-  check ``supports_*`` first); ``rms_norm``, ``silu_and_mul``, ``rope``,
-  ``argmax_rows`` and ``gemv_checked_weight`` return ``None`` instead, and the caller
-  runs its torch path.
+  check ``supports_*`` first), and so does ``gemm_packed``; ``rms_norm``,
+  ``silu_and_mul``, ``rope``, ``argmax_rows``, ``gemv_checked_weight`` and
+  ``gemm_packed_checked`` return ``None`` instead, and the caller runs its torch path.
 """
 
 from __future__ import annotations
@@ -357,7 +357,8 @@ class NativeKernels:
                              f"weight {tuple(weight.shape)} {weight.dtype}")
         if bias is not None:
             bias = bias.contiguous()
-            if bias.shape != (weight.shape[0],) or bias.dtype != torch.float32:
+            if (bias.shape != (weight.shape[0],) or bias.dtype != torch.float32
+                    or bias.device.type != "cpu"):
                 raise ValueError(f"gemv bias must be fp32 [{weight.shape[0]}], got "
                                  f"{tuple(bias.shape)} {bias.dtype}")
         y = self.gemv_checked_weight(x, weight, bias)
@@ -414,7 +415,8 @@ class NativeKernels:
             raise ValueError(f"gemm_packed takes fp32 CPU tensors and panels of a "
                              f"[{out_features}, {k}] weight; got x {tuple(x.shape)} {x.dtype}, "
                              f"{panels.numel()} panel floats")
-        if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32):
+        if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32
+                                 or bias.device.type != "cpu"):
             raise ValueError(f"gemm_packed bias must be fp32 [{out_features}], got "
                              f"{tuple(bias.shape)} {bias.dtype}")
         y = self.gemm_packed_checked(x.contiguous(), panels, out_features,

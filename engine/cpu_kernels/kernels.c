@@ -1,8 +1,10 @@
 /* pdserve's compiled CPU kernels (fp32), called from engine/cpu_kernels/__init__.py.
  *
  * Built at first use with the machine's C compiler for the machine's own CPU
- * (-O3 -march=native -fopenmp); vector code is left to the compiler (OpenMP simd
- * reductions), so the same source serves AVX2, AVX-512 and other targets. OpenMP
+ * (-O3 -march=native -fopenmp; PDSERVE_CPU_KERNELS_MARCH names another target). Vector
+ * code is written with GCC/Clang vector extensions in the target's own register width
+ * (LANES below) or left to the compiler (OpenMP simd), so the same source serves AVX2,
+ * AVX-512 and other targets. OpenMP
  * threads come from the runtime torch already loaded (libgomp, matched by soname), so
  * these kernels share torch's thread pool instead of starting a second one.
  *
@@ -155,7 +157,7 @@ static inline fv swap_lanes(fv v, int by) {
     static const iv masks[3] = {
         {1, 0, 3, 2, 5, 4, 7, 6}, {2, 3, 0, 1, 6, 7, 4, 5}, {4, 5, 6, 7, 0, 1, 2, 3}};
 #endif
-    return __builtin_shuffle(v, masks[by == 1 ? 0 : by == 2 ? 1 : by == 4 ? 2 : 3]);
+    return __builtin_shuffle(v, masks[by == 1 ? 0 : by == 2 ? 1 : by == 4 ? 2 : LANES / 8 + 1]);
 }
 
 /* the largest lane (NaN-free input), by butterfly steps */
@@ -217,7 +219,7 @@ static inline __attribute__((always_inline)) void gemv_rows(
 }
 
 /* y[m, n] = x[m, k] w[n, k]^T (+ bias[n]); all contiguous, m small (a decode batch:
- * at most GEMV_MAX_X_ROWS; the caller decides from how many oneDNN's GEMM takes over). */
+ * at most GEMV_MAX_X_ROWS; the caller decides from how many a GEMM takes over). */
 int pd_gemv_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
                 const float *bias, float *y, int num_threads) {
     if (m < 1 || m > GEMV_MAX_X_ROWS || k < 1 || n < 1 || num_threads < 1) return -1;
@@ -264,10 +266,11 @@ int64_t pd_gemm_panel_floats(int64_t n, int64_t k) {
     return (n + GEMM_NR - 1) / GEMM_NR * k * GEMM_NR;
 }
 
-/* c[mr, NR] = (or +=, after the first chunk) a[mr, k0:k1] panel[k0:k1, NR] */
+/* c[mr, NR] = (or +=, after the first chunk) a[mr, k0:k1] panel[k0:k1, NR]; prefetches
+ * the panel rows GEMM_PREFETCH_ROWS ahead while they are below prefetch_rows (0: none) */
 static inline __attribute__((always_inline)) void gemm_block(
     const float *restrict a, int64_t lda, int mr, const float *restrict panel, int64_t k0,
-    int64_t k1, float *restrict c, int first, const float *prefetch_end) {
+    int64_t k1, float *restrict c, int first, int64_t prefetch_rows) {
     fv acc[GEMM_MR][2];
     for (int i = 0; i < GEMM_MR; i++) {
         if (i < mr && !first) {
@@ -279,12 +282,9 @@ static inline __attribute__((always_inline)) void gemm_block(
     }
     for (int64_t kk = k0; kk < k1; kk++) {
         const fv b0 = loadv(panel + kk * GEMM_NR), b1 = loadv(panel + kk * GEMM_NR + LANES);
-        if (prefetch_end) {
-            const float *ahead = panel + (kk + GEMM_PREFETCH_ROWS) * GEMM_NR;
-            if (ahead < prefetch_end)
-                for (int line = 0; line < GEMM_NR; line += 64 / (int)sizeof(float))
-                    __builtin_prefetch(ahead + line, 0, 2);
-        }
+        if (kk + GEMM_PREFETCH_ROWS < prefetch_rows) /* still inside the thread's run */
+            for (int line = 0; line < GEMM_NR; line += 64 / (int)sizeof(float))
+                __builtin_prefetch(panel + (kk + GEMM_PREFETCH_ROWS) * GEMM_NR + line, 0, 2);
 #pragma GCC unroll 14
         for (int i = 0; i < GEMM_MR; i++) {
             if (i < mr) {
@@ -302,17 +302,17 @@ static inline __attribute__((always_inline)) void gemm_block(
 
 /* gemm_block with mr a constant (so the unused sums vanish) */
 static void gemm_block_any(const float *a, int64_t lda, int mr, const float *panel, int64_t k0,
-                           int64_t k1, float *c, int first, const float *prefetch_end) {
+                           int64_t k1, float *c, int first, int64_t prefetch_rows) {
     switch (mr) {
 #define GEMM_BLOCK_CASE(r) \
-    case r: gemm_block(a, lda, r, panel, k0, k1, c, first, prefetch_end); return;
+    case r: gemm_block(a, lda, r, panel, k0, k1, c, first, prefetch_rows); return;
 #if GEMM_MR == 14
     GEMM_BLOCK_CASE(14) GEMM_BLOCK_CASE(13) GEMM_BLOCK_CASE(12) GEMM_BLOCK_CASE(11)
     GEMM_BLOCK_CASE(10) GEMM_BLOCK_CASE(9) GEMM_BLOCK_CASE(8) GEMM_BLOCK_CASE(7)
 #endif
     GEMM_BLOCK_CASE(6) GEMM_BLOCK_CASE(5) GEMM_BLOCK_CASE(4) GEMM_BLOCK_CASE(3)
     GEMM_BLOCK_CASE(2)
-    default: gemm_block(a, lda, 1, panel, k0, k1, c, first, prefetch_end); return;
+    default: gemm_block(a, lda, 1, panel, k0, k1, c, first, prefetch_rows); return;
 #undef GEMM_BLOCK_CASE
     }
 }
@@ -322,12 +322,14 @@ int pd_gemm_packed_f32(const float *x, int64_t m, int64_t k, const float *panels
                        const float *bias, float *y, int num_threads) {
     if (m < 1 || k < 1 || n < 1 || num_threads < 1) return -1;
     const int64_t num_panels = (n + GEMM_NR - 1) / GEMM_NR;
-    const int threads = num_panels >= 2 * num_threads ? num_threads : 1;
+    /* every thread gets two panels at least: a narrow output runs on fewer threads */
+    const int64_t most = num_panels / 2 < 1 ? 1 : num_panels / 2;
+    const int threads = num_threads < most ? num_threads : (int)most;
 #pragma omp parallel num_threads(threads)
     {
         const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
         const int64_t p0 = num_panels * t / count, p1 = num_panels * (t + 1) / count;
-        const float *run_end = panels + p1 * k * GEMM_NR;
+        const int64_t run_rows = (p1 - p0) * k; /* k-rows of panels in the run: prefetch bound */
         float sums[GEMM_ROW_TILE * GEMM_NR];
         for (int64_t r0 = 0; r0 < m; r0 += GEMM_ROW_TILE) {
             const int64_t rows = m - r0 < GEMM_ROW_TILE ? m - r0 : GEMM_ROW_TILE;
@@ -340,7 +342,8 @@ int pd_gemm_packed_f32(const float *x, int64_t m, int64_t k, const float *panels
                     for (int64_t b = 0; b < blocks; b++) { /* blocks of near-equal size */
                         const int64_t b0 = rows * b / blocks, b1 = rows * (b + 1) / blocks;
                         gemm_block_any(xt + b0 * k, k, (int)(b1 - b0), panel, k0, k1,
-                                       sums + b0 * GEMM_NR, k0 == 0, b == 0 ? run_end : NULL);
+                                       sums + b0 * GEMM_NR, k0 == 0,
+                                       b == 0 ? run_rows - (p - p0) * k : 0);
                     }
                 }
                 const int64_t cols = n - p * GEMM_NR < GEMM_NR ? n - p * GEMM_NR : GEMM_NR;
@@ -549,7 +552,7 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
     const int64_t tasks_per_seq = (num_kv_heads + heads_per_task - 1) / heads_per_task;
     const int64_t hq = num_kv_heads * group, token_stride = num_kv_heads * head_dim;
     const int64_t chunks = head_dim / LANES;
-    #if LANES == 16
+#if LANES == 16
     const iv lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 #else
     const iv lane_index = {0, 1, 2, 3, 4, 5, 6, 7};

@@ -317,12 +317,14 @@ def _has_avx2() -> bool:
 
 @pytest.mark.skipif(not _has_avx2(), reason="needs an x86-64 CPU with AVX2")
 @pytest.mark.timeout(300)
-def test_the_kernels_built_for_avx2_compute_the_same(tmp_path: Path) -> None:
+def test_the_kernels_built_for_avx2_compute_the_same(tmp_path: Path,
+                                                     kernels: NativeKernels) -> None:
     """The same source for an AVX2 machine (8-float vectors, the GEMM's 16-wide panels):
     this module's kernel tests and the decoder stack's (to the bit against the per-layer
     forward) again, on a library built with -march=x86-64-v3."""
-    env = {**os.environ, "PDSERVE_CPU_KERNELS_MARCH": "x86-64-v3",
-           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PDSERVE_CPU_KERNELS", "PDSERVE_CPU_DECODER_STACK", "PDSERVE_LINEAR_KERNEL")}
+    env.update(PDSERVE_CPU_KERNELS_MARCH="x86-64-v3", XDG_CACHE_HOME=str(tmp_path / "cache"))
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
          str(Path(__file__).with_name("test_decoder_stack.py")), "-k", "not avx2",

@@ -175,6 +175,38 @@ def test_on_the_packed_kernel_the_stack_takes_every_decode_batch_to_the_bit(
     assert torch.equal(stacked.kv_cache, layered.kv_cache)
 
 
+def test_growing_batches_grow_the_stacks_work_space_and_stop_at_its_most_rows(
+        model_factory: Callable[..., Path], calls: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches 1, 3, 4, 9, 40, STACK_MAX_ROWS and one more, in that order (the work space
+    made for 3 rows, then grown), to the bit against the per-layer forward; the last one
+    goes to the per-layer forward."""
+    config = _config(model_factory("llama"))
+    batches = [1, 3, 4, 9, 40, STACK_MAX_ROWS, STACK_MAX_ROWS + 1]
+    vocab = config.model.vocab_size
+
+    def steps() -> Iterator[list[Seq]]:
+        ids = itertools.cycle(range(3, vocab))
+        seqs = [Seq(f"s{i}", [next(ids), next(ids)], i) for i in range(batches[-1])]
+        yield seqs
+        for batch in batches:
+            for seq in seqs[:batch]:
+                seq.tokens.append(next(ids))
+            yield seqs[:batch]
+
+    blocks = batches[-1] + 1
+    with monkeypatch.context() as off:
+        off.setenv(decoder_stack.ENV, "0")
+        layered = _runner(config, "packed", blocks=blocks)
+        reference = _run(layered, steps())
+    stacked = _runner(config, "packed", blocks=blocks)
+    got = _run(stacked, steps())
+    assert calls == batches[:-1]
+    for step, (x, y) in enumerate(zip(got, reference, strict=True)):
+        assert torch.equal(x, y), f"step {step}: {(x - y).abs().max()}"
+    assert torch.equal(stacked.kv_cache, layered.kv_cache)
+
+
 def test_qwen3_on_the_packed_kernel_stacks_one_token_only(
         model_factory: Callable[..., Path], calls: list[int]) -> None:
     config = _config(model_factory("qwen3"))

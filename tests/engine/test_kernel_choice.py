@@ -183,12 +183,22 @@ def test_real_measurement_times_every_kernel_at_every_batch_size() -> None:
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_every_kernel_computes_the_same_linear(kernel: str) -> None:
-    weight, bias = torch.randn(48, 32), torch.randn(48)
-    x = torch.randn(5, 32)
+    """At 2 rows (the GEMV's, where a kernel has it) and 5, and on what its fast paths do
+    not take: a strided x, a strided bias, no rows."""
     k = KERNELS[kernel]
+    if not k.available(torch.device("cpu"), torch.float32):
+        pytest.skip(f"{kernel} cannot run here")
+    weight, bias = torch.randn(48, 32), torch.randn(48)
     prepared = k.prepare(weight)
-    torch.testing.assert_close(k.apply(x, prepared, bias), x @ weight.T + bias)
-    torch.testing.assert_close(k.apply(x[None], prepared, None), (x @ weight.T)[None])
+    for rows in (2, 5):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(k.apply(x, prepared, bias), x @ weight.T + bias)
+        torch.testing.assert_close(k.apply(x[None], prepared, None), (x @ weight.T)[None])
+        strided = torch.randn(32, rows).T
+        torch.testing.assert_close(k.apply(strided, prepared, bias), strided @ weight.T + bias)
+        wide_bias = torch.randn(96)[::2]
+        torch.testing.assert_close(k.apply(x, prepared, wide_bias), x @ weight.T + wide_bias)
+    assert k.apply(torch.randn(0, 32), prepared, bias).shape == (0, 48)
 
 
 def test_the_leaders_choice_reaches_every_rank(llama_dir: Path, monkeypatch: pytest.MonkeyPatch,
