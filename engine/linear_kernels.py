@@ -80,16 +80,23 @@ def _onednn_gemv_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _onednn_available(device, dtype) and native() is not None
 
 
-def _onednn_gemv_prepare(weight: torch.Tensor) -> _GemvPrepared:
+def _native_weight(kernel: str, weight: torch.Tensor) -> tuple[NativeKernels, torch.Tensor]:
+    """The compiled kernels and ``weight`` (contiguous) for a kernel that needs both;
+    ``RuntimeError`` where the kernels are unavailable, ``ValueError`` for a weight that
+    is not a 2-d fp32 CPU tensor."""
     kernels = native()
     if kernels is None:
-        raise RuntimeError("linear kernel onednn_gemv needs pdserve's compiled CPU kernels, "
+        raise RuntimeError(f"linear kernel {kernel} needs pdserve's compiled CPU kernels, "
                            f"which are unavailable here ({CPU_KERNELS_ENV}=0, or the build "
                            "failed: see the log)")
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-        raise ValueError(f"linear kernel onednn_gemv takes a 2-d fp32 CPU weight, got "
+        raise ValueError(f"linear kernel {kernel} takes a 2-d fp32 CPU weight, got "
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
-    weight = weight.contiguous()
+    return kernels, weight.contiguous()
+
+
+def _onednn_gemv_prepare(weight: torch.Tensor) -> _GemvPrepared:
+    kernels, weight = _native_weight("onednn_gemv", weight)
     return _GemvPrepared(weight, _onednn_prepare(weight), kernels)
 
 
@@ -116,15 +123,7 @@ def _packed_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _packed_prepare(weight: torch.Tensor) -> _PackedPrepared:
-    kernels = native()
-    if kernels is None:
-        raise RuntimeError("linear kernel packed needs pdserve's compiled CPU kernels, "
-                           f"which are unavailable here ({CPU_KERNELS_ENV}=0, or the build "
-                           "failed: see the log)")
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-        raise ValueError(f"linear kernel packed takes a 2-d fp32 CPU weight, got "
-                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
-    weight = weight.contiguous()
+    kernels, weight = _native_weight("packed", weight)
     return _PackedPrepared(weight, kernels.pack_panels(weight), kernels)
 
 

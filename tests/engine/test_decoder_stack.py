@@ -117,25 +117,33 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(before)
 
 
+def _assert_stack_matches_per_layer(config: EngineConfig, steps: Callable[[], Iterator[list[Seq]]],
+                                    monkeypatch: pytest.MonkeyPatch, calls: list[int],
+                                    kernel: str = "onednn_gemv", blocks: int = 24) -> None:
+    """Run ``steps()`` layer by layer (the stack switched off), then again with the stack:
+    the same logits at every step and the same KV cache, to the bit."""
+    with monkeypatch.context() as off:
+        off.setenv(decoder_stack.ENV, "0")
+        layered = _runner(config, kernel, blocks)
+        reference = _run(layered, steps())
+    assert calls == []
+    stacked = _runner(config, kernel, blocks)
+    got = _run(stacked, steps())
+    for step, (x, y) in enumerate(zip(got, reference, strict=True)):
+        assert torch.equal(x, y), f"step {step}: {(x - y).abs().max()}"
+    assert torch.equal(stacked.kv_cache, layered.kv_cache)
+
+
 @pytest.mark.parametrize("case", list(ARCHS))
 def test_the_stack_gives_the_per_layer_forwards_logits_and_cache_to_the_bit(
         model_factory: Callable[..., Path], case: str, calls: list[int], threads: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
     arch, overrides = ARCHS[case]
     config = _config(model_factory(arch, **overrides))
-    vocab = config.model.vocab_size
-    with monkeypatch.context() as off:
-        off.setenv(decoder_stack.ENV, "0")
-        layered = _runner(config)
-        reference = _run(layered, _steps(vocab))
-    assert calls == []
-    stacked = _runner(config)
-    got = _run(stacked, _steps(vocab))
+    _assert_stack_matches_per_layer(config, lambda: _steps(config.model.vocab_size),
+                                    monkeypatch, calls)
     # Qwen3's per-head q/k norms: one token at a time (see CompiledDecoderStack.max_rows)
     assert calls == ([1] * 6 if arch == "qwen3" else [3] * 10 + [2] * 10 + [1] * 6)
-    for step, (x, y) in enumerate(zip(got, reference, strict=True)):
-        assert torch.equal(x, y), f"step {step}: {(x - y).abs().max()}"
-    assert torch.equal(stacked.kv_cache, layered.kv_cache)
 
 
 # decode batches of the many-sequence run: past the GEMV's rows, across the packed GEMM's
@@ -161,18 +169,9 @@ def test_on_the_packed_kernel_the_stack_takes_every_decode_batch_to_the_bit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     arch, overrides = ARCHS[case]
     config = _config(model_factory(arch, **overrides))
-    vocab = config.model.vocab_size
-    with monkeypatch.context() as off:
-        off.setenv(decoder_stack.ENV, "0")
-        layered = _runner(config, "packed", blocks=4 * MANY[0])
-        reference = _run(layered, _many_steps(vocab))
-    assert calls == []
-    stacked = _runner(config, "packed", blocks=4 * MANY[0])
-    got = _run(stacked, _many_steps(vocab))
+    _assert_stack_matches_per_layer(config, lambda: _many_steps(config.model.vocab_size),
+                                    monkeypatch, calls, "packed", 4 * MANY[0])
     assert calls == MANY
-    for step, (x, y) in enumerate(zip(got, reference, strict=True)):
-        assert torch.equal(x, y), f"step {step}: {(x - y).abs().max()}"
-    assert torch.equal(stacked.kv_cache, layered.kv_cache)
 
 
 def test_growing_batches_grow_the_stacks_work_space_and_stop_at_its_most_rows(
@@ -194,17 +193,9 @@ def test_growing_batches_grow_the_stacks_work_space_and_stop_at_its_most_rows(
                 seq.tokens.append(next(ids))
             yield seqs[:batch]
 
-    blocks = batches[-1] + 1
-    with monkeypatch.context() as off:
-        off.setenv(decoder_stack.ENV, "0")
-        layered = _runner(config, "packed", blocks=blocks)
-        reference = _run(layered, steps())
-    stacked = _runner(config, "packed", blocks=blocks)
-    got = _run(stacked, steps())
+    _assert_stack_matches_per_layer(config, steps, monkeypatch, calls, "packed",
+                                    batches[-1] + 1)
     assert calls == batches[:-1]
-    for step, (x, y) in enumerate(zip(got, reference, strict=True)):
-        assert torch.equal(x, y), f"step {step}: {(x - y).abs().max()}"
-    assert torch.equal(stacked.kv_cache, layered.kv_cache)
 
 
 def test_qwen3_on_the_packed_kernel_stacks_one_token_only(
