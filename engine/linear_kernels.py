@@ -14,8 +14,8 @@ from a copy of ``W`` it prepared once after loading (or ``W`` itself):
 - ``packed``: pdserve's own kernels only (``engine.cpu_kernels``): the GEMV on ``W``
   itself for one to three rows, and for more rows its GEMM over a copy of ``W`` packed in
   panels of 32 output features (16 without AVX-512; ``NativeKernels.pack_panels``), which
-  keeps a block of up to 14 rows' sums (6 without AVX-512) in registers per panel; CPU fp32, where the compiled kernels could
-  be built (no oneDNN needed).
+  keeps a block of up to 14 rows' sums (6 without AVX-512) in registers per panel; CPU
+  fp32, where the compiled kernels could be built (no oneDNN needed).
 
 Which is fastest depends on the CPU (MKL is slow on AMD, tuned on Intel), the shape
 and the batch size, so ``engine.kernel_choice`` times them and writes a

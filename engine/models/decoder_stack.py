@@ -127,8 +127,10 @@ def _weight(linear: _Linear) -> torch.Tensor:
 
 def _panels(linear: _Linear) -> torch.Tensor | None:
     """The packed copy the compiled GEMM reads: ``packed``'s panels, else none."""
-    panels: torch.Tensor | None = getattr(linear._prepared, "panels", None)
-    return panels if linear.kernel_name == "packed" else None
+    if linear.kernel_name != "packed":
+        return None
+    panels: torch.Tensor = linear._prepared.panels
+    return panels
 
 
 def _weights(layer: DecoderLayer) -> DecoderLayerWeights:
