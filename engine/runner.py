@@ -153,20 +153,25 @@ class ModelRunner:
         hook = _DeferredErrors(layer_hook) if layer_hook is not None else None
         with forward_context(ForwardContext(meta, hook)):
             hidden = self.model(token_ids, positions)
-        logits = self.model.compute_logits(hidden[sample_rows]).float()
+        if sample_rows is not None:
+            hidden = hidden[sample_rows]
+        logits = self.model.compute_logits(hidden).float()
         if hook is not None and hook.error is not None:
             raise LayerHookError(f"layer hook failed: {hook.error!r}") from hook.error
         return logits
 
     def _prepare(self, chunks: Sequence[ScheduledChunk]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+        """The step's inputs: token ids, positions, the attention metadata and the rows to
+        sample (``None``: every row, as in a decode-only step). Every integer goes to the
+        device in one tensor, which the others are views of."""
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
         decodes = [c for c in chunks if c.is_decode]
-        spans = []
+        prefills: list[tuple[int, ScheduledChunk]] = []  # (first row, chunk)
         for c in chunks:
             start = len(token_ids)
             token_ids.extend(c.token_ids)
@@ -176,30 +181,27 @@ class ModelRunner:
             if c.sample:
                 sample_rows.append(len(token_ids) - 1)
             if not c.is_decode:
-                spans.append(PrefillSpan(start, len(c.token_ids), pos.stop,
-                                         self._tensor(c.block_ids)))
+                prefills.append((start, c))
         context_lens = [c.start_position + 1 for c in decodes]
         max_context = max(context_lens, default=0)
         width = -(-max_context // bs)  # blocks that hold any decode key
-        tables = [list(c.block_ids[:width]) + [0] * (width - len(c.block_ids)) for c in decodes]
-        lens = self._tensor(context_lens)
+        tables = [b for c in decodes
+                  for b in (*c.block_ids[:width], *[0] * (width - len(c.block_ids)))]
+        parts = [token_ids, positions, slots, sample_rows, context_lens, tables,
+                 *(c.block_ids for _, c in prefills)]
+        flat = self._tensor([v for part in parts for v in part])
+        ids, pos_t, slot_t, rows_t, lens, tables_t, *block_tables = flat.split(
+            [len(part) for part in parts])
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
+            slot_mapping=slot_t,
             num_decode_tokens=len(decodes),
-            decode_block_tables=self._tensor(tables).view(len(decodes), width),
+            decode_block_tables=tables_t.view(len(decodes), width),
             decode_context_lens=lens,
             max_decode_context_len=max_context,
-            decode_key_bias=self._key_bias(lens, width * bs),
-            prefills=spans,
+            prefills=[PrefillSpan(start, len(c.token_ids), c.start_position + len(c.token_ids),
+                                  table) for (start, c), table in zip(prefills, block_tables)],
         )
-        return self._tensor(token_ids), self._tensor(positions), meta, self._tensor(sample_rows)
+        return ids, pos_t, meta, None if len(sample_rows) == len(token_ids) else rows_t
 
-    def _key_bias(self, context_lens: torch.Tensor, width: int) -> torch.Tensor:
-        """``[num_decodes, width]``: 0 for the keys each decode attends to, -inf past its
-        context; built once per step, shared by every layer."""
-        past = torch.arange(width, device=self.device) >= context_lens.unsqueeze(1)
-        bias = torch.zeros(past.shape, dtype=self.dtype, device=self.device)
-        return bias.masked_fill_(past, float("-inf"))
-
-    def _tensor(self, values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
+    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -38,10 +38,20 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor  # [num_decodes] int64, including the new token
     max_decode_context_len: int
-    # [num_decodes, max_blocks * block_size] in the model's dtype, added to the decode
-    # attention scores: 0 where key slot j of sequence i is valid, -inf past its context
-    decode_key_bias: torch.Tensor
     prefills: list[PrefillSpan] = field(default_factory=list)
+    _key_bias: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def decode_key_bias(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[num_decodes, width]`` in ``dtype``, added to the decode attention scores: 0
+        where key slot j of sequence i is in its context, -inf past it. Built by the first
+        layer that asks (backends that mask by context length never do), shared by the rest."""
+        bias = self._key_bias
+        if bias is None or bias.shape[1] != width or bias.dtype != dtype:
+            lens = self.decode_context_lens
+            past = torch.arange(width, device=lens.device) >= lens.unsqueeze(1)
+            bias = torch.zeros(past.shape, dtype=dtype, device=lens.device)
+            self._key_bias = bias = bias.masked_fill_(past, float("-inf"))
+        return bias
 
 
 LayerHook = Callable[[int], None]

@@ -97,7 +97,8 @@ class TorchAttentionBackend:
         out = F.scaled_dot_product_attention(
             q.view(num_seqs, num_kv_heads, group, head_dim),
             keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=meta.decode_key_bias.view(num_seqs, 1, 1, length), scale=scale,
+            attn_mask=meta.decode_key_bias(length, q.dtype).view(num_seqs, 1, 1, length),
+            scale=scale,
         )
         # reshape: CUDA's memory-efficient kernel returns [B, Hk, g, D] with Hk and g not
         # adjacent in memory

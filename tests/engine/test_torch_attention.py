@@ -104,12 +104,9 @@ def test_compiled_backend_runs_a_mixed_step_as_the_torch_backend() -> None:
     slots = torch.tensor([blocks[s][p // bs] * bs + p % bs for s, p in zip(owners, positions)])
     lens = torch.tensor([n for _, n in decodes])
     tables = torch.tensor([blocks[0] + [0], blocks[1]])
-    past = torch.arange(3 * bs) >= lens.unsqueeze(1)
     meta = AttentionMetadata(
         slot_mapping=slots, num_decode_tokens=2, decode_block_tables=tables,
-        decode_context_lens=lens, max_decode_context_len=10,
-        decode_key_bias=torch.zeros(past.shape).masked_fill_(past, float("-inf")),
-        prefills=spans)
+        decode_context_lens=lens, max_decode_context_len=10, prefills=spans)
     qk = torch.randn(10, hq + hk, d)
     q, k = qk[:, :hq], qk[:, hq:]
     v = torch.randn(10, (hq + 2 * hk) * d)[:, (hq + hk) * d:].view(10, hk, d)
@@ -149,12 +146,10 @@ def _check_decode_attention(backend: TorchAttentionBackend, num_q_heads: int, nu
     tables = [perm[width * i:width * i + -(-n // block_size)] for i, n in enumerate(context_lens)]
     tables = [t + [0] * (width - len(t)) for t in tables]
     lens = torch.tensor(context_lens)
-    past = torch.arange(width * block_size) >= lens.unsqueeze(1)
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.int64), num_decode_tokens=num_seqs,
         decode_block_tables=torch.tensor(tables), decode_context_lens=lens,
-        max_decode_context_len=max(context_lens),
-        decode_key_bias=torch.zeros(past.shape, dtype=dtype).masked_fill_(past, float("-inf")))
+        max_decode_context_len=max(context_lens))
     # a slice of the q|k heads, as the model passes it
     q = torch.randn(num_seqs, num_q_heads + num_kv_heads, head_dim, dtype=dtype)[:, :num_q_heads]
 
