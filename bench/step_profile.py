@@ -14,9 +14,10 @@ timed twice: once plain (the step's median), once with a stopwatch around each p
   linears);
 - the compiled decoder stack, where a step runs all layers in one compiled call
   (``engine.models.decoder_stack``: batch 1 to 3 on the CPU, up to 256 on the
-  ``packed`` kernel), with the GB/s and GFLOP/s
-  of all its layers' linears; the parts inside it (the layers' linears, attention,
-  norms, activation) then read 0 for that batch;
+  ``packed`` kernel; the embedding, RoPE lookup and final norm too), with the GB/s and
+  GFLOP/s of all its layers' linears; the parts inside it (the layers' linears,
+  attention, norms, activation, and the rest of the forward) then read about 0 for that
+  batch;
 - the rest of the model forward (embedding, residual adds, RoPE table lookup);
 - outside the forward: input tensors, sampling, scheduler and outputs.
 
@@ -140,7 +141,7 @@ def stopwatches_on(llm: engine.LLM) -> Iterator[Stopwatches]:
         watches.wrap(model.norm, "forward", "rms_norm")
         kernels = native()
         if kernels is not None:
-            watches.wrap(kernels, "decoder_stack", STACK)
+            watches.wrap(kernels, "decoder_step", STACK)
         watches.wrap(model, "forward", "model forward")
         watches.wrap(model, "compute_logits", "lm_head")
         yield watches

@@ -2,7 +2,8 @@
 a GEMM over weights packed in panels for larger batches, a paged decode attention that reads K/V where they lie in the cache, RMSNorm and SwiGLU
 in one pass each (torch runs several small kernels for either), the rotary embedding,
 a row-wise argmax for greedy sampling, and a whole decoder stack's decode step in one
-call (those kernels, layer after layer, over ``DecoderLayers``).
+call (those kernels, layer after layer, over ``DecoderLayers``; ``decoder_step`` adds the
+token embedding, the RoPE lookup and the final norm around it).
 
 Contract (used by ``engine.linear_kernels``, ``engine.attention.cpu_backend``, the
 model's ``RMSNorm``, ``silu_and_mul`` and ``RotaryEmbedding``, ``engine.sampler`` and
@@ -13,10 +14,11 @@ model's ``RMSNorm``, ``silu_and_mul`` and ``RotaryEmbedding``, ``engine.sampler`
   Linux with a C compiler, the build failed (logged once, with the compiler's output),
   or ``PDSERVE_CPU_KERNELS=0`` in the environment. Callers then use their torch path,
   so a machine without a compiler serves exactly as before, only slower.
-- Every kernel takes fp32 CPU tensors, runs on ``torch.get_num_threads()`` threads of
+- Every kernel takes fp32 CPU tensors (and int64 ids, positions, slots and tables), runs on ``torch.get_num_threads()`` threads of
   torch's own OpenMP pool, and returns a new tensor (``decoder_stack`` updates its
-  hidden states in place and writes the KV cache). ``gemv``, ``paged_decode_attention``
-  and ``decoder_stack`` raise ``ValueError`` for arguments they do not handle (callers
+  hidden states in place; it and ``decoder_step`` write the KV cache). ``gemv``,
+  ``paged_decode_attention``, ``decoder_stack`` and ``decoder_step`` raise ``ValueError``
+  for arguments they do not handle (callers
   check ``supports_*`` first), and so does ``gemm_packed``; ``rms_norm``,
   ``silu_and_mul``, ``rope``, ``argmax_rows``, ``gemv_checked_weight`` and
   ``gemm_packed_checked`` return ``None`` instead, and the caller runs its torch path.
@@ -35,8 +37,8 @@ import torch
 
 from engine.cpu_kernels.build import BuildError, build
 
-__all__ = ["ENV", "STACK_MAX_ROWS", "BuildError", "DecoderLayerWeights", "DecoderLayers",
-           "DecoderShape", "NativeKernels", "native"]
+__all__ = ["ENV", "STACK_MAX_ROWS", "BuildError", "DecoderEnds", "DecoderLayerWeights",
+           "DecoderLayers", "DecoderShape", "NativeKernels", "decoder_step_takes", "native"]
 
 ENV = "PDSERVE_CPU_KERNELS"
 GEMV_MAX_ROWS = 3  # above this a GEMM (oneDNN's or gemm_packed) is faster (on AMD EPYC)
@@ -96,19 +98,38 @@ class DecoderLayerWeights:
     down_p: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class DecoderEnds:
+    """What ``decoder_step`` reads around the layers: the input embedding ``[vocab,
+    hidden]``, the rotary module's cos and sin tables ``[max_positions, head_dim / 2]``
+    (of position x inverse frequency) and the final norm's weight ``[hidden]`` and eps."""
+
+    embed: torch.Tensor
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    final_norm: torch.Tensor
+    final_eps: float
+
+
+class _EndsPointers(ctypes.Structure):
+    _fields_ = [("embed", _ptr), ("rope_cos", _ptr), ("rope_sin", _ptr), ("final_norm", _ptr),
+                ("vocab", _i64), ("max_positions", _i64), ("final_eps", _f32)]
+
+
 STACK_MAX_ROWS = 256  # decode rows one decoder_stack call takes where every weight is packed
 
 
 class DecoderLayers:
     """A decoder stack's weights and caches checked once and laid out for one
-    ``decoder_stack`` call per step. Holds the tensors, so the pointers it hands the
+    ``decoder_stack`` (or ``decoder_step``) call per step. Holds the tensors, so the pointers it hands the
     kernel stay valid while it lives, and the kernel's work space (so one call at a time,
     as a model's forward runs); ``ValueError`` for any tensor of the wrong shape, type or
     layout. ``max_rows``: ``STACK_MAX_ROWS`` where every layer has its packed weights,
-    else ``GEMV_MAX_ROWS``."""
+    else ``GEMV_MAX_ROWS``. With ``ends`` it also takes ``decoder_step``."""
 
     def __init__(self, shape: DecoderShape, layers: list[DecoderLayerWeights],
-                 panel_floats: Callable[[int, int], int] | None = None) -> None:
+                 panel_floats: Callable[[int, int], int] | None = None,
+                 ends: DecoderEnds | None = None) -> None:
         hidden, d, inter = shape.hidden, shape.head_dim, shape.intermediate
         hq, hk = shape.num_q_heads, shape.num_kv_heads
         if not layers or min(hidden, d, inter, hq, hk) < 1 or hq % hk:
@@ -130,6 +151,8 @@ class DecoderLayers:
         self.max_rows = STACK_MAX_ROWS if all(packed) else GEMV_MAX_ROWS
         if self.max_rows > GEMV_MAX_ROWS and panel_floats is None:
             raise ValueError("packed weights need panel_floats to be checked")
+        self.ends = ends
+        self.ends_table = None if ends is None else _ends_pointers(shape, ends)
         self.table = (_LayerPointers * len(layers))()
         for i, layer in enumerate(layers):
             if (layer.q_norm is None) != (layer.k_norm is None):
@@ -160,6 +183,62 @@ class DecoderLayers:
                                      f"({panel_floats(*size)} contiguous fp32 CPU floats), "
                                      f"got {tuple(t.shape)} {t.dtype}")
                 setattr(entry, name, t.data_ptr())
+
+
+def _ends_pointers(shape: DecoderShape, ends: DecoderEnds) -> _EndsPointers:
+    vocab = ends.embed.shape[0] if ends.embed.dim() == 2 else 0
+    max_positions = ends.rope_cos.shape[0] if ends.rope_cos.dim() == 2 else 0
+    want = {"embed": (vocab, shape.hidden), "rope_cos": (max_positions, shape.head_dim // 2),
+            "rope_sin": (max_positions, shape.head_dim // 2), "final_norm": (shape.hidden,)}
+    for name, size in want.items():
+        t = getattr(ends, name)
+        if not (t.shape == size and min(size) > 0 and t.dtype == torch.float32
+                and t.is_contiguous() and t.device.type == "cpu"):
+            raise ValueError(f"decoder ends: {name} must be a contiguous fp32 CPU tensor "
+                             f"{size}, got {tuple(t.shape)} {t.dtype}")
+    return _EndsPointers(ends.embed.data_ptr(), ends.rope_cos.data_ptr(),
+                         ends.rope_sin.data_ptr(), ends.final_norm.data_ptr(), vocab,
+                         max_positions, ends.final_eps)
+
+
+def _work_space(layers: DecoderLayers, rows: int, per_row: int) -> torch.Tensor:
+    """``layers``' kernel work space, at least ``rows * per_row`` floats: sized for the
+    GEMV's rows, then for twice the most rows seen (reused by every step)."""
+    if layers.scratch is None or layers.scratch.numel() < rows * per_row:
+        most = GEMV_MAX_ROWS if rows <= GEMV_MAX_ROWS else min(2 * rows, layers.max_rows)
+        layers.scratch = torch.empty(most * per_row, dtype=torch.float32)
+    return layers.scratch
+
+
+def _int64_cpu(t: torch.Tensor) -> bool:
+    return t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu"
+
+
+def decoder_step_takes(layers: DecoderLayers, token_ids: torch.Tensor, positions: torch.Tensor,
+                       slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor) -> bool:
+    """Whether ``NativeKernels.decoder_step`` takes these inputs (their values aside):
+    layers built with ends, 1 to ``layers.max_rows`` rows, contiguous int64 CPU tensors,
+    ``block_tables [rows, max_blocks >= 1]``."""
+    rows = token_ids.shape[0] if token_ids.dim() == 1 else 0
+    return (layers.ends_table is not None and 0 < rows <= layers.max_rows
+            and all(t.shape == (rows,) and _int64_cpu(t)
+                    for t in (token_ids, positions, slot_mapping, context_lens))
+            and block_tables.dim() == 2 and block_tables.shape[0] == rows
+            and block_tables.shape[1] > 0 and _int64_cpu(block_tables))
+
+
+_INDEX_ERRORS = {-3: "a slot outside the cache", -4: "a block id outside the cache",
+                 -5: "a token id outside the embedding", -6: "a position outside the RoPE tables"}
+
+
+def _raise_for(kernel: str, rc: int) -> None:
+    """The error for a decoder kernel's return code (0: none)."""
+    if rc in _INDEX_ERRORS:
+        raise IndexError(f"{kernel}: {_INDEX_ERRORS[rc]}")
+    if rc != 0:
+        what = {-2: "a context length outside its block table"}.get(rc, f"code {rc}")
+        raise ValueError(f"{kernel} refused its arguments: {what}")
 
 
 class NativeKernels:
@@ -205,6 +284,13 @@ class NativeKernels:
         self._stack_scratch = library.pd_decoder_scratch_floats
         self._stack_scratch.argtypes = [_ptr]
         self._stack_scratch.restype = _i64
+        self._step = library.pd_decoder_step_f32
+        self._step.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr,
+                               _ptr, _ptr, _int]
+        self._step.restype = _int
+        self._step_scratch = library.pd_decoder_step_scratch_floats
+        self._step_scratch.argtypes = [_ptr]
+        self._step_scratch.restype = _i64
         self._stack_shape_ok = library.pd_decoder_shape_ok
         self._stack_shape_ok.argtypes = [_ptr]
         self._stack_shape_ok.restype = _int
@@ -242,22 +328,43 @@ class NativeKernels:
                         for t in (slot_mapping, block_tables, context_lens))):
             raise ValueError(f"decoder_stack does not take h {tuple(h.shape)} {h.dtype} "
                              f"with these cos/sin, slots, tables and lengths")
-        per_row = self._stack_scratch(ctypes.byref(shape))
-        if layers.scratch is None or layers.scratch.numel() < rows * per_row:
-            # reused by every step: sized for the GEMV's rows, then for twice the most seen
-            most = GEMV_MAX_ROWS if rows <= GEMV_MAX_ROWS else min(2 * rows, layers.max_rows)
-            layers.scratch = torch.empty(most * per_row, dtype=torch.float32)
-        scratch = layers.scratch
+        scratch = _work_space(layers, rows, self._stack_scratch(ctypes.byref(shape)))
         rc = self._stack(layers.table, len(layers.table), ctypes.byref(shape), h.data_ptr(), rows,
                          cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
                          block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
                          scratch.data_ptr(), torch.get_num_threads())
-        if rc in (-3, -4):
-            raise IndexError(f"decoder_stack: a {'slot' if rc == -3 else 'block id'} "
-                             "outside the cache")
-        if rc != 0:
-            what = {-2: "a context length outside its block table"}.get(rc, f"code {rc}")
-            raise ValueError(f"decoder_stack refused its arguments: {what}")
+        _raise_for("decoder_stack", rc)
+
+    def decoder_step(self, layers: DecoderLayers, token_ids: torch.Tensor,
+                     positions: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """A decode step up to the LM head in one call, over ``DecoderLayers`` built with
+        ``ends``: the embeddings of ``token_ids [B]``, RoPE at ``positions [B]``,
+        ``decoder_stack``, the final norm; returns its output ``[B, hidden]`` (a new
+        tensor), the same to the bit as the model's forward, and writes each layer's K/V.
+        Slots, tables and lengths as ``decoder_stack`` takes them. Raises ``ValueError``
+        for inputs ``decoder_step_takes`` refuses (layers built without ends among them),
+        ``IndexError`` for a token id outside the embedding, a position outside the RoPE
+        tables, or a slot or block outside the cache (all checked before anything is
+        written)."""
+        if not decoder_step_takes(layers, token_ids, positions, slot_mapping, block_tables,
+                                  context_lens):
+            raise ValueError(f"decoder_step does not take token ids {tuple(token_ids.shape)} "
+                             "with these positions, slots, tables and lengths"
+                             + ("" if layers.ends_table is not None else
+                                " (its layers were built without ends)"))
+        assert layers.ends_table is not None  # decoder_step_takes said yes
+        rows = token_ids.shape[0]
+        shape = layers.shape
+        scratch = _work_space(layers, rows, self._step_scratch(ctypes.byref(shape)))
+        out = torch.empty(rows, shape.hidden, dtype=torch.float32)
+        rc = self._step(layers.table, len(layers.table), ctypes.byref(shape),
+                        ctypes.byref(layers.ends_table), token_ids.data_ptr(),
+                        positions.data_ptr(), rows, slot_mapping.data_ptr(),
+                        block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
+                        out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+        _raise_for("decoder_step", rc)
+        return out
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> bool:

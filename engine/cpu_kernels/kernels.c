@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #else
@@ -761,4 +762,62 @@ int pd_decoder_stack_f32(const pd_decoder_layer *layers, int64_t num_layers,
         if (rc) return -1; /* a kernel refused its shape: checked by the caller beforehand */
     }
     return 0;
+}
+
+/* ------------------------------------------------- decode step: tokens to final norm */
+
+/* What a decode step reads around the decoder stack: the input embedding, the RoPE
+ * tables (cos and sin of position * inverse frequency, as the model's rotary module
+ * holds them) and the final norm. */
+typedef struct {
+    const float *embed;                /* [vocab, hidden] */
+    const float *rope_cos, *rope_sin;  /* [max_positions, D / 2] each */
+    const float *final_norm;           /* [hidden] */
+    int64_t vocab, max_positions;
+    float final_eps;
+} pd_decoder_ends;
+
+/* floats of scratch one row needs in pd_decoder_step_f32: its embedding, its cos and
+ * sin rows, and what the stack needs */
+int64_t pd_decoder_step_scratch_floats(const pd_decoder_shape *s) {
+    return s->hidden + 2 * s->head_dim + pd_decoder_scratch_floats(s);
+}
+
+/* A whole decode step short of the LM head: each row's token embedding, its cos and sin
+ * laid out as pd_rope_f32 takes them ((cos | cos), (-sin | sin), as the model's rotary
+ * module builds them), pd_decoder_stack_f32, then the final RMSNorm into out [rows,
+ * hidden]. The same values, in the same order, as the model's forward, so the same
+ * result to the bit; what goes is the interpreter time of the embedding, the RoPE lookup
+ * and the final norm. Token ids and positions are checked before anything is written
+ * (-5: a token id outside the embedding, -6: a position outside the RoPE tables), then
+ * the stack's checks and codes; scratch holds rows * pd_decoder_step_scratch_floats
+ * floats. */
+int pd_decoder_step_f32(const pd_decoder_layer *layers, int64_t num_layers,
+                        const pd_decoder_shape *s, const pd_decoder_ends *e,
+                        const int64_t *token_ids, const int64_t *positions, int64_t rows,
+                        const int64_t *slots, const int64_t *tables, int64_t max_blocks,
+                        const int64_t *context_lens, float *out, float *scratch,
+                        int num_threads) {
+    const int64_t hidden = s->hidden, d = s->head_dim, half = s->head_dim / 2;
+    if (rows < 1 || hidden < 1 || d < 2 || d % 2 || e->vocab < 1 || e->max_positions < 1)
+        return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        if (token_ids[r] < 0 || token_ids[r] >= e->vocab) return -5;
+        if (positions[r] < 0 || positions[r] >= e->max_positions) return -6;
+    }
+    float *h = scratch, *cos = h + rows * hidden, *sin = cos + rows * d;
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(h + r * hidden, e->embed + token_ids[r] * hidden, (size_t)hidden * sizeof(float));
+        const float *c = e->rope_cos + positions[r] * half, *sn = e->rope_sin + positions[r] * half;
+        float *cr = cos + r * d, *sr = sin + r * d;
+        for (int64_t i = 0; i < half; i++) {
+            cr[i] = cr[half + i] = c[i];
+            sr[i] = -sn[i];
+            sr[half + i] = sn[i];
+        }
+    }
+    const int rc = pd_decoder_stack_f32(layers, num_layers, s, h, rows, cos, sin, slots, tables,
+                                        max_blocks, context_lens, sin + rows * d, num_threads);
+    if (rc) return rc;
+    return pd_rms_norm_f32(h, rows, hidden, e->final_norm, e->final_eps, out, num_threads);
 }

@@ -1,10 +1,12 @@
-"""The CPU decode step's fast path: a Llama-family model hands its whole decoder stack to
-one call of pdserve's compiled kernels (``NativeKernels.decoder_stack``) instead of about
-a dozen torch calls per layer. The kernels and their order are the ones the per-layer
-forward would run at that batch size (the GEMV or the packed GEMM, RMSNorm, RoPE, the KV
-write, the paged attention, SwiGLU), so the hidden states come out the same to the bit;
-what goes is the interpreter and dispatch time between them, a large part of a small
-model's step (at batch 1, and still at batch 32).
+"""The CPU decode step's fast path: a Llama-family model hands its whole forward for a
+decode step (the token embedding, the RoPE lookup, every decoder layer, the final norm)
+to one call of pdserve's compiled kernels (``NativeKernels.decoder_step``) instead of
+about a dozen torch calls per layer. The kernels and their order are the ones the
+per-layer forward would run at that batch size (the GEMV or the packed GEMM, RMSNorm,
+RoPE, the KV write, the paged attention, SwiGLU), so the hidden states come out the same
+to the bit; what goes is the interpreter and dispatch time between them, a large part of
+a small model's step (at batch 1, and still at batch 32): after a step has streamed the
+weights through the caches, each torch call the interpreter makes runs cold.
 
 Used only where the per-layer forward would run exactly those kernels: fp32 on the CPU,
 one rank (no all-reduce between the layers), the compiled attention backend, every
@@ -15,9 +17,10 @@ GEMM the compiled code can call too), and no layer hook (the prefill
 worker's layer-wise KV sending needs the forward to stop after each layer).
 ``PDSERVE_CPU_DECODER_STACK=0`` keeps the per-layer forward (read whenever the stack is
 built: at the first small step, and after any linear layer in the process is given a
-kernel); ``PDSERVE_CPU_KERNELS=0`` turns off all compiled kernels. A slot or block id
-outside the cache raises ``IndexError`` before anything is written (the per-layer forward
-raises once it reaches the bad one).
+kernel); ``PDSERVE_CPU_KERNELS=0`` turns off all compiled kernels. A token id outside the
+vocabulary, a position outside the RoPE tables, or a slot or block id outside the cache
+raises ``IndexError`` before anything is written (the per-layer forward raises once it
+reaches the bad one).
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.cpu_kernels import (
+    DecoderEnds,
     DecoderLayers,
     DecoderLayerWeights,
     DecoderShape,
     NativeKernels,
+    decoder_step_takes,
     native,
 )
 
@@ -48,9 +53,10 @@ ENV = "PDSERVE_CPU_DECODER_STACK"  # "0": always the per-layer forward (to compa
 
 
 class CompiledDecoderStack:
-    """The model's layers laid out for ``decoder_stack``: ``build`` makes one where the
-    model can use it (the model builds it again after ``set_kernel`` on any linear, and
-    after ``set_kv_cache``), ``takes`` whether one step's inputs are for it."""
+    """The model's layers (and embedding, RoPE tables, final norm) laid out for
+    ``decoder_step``: ``build`` makes one where the model can use it (the model builds it
+    again after ``set_kernel`` on any linear, and after ``set_kv_cache``), ``takes``
+    whether one step's inputs are for it, ``run`` runs it."""
 
     def __init__(self, kernels: NativeKernels, layers: DecoderLayers) -> None:
         self._kernels = kernels
@@ -88,30 +94,30 @@ class CompiledDecoderStack:
             return None
         try:
             stack = DecoderLayers(shape, [_weights(layer) for layer in layers],
-                                  kernels.panel_floats)
+                                  kernels.panel_floats, _ends(model))
         except ValueError:  # a layout the kernel does not take: the per-layer forward
             return None
         return cls(kernels, stack)
 
-    def takes(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def takes(self, token_ids: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata) -> bool:
         """Whether a step is for the stack: decode tokens only, at most ``max_rows``
         (``GEMV_MAX_ROWS``, ``STACK_MAX_ROWS`` with every weight packed, 1 with per-head
-        q/k norms)."""
-        rows = h.shape[0]
+        q/k norms), its integers as ``decoder_step`` takes them (else the per-layer
+        forward runs it)."""
+        rows = token_ids.shape[0] if token_ids.dim() == 1 else 0
         return (0 < rows <= self.max_rows and meta.num_decode_tokens == rows
-                and not meta.prefills and h.dtype == torch.float32 and h.device.type == "cpu"
-                and all(t.dtype == torch.int64 and t.device.type == "cpu" for t in
-                        (meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)))
+                and not meta.prefills
+                and decoder_step_takes(self._layers, token_ids, positions, meta.slot_mapping,
+                                       meta.decode_block_tables, meta.decode_context_lens))
 
-    def run(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def run(self, token_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
-        """The stack's output for embeddings ``h [B, hidden]`` (updated in place)."""
-        cos, sin = rope
-        h = h.contiguous()
-        self._kernels.decoder_stack(self._layers, h, cos.contiguous(), sin.contiguous(),
-                              meta.slot_mapping, meta.decode_block_tables,
-                              meta.decode_context_lens)
-        return h
+        """The model's forward for a decode step ``takes`` said yes to: the final norm's
+        output ``[B, hidden]`` for ``token_ids [B]`` at ``positions [B]``."""
+        return self._kernels.decoder_step(self._layers, token_ids, positions,
+                                          meta.slot_mapping, meta.decode_block_tables,
+                                          meta.decode_context_lens)
 
 
 def _linears(layer: DecoderLayer) -> list[_Linear]:
@@ -148,6 +154,13 @@ def _weights(layer: DecoderLayer) -> DecoderLayerWeights:
         gate_up_w=_weight(mlp.gate_up_proj), down_w=_weight(mlp.down_proj),
         down_b=_detached(mlp.down_proj.bias), kv_cache=attn.kv_cache,
         qkv_p=panels[0], o_p=panels[1], gate_up_p=panels[2], down_p=panels[3])
+
+
+def _ends(model: LlamaForCausalLM) -> DecoderEnds:
+    """The embedding, RoPE tables and final norm (one rank: the whole vocabulary)."""
+    return DecoderEnds(embed=model.embed_tokens.weight.detach(), rope_cos=model.rotary.cos,
+                       rope_sin=model.rotary.sin, final_norm=model.norm.weight.detach(),
+                       final_eps=model.norm.eps)
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:

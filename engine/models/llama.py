@@ -118,12 +118,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         hook = ctx.layer_hook
-        h = self.embed_tokens(token_ids)
-        rope = self.rotary.cos_sin(positions, h.dtype)
         if hook is None and not ctx.attn.prefills:  # a decode step: the compiled stack's
             stack = self._compiled_stack()
-            if stack is not None and stack.takes(h, ctx.attn):
-                return self.norm(stack.run(h, rope, ctx.attn))
+            if stack is not None and stack.takes(token_ids, positions, ctx.attn):
+                return stack.run(token_ids, positions, ctx.attn)
+        h = self.embed_tokens(token_ids)
+        rope = self.rotary.cos_sin(positions, h.dtype)
         for idx, layer in enumerate(self.layers):
             h = layer(rope, h)
             if hook is not None:

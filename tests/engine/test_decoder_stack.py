@@ -1,6 +1,7 @@
-"""The CPU decode fast path (``engine.models.decoder_stack``): the whole decoder stack in
-one compiled call at batch 1 to 3, and at any decode batch up to ``STACK_MAX_ROWS`` with
-every linear on the ``packed`` kernel. It must give the per-layer forward's logits and KV
+"""The CPU decode fast path (``engine.models.decoder_stack``): the whole decoder stack (with
+the embedding, RoPE lookup and final norm) in one compiled call at batch 1 to 3, and at
+any decode batch up to ``STACK_MAX_ROWS`` with every linear on the ``packed`` kernel.
+It must give the per-layer forward's logits and KV
 cache to the bit, run only where the per-layer forward would run the same kernels, follow
 a new cache or kernel plan, and check what it is handed before writing anything. Parity
 with Hugging Face through it: tests/engine/test_hf_parity.py."""
@@ -43,16 +44,16 @@ ARCHS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}),
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch, kernels: NativeKernels) -> Iterator[list[int]]:
-    """The batch size of every ``decoder_stack`` call (the real kernel runs)."""
+    """The batch size of every ``decoder_step`` call, the model's (the real kernel runs)."""
     seen: list[int] = []
-    real = NativeKernels.decoder_stack
+    real = NativeKernels.decoder_step
 
-    def counted(self: NativeKernels, layers: DecoderLayers, h: torch.Tensor,
-                *args: Any) -> None:
-        seen.append(h.shape[0])
-        real(self, layers, h, *args)
+    def counted(self: NativeKernels, layers: DecoderLayers, token_ids: torch.Tensor,
+                *args: Any) -> torch.Tensor:
+        seen.append(token_ids.shape[0])
+        return real(self, layers, token_ids, *args)
 
-    monkeypatch.setattr(NativeKernels, "decoder_stack", counted)
+    monkeypatch.setattr(NativeKernels, "decoder_step", counted)
     yield seen
 
 
@@ -327,6 +328,92 @@ def test_slots_lengths_and_blocks_are_checked_before_anything_is_written(
     h = inputs["h"].clone()
     kernels.decoder_stack(layers, **inputs)
     assert not torch.equal(runner.kv_cache, before) and not torch.equal(inputs["h"], h)
+
+
+def _step_inputs(runner: ModelRunner, **changes: Any) -> dict[str, Any]:
+    """``decoder_step``'s two well-formed decode rows (tokens 5 and 6 at position 3, slot 3
+    of blocks 0 and 1), then ``changes``."""
+    rows = _rows(runner, 2)
+    return {"token_ids": torch.tensor([5, 6]), "positions": torch.tensor([3, 3]),
+            **{k: rows[k] for k in ("slot_mapping", "block_tables", "context_lens")},
+            **changes}
+
+
+def test_the_step_is_the_embedding_the_stack_and_the_final_norm_to_the_bit(
+        llama_dir: Path, kernels: NativeKernels) -> None:
+    """``decoder_step`` against the same step from torch's embedding and RoPE lookup,
+    ``decoder_stack`` and the model's final norm, on the same cache."""
+    runner = _runner(_config(llama_dir))
+    model = runner.model
+    stack = decoder_stack.CompiledDecoderStack.build(model)
+    assert stack is not None
+    start = runner.kv_cache.clone()
+    inputs = _step_inputs(runner)
+    out = kernels.decoder_step(stack._layers, **inputs)
+    after_step = runner.kv_cache.clone()
+    runner.kv_cache.copy_(start)
+    h = model.embed_tokens(inputs["token_ids"])
+    cos, sin = model.rotary.cos_sin(inputs["positions"], torch.float32)
+    kernels.decoder_stack(stack._layers, h, cos, sin, inputs["slot_mapping"],
+                          inputs["block_tables"], inputs["context_lens"])
+    assert torch.equal(out, model.norm(h))
+    assert torch.equal(runner.kv_cache, after_step) and not torch.equal(after_step, start)
+
+
+def test_token_ids_and_positions_are_checked_before_anything_is_written(
+        llama_dir: Path, kernels: NativeKernels) -> None:
+    runner = _runner(_config(llama_dir))
+    stack = decoder_stack.CompiledDecoderStack.build(runner.model)
+    assert stack is not None
+    vocab, positions = runner.config.model.vocab_size, runner.model.rotary.cos.shape[0]
+    before = runner.kv_cache.clone()
+    # the second row is the bad one: the first, well formed, must not be written either
+    for changes, error, words in (
+            ({"token_ids": torch.tensor([5, vocab])}, IndexError, "token id"),
+            ({"token_ids": torch.tensor([5, -1])}, IndexError, "token id"),
+            ({"positions": torch.tensor([3, positions])}, IndexError, "position"),
+            ({"positions": torch.tensor([3, -1])}, IndexError, "position"),
+            ({"slot_mapping": torch.tensor([3, runner.num_kv_blocks * BLOCK])}, IndexError,
+             "slot"),
+            ({"context_lens": torch.tensor([4, BLOCK + 1])}, ValueError, "context length"),
+            ({"token_ids": torch.tensor([5, 6], dtype=torch.int32)}, ValueError, "does not take"),
+            ({"positions": torch.tensor([3, 3, 3])}, ValueError, "does not take")):
+        with pytest.raises(error, match=words):
+            kernels.decoder_step(stack._layers, **_step_inputs(runner, **changes))
+    assert torch.equal(runner.kv_cache, before)
+    layers = stack._layers
+    bare = DecoderLayers(layers.shape, layers.layers, kernels.panel_floats)  # no ends
+    with pytest.raises(ValueError, match="without ends"):
+        kernels.decoder_step(bare, **_step_inputs(runner))
+    assert layers.ends is not None
+    for change in ({"embed": layers.ends.embed[:, :-1]}, {"rope_cos": layers.ends.rope_sin.T},
+                   {"final_norm": layers.ends.final_norm.double()}):
+        with pytest.raises(ValueError, match="decoder ends"):
+            DecoderLayers(layers.shape, layers.layers, kernels.panel_floats,
+                          replace(layers.ends, **change))
+    assert torch.equal(runner.kv_cache, before)
+
+
+def test_inputs_the_step_does_not_take_go_to_the_per_layer_forward(llama_dir: Path) -> None:
+    """``takes`` says no (the model then runs layer by layer) where ``decoder_step`` would
+    refuse the step's integers: not int64, a strided block table."""
+    runner = _runner(_config(llama_dir))
+    stack = decoder_stack.CompiledDecoderStack.build(runner.model)
+    assert stack is not None
+    seqs = [Seq("a", list(range(5, 25)), 0), Seq("b", list(range(7, 27)), 2)]  # 2 blocks each
+    _run(runner, iter([seqs]))
+    for seq in seqs:
+        seq.tokens.append(8)
+    token_ids, positions, meta, _ = runner._prepare([seq.chunk() for seq in seqs])
+    assert stack.takes(token_ids, positions, meta)
+    assert not stack.takes(token_ids.int(), positions, meta)
+    assert not stack.takes(token_ids, positions.int(), meta)
+    wide = torch.stack([meta.decode_block_tables, meta.decode_block_tables], 2)[..., 0]
+    assert not wide.is_contiguous() and torch.equal(wide, meta.decode_block_tables)
+    assert not stack.takes(token_ids, positions, replace(meta, decode_block_tables=wide))
+    assert not stack.takes(token_ids, positions, replace(meta, slot_mapping=meta.slot_mapping.int()))
+    assert not stack.takes(token_ids, positions,
+                           replace(meta, decode_context_lens=meta.decode_context_lens.int()))
 
 
 def test_layers_of_the_wrong_shape_are_refused(llama_dir: Path, kernels: NativeKernels) -> None:

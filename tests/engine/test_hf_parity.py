@@ -136,13 +136,14 @@ def stack_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     if native() is None:
         pytest.skip("pdserve's compiled CPU kernels could not be built here")
     rows: list[int] = []
-    real = NativeKernels.decoder_stack
+    real = NativeKernels.decoder_step
 
-    def counted(self: NativeKernels, layers: Any, h: torch.Tensor, *args: Any) -> None:
-        rows.append(h.shape[0])
-        real(self, layers, h, *args)
+    def counted(self: NativeKernels, layers: Any, token_ids: torch.Tensor,
+                *args: Any) -> torch.Tensor:
+        rows.append(token_ids.shape[0])
+        return real(self, layers, token_ids, *args)
 
-    monkeypatch.setattr(NativeKernels, "decoder_stack", counted)
+    monkeypatch.setattr(NativeKernels, "decoder_step", counted)
     return rows
 
 
