@@ -453,37 +453,70 @@ int pd_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_
 
 /* out[r] = the index of the largest of x[r, 0..cols), the first one on ties, as
  * torch.argmax does; a row holding NaN gives its first NaN's index (torch counts NaN
- * as the largest). Rows start row_stride floats apart. */
+ * as the largest). Rows start row_stride floats apart. One pass: ARGMAX_ACC sets of
+ * lanes each keep the largest value they saw and where they first saw it (a later
+ * equal value does not replace it); the row's answer is the least index holding the
+ * largest of them, then the scalar tail (strictly larger only). Found by a scan for the
+ * first match, the index took three times as long as the maximum (32000 columns). */
+#define ARGMAX_ACC 4 /* independent compare-select chains: one would wait on its latency */
 int pd_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t row_stride,
                        int64_t *out, int num_threads) {
-    if (rows < 0 || cols < 1 || row_stride < cols || num_threads < 1) return -1;
+    if (rows < 0 || cols < 1 || row_stride < cols || cols > INT32_MAX || num_threads < 1)
+        return -1;
     const int threads = rows * cols >= 65536 ? num_threads : 1;
-    const int64_t vec = cols - cols % LANES;
+    const int64_t step = ARGMAX_ACC * LANES, vec = cols - cols % step;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * row_stride;
-        /* pass 1: the maximum, and whether a NaN is there (NaN != NaN) */
-        fv best = (fv){0} - INFINITY;
+        float m = xr[0];
+        int64_t found = 0;
         iv nan = {0};
-        for (int64_t c = 0; c < vec; c += LANES) {
-            const fv v = loadv(xr + c);
-            nan |= v != v;
-            best = selectv(v > best, v, best);
+        if (vec) {
+            fv best[ARGMAX_ACC];
+            iv where[ARGMAX_ACC], at[ARGMAX_ACC];
+            const iv advance = (iv){0} + (int32_t)step;
+            int32_t lane[LANES];
+            for (int i = 0; i < LANES; i++) lane[i] = i;
+            iv iota;
+            memcpy(&iota, lane, sizeof iota);
+            for (int a = 0; a < ARGMAX_ACC; a++) {
+                best[a] = (fv){0} - INFINITY;
+                where[a] = at[a] = iota + a * LANES;
+            }
+            for (int64_t c = 0; c < vec; c += step) {
+                for (int a = 0; a < ARGMAX_ACC; a++) {
+                    const fv v = loadv(xr + c + a * LANES);
+                    const iv larger = v > best[a];
+                    nan |= v != v;
+                    best[a] = selectv(larger, v, best[a]);
+                    where[a] = (larger & at[a]) | (~larger & where[a]);
+                    at[a] += advance;
+                }
+            }
+            m = -INFINITY;
+            found = cols;
+            for (int a = 0; a < ARGMAX_ACC; a++)
+                for (int i = 0; i < LANES; i++)
+                    if (best[a][i] > m || (best[a][i] == m && where[a][i] < found)) {
+                        m = best[a][i];
+                        found = where[a][i];
+                    }
         }
-        float m = max_lanes(best);
         int any_nan = 0;
         for (int i = 0; i < LANES; i++) any_nan |= nan[i] != 0;
-        for (int64_t c = vec; c < cols; c++) {
-            any_nan |= xr[c] != xr[c];
-            m = xr[c] > m ? xr[c] : m;
-        }
-        /* pass 2: its first index */
-        int64_t found = 0;
-        for (int64_t c = 0; c < cols; c++)
-            if (any_nan ? xr[c] != xr[c] : xr[c] == m) {
+        for (int64_t c = vec; c < cols && !any_nan; c++) {
+            any_nan = xr[c] != xr[c];
+            if (xr[c] > m) {
+                m = xr[c];
                 found = c;
-                break;
             }
+        }
+        if (any_nan) /* the first NaN, as torch */
+            for (int64_t c = 0; c < cols; c++)
+                if (xr[c] != xr[c]) {
+                    found = c;
+                    break;
+                }
         out[r] = found;
     }
     return 0;

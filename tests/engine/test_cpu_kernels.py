@@ -181,7 +181,18 @@ def test_argmax_rows_is_torchs(kernels: NativeKernels) -> None:
     x[3] = float("-inf")
     x[4] = 1.5
     x[5, -1] = 99.0  # in the tail past the last full vector
-    for view in (x, x[:, :31000], x[:, :5], x[:0]):
+    # ties across the kernel's lanes and its sets of them (16 lanes x 4 with AVX-512): the
+    # later one in a lower lane, in another set, in a later pass, and -0.0 against 0.0
+    x[6, 2] = x[6, 17] = 60.0
+    x[7, 70] = x[7, 9] = x[7, 200] = 61.0
+    x[8, 31] = x[8, 64 + 31] = x[8, 16] = 62.0
+    x[9] = -1.0
+    x[9, 40], x[9, 3] = 0.0, -0.0
+    x[10, 0] = 70.0  # the very first
+    x[11, 31999], x[11, 3] = float("inf"), float("inf")
+    x[12, 32002] = float("nan")  # NaN only in the tail
+    for view in (x, x[:, :31000], x[:, :5], x[:0], x[:, :1], x[:, :16], x[:, :63], x[:, :64],
+                 x[:, :65], x[:, :129]):
         out = kernels.argmax_rows(view)
         assert out is not None and torch.equal(out, view.argmax(dim=-1)), view.shape
     assert kernels.argmax_rows(x.T) is None and kernels.argmax_rows(x[0]) is None
