@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from engine.cpu_kernels import NativeKernels, native
+import pytest
+import torch
+
+from engine.cpu_kernels import DecoderLayers, NativeKernels, native
 
 
 @pytest.fixture(scope="module")
@@ -14,3 +17,19 @@ def kernels() -> NativeKernels:
     if loaded is None:
         pytest.skip("pdserve's compiled CPU kernels could not be built here")
     return loaded
+
+
+@pytest.fixture
+def step_rows(monkeypatch: pytest.MonkeyPatch, kernels: NativeKernels) -> list[int]:
+    """The batch size of every compiled decode step (``NativeKernels.decoder_step``, the
+    model's fast path; the real kernel runs); skipped where the kernels cannot be built."""
+    rows: list[int] = []
+    real = NativeKernels.decoder_step
+
+    def counted(self: NativeKernels, layers: DecoderLayers, token_ids: torch.Tensor,
+                *args: Any) -> torch.Tensor:
+        rows.append(token_ids.shape[0])
+        return real(self, layers, token_ids, *args)
+
+    monkeypatch.setattr(NativeKernels, "decoder_step", counted)
+    return rows

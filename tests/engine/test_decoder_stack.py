@@ -42,21 +42,6 @@ ARCHS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}),
                                   "num_key_value_heads": 1, "head_dim": 128})}
 
 
-@pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch, kernels: NativeKernels) -> Iterator[list[int]]:
-    """The batch size of every ``decoder_step`` call, the model's (the real kernel runs)."""
-    seen: list[int] = []
-    real = NativeKernels.decoder_step
-
-    def counted(self: NativeKernels, layers: DecoderLayers, token_ids: torch.Tensor,
-                *args: Any) -> torch.Tensor:
-        seen.append(token_ids.shape[0])
-        return real(self, layers, token_ids, *args)
-
-    monkeypatch.setattr(NativeKernels, "decoder_step", counted)
-    yield seen
-
-
 def _config(model_dir: Path) -> EngineConfig:
     return EngineConfig(model=load_model_config(model_dir))
 
@@ -119,7 +104,7 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
 
 
 def _assert_stack_matches_per_layer(config: EngineConfig, steps: Callable[[], Iterator[list[Seq]]],
-                                    monkeypatch: pytest.MonkeyPatch, calls: list[int],
+                                    monkeypatch: pytest.MonkeyPatch, step_rows: list[int],
                                     kernel: str = "onednn_gemv", blocks: int = 24) -> None:
     """Run ``steps()`` layer by layer (the stack switched off), then again with the stack:
     the same logits at every step and the same KV cache, to the bit."""
@@ -127,7 +112,7 @@ def _assert_stack_matches_per_layer(config: EngineConfig, steps: Callable[[], It
         off.setenv(decoder_stack.ENV, "0")
         layered = _runner(config, kernel, blocks)
         reference = _run(layered, steps())
-    assert calls == []
+    assert step_rows == []
     stacked = _runner(config, kernel, blocks)
     got = _run(stacked, steps())
     for step, (x, y) in enumerate(zip(got, reference, strict=True)):
@@ -137,14 +122,14 @@ def _assert_stack_matches_per_layer(config: EngineConfig, steps: Callable[[], It
 
 @pytest.mark.parametrize("case", list(ARCHS))
 def test_the_stack_gives_the_per_layer_forwards_logits_and_cache_to_the_bit(
-        model_factory: Callable[..., Path], case: str, calls: list[int], threads: int,
+        model_factory: Callable[..., Path], case: str, step_rows: list[int], threads: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
     arch, overrides = ARCHS[case]
     config = _config(model_factory(arch, **overrides))
     _assert_stack_matches_per_layer(config, lambda: _steps(config.model.vocab_size),
-                                    monkeypatch, calls)
+                                    monkeypatch, step_rows)
     # Qwen3's per-head q/k norms: one token at a time (see CompiledDecoderStack.max_rows)
-    assert calls == ([1] * 6 if arch == "qwen3" else [3] * 10 + [2] * 10 + [1] * 6)
+    assert step_rows == ([1] * 6 if arch == "qwen3" else [3] * 10 + [2] * 10 + [1] * 6)
 
 
 # decode batches of the many-sequence run: past the GEMV's rows, across the packed GEMM's
@@ -166,17 +151,17 @@ def _many_steps(vocab: int) -> Iterator[list[Seq]]:
 
 @pytest.mark.parametrize("case", [c for c in ARCHS if ARCHS[c][0] != "qwen3"])
 def test_on_the_packed_kernel_the_stack_takes_every_decode_batch_to_the_bit(
-        model_factory: Callable[..., Path], case: str, calls: list[int], threads: int,
+        model_factory: Callable[..., Path], case: str, step_rows: list[int], threads: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
     arch, overrides = ARCHS[case]
     config = _config(model_factory(arch, **overrides))
     _assert_stack_matches_per_layer(config, lambda: _many_steps(config.model.vocab_size),
-                                    monkeypatch, calls, "packed", 4 * MANY[0])
-    assert calls == MANY
+                                    monkeypatch, step_rows, "packed", 4 * MANY[0])
+    assert step_rows == MANY
 
 
 def test_growing_batches_grow_the_stacks_work_space_and_stop_at_its_most_rows(
-        model_factory: Callable[..., Path], calls: list[int],
+        model_factory: Callable[..., Path], step_rows: list[int],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches 1, 3, 4, 9, 40, STACK_MAX_ROWS and one more, in that order (the work space
     made for 3 rows, then grown), to the bit against the per-layer forward; the last one
@@ -194,21 +179,21 @@ def test_growing_batches_grow_the_stacks_work_space_and_stop_at_its_most_rows(
                 seq.tokens.append(next(ids))
             yield seqs[:batch]
 
-    _assert_stack_matches_per_layer(config, steps, monkeypatch, calls, "packed",
+    _assert_stack_matches_per_layer(config, steps, monkeypatch, step_rows, "packed",
                                     batches[-1] + 1)
-    assert calls == batches[:-1]
+    assert step_rows == batches[:-1]
 
 
 def test_qwen3_on_the_packed_kernel_stacks_one_token_only(
-        model_factory: Callable[..., Path], calls: list[int]) -> None:
+        model_factory: Callable[..., Path], step_rows: list[int]) -> None:
     config = _config(model_factory("qwen3"))
     runner = _runner(config, "packed", blocks=4 * MANY[0])
     _run(runner, _many_steps(config.model.vocab_size))
-    assert calls == [1]
+    assert step_rows == [1]
 
 
 def test_a_plan_mixing_packed_and_onednn_gemv_stops_the_stack_at_the_gemvs_rows(
-        llama_dir: Path, calls: list[int]) -> None:
+        llama_dir: Path, step_rows: list[int]) -> None:
     config = _config(llama_dir)
     shapes = sorted({(s.out_features, s.in_features) for s in linear_shapes(config)})
     plan = KernelPlan(tuple((o, i, "onednn_gemv" if (o, i) == shapes[0] else "packed")
@@ -217,14 +202,14 @@ def test_a_plan_mixing_packed_and_onednn_gemv_stops_the_stack_at_the_gemvs_rows(
     stack = decoder_stack.CompiledDecoderStack.build(runner.model)
     assert stack is not None and stack.max_rows == GEMV_MAX_ROWS
     _run(runner, _many_steps(config.model.vocab_size))
-    assert calls == [3, 1]
+    assert step_rows == [3, 1]
     packed = _runner(config, "packed")
     stack = decoder_stack.CompiledDecoderStack.build(packed.model)
     assert stack is not None and stack.max_rows == STACK_MAX_ROWS
 
 
 def test_steps_the_stack_does_not_take_run_the_per_layer_forward(
-        llama_dir: Path, calls: list[int]) -> None:
+        llama_dir: Path, step_rows: list[int]) -> None:
     config = _config(llama_dir)
     runner = _runner(config)
     seqs = [Seq(f"s{i}", [5 + i, 6, 7], 4 * i) for i in range(GEMV_MAX_ROWS + 1)]
@@ -232,7 +217,7 @@ def test_steps_the_stack_does_not_take_run_the_per_layer_forward(
     for seq in seqs:
         seq.tokens.append(9)
     _run(runner, iter([seqs]))  # one decode more than the GEMV's rows
-    assert calls == []
+    assert step_rows == []
     seqs[0].tokens.append(10)
     late = Seq("late", [11, 12], 17)
     _run(runner, iter([[seqs[0], late]]))  # a decode with a prefill
@@ -240,46 +225,46 @@ def test_steps_the_stack_does_not_take_run_the_per_layer_forward(
     seqs[2].tokens.append(17)
     partial = ScheduledChunk("part", (18,), 0, (21,), False)  # a chunk that samples nothing
     runner.execute([seqs[2].chunk(), partial])  # two tokens, one of them not a decode
-    assert calls == []
+    assert step_rows == []
     seqs[0].tokens.append(13)
     chunk = seqs[0].chunk()
     token_ids, positions, meta, _ = runner._prepare([chunk])
     layers: list[int] = []
     with torch.inference_mode(), forward_context(ForwardContext(meta, layers.append)):
         runner.model(token_ids, positions)  # a layer hook must see every layer
-    assert layers == list(range(config.model.num_layers)) and calls == []
+    assert layers == list(range(config.model.num_layers)) and step_rows == []
     seqs[1].tokens.append(14)
     _run(runner, iter([[seqs[1]]]))
-    assert calls == [1]
+    assert step_rows == [1]
 
 
 def test_linears_on_another_kernel_keep_the_per_layer_forward(llama_dir: Path,
-                                                              calls: list[int]) -> None:
+                                                              step_rows: list[int]) -> None:
     """The measured plan chose oneDNN's GEMM even at batch 1: the stack is not used."""
     runner = _runner(_config(llama_dir), kernel="onednn")
     _run(runner, _steps(runner.config.model.vocab_size))
-    assert calls == []
+    assert step_rows == []
 
 
-def test_a_new_plan_or_cache_is_followed(llama_dir: Path, calls: list[int]) -> None:
+def test_a_new_plan_or_cache_is_followed(llama_dir: Path, step_rows: list[int]) -> None:
     config = _config(llama_dir)
     runner = _runner(config)
     steps = _steps(config.model.vocab_size)
     _run(runner, itertools.islice(steps, 2))
-    assert calls == [3]
+    assert step_rows == [3]
     apply_kernel_plan(runner.model, _plan(config, "onednn"))
     _run(runner, itertools.islice(steps, 1))
-    assert calls == [3]
+    assert step_rows == [3]
     apply_kernel_plan(runner.model, _plan(config, "onednn_gemv"))
     _run(runner, itertools.islice(steps, 1))
-    assert calls == [3, 3]
+    assert step_rows == [3, 3]
     # a new cache (a copy of the old): the next step writes into it, the old stays as it was
     old = runner.kv_cache
     runner.kv_cache = old.clone()
     runner.model.set_kv_cache(runner.kv_cache)
     before = old.clone()
     _run(runner, itertools.islice(steps, 1))
-    assert calls == [3, 3, 3]
+    assert step_rows == [3, 3, 3]
     assert torch.equal(old, before) and not torch.equal(runner.kv_cache, old)
 
 

@@ -127,31 +127,11 @@ def test_torch_and_onednn_linear_kernels_agree(llama_dir: Path) -> None:
     assert [r.token_ids for r in out] == [r.token_ids for r in ref]
 
 
-@pytest.fixture
-def stack_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The batch size of every compiled decoder stack call (the real kernel runs);
-    skips where the compiled kernels could not be built."""
-    from engine.cpu_kernels import NativeKernels, native
-
-    if native() is None:
-        pytest.skip("pdserve's compiled CPU kernels could not be built here")
-    rows: list[int] = []
-    real = NativeKernels.decoder_step
-
-    def counted(self: NativeKernels, layers: Any, token_ids: torch.Tensor,
-                *args: Any) -> torch.Tensor:
-        rows.append(token_ids.shape[0])
-        return real(self, layers, token_ids, *args)
-
-    monkeypatch.setattr(NativeKernels, "decoder_step", counted)
-    return rows
-
-
 def test_one_to_three_streams_through_the_compiled_decoder_stack_match(
-        case: Any, stack_rows: list[int]) -> None:
+        case: Any, step_rows: list[int]) -> None:
     """Batch 1 to 3 decode steps on the CPU fast path (engine.models.decoder_stack)."""
     model_dir, hf, _ = case
-    rows = stack_rows
+    rows = step_rows
     with LLM(model_dir, num_kv_blocks=128, linear_kernel="onednn_gemv") as llm:
         for prompts in (PROMPTS[:1], PROMPTS[1:4]):
             results = llm.generate(prompts, GREEDY)
@@ -164,13 +144,13 @@ def test_one_to_three_streams_through_the_compiled_decoder_stack_match(
 
 
 def test_many_streams_through_the_compiled_decoder_stack_on_the_packed_kernel_match(
-        case: Any, stack_rows: list[int]) -> None:
+        case: Any, step_rows: list[int]) -> None:
     """Every decode batch (8 streams down to 1) in one compiled call, the linears on the
     packed GEMM past the GEMV's rows."""
     from engine.cpu_kernels import GEMV_MAX_ROWS
 
     model_dir, hf, _ = case
-    rows = stack_rows
+    rows = step_rows
     prompts = PROMPTS[:8]
     with LLM(model_dir, num_kv_blocks=128, linear_kernel="packed") as llm:
         results = llm.generate(prompts, GREEDY)
