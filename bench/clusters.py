@@ -1,6 +1,6 @@
 """Clusters the serving benchmarks start on this machine, and the load they send them.
 
-A cluster is ``pdserve up`` as a library (``pdserve.local_cluster.LocalCluster``) on
+A cluster is ``pdserve up`` as a library (``deploy.local.LocalLauncher``) on
 loopback with free ports, no HTTP API, its logs in a temporary folder (kept when it fails
 to start: the error names it). The load goes through ``bench.serving`` over gRPC.
 """
@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.serving import GrpcBackend, Outcome, run
+from deploy.local import LocalLauncher
+from deploy.spec import ClusterSpec
 from loadtest.workloads import Request
-from pdserve.local_cluster import LocalCluster, LocalClusterConfig, child_env
 
 
 def bench_model(quick: bool) -> Path:
@@ -43,27 +44,27 @@ def two_cpus() -> tuple[int, int]:
 def cluster(model_dir: Path, *, num_prefill: int, num_decode: int,
             local_prefill: str = "never", cpu_affinity: Mapping[str, tuple[int, ...]] | None = None,
             num_kv_blocks: int | None = None, router_args: Sequence[str] = (),
-            worker_args: Sequence[str] = ()) -> Iterator[LocalCluster]:
-    """A running ``LocalCluster`` of these processes (stopped on exit)."""
-    config = LocalClusterConfig(
+            worker_args: Sequence[str] = ()) -> Iterator[LocalLauncher]:
+    """A running ``LocalLauncher`` of these processes (stopped on exit)."""
+    config = ClusterSpec(
         model_dir=model_dir, num_prefill=num_prefill, num_decode=num_decode, port=0,
         http_port=None, local_prefill=local_prefill, cpu_affinity=dict(cpu_affinity or {}),
         num_kv_blocks=num_kv_blocks, router_args=tuple(router_args),
         worker_args=tuple(worker_args), max_inflight=4096)
-    with LocalCluster(config, progress=lambda line: None) as running:
+    with LocalLauncher(config, progress=lambda line: None) as running:
         yield running
 
 
-def describe(running: LocalCluster) -> dict[str, Any]:
+def describe(running: LocalLauncher) -> dict[str, Any]:
     """What a reader needs to check two arms differ only where they should: each process,
     its CPUs and threads, and the workers' and router's flags."""
-    cfg = running.config
+    cfg = running.spec
     processes = {}
     for name in [*cfg.worker_names, "router"]:
         cpus = cfg.cpu_affinity.get(name)
         processes[name] = {
             "cpus": list(cpus) if cpus else "unpinned (any)",
-            "torch_threads": int(child_env(cfg, cpus)["OMP_NUM_THREADS"]) if name != "router"
+            "torch_threads": int(running.child_env(cpus)["OMP_NUM_THREADS"]) if name != "router"
             else None}
     return {"processes": processes, "local_prefill": cfg.local_prefill,
             "num_kv_blocks_per_worker": cfg.num_kv_blocks, "worker_args": list(cfg.worker_args),

@@ -31,8 +31,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import format_table, machine_info, percentile, write_json
+from deploy.local import LocalLauncher
+from deploy.spec import ClusterSpec
 from pdserve import AsyncClient, PdserveError
-from pdserve.local_cluster import LocalCluster, LocalClusterConfig
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -162,9 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": machine_info(), "max_tokens": args.max_tokens,
                               "levels": []}
     print("starting pdserve up (tiny model, 1 prefill + 1 decode worker) ...", flush=True)
-    config = LocalClusterConfig(port=0, http_port=0, max_inflight=max(levels) + 64,
+    config = ClusterSpec(port=0, http_port=0, max_inflight=max(levels) + 64,
                                 router_args=("--metrics-port", "0"))
-    with LocalCluster(config, progress=lambda line: None) as cluster:
+    with LocalLauncher(config, progress=lambda line: None) as cluster:
         assert cluster.router is not None and cluster.router.ready is not None
         metrics_url = f"http://{cluster.router.ready['metrics_address']}/metrics"
         for level in levels:
@@ -185,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["max_concurrency_without_failures"] = max(held) if held else 0
     print(f"burst: {10 * args.burst_limit} requests at --max-inflight {args.burst_limit} ...",
           flush=True)
-    with LocalCluster(LocalClusterConfig(port=0, http_port=0, max_inflight=args.burst_limit),
+    with LocalLauncher(ClusterSpec(port=0, http_port=0, max_inflight=args.burst_limit),
                       progress=lambda line: None) as cluster:
         outcomes, probes = asyncio.run(burst(cluster.router_address, 10 * args.burst_limit))
     refused = [s for o, s in outcomes if o == "RESOURCE_EXHAUSTED"]

@@ -111,16 +111,17 @@ def target(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         yield {"address": args.address, "base_url": args.base_url, "model_dir": model,
                "cluster": None}
         return
-    from pdserve.local_cluster import LocalCluster, LocalClusterConfig, child_env
+    from deploy.local import LocalLauncher
+    from deploy.spec import ClusterSpec
 
-    config = LocalClusterConfig(model_dir=Path(args.model) if args.model else None, port=0,
-                                http_port=None)
+    config = ClusterSpec(model_dir=Path(args.model) if args.model else None, port=0,
+                         http_port=None)
     print("starting pdserve up (1 prefill + 1 decode worker) ...", flush=True)
-    with LocalCluster(config, progress=lambda line: None) as cluster:
+    with LocalLauncher(config, progress=lambda line: None) as cluster:
         yield {"address": cluster.router_address, "base_url": None,
                "model_dir": cluster.model_dir,
                "cluster": {"num_prefill": 1, "num_decode": 1,
-                           "threads_per_process": int(child_env(config)["OMP_NUM_THREADS"])}}
+                           "threads_per_process": int(cluster.child_env()["OMP_NUM_THREADS"])}}
 
 
 def make_backend(args: argparse.Namespace, where: dict[str, Any]) -> Backend:

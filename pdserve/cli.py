@@ -98,7 +98,7 @@ def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
-    from router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, LOCAL_PREFILL_MODES
+    from router.options import DEFAULT_HTTP_PORT, DEFAULT_PORT, LOCAL_PREFILL_MODES
 
     up = sub.add_parser("up", help="run a whole cluster locally (Redis, workers, router)")
     up.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
@@ -125,7 +125,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
                     help="start Redis and the workers only (run your own router)")
     up.add_argument("--demo", action="store_true",
                     help="once ready, stream one demo completion through the cluster")
-    from pdserve.ray_options import add_ray_args
+    from deploy.ray.options import add_ray_args
 
     add_ray_args(up)
     up.set_defaults(func=_up)
@@ -152,16 +152,16 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
 def _up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pdserve.local_cluster import LocalClusterConfig, serve
-    from pdserve.ray_options import ray_only_flags_given
+    from deploy.ray.options import ray_only_flags_given
+    from deploy.spec import ClusterSpec
 
     try:
-        config = LocalClusterConfig(
+        spec = ClusterSpec(
             model_dir=Path(args.model) if args.model else None, num_prefill=args.prefill,
             num_decode=args.decode, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
             host=args.host, port=args.port, http_port=args.http_port if args.http else None,
             chat_template=Path(args.chat_template) if args.chat_template else None,
-            redis_url=args.redis_url, cluster=args.cluster,
+            redis_url=args.redis_url, name=args.cluster,
             log_dir=Path(args.log_dir) if args.log_dir else None,
             num_kv_blocks=args.num_kv_blocks, max_inflight=args.max_inflight,
             local_prefill=args.local_prefill, start_router=args.router)
@@ -173,18 +173,22 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     demo = functools.partial(_cluster_demo, builtin_model=args.model is None)
     if args.ray:
-        return _up_ray(args, config, demo if args.demo else None)
+        return _up_ray(args, spec, demo if args.demo else None)
     if ray_only_flags_given(args):
         print(f"pdserve up: {', '.join(ray_only_flags_given(args))} needs --ray", file=sys.stderr)
         return 2
-    return serve(config, on_ready=demo if args.demo else None)
+    from deploy.launcher import serve
+    from deploy.local import LocalLauncher
+
+    launcher = LocalLauncher(spec, progress=lambda line: print(line, flush=True))
+    return serve(launcher, on_ready=demo if args.demo else None)
 
 
-def _up_ray(args: argparse.Namespace, layout: Any, on_ready: Any) -> int:
-    from pdserve.ray_options import RAY_EXTRA, ray_config_from_args, ray_missing
+def _up_ray(args: argparse.Namespace, spec: Any, on_ready: Any) -> int:
+    from deploy.ray.options import RAY_EXTRA, ray_missing, ray_spec_from_args
 
     try:
-        config = ray_config_from_args(args, layout)
+        ray_spec = ray_spec_from_args(args, spec)
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
@@ -192,9 +196,9 @@ def _up_ray(args: argparse.Namespace, layout: Any, on_ready: Any) -> int:
         print(f"pdserve up --ray: needs Ray, which is not installed; install it with: "
               f"{RAY_EXTRA}", file=sys.stderr)
         return 2
-    from pdserve.ray_cluster import serve
+    from deploy.ray.launcher import serve
 
-    return serve(config, on_ready=on_ready)
+    return serve(ray_spec, on_ready=on_ready)
 
 
 def _cluster_demo(cluster: Any, *, builtin_model: bool) -> int:

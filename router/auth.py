@@ -16,7 +16,8 @@ from typing import Any
 
 import grpc
 
-API_KEY_ENV = "PDSERVE_API_KEY"
+from router.options import API_KEY_ENV
+
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 """Method prefixes served without a key (probes and tooling must reach them)."""
 

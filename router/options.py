@@ -15,7 +15,12 @@ from router.config import (
     AdmissionConfig,
 )
 
+__all__ = ["API_KEY_ENV", "DEFAULT_HTTP_PORT", "DEFAULT_PORT", "LOCAL_PREFILL_MODES",
+           "REDIS_URL_ENV", "add_router_args"]
+
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
+API_KEY_ENV = "PDSERVE_API_KEY"
+"""Where the router's API key comes from when no ``--api-key-file`` is given."""
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:

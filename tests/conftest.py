@@ -66,11 +66,12 @@ def llama_dir(model_factory: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> Iterator[Any]:
-    """A ``pdserve up`` of this module (``LocalCluster``, the library the command runs):
+    """A ``pdserve up`` of this module (``LocalLauncher``, the library the command runs):
     the tiny Llama, one prefill and one decode worker, any free gRPC and HTTP ports."""
-    from pdserve.local_cluster import LocalCluster, LocalClusterConfig  # server extra
+    from deploy.local import LocalLauncher  # server extra
+    from deploy.spec import ClusterSpec
 
-    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=0,
+    config = ClusterSpec(model_dir=llama_dir, port=0, http_port=0,
                                 log_dir=tmp_path_factory.mktemp("up"))
-    with LocalCluster(config, progress=lambda line: None) as cluster:
+    with LocalLauncher(config, progress=lambda line: None) as cluster:
         yield cluster

@@ -20,12 +20,12 @@ import pytest
 from tests.factories import REPO_ROOT, run_without_torch
 
 PACKAGES = ("engine", "kvtransfer", "cluster", "worker", "prefill_worker", "decode_worker",
-            "router", "pdserve", "tools", "bench", "loadtest")
+            "router", "deploy", "pdserve", "tools", "bench", "loadtest")
 TORCH = ("torch", "flash_attn", "triton")
 
 # What each package may import from the tree (besides itself). Imports point down:
-# pdserve (SDK, CLI) -> router, prefill_worker, decode_worker -> worker -> cluster,
-# kvtransfer, engine.
+# pdserve (SDK, CLI) -> deploy -> router, prefill_worker, decode_worker -> worker -> cluster,
+# kvtransfer, engine. deploy reaches the servers through their option modules only.
 MAY_IMPORT = {
     "engine": set(),
     "kvtransfer": {"engine"},
@@ -34,6 +34,7 @@ MAY_IMPORT = {
     "prefill_worker": {"worker", "cluster", "kvtransfer", "engine"},
     "decode_worker": {"worker", "cluster", "kvtransfer", "engine"},
     "router": {"cluster", "kvtransfer.layout", "engine", "pdserve.v1"},
+    "deploy": {"router.options", "worker.options", "engine.tiny_model"},
 }
 SDK_MODULES = ("pdserve", "pdserve.client", "pdserve.aio_client", "pdserve.v1")
 # The thin gRPC adapters: the only modules that import generated protobuf code.
@@ -50,9 +51,7 @@ TORCH_FREE = ("engine.kvcache", "engine.scheduler", "engine.request", "engine.co
               "engine.sampling_params", "engine.sharding", "engine.tokenizer",
               "kvtransfer.layout", "kvtransfer.protocol", "kvtransfer.config",
               "kvtransfer.states", "kvtransfer.plan", "cluster", "router", "worker.server",
-              "worker.loop", "worker.options", "cluster.pause_points", "pdserve.cli",
-              "pdserve.local_cluster", "pdserve.redis_server", "pdserve.ray_options",
-              "pdserve.ray_plan", "pdserve.ray_actors", "pdserve.ray_members", "pdserve.ray_cluster",
+              "worker.loop", "worker.options", "cluster.pause_points", "pdserve.cli", "deploy",
               *SDK_MODULES)
 
 
@@ -268,9 +267,9 @@ def test_torch_free_packages_import_without_torch() -> None:
         "import cluster.registry, cluster.heartbeat, cluster.view, cluster.fingerprint\n"
         "import router.server, router.service, router.handoff, router.api, router.worker_calls\n"
         "import worker.server, worker.loop, worker.options, cluster.pause_points\n"
-        "import pdserve, pdserve.cli, pdserve.local_cluster, pdserve.redis_server\n"
-        "import pdserve.ray_options, pdserve.ray_plan, pdserve.ray_actors, pdserve.ray_members\n"
-        "import pdserve.ray_cluster\n"
+        "import pdserve, pdserve.cli, deploy.local, deploy.redis_server, deploy.launcher\n"
+        "import deploy.ray.options, deploy.ray.plan, deploy.ray.actors, deploy.ray.members\n"
+        "import deploy.ray.launcher, deploy.ray.connect\n"
         "assert 'ray' not in sys.modules  # imported only when a cluster starts on Ray\n"
         "assert sys.modules['torch'] is None  # still blocked: nothing replaced or loaded it\n"
         "assert not [m for m in sys.modules if m.startswith('torch.')]\n"

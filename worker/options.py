@@ -9,6 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 
+from engine.config import RANK_GPUS_ENV  # standard library only too
+
+__all__ = ["RANK_GPUS_ENV", "REDIS_URL_ENV", "WILDCARDS", "add_decode_args", "add_worker_args",
+           "advertise_host", "dtype"]
+
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
 """Where ``--redis-url`` defaults from (so a password never has to be on a command line)."""
 WILDCARDS = ("0.0.0.0", "::", "")

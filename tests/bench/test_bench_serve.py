@@ -16,7 +16,7 @@ import pytest
 
 from bench import serve
 from bench.serving import Outcome, arrival_times, metrics, parse_goodput, sse_lines
-from pdserve.local_cluster import LocalCluster
+from deploy.local import LocalLauncher
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -54,7 +54,7 @@ def check_result(data: dict[str, Any], num_prompts: int) -> None:
     assert data["machine"]["cpu_model"] and data["machine"]["bandwidth_gbps"] > 0
 
 
-def test_quick_over_grpc(up: LocalCluster, tmp_path: Path) -> None:
+def test_quick_over_grpc(up: LocalLauncher, tmp_path: Path) -> None:
     out = tmp_path / "grpc.json"
     serve.main(["--quick", "--address", up.router_address, "--model", str(up.model_dir),
                 "--goodput", "ttft:60000", "tpot:60000", "--json", str(out),
@@ -69,7 +69,7 @@ def test_quick_over_grpc(up: LocalCluster, tmp_path: Path) -> None:
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_quick_over_http_with_shared_prefixes(up: LocalCluster, tmp_path: Path) -> None:
+def test_quick_over_http_with_shared_prefixes(up: LocalLauncher, tmp_path: Path) -> None:
     out = tmp_path / "http.json"
     serve.main(["--quick", "--base-url", up.http_url, "--vocab-size", "700",
                 "--dataset-name", "prefix-repetition", "--max-concurrency", "2",

@@ -21,8 +21,8 @@ import redis
 from cluster.heartbeat import Heartbeat
 from cluster.registry import FingerprintMismatch, Registry
 from cluster.view import WorkerView
+from deploy.redis_server import RedisServer
 from kvtransfer.layout import PROTOCOL_VERSION
-from pdserve.redis_server import RedisServer
 from tests.cluster.test_registry import LAYOUT, make_record
 from tests.processes import wait_until
 

@@ -12,7 +12,7 @@ import redis
 
 from cluster.clock import ManualClock
 from cluster.leases import LeaseKeeper, LeaseKeys, LeaseStore, new_router_id
-from pdserve.redis_server import RedisServer
+from deploy.redis_server import RedisServer
 from tests.processes import wait_until
 from worker.leases import LeaseBook, LeaseWatcher
 

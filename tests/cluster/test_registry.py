@@ -27,8 +27,8 @@ from cluster.registry import (
     redact_url,
 )
 from cluster.view import WorkerView
+from deploy.redis_server import RedisServer
 from kvtransfer.layout import KVLayout
-from pdserve.redis_server import RedisServer
 from tests.processes import wait_until
 
 pytestmark = pytest.mark.timeout(30)

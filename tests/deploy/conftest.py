@@ -31,3 +31,7 @@ def rendered(helm: Path) -> Callable[[str], list[dict]]:
         return cache[case]
 
     return get
+
+
+# the Redis fixtures and the process leak check of the cluster-state tests
+from tests.cluster.conftest import no_leaks, raw_redis, redis_server  # noqa: E402, F401

@@ -1,4 +1,4 @@
-"""``loadtest/locustfile.py`` against ``pdserve up`` (``LocalCluster``): a headless locust
+"""``loadtest/locustfile.py`` against ``pdserve up`` (``LocalLauncher``): a headless locust
 run on each API, about 10 s in all, records TTFT, TPOT and E2E entries and no failure; a
 request the router refuses is one failed E2E entry that names its status. Figures are
 not checked (they are noise on a shared machine); counts and names are."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.local_cluster import LocalCluster
+from deploy.local import LocalLauncher
 from tests.factories import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(240)
@@ -52,21 +52,21 @@ def _check_clean(rows: dict[tuple[str, str], dict], name: str) -> None:
         rows[("E2E", name)]["Average Response Time"])
 
 
-def test_grpc_user_records_ttft_tpot_e2e(up: LocalCluster, tmp_path: Path) -> None:
+def test_grpc_user_records_ttft_tpot_e2e(up: LocalLauncher, tmp_path: Path) -> None:
     # no class named: the grpc:// scheme picks GrpcStreamUser
     rows = _locust(tmp_path, f"grpc://{up.router_address}", 6, "--workload", "shared-prefix",
                    "--input-len", "16", "--prefix-len", "64", "--output-len", "8")
     _check_clean(rows, "shared-prefix")
 
 
-def test_openai_user_records_ttft_tpot_e2e(up: LocalCluster, tmp_path: Path) -> None:
+def test_openai_user_records_ttft_tpot_e2e(up: LocalLauncher, tmp_path: Path) -> None:
     rows = _locust(tmp_path, up.http_url, 4, "OpenAIStreamUser", "--workload",
                    "sharegpt-like", "--vocab-size", "700")
     _check_clean(rows, "sharegpt-like")
 
 
 def test_a_refused_request_is_a_failed_e2e_entry_with_its_status(
-        up: LocalCluster, tmp_path: Path) -> None:
+        up: LocalLauncher, tmp_path: Path) -> None:
     rows = _locust(tmp_path, f"grpc://{up.router_address}", 2, "--input-len", "5000")
     assert rows[("", "exit")]["code"] != 0  # locust's exit code says requests failed
     e2e = rows[("E2E", "fixed")]

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import venv
 from pathlib import Path
 
@@ -38,8 +39,9 @@ def _copy_checkout(dst: Path) -> Path:
     """What building the wheel reads, so the build writes nothing into the checkout."""
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO_ROOT / name, dst / name)
-    for package in ("engine", "kvtransfer", "cluster", "worker", "prefill_worker",
-                    "decode_worker", "router", "pdserve"):
+    shipped = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    for pattern in shipped["tool"]["setuptools"]["packages"]["find"]["include"]:
+        package = pattern.rstrip("*")
         shutil.copytree(REPO_ROOT / package, dst / package,
                         ignore=shutil.ignore_patterns("__pycache__"))
     return dst

@@ -19,7 +19,7 @@ import grpc
 from cluster.internal.v1 import worker_pb2 as wpb
 from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
 from cluster.pause_points import ENV as PAUSE_ENV
-from pdserve.redis_server import RedisServer
+from deploy.redis_server import RedisServer
 from prefill_worker.server import FAULT_HOOK_ENV
 from tests.leaks import assert_cluster_idle
 from tests.processes import Proc, spawn, wait_until

@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deploy.redis_server import RedisServer
 from pdserve.client import Client, PdserveError
-from pdserve.redis_server import RedisServer
 from tests.processes import Proc, spawn
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,5 +1,5 @@
 """An outside benchmark client against the HTTP API: NVIDIA's AIPerf (``aiperf profile``)
-drives a ``pdserve up`` cluster (``LocalCluster``) through ``/v1/chat/completions`` and
+drives a ``pdserve up`` cluster (``LocalLauncher``) through ``/v1/chat/completions`` and
 ``/v1/completions``, streaming, and must see every request succeed. Slow (marked ``slow``).
 
 AIPerf has many dependencies of its own, so it lives in its own environment:
@@ -22,7 +22,8 @@ import grpc
 import pytest
 
 from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
-from pdserve.local_cluster import LocalCluster, LocalClusterConfig
+from deploy.local import LocalLauncher
+from deploy.spec import ClusterSpec
 from tests.factories import REPO_ROOT
 from tests.worker.procs import assert_idle
 
@@ -43,16 +44,16 @@ def aiperf_command() -> str:
 
 
 @pytest.fixture(scope="module")
-def served(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=0, num_kv_blocks=256,
+def served(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalLauncher]:
+    config = ClusterSpec(model_dir=llama_dir, port=0, http_port=0, num_kv_blocks=256,
                                 log_dir=tmp_path_factory.mktemp("aiperf-cluster"),
                                 stop_grace_s=5.0)
-    with LocalCluster(config) as cluster:
+    with LocalLauncher(config) as cluster:
         yield cluster
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_aiperf_streams_without_errors(served: LocalCluster, llama_dir: Path, tmp_path: Path,
+def test_aiperf_streams_without_errors(served: LocalLauncher, llama_dir: Path, tmp_path: Path,
                                        endpoint: str) -> None:
     aiperf = aiperf_command()
     out = tmp_path / "artifacts"

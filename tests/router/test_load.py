@@ -30,8 +30,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.internal.v1 import worker_pb2 as wpb
 from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
 from cluster.pause_points import PauseDir
+from deploy.local import LocalLauncher
+from deploy.spec import ClusterSpec
 from pdserve import AsyncClient, Client, PdserveError
-from pdserve.local_cluster import LocalCluster, LocalClusterConfig
 from router.workers import HEALTH_TIMEOUT_S
 from tests.factories import REPO_ROOT
 from tests.processes import wait_until
@@ -99,7 +100,7 @@ class HealthPoller:
         return "; ".join(parts)
 
 
-def _worker_stubs(cluster: LocalCluster) -> list[tuple[str, object]]:
+def _worker_stubs(cluster: LocalLauncher) -> list[tuple[str, object]]:
     stubs = []
     for child in cluster.workers:
         assert child.ready is not None
@@ -111,16 +112,16 @@ def _worker_stubs(cluster: LocalCluster) -> list[tuple[str, object]]:
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> Iterator[LocalCluster]:
+def up(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> Iterator[LocalLauncher]:
     """``pdserve up`` (as the library the command runs) with one prefill and one decode
     worker, otherwise defaults but for ports and ``--max-inflight 320``."""
-    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=0, max_inflight=320,
+    config = ClusterSpec(model_dir=llama_dir, port=0, http_port=0, max_inflight=320,
                                 log_dir=tmp_path_factory.mktemp("up"))
-    with LocalCluster(config, progress=lambda line: None) as cluster:
+    with LocalLauncher(config, progress=lambda line: None) as cluster:
         yield cluster
 
 
-def test_three_hundred_streams_complete_while_health_answers(up: LocalCluster) -> None:
+def test_three_hundred_streams_complete_while_health_answers(up: LocalLauncher) -> None:
     async def one(client: AsyncClient, i: int) -> int:
         tokens = 0
         async for chunk in client.generate(f"{PROMPT} {i}", max_tokens=128, ignore_eos=True,
@@ -148,9 +149,9 @@ def test_three_hundred_streams_complete_while_health_answers(up: LocalCluster) -
 
 def test_a_burst_over_the_limit_is_refused_fast_and_memory_stays(
         tmp_path: Path, llama_dir: Path) -> None:
-    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=0, max_inflight=16,
+    config = ClusterSpec(model_dir=llama_dir, port=0, http_port=0, max_inflight=16,
                                 log_dir=tmp_path)
-    with LocalCluster(config, progress=lambda line: None) as cluster:
+    with LocalLauncher(config, progress=lambda line: None) as cluster:
         pids = [c.proc.pid for c in [*cluster.workers, cluster.router] if c is not None]
         with Client(cluster.router_address) as client:  # warm every path once
             assert client.complete(PROMPT, max_tokens=8, timeout=60).finish_reason == "length"

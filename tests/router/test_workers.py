@@ -31,8 +31,8 @@ from cluster.internal.v1 import worker_pb2 as wpb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from cluster.records import WorkerRecord
 from cluster.registry import Registry
+from deploy.redis_server import RedisServer
 from kvtransfer.layout import KVLayout
-from pdserve.redis_server import RedisServer
 from router.workers import HUNG_AFTER, WorkerPool
 
 pytestmark = pytest.mark.timeout(60)

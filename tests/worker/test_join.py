@@ -15,9 +15,9 @@ import redis
 from cluster.fingerprint import fingerprint_model_dir
 from cluster.records import layout_to_json
 from cluster.registry import Keys, Registry
+from deploy.redis_server import RedisServer
 from engine.config import CacheConfig, EngineConfig, load_model_config
 from kvtransfer.layout import PROTOCOL_VERSION, KVLayout
-from pdserve.redis_server import RedisServer
 from tests.processes import START_TIMEOUT_S, STOP_TIMEOUT_S, Proc, wait_until
 from tests.worker.procs import spawn_worker
 

@@ -13,7 +13,7 @@ import redis
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from cluster.registry import Registry, RegistryError
-from pdserve.redis_server import RedisServer
+from deploy.redis_server import RedisServer
 from tests.processes import START_TIMEOUT_S, STOP_TIMEOUT_S, Proc, wait_until
 from tests.worker.procs import NUM_KV_BLOCKS, RPC_TIMEOUT_S, spawn_worker
 

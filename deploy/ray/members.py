@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.local_cluster import ChildExited
-from pdserve.ray_plan import ChildStatus
+from deploy.children import quote_log
+from deploy.ray.plan import ChildStatus
+from deploy.spec import ChildExited
 
 STATUS_TIMEOUT_S = 5.0
-_LOG_LINES = 30
 
 
 @dataclass
@@ -105,9 +105,8 @@ def quote(status: ChildStatus | None) -> str:
     """The end of a child's log, for an error message."""
     if status is None:
         return "no log yet"
-    lines = (status.log_tail or "(log not read)").splitlines()[-_LOG_LINES:]
-    return f"the end of its log {status.log_path} on {status.node_ip}:\n" + "\n".join(
-        "    " + line for line in lines)
+    return quote_log(status.log_path, status.log_tail or "(log not read)",
+                     where=f" on {status.node_ip}")
 
 
 def first_line(exc: BaseException) -> str:

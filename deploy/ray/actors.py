@@ -1,4 +1,4 @@
-"""The bodies of the Ray actors of ``pdserve up --ray`` (plain classes; ``pdserve.ray_cluster``
+"""The bodies of the Ray actors of ``pdserve up --ray`` (plain classes; ``deploy.ray.launcher``
 makes them actors with ``ray.remote``).
 
 - ``SupervisedChild`` runs one ``ChildSpec`` (a prefill or decode worker, or the router) as a
@@ -7,7 +7,7 @@ makes them actors with ``ray.remote``).
   password (other nodes reach it).
 
 Ownership: an actor owns its child, which dies with the actor however the actor dies
-(``pdserve.child_process``: in its own session, SIGKILLed by the kernel when the actor's
+(``deploy.children``: in its own session, SIGKILLed by the kernel when the actor's
 process goes). One watcher thread per ``SupervisedChild`` waits for the child: when a
 ``restart`` child exits after it was ready (and no ``stop`` asked for it), the actor exits
 (``os._exit``) so that Ray restarts it (``max_restarts``); the new incarnation starts a new
@@ -22,19 +22,17 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.child_process import spawn, terminate
-from pdserve.ray_plan import ChildSpec, ChildStatus, child_argv, child_env
-from pdserve.redis_server import RedisServer
+from deploy.children import describe_exit, log_tail, spawn, terminate
+from deploy.ray.plan import ChildSpec, ChildStatus, child_argv, child_env
+from deploy.redis_server import RedisServer
 
 _POLL_S = 0.1
-_LOG_TAIL_BYTES = 3000
 
 
 class SupervisedChild:
@@ -69,7 +67,7 @@ class SupervisedChild:
         code = self._proc.poll()
         return ChildStatus(self._spec.name, os.getpid(), self._node_ip, self._proc.pid,
                            self._ready, None if code is None else describe_exit(code),
-                           str(self._log_path), "" if code is None else self._log_tail())
+                           str(self._log_path), "" if code is None else log_tail(self._log_path))
 
     def stop(self, grace_s: float) -> str:
         """SIGTERM to the child, SIGKILL (its process group) after ``grace_s``; how it ended."""
@@ -96,9 +94,6 @@ class SupervisedChild:
                 log.write(f"--- pdserve: {self._spec.name} {describe_exit(self._proc.returncode)}"
                           f"; its actor exits so that Ray restarts it\n".encode())
             os._exit(1)
-
-    def _log_tail(self) -> str:
-        return log_tail(self._log_path)
 
 
 class RedisActor:
@@ -128,23 +123,6 @@ class RedisActor:
     def stop(self, grace_s: float) -> str:
         self._server.stop()
         return "stopped"
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        return f"killed by {signal.Signals(-returncode).name}"
-    return f"exit code {returncode}"
-
-
-def log_tail(path: Path, num_bytes: int = _LOG_TAIL_BYTES) -> str:
-    """The end of the log at ``path`` ("" when there is none)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - num_bytes))
-            return f.read().decode("utf-8", "replace").strip()
-    except OSError:
-        return ""
 
 
 def _builtin_model() -> str:

@@ -1,10 +1,10 @@
 """``pdserve up --ray`` as plain data: what the launcher asks Ray for, and what each actor runs.
 
-Torch-free and Ray-free (unit-tested without either): ``RayClusterConfig``; the placement of
+Torch-free and Ray-free (unit-tested without either): ``RaySpec``; the placement of
 a tensor-parallel group (``worker_bundle``, ``actor_resources``); the child process of every
 actor (``ChildSpec``, built on the driver; ``child_argv`` and ``child_env``, built on the
 actor's node, which alone knows its IP and its GPU ids); and ``ChildStatus``, what an actor
-reports. ``pdserve.ray_actors`` runs the specs, ``pdserve.ray_cluster`` places them.
+reports. ``deploy.ray.actors`` runs the specs, ``deploy.ray.launcher`` places them.
 
 Resources and GPUs. A worker of tensor-parallel size R gets a placement group of its own
 (``STRICT_PACK``) holding one bundle ``{"CPU": R * cpus_per_rank, GPU: R}`` (GPU being
@@ -14,7 +14,7 @@ which spawns ranks 1..R-1 itself. A bundle lives on one node, so a TP group neve
 nodes, and the reservation outlives the actor: Ray restarts a dead worker in the same
 bundle. With Ray's ``GPU`` resource Ray gives the actor R GPU ids; its child starts with
 ``CUDA_VISIBLE_DEVICES`` = rank 0's id and ``PDSERVE_RANK_GPUS`` = all R ids in rank order,
-so every rank process sees exactly its own GPU (``engine.config.RANK_GPUS_ENV``).
+so every rank process sees exactly its own GPU (``worker.options.RANK_GPUS_ENV``).
 
 Secrets (the Redis URL with its password, the router's API key) reach the children in their
 environment only (``$PDSERVE_REDIS_URL``, ``$PDSERVE_API_KEY``), never on a command line.
@@ -22,16 +22,22 @@ environment only (``$PDSERVE_REDIS_URL``, ``$PDSERVE_API_KEY``), never on a comm
 
 from __future__ import annotations
 
-import ipaddress
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import RANK_GPUS_ENV
-from pdserve.local_cluster import LocalClusterConfig
-from router.auth import API_KEY_ENV
-from worker.options import REDIS_URL_ENV, WILDCARDS
+from deploy.children import child_env as base_child_env
+from deploy.spec import (
+    API_KEY_ENV,
+    REDIS_URL_ENV,
+    WILDCARDS,
+    ClusterSpec,
+    WorkerSlot,
+    router_options,
+    worker_options,
+)
+from worker.options import RANK_GPUS_ENV
 
 DEVICES = ("cpu", "cuda")
 RAY_GPU = "GPU"  # Ray's own GPU resource (it sets CUDA_VISIBLE_DEVICES for an actor)
@@ -40,17 +46,17 @@ NAMESPACE = "pdserve"  # the Ray namespace of every actor the launcher creates
 
 
 @dataclass(frozen=True)
-class RayClusterConfig:
-    """``pdserve up --ray``: the processes of ``layout`` run by Ray.
+class RaySpec:
+    """``pdserve up --ray``: the processes of ``cluster`` run by Ray.
 
-    ``address`` None starts a local Ray bound to ``layout.host`` (dashboard off); "auto"
+    ``address`` None starts a local Ray bound to ``cluster.host`` (dashboard off); "auto"
     or ``HOST:PORT`` connects to a running one. ``gpu_resource`` is what one rank reserves
     one unit of (default: Ray's ``GPU`` with ``device="cuda"``, nothing with ``"cpu"``);
     ``cpus_per_rank`` the CPUs it reserves. ``max_restarts``: how often Ray restarts each
     worker (-1: without limit; the router and Redis are not restarted).
     """
 
-    layout: LocalClusterConfig = field(default_factory=LocalClusterConfig)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
     address: str | None = None
     device: str = "cpu"  # the workers' --device
     gpu_resource: str | None = None
@@ -71,8 +77,8 @@ class RayClusterConfig:
             raise ValueError(f"max_restarts must be -1 (no limit) or more, got {self.max_restarts}")
         if self.address == "":
             raise ValueError("address must be None (a local Ray), 'auto' or HOST:PORT")
-        if self.layout.cpu_affinity:
-            raise ValueError("cpu_affinity pins LocalCluster's children; under Ray each rank "
+        if self.cluster.cpu_affinity:
+            raise ValueError("cpu_affinity pins LocalLauncher's children; under Ray each rank "
                              "gets the CPUs its placement-group bundle reserves")
 
     @property
@@ -119,7 +125,7 @@ class ChildSpec:
     options: tuple[str, ...]
     model_dir: str | None  # None: the built-in tiny model, built on the node on first use
     log_dir: str  # on the actor's node (created there)
-    host: str  # the layout's --host
+    host: str  # the cluster's --host
     threads: int  # OMP_NUM_THREADS of each of its processes
     restart: bool
     secrets: tuple[tuple[str, str], ...] = field(default=(), repr=False)
@@ -131,61 +137,43 @@ class ChildSpec:
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """One worker: its name, tensor-parallel size and placement-group bundle."""
+    """One worker: its slot (name, role, tensor-parallel size) and placement-group bundle."""
 
-    name: str
-    role: str
-    tp: int
+    slot: WorkerSlot
     bundle: dict[str, float]
 
+    @property
+    def name(self) -> str:
+        return self.slot.name
 
-def plan_workers(config: RayClusterConfig) -> list[WorkerPlan]:
+    @property
+    def tp(self) -> int:
+        return self.slot.tp
+
+
+def plan_workers(spec: RaySpec) -> list[WorkerPlan]:
     """Every prefill worker, then every decode worker, with the bundle it reserves."""
-    layout = config.layout
-    roles = [("prefill", i, layout.prefill_tp) for i in range(layout.num_prefill)]
-    roles += [("decode", i, layout.decode_tp) for i in range(layout.num_decode)]
-    return [WorkerPlan(f"{role}-{i}", role, tp,
-                       worker_bundle(tp, cpus_per_rank=config.cpus_per_rank,
-                                     gpu_resource=config.rank_gpu_resource))
-            for role, i, tp in roles]
+    return [WorkerPlan(slot, worker_bundle(slot.tp, cpus_per_rank=spec.cpus_per_rank,
+                                           gpu_resource=spec.rank_gpu_resource))
+            for slot in spec.cluster.workers]
 
 
-def worker_spec(config: RayClusterConfig, plan: WorkerPlan, *, log_dir: str,
-                redis_url: str) -> ChildSpec:
-    layout = config.layout
-    options = ["--worker-id", plan.name, "--tensor-parallel-size", str(plan.tp),
-               "--cluster", layout.cluster, "--grace", str(layout.drain_s),
-               "--device", config.device]
-    if layout.num_kv_blocks is not None:
-        options += ["--num-kv-blocks", str(layout.num_kv_blocks)]
-    options += list(layout.worker_args)
-    return ChildSpec(plan.name, plan.role, tuple(options), _model(layout), log_dir, layout.host,
-                     threads=max(1, int(config.cpus_per_rank)), restart=True,
+def worker_spec(spec: RaySpec, plan: WorkerPlan, *, log_dir: str, redis_url: str) -> ChildSpec:
+    options = [*worker_options(spec.cluster, plan.slot), "--device", spec.device]
+    return ChildSpec(plan.name, plan.slot.role, tuple(options), _model(spec.cluster), log_dir,
+                     spec.cluster.host, threads=max(1, int(spec.cpus_per_rank)), restart=True,
                      secrets=((REDIS_URL_ENV, redis_url),))
 
 
-def router_spec(config: RayClusterConfig, *, log_dir: str, redis_url: str,
-                api_key: str | None) -> ChildSpec:
-    layout = config.layout
-    options = ["--port", str(layout.port), "--cluster", layout.cluster,
-               "--local-prefill", layout.local_prefill]
-    if layout.model_name is not None:
-        options += ["--model-name", layout.model_name]
-    if layout.max_inflight is not None:
-        options += ["--max-inflight", str(layout.max_inflight)]
-    options += (["--no-http"] if layout.http_port is None
-                else ["--http-port", str(layout.http_port)])
-    if layout.chat_template is not None:
-        options += ["--chat-template", str(layout.chat_template)]
-    options += list(layout.router_args)
+def router_spec(spec: RaySpec, *, log_dir: str, redis_url: str, api_key: str | None) -> ChildSpec:
     secrets = [(REDIS_URL_ENV, redis_url)] + ([(API_KEY_ENV, api_key)] if api_key else [])
-    return ChildSpec("router", "router", tuple(options), _model(layout), log_dir, layout.host,
-                     threads=max(1, int(config.router_cpus)), restart=False,
-                     secrets=tuple(secrets))
+    return ChildSpec("router", "router", tuple(router_options(spec.cluster)), _model(spec.cluster),
+                     log_dir, spec.cluster.host, threads=max(1, int(spec.router_cpus)),
+                     restart=False, secrets=tuple(secrets))
 
 
-def _model(layout: LocalClusterConfig) -> str | None:
-    return None if layout.model_dir is None else str(layout.model_dir)
+def _model(cluster: ClusterSpec) -> str | None:
+    return None if cluster.model_dir is None else str(cluster.model_dir)
 
 
 def child_argv(spec: ChildSpec, *, node_ip: str, model_dir: str, ready_path: str,
@@ -205,26 +193,14 @@ def child_env(spec: ChildSpec, *, base: Mapping[str, str], node_ip: str,
     """The child's environment: ``base`` (the actor's) without secrets it was not given,
     plus its own secrets, its thread count, gloo on loopback when the node's IP is, and its
     ranks' GPUs (``gpu_ids``, the actor's, in rank order)."""
-    env = {k: v for k, v in base.items() if k not in (REDIS_URL_ENV, API_KEY_ENV, RANK_GPUS_ENV)}
+    strip = (REDIS_URL_ENV, API_KEY_ENV, RANK_GPUS_ENV, "OMP_NUM_THREADS")
+    env = base_child_env({k: v for k, v in base.items() if k not in strip},
+                         threads=spec.threads, host=node_ip)
     env.update(spec.secrets)
-    env["OMP_NUM_THREADS"] = str(spec.threads)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["PYTHONUNBUFFERED"] = "1"
-    if is_loopback(node_ip):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if gpu_ids:
         env["CUDA_VISIBLE_DEVICES"] = gpu_ids[0]  # the leader is rank 0
         env[RANK_GPUS_ENV] = ",".join(gpu_ids)
     return env
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

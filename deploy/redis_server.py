@@ -8,7 +8,7 @@ Ownership: a ``RedisServer`` owns its process and, while it starts, a private te
 its output then goes nowhere visible). Data lives in memory only (no RDB, no AOF), so
 ``restart()`` loses everything — which is what the "Redis restarted" tests need. The
 server dies with the process that started it, even when that process is SIGKILLed, and
-runs in its own session (``pdserve.child_process``). The password is written to the
+runs in its own session (``deploy.children``). The password is written to the
 config file (mode 0600), never to the command line.
 """
 
@@ -29,7 +29,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pdserve.child_process import spawn, terminate
+from deploy.children import spawn, terminate
 
 HOST = "127.0.0.1"
 PORT_ATTEMPTS = 8

@@ -1,4 +1,5 @@
-"""Child processes that die with the process that started them, even when it is SIGKILLed.
+"""Child processes that die with the process that started them, even when it is SIGKILLed,
+and what every launcher says about them: their environment, how one ended, its log's end.
 
 Torch-free. On Linux a child is exec'ed from a tiny trampoline that first sets
 ``PR_SET_PDEATHSIG=SIGKILL`` (no ``preexec_fn``, so no fork-with-threads hazards) and bails
@@ -25,10 +26,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from queue import SimpleQueue
 from typing import Any
+
+from deploy.spec import is_loopback
+
+LOG_TAIL_BYTES = 4000
+LOG_TAIL_LINES = 30
 
 # Runs as ``python -I -S -c _TRAMPOLINE PARENT_PID CPUS EXECUTABLE ARGS...`` (CPUS: a
 # comma-separated CPU list, or empty to keep the parent's affinity).
@@ -138,3 +145,50 @@ def _kill_unowned(future: Future[subprocess.Popen[bytes]]) -> None:
 
 
 _SPAWNER = _SpawnThread()
+
+
+def child_env(base: Mapping[str, str], *, threads: int, host: str) -> dict[str, str]:
+    """A child's environment: ``base``, its torch thread count (``OMP_NUM_THREADS``, unless
+    ``base`` sets it), unbuffered output, and gloo bound to loopback when ``host`` (what the
+    child binds) is a loopback address."""
+    env = dict(base)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    if is_loopback(host):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def describe_exit(returncode: int | None) -> str:
+    """How a child ended: "killed by SIGKILL", "exit code 3"."""
+    if returncode is not None and returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+def log_tail(path: str | Path, num_bytes: int = LOG_TAIL_BYTES, *, start: int = 0) -> str:
+    """The end of the log at ``path``, from offset ``start`` at the earliest ("" when there
+    is none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(start, f.tell() - num_bytes))
+            return f.read().decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def quote_log(path: str | Path, text: str | None = None, *, where: str = "") -> str:
+    """The end of a child's log for an error message: its last ``LOG_TAIL_LINES`` lines
+    (of ``text``, else of the file at ``path``), indented, after where the log is
+    (``where``: e.g. " on 10.0.0.7")."""
+    if text is None:
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError:
+            return f"no log at {path}{where}"
+    lines = text.strip().splitlines()[-LOG_TAIL_LINES:]
+    if not lines:
+        return f"its log {path}{where} is empty"
+    return f"the end of its log {path}{where}:\n" + "\n".join("    " + line for line in lines)

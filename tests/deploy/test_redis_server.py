@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-import pdserve.redis_server as redis_server_module
-from pdserve.redis_server import RedisServer, RedisServerError
+import deploy.redis_server as redis_server_module
+from deploy.redis_server import RedisServer, RedisServerError
 from tests.processes import alive, children, wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -133,7 +133,7 @@ def test_the_server_outlives_the_thread_that_started_it() -> None:
 
 _OWNER = """
 import sys, time
-from pdserve.redis_server import RedisServer
+from deploy.redis_server import RedisServer
 server = RedisServer().start()
 with open(sys.argv[1] + ".tmp", "w") as f:
     f.write(str(server.pid))

@@ -12,12 +12,10 @@ from typing import Any
 
 import pytest
 
-from pdserve.cli import _parser
-from pdserve.local_cluster import LocalClusterConfig
-from pdserve.ray_cluster import LOOPBACK_ENV, ray_init_kwargs
-from pdserve.ray_options import ray_config_from_args
-from pdserve.ray_plan import (
-    RayClusterConfig,
+from deploy.ray.connect import LOOPBACK_ENV, ray_init_kwargs
+from deploy.ray.options import ray_spec_from_args
+from deploy.ray.plan import (
+    RaySpec,
     actor_resources,
     child_argv,
     child_env,
@@ -26,16 +24,18 @@ from pdserve.ray_plan import (
     worker_bundle,
     worker_spec,
 )
+from deploy.spec import ClusterSpec
+from pdserve.cli import _parser
 from tests.factories import REPO_ROOT
 
 REDIS_URL = "redis://:s3cret@10.0.0.5:6379/0"
 
 
-def _config(**layout: Any) -> RayClusterConfig:
+def _config(**fields: Any) -> RaySpec:
     """2 prefill workers (TP 1), 1 decode worker (TP 4), 2 CPUs and a pdserve_gpu per rank."""
     base: dict[str, Any] = {"model_dir": Path("/models/m"), "num_prefill": 2, "num_decode": 1,
                             "decode_tp": 4, "num_kv_blocks": 64}
-    return RayClusterConfig(layout=LocalClusterConfig(**{**base, **layout}),
+    return RaySpec(cluster=ClusterSpec(**{**base, **fields}),
                             gpu_resource="pdserve_gpu", cpus_per_rank=2)
 
 
@@ -64,25 +64,25 @@ def test_actor_options_claim_exactly_the_bundle() -> None:
 
 def test_plan_workers_prefill_then_decode_each_with_its_group() -> None:
     plans = plan_workers(_config())
-    assert [(p.name, p.role, p.tp) for p in plans] == [
+    assert [(p.name, p.slot.role, p.tp) for p in plans] == [
         ("prefill-0", "prefill", 1), ("prefill-1", "prefill", 1), ("decode-0", "decode", 4)]
     assert plans[2].bundle == {"CPU": 8.0, "pdserve_gpu": 4.0}
     assert plans[0].bundle == {"CPU": 2.0, "pdserve_gpu": 1.0}
 
 
 def test_config_checks_and_the_default_gpu_resource() -> None:
-    layout = LocalClusterConfig()
-    assert RayClusterConfig(layout=layout, device="cuda").rank_gpu_resource == "GPU"
-    assert RayClusterConfig(layout=layout).rank_gpu_resource is None
-    assert RayClusterConfig(layout=layout, gpu_resource="x").rank_gpu_resource == "x"
+    spec = ClusterSpec()
+    assert RaySpec(cluster=spec, device="cuda").rank_gpu_resource == "GPU"
+    assert RaySpec(cluster=spec).rank_gpu_resource is None
+    assert RaySpec(cluster=spec, gpu_resource="x").rank_gpu_resource == "x"
     with pytest.raises(ValueError, match="must reserve something"):
-        RayClusterConfig(layout=layout, cpus_per_rank=0)
+        RaySpec(cluster=spec, cpus_per_rank=0)
     with pytest.raises(ValueError, match="device"):
-        RayClusterConfig(layout=layout, device="tpu")
+        RaySpec(cluster=spec, device="tpu")
     with pytest.raises(ValueError, match="max_restarts"):
-        RayClusterConfig(layout=layout, max_restarts=-2)
+        RaySpec(cluster=spec, max_restarts=-2)
     with pytest.raises(ValueError, match="cpu_affinity"):
-        RayClusterConfig(layout=LocalClusterConfig(cpu_affinity={"decode-0": (1,)}))
+        RaySpec(cluster=ClusterSpec(cpu_affinity={"decode-0": (1,)}))
 
 
 # ------------------------------------------------------------------------ command lines
@@ -170,12 +170,12 @@ def _parses(words: list[str]) -> bool:
 # ------------------------------------------------------------------------ ray.init, CLI
 
 def test_ray_init_arguments() -> None:
-    env, kwargs = ray_init_kwargs(RayClusterConfig())
+    env, kwargs = ray_init_kwargs(RaySpec())
     assert env == {LOOPBACK_ENV: "0"}  # else Ray swaps 127.0.0.1 for an outward address
     assert kwargs["_node_ip_address"] == "127.0.0.1" and kwargs["include_dashboard"] is False
-    env, kwargs = ray_init_kwargs(RayClusterConfig(layout=LocalClusterConfig(host="0.0.0.0")))
+    env, kwargs = ray_init_kwargs(RaySpec(cluster=ClusterSpec(host="0.0.0.0")))
     assert env == {} and "_node_ip_address" not in kwargs
-    env, kwargs = ray_init_kwargs(RayClusterConfig(address="auto"))
+    env, kwargs = ray_init_kwargs(RaySpec(address="auto"))
     assert env == {} and kwargs["address"] == "auto" and "include_dashboard" not in kwargs
 
 
@@ -187,12 +187,12 @@ def test_ray_flags_become_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_REDIS_URL", REDIS_URL)
     args = _up_args("--ray", "--ray-address", "auto", "--device", "cuda",
                     "--ray-cpus-per-rank", "4", "--ray-max-restarts", "-1")
-    config = ray_config_from_args(args, LocalClusterConfig())
+    config = ray_spec_from_args(args, ClusterSpec())
     assert (config.address, config.device, config.rank_gpu_resource) == ("auto", "cuda", "GPU")
     assert (config.cpus_per_rank, config.max_restarts) == (4.0, -1)
-    assert config.layout.redis_url == REDIS_URL  # from the environment, never a flag
-    defaults = ray_config_from_args(_up_args("--ray"), LocalClusterConfig(redis_url="redis://x"))
-    assert defaults.layout.redis_url == "redis://x" and defaults.cpus_per_rank == 1.0
+    assert config.cluster.redis_url == REDIS_URL  # from the environment, never a flag
+    defaults = ray_spec_from_args(_up_args("--ray"), ClusterSpec(redis_url="redis://x"))
+    assert defaults.cluster.redis_url == "redis://x" and defaults.cpus_per_rank == 1.0
 
 
 @pytest.mark.parametrize(("words", "message"), [

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.local_cluster import ChildExited, LocalCluster, LocalClusterConfig
+from deploy.local import LocalLauncher
+from deploy.spec import ChildExited, ClusterError, ClusterSpec
 from tests.factories import REPO_ROOT
 from tests.processes import wait_until
 
@@ -282,9 +283,9 @@ def test_sigkill_of_up_leaves_no_descendant(llama_dir: Path, tmp_path: Path) -> 
 def test_a_child_that_dies_is_named_and_everything_stops(llama_dir: Path, tmp_path: Path
                                                          ) -> None:
     lines: list[str] = []
-    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS,
+    config = ClusterSpec(model_dir=llama_dir, port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS,
                                 log_dir=tmp_path, stop_grace_s=5.0)
-    with LocalCluster(config, progress=lines.append) as cluster:
+    with LocalLauncher(config, progress=lines.append) as cluster:
         pids = cluster.pids()
         assert {"redis", "prefill-0", "decode-0"} <= set(pids)
         assert (tmp_path / "decode-0.log").is_file() and (tmp_path / "redis.log").is_file()
@@ -305,9 +306,9 @@ def test_colocated_cluster_without_prefill_workers(llama_dir: Path, tmp_path: Pa
     from engine import LLM, SamplingParams
     from pdserve.client import Client
 
-    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS,
+    config = ClusterSpec(model_dir=llama_dir, port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS,
                                 log_dir=tmp_path, num_prefill=0, local_prefill="always")
-    with LocalCluster(config, progress=lambda _: None) as cluster:
+    with LocalLauncher(config, progress=lambda _: None) as cluster:
         assert set(cluster.pids()) == {"redis", "decode-0", "router"}
         with Client(cluster.router_address) as client:
             result = client.complete("colocated", max_tokens=6, temperature=0,
@@ -317,7 +318,7 @@ def test_colocated_cluster_without_prefill_workers(llama_dir: Path, tmp_path: Pa
                                                               ignore_eos=True))[0]
     assert list(result.token_ids) == expected.token_ids
     with pytest.raises(ValueError, match="--local-prefill always"):
-        LocalClusterConfig(num_prefill=0)
+        ClusterSpec(num_prefill=0)
 
 
 def _cpus_allowed(pid: int) -> set[int]:
@@ -331,7 +332,7 @@ def _cpus_allowed(pid: int) -> set[int]:
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs Linux and two CPUs to pin to")
 def test_children_run_on_the_cpus_they_are_pinned_to(llama_dir: Path, tmp_path: Path) -> None:
-    from pdserve.child_process import spawn
+    from deploy.children import spawn
 
     cpus = sorted(os.sched_getaffinity(0))
     first, last = cpus[0], cpus[-1]
@@ -341,10 +342,10 @@ def test_children_run_on_the_cpus_they_are_pinned_to(llama_dir: Path, tmp_path: 
     out, _ = probe.communicate(timeout=30)
     assert out.decode().strip() == f"[{last}]"
     # 2. a cluster: prefill-0 on the first CPU, decode-0 on the last, router and Redis free
-    config = LocalClusterConfig(model_dir=llama_dir, port=0, http_port=None,
+    config = ClusterSpec(model_dir=llama_dir, port=0, http_port=None,
                                 num_kv_blocks=NUM_KV_BLOCKS, log_dir=tmp_path,
                                 cpu_affinity={"prefill-0": (first,), "decode-0": (last,)})
-    with LocalCluster(config, progress=lambda _: None) as cluster:
+    with LocalLauncher(config, progress=lambda _: None) as cluster:
         pids = cluster.pids()
         assert _cpus_allowed(pids["prefill-0"]) == {first}  # every thread, torch's included
         assert _cpus_allowed(pids["decode-0"]) == {last}
@@ -355,12 +356,10 @@ def test_children_run_on_the_cpus_they_are_pinned_to(llama_dir: Path, tmp_path: 
             assert client.complete("pinned", max_tokens=3, timeout=60).finish_reason
     # 3. what cannot be pinned is refused before anything starts
     with pytest.raises(ValueError, match="not a process of this cluster"):
-        LocalClusterConfig(cpu_affinity={"decode-1": (0,)})
+        ClusterSpec(cpu_affinity={"decode-1": (0,)})
     with pytest.raises(ValueError, match="CPU numbers"):
-        LocalClusterConfig(cpu_affinity={"router": ()})
-    from pdserve.local_cluster import ClusterError
-
+        ClusterSpec(cpu_affinity={"router": ()})
     with pytest.raises(ClusterError, match="may use only"):
-        LocalCluster(LocalClusterConfig(model_dir=llama_dir, port=0, http_port=None,
+        LocalLauncher(ClusterSpec(model_dir=llama_dir, port=0, http_port=None,
                                         log_dir=tmp_path, cpu_affinity={"router": (4096,)})
                      ).start()

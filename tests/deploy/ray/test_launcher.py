@@ -25,8 +25,8 @@ from typing import Any
 import grpc
 import pytest
 
-from pdserve.local_cluster import ClusterError, LocalClusterConfig
-from pdserve.ray_plan import NAMESPACE, RayClusterConfig
+from deploy.ray.plan import NAMESPACE, RaySpec
+from deploy.spec import ClusterError, ClusterSpec
 from tests.factories import PROMPTS
 from tests.processes import alive, wait_until
 
@@ -136,14 +136,14 @@ def _total(ray: Any) -> dict[str, float]:
 def served(ray_head: Any, llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Any]:
     """2 prefill workers (TP 1) and 1 decode worker (TP 2): all 4 pdserve_gpu."""
-    from pdserve.ray_cluster import launch
+    from deploy.ray.launcher import launch
 
-    layout = LocalClusterConfig(model_dir=llama_dir, num_prefill=2, num_decode=1, decode_tp=2,
+    spec = ClusterSpec(model_dir=llama_dir, num_prefill=2, num_decode=1, decode_tp=2,
                                 port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS,
                                 stop_grace_s=5.0,
                                 log_dir=tmp_path_factory.mktemp("ray-up"), start_timeout_s=120)
     lines: list[str] = []
-    cluster = launch(RayClusterConfig(layout=layout, gpu_resource=GPU, cpus_per_rank=0.5,
+    cluster = launch(RaySpec(cluster=spec, gpu_resource=GPU, cpus_per_rank=0.5,
                                       max_restarts=2), progress=lines.append)
     cluster.lines = lines  # type: ignore[attr-defined]
     try:
@@ -344,7 +344,7 @@ def test_stop_removes_every_actor_placement_group_and_process(served: Any, ray_h
 
 def _up_on(ray_head: Any, llama_dir: Path, log_dir: Path, *args: str) -> Any:
     """``pdserve up --ray`` connected to this module's Ray (a ``test_local_cluster.Up``)."""
-    from tests.pdserve.test_local_cluster import Up
+    from tests.deploy.test_local import Up
 
     address = ray_head.get_runtime_context().gcs_address
     os.environ.update(LOOPBACK_ENV)  # the CLI's Ray driver must join the node at 127.0.0.1
@@ -358,7 +358,7 @@ def _up_on(ray_head: Any, llama_dir: Path, log_dir: Path, *args: str) -> Any:
 
 def test_pdserve_up_ray_serves_and_stops_on_sigterm(ray_head: Any, llama_dir: Path,
                                                     tmp_path: Path) -> None:
-    from tests.pdserve.test_local_cluster import READY_LINE
+    from tests.deploy.test_local import READY_LINE
 
     address = ray_head.get_runtime_context().gcs_address
     up = _up_on(ray_head, llama_dir, tmp_path, "--decode-tp", "2", "--demo")
@@ -385,7 +385,7 @@ def test_sigkill_of_pdserve_up_ray_leaves_nothing(ray_head: Any, llama_dir: Path
                                                   tmp_path: Path) -> None:
     # the actors and placement groups are the driver's: Ray removes them when it dies, and
     # every child dies with its actor
-    from tests.pdserve.test_local_cluster import READY_LINE
+    from tests.deploy.test_local import READY_LINE
 
     up = _up_on(ray_head, llama_dir, tmp_path)
     try:
@@ -400,15 +400,15 @@ def test_sigkill_of_pdserve_up_ray_leaves_nothing(ray_head: Any, llama_dir: Path
 
 def test_a_layout_that_does_not_fit_fails_and_leaves_nothing(ray_head: Any, llama_dir: Path,
                                                               tmp_path: Path) -> None:
-    from pdserve.ray_cluster import RayCluster
+    from deploy.ray.launcher import RayLauncher
 
-    layout = LocalClusterConfig(model_dir=llama_dir, num_prefill=1, num_decode=1,
+    spec = ClusterSpec(model_dir=llama_dir, num_prefill=1, num_decode=1,
                                 decode_tp=NUM_GPUS + 1, port=0, http_port=0, log_dir=tmp_path)
-    config = RayClusterConfig(layout=layout, gpu_resource=GPU, cpus_per_rank=0.5,
+    config = RaySpec(cluster=spec, gpu_resource=GPU, cpus_per_rank=0.5,
                               placement_timeout_s=2.0)
     lines: list[str] = []
     with pytest.raises(ClusterError, match=r"no room for decode-0 within 2s: decode-0 needs "
                                            r"one node with CPU=2.5, pdserve_gpu=5"):
-        RayCluster(config, progress=lines.append).start()
+        RayLauncher(config, progress=lines.append).start()
     assert "redis ready at" in " ".join(lines) and lines[-1] == "all processes stopped"
     assert_nothing_left(ray_head, [], tmp_path)

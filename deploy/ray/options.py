@@ -44,18 +44,18 @@ def ray_missing() -> bool:
     return importlib.util.find_spec("ray") is None
 
 
-def ray_config_from_args(args: argparse.Namespace, layout: Any) -> Any:
-    """The ``pdserve.ray_plan.RayClusterConfig`` of ``pdserve up --ray ARGS`` around
-    ``layout`` (a ``LocalClusterConfig``); without ``--redis-url``, ``$PDSERVE_REDIS_URL``
-    names the Redis (it reaches the processes in their environment only). ``ValueError``
-    for values that do not go together."""
+def ray_spec_from_args(args: argparse.Namespace, cluster: Any) -> Any:
+    """The ``deploy.ray.plan.RaySpec`` of ``pdserve up --ray ARGS`` around ``cluster`` (a
+    ``ClusterSpec``); without ``--redis-url``, ``$PDSERVE_REDIS_URL`` names the Redis (it
+    reaches the processes in their environment only). ``ValueError`` for values that do not
+    go together."""
     import dataclasses
 
-    from pdserve.ray_plan import RayClusterConfig
+    from deploy.ray.plan import RaySpec
 
-    redis_url = layout.redis_url or os.environ.get("PDSERVE_REDIS_URL") or None
+    redis_url = cluster.redis_url or os.environ.get("PDSERVE_REDIS_URL") or None
     given = {key: value for key, value in (
         ("address", args.ray_address), ("device", args.device),
         ("gpu_resource", args.ray_gpu_resource), ("cpus_per_rank", args.ray_cpus_per_rank),
         ("max_restarts", args.ray_max_restarts)) if value is not None}
-    return RayClusterConfig(layout=dataclasses.replace(layout, redis_url=redis_url), **given)
+    return RaySpec(cluster=dataclasses.replace(cluster, redis_url=redis_url), **given)

@@ -1,0 +1,225 @@
+"""``pdserve up``: a whole cluster on this machine, every process a child of this one.
+
+Torch-free (the built-in model is built through the engine's test models only when no
+model directory is given). Every process is a child started through ``deploy.children``:
+in its own session (a terminal's Ctrl-C reaches only the supervisor, which then stops the
+children in order) and SIGKILLed by the kernel when the supervisor dies, however it dies.
+Worker rank processes die with their worker. The start and stop order is the launcher
+skeleton's (``deploy.launcher``); the private Redis listens on a free loopback port and
+has a generated password. Each child's stdout/stderr goes to ``LOG_DIR/NAME.log``;
+failures quote its tail. The Redis URL reaches the children in their environment only.
+
+Pinning (``ClusterSpec.cpu_affinity``, for benchmarks; off by default): a child named
+there (``prefill-0``, ``decode-1``, ``router``) runs on those CPUs only, and so does
+everything it starts (set before it execs, ``deploy.children.spawn``); it gets one torch
+thread per CPU unless ``OMP_NUM_THREADS`` is set. Children not named run where this
+process may.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deploy.children import child_env, describe_exit, quote_log, spawn, terminate_all
+from deploy.launcher import Launcher
+from deploy.redis_server import RedisServer, RedisServerError
+from deploy.spec import (
+    REDIS_URL_ENV,
+    ChildExited,
+    ClusterError,
+    ClusterSpec,
+    check_cpus,
+    redacted,
+    router_options,
+    worker_options,
+)
+
+
+@dataclass
+class Child:
+    """One process of the cluster; ``ready`` holds its ready file's JSON once it appears."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    ready_path: Path
+    ready: dict[str, Any] | None = None
+
+    @property
+    def address(self) -> str:
+        """The gRPC address from the ready file ("?" before it is ready)."""
+        return str((self.ready or {}).get("grpc_address", "?"))
+
+    def exited(self, when: str) -> ChildExited:
+        return ChildExited(self.name, f"{self.name} exited {when} "
+                                      f"({describe_exit(self.proc.returncode)}); "
+                                      f"{quote_log(self.log_path)}")
+
+
+class LocalLauncher(Launcher):
+    """The cluster of ``spec`` as child processes of this one (see the module docstring).
+    ``workers`` and ``router`` are the running children; ``pids()`` names every process."""
+
+    def __init__(self, spec: ClusterSpec, progress: Callable[[str], None] | None = None) -> None:
+        super().__init__(spec, progress)
+        self.model_dir: Path | None = None
+        self._redis: RedisServer | None = None
+        self.workers: list[Child] = []
+        self.router: Child | None = None
+
+    @property
+    def started(self) -> bool:
+        return bool(self._children()) or self._redis is not None
+
+    def pids(self) -> dict[str, int]:
+        """Name → pid of every process started and not yet stopped."""
+        pids = {c.name: c.proc.pid for c in self._children()}
+        if self._redis is not None and self._redis.pid is not None:
+            pids["redis"] = self._redis.pid
+        return pids
+
+    def start(self) -> LocalLauncher:
+        check_cpus(self.spec.cpu_affinity)
+        super().start()
+        return self
+
+    def __enter__(self) -> LocalLauncher:
+        return self.start()
+
+    def check(self) -> None:
+        for child in self._children():
+            if child.proc.poll() is not None:
+                raise child.exited("unexpectedly")
+        if self._redis is not None and not self._redis.running:
+            raise ChildExited("redis", f"redis-server exited unexpectedly; its log ends with:\n"
+                                       f"{self._redis.log_tail()}")
+
+    def _router_ready(self) -> dict[str, Any]:
+        if self.router is None or self.router.ready is None:
+            raise RuntimeError("the router is not running")
+        return self.router.ready
+
+    def _stop_processes(self) -> None:
+        grace = self.spec.stop_grace_s
+        router, self.router = self.router, None
+        workers, self.workers = self.workers, []
+        redis_server, self._redis = self._redis, None
+        if router is not None:
+            terminate_all([router.proc], grace)
+        if workers:
+            terminate_all([w.proc for w in workers], grace)
+        if redis_server is not None:
+            redis_server.stop()
+        for child in [*workers, *([router] if router is not None else [])]:
+            child.ready_path.unlink(missing_ok=True)  # it no longer tells the truth
+
+    # ------------------------------------------------------------------ start steps
+
+    def _children(self) -> list[Child]:
+        return [*self.workers, *([self.router] if self.router is not None else [])]
+
+    def _prepare(self) -> None:
+        self.progress(f"logs in {self._make_log_dir()}")
+        if self.spec.model_dir is None:
+            self.progress("preparing the built-in tiny model (built on first use) ...")
+            from engine.tiny_model import ensure_demo_model
+
+            self.model_dir = ensure_demo_model()
+        else:
+            self.model_dir = Path(self.spec.model_dir)
+            if not (self.model_dir / "config.json").is_file():
+                raise ClusterError(f"{self.model_dir} is not a model directory (no config.json)")
+        self.progress(f"model: {self.model_dir}")
+
+    def _start_redis(self) -> None:
+        if self._say_redis():
+            return
+        assert self.log_dir is not None
+        self.progress("starting redis-server ...")
+        self._redis = RedisServer(log_path=self.log_dir / "redis.log",
+                                  password=secrets.token_hex(16),
+                                  stop_grace_s=self.spec.stop_grace_s)
+        try:
+            self._redis.start()
+        except RedisServerError as exc:
+            raise ClusterError(str(exc)) from None
+        self.redis_url = self._redis.url
+        url_file = self.log_dir / "redis.url"  # for a router of your own (--no-router)
+        url_file.unlink(missing_ok=True)
+        with os.fdopen(os.open(url_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(self.redis_url + "\n")
+        self.progress(f"redis ready at {redacted(self.redis_url)} (its URL with the generated "
+                      f"password: {url_file})")
+
+    def _start_workers(self) -> None:
+        slots = self.spec.workers
+        self.progress("starting " + ", ".join(f"{s.name} (TP {s.tp})" for s in slots) + " ...")
+        for slot in slots:
+            argv = [*self._pdserve(slot.role), *worker_options(self.spec, slot)]
+            self.workers.append(self._spawn(slot.name, argv))
+        self._wait_ready(self.workers, self._describe_worker)
+
+    def _start_router(self) -> None:
+        spec = self.spec
+        self.progress(f"starting router on {spec.host}:{spec.port} ...")
+        self.router = self._spawn("router", [*self._pdserve("router"), *router_options(spec)])
+        self._wait_ready([self.router], lambda c: f"router ready at {c.address}" + (
+            f" (HTTP {c.ready['http_address']})" if c.ready and "http_address" in c.ready
+            else ""))
+
+    def _pdserve(self, command: str) -> list[str]:
+        return [sys.executable, "-m", "pdserve", command, "--model", str(self.model_dir),
+                "--host", self.spec.host]
+
+    def _spawn(self, name: str, argv: list[str]) -> Child:
+        assert self.log_dir is not None and self.redis_url is not None
+        ready_path = self.log_dir / f"{name}.ready.json"
+        ready_path.unlink(missing_ok=True)  # a stale one from an earlier run in this dir
+        log_path = self.log_dir / f"{name}.log"
+        cpus = self.spec.cpu_affinity.get(name)
+        env = {**self.child_env(cpus), REDIS_URL_ENV: self.redis_url}
+        with open(log_path, "wb") as log:
+            proc = spawn([*argv, "--ready-file", str(ready_path)], stdout=log,
+                         stderr=subprocess.STDOUT, env=env, cpus=cpus)
+        return Child(name, proc, log_path, ready_path)
+
+    def child_env(self, cpus: Sequence[int] | None = None) -> dict[str, str]:
+        """A child's environment: ours, with its thread count unless set already (one per
+        CPU of a child pinned to ``cpus``; else the cores shared among all ranks)."""
+        threads = len(cpus) if cpus else max(1, (os.cpu_count() or 1) // self.spec.num_ranks)
+        return child_env(os.environ, threads=threads, host=self.spec.host)
+
+    def _wait_ready(self, children: list[Child], describe: Callable[[Child], str]) -> None:
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        pending = list(children)
+        while pending:
+            for child in list(pending):
+                if child.proc.poll() is not None:
+                    raise child.exited("before it was ready")
+                if child.ready_path.exists():
+                    child.ready = json.loads(child.ready_path.read_text())
+                    pending.remove(child)
+                    self.progress(describe(child))
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise ClusterError(f"not ready within {self.spec.start_timeout_s:.0f}s: "
+                                   f"{names}; {quote_log(pending[0].log_path)}")
+            time.sleep(self.poll_s if pending else 0)
+
+    @staticmethod
+    def _describe_worker(child: Child) -> str:
+        ready = child.ready or {}
+        extra = [f"{what} {ready[key]}" for what, key in (("KV", "kv_address"),
+                                                          ("metrics", "metrics_address"))
+                 if ready.get(key)]
+        return f"{child.name} ready at {child.address}" + (f" ({', '.join(extra)})" if extra
+                                                          else "")
