@@ -23,7 +23,7 @@ from loadtest.workloads import Request
 def bench_model(quick: bool) -> Path:
     """The 55M-parameter ``bench55m`` Llama, or (``quick``) the built-in tiny model."""
     if quick:
-        from engine.tiny_model import ensure_demo_model
+        from engine.testing.tiny_model import ensure_demo_model
 
         return Path(ensure_demo_model())
     from bench.engine import ensure_bench_model

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.kernel_choice import cpu_model
+from engine.kernels.choice import cpu_model
 
 GB = 1e9
 MIB = 1 << 20

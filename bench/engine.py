@@ -1,6 +1,6 @@
 """Engine benchmark: pdserve's ``engine.LLM`` against Hugging Face ``generate()``, and its
 batch-1 decode step against the memory-bandwidth roofline, in one invocation on the same
-random-weight 55M-parameter fp32 Llama (``engine.tiny_model`` preset ``bench55m``).
+random-weight 55M-parameter fp32 Llama (``engine.testing.tiny_model`` preset ``bench55m``).
 
 What is measured (``python -m bench.engine``, defaults in brackets):
 
@@ -28,7 +28,7 @@ What is measured (``python -m bench.engine``, defaults in brackets):
 
 Both sides use the same torch thread count [2] (``--threads``). pdserve's linear kernels
 are chosen by measurement at load [auto] (``--linear-kernel`` forces one; see
-``engine.kernel_choice``); the CPU model and the kernels chosen are printed next to the
+``engine.kernels.choice``); the CPU model and the kernels chosen are printed next to the
 figures. The table is printed; ``--json PATH`` also writes every figure as JSON.
 Targets: ``ratio_vs_hf >= 2.0`` and ``roofline_fraction >= 0.6``.
 """
@@ -63,11 +63,15 @@ from bench.common import (
     torch_threads,
 )
 from engine.config import LINEAR_KERNELS
-from engine.cpu_kernels import native
-from engine.executor import LocalExecutor, TPExecutor
+from engine.core.runner import ModelRunner
+from engine.kernels.cpu import native
 from engine.models.decoder_stack import CompiledDecoderStack
-from engine.runner import ModelRunner
-from engine.tiny_model import _generator_fingerprint, default_model_cache_dir, make_tiny_model
+from engine.testing.tiny_model import (
+    _generator_fingerprint,
+    default_model_cache_dir,
+    make_tiny_model,
+)
+from engine.tp.executor import LocalExecutor, TPExecutor
 
 BENCH_PRESET = "bench55m"
 FIRST_SAFE_TOKEN_ID = 3  # 0..2 are <pad>, <s>, </s>

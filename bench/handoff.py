@@ -249,7 +249,11 @@ def one_layer_transfer_ms(model: dict[str, Any], lengths: Sequence[int], repeats
 def overhead_model() -> Path:
     """The tiny model with one layer and a 4096-token context (built once into the model
     cache): the least work per request the workers can do, so they keep up with the rate."""
-    from engine.tiny_model import _generator_fingerprint, default_model_cache_dir, make_tiny_model
+    from engine.testing.tiny_model import (
+        _generator_fingerprint,
+        default_model_cache_dir,
+        make_tiny_model,
+    )
 
     final = default_model_cache_dir() / f"tiny1l4k-llama-seed0-{_generator_fingerprint()}"
     if not final.is_dir():

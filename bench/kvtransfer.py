@@ -40,10 +40,10 @@ import torch
 import xxhash
 
 from bench.common import GB, MIB, BandwidthProbe, format_table, machine_info, write_json
-from engine.distributed import LOOPBACK, StoreAddress, connect_store, make_group
+from engine.kvcache.layout import KVLayout
+from engine.tp.distributed import LOOPBACK, StoreAddress, connect_store, make_group
 from kvtransfer.checksum import checksum
 from kvtransfer.config import TransferConfig
-from kvtransfer.layout import KVLayout
 from kvtransfer.packing import gather, rows_view, scatter, split_rows
 from kvtransfer.protocol import ChecksumAlgo
 from kvtransfer.receiver import KVReceiver

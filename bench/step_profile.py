@@ -59,7 +59,7 @@ from bench.engine import (
     model_runner,
 )
 from engine.config import LINEAR_KERNELS
-from engine.cpu_kernels import native
+from engine.kernels.cpu import native
 from engine.models.layers import linear_layers
 
 LINEAR_ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")

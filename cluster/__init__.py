@@ -11,6 +11,6 @@
 - ``cluster.logs`` (log format of every process), ``cluster.files`` (atomic JSON files);
 - ``cluster.internal.v1``: the router ↔ worker gRPC API's generated code.
 
-May import: ``kvtransfer.layout`` (the KV layout a fingerprint is part of) and third-party
+May import: ``engine.kvcache.layout`` (the KV layout a fingerprint is part of) and third-party
 libraries (redis, xxhash, grpc); never torch, the engine's runtime, the workers or the router.
 """

@@ -1,6 +1,6 @@
 """The model fingerprint: what names a checkpoint's identity across processes (torch-free).
 
-Workers put it in their ``KVLayout`` (``kvtransfer.layout``), the router computes it from
+Workers put it in their ``KVLayout`` (``engine.kvcache.layout``), the router computes it from
 its own ``--model`` to ignore workers of another model, and registration refuses a worker
 whose layout differs from the cluster's (``cluster.registry``).
 """

@@ -40,11 +40,11 @@ id of one attempt). Points, in the order of a request's life (what pauses where)
   is held: no other step runs meanwhile.
 - ``prefill.computed`` (record; attempt_id, num_computed_tokens): after each prefill step,
   how many of each held attempt's prompt tokens are computed (one line per step).
-- ``prefill.layer_sent`` (pause and record; transfer_id, layer, rank): in a prefill
+- ``kv.layer_sent`` (pause and record; transfer_id, layer, rank): in a prefill
   rank's layer hook, once layer ``layer`` of the transfer's KV is computed and queued
   for sending, before the next layer is computed (the KV goes out during the step that
   computes the prompt's last chunk).
-- ``decode.layer_received`` (record; transfer_id, layer, rank): layer ``layer`` of the
+- ``kv.layer_received`` (record; transfer_id, layer, rank): layer ``layer`` of the
   transfer is complete and verified in a decode rank's blocks.
 - ``prefill.transfer_done`` (pause, record; attempt_id, transfer_id): every decode rank
   acknowledged the attempt's KV and trailer and its blocks were unpinned into the prefix

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
-from kvtransfer.layout import KVLayout
+from engine.kvcache.layout import KVLayout
 
 RECORD_VERSION = 3
 """Version of the worker-record and fingerprint JSON written. Readers also take version 1

@@ -1,6 +1,6 @@
 """Cluster state in Redis: the ``Registry`` client, its key schema and its errors.
 
-Torch-free (imports ``redis``, ``cluster.records`` and ``kvtransfer.layout`` only), so the
+Torch-free (imports ``redis``, ``cluster.records`` and ``engine.kvcache.layout`` only), so the
 router can use it. The records' JSON is ``cluster.records``; ``cluster.heartbeat`` keeps a
 worker's record alive and ``cluster.view`` is the router's view of the live workers, both
 built on a ``Registry``.
@@ -45,7 +45,7 @@ from cluster.records import (
     layout_from_json,
     layout_to_json,
 )
-from kvtransfer.layout import KVLayout
+from engine.kvcache.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 

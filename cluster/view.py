@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from cluster.records import WorkerRecord
 from cluster.registry import Registry, RegistryError
-from kvtransfer.layout import PROTOCOL_VERSION, KVLayout
+from engine.kvcache.layout import PROTOCOL_VERSION, KVLayout
 
 logger = logging.getLogger(__name__)
 

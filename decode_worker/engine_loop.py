@@ -1,11 +1,11 @@
 """The decode worker's engine loop: the one thread that drives the decode ``EngineCore``
-and its ``DecodeKVLeader``.
+and the receiving side of its KV plane (``worker.kv.receiving.KVReceiveLeader``).
 
 Life of one request here (commands from gRPC handlers, see ``worker.loop``), each phase
 recorded in one place, the request's ``_Live.phase``:
 
 - ``Reserve``: blocks reserved in the engine (``reserve_for_kv``), the transfer announced
-  to every rank (``DecodeKVLeader.expect``) — phase RESERVED;
+  to every rank (``KVReceiveLeader.expect``) — phase RESERVED;
 - the loop polls the leader; once the KV arrived on every rank, with its trailer (the
   first token and the prefill side's cached-token count) on rank 0 — phase ARRIVED;
 - once the KV arrived and a Generate stream is open (``Open``), the request is admitted
@@ -15,10 +15,6 @@ recorded in one place, the request's ``_Live.phase``:
 ``Local`` (colocated mode) starts a request RUNNING: it is prefilled here. ``Abort`` at
 any point stops the transfer (if one is pending), frees everything and fails an open
 stream with ABORTED. ``AbortAll`` and ``Info`` are ``worker.loop``'s.
-
-The router may still send its copies of the first token and cached-token count with
-``Open`` (from the Prefill response; 0 counts as absent). They are only checked: one
-that differs from what arrived with the KV ends the request with INTERNAL (and frees it).
 
 Ownership: from Reserve until admit, the blocks are reserved in the engine and written by
 the ranks' receivers while the transfer is pending; the loop frees them on abort or a
@@ -43,12 +39,16 @@ from pathlib import Path
 import grpc
 
 from cluster import pause_points
-from decode_worker.kv_leader import Arrival, DecodeKVLeader, KVTarget
-from engine.core import EngineCore, RequestOutput
+from cluster.kv_target import KVTarget
+from engine.core.engine_core import EngineCore, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.protocol import Trailer
-from worker.loop import Command, EngineLoop, OutputStream, WorkerError
+from worker.commands import Command, WorkerError
+from worker.kv.plane import KVPlane
+from worker.kv.receiving import Arrival
+from worker.loop import EngineLoop
 from worker.metrics import WorkerMetrics
+from worker.streams import OutputStream
 
 log = logging.getLogger(__name__)
 MAX_REMEMBERED_FAILURES = 1024
@@ -60,7 +60,7 @@ class Reserve(Command[KVTarget | str]):
     blocks, or busy). The transfer must start within ``wait_s`` (None: the transfer
     timeout)."""
 
-    request_id: str
+    attempt_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     transfer_id: int
@@ -72,13 +72,10 @@ class Reserve(Command[KVTarget | str]):
 class Open(Command[None]):
     """Open the request's Generate stream: ``stream`` (made by the caller; the loop bounds
     it to the reservation's ``max_tokens + 2`` items, and never waits on a slow reader)
-    gets its ``RequestOutput``s. The router's copies of the first token and cached-token count
-    (None: absent) are checked against the trailer that arrives with the KV."""
+    gets its ``RequestOutput``s, starting with the first token that arrives with the KV."""
 
-    request_id: str
+    attempt_id: str
     stream: OutputStream[RequestOutput]
-    first_token_id: int | None = None
-    num_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ class Local(Command[None]):
     """Colocated mode: prefill the prompt here and stream every token (no KV transfer)
     into ``stream`` (made by the caller, room for ``max_tokens + 2`` items)."""
 
-    request_id: str
+    attempt_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     stream: OutputStream[RequestOutput]
@@ -105,36 +102,22 @@ class _Live:
     max_tokens: int
     arrived_at: float | None = None  # monotonic, once its KV arrived
     stream: OutputStream[RequestOutput] | None = None
-    claimed: Open | None = None  # the router's copies, from Open
     trailer: Trailer | None = None  # arrived with the KV
     local: bool = False  # prefilled here (colocated)
     transfer_id: int = 0  # 0 when prefilled here
     num_streamed: int = 0  # tokens put on its stream
 
-    def mismatch(self) -> str | None:
-        """Why the router's copies disagree with the trailer (None: they agree or are
-        absent, or one of the two is not there yet)."""
-        if self.claimed is None or self.trailer is None:
-            return None
-        pairs = (("first_token_id", self.claimed.first_token_id, self.trailer.first_token_id),
-                 ("num_cached_tokens", self.claimed.num_cached_tokens,
-                  self.trailer.num_cached_tokens))
-        for name, claimed, arrived in pairs:
-            if claimed is not None and claimed != arrived:
-                return (f"GenerateRequest.{name} {claimed} differs from the {arrived} that "
-                        "arrived with the KV")
-        return None
-
 
 class DecodeLoop(EngineLoop):
-    """Owns ``core`` (built with the decode KV plugin) from ``start`` until ``stop``."""
+    """Owns ``core`` (built with the KV rank plugin, ``worker.kv.rank``) from ``start``
+    until ``stop``; building it starts receiving KV (rank 0's rendezvous store)."""
 
     def __init__(self, core: EngineCore, transfer_timeout_s: float,
                  max_requests: int = 1024, metrics: WorkerMetrics | None = None) -> None:
-        self.kv = DecodeKVLeader(core)
-        super().__init__("pdserve-decode-loop", core, self.kv,
+        super().__init__("pdserve-decode-loop", core, KVPlane(core, transfer_timeout_s),
                          metrics or WorkerMetrics(Path(core.config.model.model_dir).name,
                                                   "decode", "-"))
+        self.receiving = self.kv.start_receiving()
         self.transfer_timeout_s = transfer_timeout_s
         self.max_requests = max_requests
         self._live: dict[str, _Live] = {}
@@ -154,11 +137,10 @@ class DecodeLoop(EngineLoop):
         return super()._handle_own(command)
 
     def _reserve(self, cmd: Reserve) -> KVTarget | str:
-        rid = cmd.request_id
+        rid = cmd.attempt_id
         if rid in self._live:
-            if self.kv.transfer_id(rid) == cmd.transfer_id:  # a repeated Reserve
-                return KVTarget(cmd.transfer_id, self.kv.address, self.kv.tp_size,
-                                len(cmd.prompt_token_ids))
+            if self.receiving.transfer_id(rid) == cmd.transfer_id:  # a repeated Reserve
+                return self.receiving.target(cmd.transfer_id)
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {rid!r} is live here with another transfer")
         if self.busy:
@@ -170,8 +152,8 @@ class DecodeLoop(EngineLoop):
                 usage = self.core.kv_usage()
                 return f"out of KV blocks ({usage.free + usage.cached} of {usage.total} free)"
             try:
-                target = self.kv.expect(rid, cmd.transfer_id, len(cmd.prompt_token_ids),
-                                        block_ids, self.transfer_timeout_s, cmd.wait_s)
+                target = self.receiving.expect(rid, cmd.transfer_id, len(cmd.prompt_token_ids),
+                                               block_ids, self.transfer_timeout_s, cmd.wait_s)
             except BaseException:
                 self.core.abort_request(rid)
                 raise
@@ -190,60 +172,51 @@ class DecodeLoop(EngineLoop):
         return len(self._live) >= self.max_requests
 
     def _open(self, cmd: Open) -> None:
-        live = self._live.get(cmd.request_id)
+        live = self._live.get(cmd.attempt_id)
         if live is None:
-            failed = self._failed.pop(cmd.request_id, None)
+            failed = self._failed.pop(cmd.attempt_id, None)
             if failed is not None:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {failed}")
             raise WorkerError(grpc.StatusCode.NOT_FOUND,
-                              f"no live reservation for {cmd.request_id!r}")
+                              f"no live reservation for {cmd.attempt_id!r}")
         if live.stream is not None:
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"a Generate stream is already open for {cmd.request_id!r}")
-        if cmd.first_token_id is not None and not (
-                0 <= cmd.first_token_id < self.core.config.model.vocab_size):
-            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"first_token_id {cmd.first_token_id} is outside the vocabulary")
-        live.claimed = cmd
-        problem = live.mismatch()
-        if problem is not None:
-            self._abort(cmd.request_id, grpc.StatusCode.INTERNAL, problem)
-            raise WorkerError(grpc.StatusCode.INTERNAL, problem)
+                              f"a Generate stream is already open for {cmd.attempt_id!r}")
         live.stream = cmd.stream
         live.stream.bound(live.max_tokens + 2)
         if live.phase is Phase.ARRIVED:
-            self._admit(cmd.request_id, live)
+            self._admit(cmd.attempt_id, live)
 
     def _local(self, cmd: Local) -> None:
-        if cmd.request_id in self._live:
+        if cmd.attempt_id in self._live:
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
-                              f"request {cmd.request_id!r} is live here")
+                              f"request {cmd.attempt_id!r} is live here")
         if self.busy:
             raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"busy: {len(self._live)} requests held, the worker's limit "
                               "(--max-requests)")
         try:
-            self.core.add_request(cmd.request_id, list(cmd.prompt_token_ids), cmd.params)
+            self.core.add_request(cmd.attempt_id, list(cmd.prompt_token_ids), cmd.params)
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        self._failed.pop(cmd.request_id, None)
-        self.named(cmd.request_id, cmd.client_request_id)
-        self._live[cmd.request_id] = _Live(Phase.RUNNING, cmd.params.max_tokens,
+        self._failed.pop(cmd.attempt_id, None)
+        self.named(cmd.attempt_id, cmd.client_request_id)
+        self._live[cmd.attempt_id] = _Live(Phase.RUNNING, cmd.params.max_tokens,
                                            stream=cmd.stream, local=True)
-        self.timings.received(cmd.request_id)
+        self.timings.received(cmd.attempt_id)
 
-    def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
-        self._failed.pop(request_id, None)
-        live = self._live.pop(request_id, None)
+    def _abort(self, attempt_id: str, code: grpc.StatusCode, reason: str) -> bool:
+        self._failed.pop(attempt_id, None)
+        live = self._live.pop(attempt_id, None)
         if live is None:
             return False
-        self.timings.forget(request_id)
+        self.timings.forget(attempt_id)
         if live.stream is not None:  # the caller first: releasing calls into the ranks
             live.stream.fail(code, reason)
         if live.phase is Phase.RESERVED:
-            self.kv.abort(request_id)  # every rank stops writing before the blocks go
-        self.core.abort_request(request_id)
-        log.info("aborted", extra=self.log_extra(request_id))
+            self.receiving.abort(attempt_id)  # every rank stops writing before the blocks go
+        self.core.abort_request(attempt_id)
+        log.info("aborted", extra=self.log_extra(attempt_id))
         return True
 
     def _live_ids(self) -> list[str]:
@@ -255,17 +228,17 @@ class DecodeLoop(EngineLoop):
     # --- the loop -----------------------------------------------------------------
     def _is_polling(self) -> bool:
         """Transfers pending, or arrived KV waiting for its stream (it expires)."""
-        return bool(self.kv.num_pending) or any(
+        return bool(self.receiving.num_pending) or any(
             v.phase is Phase.ARRIVED for v in self._live.values())
 
     def _poll(self) -> None:
-        for arrival in self.kv.poll():
+        for arrival in self.receiving.poll():
             self._arrived(arrival)
         self._expire_unopened()
 
     def _arrived(self, arrival: Arrival) -> None:
         rid = arrival.request_id
-        self.metrics.transfer(arrival.ok, arrival.seconds)
+        self.metrics.transfer("received", arrival.ok, arrival.seconds)
         live = self._live.get(rid)
         if live is None:
             return
@@ -279,12 +252,12 @@ class DecodeLoop(EngineLoop):
         if live.stream is not None:
             self._admit(rid, live)
 
-    def _fail(self, request_id: str, live: _Live, reason: str) -> None:
-        log.warning("KV transfer failed: %s", reason, extra=self.log_extra(request_id))
+    def _fail(self, attempt_id: str, live: _Live, reason: str) -> None:
+        log.warning("KV transfer failed: %s", reason, extra=self.log_extra(attempt_id))
         if live.stream is not None:
             live.stream.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {reason}")
             return
-        self._failed[request_id] = reason
+        self._failed[attempt_id] = reason
         while len(self._failed) > MAX_REMEMBERED_FAILURES:
             self._failed.popitem(last=False)
 
@@ -297,22 +270,17 @@ class DecodeLoop(EngineLoop):
             self._abort(rid, grpc.StatusCode.UNAVAILABLE, "no Generate before the deadline")
             self._failed[rid] = "no Generate stream opened before the transfer deadline"
 
-    def _admit(self, request_id: str, live: _Live) -> None:
-        problem = live.mismatch()
-        if problem is not None:
-            log.error("refusing the request: %s", problem, extra=self.log_extra(request_id))
-            self._abort(request_id, grpc.StatusCode.INTERNAL, problem)
-            return
+    def _admit(self, attempt_id: str, live: _Live) -> None:
         assert live.trailer is not None
         if pause_points.enabled():
-            pause_points.record("decode.admitted", attempt_id=request_id,
+            pause_points.record("decode.admitted", attempt_id=attempt_id,
                                 transfer_id=live.transfer_id)
-            pause_points.pause("decode.admitted", attempt_id=request_id,
+            pause_points.pause("decode.admitted", attempt_id=attempt_id,
                                transfer_id=live.transfer_id)
         live.phase = Phase.RUNNING
         if live.stream is not None:
             live.stream.inputs_arrived_at = live.arrived_at
-        self._deliver(self.core.admit_with_kv(request_id, live.trailer.first_token_id,
+        self._deliver(self.core.admit_with_kv(attempt_id, live.trailer.first_token_id,
                                               live.trailer.num_cached_tokens))
 
     def _deliver(self, out: RequestOutput) -> None:

@@ -4,8 +4,8 @@
 What is the decode kind's own: ``DecodeServicer`` (the thin protobuf adapter of
 ``Reserve``, ``Generate`` and ``GenerateLocal``; ``Abort`` and ``Info`` are
 ``worker.servicer``'s) and the ``WorkerKind`` that ``worker.process.run_worker`` starts.
-Rank 0's plugin starts the KV rendezvous store while the engine is built; everything
-engine-side happens on the ``DecodeLoop`` thread.
+Building the ``DecodeLoop`` starts rank 0's KV rendezvous store (``--kv-port``); everything
+engine-side happens on its thread.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from cluster import pause_points
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from decode_worker.engine_loop import DecodeLoop, Local, Open, Reserve
-from decode_worker.kv_rank import PLUGIN, DecodeKVConfig
-from engine.core import EngineCore, RequestOutput
-from engine.sharding import num_blocks_for
-from worker.loop import EngineLoop, OutputStream, WorkerError
+from engine.core.engine_core import EngineCore, RequestOutput
+from engine.tp.sharding import num_blocks_for
+from worker.commands import WorkerError
+from worker.loop import EngineLoop
 from worker.metrics import WorkerMetrics
-from worker.options import advertise_host
 from worker.process import WorkerKind, run_worker
 from worker.server import Identity
 from worker.servicer import (
@@ -37,6 +36,7 @@ from worker.servicer import (
     call_timeout,
     sampling_params_from_proto,
 )
+from worker.streams import OutputStream
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
 
     async def Reserve(self, request: pb.ReserveRequest,  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
-        attempt = attempt_of(request)
+        attempt = await attempt_of(request, context)
         try:
             if request.transfer_id == 0:
                 raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id must not be 0")
@@ -54,15 +54,16 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
             target = await self.loop.acall(Reserve(
                 attempt, list(request.prompt_token_ids), params,
                 request.transfer_id, request.wait_ms / 1000 if request.wait_ms else None,
-                request.request_id),
+                request.client_request_id),
                 call_timeout(context))
             if isinstance(target, str):
                 return pb.ReserveResponse(accepted=False, reason=target)
             self.watch_lease(attempt, request.lease)
             if pause_points.enabled():
-                pause_points.record("decode.reserved", request_id=request.request_id,
+                pause_points.record("decode.reserved", request_id=request.client_request_id,
                                     attempt_id=attempt, transfer_id=request.transfer_id)
-                await pause_points.apause("decode.reserved", request_id=request.request_id,
+                await pause_points.apause("decode.reserved",
+                                          request_id=request.client_request_id,
                                           attempt_id=attempt, transfer_id=request.transfer_id)
         except asyncio.CancelledError:  # the caller left: it may never learn of a reservation
             self.on_call_end(attempt, "the Reserve call was cancelled")
@@ -73,25 +74,22 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
             await abort_with(context, exc)
         block_size = self.loop.core.config.cache.block_size
         return pb.ReserveResponse(
-            accepted=True, num_blocks=num_blocks_for(target.num_tokens, block_size),
-            target=pb.KVTarget(kv_address=f"{target.address.host}:{target.address.port}",
-                               tensor_parallel_size=target.tp_size,
+            accepted=True, num_blocks=num_blocks_for(len(request.prompt_token_ids), block_size),
+            target=pb.KVTarget(kv_address=target.kv_address,
+                               tensor_parallel_size=target.tensor_parallel_size,
                                transfer_id=target.transfer_id))
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 - gRPC name
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:
-        attempt = attempt_of(request)
+        attempt = await attempt_of(request, context)
         stream: OutputStream[RequestOutput] = OutputStream()  # the loop bounds it at Open
-        # the first token and cached count come with the KV; the router's copies
-        # (0: absent) are only checked
-        command = Open(attempt, stream, request.first_token_id or None,
-                       request.num_cached_tokens or None)
+        command = Open(attempt, stream)  # the first token and cached count come with the KV
         async for chunk in self._relay(attempt, command, stream, context):
             yield chunk
 
     async def GenerateLocal(self, request: pb.GenerateLocalRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:
-        attempt = attempt_of(request)
+        attempt = await attempt_of(request, context)
         try:
             if not request.prompt_token_ids:
                 raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
@@ -100,7 +98,7 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
             await abort_with(context, exc)
         stream: OutputStream[RequestOutput] = OutputStream(params.max_tokens + 2)
         command = Local(attempt, list(request.prompt_token_ids), params, stream,
-                        request.request_id)
+                        request.client_request_id)
         async for chunk in self._relay(attempt, command, stream, context, request.lease):
             yield chunk
 
@@ -157,13 +155,6 @@ _NOT_OURS = frozenset({grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PR
                        grpc.StatusCode.NOT_FOUND})
 
 
-def _plugin_config(args: argparse.Namespace, fingerprint: str) -> str:
-    # rank 0's KV rendezvous store binds args.kv_port itself (0: any); the leader reads the
-    # port it got (DecodeKVLeader.address)
-    return DecodeKVConfig(args.host, args.kv_port, fingerprint, timeout_s=args.transfer_timeout,
-                          advertise_host=advertise_host(args)).to_json()
-
-
 def _make_loop(core: EngineCore, args: argparse.Namespace, metrics: WorkerMetrics) -> EngineLoop:
     return DecodeLoop(core, args.transfer_timeout, max_requests=args.max_requests, metrics=metrics)
 
@@ -172,14 +163,7 @@ def _add_servicer(loop: EngineLoop, identity: Identity, server: grpc.aio.Server)
     pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(loop, identity), server)
 
 
-def _kv_address(loop: EngineLoop) -> str:
-    assert isinstance(loop, DecodeLoop)
-    address = loop.kv.address  # the port rank 0's store bound
-    return f"{address.host}:{address.port}"
-
-
-DECODE = WorkerKind(role="decode", rank_plugin=PLUGIN, plugin_config=_plugin_config,
-                    make_loop=_make_loop, add_servicer=_add_servicer, kv_address=_kv_address)
+DECODE = WorkerKind(role="decode", make_loop=_make_loop, add_servicer=_add_servicer)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -131,7 +131,7 @@ class LocalLauncher(Launcher):
         self.progress(f"logs in {self._make_log_dir()}")
         if self.spec.model_dir is None:
             self.progress("preparing the built-in tiny model (built on first use) ...")
-            from engine.tiny_model import ensure_demo_model
+            from engine.testing.tiny_model import ensure_demo_model
 
             self.model_dir = ensure_demo_model()
         else:

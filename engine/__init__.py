@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.core import EngineCore, RequestOutput
+    from engine.core.engine_core import EngineCore, RequestOutput
     from engine.llm import LLM, GenerationResult
 
 _LAZY = {
     "LLM": "engine.llm",
     "GenerationResult": "engine.llm",
-    "EngineCore": "engine.core",
-    "RequestOutput": "engine.core",
+    "EngineCore": "engine.core.engine_core",
+    "RequestOutput": "engine.core.engine_core",
 }
 
 __all__ = ["LLM", "EngineCore", "GenerationResult", "RequestOutput", "SamplingParams"]

@@ -23,7 +23,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 
 _DTYPES = ("float32", "float16", "bfloat16")
-# engine.linear_kernels.KERNELS' names (kept here, torch-free, to validate configs).
+# engine.kernels.linear.KERNELS' names (kept here, torch-free, to validate configs).
 LINEAR_KERNELS = ("auto", "onednn", "torch", "mm_t", "onednn_gemv", "packed")
 
 
@@ -155,10 +155,10 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
-    # "auto": chosen by measurement per weight shape (engine.kernel_choice; the
+    # "auto": chosen by measurement per weight shape (engine.kernels.choice; the
     # PDSERVE_LINEAR_KERNEL environment variable can force one), or force one here.
     linear_kernel: str = "auto"
-    # "package.module:factory" built on every rank (see engine.rank_plugin), or None,
+    # "package.module:factory" built on every rank (see engine.tp.rank_plugin), or None,
     # and an opaque string handed to it (e.g. JSON of the plugin's own config dataclass).
     rank_plugin: str | None = None
     rank_plugin_config: str = ""

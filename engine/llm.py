@@ -18,10 +18,10 @@ from engine.config import (
     SchedulerConfig,
     load_model_config,
 )
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
+from engine.core.scheduler import SchedulerStats
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerStats
-from engine.tokenizer import load_tokenizer
+from engine.text.tokenizer import load_tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -43,7 +43,7 @@ class LLM:
     preemption by recompute and prefix caching.
 
     ``tensor_parallel_size > 1`` starts ranks 1..t-1 as processes of their own
-    (``python -m engine.rank_main``; they never re-run the caller's main module, and die
+    (``python -m engine.tp.rank_main``; they never re-run the caller's main module, and die
     with this process). Call ``shutdown()`` or use the object as a context manager.
     """
 

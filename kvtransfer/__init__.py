@@ -16,14 +16,14 @@ Roles (each module's docstring says who owns what, when):
   rank 0, that a trailer completes it); ``wait()`` returns (the trailer, if any) once
   every part arrived, verified, in those blocks.
 - The transport beneath them: ``channel`` (two-rank groups from
-  ``engine.distributed.make_group``, opened on demand through the receiver's store;
+  ``engine.tp.distributed.make_group``, opened on demand through the receiver's store;
   gloo for CPU tensors, gloo + nccl for CUDA tensors), ``pool`` (a bound on open
   channels, least recently used idle ones closed), ``protocol`` (typed wire and
   rendezvous messages), ``packing`` (paged blocks <-> contiguous parts), ``checksum``,
-  ``plan`` (head re-sharding between TP sizes) and ``layout`` (what must match).
+  and ``plan`` (head re-sharding between TP sizes); what must match is ``engine.kvcache.layout``.
 
 Both directions speak one state vocabulary (``states.TransferState``). ``import kvtransfer``
-and its ``layout``, ``protocol``, ``config``, ``states`` and ``plan`` modules do not import
+and its ``protocol``, ``config``, ``states`` and ``plan`` modules do not import
 torch; the roles load lazily on first access. May import ``engine`` (distributed groups,
 sharding rules) and nothing above it.
 """
@@ -33,8 +33,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from engine.kvcache.layout import KVLayout
 from kvtransfer.config import TransferConfig
-from kvtransfer.layout import KVLayout
 
 if TYPE_CHECKING:
     from kvtransfer.errors import (

@@ -3,7 +3,7 @@
 Channels are opened on demand through the receiving worker's rendezvous store (a
 ``TCPStore`` it advertises as host:port), with no global world: the sender pushes an
 ``OpenRequest`` into the receiver rank's accept queue, the receiver checks the KV layout
-and replies, then both build the group with ``engine.distributed.make_group`` under a
+and replies, then both build the group with ``engine.tp.distributed.make_group`` under a
 prefix no other channel uses (channel ids come from a counter in the store).
 
 Headers and acknowledgements travel on a gloo group (CPU); payloads on a second group
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from engine.distributed import Group, StoreAddress, backend_for, make_group
+from engine.kvcache.layout import KVLayout
+from engine.tp.distributed import Group, StoreAddress, backend_for, make_group
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelClosed, ChannelError, LayoutMismatch
-from kvtransfer.layout import KVLayout
 from kvtransfer.protocol import (
     HEADER_BYTES,
     MAX_SEQ,

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sharding import kv_head_range
+from engine.kvcache.layout import KVLayout
+from engine.tp.sharding import kv_head_range
 from kvtransfer.checksum import checksum
 from kvtransfer.errors import ChecksumMismatch, TransferError, TransferRejected, TransferTimeout
-from kvtransfer.layout import KVLayout
 from kvtransfer.packing import rows_view, scatter, segments
 from kvtransfer.plan import local_heads
 from kvtransfer.protocol import ChecksumAlgo, Flag, Kind, PartHeader, Status, Trailer

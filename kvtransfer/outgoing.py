@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.distributed import StoreAddress
+from engine.tp.distributed import StoreAddress
 from kvtransfer.errors import TransferError
 from kvtransfer.plan import Route
 from kvtransfer.protocol import Trailer

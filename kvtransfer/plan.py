@@ -1,7 +1,7 @@
 """Which prefill rank sends which KV heads to which decode rank (heterogeneous TP).
 
 Prefill has ``p`` ranks, decode ``r`` ranks, the model ``H`` KV heads; each side holds
-heads by the engine's rule (``engine.sharding.kv_head_range``): rank i of t holds
+heads by the engine's rule (``engine.tp.sharding.kv_head_range``): rank i of t holds
 ``[i*H/t, (i+1)*H/t)`` when t <= H, else the single head ``floor(i*H/t)`` (replicated).
 
 Decode rank j needs exactly its heads. Each of those heads is taken from one prefill
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sharding import kv_head_range
+from engine.tp.sharding import kv_head_range
 
 
 @dataclass(frozen=True)

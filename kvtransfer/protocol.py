@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import xxhash
 
-from kvtransfer.layout import KVLayout, decode_layout, encode_layout
+from engine.kvcache.layout import KVLayout, decode_layout, encode_layout
 
 MAGIC = 0x7064_6B76_0002  # "pdkv", protocol version 2 (trailers)
 MAX_SEQ = (1 << 31) - 3  # tags fit a non-negative int32 below engine's ABORT_TAG

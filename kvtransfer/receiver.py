@@ -28,8 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.distributed import StoreAddress, backend_for, connect_store, create_store_server
-from engine.sharding import num_blocks_for
+from engine.kvcache.layout import KVLayout
+from engine.tp.distributed import StoreAddress, backend_for, connect_store, create_store_server
+from engine.tp.sharding import num_blocks_for
 from kvtransfer.channel import (
     RECEIVER,
     accept_key,
@@ -41,7 +42,6 @@ from kvtransfer.channel import (
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelError, TransferError, TransferRejected
 from kvtransfer.incoming import Incoming, RankShard
-from kvtransfer.layout import KVLayout
 from kvtransfer.plan import check_tp_size
 from kvtransfer.pool import ChannelPool
 from kvtransfer.protocol import (

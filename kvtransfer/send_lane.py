@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from engine.distributed import StoreAddress, connect_store
+from engine.kvcache.layout import KVLayout
+from engine.tp.distributed import StoreAddress, connect_store
 from kvtransfer.buffers import BufferPool
 from kvtransfer.channel import Channel, Pending, open_channel
 from kvtransfer.checksum import algo_for, checksum
@@ -40,7 +41,6 @@ from kvtransfer.errors import (
     TransferError,
     TransferRejected,
 )
-from kvtransfer.layout import KVLayout
 from kvtransfer.outgoing import Job, Outgoing
 from kvtransfer.packing import gather, rows_view, split_rows
 from kvtransfer.plan import local_heads

@@ -27,13 +27,13 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.distributed import StoreAddress, backend_for, connect_store
-from engine.sharding import kv_head_range, num_blocks_for
+from engine.kvcache.layout import KVLayout
+from engine.tp.distributed import StoreAddress, backend_for, connect_store
+from engine.tp.sharding import kv_head_range, num_blocks_for
 from kvtransfer.buffers import BufferPool
 from kvtransfer.channel import read_receiver_info
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelError, LayoutMismatch, TransferError, TransferTimeout
-from kvtransfer.layout import KVLayout
 from kvtransfer.outgoing import Job, Outgoing
 from kvtransfer.plan import check_tp_size, routes_from
 from kvtransfer.pool import ChannelPool

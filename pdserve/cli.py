@@ -289,7 +289,7 @@ def _decode(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.tiny_model import make_tiny_model
+    from engine.testing.tiny_model import make_tiny_model
 
     start = time.monotonic()
     print(f"building a random {args.arch} checkpoint ({args.preset}, seed {args.seed}) ...",
@@ -301,7 +301,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
-    from engine.tiny_model import ensure_demo_model
+    from engine.testing.tiny_model import ensure_demo_model
 
     if args.model is None:
         print("preparing the built-in tiny model (built on first use) ...", flush=True)

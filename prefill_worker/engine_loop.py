@@ -1,10 +1,10 @@
 """The prefill worker's engine loop: the one thread that drives the prefill ``EngineCore``
-and its ``PrefillKVLeader``.
+and the sending side of its KV plane (``worker.kv.sending.KVSendLeader``).
 
 Life of one request here: ``Submit`` (queued as a prefill-only request with a send order
 to the decode store) → the engine prefills it in chunks with others (continuous
 batching); the step that samples its first token sends its KV layer by layer → the loop
-calls ``PrefillKVLeader.finish`` (the first token and cached-token count follow the KV as
+calls ``KVSendLeader.finish`` (the first token and cached-token count follow the KV as
 its trailer) and steps on → between steps (or every ``IDLE_POLL_S`` when idle) it polls
 the transfers; once every decode rank acknowledged this one, the blocks are unpinned into
 the prefix cache and the request's ``OutputStream`` gets one ``PrefillDone``. ``Abort``
@@ -29,13 +29,16 @@ from pathlib import Path
 import grpc
 
 from cluster import pause_points
-from engine.core import EngineCore, RequestOutput
-from engine.distributed import StoreAddress
-from engine.request import RequestStatus
+from engine.core.engine_core import EngineCore, RequestOutput
+from engine.core.request import RequestStatus
 from engine.sampling_params import SamplingParams
-from prefill_worker.kv_leader import PrefillKVLeader, SendOutcome
-from worker.loop import Command, EngineLoop, OutputStream, WorkerError
+from engine.tp.distributed import StoreAddress
+from worker.commands import Command, WorkerError
+from worker.kv.plane import KVPlane
+from worker.kv.sending import SendOutcome
+from worker.loop import EngineLoop
 from worker.metrics import WorkerMetrics
+from worker.streams import OutputStream
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class Submit(Command[None]):
     """Queue a prefill whose KV goes to ``dest``; ``stream`` gets one ``PrefillDone``.
     ``deadline`` (monotonic; None: none): dropped unless its prefill started by then."""
 
-    request_id: str
+    attempt_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     transfer_id: int
@@ -85,14 +88,16 @@ class _Held:
 
 
 class PrefillLoop(EngineLoop):
-    """Owns ``core`` (built with the prefill KV plugin) from ``start`` until ``stop``."""
+    """Owns ``core`` (built with the KV rank plugin, ``worker.kv.rank``) from ``start``
+    until ``stop``; a finished request's blocks stay pinned unacknowledged at most
+    ``transfer_timeout_s``."""
 
-    def __init__(self, core: EngineCore, max_requests: int = 1024,
+    def __init__(self, core: EngineCore, transfer_timeout_s: float, max_requests: int = 1024,
                  metrics: WorkerMetrics | None = None) -> None:
-        self.kv = PrefillKVLeader(core)
-        super().__init__("pdserve-prefill-loop", core, self.kv,
+        super().__init__("pdserve-prefill-loop", core, KVPlane(core, transfer_timeout_s),
                          metrics or WorkerMetrics(Path(core.config.model.model_dir).name,
                                                   "prefill", "-"))
+        self.sending = self.kv.sending
         self.max_requests = max_requests
         self._held: dict[str, _Held] = {}
 
@@ -103,29 +108,29 @@ class PrefillLoop(EngineLoop):
         return super()._handle_own(command)
 
     def _submit(self, cmd: Submit) -> None:
-        if cmd.request_id in self._held:
+        if cmd.attempt_id in self._held:
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
-                              f"request {cmd.request_id!r} is already being prefilled")
+                              f"request {cmd.attempt_id!r} is already being prefilled")
         if len(self._held) >= self.max_requests:
             raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"busy: {len(self._held)} requests held, the worker's limit "
                               "(--max-requests)")
         try:
-            self.kv.submit(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.transfer_id,
+            self.sending.submit(cmd.attempt_id, cmd.prompt_token_ids, cmd.params, cmd.transfer_id,
                            cmd.dest)
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        self.named(cmd.request_id, cmd.client_request_id)
-        self._held[cmd.request_id] = _Held(cmd.stream, cmd.deadline, cmd.transfer_id,
+        self.named(cmd.attempt_id, cmd.client_request_id)
+        self._held[cmd.attempt_id] = _Held(cmd.stream, cmd.deadline, cmd.transfer_id,
                                            time.monotonic())
-        self.timings.received(cmd.request_id)
+        self.timings.received(cmd.attempt_id)
 
-    def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
-        held = self._held.pop(request_id, None)
-        self.timings.forget(request_id)
+    def _abort(self, attempt_id: str, code: grpc.StatusCode, reason: str) -> bool:
+        held = self._held.pop(attempt_id, None)
+        self.timings.forget(attempt_id)
         if held is not None:  # the caller first: releasing calls into the ranks
             held.stream.fail(code, reason)
-        return self.kv.abort(request_id) or held is not None
+        return self.sending.abort(attempt_id) or held is not None
 
     def _live_ids(self) -> list[str]:
         return list(self._held)
@@ -171,7 +176,7 @@ class PrefillLoop(EngineLoop):
                                         num_computed_tokens=request.num_computed_tokens)
 
     def _is_polling(self) -> bool:
-        return bool(self.kv.num_sending)
+        return bool(self.sending.num_sending)
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.finished and out.request_id in self._held:  # else: warm-up
@@ -179,17 +184,17 @@ class PrefillLoop(EngineLoop):
                 self._started_points(also=out.request_id)
             self.timings.prompt(out.num_prompt_tokens, out.num_cached_tokens)
             self.timings.output(out.request_id, len(out.new_token_ids), None)
-            outcome = self.kv.finish(out)
+            outcome = self.sending.finish(out)
             if outcome is not None:
                 self._report(outcome)
 
     def _poll(self) -> None:
-        for outcome in self.kv.poll():
+        for outcome in self.sending.poll():
             self._report(outcome)
 
     def _report(self, outcome: SendOutcome) -> None:
         held = self._held.pop(outcome.request_id, None)
-        self.metrics.transfer(outcome.ok, outcome.seconds)
+        self.metrics.transfer("sent", outcome.ok, outcome.seconds)
         if held is None:
             return
         stream = held.stream

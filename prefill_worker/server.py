@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 
 import grpc
 
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
-from engine.core import EngineCore
-from engine.distributed import StoreAddress
+from cluster.kv_target import KVTarget
+from engine.core.engine_core import EngineCore
+from engine.tp.distributed import StoreAddress
 from prefill_worker.engine_loop import PrefillDone, PrefillLoop, Submit
-from prefill_worker.kv_rank import PLUGIN, PrefillKVConfig
-from worker.loop import EngineLoop, OutputStream, WorkerError
+from worker.commands import WorkerError
+from worker.loop import EngineLoop
 from worker.metrics import WorkerMetrics
-from worker.options import advertise_host
 from worker.process import WorkerKind, run_worker
 from worker.server import Identity
 from worker.servicer import (
@@ -35,11 +34,9 @@ from worker.servicer import (
     call_timeout,
     sampling_params_from_proto,
 )
+from worker.streams import OutputStream
 
 log = logging.getLogger(__name__)
-
-FAULT_HOOK_ENV = "PDSERVE_TEST_KV_FAULT_HOOK"
-"""Tests only: ``module:factory`` of a ``kvtransfer`` sender fault hook for every rank."""
 
 
 class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
@@ -47,7 +44,7 @@ class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: pb.PrefillRequest,  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
-        attempt = attempt_of(request)
+        attempt = await attempt_of(request, context)
         stream: OutputStream[PrefillDone] = OutputStream(1)
         remaining = context.time_remaining()
         held = True  # unless the loop refused it: then nothing is held, nothing to abort
@@ -57,7 +54,7 @@ class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
                                 sampling_params_from_proto(request.sampling),
                                 request.target.transfer_id, _dest(request.target), stream,
                                 None if remaining is None else time.monotonic() + remaining,
-                                request.request_id)
+                                request.client_request_id)
                 await self.loop.acall(submit, call_timeout(context))
             except WorkerError as exc:
                 held = exc.code not in REFUSALS
@@ -92,33 +89,24 @@ REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_
 
 
 def _dest(target: pb.KVTarget) -> StoreAddress:
-    host, _, port = target.kv_address.rpartition(":")
-    if not host or not port.isdigit() or target.transfer_id == 0:
-        raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"bad KV target {target.kv_address!r} / transfer {target.transfer_id}")
-    return StoreAddress(host, int(port))
-
-
-def _plugin_config(args: argparse.Namespace, fingerprint: str) -> str:
-    # tests only: "module:factory" of a kvtransfer sender fault hook (see PrefillKVConfig)
-    fault_hook = os.environ.get(FAULT_HOOK_ENV) or None
-    if fault_hook is not None:
-        log.warning("test-only KV fault hook %s is active (%s)", fault_hook, FAULT_HOOK_ENV)
-    return PrefillKVConfig(fingerprint, timeout_s=args.transfer_timeout, fault_hook=fault_hook,
-                           bind_host=advertise_host(args)).to_json()
+    try:
+        host, port = KVTarget(target.transfer_id, target.kv_address,
+                              target.tensor_parallel_size).host_port()
+    except ValueError as exc:
+        raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+    return StoreAddress(host, port)
 
 
 def _make_loop(core: EngineCore, args: argparse.Namespace, metrics: WorkerMetrics) -> EngineLoop:
-    return PrefillLoop(core, max_requests=args.max_requests, metrics=metrics)
+    return PrefillLoop(core, args.transfer_timeout, max_requests=args.max_requests,
+                       metrics=metrics)
 
 
 def _add_servicer(loop: EngineLoop, identity: Identity, server: grpc.aio.Server) -> None:
     pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(loop, identity), server)
 
 
-PREFILL = WorkerKind(role="prefill", rank_plugin=PLUGIN, plugin_config=_plugin_config,
-                     make_loop=_make_loop, add_servicer=_add_servicer,
-                     kv_address=lambda loop: "")
+PREFILL = WorkerKind(role="prefill", make_loop=_make_loop, add_servicer=_add_servicer)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -9,6 +9,6 @@ and relays the token stream: ``service`` holds the ``pdserve.v1`` gRPC handlers 
 parses their messages), ``http`` the OpenAI-compatible HTTP API, ``server`` the process,
 ``metrics`` its Prometheus series.
 
-May import ``cluster``, the torch-free parts of ``engine``, ``kvtransfer.layout`` and the
+May import ``cluster``, the torch-free parts of ``engine``, ``engine.kvcache.layout`` and the
 public generated code ``pdserve.v1``; never the workers or the SDK's client modules.
 """

@@ -38,7 +38,7 @@ from cluster.fingerprint import fingerprint_model_dir
 from cluster.keepalive import SERVER_OPTIONS as KEEPALIVE_SERVER_OPTIONS
 from cluster.leases import LeaseKeeper, LeaseStore, new_router_id
 from cluster.registry import Registry, RegistryAuthError
-from engine.tokenizer import load_tokenizer
+from engine.text.tokenizer import load_tokenizer
 from router.auth import ApiKeyInterceptor, load_api_key
 from router.config import (
     AdmissionConfig,
@@ -269,7 +269,7 @@ def _tls(args: argparse.Namespace) -> TLSFiles | None:
 
 
 def _demo_model_dir() -> Path:
-    from engine.tiny_model import ensure_demo_model  # imports torch: only for this default
+    from engine.testing.tiny_model import ensure_demo_model  # imports torch: only for this default
 
     return Path(ensure_demo_model())
 

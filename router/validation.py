@@ -22,8 +22,8 @@ import tokenizers
 from engine.config import load_model_config
 from engine.kvcache.block_hash import BlockHash, compute_block_hashes
 from engine.sampling_params import SamplingParams
-from engine.sharding import num_blocks_for
-from engine.tokenizer import TokenizerInfo, load_tokenizer
+from engine.text.tokenizer import TokenizerInfo, load_tokenizer
+from engine.tp.sharding import num_blocks_for
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 DEFAULT_MAX_TOKENS = 16

@@ -18,6 +18,7 @@ import grpc
 
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
+from cluster.kv_target import KVTarget
 from cluster.leases import Lease
 from router.outputs import OutputChunk, Usage
 from router.trace import PrefillTimes
@@ -25,15 +26,6 @@ from router.validation import ValidRequest
 from router.workers import WorkerPool
 
 ABORT_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class KVTarget:
-    """Where a reservation wants its KV (an opaque handle for ``start_prefill``)."""
-
-    kv_address: str
-    tensor_parallel_size: int
-    transfer_id: int
 
 
 @dataclass(frozen=True)
@@ -130,7 +122,7 @@ class WorkerCalls:
         ``wait_s`` to start. ``reserved`` reads the reply."""
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
         return stub.Reserve(pb.ReserveRequest(
-            request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
+            client_request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
             sampling=self._sampling, transfer_id=transfer_id,
             wait_ms=max(1, int(wait_s * 1000)), attempt_id=lease.attempt_id,
             lease=self._lease(lease)), timeout=timeout_s)
@@ -141,13 +133,13 @@ class WorkerCalls:
             return Reservation(False, reason=reply.reason)
         t = reply.target
         return Reservation(True, reply.num_blocks, KVTarget(
-            t.kv_address, t.tensor_parallel_size, t.transfer_id))
+            t.transfer_id, t.kv_address, t.tensor_parallel_size))
 
     def start_prefill(self, prefill_id: str, lease: Lease, target: KVTarget, timeout_s: float
                       ) -> grpc.aio.UnaryUnaryCall:
         stub = pb_grpc.PrefillWorkerStub(self._pool.channel(prefill_id))
         return stub.Prefill(pb.PrefillRequest(
-            request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
+            client_request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
             sampling=self._sampling, target=pb.KVTarget(
                 kv_address=target.kv_address, tensor_parallel_size=target.tensor_parallel_size,
                 transfer_id=target.transfer_id), attempt_id=lease.attempt_id,
@@ -169,13 +161,13 @@ class WorkerCalls:
         ``first_token_id`` and ``num_cached_tokens`` stay 0: absent)."""
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
         return stub.Generate(pb.GenerateRequest(
-            request_id=self._req.request_id, attempt_id=lease.attempt_id), timeout=timeout_s)
+            client_request_id=self._req.request_id, attempt_id=lease.attempt_id), timeout=timeout_s)
 
     def start_generate_local(self, decode_id: str, lease: Lease, timeout_s: float
                              ) -> grpc.aio.UnaryStreamCall:
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
         return stub.GenerateLocal(pb.GenerateLocalRequest(
-            request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
+            client_request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
             sampling=self._sampling, attempt_id=lease.attempt_id, lease=self._lease(lease)),
             timeout=timeout_s)
 
@@ -189,7 +181,7 @@ class WorkerCalls:
         stub: pb_grpc.DecodeWorkerStub | pb_grpc.PrefillWorkerStub = (
             pb_grpc.DecodeWorkerStub(channel) if role == "decode"
             else pb_grpc.PrefillWorkerStub(channel))
-        return stub.Abort(pb.AbortRequest(request_id=self._req.request_id,
+        return stub.Abort(pb.AbortRequest(client_request_id=self._req.request_id,
                                           attempt_id=attempt_id), timeout=ABORT_TIMEOUT_S)
 
 

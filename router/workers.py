@@ -35,7 +35,7 @@ from cluster.keepalive import CHANNEL_OPTIONS as KEEPALIVE_CHANNEL_OPTIONS
 from cluster.records import WorkerRecord
 from cluster.registry import Registry
 from cluster.view import WorkerView
-from kvtransfer.layout import PROTOCOL_VERSION, KVLayout
+from engine.kvcache.layout import PROTOCOL_VERSION, KVLayout
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ PROMPTS = [
 
 def make_model_dir(path: Path, arch: str = "llama", seed: int = 0,
                    overrides: dict[str, Any] | None = None) -> Path:
-    from engine.tiny_model import make_tiny_model
+    from engine.testing.tiny_model import make_tiny_model
 
     return make_tiny_model(path, arch=arch, seed=seed, overrides=overrides or {})
 

@@ -29,12 +29,12 @@ TORCH = ("torch", "flash_attn", "triton")
 MAY_IMPORT = {
     "engine": set(),
     "kvtransfer": {"engine"},
-    "cluster": {"kvtransfer.layout"},  # the KV layout a fingerprint is part of
+    "cluster": {"engine.kvcache.layout"},  # the KV layout a fingerprint is part of
     "worker": {"cluster", "kvtransfer", "engine"},
     "prefill_worker": {"worker", "cluster", "kvtransfer", "engine"},
     "decode_worker": {"worker", "cluster", "kvtransfer", "engine"},
-    "router": {"cluster", "kvtransfer.layout", "engine", "pdserve.v1"},
-    "deploy": {"router.options", "worker.options", "engine.tiny_model"},
+    "router": {"cluster", "engine", "pdserve.v1"},
+    "deploy": {"router.options", "worker.options", "engine.testing.tiny_model"},
 }
 SDK_MODULES = ("pdserve", "pdserve.client", "pdserve.aio_client", "pdserve.v1")
 # The thin gRPC adapters: the only modules that import generated protobuf code.
@@ -47,9 +47,9 @@ ADAPTERS = {
 GENERATED = ("pdserve.v1.generate_pb2", "pdserve.v1.generate_pb2_grpc",
              "cluster.internal.v1.worker_pb2", "cluster.internal.v1.worker_pb2_grpc")
 # Modules that must never load torch (statically, through everything they import).
-TORCH_FREE = ("engine.kvcache", "engine.scheduler", "engine.request", "engine.config",
-              "engine.sampling_params", "engine.sharding", "engine.tokenizer",
-              "kvtransfer.layout", "kvtransfer.protocol", "kvtransfer.config",
+TORCH_FREE = ("engine.kvcache", "engine.core.scheduler", "engine.core.request", "engine.config",
+              "engine.sampling_params", "engine.tp.sharding", "engine.text.tokenizer",
+              "engine.kvcache.layout", "kvtransfer.protocol", "kvtransfer.config",
               "kvtransfer.states", "kvtransfer.plan", "cluster", "router", "worker.server",
               "worker.loop", "worker.options", "cluster.pause_points", "pdserve.cli", "deploy",
               *SDK_MODULES)
@@ -262,8 +262,8 @@ def test_torch_free_modules_never_load_torch(root: str) -> None:
 
 def test_torch_free_packages_import_without_torch() -> None:
     result = run_without_torch(
-        "import engine, engine.kvcache, engine.scheduler, engine.config, engine.sharding\n"
-        "import kvtransfer, kvtransfer.layout, kvtransfer.protocol, kvtransfer.plan\n"
+        "import engine, engine.kvcache, engine.core.scheduler, engine.config, engine.tp.sharding\n"
+        "import kvtransfer, engine.kvcache.layout, kvtransfer.protocol, kvtransfer.plan\n"
         "import cluster.registry, cluster.heartbeat, cluster.view, cluster.fingerprint\n"
         "import router.server, router.service, router.handoff, router.api, router.worker_calls\n"
         "import worker.server, worker.loop, worker.options, cluster.pause_points\n"
@@ -280,7 +280,7 @@ def test_torch_free_packages_import_without_torch() -> None:
 
 
 def test_import_engine_does_not_load_torch() -> None:
-    code = ("import sys\nimport engine, engine.kvcache, engine.scheduler, engine.config\n"
+    code = ("import sys\nimport engine, engine.kvcache, engine.core.scheduler, engine.config\n"
             "print('torch' in sys.modules)\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                             text=True, timeout=60)
@@ -314,7 +314,7 @@ def test_the_checker_sees_nested_and_relative_imports(tmp_path: Path) -> None:
                       "    import torch\ndef f():\n    import numpy\nclass C:\n    import json\n")
     assert imported_names(sample, "x", import_time=True) == {"os", "typing", "typing.TYPE_CHECKING",
                                                              "json"}
-    assert {"engine", "engine.kvcache"} <= import_time_edges("engine.scheduler")
+    assert {"engine", "engine.kvcache"} <= import_time_edges("engine.core.scheduler")
 
 
 def test_the_cycle_finder_finds_a_cycle(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,9 +7,10 @@ thread-safe queue; the reply comes back through a ``Future``; ``call`` for other
 threads, ``post`` when no reply is wanted) and await their request's results on an
 ``OutputStream`` that only the loop writes. No handler ever blocks a thread, so no number
 of open streams can starve health, ``Abort``, ``Info`` or ``Reserve``. The commands every worker kind answers the same way (``Abort``, ``AbortAll``,
-``Info``) are handled here; each kind adds its own (``prefill_worker.engine_loop``,
-``decode_worker.engine_loop``). The gRPC side of a worker (ready file, health,
-registration, signals) is ``worker.server``.
+``Info``, ``worker.commands``) are handled here; each kind adds its own
+(``prefill_worker.engine_loop``, ``decode_worker.engine_loop``). The loop holds the
+worker's KV data plane (``worker.kv.plane.KVPlane``), both directions. The gRPC side of a
+worker (ready file, health, registration, signals) is ``worker.server``.
 """
 
 from __future__ import annotations
@@ -21,18 +22,19 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from cluster import pause_points
-from engine.kvcache import KVCacheUsage
+from worker.commands import Abort, AbortAll, Command, Info, LoopInfo, WorkerError
 from worker.leases import LeaseBook
 from worker.metrics import RequestTimings, Snapshot, WorkerMetrics
 
 if TYPE_CHECKING:
-    from engine.core import EngineCore, RequestOutput
-    from worker.rank_calls import RankTotals
+    from engine.core.engine_core import EngineCore, RequestOutput
+    from worker.kv.plane import KVPlane
+    from worker.kv.reports import RankTotals
 
 log = logging.getLogger(__name__)
 
@@ -40,78 +42,6 @@ T = TypeVar("T")
 IDLE_POLL_S = 0.001  # how often the loop re-checks KV transfers when it has nothing to step
 SNAPSHOT_S = 0.25  # how often the metrics' gauges are refreshed (while the loop runs)
 TOTALS_S = 1.0  # ... and the data plane's totals (a call to every rank)
-
-
-class WorkerError(Exception):
-    """A failure reported to a gRPC caller: ``code`` is the status, ``message`` its text."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-CALL_TIMEOUT_S = 30.0  # a command the loop does not answer in this long: UNAVAILABLE
-
-
-@dataclass(frozen=True)
-class Command(Generic[T]):
-    """Base of the typed commands a loop accepts; ``T`` is the reply type."""
-
-
-@dataclass(frozen=True)
-class Abort(Command[bool]):
-    """Stop a request wherever it is and release what it holds; False if unknown."""
-
-    request_id: str
-    reason: str = "aborted"
-
-
-@dataclass(frozen=True)
-class AbortAll(Command[int]):
-    reason: str = "the worker is shutting down"
-
-
-@dataclass(frozen=True)
-class Info(Command["LoopInfo"]):
-    pass
-
-
-@dataclass(frozen=True)
-class LoopInfo:
-    """A worker's state for ``Info`` and the leak checks."""
-
-    kv: KVCacheUsage
-    pending_transfers: int  # the leader's open handoffs + every rank's pending transfers
-    open_kv_channels: int  # summed over ranks
-    running: int
-    waiting: int
-    num_preemptions: int = 0  # since the worker started
-    num_expired: int = 0  # dropped at their deadline before any compute, since the start
-    num_started: int = 0  # requests whose prompt the engine started computing
-    num_failed_transfers: int = 0  # KV transfers that failed, since the start
-    attempt_ids: tuple[str, ...] = ()  # the attempts held (the engine's request ids)
-    watched_leases: int = 0  # leases of held attempts the worker watches
-    queued_commands: int = 0  # commands not yet picked up
-    num_lease_aborts: int = 0  # attempts freed because their lease was gone
-    num_expired_commands: int = 0  # commands dropped unrun: their caller's deadline passed
-    num_unexpected_acks: int = 0  # KV acknowledgements counted and ignored (prefill ranks)
-
-
-class KVLeader(Protocol):
-    """What the loop asks a worker kind's KV leader (``*_worker.kv_leader``) for ``Info``."""
-
-    @property
-    def num_pending(self) -> int: ...
-
-    @property
-    def num_failed(self) -> int:
-        """Transfers that failed since the start."""
-        ...
-
-    def rank_totals(self) -> RankTotals:
-        """The ranks' data-plane figures, summed."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -127,7 +57,7 @@ class EngineLoop:
 
     ``Abort``, ``AbortAll`` and ``Info`` are answered here for every kind; subclasses
     implement ``_handle_own(command)`` for their own commands (runs on the loop thread; its
-    return value or exception goes to the caller), ``_abort(request_id, code, reason)``
+    return value or exception goes to the caller), ``_abort(attempt_id, code, reason)``
     (stop one request wherever it is; False if unknown), ``_live_ids()`` (the requests it
     holds), ``_deliver(output)`` (one step output), and may override ``_is_polling()``
     (waiting on something outside the engine, e.g. a KV transfer: ``_poll()`` runs every
@@ -136,10 +66,9 @@ class EngineLoop:
     engine shut down, once, on the loop thread.
     """
 
-    def __init__(self, name: str, core: EngineCore, kv_leader: KVLeader,
-                 metrics: WorkerMetrics) -> None:
+    def __init__(self, name: str, core: EngineCore, kv: KVPlane, metrics: WorkerMetrics) -> None:
         self.core = core
-        self.kv_leader = kv_leader
+        self.kv = kv
         self.metrics = metrics
         self.timings = RequestTimings(metrics)
         self._snapshot_at = self._totals_at = 0.0
@@ -258,7 +187,7 @@ class EngineLoop:
                 continue
             if pause_points.enabled():
                 pause_points.pause("worker.command", command=type(item.command).__name__,
-                                   attempt_id=str(getattr(item.command, "request_id", "")))
+                                   attempt_id=str(getattr(item.command, "attempt_id", "")))
             try:
                 item.future.set_result(self._handle(item.command))
             except Exception as exc:
@@ -302,13 +231,13 @@ class EngineLoop:
         self._snapshot_at = now
         self._forget_ended()
         if self._totals is None or now - self._totals_at >= TOTALS_S:
-            self._totals, self._totals_at = self.kv_leader.rank_totals(), now
+            self._totals, self._totals_at = self.kv.rank_totals(), now
         sched, kv = self.core.scheduler, self.core.kv_usage()
         self.metrics.snapshot = Snapshot(
             running=len(sched.running), waiting=len(sched.waiting) + self._num_unadmitted(),
             kv_usage=(kv.in_use + kv.pinned) / kv.total if kv.total else 0.0,
             pinned_blocks=kv.pinned, open_channels=self._totals.open_channels,
-            bytes_moved=self._totals.bytes_moved,
+            bytes_sent=self._totals.bytes_sent, bytes_received=self._totals.bytes_received,
             checksum_failures=self._totals.checksum_failures,
             unexpected_acks=self._totals.unexpected_acks)
         preemptions = sched.stats.num_preemptions
@@ -319,7 +248,7 @@ class EngineLoop:
     # --- the commands every kind shares -------------------------------------------
     def _handle(self, command: Command[Any]) -> Any:
         if isinstance(command, Abort):
-            return self._abort(command.request_id, grpc.StatusCode.ABORTED, command.reason)
+            return self._abort(command.attempt_id, grpc.StatusCode.ABORTED, command.reason)
         if isinstance(command, AbortAll):
             ids = self._live_ids()
             for rid in ids:
@@ -329,10 +258,10 @@ class EngineLoop:
             return self._info()
         return self._handle_own(command)
 
-    def named(self, attempt_id: str, request_id: str) -> None:
-        """Log lines about ``attempt_id`` name the client's ``request_id`` too (loop thread)."""
-        if request_id and request_id != attempt_id:
-            self._client_ids[attempt_id] = request_id
+    def named(self, attempt_id: str, client_request_id: str) -> None:
+        """Log lines about ``attempt_id`` name the client's request id too (loop thread)."""
+        if client_request_id and client_request_id != attempt_id:
+            self._client_ids[attempt_id] = client_request_id
 
     def log_extra(self, attempt_id: str) -> dict[str, str]:
         """``extra`` of a log line about an attempt: ``request_id=<client id> attempt=<id>``."""
@@ -349,16 +278,16 @@ class EngineLoop:
 
     def _info(self) -> LoopInfo:
         self._forget_ended()
-        totals = self.kv_leader.rank_totals()
+        totals = self.kv.rank_totals()
         sched = self.core.scheduler
         return LoopInfo(
             kv=self.core.kv_usage(),
-            pending_transfers=self.kv_leader.num_pending + totals.pending,
+            pending_transfers=self.kv.num_pending + totals.pending,
             open_kv_channels=totals.open_channels, running=len(sched.running),
             waiting=len(sched.waiting) + self._num_unadmitted(),
             num_preemptions=sched.stats.num_preemptions, num_expired=self.num_expired,
             num_started=sched.stats.num_started,
-            num_failed_transfers=self.kv_leader.num_failed,
+            num_failed_transfers=self.kv.num_failed,
             attempt_ids=tuple(self._live_ids()), watched_leases=len(self.leases),
             queued_commands=self._commands.qsize(), num_lease_aborts=self.leases.num_aborted,
             num_expired_commands=self.num_expired_commands,
@@ -368,7 +297,7 @@ class EngineLoop:
     def _handle_own(self, command: Command[Any]) -> Any:
         raise TypeError(f"unknown command {command!r}")
 
-    def _abort(self, request_id: str, code: grpc.StatusCode, reason: str) -> bool:
+    def _abort(self, attempt_id: str, code: grpc.StatusCode, reason: str) -> bool:
         """Stop one request wherever it is: fail its caller's stream first, then release
         what it holds (which may call into the ranks and raise)."""
         raise NotImplementedError
@@ -399,54 +328,3 @@ class EngineLoop:
 def _log_failure(future: Future[Any]) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.warning("a posted engine-loop command failed: %s", future.exception())
-
-
-class OutputStream(Generic[T]):
-    """One request's results, written by the loop thread, awaited by one asyncio task.
-
-    Made on the reader's event loop (the loop thread wakes the reader through it). Bounded
-    by construction: the loop puts at most ``capacity`` items (one per token plus the
-    end; set at construction or by ``bound``), so ``put`` never waits; a put beyond it is
-    a bug and raises. The end of the
-    stream is an item for which the reader's own check says so, or a ``WorkerError``
-    (put with ``fail``). Items for a reader whose event loop closed are dropped.
-    """
-
-    def __init__(self, capacity: int | None = None) -> None:
-        self._event_loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[T | WorkerError] = asyncio.Queue()
-        self._capacity = capacity
-        self._num_put = 0  # loop thread only
-        # monotonic, set by the loop: when what the request waited on outside this worker
-        # arrived (a decode stream opened before its KV: the KV's arrival); None: nothing
-        self.inputs_arrived_at: float | None = None
-
-    def bound(self, capacity: int) -> None:
-        """Set the capacity (the loop thread, when it learns how many items there can be)."""
-        self._capacity = capacity
-
-    def put(self, item: T) -> None:
-        if self._capacity is not None and self._num_put >= self._capacity:
-            raise RuntimeError(f"more than {self._capacity} items for one request")
-        self._num_put += 1
-        self._deliver(item)
-
-    def fail(self, code: grpc.StatusCode, message: str) -> None:
-        self._deliver(WorkerError(code, message))
-
-    def _deliver(self, item: T | WorkerError) -> None:
-        try:
-            self._event_loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the reader's event loop is closed: nobody reads any more
-            pass
-
-    async def get(self, timeout_s: float | None) -> T:
-        """The next item; raises the ``WorkerError`` put by ``fail``, or
-        ``WorkerError(DEADLINE_EXCEEDED)`` after ``timeout_s``."""
-        try:
-            item = await asyncio.wait_for(self._queue.get(), timeout_s)
-        except TimeoutError:
-            raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
-        if isinstance(item, WorkerError):
-            raise item
-        return item

@@ -19,8 +19,10 @@ and llm-d's scheduler built for vLLM read them unchanged — every one labelled
 
 pdserve's own, under ``pdserve:``: ``pdserve:kv_transfers_total{direction, outcome}``
 (sent/received, ok/failed), ``pdserve:kv_transfer_bytes_total{direction}``,
-``pdserve:kv_transfer_seconds{direction}`` (sent: last layer computed → every decode rank
-acknowledged; received: reservation → KV verified on every rank), ``pdserve:kv_checksum_failures_total``,
+``pdserve:kv_transfer_seconds{direction}`` (sent: last layer computed → every receiving
+rank acknowledged; received: reservation → KV verified on every rank) — labelled by the
+direction of the transfer, not by the worker's role: any worker may send and receive —
+``pdserve:kv_checksum_failures_total``,
 ``pdserve:kv_unexpected_acks_total`` (acknowledgements a sender counted and ignored),
 ``pdserve:kv_pinned_blocks``, ``pdserve:kv_open_channels`` (gauges), and
 ``pdserve:worker_info{role, worker_id}`` (1).
@@ -44,6 +46,7 @@ from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0)
+DIRECTIONS = ("sent", "received")  # the label of a KV transfer's direction
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -56,7 +59,8 @@ class Snapshot:
     kv_usage: float = 0.0
     pinned_blocks: int = 0
     open_channels: int = 0
-    bytes_moved: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
     checksum_failures: int = 0
     unexpected_acks: int = 0
 
@@ -80,7 +84,8 @@ class _Live(Collector):
             yield family
         moved = CounterMetricFamily("pdserve:kv_transfer_bytes", "KV payload bytes moved",
                                     labels=["model_name", "direction"])
-        moved.add_metric([m.model_name, m.direction], s.bytes_moved)
+        moved.add_metric([m.model_name, "sent"], s.bytes_sent)
+        moved.add_metric([m.model_name, "received"], s.bytes_received)
         yield moved
         failures = CounterMetricFamily("pdserve:kv_checksum_failures",
                                        "KV parts that arrived corrupted", labels=["model_name"])
@@ -99,7 +104,6 @@ class WorkerMetrics:
     def __init__(self, model_name: str, role: str, worker_id: str,
                  registry: CollectorRegistry | None = None) -> None:
         self.model_name = model_name
-        self.direction = "sent" if role == "prefill" else "received"
         self.registry = registry or CollectorRegistry()
         self.snapshot = Snapshot()
         r, labels = self.registry, ["model_name"]
@@ -133,9 +137,10 @@ class WorkerMetrics:
             metric.labels(model_name)  # exported (at 0) before the first event
         for reason in ("stop", "length", "prefilled"):
             self.success.labels(model_name, reason)
-        for outcome in ("ok", "failed"):
-            self.transfers.labels(model_name, self.direction, outcome)
-        self.transfer_seconds.labels(model_name, self.direction)
+        for direction in DIRECTIONS:
+            for outcome in ("ok", "failed"):
+                self.transfers.labels(model_name, direction, outcome)
+            self.transfer_seconds.labels(model_name, direction)
         info = Gauge("pdserve:worker_info", "This worker", [*labels, "role", "worker_id"],
                      registry=r)
         info.labels(model_name, role, worker_id).set(1)
@@ -144,11 +149,11 @@ class WorkerMetrics:
     def label(self, metric: Any, *extra: str) -> Any:
         return metric.labels(self.model_name, *extra)
 
-    def transfer(self, ok: bool, seconds: float | None) -> None:
-        """A KV transfer of this worker ended."""
-        self.label(self.transfers, self.direction, "ok" if ok else "failed").inc()
+    def transfer(self, direction: str, ok: bool, seconds: float | None) -> None:
+        """A KV transfer of this worker ended (``direction``: "sent" or "received")."""
+        self.label(self.transfers, direction, "ok" if ok else "failed").inc()
         if ok and seconds is not None:
-            self.label(self.transfer_seconds, self.direction).observe(seconds)
+            self.label(self.transfer_seconds, direction).observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

@@ -2,15 +2,17 @@
 
 Start-up order (gRPC and fork do not mix): with ``--redis-url``, check the cluster
 fingerprint first (a worker that could never join exits 3 before it loads anything), build
-the engine — it spawns the follower ranks, whose rank plugins (the kind's ``kv_rank``) start their KV endpoints — run one
-warm-up step through every rank, start the engine loop, and only then create the gRPC
-server (``worker.server.serve_until_signal``). A ``WorkerKind`` names what differs.
+the engine — it spawns the follower ranks, each with the KV rank plugin
+(``worker.kv.rank``) — run one warm-up step through every rank, build and start the engine
+loop (a receiving worker's starts its KV endpoint), and only then create the gRPC server
+(``worker.server.serve_until_signal``). A ``WorkerKind`` names what differs.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import uuid
 from collections.abc import Callable
@@ -29,12 +31,15 @@ from engine.config import (
     SchedulerConfig,
     load_model_config,
 )
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
+from engine.kvcache.layout import KVLayout
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import load_tokenizer
-from kvtransfer.layout import KVLayout
+from engine.text.tokenizer import load_tokenizer
 from worker import options
-from worker.loop import EngineLoop, Info, WorkerError
+from worker.commands import Info, WorkerError
+from worker.kv.config import KVPlaneConfig
+from worker.kv.rank import PLUGIN
+from worker.loop import EngineLoop
 from worker.metrics import WorkerMetrics
 from worker.server import Endpoint, Identity, serve_until_signal
 
@@ -44,25 +49,43 @@ LOAD_TIMEOUT_S = 1.0
 """How long a heartbeat waits for the engine loop's figures before it sends the last ones."""
 
 
+FAULT_HOOK_ENV = "PDSERVE_TEST_KV_FAULT_HOOK"
+"""Tests only: ``module:factory`` of a ``kvtransfer`` sender fault hook for every rank."""
+
+
 @dataclass(frozen=True)
 class WorkerKind:
     """What a worker kind adds to the shared process.
 
     - ``role``: "prefill" or "decode";
-    - ``rank_plugin``: the ``"module:factory"`` of its KV rank plugin;
-    - ``plugin_config(args, fingerprint)``: that plugin's configuration (JSON);
     - ``make_loop(core, args, metrics)``: its engine loop over the built engine (not
       started), recording into ``metrics``;
-    - ``add_servicer(loop, identity, server)``: registers its gRPC service;
-    - ``kv_address(loop)``: its KV endpoint as ``host:port`` ("" when it has none).
+    - ``add_servicer(loop, identity, server)``: registers its gRPC service.
     """
 
     role: str
-    rank_plugin: str
-    plugin_config: Callable[[argparse.Namespace, str], str]
     make_loop: Callable[[EngineCore, argparse.Namespace, WorkerMetrics], EngineLoop]
     add_servicer: Callable[[EngineLoop, Identity, grpc.Server], None]
-    kv_address: Callable[[EngineLoop], str]
+
+
+def kv_plane_config(args: argparse.Namespace, fingerprint: str) -> KVPlaneConfig:
+    """Every rank's KV plane settings: rank 0's store (when it receives) binds ``--host``
+    on ``--kv-port`` (0: any), the data plane advertises and binds ``--advertise-host``."""
+    fault_hook = os.environ.get(FAULT_HOOK_ENV) or None
+    if fault_hook is not None:
+        log.warning("test-only KV fault hook %s is active (%s)", fault_hook, FAULT_HOOK_ENV)
+    return KVPlaneConfig(fingerprint, timeout_s=args.transfer_timeout, bind_host=args.host,
+                         store_port=getattr(args, "kv_port", 0),
+                         advertise_host=options.advertise_host(args), fault_hook=fault_hook)
+
+
+def kv_address(loop: EngineLoop) -> str:
+    """Where the worker receives KV (``host:port`` of rank 0's store), "" when it does not."""
+    try:
+        address = loop.kv.receiving.address
+    except RuntimeError:
+        return ""
+    return f"{address.host}:{address.port}"
 
 
 def engine_config(args: argparse.Namespace, rank_plugin: str = "",
@@ -77,10 +100,10 @@ def engine_config(args: argparse.Namespace, rank_plugin: str = "",
         rank_plugin=rank_plugin, rank_plugin_config=plugin_config)
 
 
-def build_engine(args: argparse.Namespace, rank_plugin: str, plugin_config: str) -> EngineCore:
-    """The worker's engine with its rank plugin on every rank; spawns the follower ranks
+def build_engine(args: argparse.Namespace, fingerprint: str) -> EngineCore:
+    """The worker's engine with the KV rank plugin on every rank; spawns the follower ranks
     (call before any gRPC object exists)."""
-    return EngineCore(engine_config(args, rank_plugin, plugin_config),
+    return EngineCore(engine_config(args, PLUGIN, kv_plane_config(args, fingerprint).to_json()),
                       load_tokenizer(args.model))
 
 
@@ -125,7 +148,7 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
     identity = Identity(args.worker_id or f"{kind.role}-{uuid.uuid4().hex[:12]}", kind.role,
                         args.tensor_parallel_size, fingerprint)
     metrics = WorkerMetrics(Path(args.model).resolve().name, kind.role, identity.worker_id)
-    core = build_engine(args, kind.rank_plugin, kind.plugin_config(args, fingerprint))
+    core = build_engine(args, fingerprint)
     try:
         warm_up(core)
         loop = kind.make_loop(core, args, metrics)
@@ -150,6 +173,6 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
         return last[0]
 
     endpoint = Endpoint(identity, layout,
-                        kind.kv_address(loop),
+                        kv_address(loop),
                         lambda server: kind.add_servicer(loop, identity, server), load, metrics)
     return serve_until_signal(args, loop, endpoint)

@@ -35,7 +35,7 @@ from cluster.keepalive import SERVER_OPTIONS
 from cluster.leases import LeaseStore
 from cluster.records import WorkerLoad, WorkerRecord
 from cluster.registry import FingerprintMismatch, Registry
-from kvtransfer.layout import KVLayout
+from engine.kvcache.layout import KVLayout
 from worker.leases import LeaseWatcher
 from worker.loop import Abort, EngineLoop
 from worker.metrics import WorkerMetrics

@@ -15,7 +15,8 @@ import grpc
 
 from cluster.internal.v1 import worker_pb2 as pb
 from engine.sampling_params import SamplingParams
-from worker.loop import CALL_TIMEOUT_S, Abort, EngineLoop, Info, LoopInfo, WorkerError
+from worker.commands import CALL_TIMEOUT_S, Abort, Info, LoopInfo, WorkerError
+from worker.loop import EngineLoop
 from worker.server import Identity
 
 
@@ -26,10 +27,12 @@ def call_timeout(context: grpc.aio.ServicerContext) -> float:
     return CALL_TIMEOUT_S if remaining is None else max(0.0, min(CALL_TIMEOUT_S, remaining))
 
 
-def attempt_of(request: Any) -> str:
-    """The key of what a request message names: its ``attempt_id`` (its ``request_id``
-    when empty: a caller that predates attempts)."""
-    return str(request.attempt_id or request.request_id)
+async def attempt_of(request: Any, context: grpc.aio.ServicerContext) -> str:
+    """The key of what a request message names: its ``attempt_id`` (a call without one
+    ends with INVALID_ARGUMENT)."""
+    if not request.attempt_id:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call names no attempt_id")
+    return str(request.attempt_id)
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: WorkerError) -> NoReturn:
@@ -61,7 +64,7 @@ class LoopServicerMixin:
 
     async def Abort(self, request: pb.AbortRequest,  # noqa: N802 - gRPC name
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        attempt_id = attempt_of(request)
+        attempt_id = await attempt_of(request, context)
         try:
             found: bool = await self.loop.acall(Abort(attempt_id), call_timeout(context))
             self.loop.leases.forget(attempt_id)

@@ -126,6 +126,6 @@ class RedisActor:
 
 
 def _builtin_model() -> str:
-    from engine.tiny_model import ensure_demo_model  # torch: only for this default
+    from engine.testing.tiny_model import ensure_demo_model  # torch: only for this default
 
     return str(ensure_demo_model())

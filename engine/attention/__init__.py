@@ -17,7 +17,7 @@ from engine.attention.metadata import (
     get_forward_context,
 )
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.cpu_kernels import native
+from engine.kernels.cpu import native
 
 
 class AttentionBackend(Protocol):

@@ -1,6 +1,6 @@
 """Attention over the paged KV cache on the CPU with pdserve's compiled decode kernel.
 
-Decode tokens go to ``engine.cpu_kernels``' paged decode attention, which reads each
+Decode tokens go to ``engine.kernels.cpu``' paged decode attention, which reads each
 sequence's keys and values in place in its blocks (the torch path first gathers them
 into a dense copy, then runs SDPA over it), and the step's K/V go into their slots in
 one compiled call; prefill chunks, and shapes the kernels do not take, use the torch
@@ -13,7 +13,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, write_kv
-from engine.cpu_kernels import NativeKernels
+from engine.kernels.cpu import NativeKernels
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.kvcache.block_hash import BlockHash
 from engine.kvcache.block_pool import BlockPool, KVCacheIntegrityError
-from engine.sharding import num_blocks_for
+from engine.tp.sharding import num_blocks_for
 
 
 @dataclass(frozen=True)

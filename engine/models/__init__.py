@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
-from engine.distributed import Group
 from engine.models.llama import LlamaForCausalLM
+from engine.tp.distributed import Group
 
 
 def build_model(cfg: ModelConfig, tp: Group, backend: AttentionBackend) -> LlamaForCausalLM:

@@ -11,7 +11,7 @@ weights through the caches, each torch call the interpreter makes runs cold.
 Used only where the per-layer forward would run exactly those kernels: fp32 on the CPU,
 one rank (no all-reduce between the layers), the compiled attention backend, every
 decoder linear on the ``onednn_gemv`` or ``packed`` kernel (the measured choice,
-``engine.kernel_choice``; both hand up to 3 rows to the GEMV), a decode-only step of at
+``engine.kernels.choice``; both hand up to 3 rows to the GEMV), a decode-only step of at
 most ``GEMV_MAX_ROWS`` tokens, or ``STACK_MAX_ROWS`` where every one is on ``packed`` (whose
 GEMM the compiled code can call too), and no layer hook (the prefill
 worker's layer-wise KV sending needs the forward to stop after each layer).
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.cpu_kernels import (
+from engine.kernels.cpu import (
     DecoderEnds,
     DecoderLayers,
     DecoderLayerWeights,

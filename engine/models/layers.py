@@ -9,7 +9,7 @@ Sharding rules (t = TP size, rank i):
 - vocabulary: padded to a multiple of t, rank i holds rows [i*V/t, (i+1)*V/t).
 
 Weights keep the checkpoint layout ``[out_features, in_features]``. ``apply_kernel_plan``
-gives every linear the kernel (``engine.linear_kernels``) the plan names for its weight
+gives every linear the kernel (``engine.kernels.linear``) the plan names for its weight
 shape, with that kernel's prepared copy of the weight (e.g. oneDNN's packed layout).
 """
 
@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_kernels import native
-from engine.distributed import Group
-from engine.linear_kernels import KERNELS, KernelPlan, LinearKernel
-from engine.sharding import kv_head_range, shard_range
+from engine.kernels.cpu import native
+from engine.kernels.linear import KERNELS, KernelPlan, LinearKernel
+from engine.tp.distributed import Group
+from engine.tp.sharding import kv_head_range, shard_range
 
-__all__ = ["kv_head_range", "shard_range"]  # defined in engine.sharding (torch-free)
+__all__ = ["kv_head_range", "shard_range"]  # defined in engine.tp.sharding (torch-free)
 
 
 _kernel_changes = itertools.count(1)
@@ -235,7 +235,7 @@ class ParallelLMHead(VocabParallelEmbedding, _Linear):
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim: pdserve's compiled kernel for contiguous fp32 CPU
-    inputs where it could be built (``engine.cpu_kernels``), else ``F.rms_norm``."""
+    inputs where it could be built (``engine.kernels.cpu``), else ``F.rms_norm``."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

@@ -16,7 +16,6 @@ from torch import nn
 
 from engine.attention import AttentionBackend, get_forward_context
 from engine.config import ModelConfig
-from engine.distributed import Group
 from engine.models.decoder_stack import CompiledDecoderStack
 from engine.models.layers import (
     MergedColumnParallelLinear,
@@ -29,6 +28,7 @@ from engine.models.layers import (
     silu_and_mul,
 )
 from engine.models.rotary import RotaryEmbedding
+from engine.tp.distributed import Group
 
 
 class Attention(nn.Module):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine.config import RopeScaling
-from engine.cpu_kernels import native
+from engine.kernels.cpu import native
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 import engine
 from bench import step_profile
 from bench.engine import PromptSource
-from engine.cpu_kernels import GEMV_MAX_ROWS, STACK_MAX_ROWS, native
+from engine.kernels.cpu import GEMV_MAX_ROWS, STACK_MAX_ROWS, native
 from engine.models.layers import linear_layers
 
 # layers inside the compiled decoder stack, where it runs the step

@@ -22,7 +22,7 @@ from cluster.heartbeat import Heartbeat
 from cluster.registry import FingerprintMismatch, Registry
 from cluster.view import WorkerView
 from deploy.redis_server import RedisServer
-from kvtransfer.layout import PROTOCOL_VERSION
+from engine.kvcache.layout import PROTOCOL_VERSION
 from tests.cluster.test_registry import LAYOUT, make_record
 from tests.processes import wait_until
 

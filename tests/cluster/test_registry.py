@@ -28,7 +28,7 @@ from cluster.registry import (
 )
 from cluster.view import WorkerView
 from deploy.redis_server import RedisServer
-from kvtransfer.layout import KVLayout
+from engine.kvcache.layout import PROTOCOL_VERSION, KVLayout
 from tests.processes import wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -83,7 +83,7 @@ def test_record_round_trips_through_versioned_json() -> None:
     older = WorkerRecord.from_json(json.dumps(old))
     assert older.layout.protocol_version == 0
     diff = record.layout.diff(older.layout)
-    assert diff is not None and diff.startswith("protocol_version: 1 != 0"), diff
+    assert diff is not None and diff.startswith(f"protocol_version: {PROTOCOL_VERSION} != 0"), diff
     assert record.with_load(WorkerLoad(1, 12, 5, 6)).load == WorkerLoad(1, 12, 5, 6)
 
 

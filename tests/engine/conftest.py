@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.cpu_kernels import DecoderLayers, NativeKernels, native
+from engine.kernels.cpu import DecoderLayers, NativeKernels, native
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from array import array
 from collections.abc import Sequence
 
 from engine.attention.metadata import LayerHook
-from engine.rank_plugin import RankContext
-from engine.scheduler import ScheduledChunk
+from engine.core.scheduler import ScheduledChunk
+from engine.tp.rank_plugin import RankContext
 
 
 class ProbePlugin:

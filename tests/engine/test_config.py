@@ -174,7 +174,7 @@ def test_ineffective_sliding_window_is_accepted(model_factory: ModelFactory, tmp
 
 def test_vocab_larger_than_tokenizer_is_the_models_vocab(model_factory: ModelFactory) -> None:
     from engine import LLM, SamplingParams
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
 
     model_dir = model_factory("llama", vocab_size=1024)
     tokenizer_size = load_tokenizer(model_dir).vocab_size

@@ -14,9 +14,9 @@ from engine.config import (
     RopeScaling,
     SchedulerConfig,
 )
-from engine.config_codec import CONFIG_WIRE_VERSION, decode_engine_config, encode_engine_config
-from engine.linear_kernels import KernelPlan
-from engine.rank_process import RankLaunch, RankStatus, StatusKind
+from engine.kernels.linear import KernelPlan
+from engine.tp.config_codec import CONFIG_WIRE_VERSION, decode_engine_config, encode_engine_config
+from engine.tp.rank_process import RankLaunch, RankStatus, StatusKind
 from tests.engine.test_config import make_model_config
 
 

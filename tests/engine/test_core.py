@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from tests.factories import PROMPTS
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels import GEMV_MAX_ROWS, NativeKernels
-from engine.cpu_kernels.build import SOURCE, build, library_path
+from engine.kernels.cpu import GEMV_MAX_ROWS, NativeKernels
+from engine.kernels.cpu.build import SOURCES, build, library_path, source_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -248,18 +248,23 @@ def test_the_library_is_built_once_per_source(tmp_path: Path) -> None:
     assert len(paths) == 3 and len(set(paths)) == 1 and paths[0].exists()
     # no temporary left: the library and its digest
     assert sorted(p.name for p in tmp_path.iterdir()) == [paths[0].name, paths[0].name + ".sha256"]
-    other = tmp_path / "other.c"
-    other.write_text(SOURCE.read_text() + "\n/* changed */\n")
-    assert library_path(other, tmp_path) != paths[0]
+    other = tmp_path / "other"
+    other.mkdir()
+    for source in source_files(SOURCES):
+        (other / source.name).write_text(source.read_text())
+    assert library_path(other, tmp_path) == paths[0]  # the same sources: the same library
+    header = other / "kernels.h"
+    header.write_text(header.read_text() + "\n/* changed */\n")
+    assert library_path(other, tmp_path) != paths[0]  # a header is a source too
 
 
 def _probe(env: dict[str, str]) -> list[str]:
     """What a fresh process gets with ``env``: the kernels, the attention backend,
     the linear kernels on offer, then its stderr lines."""
     code = ("import torch\n"
-            "from engine.cpu_kernels import native\n"
+            "from engine.kernels.cpu import native\n"
             "from engine.attention import select_backend\n"
-            "from engine.linear_kernels import available_kernels\n"
+            "from engine.kernels.linear import available_kernels\n"
             "print(native() is not None)\n"
             "print(select_backend(torch.device('cpu'), 16, torch.float32).name)\n"
             "print(','.join(available_kernels(torch.device('cpu'), torch.float32)))\n")
@@ -348,7 +353,7 @@ def test_the_kernels_built_for_avx2_compute_the_same(tmp_path: Path,
 
 
 def test_a_bad_march_target_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from engine.cpu_kernels.build import BuildError, build
+    from engine.kernels.cpu.build import BuildError, build
 
     monkeypatch.setenv("PDSERVE_CPU_KERNELS_MARCH", "native; rm -rf /")
     with pytest.raises(BuildError, match="not a -march target"):

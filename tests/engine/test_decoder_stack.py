@@ -19,14 +19,14 @@ import torch
 
 from engine.attention import ForwardContext, forward_context
 from engine.config import EngineConfig, load_model_config
-from engine.cpu_kernels import GEMV_MAX_ROWS, STACK_MAX_ROWS, DecoderLayers, NativeKernels
-from engine.distributed import Group
-from engine.kernel_choice import linear_shapes
-from engine.linear_kernels import KernelPlan
+from engine.core.runner import ModelRunner
+from engine.core.scheduler import ScheduledChunk
+from engine.kernels.choice import linear_shapes
+from engine.kernels.cpu import GEMV_MAX_ROWS, STACK_MAX_ROWS, DecoderLayers, NativeKernels
+from engine.kernels.linear import KernelPlan
 from engine.models import decoder_stack
 from engine.models.layers import apply_kernel_plan
-from engine.runner import ModelRunner
-from engine.scheduler import ScheduledChunk
+from engine.tp.distributed import Group
 
 pytestmark = pytest.mark.timeout(120)
 

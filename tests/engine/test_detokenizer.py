@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from engine.detokenizer import IncrementalDetokenizer, TextStream
+from engine.text.detokenizer import IncrementalDetokenizer, TextStream
 from tests.engine.test_tokenizer import EOS_TOKEN, make_byte_level_tokenizer
 
 # Trained characters plus unseen ones (龍, 🚀, Ω, ж) that fall back to raw byte tokens.

@@ -42,7 +42,7 @@ def test_flash_attn_backend_matches_cpu(llama_dir: Path) -> None:
 def test_a_follower_sees_only_its_own_gpu() -> None:
     # $PDSERVE_RANK_GPUS (set by pdserve up --ray): rank 1 narrows CUDA_VISIBLE_DEVICES to
     # its own id before CUDA starts, and binds cuda:0 (one GPU here: both ranks name "0")
-    code = ("import os, torch\nfrom engine.rank_main import _bind_gpu\n_bind_gpu(1)\n"
+    code = ("import os, torch\nfrom engine.tp.rank_main import _bind_gpu\n_bind_gpu(1)\n"
             "print(os.environ['CUDA_VISIBLE_DEVICES'], torch.cuda.device_count(),"
             " torch.cuda.current_device())\n")
     env = {**os.environ, "PDSERVE_RANK_GPUS": "0,0", "CUDA_VISIBLE_DEVICES": "0"}

@@ -147,7 +147,7 @@ def test_many_streams_through_the_compiled_decoder_stack_on_the_packed_kernel_ma
         case: Any, step_rows: list[int]) -> None:
     """Every decode batch (8 streams down to 1) in one compiled call, the linears on the
     packed GEMM past the GEMV's rows."""
-    from engine.cpu_kernels import GEMV_MAX_ROWS
+    from engine.kernels.cpu import GEMV_MAX_ROWS
 
     model_dir, hf, _ = case
     rows = step_rows

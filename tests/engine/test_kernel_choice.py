@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import LINEAR_KERNELS, EngineConfig, ParallelConfig, load_model_config
-from engine.kernel_choice import (
+from engine.kernels.choice import (
     KERNEL_ENV,
     LinearShape,
     Timings,
@@ -23,7 +23,7 @@ from engine.kernel_choice import (
     measure_kernels,
     pick_kernel,
 )
-from engine.linear_kernels import KERNELS, KernelPlan
+from engine.kernels.linear import KERNELS, KernelPlan
 from engine.models.layers import linear_layers
 from tests.factories import PROMPTS
 
@@ -69,8 +69,8 @@ def test_config_names_every_kernel() -> None:
 def test_shapes_match_the_models_linear_layers(model_factory: Callable[..., Path], arch: str,
                                                overrides: dict[str, Any], tp: int) -> None:
     from engine.attention.torch_backend import TorchAttentionBackend
-    from engine.distributed import Group
     from engine.models import build_model
+    from engine.tp.distributed import Group
 
     cfg = EngineConfig(model=load_model_config(model_factory(arch, **overrides)),
                        parallel=ParallelConfig(tensor_parallel_size=tp))
@@ -205,15 +205,15 @@ def test_the_leaders_choice_reaches_every_rank(llama_dir: Path, monkeypatch: pyt
                                                 tmp_path: Path) -> None:
     """A plan only the leader could have made (a fake measurement in the leader process)
     is what the follower's model runs."""
-    import engine.kernel_choice
+    import engine.kernels.choice
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # an empty cache: measured
     m = load_model_config(llama_dir)
     fake = FakeMeasure({m.vocab_size // 2: "mm_t", m.hidden_size: "mm_t"})
-    monkeypatch.setattr(engine.kernel_choice, "measure_kernels", fake)
+    monkeypatch.setattr(engine.kernels.choice, "measure_kernels", fake)
     config = EngineConfig(model=m, parallel=ParallelConfig(tensor_parallel_size=2),
                           rank_plugin="tests.engine.rank_plugin_example:make")
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     core = EngineCore(config)
     try:

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
-from engine.loader import INDEX_FILE, SINGLE_FILE, checkpoint_files, iter_weights
-from engine.tiny_model import make_tiny_model
+from engine.models.loader import INDEX_FILE, SINGLE_FILE, checkpoint_files, iter_weights
+from engine.testing.tiny_model import make_tiny_model
 from tests.factories import PROMPTS
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

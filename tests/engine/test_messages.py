@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.messages import Op, StepMessage, step_message
-from engine.scheduler import ScheduledChunk
+from engine.core.scheduler import ScheduledChunk
+from engine.tp.messages import Op, StepMessage, step_message
 
 INT64_MAX = 2**63 - 1
 

@@ -11,9 +11,9 @@ import torch
 
 from engine import SamplingParams
 from engine.config import CacheConfig, EngineConfig, ParallelConfig, load_model_config
-from engine.core import EngineCore
-from engine.rank_plugin import RankCallError
-from engine.tokenizer import load_tokenizer
+from engine.core.engine_core import EngineCore
+from engine.text.tokenizer import load_tokenizer
+from engine.tp.rank_plugin import RankCallError
 from tests.factories import PROMPTS
 
 PLUGIN = "tests.engine.rank_plugin_example:make"

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import sample, seed_for_position
+from engine.core.sampler import sample, seed_for_position
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

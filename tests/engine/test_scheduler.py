@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, StepUpdate
 from engine.kvcache import BlockManager
-from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, StepUpdate
 from tests.factories import run_without_torch
 
 BLOCK_SIZE = 4
@@ -534,12 +534,12 @@ def test_prefill_only_request_pins_its_blocks(budget: int) -> None:
 # ---------------------------------------------------------------------- torch-free
 def test_scheduler_modules_import_without_torch() -> None:
     result = run_without_torch(
-        "import engine.scheduler, engine.request, engine.config, engine.sampling_params\n"
+        "import engine.core.scheduler, engine.core.request, engine.config, engine.sampling_params\n"
         "import engine.kvcache\n"
         "from engine.config import CacheConfig, SchedulerConfig\n"
-        "s = engine.scheduler.Scheduler(SchedulerConfig(), CacheConfig(block_size=4),\n"
+        "s = engine.core.scheduler.Scheduler(SchedulerConfig(), CacheConfig(block_size=4),\n"
         "    engine.kvcache.BlockManager(8, 4), 64)\n"
-        "s.add(engine.request.Request('a', [5, 6, 7], engine.sampling_params.SamplingParams()))\n"
+        "s.add(engine.core.request.Request('a', [5, 6, 7], engine.sampling_params.SamplingParams()))\n"
         "assert len(s.schedule().chunks) == 1\n"
         "print('ok')\n"
     )

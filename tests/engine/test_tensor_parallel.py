@@ -1,5 +1,5 @@
 """Tensor parallelism on CPU: gloo on loopback, follower ranks as processes of their own
-(``python -m engine.rank_main``)."""
+(``python -m engine.tp.rank_main``)."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def _alive(pid: int) -> bool:
 
 def test_failing_layer_hook_keeps_ranks_in_step(llama_dir: Path) -> None:
     """A hook error surfaces after the step completed on every rank: the engine stays usable."""
-    from engine.runner import LayerHookError
+    from engine.core.runner import LayerHookError
 
     with LLM(llama_dir, num_kv_blocks=64, tensor_parallel_size=2) as llm:
         expected = llm.generate(PROMPTS[:2], GREEDY)
@@ -118,7 +118,7 @@ def test_dead_follower_fails_the_engine_fast_and_for_good(llama_dir: Path) -> No
     closed connection), the group is torn down, and later calls fail at once."""
     import time
 
-    from engine.executor import ExecutorFailed
+    from engine.tp.executor import ExecutorFailed
 
     llm = LLM(llama_dir, num_kv_blocks=64, tensor_parallel_size=2)
     try:
@@ -141,7 +141,7 @@ def test_dead_follower_fails_the_engine_fast_and_for_good(llama_dir: Path) -> No
 
 
 def test_use_after_shutdown_raises_instead_of_running_one_rank(llama_dir: Path) -> None:
-    from engine.executor import ExecutorFailed
+    from engine.tp.executor import ExecutorFailed
 
     llm = LLM(llama_dir, num_kv_blocks=64, tensor_parallel_size=2)
     llm.shutdown()

@@ -1,4 +1,4 @@
-"""engine.tiny_model: generated checkpoints load in Hugging Face and behave as promised."""
+"""engine.testing.tiny_model: generated checkpoints load in Hugging Face and behave as promised."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine import tiny_model
-from engine.tiny_model import (
+from engine.testing import tiny_model
+from engine.testing.tiny_model import (
     ARCHS,
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
@@ -270,7 +270,7 @@ def test_builds_in_a_process_without_transformers(
     """No transformers import anywhere; also: a fresh process gives byte-identical files."""
     code = (
         "import sys; sys.modules['transformers'] = None\n"
-        "from engine.tiny_model import make_tiny_model\n"
+        "from engine.testing.tiny_model import make_tiny_model\n"
         "make_tiny_model(sys.argv[1], arch='qwen2')\n"
     )
     out = tmp_path / "no_hf"

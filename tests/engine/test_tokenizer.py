@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.tokenizer import TokenizerInfo, load_tokenizer
+from engine.text.tokenizer import TokenizerInfo, load_tokenizer
 
 EOS_TOKEN = "<|eos|>"
 BOS_TOKEN = "<|bos|>"

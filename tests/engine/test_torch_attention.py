@@ -9,7 +9,7 @@ import torch
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.metadata import AttentionMetadata, PrefillSpan
 from engine.attention.torch_backend import TorchAttentionBackend, fresh_runs
-from engine.cpu_kernels import native
+from engine.kernels.cpu import native
 
 BLOCKS = torch.arange(4)
 

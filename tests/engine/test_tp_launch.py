@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.rank_main import TEST_FAULT_ENV
-from engine.rank_process import RankStartError
+from engine.tp.rank_main import TEST_FAULT_ENV
+from engine.tp.rank_process import RankStartError
 from tests.factories import PROMPTS
 from tests.processes import alive, children, wait_until
 
@@ -83,7 +83,7 @@ def no_leftover_ranks() -> Iterator[None]:
 
     def ranks_left() -> list[int]:
         return [p for p in set(children(os.getpid())) - before
-                if alive(p) and b"engine.rank_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+                if alive(p) and b"engine.tp.rank_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
     wait_until(lambda: not ranks_left(), 15.0, "every rank process to exit")
 
@@ -114,8 +114,8 @@ def test_a_rank_failing_at_start_fails_the_leader_fast_with_its_error(
 def test_a_rank_that_cannot_start_python_is_reported(llama_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                      no_leftover_ranks: None) -> None:
     """An error before the rank's own code runs (here: its module cannot be found)."""
-    import engine.rank_process
+    import engine.tp.rank_process
 
-    monkeypatch.setattr(engine.rank_process, "RANK_MAIN_MODULE", "engine.no_such_rank_main")
+    monkeypatch.setattr(engine.tp.rank_process, "RANK_MAIN_MODULE", "engine.no_such_rank_main")
     with pytest.raises(RankStartError, match="No module named engine.no_such_rank_main"):
         LLM(llama_dir, num_kv_blocks=64, tensor_parallel_size=2)

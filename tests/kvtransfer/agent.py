@@ -27,18 +27,18 @@ from typing import Any
 
 import torch
 
-from engine.distributed import (
+from engine.kvcache.layout import KVLayout
+from engine.models.layers import kv_head_range
+from engine.tp.distributed import (
     LOOPBACK,
     StoreAddress,
     connect_store,
     create_store_server,
     make_group,
 )
-from engine.models.layers import kv_head_range
 from kvtransfer.channel import KEY_NEXT_CHANNEL, Pending, accept_key, open_channel
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import TransferError
-from kvtransfer.layout import KVLayout
 from kvtransfer.protocol import Ack, OpenRequest, PartHeader, Status, Trailer
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.recv_channel import RecvChannel

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
-from kvtransfer.layout import KVLayout, decode_layout, encode_layout
+from engine.kvcache.layout import KVLayout, decode_layout, encode_layout
 from tests.kvtransfer.topology import LAYOUT
 
 CHANGES = {"model_fingerprint": "other", "dtype": "bfloat16", "block_size": 32,

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from engine.distributed import ABORT_TAG
+from engine.tp.distributed import ABORT_TAG
 from kvtransfer.protocol import (
     DTYPE_CODES,
     MAGIC,

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.distributed import StoreAddress
+from engine.tp.distributed import StoreAddress
 from tests.kvtransfer.agent import Agent
 
 TIMEOUT_S = 2.0

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.distributed import LOOPBACK, StoreAddress
+from engine.kvcache.layout import KVLayout
 from engine.models.layers import kv_head_range
+from engine.tp.distributed import LOOPBACK, StoreAddress
 from kvtransfer.config import TransferConfig
-from kvtransfer.layout import KVLayout
 from tests.kvtransfer.agent import Agent, global_kv, unpack
 
 NUM_BLOCKS = 48

@@ -119,6 +119,9 @@ def test_client_commands_work_without_the_extra(sdk_env: Path) -> None:
 
 
 def test_the_installed_package_carries_the_cpu_kernels_source(sdk_env: Path) -> None:
-    """engine.cpu_kernels compiles kernels.c on the user's machine: it must be installed."""
-    installed = sdk_env / "site" / "engine" / "cpu_kernels" / "kernels.c"
-    assert installed.read_text() == (REPO_ROOT / "engine" / "cpu_kernels" / "kernels.c").read_text()
+    """engine.kernels.cpu compiles its C sources on the user's machine: they must be installed."""
+    sources = sorted(p.name for p in (REPO_ROOT / "engine" / "kernels" / "cpu").glob("*.[ch]"))
+    assert "kernels.h" in sources and len(sources) > 2
+    for name in sources:
+        installed = sdk_env / "site" / "engine" / "kernels" / "cpu" / name
+        assert installed.read_text() == (REPO_ROOT / "engine" / "kernels" / "cpu" / name).read_text()

@@ -20,11 +20,11 @@ from cluster.internal.v1 import worker_pb2 as wpb
 from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
 from cluster.pause_points import ENV as PAUSE_ENV
 from deploy.redis_server import RedisServer
-from prefill_worker.server import FAULT_HOOK_ENV
 from tests.leaks import assert_cluster_idle
 from tests.processes import Proc, spawn, wait_until
-from tests.worker.kv_faults import FIRST_OF_LENGTH_SPEC
+from tests.worker.kv.faults import FIRST_OF_LENGTH_SPEC
 from tests.worker.procs import assert_idle
+from worker.process import FAULT_HOOK_ENV
 
 NUM_KV_BLOCKS = 64
 RPC_TIMEOUT_S = 30.0

@@ -67,18 +67,18 @@ def _p(c: Cluster) -> pb_grpc.PrefillWorkerStub:
 def _reserve(c: Cluster, rid: str, attempt: str, timeout_s: float = RPC_TIMEOUT_S,
              wait_ms: int = 60_000) -> pb.ReserveResponse:
     reply: pb.ReserveResponse = _d(c).Reserve(pb.ReserveRequest(
-        request_id=rid, attempt_id=attempt, prompt_token_ids=PROMPT, sampling=PARAMS,
+        client_request_id=rid, attempt_id=attempt, prompt_token_ids=PROMPT, sampling=PARAMS,
         transfer_id=next(_transfer_ids), wait_ms=wait_ms), timeout=timeout_s)
     return reply
 
 
 def _prefill_request(rid: str, attempt: str, target: pb.KVTarget) -> pb.PrefillRequest:
-    return pb.PrefillRequest(request_id=rid, attempt_id=attempt, prompt_token_ids=PROMPT,
+    return pb.PrefillRequest(client_request_id=rid, attempt_id=attempt, prompt_token_ids=PROMPT,
                              sampling=PARAMS, target=target)
 
 
 def _generate(c: Cluster, rid: str, attempt: str) -> list[int]:
-    chunks = list(_d(c).Generate(pb.GenerateRequest(request_id=rid, attempt_id=attempt),
+    chunks = list(_d(c).Generate(pb.GenerateRequest(client_request_id=rid, attempt_id=attempt),
                                  timeout=RPC_TIMEOUT_S))
     assert chunks[-1].finish_reason == "length"
     return [t for ch in chunks for t in ch.token_ids]
@@ -86,7 +86,7 @@ def _generate(c: Cluster, rid: str, attempt: str) -> list[int]:
 
 def _abort(stub: pb_grpc.DecodeWorkerStub | pb_grpc.PrefillWorkerStub, rid: str,
            attempt: str) -> bool:
-    return bool(stub.Abort(pb.AbortRequest(request_id=rid, attempt_id=attempt),
+    return bool(stub.Abort(pb.AbortRequest(client_request_id=rid, attempt_id=attempt),
                            timeout=RPC_TIMEOUT_S).found)
 
 
@@ -131,7 +131,7 @@ def test_a_late_abort_of_a_first_prefill_never_touches_the_second(idle: Cluster)
         second = _p(c).Prefill.future(_prefill_request(rid, "t4-b2", targets[1]),
                                       timeout=RPC_TIMEOUT_S)
         time.sleep(0.5)  # (Info would queue behind the held loop) the Submit queues first
-        late = _p(c).Abort.future(pb.AbortRequest(request_id=rid, attempt_id="t4-b1"),
+        late = _p(c).Abort.future(pb.AbortRequest(client_request_id=rid, attempt_id="t4-b1"),
                                   timeout=RPC_TIMEOUT_S)
     finally:
         pause.release("prefill.started")
@@ -188,7 +188,7 @@ def test_a_reservation_whose_caller_left_while_it_was_made_is_freed_at_once(
     #    reservation itself could wait 60 s for its transfer)
     pause.arm("worker.command", command="Reserve", attempt_id="t5-r1")
     call = _d(c).Reserve.future(pb.ReserveRequest(
-        request_id=rid, attempt_id="t5-r1", prompt_token_ids=PROMPT, sampling=PARAMS,
+        client_request_id=rid, attempt_id="t5-r1", prompt_token_ids=PROMPT, sampling=PARAMS,
         transfer_id=next(_transfer_ids), wait_ms=60_000), timeout=1.0)
     pause.wait_paused("worker.command", 30.0)
     try:

@@ -90,7 +90,7 @@ def _decode_holds_nothing(c: Cluster) -> bool:
 
 
 def _sent(pause: PauseDir, transfer_id: object) -> list[dict[str, int | str]]:
-    return [r for r in pause.records("prefill.layer_sent") if r["transfer_id"] == transfer_id]
+    return [r for r in pause.records("kv.layer_sent") if r["transfer_id"] == transfer_id]
 
 
 def test_cancel_while_queued_at_the_router(idle: Cluster) -> None:
@@ -143,9 +143,9 @@ def test_cancel_while_prefilling(idle: Cluster) -> None:
 def test_cancel_during_the_transfer(idle: Cluster) -> None:
     c = idle
     prefill, decode = PauseDir(c.pause_dir(0)), PauseDir(c.pause_dir("decode-0"))
-    prefill.arm("prefill.layer_sent", layer=0)
+    prefill.arm("kv.layer_sent", layer=0)
     call = _start(c, "w-transfer", _prompt(320), 8)
-    paused = prefill.wait_paused("prefill.layer_sent", PAUSED_S)
+    paused = prefill.wait_paused("kv.layer_sent", PAUSED_S)
     transfer_id = paused["transfer_id"]
     try:
         _cancelled(call)
@@ -153,7 +153,7 @@ def test_cancel_during_the_transfer(idle: Cluster) -> None:
         wait_until(lambda: _decode_holds_nothing(c), 20.0, "decode to free its reservation")
         sent = len(_sent(prefill, transfer_id))
     finally:
-        prefill.release("prefill.layer_sent")
+        prefill.release("kv.layer_sent")
     wait_until(lambda: not c.info(c.prefill[0]).attempt_ids, 20.0, "prefill to stop")
     layers = {r["layer"] for r in _sent(prefill, transfer_id)}
     assert len(_sent(prefill, transfer_id)) <= sent + len(layers)  # that step's layers only

@@ -27,7 +27,7 @@ from pdserve.v1 import generate_pb2 as pb
 from tests.factories import PROMPTS
 from tests.processes import wait_until
 from tests.router.cluster import NUM_KV_BLOCKS, Cluster, start_cluster
-from tests.worker.kv_faults import CORRUPT_NUM_TOKENS
+from tests.worker.kv.faults import CORRUPT_NUM_TOKENS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -312,7 +312,7 @@ def _raw_generate(cluster: Cluster, payload: bytes) -> grpc.RpcError:
 def test_malformed_messages_are_refused(cluster: Cluster, client: Client) -> None:
     bad_utf8 = b"\x1a\x02\xff\xfe"  # field 3 (text), 2 bytes that are not UTF-8
     assert _raw_generate(cluster, bad_utf8).code() == INVALID
-    internal = wpb.ReserveRequest(request_id="x", prompt_token_ids=[1, 2], transfer_id=7)
+    internal = wpb.ReserveRequest(client_request_id="x", attempt_id="x", prompt_token_ids=[1, 2], transfer_id=7)
     error = _raw_generate(cluster, internal.SerializeToString())
     assert error.code() == INVALID and "internal fields" in (error.details() or "")
     oversized = pb.GenerateRequest(text="x" * (5 << 20)).SerializeToString()
@@ -386,7 +386,7 @@ def test_cancel_while_prefilling_frees_everything(cluster: Cluster) -> None:
 
     pause = PauseDir(cluster.pause_dir(0))
     prompt = _prompt_routed_to("prefill-0", 50)
-    pause.arm("prefill.layer_sent", layer=0)
+    pause.arm("kv.layer_sent", layer=0)
     with grpc.insecure_channel(cluster.address) as channel:
         call = channel.unary_stream(
             "/pdserve.v1.Generation/Generate",
@@ -396,10 +396,10 @@ def test_cancel_while_prefilling_frees_everything(cluster: Cluster) -> None:
                                    sampling=pb.SamplingParams(max_tokens=20)),
                 timeout=TIMEOUT_S)
         try:
-            pause.wait_paused("prefill.layer_sent", TIMEOUT_S)
+            pause.wait_paused("kv.layer_sent", TIMEOUT_S)
             call.cancel()
         finally:
-            pause.release("prefill.layer_sent")
+            pause.release("kv.layer_sent")
         assert call.code() == grpc.StatusCode.CANCELLED
     cluster.assert_no_leaks()
 
@@ -495,19 +495,19 @@ def test_queued_token_budget(cluster: Cluster, tmp_path: Path) -> None:
                                      "--max-queued-tokens", "100"], tmp_path).wait_ready()
     pause = PauseDir(cluster.pause_dir(0))
     held = _prompt_routed_to("prefill-0", 80)
-    pause.arm("prefill.layer_sent", layer=0)
+    pause.arm("kv.layer_sent", layer=0)
     try:
         with Client(router.address) as budget, ThreadPoolExecutor(1) as pool:
             first = pool.submit(budget.complete, prompt_token_ids=held, max_tokens=2,
                                 timeout=TIMEOUT_S)
             try:
-                pause.wait_paused("prefill.layer_sent", TIMEOUT_S)
+                pause.wait_paused("kv.layer_sent", TIMEOUT_S)
                 with pytest.raises(PdserveError) as excinfo:
                     budget.complete(prompt_token_ids=[7] * 40, max_tokens=2, timeout=TIMEOUT_S)
                 assert excinfo.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert "--max-queued-tokens 100" in excinfo.value.details
             finally:
-                pause.release("prefill.layer_sent")
+                pause.release("kv.layer_sent")
             assert first.result(TIMEOUT_S).finish_reason
             assert budget.complete(prompt_token_ids=[7] * 40, max_tokens=2,
                                    timeout=TIMEOUT_S).finish_reason
@@ -592,12 +592,12 @@ def test_prefill_worker_killed_mid_prefill(cluster: Cluster, client: Client, llm
     prompt = _prompt_routed_to("prefill-2", 40, ("prefill-0", "prefill-1", "prefill-2"))
     expected = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0,
                                                      ignore_eos=True))[0].token_ids
-    pause.arm("prefill.layer_sent", layer=0)
+    pause.arm("kv.layer_sent", layer=0)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(client.complete, prompt_token_ids=prompt, max_tokens=4,
                              temperature=0, ignore_eos=True, request_id="mid-prefill",
                              timeout=TIMEOUT_S)
-        pause.wait_paused("prefill.layer_sent", TIMEOUT_S)
+        pause.wait_paused("kv.layer_sent", TIMEOUT_S)
         victim.stop(sig=signal.SIGKILL)
         result = future.result(TIMEOUT_S)
     assert list(result.token_ids) == expected

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from starlette.testclient import TestClient
 
-from engine.tokenizer import load_tokenizer
+from engine.text.tokenizer import load_tokenizer
 from router.errors import RouteError
 from router.http.app import HttpApi, build_app
 from router.http.chat_template import load_chat_template

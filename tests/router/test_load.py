@@ -230,7 +230,7 @@ def test_a_request_queued_behind_a_full_cluster_expires_before_any_work(
     sampling = wpb.SamplingParams(max_tokens=1, temperature=0, top_p=1.0, top_k=-1)
     for i, rid in enumerate(held):
         reply = decode.Reserve(wpb.ReserveRequest(
-            request_id=rid, prompt_token_ids=[5 + i] * (16 * 15), sampling=sampling,
+            client_request_id=rid, attempt_id=rid, prompt_token_ids=[5 + i] * (16 * 15), sampling=sampling,
             transfer_id=1 + i, wait_ms=60_000), timeout=30)
         assert reply.accepted, reply
     try:
@@ -246,7 +246,7 @@ def test_a_request_queued_behind_a_full_cluster_expires_before_any_work(
         assert _info(small, "decode").running_requests == 0
     finally:
         for rid in held:
-            decode.Abort(wpb.AbortRequest(request_id=rid), timeout=30)
+            decode.Abort(wpb.AbortRequest(client_request_id=rid, attempt_id=rid), timeout=30)
     assert_idle(small.stub(small.prefill[0]), decode)
 
 

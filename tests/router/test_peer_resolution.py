@@ -38,7 +38,7 @@ def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def _reserve(cluster: Cluster, decode: int, attempt: str, prompt: list[int],
              transfer_id: int) -> wpb.KVTarget:
     reply = cluster.stub(cluster.decode[decode]).Reserve(wpb.ReserveRequest(  # type: ignore[union-attr]
-        request_id=attempt, attempt_id=attempt, prompt_token_ids=prompt, sampling=SAMPLING,
+        client_request_id=attempt, attempt_id=attempt, prompt_token_ids=prompt, sampling=SAMPLING,
         transfer_id=transfer_id, wait_ms=int(TIMEOUT_S * 1000)), timeout=TIMEOUT_S)
     assert reply.accepted, reply
     return reply.target
@@ -47,7 +47,7 @@ def _reserve(cluster: Cluster, decode: int, attempt: str, prompt: list[int],
 def _prefill(cluster: Cluster, attempt: str, prompt: list[int],
              target: wpb.KVTarget) -> wpb.PrefillResponse:
     return cluster.stub(cluster.prefill[0]).Prefill(wpb.PrefillRequest(  # type: ignore[union-attr]
-        request_id=attempt, attempt_id=attempt, prompt_token_ids=prompt, sampling=SAMPLING,
+        client_request_id=attempt, attempt_id=attempt, prompt_token_ids=prompt, sampling=SAMPLING,
         target=target), timeout=TIMEOUT_S)
 
 
@@ -90,8 +90,8 @@ def test_a_new_decode_worker_that_hangs_never_blocks_the_prefill_step(
     assert outcome, "the Prefill to the hung worker never ended"
     for i in range(3):  # nobody will ask for their streams: free the reservations
         healthy_stub = cluster.stub(healthy)
-        healthy_stub.Abort(wpb.AbortRequest(request_id=f"healthy-{i}",
+        healthy_stub.Abort(wpb.AbortRequest(client_request_id=f"healthy-{i}",
                                             attempt_id=f"healthy-{i}"), timeout=TIMEOUT_S)
-    cluster.stub(hung).Abort(wpb.AbortRequest(request_id="to-hung", attempt_id="to-hung"),
+    cluster.stub(hung).Abort(wpb.AbortRequest(client_request_id="to-hung", attempt_id="to-hung"),
                              timeout=TIMEOUT_S)
     cluster.assert_no_leaks()

@@ -42,12 +42,12 @@ def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def _is_rank(pid: int) -> bool:
-    """A tensor-parallel follower rank (``python -m engine.rank_main``)."""
+    """A tensor-parallel follower rank (``python -m engine.tp.rank_main``)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return b"engine.rank_main" in cmdline
+    return b"engine.tp.rank_main" in cmdline
 
 
 def _assert_binds_loopback_only(proc: Proc, follower: int) -> None:
@@ -73,7 +73,7 @@ def _health(address: str) -> int:
 def _waiting_generate(cluster: Cluster, results: dict[str, object]) -> threading.Thread:
     """A reservation on the decode worker whose KV never comes, its Generate stream open."""
     stub = cluster.stub(cluster.decode[0])
-    reply = stub.Reserve(wpb.ReserveRequest(request_id="reserved", prompt_token_ids=[7] * 40,
+    reply = stub.Reserve(wpb.ReserveRequest(client_request_id="reserved", attempt_id="reserved", prompt_token_ids=[7] * 40,
                                             sampling=SAMPLING, transfer_id=424242,
                                             wait_ms=int(TIMEOUT_S * 1000)), timeout=TIMEOUT_S)
     assert reply.accepted, reply
@@ -81,7 +81,7 @@ def _waiting_generate(cluster: Cluster, results: dict[str, object]) -> threading
     def generate() -> None:
         start = time.monotonic()
         try:
-            list(stub.Generate(wpb.GenerateRequest(request_id="reserved"), timeout=TIMEOUT_S))
+            list(stub.Generate(wpb.GenerateRequest(client_request_id="reserved", attempt_id="reserved"), timeout=TIMEOUT_S))
             results["reserved"] = "finished?!"
         except grpc.RpcError as exc:
             results["reserved"] = (exc.code(), time.monotonic() - start)  # type: ignore[attr-defined]
@@ -150,13 +150,13 @@ def test_a_dead_prefill_rank_fails_every_prefill_it_held(tp2_prefill: Cluster) -
     def prefill_call(i: int) -> None:
         rid = f"held-{i}"
         reply = decode.Reserve(wpb.ReserveRequest(
-            request_id=rid, prompt_token_ids=[11 + i] * 300, sampling=SAMPLING,
+            client_request_id=rid, attempt_id=rid, prompt_token_ids=[11 + i] * 300, sampling=SAMPLING,
             transfer_id=9000 + i, wait_ms=int(TIMEOUT_S * 1000)), timeout=TIMEOUT_S)
         assert reply.accepted, reply
         start = time.monotonic()
         try:
             prefill_stub.Prefill(wpb.PrefillRequest(  # type: ignore[union-attr]
-                request_id=rid, prompt_token_ids=[11 + i] * 300, sampling=SAMPLING,
+                client_request_id=rid, attempt_id=rid, prompt_token_ids=[11 + i] * 300, sampling=SAMPLING,
                 target=reply.target), timeout=TIMEOUT_S)
             outcomes.append(("done", time.monotonic() - start))
         except grpc.RpcError as exc:
@@ -180,5 +180,5 @@ def test_a_dead_prefill_rank_fails_every_prefill_it_held(tp2_prefill: Cluster) -
     wait_until(lambda: _health(prefill.address) == health_pb2.HealthCheckResponse.NOT_SERVING,
                30.0, "the prefill worker to report NOT_SERVING")
     for i in range(6):  # what the router would do: abort the attempts on the decode side
-        decode.Abort(wpb.AbortRequest(request_id=f"held-{i}"), timeout=TIMEOUT_S)
+        decode.Abort(wpb.AbortRequest(client_request_id=f"held-{i}", attempt_id=f"held-{i}"), timeout=TIMEOUT_S)
     cluster.assert_no_leaks(cluster.decode)

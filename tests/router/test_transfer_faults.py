@@ -111,12 +111,12 @@ def test_a_stalled_transfer_leaves_other_streams_alone_and_its_channel_is_rebuil
     other = Streamed(client, "keep streaming " * 4)
     wait_until(lambda: other.count >= 3, TIMEOUT_S, "the other stream to start")
     # 2. a request's transfer stalls: its prefill worker paused after layer 0, then hung
-    stalled_pause.arm("prefill.layer_sent", layer=0)
+    stalled_pause.arm("kv.layer_sent", layer=0)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(_greedy, client, prompt, "stalled")
-        stalled_pause.wait_paused("prefill.layer_sent", TIMEOUT_S)
+        stalled_pause.wait_paused("kv.layer_sent", TIMEOUT_S)
         stalled.proc.send_signal(signal.SIGSTOP)
-        stalled_pause.release("prefill.layer_sent")  # takes effect at SIGCONT
+        stalled_pause.release("kv.layer_sent")  # takes effect at SIGCONT
         try:
             # 3. the other stream keeps streaming during the stall ...
             during = other.count
@@ -153,7 +153,7 @@ def test_prefill_workers_killed_mid_prefill_retry_then_unavailable(
     # well before its deadline; the decode worker frees the reservations
     pauses = [PauseDir(cluster.pause_dir(i)) for i in range(2)]
     for pause in pauses:
-        pause.arm("prefill.layer_sent", layer=0)
+        pause.arm("kv.layer_sent", layer=0)
     start = time.monotonic()
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(_greedy, client, _prompt_to("prefill-0", 40, salt=3), "doomed")
@@ -173,7 +173,7 @@ def test_prefill_workers_killed_mid_prefill_retry_then_unavailable(
     # both come back (the next tests need them)
     cluster.prefill.clear()
     for i, pause in enumerate(pauses):
-        (pause.path / "prefill.layer_sent.paused").unlink(missing_ok=True)  # of the dead
+        (pause.path / "kv.layer_sent.paused").unlink(missing_ok=True)  # of the dead
         cluster.start_worker("prefill", i, env={PAUSE_ENV: str(cluster.pause_dir(i))})
     for worker in cluster.prefill:
         worker.wait_ready()
@@ -184,13 +184,13 @@ def test_prefill_workers_killed_mid_prefill_retry_then_unavailable(
 
 def _wait_any_paused(pauses: list[PauseDir], skip: set[int], request: Future[Any],
                      cluster: Cluster) -> int:
-    """The index of a prefill worker (not in ``skip``) paused at ``prefill.layer_sent``
+    """The index of a prefill worker (not in ``skip``) paused at ``kv.layer_sent``
     while ``request`` runs (if it ends first, the test fails with how it ended)."""
     found: list[int] = []
 
     def any_paused() -> bool:
         for i, pause in enumerate(pauses):
-            if i not in skip and (pause.path / "prefill.layer_sent.paused").exists():
+            if i not in skip and (pause.path / "kv.layer_sent.paused").exists():
                 found.append(i)
                 return True
         if request.done():
@@ -212,16 +212,16 @@ def test_the_decode_worker_killed_before_receiving_the_prefill_worker_unpins(
     pauses = [PauseDir(cluster.pause_dir(i)) for i in range(2)]
     failed_before = [cluster.info(p).num_failed_transfers for p in cluster.prefill]
     for pause in pauses:  # wherever the router sends it (a restarted worker may be suspect)
-        pause.arm("prefill.layer_sent", layer=0)
+        pause.arm("kv.layer_sent", layer=0)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(_greedy, client, _prompt_to("prefill-0", 60, salt=4), "orphan")
         index = _wait_any_paused(pauses, set(), future, cluster)
-        pauses[1 - index].disarm("prefill.layer_sent")
+        pauses[1 - index].disarm("kv.layer_sent")
         sender, pause = cluster.prefill[index], pauses[index]
         # 1. the request's KV is being computed on the prefill worker (its blocks held); its
         #    decode worker dies before receiving it
         cluster.decode[0].stop(sig=signal.SIGKILL)
-        pause.release("prefill.layer_sent")
+        pause.release("kv.layer_sent")
         # 2. the client is told (no decode worker is left)
         with pytest.raises(PdserveError) as excinfo:
             future.result(TIMEOUT_S)

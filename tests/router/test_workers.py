@@ -32,7 +32,7 @@ from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from cluster.records import WorkerRecord
 from cluster.registry import Registry
 from deploy.redis_server import RedisServer
-from kvtransfer.layout import KVLayout
+from engine.kvcache.layout import KVLayout
 from router.workers import HUNG_AFTER, WorkerPool
 
 pytestmark = pytest.mark.timeout(60)

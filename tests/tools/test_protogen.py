@@ -139,11 +139,11 @@ def test_seed_zero_is_distinguished_from_absent() -> None:
 
 
 @pytest.mark.parametrize("message", [
-    pb.ReserveRequest(request_id="r-1", prompt_token_ids=[1, 15043, 29892], transfer_id=2**64 - 1,
+    pb.ReserveRequest(client_request_id="r-1", attempt_id="r-1", prompt_token_ids=[1, 15043, 29892], transfer_id=2**64 - 1,
                       sampling=make_sampling(seed=1234, top_k=50, ignore_eos=True)),
     pb.ReserveResponse(accepted=True, num_blocks=3, target=pb.KVTarget(
         kv_address="127.0.0.1:40123", tensor_parallel_size=2, transfer_id=7)),
-    pb.PrefillRequest(request_id="r-1", prompt_token_ids=[1, 2], sampling=make_sampling(),
+    pb.PrefillRequest(client_request_id="r-1", attempt_id="r-1", prompt_token_ids=[1, 2], sampling=make_sampling(),
                       target=pb.KVTarget(kv_address="[::1]:5", tensor_parallel_size=1,
                                          transfer_id=8)),
     pb.PrefillResponse(first_token_id=42, num_cached_tokens=16, num_prompt_tokens=21),
@@ -182,8 +182,8 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext
                  ) -> Iterator[pb.TokenChunk]:
-        if request.request_id != "r-1":
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no reservation {request.request_id!r}")
+        if request.attempt_id != "r-1":
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no reservation {request.attempt_id!r}")
         yield pb.TokenChunk(token_ids=[7], text="a")
         yield pb.TokenChunk(token_ids=[8], text="b", finish_reason="length",
                             usage=pb.Usage(prompt_tokens=2, completion_tokens=2))
@@ -207,19 +207,19 @@ def decode_stub() -> Iterator[pb_grpc.DecodeWorkerStub]:
 
 def test_stub_and_servicer_talk_over_loopback(decode_stub: pb_grpc.DecodeWorkerStub) -> None:
     # 1. Reserve: accepted with the transfer id echoed; refused with a reason.
-    ok = decode_stub.Reserve(pb.ReserveRequest(request_id="r-1", prompt_token_ids=[1, 2],
+    ok = decode_stub.Reserve(pb.ReserveRequest(client_request_id="r-1", attempt_id="r-1", prompt_token_ids=[1, 2],
                                                sampling=make_sampling(), transfer_id=9),
                              timeout=5)
-    refused = decode_stub.Reserve(pb.ReserveRequest(request_id="r-2", prompt_token_ids=[1] * 5,
+    refused = decode_stub.Reserve(pb.ReserveRequest(client_request_id="r-2", attempt_id="r-2", prompt_token_ids=[1] * 5,
                                                     transfer_id=10), timeout=5)
     assert ok.accepted and ok.target.transfer_id == 9
     assert not refused.accepted and refused.reason == "out of KV blocks"
     # 2. Generate streams every chunk; only the last has a finish reason and usage.
-    chunks = list(decode_stub.Generate(pb.GenerateRequest(request_id="r-1"), timeout=5))
+    chunks = list(decode_stub.Generate(pb.GenerateRequest(client_request_id="r-1", attempt_id="r-1"), timeout=5))
     assert [list(c.token_ids) for c in chunks] == [[7], [8]]
     assert [c.finish_reason for c in chunks] == ["", "length"]
     assert chunks[-1].usage.completion_tokens == 2 and not chunks[0].HasField("usage")
     # 3. Errors arrive as gRPC status codes.
     with pytest.raises(grpc.RpcError) as err:
-        list(decode_stub.Generate(pb.GenerateRequest(request_id="nope"), timeout=5))
+        list(decode_stub.Generate(pb.GenerateRequest(client_request_id="nope", attempt_id="nope"), timeout=5))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND

@@ -17,7 +17,7 @@ from cluster.records import layout_to_json
 from cluster.registry import Keys, Registry
 from deploy.redis_server import RedisServer
 from engine.config import CacheConfig, EngineConfig, load_model_config
-from kvtransfer.layout import PROTOCOL_VERSION, KVLayout
+from engine.kvcache.layout import PROTOCOL_VERSION, KVLayout
 from tests.processes import START_TIMEOUT_S, STOP_TIMEOUT_S, Proc, wait_until
 from tests.worker.procs import spawn_worker
 

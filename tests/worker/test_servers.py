@@ -65,20 +65,19 @@ def _route(c: Cluster, prompt: Sequence[int], params: SamplingParams
     PrefillResponse)."""
     n = next(_ids)
     rid, sampling = f"req-{n}", proto_params(params)
-    reserved = c.d.Reserve(pb.ReserveRequest(request_id=rid, prompt_token_ids=prompt,
+    reserved = c.d.Reserve(pb.ReserveRequest(client_request_id=rid, attempt_id=rid, prompt_token_ids=prompt,
                                              sampling=sampling, transfer_id=n),
                            timeout=RPC_TIMEOUT_S)
     assert reserved.accepted, reserved.reason
     try:
-        first = c.p.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+        first = c.p.Prefill(pb.PrefillRequest(client_request_id=rid, attempt_id=rid, prompt_token_ids=prompt,
                                               sampling=sampling, target=reserved.target),
                             timeout=RPC_TIMEOUT_S)
         chunks = list(c.d.Generate(pb.GenerateRequest(
-            request_id=rid, first_token_id=first.first_token_id,
-            num_cached_tokens=first.num_cached_tokens), timeout=RPC_TIMEOUT_S))
+            client_request_id=rid, attempt_id=rid), timeout=RPC_TIMEOUT_S))
     except BaseException:
-        c.d.Abort(pb.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
-        c.p.Abort(pb.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
+        c.d.Abort(pb.AbortRequest(client_request_id=rid, attempt_id=rid), timeout=RPC_TIMEOUT_S)
+        c.p.Abort(pb.AbortRequest(client_request_id=rid, attempt_id=rid), timeout=RPC_TIMEOUT_S)
         raise
     assert chunks and chunks[0].token_ids[0] == first.first_token_id
     assert all(not ch.finish_reason for ch in chunks[:-1]) and chunks[-1].finish_reason
@@ -151,17 +150,17 @@ def test_abort_between_reserve_and_prefill_frees_everything(cluster: Cluster) ->
     # 1. reserve on decode, 2. abort instead of prefilling, 3. Generate finds nothing
     prompt, n = list(range(1, 60)), next(_ids)
     reserved = cluster.d.Reserve(pb.ReserveRequest(
-        request_id=f"req-{n}", prompt_token_ids=prompt, transfer_id=n,
+        client_request_id=f"req-{n}", attempt_id=f"req-{n}", prompt_token_ids=prompt, transfer_id=n,
         sampling=proto_params(SamplingParams(max_tokens=4, temperature=0))),
         timeout=RPC_TIMEOUT_S)
     assert reserved.accepted and reserved.num_blocks == 4
     info = cluster.d.Info(pb.InfoRequest(), timeout=RPC_TIMEOUT_S)
     assert info.kv.in_use_blocks >= 4 and info.waiting_requests == 1
-    abort = pb.AbortRequest(request_id=f"req-{n}")
+    abort = pb.AbortRequest(client_request_id=f"req-{n}", attempt_id=f"req-{n}")
     assert cluster.d.Abort(abort, timeout=RPC_TIMEOUT_S).found
     assert not cluster.d.Abort(abort, timeout=RPC_TIMEOUT_S).found  # idempotent
     with pytest.raises(grpc.RpcError) as err:
-        list(cluster.d.Generate(pb.GenerateRequest(request_id=f"req-{n}", first_token_id=1),
+        list(cluster.d.Generate(pb.GenerateRequest(client_request_id=f"req-{n}", attempt_id=f"req-{n}"),
                                 timeout=RPC_TIMEOUT_S))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert_idle(cluster.d, cluster.p)
@@ -174,13 +173,13 @@ def _reserve_then_prefill(c: Cluster, prompts: Sequence[Sequence[int]], params: 
     sampling, requests = proto_params(params), []
     for prompt in prompts:
         n = next(_ids)
-        reserved = c.d.Reserve(pb.ReserveRequest(request_id=f"req-{n}", prompt_token_ids=prompt,
+        reserved = c.d.Reserve(pb.ReserveRequest(client_request_id=f"req-{n}", attempt_id=f"req-{n}", prompt_token_ids=prompt,
                                                  sampling=sampling, transfer_id=n),
                                timeout=RPC_TIMEOUT_S)
         assert reserved.accepted, reserved.reason
-        requests.append(pb.PrefillRequest(request_id=f"req-{n}", prompt_token_ids=prompt,
+        requests.append(pb.PrefillRequest(client_request_id=f"req-{n}", attempt_id=f"req-{n}", prompt_token_ids=prompt,
                                           sampling=sampling, target=reserved.target))
-    return [(r.request_id, c.p.Prefill.future(r, timeout=RPC_TIMEOUT_S)) for r in requests]
+    return [(r.attempt_id, c.p.Prefill.future(r, timeout=RPC_TIMEOUT_S)) for r in requests]
 
 
 def _wait_prefill_idle(c: Cluster) -> None:
@@ -214,13 +213,13 @@ def test_abort_while_queued_or_prefilling_frees_everything(cluster: Cluster) -> 
                     break
             if hit:
                 call_b.cancel()
-                found_a = cluster.p.Abort(pb.AbortRequest(request_id=rid_a),
+                found_a = cluster.p.Abort(pb.AbortRequest(client_request_id=rid_a, attempt_id=rid_a),
                                           timeout=RPC_TIMEOUT_S).found
         finally:
             for rid, call in calls:
                 if not (hit and found_a):  # a missed window (or a failure): end it all
-                    cluster.p.Abort(pb.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
-                cluster.d.Abort(pb.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
+                    cluster.p.Abort(pb.AbortRequest(client_request_id=rid, attempt_id=rid), timeout=RPC_TIMEOUT_S)
+                cluster.d.Abort(pb.AbortRequest(client_request_id=rid, attempt_id=rid), timeout=RPC_TIMEOUT_S)
                 try:
                     call.result(timeout=RPC_TIMEOUT_S)
                 except (grpc.RpcError, grpc.FutureCancelledError):
@@ -229,7 +228,7 @@ def test_abort_while_queued_or_prefilling_frees_everything(cluster: Cluster) -> 
             assert call_a.exception().code() == grpc.StatusCode.ABORTED
             assert call_b.cancelled()
             _wait_prefill_idle(cluster)
-            assert not cluster.p.Abort(pb.AbortRequest(request_id=rid_b),
+            assert not cluster.p.Abort(pb.AbortRequest(client_request_id=rid_b, attempt_id=rid_b),
                                        timeout=RPC_TIMEOUT_S).found  # the call's end freed it
             assert_idle(cluster.d, cluster.p)
             return
@@ -246,7 +245,7 @@ def test_reserve_refused_when_out_of_blocks(cluster: Cluster) -> None:
         for _ in range(NUM_KV_BLOCKS // 15 + 1):
             n = next(_ids)
             reply = cluster.d.Reserve(pb.ReserveRequest(
-                request_id=f"req-{n}", prompt_token_ids=prompt, transfer_id=n,
+                client_request_id=f"req-{n}", attempt_id=f"req-{n}", prompt_token_ids=prompt, transfer_id=n,
                 sampling=sampling), timeout=RPC_TIMEOUT_S)
             if not reply.accepted:
                 break
@@ -256,7 +255,7 @@ def test_reserve_refused_when_out_of_blocks(cluster: Cluster) -> None:
         assert len(held) == NUM_KV_BLOCKS // 15
     finally:
         for rid in held:
-            cluster.d.Abort(pb.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
+            cluster.d.Abort(pb.AbortRequest(client_request_id=rid, attempt_id=rid), timeout=RPC_TIMEOUT_S)
     assert_idle(cluster.d, cluster.p)
 
 
@@ -265,14 +264,14 @@ def test_cancelled_generate_frees_everything(cluster: Cluster) -> None:
     prompt, n = list(range(1, 40)), next(_ids)
     sampling = proto_params(SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
     reserved = cluster.d.Reserve(pb.ReserveRequest(
-        request_id=f"req-{n}", prompt_token_ids=prompt, transfer_id=n, sampling=sampling),
+        client_request_id=f"req-{n}", attempt_id=f"req-{n}", prompt_token_ids=prompt, transfer_id=n, sampling=sampling),
         timeout=RPC_TIMEOUT_S)
     assert reserved.accepted, reserved.reason
     first = cluster.p.Prefill(pb.PrefillRequest(
-        request_id=f"req-{n}", prompt_token_ids=prompt, sampling=sampling,
+        client_request_id=f"req-{n}", attempt_id=f"req-{n}", prompt_token_ids=prompt, sampling=sampling,
         target=reserved.target), timeout=RPC_TIMEOUT_S)
     call = cluster.d.Generate(pb.GenerateRequest(
-        request_id=f"req-{n}", first_token_id=first.first_token_id), timeout=RPC_TIMEOUT_S)
+        client_request_id=f"req-{n}", attempt_id=f"req-{n}"), timeout=RPC_TIMEOUT_S)
     assert next(call).token_ids[0] == first.first_token_id
     call.cancel()
     deadline = time.monotonic() + 10.0
@@ -282,7 +281,7 @@ def test_cancelled_generate_frees_everything(cluster: Cluster) -> None:
             break
         assert time.monotonic() < deadline, info
         time.sleep(0.05)
-    assert not cluster.d.Abort(pb.AbortRequest(request_id=f"req-{n}"), timeout=RPC_TIMEOUT_S).found
+    assert not cluster.d.Abort(pb.AbortRequest(client_request_id=f"req-{n}", attempt_id=f"req-{n}"), timeout=RPC_TIMEOUT_S).found
     assert_idle(cluster.d, cluster.p)
 
 
@@ -293,25 +292,24 @@ def test_abort_between_prefill_and_generate_frees_everything(cluster: Cluster) -
     rid = f"req-{n}"
     sampling = proto_params(SamplingParams(max_tokens=4, temperature=0))
     reserved = cluster.d.Reserve(pb.ReserveRequest(
-        request_id=rid, prompt_token_ids=prompt, transfer_id=n, sampling=sampling),
+        client_request_id=rid, attempt_id=rid, prompt_token_ids=prompt, transfer_id=n, sampling=sampling),
         timeout=RPC_TIMEOUT_S)
     assert reserved.accepted and reserved.num_blocks == 4, reserved
     try:
         first = cluster.p.Prefill(pb.PrefillRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+            client_request_id=rid, attempt_id=rid, prompt_token_ids=prompt, sampling=sampling,
             target=reserved.target), timeout=RPC_TIMEOUT_S)
         assert first.num_prompt_tokens == len(prompt)
         info = cluster.d.Info(pb.InfoRequest(), timeout=RPC_TIMEOUT_S)
         assert info.kv.in_use_blocks >= 4 and info.running_requests == 0, info
-        abort = pb.AbortRequest(request_id=rid)
+        abort = pb.AbortRequest(client_request_id=rid, attempt_id=rid)
         assert cluster.d.Abort(abort, timeout=RPC_TIMEOUT_S).found
         assert not cluster.d.Abort(abort, timeout=RPC_TIMEOUT_S).found  # idempotent
     finally:
-        cluster.d.Abort(pb.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
+        cluster.d.Abort(pb.AbortRequest(client_request_id=rid, attempt_id=rid), timeout=RPC_TIMEOUT_S)
     with pytest.raises(grpc.RpcError) as err:
         list(cluster.d.Generate(pb.GenerateRequest(
-            request_id=rid, first_token_id=first.first_token_id,
-            num_cached_tokens=first.num_cached_tokens), timeout=RPC_TIMEOUT_S))
+            client_request_id=rid, attempt_id=rid), timeout=RPC_TIMEOUT_S))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert_idle(cluster.d, cluster.p)
 

@@ -45,22 +45,22 @@ class Lease(_message.Message):
     def __init__(self, key: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_id", "wait_ms", "attempt_id", "lease")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("client_request_id", "prompt_token_ids", "sampling", "transfer_id", "wait_ms", "attempt_id", "lease")
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    client_request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     transfer_id: int
     wait_ms: int
     attempt_id: str
     lease: Lease
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[int] = ..., wait_ms: _Optional[int] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+    def __init__(self, client_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[int] = ..., wait_ms: _Optional[int] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("accepted", "reason", "num_blocks", "target")
@@ -75,30 +75,26 @@ class ReserveResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., num_blocks: _Optional[int] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "num_cached_tokens", "attempt_id")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("client_request_id", "attempt_id")
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    first_token_id: int
-    num_cached_tokens: int
+    client_request_id: str
     attempt_id: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., attempt_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, client_request_id: _Optional[str] = ..., attempt_id: _Optional[str] = ...) -> None: ...
 
 class GenerateLocalRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "attempt_id", "lease")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("client_request_id", "prompt_token_ids", "sampling", "attempt_id", "lease")
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    client_request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     attempt_id: str
     lease: Lease
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+    def __init__(self, client_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage", "timings")
@@ -131,20 +127,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "attempt_id", "lease")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("client_request_id", "prompt_token_ids", "sampling", "target", "attempt_id", "lease")
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    client_request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     target: KVTarget
     attempt_id: str
     lease: Lease
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+    def __init__(self, client_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "num_cached_tokens", "num_prompt_tokens", "timings")
@@ -169,12 +165,12 @@ class PrefillTimings(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., transfer_us: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "attempt_id")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("client_request_id", "attempt_id")
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    client_request_id: str
     attempt_id: str
-    def __init__(self, request_id: _Optional[str] = ..., attempt_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, client_request_id: _Optional[str] = ..., attempt_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)

@@ -124,10 +124,7 @@ class DecodeWorkerServicer:
         Errors: NOT_FOUND (no live reservation for attempt_id), FAILED_PRECONDITION (a
         Generate stream is already open for it), UNAVAILABLE (the KV transfer failed or did
         not complete before the transfer deadline; nothing is held, the router may retry
-        elsewhere), ABORTED (Abort was called while streaming), INTERNAL (a non-zero
-        `first_token_id` or `num_cached_tokens` in the request differs from what arrived
-        with the KV: the request is freed on every rank, as after Abort; not retryable on
-        this reservation), INVALID_ARGUMENT (`first_token_id` outside the vocabulary).
+        elsewhere), ABORTED (Abort was called while streaming).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -231,8 +231,8 @@ def test_each_tp_group_is_one_strict_pack_placement_group(served: Any, ray_head:
 
 
 def _followers(worker_pid: int) -> list[int]:
-    """The rank processes a worker started (``python -m engine.rank_main``)."""
-    return [p for p in _descendants(worker_pid) if b"engine.rank_main" in _cmdline(p)]
+    """The rank processes a worker started (``python -m engine.tp.rank_main``)."""
+    return [p for p in _descendants(worker_pid) if b"engine.tp.rank_main" in _cmdline(p)]
 
 
 def _cmdline(pid: int) -> bytes:

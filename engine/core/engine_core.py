@@ -1,0 +1,242 @@
+"""The step-level engine core that the offline ``LLM`` and the workers build on.
+
+One ``EngineCore`` owns a scheduler, a block manager and an executor (one or more TP
+ranks). It is single-threaded: callers add or abort requests between ``step()`` calls.
+
+Besides plain generation it supports what disaggregation needs:
+- prefill-only requests: the prompt is prefilled, the first token sampled, and the
+  request's blocks stay pinned (``RequestOutput.block_ids``) until ``release_pinned``;
+- requests whose KV is written into their blocks from outside: ``reserve_for_kv`` then
+  ``admit_with_kv`` (with the first token sampled by the prefill side);
+- ``layer_hook``: called with each layer index after that layer's KV is written.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.attention.metadata import LayerHook
+from engine.config import EngineConfig
+from engine.core.request import FinishReason, Request
+from engine.core.runner import resolve_num_kv_blocks
+from engine.core.sampler import sample
+from engine.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
+from engine.kvcache import BlockManager, KVCacheUsage
+from engine.sampling_params import SamplingParams
+from engine.text.detokenizer import TextStream
+from engine.text.tokenizer import TokenizerInfo
+from engine.tp.executor import Executor, LocalExecutor, TPExecutor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request. For a finished prefill-only request,
+    ``block_ids`` are its KV blocks, pinned until the caller calls ``release_pinned``."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    block_ids: tuple[int, ...] | None = None  # pinned blocks of a finished prefill-only request
+
+
+class EngineCore:
+    """Scheduler + block manager + executor of one engine; see the module docstring.
+
+    Not thread-safe: one thread adds, aborts and steps. Every method that takes a
+    request id raises ``ValueError`` for input that could never run, before anything is
+    allocated. Block ownership: a request's blocks belong to the engine until it
+    finishes (then they are freed, or pinned for prefill-only requests); blocks handed
+    out by ``reserve_for_kv`` may be written by the caller until ``admit_with_kv`` or
+    ``abort_request`` — the caller must stop writing before aborting.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer: TokenizerInfo | None = None,
+                 executor: Executor | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        if executor is None:
+            num_blocks = resolve_num_kv_blocks(config)
+            tp = config.parallel.tensor_parallel_size
+            executor = LocalExecutor(config, num_blocks) if tp == 1 else TPExecutor(config, num_blocks)
+        self.executor = executor
+        self.block_manager = BlockManager(
+            executor.num_kv_blocks, config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.block_manager,
+                                   config.model.max_model_len)
+        self.layer_hook: LayerHook | None = None
+        # Builds the payload every rank's plugin step_hook receives with a step (or None).
+        self.step_payload: Callable[[SchedulerOutput], bytes] | None = None
+        self._streams: dict[str, TextStream] = {}
+        self._ids = itertools.count()
+
+    # --- requests -----------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams, *, prefill_only: bool = False) -> None:
+        """Queue a request. Raises ``ValueError`` (naming the limit) for one that can never run."""
+        request = self._make_request(request_id, prompt_token_ids, params, prefill_only)
+        self.scheduler.add(request)
+        self._open_stream(request)
+
+    def reserve_for_kv(self, request_id: str, prompt_token_ids: Sequence[int],
+                       params: SamplingParams) -> list[int] | None:
+        """Reserve blocks for a prompt whose KV will be written from outside. Returns the
+        block ids (the caller writes the prompt's KV into them, in order), or None when
+        they do not fit now — then nothing is held."""
+        request = self._make_request(request_id, prompt_token_ids, params, False)
+        block_ids = self.scheduler.reserve(request, request.num_prompt_tokens)
+        if block_ids is not None:
+            self._open_stream(request)
+        return block_ids
+
+    def admit_with_kv(self, request_id: str, first_token_id: int,
+                      num_cached_tokens: int = 0) -> RequestOutput:
+        """The reserved request's prompt KV is in its blocks and ``first_token_id`` was
+        sampled by the prefill side, whose prefix cache served ``num_cached_tokens`` of
+        the prompt (reported as the request's ``num_cached_tokens``): join the running
+        batch (or finish at once)."""
+        request = self.scheduler.reserved.get(request_id)
+        if request is None:
+            raise ValueError(f"request {request_id!r} has no KV reservation")
+        if not 0 <= first_token_id < self.config.model.vocab_size:
+            raise ValueError(
+                f"first token id {first_token_id} is outside [0, {self.config.model.vocab_size})")
+        if not 0 <= num_cached_tokens <= request.num_prompt_tokens:
+            raise ValueError(f"{num_cached_tokens} cached tokens for a prompt of "
+                             f"{request.num_prompt_tokens}")
+        request.num_cached_tokens = num_cached_tokens
+        update = self.scheduler.admit_with_kv(
+            request_id, request.num_prompt_tokens, first_token_id)
+        out = self._output(update)
+        if out.finished:
+            self.scheduler.forget([request_id])
+        return out
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. False if unknown or finished."""
+        request = self.scheduler.finish(request_id, FinishReason.ABORT)
+        self._streams.pop(request_id, None)
+        self.scheduler.forget([request_id])
+        return request is not None
+
+    def release_pinned(self, request_id: str) -> bool:
+        """Unpin a finished prefill-only request's blocks (they stay in the prefix cache)."""
+        return self.block_manager.unpin(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def call_ranks(self, request: bytes) -> list[bytes]:
+        """Ask every rank's plugin (``EngineConfig.rank_plugin``); replies in rank order."""
+        return self.executor.call(request)
+
+    # --- one step -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute and sample one step; returns the outputs it produced."""
+        out = self.scheduler.schedule()
+        sampled = self._execute(out) if out.chunks else []
+        updates = self.scheduler.update(out, sampled)
+        outputs = [self._output(u) for u in updates]
+        self.scheduler.forget(o.request_id for o in outputs if o.finished)
+        return outputs
+
+    def _execute(self, out: SchedulerOutput) -> list[int]:
+        payload = self.step_payload(out) if self.step_payload is not None else b""
+        logits = self.executor.execute(out.chunks, self.layer_hook, payload)
+        requests = self.scheduler.requests
+        sampling = [c for c in out.chunks if c.sample]
+        params = [requests[c.request_id].params for c in sampling]
+        positions = [c.start_position + len(c.token_ids) for c in sampling]
+        return sample(logits, params, positions)
+
+    def _output(self, update: StepUpdate) -> RequestOutput:
+        request = update.request
+        new_ids = [update.new_token_id] if update.new_token_id is not None else []
+        delta, finished = self._detokenize(request, new_ids, update.finished)
+        pinned = request.finish_reason is FinishReason.PREFILLED
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            text_delta=delta,
+            finished=finished,
+            finish_reason=request.finish_reason.value if finished and request.finish_reason else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            block_ids=tuple(self.block_manager.pinned_block_ids(request.request_id)) if pinned else None,
+        )
+
+    def _detokenize(self, request: Request, new_ids: list[int], finished: bool) -> tuple[str, bool]:
+        """Text delta for ``new_ids``; a matched stop string finishes the request."""
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            return "", finished
+        delta, stopped = stream.add(new_ids)
+        if stopped and not finished:
+            self.scheduler.finish(request.request_id, FinishReason.STOP)
+            finished = True
+        elif stopped and request.finish_reason is not FinishReason.PREFILLED:
+            # the stop string came with the token that hit max_tokens
+            request.finish_reason = FinishReason.STOP
+        if finished:
+            delta += stream.flush()
+            del self._streams[request.request_id]
+        return delta, finished
+
+    def _make_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                      params: SamplingParams, prefill_only: bool) -> Request:
+        if request_id in self.scheduler.requests or self.block_manager.is_pinned(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
+        self._validate_prompt(prompt_token_ids, params, prefill_only)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        return Request(request_id, list(prompt_token_ids), params, eos, prefill_only)
+
+    def _open_stream(self, request: Request) -> None:
+        if self.tokenizer is not None:
+            self._streams[request.request_id] = TextStream(
+                self.tokenizer.tokenizer, request.prompt_token_ids, stop=request.params.stop)
+
+    def _validate_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                         prefill_only: bool) -> None:
+        m = self.config.model
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < m.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {m.vocab_size}); got {bad[:4]}")
+        if n + params.max_tokens > m.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"limit of {m.max_model_len} tokens")
+        # a prefill-only request holds its prompt's blocks, never the output's
+        num_tokens = n if prefill_only else n + params.max_tokens
+        needed = self.block_manager.num_blocks_needed(num_tokens)
+        if needed > self.block_manager.num_blocks:
+            what = "prompt" if prefill_only else "prompt + max_tokens"
+            raise ValueError(
+                f"{what} needs {needed} KV blocks but the pool has only "
+                f"{self.block_manager.num_blocks}")
+
+    # --- introspection ------------------------------------------------------------
+    def kv_usage(self) -> KVCacheUsage:
+        return self.block_manager.usage()
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

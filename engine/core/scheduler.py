@@ -1,0 +1,271 @@
+"""Continuous-batching scheduler: which tokens of which requests one step computes.
+
+Torch-free; works on request state, integer block ids and counts. Each step:
+1. running requests continue (one decode token each, or the next prefill chunk), oldest
+   first; when blocks run out, the newest running request is preempted (its blocks are
+   freed and it is recomputed later);
+2. waiting requests are admitted (reusing prefix-cached blocks) while the token budget,
+   ``max_num_seqs`` and the free blocks allow — also while others are mid-decode.
+A long prompt is prefilled in chunks of at most the remaining token budget.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.request import FinishReason, Request, RequestStatus
+from engine.kvcache import BlockManager
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens ``[start_position, start_position + len(token_ids))`` of one request, computed
+    this step into ``block_ids`` (the request's whole block table). ``sample``: the chunk
+    reaches the end of the sequence, so the next token is sampled."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_ids: tuple[int, ...]
+    sample: bool
+
+    @property
+    def is_decode(self) -> bool:
+        return self.sample and len(self.token_ids) == 1
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: decode chunks first, then prefill chunks (the flat batch order)."""
+
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    # admissions of a waiting request in a step where another request was mid-decode
+    num_admissions_during_decode: int = 0
+    num_started: int = 0  # requests admitted from waiting for the first time
+
+
+@dataclass
+class StepUpdate:
+    """What a step produced for one request: a sampled token and/or its end."""
+
+    request: Request
+    new_token_id: int | None
+    finished: bool
+
+
+class Scheduler:
+    """Owns the request queues; the block manager owns the blocks. ``schedule()`` then
+    ``update()`` once per step, with the tokens sampled for chunks where ``sample``."""
+
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, block_manager: BlockManager,
+                 max_model_len: int) -> None:
+        self.config = sched
+        self.cache = cache
+        self.blocks = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.kv_ready: deque[Request] = deque()  # KV_READY: written from outside, not yet running
+        self.reserved: dict[str, Request] = {}  # WAITING_FOR_KV
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # --- queues -------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def reserve(self, request: Request, num_tokens: int) -> list[int] | None:
+        """Reserve blocks for ``num_tokens`` tokens whose KV will be written from outside.
+        Returns the block ids, or None (nothing held) when they do not fit now."""
+        block_ids = self.blocks.allocate(request.request_id, num_tokens)
+        if block_ids is None:
+            return None
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.requests[request.request_id] = request
+        self.reserved[request.request_id] = request
+        return block_ids
+
+    def admit_with_kv(self, request_id: str, num_computed_tokens: int,
+                      first_token_id: int) -> StepUpdate:
+        """The reserved request's first ``num_computed_tokens`` KV entries are in its blocks
+        and ``first_token_id`` was sampled elsewhere: it is KV_READY and joins the running
+        batch at the next ``schedule()`` with room (or finishes at once when that token
+        ends it)."""
+        request = self.reserved.pop(request_id)
+        request.num_computed_tokens = num_computed_tokens
+        self._cache_blocks(request)
+        request.append_output(first_token_id)
+        reason = request.check_token_stop(self.max_model_len)
+        if reason is not None:
+            self._finish(request, reason)
+        else:
+            request.status = RequestStatus.KV_READY
+            self.kv_ready.append(request)
+        return StepUpdate(request, first_token_id, reason is not None)
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request wherever it is (abort, stop string); frees its blocks. Idempotent."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        for queue in (self.waiting, self.kv_ready):
+            if request in queue:
+                queue.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self.reserved.pop(request_id, None)
+        self._finish(request, reason)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.kv_ready)
+
+    # --- one step -----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        while self.kv_ready and len(self.running) < self.config.max_num_seqs:
+            request = self.kv_ready.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        self.stats.num_steps += 1
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.blocks.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                self._emit(out, request, num_new)
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        decoding = any(r.output_token_ids and r.num_computed_tokens for r in self.running)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self._cached_prefix(request)
+            num_computed = len(cached) * self.blocks.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if self.blocks.allocate(request.request_id, num_computed + num_new, cached) is None:
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_computed
+                self.stats.num_started += 1
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.stats.num_admissions_during_decode += decoding
+            self._emit(out, request, num_new)
+            budget -= num_new
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        if not self.cache.enable_prefix_caching:
+            return []
+        # At least the last token is always computed, so its logits exist to sample from.
+        num_blocks = (request.num_tokens - 1) // self.blocks.block_size
+        hashes = request.full_block_hashes(num_blocks, self.blocks.block_size, self.cache.hash_seed)
+        return self.blocks.get_cached_prefix(hashes)
+
+    def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        chunk = ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            start_position=start,
+            block_ids=tuple(self.blocks.block_ids(request.request_id)),
+            sample=start + num_new == request.num_tokens,
+        )
+        if chunk.is_decode:
+            out.decodes.append(chunk)
+        else:
+            request.num_prefill_chunks += 1
+            out.prefills.append(chunk)
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks; it is recomputed from scratch when re-admitted."""
+        self.running.remove(request)
+        self.blocks.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.stats.num_preemptions += 1
+
+    # --- after the step -------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[StepUpdate]:
+        """Advance every scheduled request; ``sampled`` holds one token per sampling chunk,
+        in ``out.chunks`` order. Finished requests release (or pin) their blocks."""
+        samples = iter(sampled)
+        updates: list[StepUpdate] = []
+        for chunk in out.chunks:
+            request = self.requests.get(chunk.request_id)
+            token = next(samples) if chunk.sample else None
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished (e.g. aborted) while the step ran
+            request.num_computed_tokens += len(chunk.token_ids)
+            self._cache_blocks(request)
+            if token is None:
+                continue
+            request.append_output(token)
+            reason = FinishReason.PREFILLED if request.prefill_only else request.check_token_stop(
+                self.max_model_len)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+            updates.append(StepUpdate(request, token, reason is not None))
+        return updates
+
+    def _cache_blocks(self, request: Request) -> None:
+        if not self.cache.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.blocks.block_size
+        hashes = request.full_block_hashes(num_full, self.blocks.block_size, self.cache.hash_seed)
+        self.blocks.cache_full_blocks(request.request_id, hashes)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        if reason is FinishReason.PREFILLED:
+            self.blocks.pin(request.request_id)  # held for the KV transfer; see release_pinned
+        else:
+            self.blocks.free(request.request_id)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop finished requests from the index (after their outputs were read)."""
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None and request.is_finished:
+                del self.requests[rid]

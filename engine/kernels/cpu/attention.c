@@ -1,0 +1,201 @@
+/* The paged decode attention (see kernels.h). */
+#include "kernels.h"
+
+/* ------------------------------------------------------- paged decode attention */
+
+/* The lane sums of LANES vectors, as one vector: out[t] = sum of v[t]'s lanes. Seen as
+ * 4-float quarters, the first two rounds interleave and add within quarters (cheap
+ * in-quarter shuffles: unpack by float, then by float pair), leaving quarter q of u[j]
+ * with the partial sums of tokens 4j..4j+3 over quarter q's lanes; the last rounds add
+ * quarters across vectors, which puts token t in lane t. */
+static inline fv lane_sums(fv v[LANES]) {
+#if LANES == 16
+    const iv lo1 = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
+    const iv hi1 = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
+    const iv lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const iv hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const iv even_quarters = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const iv odd_quarters = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+#else
+    const iv lo1 = {0, 8, 1, 9, 4, 12, 5, 13}, hi1 = {2, 10, 3, 11, 6, 14, 7, 15};
+    const iv lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const iv even_quarters = {0, 1, 2, 3, 8, 9, 10, 11}, odd_quarters = {4, 5, 6, 7, 12, 13, 14, 15};
+#endif
+    fv pairs[LANES / 2], quads[LANES / 4];
+    for (int i = 0; i < LANES / 2; i++)
+        pairs[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo1)
+                   + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi1);
+    for (int i = 0; i < LANES / 4; i++)
+        quads[i] = __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], lo2)
+                   + __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], hi2);
+#if LANES == 16
+    for (int i = 0; i < 2; i++)
+        quads[i] = __builtin_shuffle(quads[2 * i], quads[2 * i + 1], even_quarters)
+                   + __builtin_shuffle(quads[2 * i], quads[2 * i + 1], odd_quarters);
+#endif
+    return __builtin_shuffle(quads[0], quads[1], even_quarters)
+           + __builtin_shuffle(quads[0], quads[1], odd_quarters);
+}
+
+/* The dot products of query qg [chunks * LANES] with n <= LANES keys, token t's at
+ * kb + t * stride, as one vector (lanes past n are 0). A full run keeps its LANES
+ * partial sums in registers (the loops have constant bounds). */
+static inline fv score_run(const float *qg, const float *kb, int64_t stride, int64_t chunks,
+                           int64_t n) {
+    fv dots[LANES];
+    for (int t = 0; t < LANES; t++) dots[t] = (fv){0};
+    if (n == LANES) {
+        for (int64_t c = 0; c < chunks; c++) {
+            const fv qc = loadv(qg + c * LANES);
+#pragma GCC unroll 16
+            for (int t = 0; t < LANES; t++) dots[t] += qc * loadv(kb + t * stride + c * LANES);
+        }
+    } else {
+        for (int t = 0; t < n; t++)
+            for (int64_t c = 0; c < chunks; c++)
+                dots[t] += loadv(qg + c * LANES) * loadv(kb + t * stride + c * LANES);
+    }
+    return lane_sums(dots);
+}
+
+/* Positions in the run from pos: up to LANES, fewer where its block or the context ends
+ * (a run never spans two blocks). */
+static inline int64_t run_length(int64_t pos, int64_t block_size, int64_t ctx) {
+    const int64_t to_block_end = block_size - pos % block_size;
+    const int64_t n = to_block_end < LANES ? to_block_end : LANES;
+    return ctx - pos < n ? ctx - pos : n;
+}
+
+/* Prefetch (into L2) the keys and values of the run of up to LANES positions from pos,
+ * heads_width floats of each token from head_offset: a run starts in a block anywhere in
+ * the cache, where the hardware prefetcher cannot guess it. */
+static inline void prefetch_run(const float *k_cache, const float *v_cache, const int64_t *table,
+                                int64_t block_size, int64_t token_stride, int64_t head_offset,
+                                int64_t heads_width, int64_t pos, int64_t ctx) {
+    const int64_t blk = pos / block_size, off = pos % block_size;
+    const int64_t n = run_length(pos, block_size, ctx);
+    const int64_t first = (table[blk] * block_size + off) * token_stride + head_offset;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t d = 0; d < heads_width; d += 64 / sizeof(float)) {
+            __builtin_prefetch(k_cache + first + t * token_stride + d, 0, 2);
+            __builtin_prefetch(v_cache + first + t * token_stride + d, 0, 2);
+        }
+}
+
+/* One query token per sequence against the keys and values of its blocks, read where
+ * they lie in the paged cache (no gather). A task is one sequence and a range of its KV
+ * heads (all of them when there are enough sequences to keep every thread busy, so a
+ * task reads each token's K and V contiguously); its query rows are the query heads
+ * sharing those KV heads. For each row, LANES keys at a time are scored into one vector
+ * (lane_sums) and folded into an online softmax (running max and sum, the
+ * accumulator rescaled when the max grows). head_dim must be a multiple of 16.
+ *
+ * q        [B, Hk * G, D], token i's heads at q + i * q_stride   out [B, Hk * G, D]
+ * k_cache, v_cache: token t of block b, KV head h at ((b * S + t) * Hk + h) * D
+ * tables   [B, max_blocks] int64    context_lens [B] int64 (>= 1, <= max_blocks * S)
+ */
+int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                                  const float *v_cache, int64_t num_cache_blocks,
+                                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+                                  int64_t group, const int64_t *tables, int64_t max_blocks,
+                                  const int64_t *context_lens, int64_t num_seqs, float scale,
+                                  float *out, int num_threads) {
+    if (group < 1 || group > ATTN_MAX_ROWS || head_dim < ATTN_HEAD_MULTIPLE
+        || head_dim % ATTN_HEAD_MULTIPLE
+        || group * head_dim > ATTN_MAX_ACC || block_size < 1 || num_kv_heads < 1
+        || q_stride < num_kv_heads * group * head_dim || num_threads < 1 || num_seqs < 0)
+        return -1;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        int64_t ctx = context_lens[s];
+        if (ctx < 1 || ctx > max_blocks * block_size) return -2;
+        for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++) {
+            int64_t id = tables[s * max_blocks + b];
+            if (id < 0 || id >= num_cache_blocks) return -3;
+        }
+    }
+    /* KV heads per task: as many as the accumulators hold, fewer when splitting the
+     * heads is what gives every thread two tasks */
+    int64_t fit = ATTN_MAX_ACC / (group * head_dim);
+    fit = fit < ATTN_MAX_ROWS / group ? fit : ATTN_MAX_ROWS / group;
+    const int64_t splits = num_seqs >= 2 * num_threads ? 1
+                         : (2 * num_threads + num_seqs - 1) / (num_seqs ? num_seqs : 1);
+    int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
+    heads_per_task = heads_per_task < fit ? heads_per_task : fit;
+    const int64_t tasks_per_seq = (num_kv_heads + heads_per_task - 1) / heads_per_task;
+    const int64_t hq = num_kv_heads * group, token_stride = num_kv_heads * head_dim;
+    const int64_t chunks = head_dim / LANES;
+#if LANES == 16
+    const iv lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+    const iv lane_index = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t task = 0; task < num_seqs * tasks_per_seq; task++) {
+        const int64_t s = task / tasks_per_seq, ctx = context_lens[s];
+        const int64_t h0 = task % tasks_per_seq * heads_per_task;
+        const int64_t h1 = h0 + heads_per_task < num_kv_heads ? h0 + heads_per_task : num_kv_heads;
+        const int64_t rows = (h1 - h0) * group; /* query heads h0 * group .. h1 * group - 1 */
+        const float *q_rows = q + s * q_stride + h0 * group * head_dim;
+        float acc[ATTN_MAX_ACC], run_max[ATTN_MAX_ROWS], run_sum[ATTN_MAX_ROWS];
+        float weights[ATTN_MAX_ROWS * LANES]; /* [rows][LANES]: one run of keys */
+        for (int64_t i = 0; i < rows * head_dim; i++) acc[i] = 0.f;
+        for (int64_t r = 0; r < rows; r++) {
+            run_max[r] = -INFINITY;
+            run_sum[r] = 0.f;
+        }
+        for (int64_t pos = 0; pos < ctx;) { /* one run of run_length positions a turn */
+            const int64_t blk = pos / block_size, off = pos % block_size;
+            const int64_t n = run_length(pos, block_size, ctx);
+            const int64_t first = (tables[s * max_blocks + blk] * block_size + off) * token_stride;
+            const iv valid = lane_index < (iv){0} + (int32_t)n;
+            if (pos + n < ctx) /* the next run's keys and values start on their way */
+                prefetch_run(k_cache, v_cache, tables + s * max_blocks, block_size, token_stride,
+                             h0 * head_dim, (h1 - h0) * head_dim, pos + n, ctx);
+            for (int64_t r = 0; r < rows; r++) {
+                const float *kb = k_cache + first + (h0 + r / group) * head_dim;
+                fv sc = score_run(q_rows + r * head_dim, kb, token_stride, chunks, n) * scale;
+                sc = selectv(valid, sc, (fv){0} - INFINITY);
+                const float new_max = max_lanes(sc) > run_max[r] ? max_lanes(sc) : run_max[r];
+                const fv p = selectv(valid, exp_nonpositive(sc - new_max), (fv){0});
+                /* the running sums were taken against run_max: rescale them when it grew */
+                const float correction = new_max == run_max[r] ? 1.f
+                    : run_max[r] == -INFINITY ? 0.f
+                    : exp_nonpositive((fv){0} + (run_max[r] - new_max))[0];
+                if (correction != 1.f) {
+                    float *ar = acc + r * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++) ar[d] *= correction;
+                }
+                run_sum[r] = run_sum[r] * correction + sum_lanes(p);
+                run_max[r] = new_max;
+                storev(weights + r * LANES, p);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const float *wr = weights + r * LANES;
+                const float *vb = v_cache + first + (h0 + r / group) * head_dim;
+                for (int64_t c = 0; c < chunks; c++) {
+                    float *ar = acc + r * head_dim + c * LANES;
+                    const float *vc = vb + c * LANES;
+                    /* four sums: one FMA chain would wait on its own latency */
+                    fv a0 = loadv(ar), a1 = {0}, a2 = {0}, a3 = {0};
+                    int t = 0;
+                    for (; t + 4 <= n; t += 4) {
+                        a0 += wr[t] * loadv(vc + t * token_stride);
+                        a1 += wr[t + 1] * loadv(vc + (t + 1) * token_stride);
+                        a2 += wr[t + 2] * loadv(vc + (t + 2) * token_stride);
+                        a3 += wr[t + 3] * loadv(vc + (t + 3) * token_stride);
+                    }
+                    for (; t < n; t++) a0 += wr[t] * loadv(vc + t * token_stride);
+                    storev(ar, (a0 + a1) + (a2 + a3));
+                }
+            }
+            pos += n;
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const float inv = 1.f / run_sum[r];
+            float *o = out + (s * hq + h0 * group + r) * head_dim;
+            const float *ar = acc + r * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) o[d] = ar[d] * inv;
+        }
+    }
+    return 0;
+}

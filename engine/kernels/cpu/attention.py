@@ -1,0 +1,92 @@
+"""The paged decode attention's Python face (``attention.c``), and the KV write beside it
+(``pointwise.c``)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine.kernels.cpu._ffi import bind, cint, f32, i64, ptr
+
+
+class AttentionKernels:
+    """``NativeKernels``' KV write and paged decode attention."""
+
+    def _bind_attention(self, library: ctypes.CDLL) -> None:
+        self._attn = bind(library, "pd_paged_decode_attention_f32",
+                          [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64,
+                           f32, ptr, cint])
+        self._write_kv = bind(library, "pd_write_kv_f32",
+                              [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr])
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> bool:
+        """Write ``k``, ``v [T, Hk, D]`` into slots ``slot_mapping [T]`` of ``kv_cache
+        [2, num_blocks, block_size, Hk, D]``; ``False`` (nothing written) unless all are
+        fp32 CPU tensors with each token's heads contiguous and a contiguous cache, and
+        ``slot_mapping`` a 1-d int32/int64 CPU tensor. Raises ``IndexError`` (as
+        ``index_copy_`` does) for a slot outside the cache, before writing anything."""
+        if not (k.dim() == v.dim() == 3 and kv_cache.dim() == 5 and kv_cache.shape[0] == 2
+                and k.dtype == v.dtype == kv_cache.dtype == torch.float32
+                and k.device.type == v.device.type == kv_cache.device.type == "cpu"
+                and slot_mapping.dim() == 1 and slot_mapping.device.type == "cpu"
+                and slot_mapping.dtype in (torch.int32, torch.int64)
+                and kv_cache.is_contiguous() and k.shape == v.shape
+                and k.shape[1:] == kv_cache.shape[3:] and k.shape[0] == slot_mapping.shape[0]
+                and k.stride(2) == v.stride(2) == 1
+                and k.stride(1) == v.stride(1) == k.shape[2]):
+            return False
+        tokens, width = k.shape[0], k.shape[1] * k.shape[2]
+        slots = slot_mapping.to(torch.int64).contiguous()
+        rc = self._write_kv(k.data_ptr(), k.stride(0) if tokens > 1 else width, v.data_ptr(),
+                            v.stride(0) if tokens > 1 else width, tokens, width,
+                            slots.data_ptr(), kv_cache.shape[1] * kv_cache.shape[2],
+                            kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
+        if rc == -3:
+            raise IndexError("write_kv: a slot outside the cache")
+        return rc == 0
+
+    @staticmethod
+    def supports_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether ``paged_decode_attention`` takes q ``[B, Hq, D]`` over this cache."""
+        if q.dim() != 3 or kv_cache.dim() != 5 or q.numel() == 0:
+            return False
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_q_heads = q.shape[1]
+        return (q.dtype == kv_cache.dtype == torch.float32 and q.device.type == "cpu"
+                and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+                and q.shape[2] == head_dim and num_q_heads % num_kv_heads == 0
+                and q.stride(2) == 1 and q.stride(1) == head_dim
+                and (q.shape[0] == 1 or q.stride(0) >= num_q_heads * head_dim)
+                and num_q_heads // num_kv_heads <= 64 and head_dim % 16 == 0
+                and num_q_heads // num_kv_heads * head_dim <= 8192)
+
+    def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+        """Softmax attention of each sequence's one query token ``q [B, Hq, D]`` over the
+        first ``context_lens[i]`` slots of its blocks ``block_tables [B, max_blocks]`` in
+        ``kv_cache [2, num_blocks, block_size, Hk, D]`` → ``[B, Hq, D]``. Query heads
+        ``h * Hq/Hk .. (h+1) * Hq/Hk - 1`` share KV head ``h`` (GQA/MQA)."""
+        if not self.supports_decode_attention(q, kv_cache):
+            raise ValueError(f"paged_decode_attention does not take q {tuple(q.shape)} "
+                             f"{q.dtype} over a cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
+        num_seqs, num_q_heads, head_dim = q.shape
+        num_blocks, block_size, num_kv_heads = kv_cache.shape[1:4]
+        tables = block_tables.to(torch.int64).contiguous()
+        lens = context_lens.to(torch.int64).contiguous()
+        if tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
+            raise ValueError(f"block_tables {tuple(tables.shape)} and context_lens "
+                             f"{tuple(lens.shape)} do not match {num_seqs} sequences")
+        out = torch.empty(num_seqs, num_q_heads, head_dim, dtype=q.dtype)
+        q_stride = q.stride(0) if num_seqs > 1 else num_q_heads * head_dim
+        rc = self._attn(q.data_ptr(), q_stride, kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                        num_blocks, block_size, num_kv_heads, head_dim,
+                        num_q_heads // num_kv_heads, tables.data_ptr(), tables.shape[1],
+                        lens.data_ptr(), num_seqs, scale, out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            what = {-2: "a context length outside its block table",
+                    -3: "a block id outside the cache"}.get(rc, f"code {rc}")
+            raise ValueError(f"paged_decode_attention refused its arguments: {what}")
+        return out

@@ -1,0 +1,143 @@
+/* What every compiled CPU kernel file shares (engine/kernels/cpu/): the vector type of
+ * the target's own width, its loads, stores and lane helpers, the limits one file's
+ * kernel puts on another's callers, and every kernel's prototype.
+ *
+ * The kernels are built at first use with the machine's C compiler for the machine's own
+ * CPU (-O3 -march=native -fopenmp; PDSERVE_CPU_KERNELS_MARCH names another target), every
+ * .c file of this directory into one library (engine/kernels/cpu/build.py). Vector code is
+ * written with GCC/Clang vector extensions in the target's own register width (LANES
+ * below) or left to the compiler (OpenMP simd), so the same source serves AVX2, AVX-512
+ * and other targets. OpenMP threads come from the runtime torch already loaded (libgomp,
+ * matched by soname), so these kernels share torch's thread pool instead of starting a
+ * second one.
+ *
+ * Every function returns 0 on success and a negative code for arguments it does not
+ * handle (the caller then uses its torch path); it never reads or writes outside the
+ * buffers its arguments describe. The Python face is engine/kernels/cpu/ (one module
+ * per family, as here).
+ */
+#ifndef PDSERVE_KERNELS_H
+#define PDSERVE_KERNELS_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
+
+/* ---------------------------------------------------------------- vectors */
+
+/* One vector register of floats: GCC/Clang vector extensions in the target's own width
+ * (16 floats with AVX-512, else 8: AVX2, and NEON as two registers). A 64-byte vector
+ * on an AVX2 target is kept in memory by GCC, which made every kernel here several times
+ * slower there. Loads and stores go through memcpy (unaligned). */
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float fv __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t iv __attribute__((vector_size(LANES * sizeof(int32_t))));
+#define ATTN_HEAD_MULTIPLE 16 /* head_dim the attention takes (what the Python side checks) */
+
+static inline fv loadv(const float *p) {
+    fv v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storev(float *p, fv v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* where mask lanes are set, a; elsewhere b */
+static inline fv selectv(iv mask, fv a, fv b) {
+    return (fv)((mask & (iv)a) | (~mask & (iv)b));
+}
+
+/* e^x for x <= 0 (softmax weights), lane-wise: x = n ln2 + r with |r| <= ln2 / 2, e^r by
+ * its degree-6 Taylor polynomial (relative error about 2.3e-7), 2^n from the exponent
+ * bits. Arguments below -87 (-inf included) give 0. */
+static inline fv exp_nonpositive(fv x) {
+    const fv zero = {0}, lowest = zero - 87.f, magic = zero + 12582912.f; /* 1.5 * 2^23 rounds */
+    const iv underflow = x < lowest;
+    x = selectv(underflow, lowest, x);
+    fv n = (x * 1.44269504f + magic) - magic;
+    fv r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    fv p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+    iv bits = (__builtin_convertvector(n, iv) + 127) << 23;
+    return selectv(underflow, zero, p * (fv)bits);
+}
+
+/* v with its lanes moved by `by` within each group of 2 * by (a butterfly step) */
+static inline fv swap_lanes(fv v, int by) {
+#if LANES == 16
+    static const iv masks[4] = {
+        {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
+        {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+        {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+        {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}};
+#else
+    static const iv masks[3] = {
+        {1, 0, 3, 2, 5, 4, 7, 6}, {2, 3, 0, 1, 6, 7, 4, 5}, {4, 5, 6, 7, 0, 1, 2, 3}};
+#endif
+    return __builtin_shuffle(v, masks[by == 1 ? 0 : by == 2 ? 1 : by == 4 ? 2 : LANES / 8 + 1]);
+}
+
+/* the largest lane (NaN-free input), by butterfly steps */
+static inline float max_lanes(fv v) {
+    for (int by = LANES / 2; by >= 1; by /= 2) {
+        const fv w = swap_lanes(v, by);
+        v = selectv(w > v, w, v);
+    }
+    return v[0];
+}
+
+static inline float sum_lanes(fv v) {
+    for (int by = LANES / 2; by >= 1; by /= 2) v += swap_lanes(v, by);
+    return v[0];
+}
+
+/* ------------------------------------------------- limits other files rely on */
+
+#define ATTN_MAX_ROWS 64        /* query heads in one task */
+#define ATTN_MAX_ACC 8192       /* query rows * head_dim: one task's accumulators */
+#define GEMV_MAX_X_ROWS 3 /* four were slower than oneDNN on an AMD EPYC */
+
+/* ---------------------------------------------------------------- prototypes */
+
+/* pointwise.c */
+int pd_rms_norm_f32(const float *x, int64_t rows, int64_t dim, const float *weight, float eps,
+                    float *out, int num_threads);
+int pd_silu_mul_f32(const float *gate_up, int64_t rows, int64_t half, float *out,
+                    int num_threads);
+int pd_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t dim,
+                int64_t token_stride, const float *cos, const float *sin, float *out,
+                int num_threads);
+int pd_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                    int64_t tokens, int64_t width, const int64_t *slots, int64_t num_slots,
+                    float *k_cache, float *v_cache);
+int pd_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t row_stride,
+                       int64_t *out, int num_threads);
+/* gemv.c */
+int pd_gemv_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
+                const float *bias, float *y, int num_threads);
+/* gemm.c */
+int64_t pd_gemm_panel_width(void);
+int64_t pd_gemm_panel_floats(int64_t n, int64_t k);
+int pd_gemm_packed_f32(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
+                       const float *bias, float *y, int num_threads);
+int pd_linear_f32(const float *x, int64_t m, int64_t k, const float *w, const float *panels,
+                  int64_t n, const float *bias, float *y, int num_threads);
+/* attention.c */
+int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                                  const float *v_cache, int64_t num_cache_blocks,
+                                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+                                  int64_t group, const int64_t *tables, int64_t max_blocks,
+                                  const int64_t *context_lens, int64_t num_seqs, float scale,
+                                  float *out, int num_threads);
+
+#endif

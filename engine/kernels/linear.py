@@ -1,0 +1,197 @@
+"""The ways a linear layer can multiply, and the plan saying which one each layer uses.
+
+Every kernel computes ``y = x W^T + b`` for a checkpoint-layout weight ``W [out, in]``
+from a copy of ``W`` it prepared once after loading (or ``W`` itself):
+
+- ``torch``: ``F.linear`` on ``W`` (MKL's sgemm/sgemv on x86 builds); no copy.
+- ``onednn``: oneDNN's pre-packed blocked layout (``mkldnn._linear_pointwise``); CPU fp32.
+- ``mm_t``: ``torch.mm``/``addmm`` on a contiguous ``W^T [in, out]`` (the "NN" GEMM
+  layout rather than "NT"); any device.
+- ``onednn_gemv``: ``onednn``, except that one to three rows of ``x`` (a small decode
+  batch) go to pdserve's compiled GEMV (``engine.kernels.cpu``) on ``W`` itself, which
+  keeps more of the memory bus busy than oneDNN does at batch 1; CPU fp32, where the
+  compiled kernels could be built.
+- ``packed``: pdserve's own kernels only (``engine.kernels.cpu``): the GEMV on ``W``
+  itself for one to three rows, and for more rows its GEMM over a copy of ``W`` packed in
+  panels of 32 output features (16 without AVX-512; ``NativeKernels.pack_panels``), which
+  keeps a block of up to 14 rows' sums (6 without AVX-512) in registers per panel; CPU
+  fp32, where the compiled kernels could be built (no oneDNN needed).
+
+Which is fastest depends on the CPU (MKL is slow on AMD, tuned on Intel), the shape
+and the batch size, so ``engine.kernels.choice`` times them and writes a
+``KernelPlan``; every tensor-parallel rank applies the leader's plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu import ENV as CPU_KERNELS_ENV
+from engine.kernels.cpu import NativeKernels, native
+
+# Batch size oneDNN tunes the packed layout for; any batch size works.
+_ONEDNN_BATCH_HINT = 32
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    """``prepare(W [out, in]) -> prepared`` once (a tensor, or what the kernel needs);
+    ``apply(x [..., in], prepared, bias)``."""
+
+    name: str
+    prepare: Callable[[torch.Tensor], Any]
+    apply: Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
+    available: Callable[[torch.device, torch.dtype], bool]
+    uses_native: bool = False  # runs pdserve's compiled kernels (engine.kernels.cpu)
+
+
+def _onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _onednn_prepare(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _ONEDNN_BATCH_HINT)
+
+
+def _onednn_apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # oneDNN reads the bias as contiguous whatever its strides (a strided one gave wrong
+    # sums): .contiguous() is free for the usual, contiguous, bias
+    bias = None if bias is None else bias.contiguous()
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class _GemvPrepared:
+    """``onednn_gemv``'s copy: ``W`` itself for the GEMV, oneDNN's packing for the rest."""
+
+    weight: torch.Tensor
+    packed: torch.Tensor
+    kernels: NativeKernels
+
+
+def _onednn_gemv_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return _onednn_available(device, dtype) and native() is not None
+
+
+def _native_weight(kernel: str, weight: torch.Tensor) -> tuple[NativeKernels, torch.Tensor]:
+    """The compiled kernels and ``weight`` (contiguous) for a kernel that needs both;
+    ``RuntimeError`` where the kernels are unavailable, ``ValueError`` for a weight that
+    is not a 2-d fp32 CPU tensor."""
+    kernels = native()
+    if kernels is None:
+        raise RuntimeError(f"linear kernel {kernel} needs pdserve's compiled CPU kernels, "
+                           f"which are unavailable here ({CPU_KERNELS_ENV}=0, or the build "
+                           "failed: see the log)")
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"linear kernel {kernel} takes a 2-d fp32 CPU weight, got "
+                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    return kernels, weight.contiguous()
+
+
+def _onednn_gemv_prepare(weight: torch.Tensor) -> _GemvPrepared:
+    kernels, weight = _native_weight("onednn_gemv", weight)
+    return _GemvPrepared(weight, _onednn_prepare(weight), kernels)
+
+
+def _onednn_gemv_apply(x: torch.Tensor, prepared: _GemvPrepared,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is None or (bias.is_contiguous() and bias.dtype == torch.float32):
+        y = prepared.kernels.gemv_checked_weight(x, prepared.weight, bias)
+        if y is not None:
+            return y
+    return _onednn_apply(x, prepared.packed, bias)
+
+
+@dataclass(frozen=True)
+class _PackedPrepared:
+    """``packed``'s copies: ``W`` itself for the GEMV, its panels for the GEMM."""
+
+    weight: torch.Tensor
+    panels: torch.Tensor
+    kernels: NativeKernels
+
+
+def _packed_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and native() is not None
+
+
+def _packed_prepare(weight: torch.Tensor) -> _PackedPrepared:
+    kernels, weight = _native_weight("packed", weight)
+    return _PackedPrepared(weight, kernels.pack_panels(weight), kernels)
+
+
+def _packed_apply(x: torch.Tensor, prepared: _PackedPrepared,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is None or (bias.is_contiguous() and bias.dtype == torch.float32):
+        kernels, weight = prepared.kernels, prepared.weight
+        y = kernels.gemv_checked_weight(x, weight, bias)
+        if y is None:
+            y = kernels.gemm_packed_checked(x, prepared.panels, weight.shape[0], bias)
+        if y is not None:
+            return y
+    return F.linear(x, prepared.weight, bias)  # a strided x, or another dtype of bias
+
+
+def _mm_t_apply(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    y = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
+    return y.view(*x.shape[:-1], weight_t.shape[1])
+
+
+KERNELS: dict[str, LinearKernel] = {
+    "torch": LinearKernel("torch", lambda w: w, lambda x, w, b: F.linear(x, w, b),
+                          lambda device, dtype: True),
+    "onednn": LinearKernel("onednn", _onednn_prepare, _onednn_apply, _onednn_available),
+    "mm_t": LinearKernel("mm_t", lambda w: w.t().contiguous(), _mm_t_apply,
+                         lambda device, dtype: True),
+    "onednn_gemv": LinearKernel("onednn_gemv", _onednn_gemv_prepare, _onednn_gemv_apply,
+                                _onednn_gemv_available, uses_native=True),
+    "packed": LinearKernel("packed", _packed_prepare, _packed_apply, _packed_available,
+                           uses_native=True),
+}
+
+
+def available_kernels(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Names of the kernels that run on ``device`` in ``dtype``, in ``KERNELS`` order."""
+    return [name for name, k in KERNELS.items() if k.available(device, dtype)]
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which kernel each linear weight shape ``(out_features, in_features)`` uses on
+    this rank's shard (identical on every rank of a TP group, which holds equal shards),
+    and where the choice came from: ``"config"`` (``EngineConfig.linear_kernel``),
+    ``"env"`` (``PDSERVE_LINEAR_KERNEL``), ``"cache"``, ``"measured"`` or ``"default"``."""
+
+    kernels: tuple[tuple[int, int, str], ...]
+    source: str
+
+    def __post_init__(self) -> None:
+        unknown = sorted({k for _, _, k in self.kernels} - set(KERNELS))
+        if unknown:
+            raise ValueError(f"unknown linear kernels {unknown}; known: {sorted(KERNELS)}")
+
+    @classmethod
+    def uniform(cls, shapes: Iterable[tuple[int, int]], kernel: str, source: str) -> KernelPlan:
+        return cls(tuple((o, i, kernel) for o, i in sorted(set(shapes))), source)
+
+    def kernel_for(self, out_features: int, in_features: int) -> str:
+        for o, i, kernel in self.kernels:
+            if (o, i) == (out_features, in_features):
+                return kernel
+        raise KeyError(f"the kernel plan has no entry for a [{out_features}, {in_features}] weight")
+
+    @property
+    def summary(self) -> str:
+        """The kernel's name when all shapes share one, else ``"mixed: out x in=kernel, ..."``."""
+        names = {k for _, _, k in self.kernels}
+        if len(names) == 1:
+            return names.pop()
+        return "mixed: " + ", ".join(f"{o}x{i}={k}" for o, i, k in self.kernels)

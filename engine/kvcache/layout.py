@@ -1,0 +1,137 @@
+"""What two workers must agree on to exchange KV: the model fingerprint and KV layout — the
+cluster's identity.
+
+Torch-free, and below the data plane (``kvtransfer`` uses it; ``cluster`` and ``router``
+read it without importing ``kvtransfer``): worker registration and the router may read it
+without loading torch.
+``KVLayout`` covers the model files, dtype, block size, block-hash algorithm and seed, the
+global KV layout (layers, KV heads, head size) and the internal protocol version.
+Tensor-parallel sizes are *not* part of it: they may differ between prefill and decode,
+and KV is re-sharded in transit.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import astuple, dataclass, fields
+from typing import TYPE_CHECKING
+
+import xxhash
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+"""Bytes per element of the KV dtypes the engine supports."""
+
+PROTOCOL_VERSION = 2
+"""Version of what workers and the router exchange: the internal gRPC API
+(``proto/cluster/internal/v1``), the KV wire protocol (``kvtransfer.protocol``) and the
+cluster records. Bump it with any change an older process would misread: it is part of
+the fingerprint, so a rolling upgrade never mixes incompatible workers in one cluster
+(0 names a layout written before the version was recorded). 2: the internal API names the
+client's id ``client_request_id``, every call needs its ``attempt_id``, and Generate no
+longer carries the router's copies of the first token."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The model fingerprint plus the global KV layout; equal layouts can exchange KV.
+
+    ``model_fingerprint`` names the model files (``cluster.fingerprint.fingerprint_model_dir``);
+    ``hash_algorithm`` and ``hash_seed`` are the prefix-cache block-hash settings;
+    ``protocol_version`` is ``PROTOCOL_VERSION`` of the process that made it.
+    """
+
+    model_fingerprint: str
+    dtype: str
+    block_size: int
+    hash_algorithm: str
+    hash_seed: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.protocol_version < 0:
+            raise ValueError(f"protocol_version must be >= 0, got {self.protocol_version}")
+
+    @property
+    def element_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    def row_bytes(self, num_heads: int) -> int:
+        """Bytes of one row of a transfer (``kvtransfer.packing``): one block's
+        ``[block_size, num_heads, head_dim]`` slab of K or V of one layer."""
+        return self.block_size * num_heads * self.head_dim * self.element_size
+
+    def diff(self, other: KVLayout) -> str | None:
+        """``None`` when equal, else ``"field: mine != theirs"`` for the first differing
+        field (the protocol version first: with another one, nothing else is comparable)."""
+        for f in sorted(fields(self), key=lambda f: f.name != "protocol_version"):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                return f"{f.name}: {mine!r} != {theirs!r}"
+        return None
+
+    def digest(self) -> int:
+        """A 63-bit digest of every field (carried in each wire header)."""
+        return xxhash.xxh3_64_intdigest(encode_layout(self)) >> 1
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, model_fingerprint: str) -> KVLayout:
+        """The layout of an engine built from ``config`` (``model_fingerprint`` from
+        ``cluster.fingerprint.fingerprint_model_dir``)."""
+        from engine.kvcache.block_hash import HASH_ALGORITHM
+
+        layers, kv_heads, head_dim = config.model.kv_layout
+        return cls(
+            model_fingerprint=model_fingerprint, dtype=config.model.dtype,
+            block_size=config.cache.block_size, hash_algorithm=HASH_ALGORITHM,
+            hash_seed=config.cache.hash_seed, num_layers=layers, num_kv_heads=kv_heads,
+            head_dim=head_dim,
+        )
+
+
+_STR_FIELDS = frozenset({"model_fingerprint", "dtype", "hash_algorithm"})
+
+
+def encode_layout(layout: KVLayout) -> bytes:
+    """Field by field: strings length-prefixed UTF-8, ints little-endian int64."""
+    parts: list[bytes] = []
+    for f, value in zip(fields(layout), astuple(layout), strict=True):
+        if f.name in _STR_FIELDS:
+            raw = str(value).encode("utf-8")
+            parts.append(struct.pack("<I", len(raw)) + raw)
+        else:
+            parts.append(struct.pack("<q", int(value)))
+    return b"".join(parts)
+
+
+def decode_layout(data: bytes, offset: int = 0) -> tuple[KVLayout, int]:
+    """The layout encoded at ``data[offset:]`` and the offset just past it.
+
+    Raises ``ValueError`` on truncated or malformed input.
+    """
+    values: dict[str, object] = {}
+    try:
+        for f in fields(KVLayout):
+            if f.name in _STR_FIELDS:
+                (length,) = struct.unpack_from("<I", data, offset)
+                raw = data[offset + 4 : offset + 4 + length]
+                if len(raw) != length:
+                    raise ValueError("truncated string")
+                values[f.name] = raw.decode("utf-8")
+                offset += 4 + length
+            else:
+                (values[f.name],) = struct.unpack_from("<q", data, offset)
+                offset += 8
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(f"malformed KV layout: {exc}") from exc
+    return KVLayout(**values), offset  # type: ignore[arg-type]

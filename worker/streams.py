@@ -1,0 +1,64 @@
+"""``OutputStream``: one request's results, from the engine-loop thread to the one asyncio
+task that awaits them (``worker.loop``'s threading model)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Generic, TypeVar
+
+import grpc
+
+from worker.commands import WorkerError
+
+T = TypeVar("T")
+
+
+class OutputStream(Generic[T]):
+    """One request's results, written by the loop thread, awaited by one asyncio task.
+
+    Made on the reader's event loop (the loop thread wakes the reader through it). Bounded
+    by construction: the loop puts at most ``capacity`` items (one per token plus the
+    end; set at construction or by ``bound``), so ``put`` never waits; a put beyond it is
+    a bug and raises. The end of the
+    stream is an item for which the reader's own check says so, or a ``WorkerError``
+    (put with ``fail``). Items for a reader whose event loop closed are dropped.
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self._event_loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[T | WorkerError] = asyncio.Queue()
+        self._capacity = capacity
+        self._num_put = 0  # loop thread only
+        # monotonic, set by the loop: when what the request waited on outside this worker
+        # arrived (a decode stream opened before its KV: the KV's arrival); None: nothing
+        self.inputs_arrived_at: float | None = None
+
+    def bound(self, capacity: int) -> None:
+        """Set the capacity (the loop thread, when it learns how many items there can be)."""
+        self._capacity = capacity
+
+    def put(self, item: T) -> None:
+        if self._capacity is not None and self._num_put >= self._capacity:
+            raise RuntimeError(f"more than {self._capacity} items for one request")
+        self._num_put += 1
+        self._deliver(item)
+
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
+        self._deliver(WorkerError(code, message))
+
+    def _deliver(self, item: T | WorkerError) -> None:
+        try:
+            self._event_loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the reader's event loop is closed: nobody reads any more
+            pass
+
+    async def get(self, timeout_s: float | None) -> T:
+        """The next item; raises the ``WorkerError`` put by ``fail``, or
+        ``WorkerError(DEADLINE_EXCEEDED)`` after ``timeout_s``."""
+        try:
+            item = await asyncio.wait_for(self._queue.get(), timeout_s)
+        except TimeoutError:
+            raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+        if isinstance(item, WorkerError):
+            raise item
+        return item
