@@ -1,23 +1,24 @@
 """A router-owned lease per attempt, in the cluster's Redis (torch-free).
 
-Every attempt of a request (``router.handoff``) has a lease: one Redis key the router that
-owns the attempt writes before it asks a worker to hold anything, renews while the
-attempt lives, and deletes when it ends. Workers that hold something for the attempt
+Every attempt of a request (``router.lifecycle.attempt``) has a lease: one Redis key the
+router that owns the attempt writes before it asks a worker to hold anything, renews while
+the attempt lives, and deletes when it ends. Workers that hold something for the attempt
 (a reservation, a queued or pinned prefill, a running stream) watch the key
 (``worker.leases``) and free what they hold once it is gone — the router died, or lost
 the attempt — independently of transfer timeouts.
 
 Key schema (beside ``cluster.registry``'s, under the same ``pdserve:{cluster}:`` prefix)::
 
-    lease:{router_id}:{attempt_number}  JSON ``{"attempt_id", "request_id", "holders"}``
-                                        (``holders``: the worker ids asked to hold
-                                        something for the attempt, in order), written
-                                        with ``SET … PX ttl`` on every renewal (never
-                                        EXPIRE: after a Redis restart the key is written
-                                        again within one renewal period).
+    lease:{attempt_id}  JSON ``{"attempt_id", "client_request_id", "holders"}``
+                        (``holders``: the worker ids asked to hold something for the
+                        attempt, in order), written with ``SET … PX ttl`` on every
+                        renewal (never EXPIRE: after a Redis restart the key is written
+                        again within one renewal period).
 
-An attempt id is ``{router_id}-{attempt_number}``: unique across routers (``router_id``
-is random per router process), never a client's request id.
+An attempt id is minted by its router (``router.lifecycle.attempt.AttemptIds``):
+``{router_id}-{n}``, unique across routers (``router_id`` is random per router process),
+never a client's request id. The lease is something an attempt has; its id does not come
+from here.
 
 Redis outages must not kill healthy work: the router keeps every live lease in memory
 and re-writes all of them every ``ttl / 3`` (``LeaseKeeper``), so a Redis that came back
@@ -72,10 +73,11 @@ class LeaseKeys:
         return f"pdserve:{self.cluster}:lease:*"
 
     def router_pattern(self, router_id: str) -> str:
-        return f"pdserve:{self.cluster}:lease:{router_id}:*"
+        """SCAN pattern of the lease keys of ``router_id``'s attempts."""
+        return f"pdserve:{self.cluster}:lease:{router_id}-*"
 
-    def lease(self, router_id: str, attempt_number: int) -> str:
-        return f"pdserve:{self.cluster}:lease:{router_id}:{attempt_number}"
+    def lease(self, attempt_id: str) -> str:
+        return f"pdserve:{self.cluster}:lease:{attempt_id}"
 
 
 class LeaseStore:
@@ -138,16 +140,16 @@ class _errors:
 
 @dataclass
 class Lease:
-    """One live attempt's lease, as its router keeps it."""
+    """One live attempt's lease, as its router keeps it (``key``: "" without a store)."""
 
     attempt_id: str
-    request_id: str
+    client_request_id: str
     key: str
     holders: list[str] = field(default_factory=list)
 
     def value(self) -> str:
-        return json.dumps({"attempt_id": self.attempt_id, "request_id": self.request_id,
-                           "holders": self.holders})
+        return json.dumps({"attempt_id": self.attempt_id,
+                           "client_request_id": self.client_request_id, "holders": self.holders})
 
 
 class LeaseKeeper:
@@ -159,23 +161,20 @@ class LeaseKeeper:
     ``ttl / 3`` all live leases are written again (renewal, and the re-write after Redis
     lost them). A failed write or delete is kept and tried again on the next round; Redis
     being down never fails an attempt. ``start`` / ``stop`` (which deletes every lease left,
-    bounded). Without a store (``None``: a router with no Redis, unit tests) attempts get
-    ids and no lease (an empty key: workers watch nothing).
+    bounded). Without a store (``None``: a router with no Redis, unit tests) an attempt's
+    lease has an empty key: workers watch nothing.
     """
 
-    def __init__(self, store: LeaseStore | None, router_id: str,
-                 ttl_s: float = DEFAULT_LEASE_TTL_S,
+    def __init__(self, store: LeaseStore | None, ttl_s: float = DEFAULT_LEASE_TTL_S,
                  clock: Clock = SYSTEM_CLOCK) -> None:
         if ttl_s < 0.03:
             raise ValueError(f"the lease TTL must be >= 0.03s, got {ttl_s}")
         self.store = store
-        self.router_id = router_id
         self.ttl_s = ttl_s
         self._clock = clock
         self._live: dict[str, Lease] = {}
         self._dirty: set[str] = set()  # attempt ids to write now
         self._ended: set[str] = set()  # keys to delete
-        self._next_number = 1
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.num_failures = 0  # rounds that Redis did not serve
@@ -188,11 +187,13 @@ class LeaseKeeper:
     def renew_s(self) -> float:
         return self.ttl_s / 3
 
-    def open(self, request_id: str) -> Lease:
-        """A new attempt of ``request_id``: its id and lease (written at once)."""
-        number, self._next_number = self._next_number, self._next_number + 1
-        key = "" if self.store is None else self.store.keys.lease(self.router_id, number)
-        lease = Lease(f"{self.router_id}-{number}", request_id, key)
+    def open(self, attempt_id: str, client_request_id: str) -> Lease:
+        """The lease of a new attempt (written at once); ``ValueError`` for an id that has
+        a live lease already."""
+        if attempt_id in self._live:
+            raise ValueError(f"attempt {attempt_id!r} has a live lease already")
+        key = "" if self.store is None else self.store.keys.lease(attempt_id)
+        lease = Lease(attempt_id, client_request_id, key)
         self._live[lease.attempt_id] = lease
         self._mark(lease.attempt_id)
         return lease

@@ -1,7 +1,7 @@
 """The router: pdserve's public front door (``pdserve router``). Torch-free.
 
 It validates and tokenizes client requests (``validation``), admits them within the
-in-flight and queued-token budgets (``admission``; ``generations`` is the one core both
+in-flight and queued-token budgets (``admission``; ``core`` is the one core both
 front ends call), picks a prefill worker by prefix affinity and a decode worker by load
 (``routing``) from the workers registered in Redis (``workers``), drives each request's
 lifecycle (``handoff``) through the workers' internal API (``worker_calls``, the adapter)

@@ -114,7 +114,7 @@ class Admission:
     def enter(self, request_id: str, num_tokens: int) -> Ticket:
         """Admit a validated request of ``num_tokens`` prompt tokens, or refuse it at once
         (RESOURCE_EXHAUSTED over a budget). A request id already in flight is no reason to
-        refuse: the workers never see client ids as keys (``router.handoff``)."""
+        refuse: the workers never see client ids as keys (``router.lifecycle``)."""
         self.check(num_tokens)
         self.inflight += 1
         self.queued_tokens += num_tokens

@@ -23,7 +23,7 @@ MIN_LEASE_TTL_S = 0.1
 
 @dataclass(frozen=True)
 class HandoffConfig:
-    """How ``router.handoff`` drives a request through the workers."""
+    """How ``router.lifecycle`` drives a request through the workers."""
 
     max_attempts: int = 3
     reserve_timeout_s: float = 10.0  # Reserve returns at once; this bounds a hung worker
@@ -53,7 +53,7 @@ class HandoffConfig:
 @dataclass(frozen=True)
 class AdmissionConfig:
     """What the router accepts, queues and buffers (``router.admission``,
-    ``router.generations``)."""
+    ``router.core``)."""
 
     # requests queued or running at once; more get RESOURCE_EXHAUSTED at once
     max_inflight: int = 1024

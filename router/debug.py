@@ -12,39 +12,39 @@ import grpc
 
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
-from router.generations import Generations
+from router.core import RouterCore
 
 
 class RouterDebugServicer(pb_grpc.RouterDebugServicer):
-    """``Holdings`` over one router's ``Generations`` (its admission, leases, aborts, pool)."""
+    """``Holdings`` over one router's ``RouterCore`` (its admission, leases, aborts, pool)."""
 
-    def __init__(self, generations: Generations) -> None:
-        self._generations = generations
+    def __init__(self, core: RouterCore) -> None:
+        self._core = core
 
     async def Holdings(self, request: pb.InfoRequest,  # noqa: N802 - gRPC name
                        context: grpc.aio.ServicerContext) -> pb.RouterHoldings:
-        return holdings(self._generations)
+        return holdings(self._core)
 
 
-def holdings(generations: Generations) -> pb.RouterHoldings:
-    leases = generations.leases
+def holdings(core: RouterCore) -> pb.RouterHoldings:
+    leases = core.leases
     live = leases.live()
     return pb.RouterHoldings(
-        router_id=leases.router_id, inflight_requests=generations.inflight,
-        request_ids=sorted(generations.admission.live_ids.elements()),
+        router_id=core.router_id, inflight_requests=core.inflight,
+        request_ids=sorted(core.admission.live_ids.elements()),
         attempt_ids=[lease.attempt_id for lease in live],
-        pending_aborts=generations.num_pending_aborts,
-        open_channels=generations.pool.num_channels,
+        pending_aborts=core.num_pending_aborts,
+        open_channels=core.pool.num_channels,
         lease_keys=sorted(lease.key for lease in live if lease.key),
         unwritten_leases=leases.num_unwritten)
 
 
-async def start_debug_server(generations: Generations, host: str, port: int
+async def start_debug_server(core: RouterCore, host: str, port: int
                              ) -> tuple[grpc.aio.Server, str]:
     """The RouterDebug service alone on ``host:port`` (0: any); (server, "host:port").
     ``RuntimeError`` when the port cannot be bound."""
     server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
-    pb_grpc.add_RouterDebugServicer_to_server(RouterDebugServicer(generations), server)
+    pb_grpc.add_RouterDebugServicer_to_server(RouterDebugServicer(core), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot listen on {host}:{port} (port in use?)")

@@ -36,7 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from cluster.files import write_json_atomic
 from cluster.fingerprint import fingerprint_model_dir
 from cluster.keepalive import SERVER_OPTIONS as KEEPALIVE_SERVER_OPTIONS
-from cluster.leases import LeaseKeeper, LeaseStore, new_router_id
+from cluster.leases import LeaseKeeper, LeaseStore
 from cluster.registry import Registry, RegistryAuthError
 from engine.text.tokenizer import load_tokenizer
 from router.auth import ApiKeyInterceptor, load_api_key
@@ -48,8 +48,8 @@ from router.config import (
     RouterConfig,
     TLSFiles,
 )
+from router.core import RouterCore
 from router.debug import start_debug_server
-from router.generations import Generations
 from router.http.server import HttpServer, HttpStartError, build_http_server
 from router.service import SERVICE_NAME, GenerationService
 from router.validation import ModelLimits
@@ -79,18 +79,17 @@ class Router:
         self.registry = Registry(d.redis_url, cluster=d.cluster)
         self.pool = WorkerPool(self.registry, fingerprint, keep_missing_s=d.keep_missing_s,
                                suspect_s=d.suspect_s)
-        self.leases = LeaseKeeper(LeaseStore(d.redis_url, cluster=d.cluster), new_router_id(),
+        self.leases = LeaseKeeper(LeaseStore(d.redis_url, cluster=d.cluster),
                                   config.handoff.lease_ttl_s)
-        self.generations = Generations(self.pool, self.limits, tokenizer,
-                                       handoff=config.handoff, admission=config.admission,
-                                       leases=self.leases)
-        self.service = GenerationService(self.generations)
+        self.core = RouterCore(self.pool, self.limits, tokenizer, handoff=config.handoff,
+                               admission=config.admission, leases=self.leases)
+        self.service = GenerationService(self.core)
         self.serving = False  # what health says (also the HTTP API's /health)
         self.http: HttpServer | None = None
         self.http_address: str | None = None
         if config.http is not None:
             try:
-                self.http = build_http_server(config, self.generations, tokenizer,
+                self.http = build_http_server(config, self.core, tokenizer,
                                               lambda: self.serving)
             except HttpStartError as exc:
                 raise RouterStartError(str(exc)) from None
@@ -146,7 +145,7 @@ class Router:
         if self.config.debug_port is not None:
             try:
                 self._debug_server, self.debug_address = await start_debug_server(
-                    self.generations, self.config.host, self.config.debug_port)
+                    self.core, self.config.host, self.config.debug_port)
             except RuntimeError as exc:
                 raise RouterStartError(str(exc)) from None
         self.leases.start()
@@ -162,7 +161,7 @@ class Router:
         """``/metrics`` (Prometheus text) on its own port, served from a thread."""
         try:
             server, _ = prometheus_client.start_http_server(port, self.config.host,
-                                                            self.generations.metrics.registry)
+                                                            self.core.metrics.registry)
         except OSError as exc:
             raise RouterStartError(f"cannot serve metrics on {self.config.host}:{port}: "
                                    f"{exc.strerror or exc}") from None
@@ -210,12 +209,12 @@ class Router:
         if self._refresher is not None:
             self._refresher.cancel()
         self.serving = False
-        self.generations.draining = True
+        self.core.draining = True
         if self._server is not None:
             grace = self.config.grace_s if grace_s is None else grace_s
             started = time.monotonic()
             await self._health.enter_graceful_shutdown()
-            await self.generations.wait_idle(grace)
+            await self.core.wait_idle(grace)
             await asyncio.gather(
                 self._server.stop(max(0.0, grace - (time.monotonic() - started))),
                 *([self.http.stop()] if self.http is not None else []))
@@ -224,7 +223,7 @@ class Router:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
-        await self.generations.drain_background()
+        await self.core.drain_background()
         await self.leases.stop()
         if self.leases.store is not None:
             self.leases.store.close()
@@ -307,7 +306,7 @@ async def _serve(config: RouterConfig, ready_file: str | None) -> int:
     if config.tls is not None:
         logger.info("TLS on the public port (certificate %s)", config.tls.cert_file)
     await stop.wait()
-    logger.info("stopping: %d requests in flight get %.1fs", router.generations.inflight,
+    logger.info("stopping: %d requests in flight get %.1fs", router.core.inflight,
                 config.grace_s)
     await router.stop()
     return 0

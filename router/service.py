@@ -1,11 +1,11 @@
-"""The gRPC edge of the router: the ``pdserve.v1.Generation`` handlers over ``Generations``.
+"""The gRPC edge of the router: the ``pdserve.v1.Generation`` handlers over ``RouterCore``.
 
 A thin adapter: ``Generate`` parses the raw request (``router.api``), hands the
-``ClientRequest`` and the call's deadline to ``Generations.start`` and writes each chunk as
+``ClientRequest`` and the call's deadline to ``RouterCore.start`` and writes each chunk as
 a ``GenerateResponse``; ``InvalidRequest`` becomes INVALID_ARGUMENT and ``RouteError`` its
 own status. Responses are written with ``context.write`` from the handler's own task, so a
 client cancel or deadline arrives as ``CancelledError`` at an ``await`` here and the
-request's cleanup (``Generation.chunks``' exit) runs at once. A client that sends
+request's cleanup (``ServedRequest.chunks``' exit) runs at once. A client that sends
 ``pdserve-trace: 1`` gets the request's ``router.trace`` in the ``pdserve-trace`` trailer.
 """
 
@@ -20,8 +20,8 @@ import grpc
 
 from pdserve.v1 import generate_pb2 as pb
 from router import api
+from router.core import RouterCore
 from router.errors import RouteError
-from router.generations import Generations
 from router.trace import TRACE_METADATA
 from router.validation import InvalidRequest
 
@@ -32,10 +32,10 @@ REQUEST_ID_METADATA = "pdserve-request-id"
 
 
 class GenerationService:
-    """Serves ``Generate`` and ``GetModelInfo`` over a ``Generations``."""
+    """Serves ``Generate`` and ``GetModelInfo`` over a ``RouterCore``."""
 
-    def __init__(self, generations: Generations) -> None:
-        self._generations = generations
+    def __init__(self, core: RouterCore) -> None:
+        self._core = core
 
     def handlers(self) -> grpc.GenericRpcHandler:
         """The service's method handlers; ``Generate`` receives raw bytes (see ``router.api``)."""
@@ -50,14 +50,14 @@ class GenerationService:
 
     async def get_model_info(self, request: pb.ModelInfoRequest,
                              context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        layout = self._generations.pool.layout()
-        return api.model_info(self._generations.limits,
+        layout = self._core.pool.layout()
+        return api.model_info(self._core.limits,
                               layout.block_size if layout is not None else 0)
 
     async def generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         try:
             client = api.parse_generate_request(raw)
-            generation = await self._generations.start(client, context.time_remaining())
+            served = await self._core.start(client, context.time_remaining())
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
@@ -65,17 +65,17 @@ class GenerationService:
             logger.info("refused: %s %s", exc.code.name, exc.message)
             await context.abort(exc.code, exc.message)
             return
-        rid = generation.request_id
+        rid = served.request_id
         context.set_trailing_metadata(((REQUEST_ID_METADATA, rid),))
         log = logging.LoggerAdapter(logger, {"request_id": rid})
         start = time.monotonic()
         try:
-            async with aclosing(generation.chunks()) as chunks:
+            async with aclosing(served.chunks()) as chunks:
                 async for chunk in chunks:
                     await context.write(api.to_response(rid, chunk))
             if _wants_trace(context):
                 context.set_trailing_metadata(((REQUEST_ID_METADATA, rid),
-                                               (TRACE_METADATA, generation.trace.to_json())))
+                                               (TRACE_METADATA, served.trace.to_json())))
         except RouteError as exc:
             log.warning("failed: %s %s", exc.code.name, exc.message)
             await context.abort(exc.code, exc.message)

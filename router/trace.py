@@ -1,9 +1,9 @@
 """Where one request's time went, as the router saw it and as its workers reported it.
 
-``Generations`` makes a ``Trace`` per request; the handoff marks the moments it passes
-(``router.handoff``: the first call to a worker, the Prefill call and its return with the
+``RouterCore`` makes a ``Trace`` per request; the handoff marks the moments it passes
+(``router.lifecycle``: the first call to a worker, the Prefill call and its return with the
 prefill worker's own timings, the Generate call and its first chunk with the decode
-worker's), and the generation marks each chunk's hop through the router (received from
+worker's), and the served request marks each chunk's hop through the router (received from
 the decode worker → handed to the edge, which writes it to the client before asking for
 the next). A client that sends the ``pdserve-trace: 1`` metadata (gRPC) gets
 ``Trace.to_json()`` in the ``pdserve-trace`` trailer; nothing else reads it. Of a retried

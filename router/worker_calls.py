@@ -1,8 +1,8 @@
 """The router's calls to its workers: the protobuf plumbing of the internal API
 (``cluster.internal.v1``) and the one classifier of what a failed call means.
 
-A thin gRPC adapter: ``router.handoff`` drives a request's lifecycle in terms of the
-dataclasses here (``Reservation``, ``KVTarget``, ``Prefilled``, ``router.api`` chunks) and
+A thin gRPC adapter: ``router.lifecycle`` drives a request's lifecycle in terms of the
+dataclasses here (``Reservation``, ``Prefilled``, ``OutputChunk``s) and ``KVTarget``, and
 never sees a protobuf message. Each ``start_*`` returns the live ``grpc.aio`` call, so the
 caller can cancel it (or have ``WorkerPool.watched`` cancel it); ``classify`` turns any
 ``AioRpcError`` into a ``CallFailure``.
@@ -103,8 +103,9 @@ def classify(exc: grpc.aio.AioRpcError, *, deadline_passed: bool) -> CallFailure
 
 class WorkerCalls:
     """The internal API calls of one request (its id and sampling converted once). Every
-    call names an attempt (``Lease.attempt_id``): what the workers key everything by; the
-    client's ``request_id`` goes along for their logs. ``lease_ttl_ms`` is the leases'."""
+    call names an attempt (``attempt_id``): what the workers key everything by; the
+    client's request id goes along for their logs (``client_request_id``), and the
+    attempt's lease for the workers to watch. ``lease_ttl_ms`` is the leases'."""
 
     def __init__(self, pool: WorkerPool, request: ValidRequest, lease_ttl_ms: int) -> None:
         self._pool = pool
@@ -115,8 +116,8 @@ class WorkerCalls:
     def _lease(self, lease: Lease) -> pb.Lease:
         return pb.Lease(key=lease.key, ttl_ms=self._lease_ttl_ms if lease.key else 0)
 
-    def start_reserve(self, decode_id: str, lease: Lease, transfer_id: int, timeout_s: float,
-                      wait_s: float) -> grpc.aio.UnaryUnaryCall:
+    def start_reserve(self, decode_id: str, attempt_id: str, lease: Lease, transfer_id: int,
+                      timeout_s: float, wait_s: float) -> grpc.aio.UnaryUnaryCall:
         """The Reserve call for the attempt on ``decode_id`` (``KeyError`` if it left the
         registry; awaiting it raises ``AioRpcError`` if it failed); its transfer may wait
         ``wait_s`` to start. ``reserved`` reads the reply."""
@@ -124,7 +125,7 @@ class WorkerCalls:
         return stub.Reserve(pb.ReserveRequest(
             client_request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
             sampling=self._sampling, transfer_id=transfer_id,
-            wait_ms=max(1, int(wait_s * 1000)), attempt_id=lease.attempt_id,
+            wait_ms=max(1, int(wait_s * 1000)), attempt_id=attempt_id,
             lease=self._lease(lease)), timeout=timeout_s)
 
     @staticmethod
@@ -135,14 +136,14 @@ class WorkerCalls:
         return Reservation(True, reply.num_blocks, KVTarget(
             t.transfer_id, t.kv_address, t.tensor_parallel_size))
 
-    def start_prefill(self, prefill_id: str, lease: Lease, target: KVTarget, timeout_s: float
-                      ) -> grpc.aio.UnaryUnaryCall:
+    def start_prefill(self, prefill_id: str, attempt_id: str, lease: Lease, target: KVTarget,
+                      timeout_s: float) -> grpc.aio.UnaryUnaryCall:
         stub = pb_grpc.PrefillWorkerStub(self._pool.channel(prefill_id))
         return stub.Prefill(pb.PrefillRequest(
             client_request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
             sampling=self._sampling, target=pb.KVTarget(
                 kv_address=target.kv_address, tensor_parallel_size=target.tensor_parallel_size,
-                transfer_id=target.transfer_id), attempt_id=lease.attempt_id,
+                transfer_id=target.transfer_id), attempt_id=attempt_id,
             lease=self._lease(lease)), timeout=timeout_s)
 
     @staticmethod
@@ -154,21 +155,21 @@ class WorkerCalls:
         return Prefilled(reply.first_token_id, reply.num_cached_tokens, reply.num_prompt_tokens,
                          times)
 
-    def start_generate(self, decode_id: str, lease: Lease, timeout_s: float
+    def start_generate(self, decode_id: str, attempt_id: str, lease: Lease, timeout_s: float
                        ) -> grpc.aio.UnaryStreamCall:
         """The reservation's Generate stream, opened alongside the Prefill: the first token
-        and cached-token count come to the decode worker with the KV (the request's
-        ``first_token_id`` and ``num_cached_tokens`` stay 0: absent)."""
+        and cached-token count come to the decode worker with the KV. (``lease``: the
+        Reserve named it already.)"""
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
         return stub.Generate(pb.GenerateRequest(
-            client_request_id=self._req.request_id, attempt_id=lease.attempt_id), timeout=timeout_s)
+            client_request_id=self._req.request_id, attempt_id=attempt_id), timeout=timeout_s)
 
-    def start_generate_local(self, decode_id: str, lease: Lease, timeout_s: float
-                             ) -> grpc.aio.UnaryStreamCall:
+    def start_generate_local(self, decode_id: str, attempt_id: str, lease: Lease,
+                             timeout_s: float) -> grpc.aio.UnaryStreamCall:
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
         return stub.GenerateLocal(pb.GenerateLocalRequest(
             client_request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
-            sampling=self._sampling, attempt_id=lease.attempt_id, lease=self._lease(lease)),
+            sampling=self._sampling, attempt_id=attempt_id, lease=self._lease(lease)),
             timeout=timeout_s)
 
     def start_abort(self, worker_id: str, role: str, attempt_id: str

@@ -265,7 +265,7 @@ def test_torch_free_packages_import_without_torch() -> None:
         "import engine, engine.kvcache, engine.core.scheduler, engine.config, engine.tp.sharding\n"
         "import kvtransfer, engine.kvcache.layout, kvtransfer.protocol, kvtransfer.plan\n"
         "import cluster.registry, cluster.heartbeat, cluster.view, cluster.fingerprint\n"
-        "import router.server, router.service, router.handoff, router.api, router.worker_calls\n"
+        "import router.server, router.service, router.core, router.lifecycle.handoff, router.api, router.worker_calls\n"
         "import worker.server, worker.loop, worker.options, cluster.pause_points\n"
         "import pdserve, pdserve.cli, deploy.local, deploy.redis_server, deploy.launcher\n"
         "import deploy.ray.options, deploy.ray.plan, deploy.ray.actors, deploy.ray.members\n"
@@ -309,7 +309,7 @@ def test_the_checker_sees_nested_and_relative_imports(tmp_path: Path) -> None:
     assert {"torch.nn.functional", "a.b.sibling", "a.up.thing"} <= imported_names(sample, "a.b")
     assert _resolve("engine.config.EngineConfig") == "engine.config"
     assert _resolve("cluster.internal.v1.worker_pb2") in GENERATED
-    assert "router.generations" in edges("router.service")
+    assert "router.core" in edges("router.service")
     sample.write_text("import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                       "    import torch\ndef f():\n    import numpy\nclass C:\n    import json\n")
     assert imported_names(sample, "x", import_time=True) == {"os", "typing", "typing.TYPE_CHECKING",

@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from router.generations import TOKENIZE_IN_THREAD_CHARS, Generations
+from router.core import TOKENIZE_IN_THREAD_CHARS, RouterCore
 from router.http.chat_template import ChatTemplate
 from router.http.errors import ApiError
 from router.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, parse
@@ -42,7 +42,7 @@ TIMEOUT_HEADER = "x-request-timeout"
 class HttpApi:
     """What the HTTP API serves and with what (the ``Router`` builds it)."""
 
-    generations: Generations
+    core: RouterCore
     tokenizer: tokenizers.Tokenizer  # for chat prompts (rendered text, no special tokens)
     serving: Callable[[], bool]  # the router's health: SERVING or not
     chat_template: ChatTemplate | None = None  # None: chat requests get a 400
@@ -72,7 +72,7 @@ def build_app(api: HttpApi) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         authorize(request)
-        limits = api.generations.limits
+        limits = api.core.limits
         return {"object": "list", "data": [{
             "id": limits.name, "object": "model", "created": api.created,
             "owned_by": "pdserve", "root": limits.name, "parent": None,
@@ -96,7 +96,7 @@ def build_app(api: HttpApi) -> FastAPI:
         token_ids = await _chat_prompt(api, body)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:
-            max_tokens = _room_left(api.generations, len(token_ids))
+            max_tokens = _room_left(api.core, len(token_ids))
         client = body.client_request(request_id=_request_id(body, request),
                                      max_tokens=max_tokens, token_ids=token_ids)
         return _relay(api, request, body, client, chat=True)
@@ -117,7 +117,7 @@ def _add_open_routes(app: FastAPI, api: HttpApi) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        data, content_type = api.generations.metrics.render()
+        data, content_type = api.core.metrics.render()
         return Response(data, media_type=content_type)
 
 
@@ -142,14 +142,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _relay(api: HttpApi, request: Request, body: SamplingRequest, client: Any,
            *, chat: bool) -> Relay:
-    return Relay(api.generations, client, timeout_s=_timeout(request), chat=chat,
-                 model=api.generations.limits.name, stream=body.stream,
+    return Relay(api.core, client, timeout_s=_timeout(request), chat=chat,
+                 model=api.core.limits.name, stream=body.stream,
                  include_usage=body.include_usage)
 
 
 def _check_common(body: SamplingRequest, api: HttpApi) -> None:
     body.check_extras()
-    served = api.generations.limits.name
+    served = api.core.limits.name
     if body.model and body.model != served:
         raise ApiError(404, f"the model {body.model!r} does not exist; this cluster serves "
                             f"{served!r}", param="model", code="model_not_found")
@@ -202,7 +202,7 @@ async def _chat_prompt(api: HttpApi, body: ChatCompletionRequest) -> tuple[int, 
     text = api.chat_template.render(body.template_messages(),
                                     add_generation_prompt=body.add_generation_prompt,
                                     extra=body.chat_template_kwargs)
-    limit = 64 * api.generations.limits.context_length  # as router.validation bounds text
+    limit = 64 * api.core.limits.context_length  # as router.validation bounds text
     if len(text) > limit:
         raise ApiError.invalid(f"the rendered conversation of {len(text)} characters cannot fit "
                                f"the context length of {limit // 64} tokens", "messages")
@@ -215,11 +215,11 @@ async def _chat_prompt(api: HttpApi, body: ChatCompletionRequest) -> tuple[int, 
     return encode()
 
 
-def _room_left(generations: Generations, num_prompt_tokens: int) -> int | None:
+def _room_left(core: RouterCore, num_prompt_tokens: int) -> int | None:
     """A chat request's default ``max_tokens``: up to the context length, within what the
     largest decode worker can hold (None when nothing is left: validation says why)."""
-    room = generations.limits.context_length - num_prompt_tokens
-    layout, largest = generations.pool.layout(), generations.pool.max_decode_blocks()
+    room = core.limits.context_length - num_prompt_tokens
+    layout, largest = core.pool.layout(), core.pool.max_decode_blocks()
     if layout is not None and largest:
         room = min(room, largest * layout.block_size - num_prompt_tokens)
     return room if room > 0 else None

@@ -1,10 +1,10 @@
-"""One HTTP request from ``Generations.start`` to its last byte: an ASGI response.
+"""One HTTP request from ``RouterCore.start`` to its last byte: an ASGI response.
 
 ``Relay`` is returned by the endpoints once the body is parsed. When uvicorn runs it, it
-starts the generation and relays its chunks, while a second task waits for the client to
+starts the served and relays its chunks, while a second task waits for the client to
 disconnect. Whichever ends first cancels the other, so a client that leaves — while queued,
 before the first token, mid-stream, or waiting for a non-streamed response — cancels the
-relay, whose ``aclosing(generation.chunks())`` then cancels the request on every worker and
+relay, whose ``aclosing(served.chunks())`` then cancels the request on every worker and
 leaves admission at once (as a gRPC cancel does in ``router.service``).
 
 The response status is chosen as late as possible: headers go out with the first chunk,
@@ -40,8 +40,8 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
-class StartedGeneration(Protocol):
-    """What the relay needs of ``router.generations.Generation``."""
+class StartedRequest(Protocol):
+    """What the relay needs of ``router.served.ServedRequest``."""
 
     @property
     def request_id(self) -> str: ...
@@ -49,11 +49,11 @@ class StartedGeneration(Protocol):
     def chunks(self) -> AsyncGenerator[OutputChunk, None]: ...
 
 
-class GenerationStarter(Protocol):
-    """What the relay needs of ``router.generations.Generations``."""
+class RequestStarter(Protocol):
+    """What the relay needs of ``router.core.RouterCore``."""
 
     async def start(self, client: ClientRequest,
-                    timeout_s: float | None) -> StartedGeneration: ...
+                    timeout_s: float | None) -> StartedRequest: ...
 
 
 async def send_json(send: Send, status: int, body: dict[str, Any],
@@ -66,13 +66,13 @@ async def send_json(send: Send, status: int, body: dict[str, Any],
 
 
 class Relay(Response):
-    """Runs ``client`` through ``generations`` and writes the result (see module doc)."""
+    """Runs ``client`` through ``core`` and writes the result (see module doc)."""
 
-    def __init__(self, generations: GenerationStarter, client: ClientRequest, *,
+    def __init__(self, core: RequestStarter, client: ClientRequest, *,
                  timeout_s: float | None, chat: bool, model: str, stream: bool,
                  include_usage: bool) -> None:
         super().__init__()
-        self._generations = generations
+        self._core = core
         self._client = client
         self._timeout_s = timeout_s
         self._chat, self._model, self._stream = chat, model, stream
@@ -92,7 +92,7 @@ class Relay(Response):
 
     async def _run(self, send: Send) -> None:
         try:
-            generation = await self._generations.start(self._client, self._timeout_s)
+            served = await self._core.start(self._client, self._timeout_s)
         except Exception as exc:  # refused before any work: a plain HTTP error
             error = as_api_error(exc)
             if isinstance(exc, RouteError | InvalidRequest):
@@ -101,23 +101,23 @@ class Relay(Response):
                 logger.exception("start failed unexpectedly")
             await send_json(send, error.status, error.body())
             return
-        rid = generation.request_id
+        rid = served.request_id
         shape = Shape.of(chat=self._chat, request_id=rid, model=self._model,
                          created=int(time.time()), include_usage=self._include_usage)
         headers = [(REQUEST_ID_HEADER.encode(), rid.encode())]
         log = logging.LoggerAdapter(logger, {"request_id": rid})
         started = time.monotonic()
         try:
-            await self._relay(send, generation, shape, headers, log)
+            await self._relay(send, served, shape, headers, log)
         except asyncio.CancelledError:
             log.info("cancelled after %.2fs (the client left, or the router stopped)",
                      time.monotonic() - started)
             raise
 
-    async def _relay(self, send: Send, generation: StartedGeneration, shape: Shape,
+    async def _relay(self, send: Send, served: StartedRequest, shape: Shape,
                      headers: list[tuple[bytes, bytes]],
                      log: logging.LoggerAdapter[logging.Logger]) -> None:
-        async with aclosing(generation.chunks()) as chunks:
+        async with aclosing(served.chunks()) as chunks:
             try:
                 first = await anext(chunks, None)  # the status waits for the first chunk
             except Exception as exc:  # nothing sent yet: a plain HTTP error

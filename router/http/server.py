@@ -23,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from router.config import RouterConfig, TLSFiles
-from router.generations import Generations
+from router.core import RouterCore
 from router.http.app import HttpApi, build_app
 from router.http.chat_template import ChatTemplateError, load_chat_template
 
@@ -111,7 +111,7 @@ class HttpServer:
             self._socket = None
 
 
-def build_http_server(config: RouterConfig, generations: Generations,
+def build_http_server(config: RouterConfig, core: RouterCore,
                       tokenizer: tokenizers.Tokenizer, serving: Callable[[], bool]) -> HttpServer:
     """The HTTP API of a router (``config.http`` must be set): its chat template loaded and
     its app built; ``HttpStartError`` for a chat template that cannot be used."""
@@ -123,7 +123,7 @@ def build_http_server(config: RouterConfig, generations: Generations,
     if template is None:
         logger.warning("the model has no chat template: /v1/chat/completions answers 400 "
                        "(give one with --chat-template)")
-    api = HttpApi(generations=generations, tokenizer=tokenizer, serving=serving,
+    api = HttpApi(core=core, tokenizer=tokenizer, serving=serving,
                   chat_template=template, api_key=config.api_key,
                   max_body_bytes=config.admission.max_message_bytes, version=_version(),
                   created=int(time.time()))

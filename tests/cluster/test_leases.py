@@ -23,8 +23,8 @@ TTL_S = 0.6
 
 def test_keys_name_the_cluster_router_and_attempt() -> None:
     keys = LeaseKeys("c1")
-    assert keys.lease("r1", 7) == "pdserve:c1:lease:r1:7"
-    assert keys.router_pattern("r1") == "pdserve:c1:lease:r1:*"
+    assert keys.lease("r1-7") == "pdserve:c1:lease:r1-7"
+    assert keys.router_pattern("r1") == "pdserve:c1:lease:r1-*"
     with pytest.raises(ValueError):
         LeaseKeys("bad name*")
     assert new_router_id() != new_router_id()
@@ -34,17 +34,19 @@ def test_keeper_writes_renews_and_deletes(redis_server: RedisServer,
                                           raw_redis: redis.Redis) -> None:
     async def scenario() -> None:
         store = LeaseStore(redis_server.url, cluster="c")
-        keeper = LeaseKeeper(store, "r1", TTL_S)
+        keeper = LeaseKeeper(store, TTL_S)
         keeper.start()
         # 1. an attempt's lease is written at once, naming its request and holders
-        lease = keeper.open("client-id")
+        lease = keeper.open("r1-1", "client-id")
         keeper.hold(lease, "decode-0")
-        assert lease.attempt_id == "r1-1" and lease.key == "pdserve:c:lease:r1:1"
+        assert lease.attempt_id == "r1-1" and lease.key == "pdserve:c:lease:r1-1"
+        with pytest.raises(ValueError, match="live lease"):
+            keeper.open("r1-1", "client-id")  # one lease per attempt
         await _until(lambda: raw_redis.exists(lease.key))
         keeper.hold(lease, "prefill-0")
         await _until(lambda: json.loads(raw_redis.get(lease.key) or "{}").get("holders")
                      == ["decode-0", "prefill-0"])
-        assert json.loads(raw_redis.get(lease.key) or "{}")["request_id"] == "client-id"
+        assert json.loads(raw_redis.get(lease.key) or "{}")["client_request_id"] == "client-id"
         # 2. renewed: alive after several TTLs
         await asyncio.sleep(3 * TTL_S)
         assert raw_redis.exists(lease.key) and 0 < raw_redis.pttl(lease.key) <= 600
@@ -52,7 +54,7 @@ def test_keeper_writes_renews_and_deletes(redis_server: RedisServer,
         redis_server.restart()
         await _until(lambda: _exists(redis_server, lease.key), timeout_s=5 * TTL_S)
         # 4. a second attempt of the same request has another id and key
-        other = keeper.open("client-id")
+        other = keeper.open("r1-2", "client-id")
         assert other.attempt_id != lease.attempt_id and other.key != lease.key
         # 5. ended: deleted; stop deletes what is left
         keeper.close(lease)
@@ -68,11 +70,11 @@ def test_keeper_writes_renews_and_deletes(redis_server: RedisServer,
 def test_keeper_survives_redis_down(redis_server: RedisServer) -> None:
     async def scenario() -> None:
         store = LeaseStore(redis_server.url, cluster="c", timeout_s=0.2)
-        keeper = LeaseKeeper(store, "r2", TTL_S)
+        keeper = LeaseKeeper(store, TTL_S)
         keeper.start()
         port = redis_server.port
         redis_server.stop()
-        lease = keeper.open("x")  # Redis down: the attempt goes on, the write waits
+        lease = keeper.open("r2-1", "x")  # Redis down: the attempt goes on, the write waits
         await asyncio.sleep(TTL_S)
         assert keeper.num_failures >= 1 and keeper.num_unwritten == 1
         back = RedisServer(port=port, start_timeout_s=10.0).start()

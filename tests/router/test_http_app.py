@@ -1,5 +1,5 @@
 """The HTTP API's application (router.http.app, relay, responses, errors) over a fake
-``Generations`` that validates with the router's real ``validate`` and streams scripted
+``RouterCore`` that validates with the router's real ``validate`` and streams scripted
 chunks: response and stream shapes, the error mapping, auth, limits, and a client that
 disconnects (the generation is closed at once, in every window)."""
 
@@ -47,10 +47,10 @@ class FakePool:
 
 
 @dataclass
-class FakeGeneration:
+class FakeServedRequest:
     request: ValidRequest
     script: list[Any]
-    owner: FakeGenerations
+    owner: FakeRouterCore
 
     @property
     def request_id(self) -> str:
@@ -71,7 +71,7 @@ class FakeGeneration:
 
 
 @dataclass
-class FakeGenerations:
+class FakeRouterCore:
     limits: ModelLimits
     tokenizer: Any
     script: list[Any] = field(default_factory=lambda: list(CHUNKS))
@@ -82,29 +82,29 @@ class FakeGenerations:
     opened: int = 0
     closed: int = 0
 
-    async def start(self, client: ClientRequest, timeout_s: float | None) -> FakeGeneration:
+    async def start(self, client: ClientRequest, timeout_s: float | None) -> FakeServedRequest:
         self.started.append((client, timeout_s))
         request = validate(client, self.limits, self.tokenizer)  # the router's messages
         if self.refuse is not None:
             raise self.refuse
-        return FakeGeneration(request, self.script, self)
+        return FakeServedRequest(request, self.script, self)
 
 
 @pytest.fixture
-def fake(llama_dir: Path) -> FakeGenerations:
+def fake(llama_dir: Path) -> FakeRouterCore:
     info = load_tokenizer(llama_dir)
-    return FakeGenerations(ModelLimits.from_model_dir(llama_dir, "tiny", info), info.tokenizer)
+    return FakeRouterCore(ModelLimits.from_model_dir(llama_dir, "tiny", info), info.tokenizer)
 
 
-def make_api(fake: FakeGenerations, llama_dir: Path, **overrides: Any) -> HttpApi:
-    fields: dict[str, Any] = {"generations": fake, "tokenizer": fake.tokenizer,
+def make_api(fake: FakeRouterCore, llama_dir: Path, **overrides: Any) -> HttpApi:
+    fields: dict[str, Any] = {"core": fake, "tokenizer": fake.tokenizer,
                               "serving": lambda: True, "version": "9.9",
                               "chat_template": load_chat_template(llama_dir)}
     return HttpApi(**{**fields, **overrides})
 
 
 @pytest.fixture
-def client(fake: FakeGenerations, llama_dir: Path) -> Iterator[TestClient]:
+def client(fake: FakeRouterCore, llama_dir: Path) -> Iterator[TestClient]:
     with TestClient(build_app(make_api(fake, llama_dir))) as c:
         yield c
 
@@ -127,7 +127,7 @@ def error_of(response: Any, status: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------ shapes
 
-def test_completion_response(client: TestClient, fake: FakeGenerations) -> None:
+def test_completion_response(client: TestClient, fake: FakeRouterCore) -> None:
     response = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3},
                            headers={"x-request-id": "abc-1"})
     assert response.status_code == 200 and response.headers["x-request-id"] == "abc-1"
@@ -156,7 +156,7 @@ def test_completion_stream_with_usage(client: TestClient) -> None:
     assert {c["object"] for c in chunks} == {"text_completion"}
 
 
-def test_chat_stream_role_deltas_finish_usage(client: TestClient, fake: FakeGenerations,
+def test_chat_stream_role_deltas_finish_usage(client: TestClient, fake: FakeRouterCore,
                                              llama_dir: Path) -> None:
     response = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 3,
@@ -178,7 +178,7 @@ def test_chat_stream_role_deltas_finish_usage(client: TestClient, fake: FakeGene
     assert fake.started[0][0].max_tokens == 3
 
 
-def test_chat_response_and_default_max_tokens(client: TestClient, fake: FakeGenerations) -> None:
+def test_chat_response_and_default_max_tokens(client: TestClient, fake: FakeRouterCore) -> None:
     response = client.post("/v1/chat/completions",
                            json={"messages": [{"role": "user", "content": "Hi"}]})
     body = response.json()
@@ -190,7 +190,7 @@ def test_chat_response_and_default_max_tokens(client: TestClient, fake: FakeGene
     assert client_request.max_tokens == 64 * 16 - len(client_request.token_ids)
 
 
-def test_models_health_version_metrics(fake: FakeGenerations, llama_dir: Path) -> None:
+def test_models_health_version_metrics(fake: FakeRouterCore, llama_dir: Path) -> None:
     serving = [True]
     fake.metrics.requests.labels("OK", "stop").inc()
     app = build_app(make_api(fake, llama_dir, serving=lambda: serving[0], created=123))
@@ -211,7 +211,7 @@ def test_models_health_version_metrics(fake: FakeGenerations, llama_dir: Path) -
 # ------------------------------------------------------------------------ errors
 
 def test_validation_errors_carry_the_grpc_message(client: TestClient,
-                                                   fake: FakeGenerations) -> None:
+                                                   fake: FakeRouterCore) -> None:
     error = error_of(client.post("/v1/completions", json={"prompt": "Hi", "temperature": -1}),
                      400)
     assert error["message"] == "temperature must be finite and >= 0, got -1.0"
@@ -221,7 +221,7 @@ def test_validation_errors_carry_the_grpc_message(client: TestClient,
     assert fake.opened == 0  # nothing started
 
 
-def test_unknown_model_is_404(client: TestClient, fake: FakeGenerations) -> None:
+def test_unknown_model_is_404(client: TestClient, fake: FakeRouterCore) -> None:
     error = error_of(client.post("/v1/completions", json={"prompt": "Hi", "model": "gpt-9"}),
                      404)
     assert error["code"] == "model_not_found" and error["param"] == "model"
@@ -233,7 +233,7 @@ def test_unknown_model_is_404(client: TestClient, fake: FakeGenerations) -> None
     (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INVALID_ARGUMENT, 400),
     (grpc.StatusCode.INTERNAL, 500)])
 @pytest.mark.parametrize("where", ["start", "before the first chunk"])
-def test_route_errors_map_to_http_statuses(client: TestClient, fake: FakeGenerations,
+def test_route_errors_map_to_http_statuses(client: TestClient, fake: FakeRouterCore,
                                            code: grpc.StatusCode, status: int,
                                            where: str) -> None:
     error = RouteError(code, "no luck", "max_inflight")
@@ -248,7 +248,7 @@ def test_route_errors_map_to_http_statuses(client: TestClient, fake: FakeGenerat
 
 
 def test_an_error_mid_stream_is_an_sse_error_then_done(client: TestClient,
-                                                       fake: FakeGenerations) -> None:
+                                                       fake: FakeRouterCore) -> None:
     fake.script = [CHUNKS[0], RouteError(grpc.StatusCode.UNAVAILABLE, "decode worker died")]
     response = client.post("/v1/completions", json={"prompt": "Hi", "stream": True})
     assert response.status_code == 200
@@ -262,7 +262,7 @@ def test_an_error_mid_stream_is_an_sse_error_then_done(client: TestClient,
     assert fake.closed == fake.opened == 2
 
 
-def test_api_key_on_v1_only(fake: FakeGenerations, llama_dir: Path) -> None:
+def test_api_key_on_v1_only(fake: FakeRouterCore, llama_dir: Path) -> None:
     with TestClient(build_app(make_api(fake, llama_dir, api_key=KEY))) as client:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
             for response in (client.get("/v1/models", headers=headers),
@@ -277,7 +277,7 @@ def test_api_key_on_v1_only(fake: FakeGenerations, llama_dir: Path) -> None:
             assert client.get(path).status_code == 200
 
 
-def test_oversized_bodies_are_413(fake: FakeGenerations, llama_dir: Path) -> None:
+def test_oversized_bodies_are_413(fake: FakeRouterCore, llama_dir: Path) -> None:
     with TestClient(build_app(make_api(fake, llama_dir, max_body_bytes=2048))) as client:
         big = {"prompt": "x" * 4096}
         error = error_of(client.post("/v1/completions", json=big), 413)
@@ -290,14 +290,14 @@ def test_oversized_bodies_are_413(fake: FakeGenerations, llama_dir: Path) -> Non
     assert not fake.started
 
 
-def test_chat_without_a_template_is_400(fake: FakeGenerations, llama_dir: Path) -> None:
+def test_chat_without_a_template_is_400(fake: FakeRouterCore, llama_dir: Path) -> None:
     with TestClient(build_app(make_api(fake, llama_dir, chat_template=None))) as client:
         error = error_of(client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "Hi"}]}), 400)
     assert error["code"] == "no_chat_template" and "--chat-template" in error["message"]
 
 
-def test_timeout_header_and_unknown_routes(client: TestClient, fake: FakeGenerations) -> None:
+def test_timeout_header_and_unknown_routes(client: TestClient, fake: FakeRouterCore) -> None:
     client.post("/v1/completions", json={"prompt": "Hi"}, headers={"x-request-timeout": "2.5"})
     client.post("/v1/completions", json={"prompt": "Hi"})
     assert [timeout for _, timeout in fake.started] == [2.5, None]
@@ -345,7 +345,7 @@ async def _run_until_disconnect(app: Any, body: dict[str, Any], *,
     (True, [HOLD], 0),  # queued: before the first token, nothing sent yet
     (False, [CHUNKS[0], HOLD], 0),  # waiting for a non-streamed response
 ])
-def test_a_client_that_leaves_closes_the_generation(fake: FakeGenerations, llama_dir: Path,
+def test_a_client_that_leaves_closes_the_request(fake: FakeRouterCore, llama_dir: Path,
                                                     stream: bool, script: list[Any],
                                                     leave_after: int) -> None:
     fake.script = script

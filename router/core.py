@@ -1,0 +1,169 @@
+"""``RouterCore``: the router's protocol-agnostic core — one client request from validation
+to its last chunk. The two API edges, gRPC (``router.service``) and HTTP (``router.http``),
+turn their own messages into a ``ClientRequest``, call ``RouterCore.start`` and relay
+``ServedRequest.chunks``; everything else is shared: validation, admission (budgets and
+the FIFO queue, ``router.admission``), the request lifecycle through the workers (the
+handoff, ``router.lifecycle``), bounded buffering towards a slow client
+(``router.served``), and cancellation.
+
+Order of business, each step failing fast with its status (``InvalidRequest`` for
+validation, else ``RouteError``): deadline already passed (DEADLINE_EXCEEDED) → the
+budgets, checked against a cheap upper bound of the prompt's tokens before anything is
+tokenized (RESOURCE_EXHAUSTED) → validation and tokenization (INVALID_ARGUMENT) → workers
+known and big enough (UNAVAILABLE / INVALID_ARGUMENT) → admitted (RESOURCE_EXHAUSTED over
+a budget; a client request id already in flight is served too: every attempt has its own
+id on the workers) → queued until a decode worker takes it (DEADLINE_EXCEEDED if its
+deadline passes first) → the handoff streams.
+
+The router's identity: ``router_id`` (random per process) names its attempts
+(``router.lifecycle.attempt.AttemptIds``) and so its leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Iterator
+
+import grpc
+import tokenizers
+
+from cluster.leases import LeaseKeeper, new_router_id
+from router.admission import Admission, Ticket
+from router.config import AdmissionConfig, HandoffConfig
+from router.errors import RouteError
+from router.lifecycle.attempt import AttemptIds
+from router.lifecycle.context import RequestContext
+from router.lifecycle.handoff import Handoff
+from router.lifecycle.placement import Placement
+from router.metrics import RouterMetrics
+from router.served import ServedRequest
+from router.trace import Trace
+from router.validation import ClientRequest, InvalidRequest, ModelLimits, ValidRequest, validate
+from router.worker_calls import WorkerCalls
+from router.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+TOKENIZE_IN_THREAD_CHARS = 4096  # longer prompts are tokenized off the event loop
+
+
+def token_bound(request: ClientRequest, limits: ModelLimits) -> int:
+    """An upper bound of the prompt's tokens, without tokenizing (a byte-level BPE makes
+    at most one token per byte, plus a few special ones)."""
+    if request.token_ids is not None:
+        return len(request.token_ids)
+    return min(len((request.text or "").encode("utf-8", "replace")) + 4, limits.context_length)
+
+
+class RouterCore:
+    """Starts ``ServedRequest``s for one model over a ``WorkerPool`` (see module doc).
+    ``leases``: the attempts' leases in Redis (None: none, e.g. unit tests — attempts then
+    get ids and no lease)."""
+
+    def __init__(self, pool: WorkerPool, limits: ModelLimits, tokenizer: tokenizers.Tokenizer,
+                 *, handoff: HandoffConfig, admission: AdmissionConfig,
+                 metrics: RouterMetrics | None = None, leases: LeaseKeeper | None = None,
+                 router_id: str | None = None) -> None:
+        self.pool = pool
+        self.limits = limits
+        self.config = admission
+        self.metrics = metrics or RouterMetrics()
+        self.admission = Admission(admission.max_inflight, admission.max_queued_tokens)
+        self.router_id = router_id or new_router_id()
+        self.attempt_ids = AttemptIds(self.router_id)
+        self.leases = leases or LeaseKeeper(None, handoff.lease_ttl_s)
+        self._tokenizer = tokenizer
+        self._handoff = handoff
+        # unique per attempt within this router, random across routers; never 0
+        self._transfer_ids: Iterator[int] = itertools.count((secrets.randbits(40) << 16) + 1)
+        self._prefill_turns: Iterator[int] = itertools.count()  # round-robin routing
+        self._background: set[asyncio.Future[object]] = set()
+        self.draining = False  # set by the server's stop: new requests get UNAVAILABLE
+
+    async def start(self, client: ClientRequest, timeout_s: float | None) -> ServedRequest:
+        """Validate and admit ``client`` (see module doc); its deadline is ``timeout_s``
+        from now (None: the router's default)."""
+        received_at = time.monotonic()
+        try:
+            if self.draining:
+                raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                                 "the router is shutting down; retry on another router",
+                                 "draining")
+            if timeout_s is not None and timeout_s <= 0:
+                raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 "the deadline passed before the request was admitted", "deadline")
+            deadline = received_at + (self.config.default_timeout_s if timeout_s is None
+                                      else timeout_s)
+            self.admission.check(token_bound(client, self.limits))
+            request = await self._validate(client)
+            self._check_fits(request)
+            ticket = self.admission.enter(request.request_id, request.num_prompt_tokens)
+        except RouteError as exc:
+            self.metrics.rejections.labels(exc.limit or exc.code.name.lower()).inc()
+            raise
+        except InvalidRequest:
+            self.metrics.rejections.labels("invalid").inc()
+            raise
+        return ServedRequest(request, ticket, deadline, received_at,
+                             lambda trace: self.handoff(request, ticket, deadline, trace),
+                             metrics=self.metrics,
+                             max_buffered_chunks=self.config.max_buffered_chunks)
+
+    async def _validate(self, client: ClientRequest) -> ValidRequest:
+        if client.text is not None and len(client.text) > TOKENIZE_IN_THREAD_CHARS:
+            return await asyncio.to_thread(validate, client, self.limits, self._tokenizer)
+        return validate(client, self.limits, self._tokenizer)
+
+    def _check_fits(self, request: ValidRequest) -> None:
+        layout = self.pool.layout()
+        if layout is None:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy worker is registered")
+        need, largest = request.num_blocks(layout.block_size), self.pool.max_decode_blocks()
+        if largest and need > largest:
+            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"prompt + max_tokens needs {need} KV blocks of "
+                             f"{layout.block_size} tokens; the largest decode worker holds "
+                             f"{largest}")
+
+    def handoff(self, request: ValidRequest, ticket: Ticket, deadline: float,
+                trace: Trace | None = None) -> Handoff:
+        """The lifecycle of an admitted request (``router.lifecycle``); UNAVAILABLE when
+        no worker is known (the cluster's KV layout names the block size)."""
+        layout = self.pool.layout()
+        if layout is None:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy worker is registered")
+        ctx = RequestContext(self.pool, request, ticket, deadline, self._handoff, self.metrics,
+                             self.leases, WorkerCalls(self.pool, request, self.leases.ttl_ms),
+                             self._keep, trace or Trace(time.monotonic()), layout.block_size,
+                             layout.hash_seed)
+        placement = Placement(ctx, self.attempt_ids, self._transfer_ids, self._prefill_turns)
+        return Handoff(ctx, placement)
+
+    @property
+    def inflight(self) -> int:
+        return self.admission.inflight
+
+    @property
+    def num_pending_aborts(self) -> int:
+        """Worker Aborts sent in the background and not answered yet."""
+        return len(self._background)
+
+    def _keep(self, future: asyncio.Future[object]) -> None:
+        self._background.add(future)
+        future.add_done_callback(self._background.discard)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` until no request is in flight; whether none is."""
+        deadline = time.monotonic() + timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.inflight
+
+    async def drain_background(self, timeout_s: float = 5.0) -> None:
+        """Waits (bounded) for the pending worker aborts."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout_s)

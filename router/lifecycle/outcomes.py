@@ -1,0 +1,30 @@
+"""How an attempt ends short of the client's error: ``Retry`` (it failed before any token
+reached the client; another attempt may succeed) and ``Busy`` (a worker was at a limit:
+wait for capacity, then try again; the worker is not suspected, the attempt not spent).
+A failure the client sees is a ``router.errors.RouteError``."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class Retry(Exception):
+    """This attempt failed before any token reached the client; another may succeed.
+    ``cause``: reserve, prefill, generate, worker_left, health or no_prefill (metrics)."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class Busy(Exception):
+    """A worker answered "busy" (RESOURCE_EXHAUSTED) before any token reached the client:
+    wait for capacity and try again; the worker is not suspected, the attempt not spent."""
+
+
+def reraise_if_we_are_cancelled() -> None:
+    """Inside ``except CancelledError``: re-raise when this task itself is being cancelled
+    (client cancel, deadline); return when only the worker call was (``WorkerPool.watched``)."""
+    task = asyncio.current_task()
+    if task is None or task.cancelling():
+        raise  # noqa: PLE0704 -- re-raises the CancelledError being handled

@@ -1,0 +1,177 @@
+"""Where an attempt runs: the decode worker that reserves its KV (or prefills it locally),
+and the order in which prefill workers are asked.
+
+- Decode: least in flight, then most free blocks (``router.routing.rank_decode``), among
+  the routable decode workers that did not fail this request. ``reserve`` asks them in
+  turn, a new attempt per Reserve; while every reachable one refuses (no room now, or at
+  its stream limit) it waits for capacity until the deadline; when none answers at all,
+  UNAVAILABLE.
+- Local: colocated mode (``local_prefill`` "always"), or "fallback" once no prefill
+  worker is left for the request: the attempt prefills on the decode worker.
+- Prefill: rendezvous order of the prompt's affinity key with bounded load
+  (``router.routing.pick_prefill``), or in turn (``prefill_routing`` "round-robin").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+
+from engine.kvcache.block_hash import compute_block_hashes
+from router.errors import RouteError
+from router.lifecycle.attempt import Attempt, AttemptIds
+from router.lifecycle.context import RequestContext
+from router.lifecycle.outcomes import reraise_if_we_are_cancelled
+from router.routing import DecodeCandidate, affinity_key, pick_prefill, rank_decode, round_robin
+from router.worker_calls import Failure, WorkerCalls
+
+
+class Placement:
+    """The placement decisions of one request (``ctx``); ``ids`` mints its attempts' ids,
+    ``transfer_ids`` its transfers', ``turns`` is the router's round-robin counter."""
+
+    def __init__(self, ctx: RequestContext, ids: AttemptIds, transfer_ids: Iterator[int],
+                 turns: Iterator[int] | None = None) -> None:
+        self.ctx = ctx
+        self._ids = ids
+        self._transfer_ids = transfer_ids
+        self._turns = turns
+        self._turn: int | None = None  # this request's round-robin turn, once drawn
+        self._key: bytes | None = None  # the prefill affinity key, computed on first use
+
+    # ----------------------------------------------------------------- decode
+
+    def decode_order(self) -> list[str]:
+        ctx = self.ctx
+        need = ctx.request.num_blocks(ctx.block_size)
+        candidates = [DecodeCandidate(r.worker_id, ctx.pool.inflight(r.worker_id),
+                                      r.free_kv_blocks, r.total_kv_blocks)
+                      for r in ctx.pool.routable("decode") if r.worker_id not in ctx.excluded]
+        order = rank_decode(candidates, need)
+        if not order:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                             f"no healthy decode worker can hold {need} KV blocks")
+        return order
+
+    def prefills_locally(self) -> bool:
+        """Colocated this attempt: always, or (fallback) when no prefill worker is left."""
+        mode = self.ctx.config.local_prefill
+        return mode == "always" or mode == "fallback" and not any(
+            r.worker_id not in self.ctx.excluded for r in self.ctx.pool.routable("prefill"))
+
+    async def place(self) -> Attempt:
+        """The next attempt: local, or a reservation (waiting for capacity meanwhile)."""
+        self.ctx.metrics.attempts.inc()
+        self.ctx.trace.attempts += 1
+        return self._local_attempt() if self.prefills_locally() else await self._reserve()
+
+    def _local_attempt(self) -> Attempt:
+        ctx = self.ctx
+        decode_id = self.decode_order()[0]
+        ctx.metrics.routed.labels("decode", decode_id).inc()
+        attempt = Attempt(ctx, self._ids.new(), decode_id, local=True)
+        ctx.log.info("attempt %s: prefilling locally on %s (%s)", attempt.id, decode_id,
+                     "colocated mode" if ctx.config.local_prefill == "always"
+                     else "no prefill worker left")
+        return attempt
+
+    async def _reserve(self) -> Attempt:
+        while True:
+            attempt, refusals, any_refused = await self._try_reserve()
+            if attempt is not None:
+                return attempt
+            if not any_refused:
+                raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                                 f"no decode worker could reserve "
+                                 f"{self.ctx.request.num_blocks(self.ctx.block_size)} KV "
+                                 "blocks: " + "; ".join(refusals))
+            await self.ctx.ticket.admission.capacity_changed(self.ctx.deadline)
+
+    async def _try_reserve(self) -> tuple[Attempt | None, list[str], bool]:
+        """One pass over the decode workers: (the attempt, or None with why each refused
+        and whether any answered "no room now")."""
+        refusals: list[str] = []
+        any_refused = False  # a worker answered "no room" (vs. none answering at all)
+        for decode_id in self.decode_order():
+            attempt = Attempt(self.ctx, self._ids.new(), decode_id,
+                              transfer_id=next(self._transfer_ids))
+            try:
+                refusal = await self._reserve_on(attempt)
+            except BaseException:
+                attempt.end()  # it may hold a reservation there
+                raise
+            if refusal is None:
+                return attempt, refusals, True
+            attempt.end()
+            refusals.append(f"{decode_id}: {refusal[0]}")
+            any_refused = any_refused or refusal[1]
+        return None, refusals, any_refused
+
+    async def _reserve_on(self, attempt: Attempt) -> tuple[str, bool] | None:
+        """The attempt's Reserve: None once reserved, else (why not, whether the worker
+        answered "no room now"). A worker that failed is excluded."""
+        ctx, decode_id = self.ctx, attempt.decode_id
+        ctx.trace.worker_call()
+        try:
+            call = ctx.calls.start_reserve(decode_id, attempt.id, attempt.lease,
+                                           attempt.transfer_id,
+                                           ctx.timeout(ctx.config.reserve_timeout_s),
+                                           wait_s=ctx.timeout())
+            # counted by concurrent choices already; cancelled if the worker is hung
+            with ctx.pool.busy(decode_id), ctx.pool.watched(decode_id, call):
+                reply = WorkerCalls.reserved(await call)
+            ctx.pool.heard_from(decode_id)
+        except KeyError:  # left the registry meanwhile (its channel is closed)
+            attempt.decode_holds_nothing()
+            return "left the registry", False
+        except asyncio.CancelledError:
+            reraise_if_we_are_cancelled()
+            ctx.excluded.add(decode_id)  # the pool took the call back: it is hung
+            return "stopped answering health checks", False
+        except grpc.aio.AioRpcError as exc:
+            failure = ctx.failure(exc)
+            if failure.kind is Failure.ALREADY_EXISTS:  # not ours to abort
+                attempt.decode_holds_nothing()
+                raise ctx.id_in_use("") from None
+            ctx.check_deadline(failure)
+            if failure.kind is Failure.REFUSED:  # the worker refused what the router sent
+                raise RouteError(grpc.StatusCode.INTERNAL,
+                                 f"reserve on {decode_id}: {failure}") from None
+            if failure.kind is not Failure.BUSY:
+                ctx.worker_failed(decode_id, failure)
+            return str(failure), failure.kind is Failure.BUSY
+        if not reply.accepted:
+            attempt.decode_holds_nothing()  # refused: nothing is held for it
+            return reply.reason, True
+        assert reply.target is not None
+        attempt.reserved(reply.target)
+        ctx.metrics.routed.labels("decode", decode_id).inc()
+        ctx.log.info("attempt %s: %d blocks reserved on %s (transfer %d)", attempt.id,
+                     reply.num_blocks, decode_id, attempt.transfer_id)
+        return None
+
+    # ----------------------------------------------------------------- prefill
+
+    def prefill_order(self) -> list[str]:
+        """The prefill workers to ask, best first (by affinity with bounded load, or in
+        turn), among the routable ones that did not fail this request."""
+        ctx = self.ctx
+        loads = {r.worker_id: ctx.pool.inflight(r.worker_id) for r in ctx.pool.routable("prefill")
+                 if r.worker_id not in ctx.excluded}
+        if ctx.config.prefill_routing == "round-robin":
+            if self._turn is None:
+                self._turn = next(self._turns) if self._turns is not None else 0
+            return round_robin(list(loads), self._turn)
+        return pick_prefill(self._affinity_key(), loads, ctx.config.load_epsilon)
+
+    def _affinity_key(self) -> bytes:
+        """The prompt's prefill affinity key (hashing only the blocks it needs)."""
+        if self._key is None:
+            ctx = self.ctx
+            prompt = ctx.request.prompt_token_ids
+            head = prompt[:ctx.config.affinity_blocks * ctx.block_size]
+            hashes = compute_block_hashes(head, ctx.block_size, seed=ctx.hash_seed)
+            self._key = affinity_key(hashes, prompt, ctx.config.affinity_blocks)
+        return self._key

@@ -1,0 +1,100 @@
+"""The Prefill of an attempt: on the first prefill worker in ``Placement.prefill_order``
+that is not busy (while all are, it waits for capacity; the reservation waits
+meanwhile), naming the reservation's KV target. It returns once the decode worker
+acknowledged the KV and the first token (``Prefilled``).
+
+Failures: a worker that failed is excluded and the attempt is retried (``Retry``); one
+that refused what the router sent is INTERNAL (a router bug); no prefill worker left is
+UNAVAILABLE, or (``local_prefill`` "fallback") a retry that prefills locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from router.errors import RouteError
+from router.lifecycle.attempt import Attempt
+from router.lifecycle.outcomes import Retry, reraise_if_we_are_cancelled
+from router.lifecycle.placement import Placement
+from router.worker_calls import Failure, Prefilled, WorkerCalls
+
+# how long a Generate stream that failed before its first chunk waits for the Prefill's
+# own failure, which says whose fault a failed transfer was
+PREFILL_VERDICT_S = 2.0
+
+
+async def prefill(attempt: Attempt, placement: Placement) -> Prefilled:
+    """The attempt's Prefill (see the module docstring)."""
+    ctx = attempt.ctx
+    while True:
+        order = placement.prefill_order()
+        if not order:
+            if ctx.config.local_prefill == "fallback":  # the next attempt prefills locally
+                raise Retry("no prefill worker left", "no_prefill")
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        for prefill_id in order:
+            reply = await _prefill_on(attempt, prefill_id)
+            if reply is not None:
+                return reply
+        ctx.log.info("every prefill worker is busy; waiting for capacity")
+        await ctx.ticket.admission.capacity_changed(ctx.deadline)
+
+
+async def _prefill_on(attempt: Attempt, prefill_id: str) -> Prefilled | None:
+    """The Prefill call on ``prefill_id``: its reply, or None when it answered busy."""
+    ctx = attempt.ctx
+    assert attempt.target is not None
+    ctx.metrics.routed.labels("prefill", prefill_id).inc()
+    ctx.trace.mark("prefill_started")
+    attempt.prefill_started(prefill_id)
+    try:
+        call = ctx.calls.start_prefill(prefill_id, attempt.id, attempt.lease, attempt.target,
+                                       ctx.timeout())
+    except KeyError:
+        attempt.prefill_released()
+        ctx.excluded.add(prefill_id)
+        raise Retry(f"prefill worker {prefill_id} left the registry", "worker_left") from None
+    attempt.track(call)
+    try:
+        with ctx.pool.busy(prefill_id), ctx.pool.watched(prefill_id, call):
+            reply = WorkerCalls.prefilled(await call)
+        ctx.pool.heard_from(prefill_id)
+    except asyncio.CancelledError:
+        reraise_if_we_are_cancelled()
+        ctx.excluded.add(prefill_id)
+        raise Retry(f"prefill worker {prefill_id} stopped answering health checks",
+                    "health") from None
+    except grpc.aio.AioRpcError as exc:
+        failure = ctx.failure(exc)
+        ctx.check_deadline(failure)
+        if failure.kind is Failure.BUSY:
+            attempt.prefill_released()  # it took nothing
+            return None
+        if failure.kind is Failure.ALREADY_EXISTS:  # the worker did not fail
+            attempt.prefill_released()  # the id's holder there is not ours to abort
+            raise ctx.id_in_use(" on a prefill worker") from None
+        ctx.worker_failed(prefill_id, failure)
+        why = f"prefill on {prefill_id}: {failure}"
+        if failure.kind is Failure.REFUSED:  # the worker refused what the router sent
+            raise RouteError(grpc.StatusCode.INTERNAL, why) from None
+        raise Retry(why, "prefill") from None
+    attempt.prefill_released()  # it returned once the decode side acknowledged: done
+    ctx.trace.mark("prefill_returned")
+    ctx.trace.prefill = reply.times
+    ctx.log.info("prefilled on %s (%d of %d prompt tokens cached)", prefill_id,
+                 reply.num_cached_tokens, reply.num_prompt_tokens)
+    return reply
+
+
+async def prefill_verdict(task: asyncio.Future[Prefilled]) -> Retry | RouteError | None:
+    """How the Prefill ended, waited for up to ``PREFILL_VERDICT_S`` after the Generate
+    stream failed before its first chunk: its failure (which names the prefill worker, as
+    when the Prefill fails first), or None (it returned, or has not answered)."""
+    if not task.done():
+        await asyncio.wait((task,), timeout=PREFILL_VERDICT_S)
+    if not task.done() or task.cancelled():
+        return None
+    failure = task.exception()
+    return failure if isinstance(failure, Retry | RouteError) else None

@@ -1,0 +1,159 @@
+"""The decode worker's stream of an attempt, relayed to the client.
+
+``relay`` reads a Generate (or GenerateLocal) stream: a failure before the first token is
+``Retry`` (or ``Busy``), after it UNAVAILABLE naming how many tokens were streamed.
+``prefill_and_relay`` opens the Generate stream together with the Prefill: the first
+chunk leaves as soon as the KV has arrived on the decode worker, not after the Prefill
+reply's trip back and a Generate call behind it; until that chunk a failed Prefill fails
+the attempt (the stream is cancelled with it); once the stream is done, the Prefill's
+reply is awaited briefly for its timings, then the call is let go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+
+import grpc
+
+from cluster import pause_points
+from router.errors import RouteError
+from router.lifecycle.attempt import Attempt
+from router.lifecycle.outcomes import Busy, Retry, reraise_if_we_are_cancelled
+from router.lifecycle.placement import Placement
+from router.lifecycle.prefill import prefill, prefill_verdict
+from router.outputs import OutputChunk
+from router.worker_calls import Failure, Prefilled, chunks
+
+# how long a finished stream waits for its Prefill's reply (normally back already: the
+# prefill worker answers once the decode side acknowledged the KV) before letting it go
+PREFILL_SETTLE_S = 1.0
+
+
+def start_generate(attempt: Attempt) -> grpc.aio.UnaryStreamCall:
+    """The reservation's Generate stream (``local``: GenerateLocal, which prefills there)."""
+    ctx = attempt.ctx
+    try:
+        if attempt.local:
+            ctx.trace.worker_call()
+        ctx.trace.mark("generate_started")
+        start = ctx.calls.start_generate_local if attempt.local else ctx.calls.start_generate
+        call = start(attempt.decode_id, attempt.id, attempt.lease, ctx.timeout())
+    except KeyError:  # left the registry meanwhile (its channel is closed)
+        ctx.excluded.add(attempt.decode_id)
+        attempt.decode_holds_nothing()
+        raise Retry(f"decode worker {attempt.decode_id} left the registry",
+                    "worker_left") from None
+    attempt.track(call)
+    return call
+
+
+async def relay(attempt: Attempt, call: grpc.aio.UnaryStreamCall
+                ) -> AsyncGenerator[OutputChunk, None]:
+    """The decode worker's stream (see the module docstring)."""
+    ctx, decode_id = attempt.ctx, attempt.decode_id
+    num_streamed = 0
+    try:
+        with ctx.pool.watched(decode_id, call):
+            async for chunk in chunks(call):
+                ctx.pool.heard_from(decode_id)
+                if chunk.worker_s is not None:  # the first chunk
+                    ctx.trace.mark("first_chunk")
+                    ctx.trace.decode_first_chunk_s = chunk.worker_s
+                    attempt.streaming()
+                num_streamed += len(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    attempt.finished()
+                yield chunk
+    except asyncio.CancelledError:
+        reraise_if_we_are_cancelled()
+        ctx.excluded.add(decode_id)
+        why = f"decode worker {decode_id} stopped answering health checks"
+        if num_streamed == 0:
+            raise Retry(why, "health") from None
+        raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                         f"{why} after {num_streamed} streamed tokens") from None
+    except grpc.aio.AioRpcError as exc:
+        failure = ctx.failure(exc)
+        ctx.check_deadline(failure)
+        if num_streamed == 0 and failure.kind is Failure.BUSY:
+            raise Busy(f"{decode_id} is busy: {failure}") from None
+        if num_streamed == 0 and failure.kind is Failure.RETRY:
+            ctx.excluded.add(decode_id)
+            raise Retry(f"generate on {decode_id}: {failure}", "generate") from None
+        raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                         f"decode worker {decode_id} failed after {num_streamed} streamed "
+                         f"tokens: {failure}") from None
+    if not attempt.is_finished:
+        raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                         f"decode worker {decode_id} ended the stream without a finish reason")
+
+
+async def prefill_and_relay(attempt: Attempt, placement: Placement
+                            ) -> AsyncGenerator[OutputChunk, None]:
+    """The Prefill and the Generate stream of a reserved attempt (see the module
+    docstring)."""
+    ctx = attempt.ctx
+    prefill_task = asyncio.ensure_future(prefill(attempt, placement))
+    relayed: AsyncGenerator[OutputChunk, None] | None = None
+    first: asyncio.Future[OutputChunk | None] | None = None
+    try:
+        if pause_points.enabled():
+            await pause_points.apause("router.before_generate",
+                                      request_id=ctx.client_request_id, attempt_id=attempt.id)
+        relayed = relay(attempt, start_generate(attempt))
+        first = asyncio.ensure_future(_next(relayed))
+        try:
+            await asyncio.wait((first, prefill_task), return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                prefill_task.result()  # raises the Prefill's failure; a reply: the KV is there
+                await asyncio.wait((first,))
+        finally:
+            if not first.done():
+                first.cancel()
+                await asyncio.wait((first,))
+        try:
+            chunk = first.result()
+        except Retry:  # e.g. the KV failed its checksum: whose fault the Prefill says
+            blame = await prefill_verdict(prefill_task)
+            if blame is None:
+                raise
+            ctx.excluded.discard(attempt.decode_id)  # the decode worker only reported it
+            raise blame from None
+        if chunk is not None:
+            yield chunk
+            async for chunk in relayed:
+                yield chunk
+    finally:
+        if first is not None and first.done() and not first.cancelled():
+            first.exception()  # retrieved: raised above, or superseded by a cancel
+        try:
+            if relayed is not None:
+                await relayed.aclose()
+        finally:
+            await _settle(attempt, prefill_task,
+                          PREFILL_SETTLE_S if attempt.is_finished else 0.0)
+
+
+async def _settle(attempt: Attempt, task: asyncio.Future[Prefilled], wait_s: float) -> None:
+    """Let the Prefill task end: waited for up to ``wait_s``, then cancelled — cancelled
+    also when this task is cancelled meanwhile, however often (``Attempt.end`` then aborts
+    the attempt on the prefill worker if its call had not returned)."""
+    try:
+        if not task.done() and wait_s > 0:
+            await asyncio.wait((task,), timeout=wait_s)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.shield(asyncio.wait((task,)))
+    if not task.cancelled() and task.exception() is not None and wait_s > 0:
+        attempt.ctx.log.warning("the Prefill call failed after the stream ended: %r",
+                                task.exception())
+
+
+async def _next(chunks_of: AsyncGenerator[OutputChunk, None]) -> OutputChunk | None:
+    """The next chunk, or None when the stream is over."""
+    try:
+        return await anext(chunks_of)
+    except StopAsyncIteration:
+        return None
