@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEPS := pyproject.toml Makefile
 
-.PHONY: run test lint typecheck setup bench clean
+.PHONY: run test lint typecheck setup bench docs clean
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -16,7 +16,7 @@ $(PY):
 # torch is pinned to 2.13.0, the CPU build this machine image provides.
 $(STAMP): $(PY) $(DEPS)
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[server,test,ray,loadtest,bench]"
+	$(PY) -m pip install --quiet -e ".[server,test,ray,loadtest,bench,docs]"
 	@touch $(STAMP)
 
 setup: $(STAMP)
@@ -37,6 +37,10 @@ test: lint typecheck
 
 bench: $(STAMP)
 	$(PY) -m bench.engine
+
+# the user guide, served at http://127.0.0.1:8000 while you edit it
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs serve
 
 clean:
 	rm -rf $(VENV) build *.egg-info

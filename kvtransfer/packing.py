@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.tp.sharding import num_blocks_for
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -92,3 +94,17 @@ def _scatter_numpy(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: tuple
         n = seg.block_end - seg.block_start
         dst = cache[seg.layer, seg.kv, :, :, heads[0] : heads[1]]  # a view: writes land in cache
         dst[ids[seg.block_start : seg.block_end]] = rows_np[seg.offset : seg.offset + n]
+
+
+def transfer_blocks(num_tokens: int, block_ids: list[int] | tuple[int, ...], block_size: int,
+                    num_cache_blocks: int) -> list[int]:
+    """The blocks a transfer of ``num_tokens`` tokens moves: the first
+    ``ceil(num_tokens / block_size)`` of ``block_ids``; ``ValueError`` for too few tokens
+    or blocks, or a block id outside the cache's ``num_cache_blocks``."""
+    num_blocks = num_blocks_for(num_tokens, block_size)
+    if num_tokens < 1 or len(block_ids) < num_blocks:
+        raise ValueError(f"{num_tokens} tokens need {num_blocks} blocks, got {len(block_ids)}")
+    ids = list(block_ids[:num_blocks])
+    if min(ids) < 0 or max(ids) >= num_cache_blocks:
+        raise ValueError(f"block ids out of range [0, {num_cache_blocks})")
+    return ids

@@ -26,39 +26,23 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from engine.kvcache.layout import KVLayout
-from engine.tp.distributed import StoreAddress, backend_for, connect_store, create_store_server
-from engine.tp.sharding import num_blocks_for
-from kvtransfer.channel import (
-    RECEIVER,
-    accept_key,
-    advertise,
-    join_channel,
-    layout_refusal,
-    reply_key,
-)
+from engine.tp.distributed import StoreAddress, backend_for, create_store_server
+from kvtransfer.accept import Acceptor
+from kvtransfer.channel import Channel, advertise
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelError, TransferError, TransferRejected
 from kvtransfer.incoming import Incoming, RankShard
+from kvtransfer.packing import transfer_blocks
 from kvtransfer.plan import check_tp_size
 from kvtransfer.pool import ChannelPool
-from kvtransfer.protocol import (
-    OpenReply,
-    OpenRequest,
-    OpenStatus,
-    PartHeader,
-    ReceiverInfo,
-    Status,
-    Trailer,
-)
+from kvtransfer.protocol import PartHeader, ReceiverInfo, Status, Trailer
 from kvtransfer.recv_channel import RecvChannel
 from kvtransfer.states import TransferState
 from kvtransfer.stats import ReceiverStats
 
 log = logging.getLogger(__name__)
-ACCEPT_POLL_S = 0.01
 
 
 class KVReceiver:
@@ -97,7 +81,6 @@ class KVReceiver:
         self._finished: OrderedDict[int, bool] = OrderedDict()  # id -> completed
         self._dropped: OrderedDict[int, bool] = OrderedDict()  # never expected in time
         self._channels: dict[int, RecvChannel] = {}
-        self._joiners: set[threading.Thread] = set()  # building accepted channels
         self._closed = False
         self._server: Any = None
         if tp_rank == 0 if host_store is None else host_store:
@@ -107,10 +90,10 @@ class KVReceiver:
                                          int(self._server.port))
             advertise(self._server, ReceiverInfo(layout, tp_size))
         self.address = store_address
-        self._accept_store: Any = connect_store(store_address, timeout_s=self.config.timeout_s)
-        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
-                                          name=f"kvtransfer-accept-{tp_rank}")
-        self._acceptor.start()
+        self._acceptor = Acceptor(store_address, tp_rank=tp_rank, layout=layout,
+                                  tp_size=tp_size, backend=self.backend, device=self.device,
+                                  config=self.config, pool=self.pool, stats=self.stats,
+                                  adopt=self._adopt, closed=lambda: self._closed)
 
     # ---------------------------------------------------------------- public API
 
@@ -123,12 +106,9 @@ class KVReceiver:
         and it completes within ``timeout_s`` (default ``config.timeout_s``) of that. With
         ``trailer`` (rank 0 only: senders send trailers there) it is complete only once
         the sender's ``Trailer`` arrived as well."""
-        num_blocks = num_blocks_for(num_tokens, self.layout.block_size)
-        if num_tokens < 1 or len(block_ids) < num_blocks:
-            raise ValueError(f"{num_tokens} tokens need {num_blocks} blocks, got {len(block_ids)}")
-        ids = list(block_ids[:num_blocks])
-        if min(ids) < 0 or max(ids) >= kv_cache.shape[2]:
-            raise ValueError(f"block ids out of range [0, {kv_cache.shape[2]})")
+        ids = transfer_blocks(num_tokens, list(block_ids), self.layout.block_size,
+                              kv_cache.shape[2])
+        num_blocks = len(ids)
         start, end = self.shard.heads
         if kv_cache.dim() != 6 or kv_cache.shape[4] != end - start:
             raise ValueError(f"kv_cache of shape {tuple(kv_cache.shape)}: expected "
@@ -208,8 +188,7 @@ class KVReceiver:
     def threads(self) -> list[threading.Thread]:
         with self.cond:
             found = [t for c in self._channels.values() for t in c.threads()]
-            found += self._joiners
-        return [t for t in [self._acceptor, *found] if t.is_alive()]
+        return [*self._acceptor.threads(), *(t for t in found if t.is_alive())]
 
     def close(self) -> None:
         """Stop accepting, close every channel, fail what is pending, join all threads."""
@@ -219,11 +198,11 @@ class KVReceiver:
             self.cond.notify_all()
         for record in records:
             self.abort(record.transfer_id)
-        self._acceptor.join(timeout=10)
+        self._acceptor.join(timeout_s=10)
         self.pool.close_all("receiver closed")
         for thread in self.threads():
             thread.join(timeout=10)
-        self._accept_store = self._server = None
+        self._server = None
 
     # ---------------------------------------------------------------- used by channels
 
@@ -274,79 +253,14 @@ class KVReceiver:
 
     # ---------------------------------------------------------------- internals
 
-    def _accept_loop(self) -> None:
-        """Answer open requests until closed. Polls (a blocking ``queue_pop`` confuses the
-        store's other waiters: replies and group rendezvous then time out at random)."""
-        store = self._accept_store
-        while not self._closed:
-            try:
-                raw = store.queue_pop(accept_key(self.tp_rank), block=False)
-            except dist.QueueEmptyError:
-                time.sleep(ACCEPT_POLL_S)
-                continue
-            except RuntimeError:
-                return  # the store went away (its host died or closed)
-            try:
-                request = OpenRequest.decode(raw)
-            except ValueError:
-                continue  # not ours to answer: without a channel id there is no reply key
-            self._on_open_request(store, request)
-
-    def _on_open_request(self, store: Any, request: OpenRequest) -> None:
-        refusal = layout_refusal(self.layout, request, self.backend)
-        if refusal is None:
-            try:
-                check_tp_size(self.layout.num_kv_heads, request.sender_tp_size)
-            except ValueError as exc:
-                refusal = str(exc)
-        if refusal is not None:
-            self.stats.channels_refused += 1
-            reply = OpenReply(OpenStatus.LAYOUT_MISMATCH, self.tp_size, 0, refusal)
-            store.set(reply_key(request.channel_id), reply.encode())
-            return
-        try:
-            self.pool.reserve(0.0, wait=False)
-        except ChannelError:
-            self.stats.busy_replies += 1
-            reply = OpenReply(OpenStatus.BUSY, self.tp_size, 0, "all channels in use")
-            store.set(reply_key(request.channel_id), reply.encode())
-            return
-        store.set(reply_key(request.channel_id),
-                  OpenReply(OpenStatus.ACCEPTED, self.tp_size,
-                            self.config.part_bytes, "").encode())
-        # Joining blocks until the sender joins too (at most the timeout): on a thread of
-        # its own, so a sender that dies mid-open does not hold up everyone else's opens.
-        joiner = threading.Thread(target=self._join, args=(request,), daemon=True,
-                                  name=f"kvtransfer-join-{self.tp_rank}/{request.channel_id}")
-        with self.cond:
-            self._joiners.add(joiner)
-        joiner.start()
-
-    def _join(self, request: OpenRequest) -> None:
-        """Build an accepted channel's groups and start reading it (a joiner thread)."""
-        try:  # its own store client: concurrent waits on one client confuse each other
-            store = connect_store(self.address, timeout_s=self.config.timeout_s)
-            channel = join_channel(store, request.channel_id, RECEIVER, self.device,
-                                   self.config)
-        except (ChannelError, RuntimeError) as exc:
-            self.pool.cancel()
-            with self.cond:
-                self._joiners.discard(threading.current_thread())
-            log.warning("channel %d not established: %s", request.channel_id,
-                        str(exc).splitlines()[0][:300])
-            return
-        self.pool.add(request.channel_id, channel)
-        self.pool.checkin(channel)
-        reader = RecvChannel(self, request.channel_id, channel)
-        with self.cond:  # close() sees this thread or the reader, never neither
-            self._channels[request.channel_id] = reader
-            self._joiners.discard(threading.current_thread())
-            closed = self._closed
-        if closed:
-            channel.close("receiver closed")
-            return
-        self.stats.channels_accepted += 1
-        reader.start()
+    def _adopt(self, channel_id: int, channel: Channel) -> RecvChannel | None:
+        """An accepted channel's reader (``kvtransfer.accept``), or None once closed."""
+        reader = RecvChannel(self, channel_id, channel)
+        with self.cond:  # close() sees the reader or the joiner thread, never neither
+            if self._closed:
+                return None
+            self._channels[channel_id] = reader
+        return reader
 
     def _close_stalled(self, record: Incoming) -> None:
         """A transfer that stopped mid-way: its sender is presumed hung; cut its channels."""

@@ -29,12 +29,13 @@ import torch
 
 from engine.kvcache.layout import KVLayout
 from engine.tp.distributed import StoreAddress, backend_for, connect_store
-from engine.tp.sharding import kv_head_range, num_blocks_for
+from engine.tp.sharding import kv_head_range
 from kvtransfer.buffers import BufferPool
 from kvtransfer.channel import read_receiver_info
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelError, LayoutMismatch, TransferError, TransferTimeout
 from kvtransfer.outgoing import Job, Outgoing
+from kvtransfer.packing import transfer_blocks
 from kvtransfer.plan import check_tp_size, routes_from
 from kvtransfer.pool import ChannelPool
 from kvtransfer.protocol import ReceiverInfo, Trailer
@@ -219,13 +220,10 @@ class KVSender:
         the resolver thread of ``dest`` read its advertisement."""
         if transfer_id in self._finished:
             raise ValueError(f"transfer id {transfer_id} was used before")
-        self._check_cache(kv_cache)
-        num_blocks = num_blocks_for(num_tokens, self.layout.block_size)
-        if num_tokens < 1 or len(block_ids) < num_blocks:
-            raise ValueError(f"{num_tokens} tokens need {num_blocks} blocks, got {len(block_ids)}")
-        ids = list(block_ids[:num_blocks])
-        if min(ids) < 0 or max(ids) >= kv_cache.shape[2]:
-            raise ValueError(f"block ids out of range [0, {kv_cache.shape[2]})")
+        check_cache(self.layout, self.tp_rank, self.tp_size, kv_cache)
+        ids = transfer_blocks(num_tokens, list(block_ids), self.layout.block_size,
+                              kv_cache.shape[2])
+        num_blocks = len(ids)
         record = Outgoing(
             transfer_id=transfer_id, dest=dest, kv_cache=kv_cache,
             block_ids=torch.tensor(ids, dtype=torch.int64, device=kv_cache.device),
@@ -248,8 +246,10 @@ class KVSender:
 
     def _resolver(self, dest: StoreAddress) -> None:
         """Read ``dest``'s advertisement, then route every transfer waiting for it."""
-        peer = self._peer_info(dest)
+        peer = self._peers.get(dest) or read_peer(dest, self.layout, self.config)
         with self._cond:
+            if isinstance(peer, ReceiverInfo):
+                self._peers[dest] = peer  # cached until a lane's channel to it breaks
             waiting = self._resolving.pop(dest, [])
             self._resolvers.discard(threading.current_thread())
             for record in waiting:
@@ -269,37 +269,6 @@ class KVSender:
             return
         for job in record.resolve(peer.tp_size, routes):
             self._submit(job)
-
-    def _peer_info(self, dest: StoreAddress) -> ReceiverInfo | TransferError:
-        """The decode worker's advertised layout and TP size (cached), or why not."""
-        info = self._peers.get(dest)
-        if info is not None:
-            return info
-        try:
-            store = connect_store(dest, timeout_s=self.config.timeout_s)
-            info = read_receiver_info(store, self.config.timeout_s)
-        except RuntimeError as exc:
-            return ChannelError(f"decode worker at {dest.host}:{dest.port} unreachable: "
-                                f"{str(exc).splitlines()[0][:200]}")
-        diff = self.layout.diff(info.layout)
-        if diff is not None:
-            return LayoutMismatch(f"decode worker at {dest.host}:{dest.port} has another "
-                                  f"KV layout: {diff} (sender != receiver)")
-        with self._cond:
-            self._peers[dest] = info
-        return info
-
-
-    def _check_cache(self, kv_cache: torch.Tensor) -> None:
-        start, end = kv_head_range(self.layout.num_kv_heads, self.tp_rank, self.tp_size)
-        lay = self.layout
-        want = (lay.num_layers, 2, lay.block_size, end - start, lay.head_dim)
-        got = tuple(kv_cache.shape[:2]) + tuple(kv_cache.shape[3:])
-        if kv_cache.dim() != 6 or got != want or not kv_cache.is_contiguous():
-            raise ValueError(f"kv_cache of shape {tuple(kv_cache.shape)} does not match the "
-                             f"layout [layers, 2, blocks, block_size, heads, head_dim] = {want}")
-        if str(kv_cache.dtype).removeprefix("torch.") != lay.dtype:
-            raise ValueError(f"kv_cache dtype {kv_cache.dtype} != layout dtype {lay.dtype}")
 
     def _submit(self, job: Job) -> None:
         """Queue ``job`` on its route's lane, starting the lane's thread if needed."""
@@ -322,3 +291,32 @@ class KVSender:
                 while len(self._finished) > self.config.remember_finished:
                     self._finished.popitem(last=False)
 
+
+def check_cache(layout: KVLayout, tp_rank: int, tp_size: int, kv_cache: torch.Tensor) -> None:
+    """``ValueError`` unless ``kv_cache`` is rank ``tp_rank``'s shard of ``layout``'s cache
+    ``[layers, 2, blocks, block_size, local heads, head_dim]``, contiguous, of its dtype."""
+    start, end = kv_head_range(layout.num_kv_heads, tp_rank, tp_size)
+    want = (layout.num_layers, 2, layout.block_size, end - start, layout.head_dim)
+    got = tuple(kv_cache.shape[:2]) + tuple(kv_cache.shape[3:])
+    if kv_cache.dim() != 6 or got != want or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache of shape {tuple(kv_cache.shape)} does not match the "
+                         f"layout [layers, 2, blocks, block_size, heads, head_dim] = {want}")
+    if str(kv_cache.dtype).removeprefix("torch.") != layout.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} != layout dtype {layout.dtype}")
+
+
+def read_peer(dest: StoreAddress, layout: KVLayout, config: TransferConfig
+              ) -> ReceiverInfo | TransferError:
+    """The receiving worker's advertised layout and TP size, read from its store, or why
+    not (unreachable, or a layout other than ``layout``)."""
+    try:
+        store = connect_store(dest, timeout_s=config.timeout_s)
+        info = read_receiver_info(store, config.timeout_s)
+    except RuntimeError as exc:
+        return ChannelError(f"decode worker at {dest.host}:{dest.port} unreachable: "
+                            f"{str(exc).splitlines()[0][:200]}")
+    diff = layout.diff(info.layout)
+    if diff is not None:
+        return LayoutMismatch(f"decode worker at {dest.host}:{dest.port} has another "
+                              f"KV layout: {diff} (sender != receiver)")
+    return info

@@ -4,7 +4,7 @@
 (its tail goes into assertion messages), one torch thread and gloo on loopback;
 ``Proc.wait_ready`` waits for the ready file; ``Proc.stop`` stops it with SIGTERM → SIGKILL
 (bounded) and kills any child (rank) process left. Layer-specific helpers build on these:
-``tests.worker.procs`` (worker processes and their leak check), ``tests.router.cluster``.
+``tests.worker.procs`` (worker processes and their leak check), ``tests.e2e.cluster``.
 """
 
 from __future__ import annotations

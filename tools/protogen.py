@@ -4,7 +4,7 @@
     python -m tools.protogen --check   # exit 1, naming each stale file, if any is stale
 
 Paths mirror ``proto/`` (``protoc -I proto``, outputs at the repository root), so
-``proto/pdserve/internal/v1/worker.proto`` becomes ``pdserve/internal/v1/worker_pb2.py``
+``proto/cluster/internal/v1/worker.proto`` becomes ``cluster/internal/v1/worker_pb2.py``
 (+ ``.pyi`` and ``_pb2_grpc.py``), importable as ``cluster.internal.v1.worker_pb2``.
 The generated modules are committed; ``tests/tools/test_protogen.py`` fails when they
 differ from what this module produces, so an edited ``.proto`` cannot ship without them.

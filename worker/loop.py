@@ -28,20 +28,18 @@ import grpc
 
 from cluster import pause_points
 from worker.commands import Abort, AbortAll, Command, Info, LoopInfo, WorkerError
+from worker.figures import LoopFigures
 from worker.leases import LeaseBook
-from worker.metrics import RequestTimings, Snapshot, WorkerMetrics
+from worker.metrics import RequestTimings, WorkerMetrics
 
 if TYPE_CHECKING:
     from engine.core.engine_core import EngineCore, RequestOutput
     from worker.kv.plane import KVPlane
-    from worker.kv.reports import RankTotals
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 IDLE_POLL_S = 0.001  # how often the loop re-checks KV transfers when it has nothing to step
-SNAPSHOT_S = 0.25  # how often the metrics' gauges are refreshed (while the loop runs)
-TOTALS_S = 1.0  # ... and the data plane's totals (a call to every rank)
 
 
 @dataclass(frozen=True)
@@ -71,9 +69,7 @@ class EngineLoop:
         self.kv = kv
         self.metrics = metrics
         self.timings = RequestTimings(metrics)
-        self._snapshot_at = self._totals_at = 0.0
-        self._totals: RankTotals | None = None
-        self._preemptions_seen = 0
+        self.figures = LoopFigures(core, kv, metrics)
         self._commands: queue.SimpleQueue[_Queued | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = threading.Event()
@@ -223,27 +219,10 @@ class EngineLoop:
             self.core.shutdown()
 
     def _refresh_metrics(self) -> None:
-        """The gauges' snapshot (every ``SNAPSHOT_S``; the ranks' totals every
-        ``TOTALS_S``) and the preemption counter, on the loop thread."""
-        now = time.monotonic()
-        if now - self._snapshot_at < SNAPSHOT_S:
-            return
-        self._snapshot_at = now
-        self._forget_ended()
-        if self._totals is None or now - self._totals_at >= TOTALS_S:
-            self._totals, self._totals_at = self.kv.rank_totals(), now
-        sched, kv = self.core.scheduler, self.core.kv_usage()
-        self.metrics.snapshot = Snapshot(
-            running=len(sched.running), waiting=len(sched.waiting) + self._num_unadmitted(),
-            kv_usage=(kv.in_use + kv.pinned) / kv.total if kv.total else 0.0,
-            pinned_blocks=kv.pinned, open_channels=self._totals.open_channels,
-            bytes_sent=self._totals.bytes_sent, bytes_received=self._totals.bytes_received,
-            checksum_failures=self._totals.checksum_failures,
-            unexpected_acks=self._totals.unexpected_acks)
-        preemptions = sched.stats.num_preemptions
-        if preemptions > self._preemptions_seen:
-            self.metrics.label(self.metrics.preemptions).inc(preemptions - self._preemptions_seen)
-            self._preemptions_seen = preemptions
+        """The metrics' snapshot, every ``figures.SNAPSHOT_S`` (the loop thread)."""
+        if self.figures.due():
+            self._forget_ended()
+            self.figures.refresh(self._num_unadmitted())
 
     # --- the commands every kind shares -------------------------------------------
     def _handle(self, command: Command[Any]) -> Any:
@@ -278,20 +257,10 @@ class EngineLoop:
 
     def _info(self) -> LoopInfo:
         self._forget_ended()
-        totals = self.kv.rank_totals()
-        sched = self.core.scheduler
-        return LoopInfo(
-            kv=self.core.kv_usage(),
-            pending_transfers=self.kv.num_pending + totals.pending,
-            open_kv_channels=totals.open_channels, running=len(sched.running),
-            waiting=len(sched.waiting) + self._num_unadmitted(),
-            num_preemptions=sched.stats.num_preemptions, num_expired=self.num_expired,
-            num_started=sched.stats.num_started,
-            num_failed_transfers=self.kv.num_failed,
-            attempt_ids=tuple(self._live_ids()), watched_leases=len(self.leases),
-            queued_commands=self._commands.qsize(), num_lease_aborts=self.leases.num_aborted,
-            num_expired_commands=self.num_expired_commands,
-            num_unexpected_acks=totals.unexpected_acks)
+        return self.figures.info(live_ids=self._live_ids(), num_unadmitted=self._num_unadmitted(),
+                                 num_expired=self.num_expired,
+                                 num_expired_commands=self.num_expired_commands,
+                                 queued_commands=self._commands.qsize(), leases=self.leases)
 
     # --- what each kind implements --------------------------------------------------
     def _handle_own(self, command: Command[Any]) -> Any:

@@ -11,11 +11,12 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from deploy.ray.plan import RaySpec
-from deploy.spec import WILDCARDS, is_loopback
+from deploy.ray.plan import RaySpec, WorkerPlan
+from deploy.spec import WILDCARDS, ClusterError, is_loopback
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Set to 0 before Ray is imported, Ray keeps 127.0.0.1 as the node address (otherwise it
@@ -52,6 +53,30 @@ def init_ray(spec: RaySpec) -> Any:
         if main:
             signal.signal(signal.SIGTERM, previous)
     return ray
+
+
+def place_workers(plans: Sequence[WorkerPlan], name_of: Callable[[str], str], timeout_s: float,
+                  poll_s: float, groups: list[Any]) -> None:
+    """A ``STRICT_PACK`` placement group of one bundle per worker (appended to ``groups``
+    as they are created, so that the caller removes them whatever happens), all placed
+    within ``timeout_s``; else ``ClusterError`` naming what did not fit and what is free."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    for plan in plans:
+        groups.append(placement_group([plan.bundle], strategy="STRICT_PACK",
+                                      name=name_of(plan.name)))
+    refs = [group.ready() for group in groups[-len(plans):]] if plans else []
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending and time.monotonic() < deadline:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
+    if pending:
+        names = [plan.name for plan, ref in zip(plans, refs, strict=True) if ref in pending]
+        needs = "; ".join(f"{p.name} needs one node with {bundle_text(p.bundle)}"
+                          for p in plans if p.name in names)
+        raise ClusterError(f"no room for {', '.join(names)} within {timeout_s:g}s: {needs}; "
+                           f"the Ray cluster has {bundle_text(free_resources())} free")
 
 
 def bundle_text(bundle: dict[str, float]) -> str:

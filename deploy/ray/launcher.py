@@ -41,10 +41,10 @@ from deploy.ray.connect import (
     LOOPBACK_ENV,
     bundle_node,
     bundle_text,
-    free_resources,
     gcs_reachable,
     init_ray,
     node_ips,
+    place_workers,
     quietly,
 )
 from deploy.ray.members import Member, first_line, poll, quote
@@ -216,35 +216,14 @@ class RayLauncher(Launcher):
         self._wait_ready(self.workers)
 
     def _place(self, plans: Sequence[WorkerPlan]) -> None:
-        from ray.util.placement_group import placement_group
-
         self.progress("placing " + ", ".join(f"{p.name} ({bundle_text(p.bundle)})"
                                              for p in plans) + " ...")
-        for plan in plans:
-            self._placement_groups.append(placement_group(
-                [plan.bundle], strategy="STRICT_PACK", name=self._name(plan.name)))
-        self._wait_placed(plans)
+        place_workers(plans, self._name, self.ray_spec.placement_timeout_s, self.poll_s,
+                      self._placement_groups)
         nodes = node_ips()
         self.progress("placed " + ", ".join(
             f"{plan.name} on {nodes.get(bundle_node(group) or '', '?')}"
             for plan, group in zip(plans, self._placement_groups, strict=True)))
-
-    def _wait_placed(self, plans: Sequence[WorkerPlan]) -> None:
-        import ray
-
-        refs = [group.ready() for group in self._placement_groups]
-        timeout_s = self.ray_spec.placement_timeout_s
-        deadline = time.monotonic() + timeout_s
-        pending = list(refs)
-        while pending and time.monotonic() < deadline:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
-        if pending:
-            names = [plan.name for plan, ref in zip(plans, refs, strict=True) if ref in pending]
-            needs = "; ".join(f"{p.name} needs one node with {bundle_text(p.bundle)}"
-                              for p in plans if p.name in names)
-            raise ClusterError(f"no room for {', '.join(names)} within {timeout_s:g}s: "
-                               f"{needs}; the Ray cluster has {bundle_text(free_resources())} "
-                               "free")
 
     def _start_router(self) -> None:
         assert self.redis_url is not None

@@ -172,7 +172,7 @@ def test_images_ray_version_and_security(manifests: dict[str, dict]) -> None:
             assert "ALL" in container["securityContext"]["capabilities"]["drop"]
     (image,) = images
     assert image.endswith("-ray") and ":" in image
-    # the image is built with the Ray version the cluster declares (deploy/README.md)
+    # the image is built with the Ray version the cluster declares (docs/operations/deployment.md)
     build_arg = f"--build-arg RAY_VERSION={cluster['rayVersion']}"
-    assert build_arg in (REPO_ROOT / "deploy" / "README.md").read_text()
+    assert build_arg in (REPO_ROOT / "docs" / "operations" / "deployment.md").read_text()
     assert build_arg in (REPO_ROOT / "deploy" / "docker" / "Dockerfile.cuda").read_text()

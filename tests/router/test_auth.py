@@ -81,7 +81,7 @@ def test_tls_public_port(llama_dir: Path, tmp_path: Path) -> None:
     # the router serves TLS; a client trusting the CA gets through (with the key), a
     # plaintext client does not, and neither does a client trusting another CA; health
     # alone answers in plaintext on --health-port (for probes), without the key
-    from tests.router.tls import make_certificates
+    from tests.tls import make_certificates
 
     cert, key, ca = make_certificates(tmp_path)
     (tmp_path / "other").mkdir()

@@ -32,6 +32,7 @@ from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from cluster.pause_points import PauseDir
 from engine import LLM, SamplingParams
 from tests.processes import Proc, stop_all
+from tests.worker import calls
 from tests.worker.procs import RPC_TIMEOUT_S, assert_idle, proto_params, spawn_worker
 
 pytestmark = pytest.mark.timeout(300)
@@ -83,35 +84,22 @@ def trio(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 def _reserve(stub: pb_grpc.DecodeWorkerStub, prompt: Sequence[int], params: SamplingParams
              ) -> tuple[str, pb.ReserveResponse]:
     n = next(_ids)
-    reply = stub.Reserve(pb.ReserveRequest(client_request_id=f"req-{n}", attempt_id=f"req-{n}", prompt_token_ids=prompt,
-                                           sampling=proto_params(params), transfer_id=n),
-                         timeout=RPC_TIMEOUT_S)
+    reply = calls.reserve(stub, f"req-{n}", prompt, proto_params(params), n)
     assert reply.accepted, reply.reason
     return f"req-{n}", reply
 
 
 def _prefill(t: Trio, rid: str, prompt: Sequence[int], params: SamplingParams,
              reserved: pb.ReserveResponse) -> Future[Any]:
-    request = pb.PrefillRequest(client_request_id=rid, attempt_id=rid, prompt_token_ids=prompt,
-                                sampling=proto_params(params), target=reserved.target)
+    request = calls.prefill_request(rid, prompt, proto_params(params), reserved.target)
     future: Future[Any] = t.prefill.Prefill.future(request, timeout=RPC_TIMEOUT_S)
     return future
-
-
-def _generate(stub: pb_grpc.DecodeWorkerStub, rid: str) -> list[pb.TokenChunk]:
-    request = pb.GenerateRequest(client_request_id=rid, attempt_id=rid)
-    return list(stub.Generate(request, timeout=RPC_TIMEOUT_S))
-
-
-def _tokens(chunks: list[pb.TokenChunk]) -> list[int]:
-    assert chunks and chunks[-1].finish_reason
-    return [t for ch in chunks for t in ch.token_ids]
 
 
 def _route(t: Trio, decode: Proc, prompt: list[int], params: SamplingParams) -> list[int]:
     rid, reserved = _reserve(t.decode(decode), prompt, params)
     _prefill(t, rid, prompt, params, reserved).result(WAIT_S)
-    return _tokens(_generate(t.decode(decode), rid))
+    return calls.tokens(calls.generate(t.decode(decode), rid))
 
 
 def _wait_info(stub: Any, cond: Any, what: str) -> Any:
@@ -153,10 +141,10 @@ def test_first_token_and_cached_count_travel_with_the_kv(trio: Trio) -> None:
     with ThreadPoolExecutor(2) as pool:
         for prompt, params, cached in ((base, GREEDY, 0), (base[:50] + [5, 6], SEEDED, 48)):
             rid, reserved = _reserve(stub, prompt, params)
-            stream = pool.submit(_generate, stub, rid)
+            stream = pool.submit(calls.generate, stub, rid)
             first = _prefill(trio, rid, prompt, params, reserved).result(WAIT_S)
             chunks = stream.result(WAIT_S)
-            assert _tokens(chunks) == trio.expected(prompt, params)
+            assert calls.tokens(chunks) == trio.expected(prompt, params)
             assert chunks[0].token_ids[0] == first.first_token_id
             assert chunks[-1].usage.cached_tokens == first.num_cached_tokens == cached
     assert_idle(stub, trio.prefill)
@@ -183,9 +171,9 @@ def test_prefill_steps_on_while_a_transfer_is_stalled(trio: Trio) -> None:
         trio.d1.proc.send_signal(signal.SIGCONT)
     # 3. d1 resumes: A's transfer is acknowledged, both requests decode correctly
     first_a = call_a.result(WAIT_S)
-    chunks_a, chunks_b = _generate(d1, rid_a), _generate(d2, rid_b)
-    assert _tokens(chunks_a) == trio.expected(prompt_a, GREEDY)
-    assert _tokens(chunks_b) == trio.expected(prompt_b, SEEDED)
+    chunks_a, chunks_b = calls.generate(d1, rid_a), calls.generate(d2, rid_b)
+    assert calls.tokens(chunks_a) == trio.expected(prompt_a, GREEDY)
+    assert calls.tokens(chunks_b) == trio.expected(prompt_b, SEEDED)
     assert (chunks_a[0].token_ids[0], chunks_b[0].token_ids[0]) == (
         first_a.first_token_id, first_b.first_token_id)
     assert_idle(d1, d2, trio.prefill)
@@ -242,7 +230,7 @@ def test_layer_l_is_sent_before_layer_l_plus_1_is_computed(trio: Trio) -> None:
     num_layers = trio.llm.core.config.model.num_layers
     assert _computed(trio, tid) == list(range(num_layers))
     assert _received(trio, tid) == {(r, lay) for r in (0, 1) for lay in range(num_layers)}
-    assert _tokens(_generate(d1, rid)) == trio.expected(prompt, GREEDY)
+    assert calls.tokens(calls.generate(d1, rid)) == trio.expected(prompt, GREEDY)
     assert_idle(d1, trio.prefill)
 
 

@@ -1,6 +1,6 @@
 {{/*
 Names, labels and the pieces every pod of the chart shares. Ports, flags and environment
-variables are the pdserve command line's (README.md of the repository); the chart never
+variables are the pdserve command line's (docs/operations/); the chart never
 puts a secret on a command line or into an env value: secrets reach processes as mounted
 files or through `valueFrom.secretKeyRef`.
 */}}

@@ -1,0 +1,154 @@
+"""Accepting channels on a receiving rank: ``Acceptor`` answers the open requests senders
+queue on the worker's rendezvous store and builds each accepted channel, then hands it to
+the receiver (``adopt``), which reads it.
+
+One accept thread per rank polls its queue (a blocking ``queue_pop`` confuses the store's
+other waiters: replies and group rendezvous then time out at random). An open request is
+refused when the sender's layout or TP size cannot exchange KV with this receiver
+(LAYOUT_MISMATCH) or every channel slot is taken (BUSY: the sender retries); otherwise it is
+ACCEPTED and a joiner thread of its own builds the channel's groups — joining blocks until
+the sender joins too (at most the timeout), so a sender that dies mid-open holds up no one
+else's opens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from engine.kvcache.layout import KVLayout
+from engine.tp.distributed import StoreAddress, connect_store
+from kvtransfer.channel import (
+    RECEIVER,
+    Channel,
+    accept_key,
+    join_channel,
+    layout_refusal,
+    reply_key,
+)
+from kvtransfer.config import TransferConfig
+from kvtransfer.errors import ChannelError
+from kvtransfer.plan import check_tp_size
+from kvtransfer.pool import ChannelPool
+from kvtransfer.protocol import OpenReply, OpenRequest, OpenStatus
+from kvtransfer.stats import ReceiverStats
+
+log = logging.getLogger(__name__)
+ACCEPT_POLL_S = 0.01
+
+
+class Reader(Protocol):
+    """What reads an adopted channel (``kvtransfer.recv_channel.RecvChannel``)."""
+
+    def start(self) -> None: ...
+
+
+class Acceptor:
+    """The accept thread and the joiner threads of one receiving rank.
+
+    ``adopt(channel_id, channel)`` is the receiver's: the reader of an established
+    channel (not started: started here), or None when the receiver closed meanwhile
+    (then the channel is closed here). ``closed()`` says whether to stop accepting."""
+
+    def __init__(self, store_address: StoreAddress, *, tp_rank: int, layout: KVLayout,
+                 tp_size: int, backend: str, device: torch.device, config: TransferConfig,
+                 pool: ChannelPool, stats: ReceiverStats,
+                 adopt: Callable[[int, Channel], Reader | None],
+                 closed: Callable[[], bool]) -> None:
+        self.store_address = store_address
+        self.tp_rank, self.layout, self.tp_size = tp_rank, layout, tp_size
+        self.backend, self.device, self.config = backend, device, config
+        self.pool, self.stats = pool, stats
+        self._adopt, self._closed = adopt, closed
+        self._lock = threading.Lock()
+        self._joiners: set[threading.Thread] = set()  # building accepted channels
+        self._store: Any = connect_store(store_address, timeout_s=config.timeout_s)
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                        name=f"kvtransfer-accept-{tp_rank}")
+        self._thread.start()
+
+    def threads(self) -> list[threading.Thread]:
+        """Its live threads (the accept thread, the joiners)."""
+        with self._lock:
+            found = [self._thread, *self._joiners]
+        return [t for t in found if t.is_alive()]
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the accept thread to end (after ``closed()`` turned True)."""
+        self._thread.join(timeout=timeout_s)
+        self._store = None
+
+    def _accept_loop(self) -> None:
+        """Answer open requests until closed."""
+        store = self._store
+        while not self._closed():
+            try:
+                raw = store.queue_pop(accept_key(self.tp_rank), block=False)
+            except dist.QueueEmptyError:
+                time.sleep(ACCEPT_POLL_S)
+                continue
+            except RuntimeError:
+                return  # the store went away (its host died or closed)
+            try:
+                request = OpenRequest.decode(raw)
+            except ValueError:
+                continue  # not ours to answer: without a channel id there is no reply key
+            reply = self._reply(request)
+            store.set(reply_key(request.channel_id), reply.encode())
+            if reply.status is OpenStatus.ACCEPTED:
+                joiner = threading.Thread(
+                    target=self._join_accepted, args=(request,), daemon=True,
+                    name=f"kvtransfer-join-{self.tp_rank}/{request.channel_id}")
+                with self._lock:
+                    self._joiners.add(joiner)
+                joiner.start()
+
+    def _reply(self, request: OpenRequest) -> OpenReply:
+        """The answer to an open request (an ACCEPTED one holds a channel slot)."""
+        refusal = layout_refusal(self.layout, request, self.backend)
+        if refusal is None:
+            try:
+                check_tp_size(self.layout.num_kv_heads, request.sender_tp_size)
+            except ValueError as exc:
+                refusal = str(exc)
+        if refusal is not None:
+            self.stats.channels_refused += 1
+            return OpenReply(OpenStatus.LAYOUT_MISMATCH, self.tp_size, 0, refusal)
+        try:
+            self.pool.reserve(0.0, wait=False)
+        except ChannelError:
+            self.stats.busy_replies += 1
+            return OpenReply(OpenStatus.BUSY, self.tp_size, 0, "all channels in use")
+        return OpenReply(OpenStatus.ACCEPTED, self.tp_size, self.config.part_bytes, "")
+
+    def _join_accepted(self, request: OpenRequest) -> None:
+        """Build an accepted channel's groups and hand it to the receiver (a joiner)."""
+        try:  # its own store client: concurrent waits on one client confuse each other
+            store = connect_store(self.store_address, timeout_s=self.config.timeout_s)
+            channel = join_channel(store, request.channel_id, RECEIVER, self.device,
+                                   self.config)
+        except (ChannelError, RuntimeError) as exc:
+            self.pool.cancel()
+            log.warning("channel %d not established: %s", request.channel_id,
+                        str(exc).splitlines()[0][:300])
+            self._done_joining()
+            return
+        self.pool.add(request.channel_id, channel)
+        self.pool.checkin(channel)
+        reader = self._adopt(request.channel_id, channel)
+        self._done_joining()  # after adopt: a closing receiver sees the reader or this thread
+        if reader is None:
+            channel.close("receiver closed")
+            return
+        self.stats.channels_accepted += 1
+        reader.start()
+
+    def _done_joining(self) -> None:
+        with self._lock:
+            self._joiners.discard(threading.current_thread())
