@@ -42,12 +42,12 @@ import xxhash
 from bench.common import GB, MIB, BandwidthProbe, format_table, machine_info, write_json
 from engine.kvcache.layout import KVLayout
 from engine.tp.distributed import LOOPBACK, StoreAddress, connect_store, make_group
-from kvtransfer.checksum import checksum
 from kvtransfer.config import TransferConfig
-from kvtransfer.packing import gather, rows_view, scatter, split_rows
-from kvtransfer.protocol import ChecksumAlgo
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.sender import KVSender
+from kvtransfer.receive.receiver import KVReceiver
+from kvtransfer.send.sender import KVSender
+from kvtransfer.wire.checksum import checksum
+from kvtransfer.wire.packing import gather, rows_view, scatter, split_rows
+from kvtransfer.wire.protocol import ChecksumAlgo
 
 TARGET_RATIO = 0.8
 LAYOUT = KVLayout(model_fingerprint="bench-kvtransfer", dtype="float32", block_size=16,

@@ -42,7 +42,7 @@ from cluster import pause_points
 from cluster.kv_target import KVTarget
 from engine.core.engine_core import EngineCore, RequestOutput
 from engine.sampling_params import SamplingParams
-from kvtransfer.protocol import Trailer
+from kvtransfer.wire.protocol import Trailer
 from worker.commands import Command, WorkerError
 from worker.kv.plane import KVPlane
 from worker.kv.receiving import Arrival

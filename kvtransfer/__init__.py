@@ -1,31 +1,34 @@
-"""pdserve's KV data plane: moves a request's KV cache from a prefill worker's ranks to a
-decode worker's ranks over ``torch.distributed`` point-to-point operations.
+"""pdserve's KV data plane: moves a request's KV cache from a sending worker's ranks to a
+receiving worker's ranks over ``torch.distributed`` point-to-point operations.
 
-Roles (each module's docstring says who owns what, when):
+Rooms (each module's docstring says who owns what, when):
 
-- ``KVSender`` (``sender``; each transfer's state machine in ``outgoing``, the routes'
-  lanes in ``send_lane``) — one per prefill rank. ``send()`` queues
-  layers of a request's KV (callable from the layer hook, layer by layer); on rank 0,
-  ``finish()`` queues the transfer's ``Trailer`` (first token, cached-token count)
-  behind them for decode rank 0; ``wait()`` returns (``done()`` says, without
-  blocking, whether it would) once the decode ranks verified it all. The blocks stay
-  the caller's to pin until then.
-- ``KVReceiver`` (``receiver``; each transfer's state machine in ``incoming``, the
-  channels' readers in ``recv_channel``) — one per decode rank; rank 0 hosts the
-  worker's rendezvous store. ``expect()`` says which blocks a transfer fills (and, on
-  rank 0, that a trailer completes it); ``wait()`` returns (the trailer, if any) once
-  every part arrived, verified, in those blocks.
-- The transport beneath them: ``channel`` (two-rank groups from
-  ``engine.tp.distributed.make_group``, opened on demand through the receiver's store;
-  gloo for CPU tensors, gloo + nccl for CUDA tensors), ``pool`` (a bound on open
-  channels, least recently used idle ones closed), ``protocol`` (typed wire and
-  rendezvous messages), ``packing`` (paged blocks <-> contiguous parts), ``checksum``,
-  and ``plan`` (head re-sharding between TP sizes); what must match is ``engine.kvcache.layout``.
+- ``send/`` — ``KVSender`` (``send.sender``; each transfer's state machine in
+  ``send.outgoing``, the routes' lanes in ``send.send_lane``), one per sending rank.
+  ``send()`` queues layers of a request's KV (callable from the layer hook, layer by
+  layer); on rank 0, ``finish()`` queues the transfer's ``Trailer`` (first token,
+  cached-token count) behind them for the receiver's rank 0; ``wait()`` returns
+  (``done()`` says, without blocking, whether it would) once the receiving ranks verified
+  it all. The blocks stay the caller's to pin until then.
+- ``receive/`` — ``KVReceiver`` (``receive.receiver``; each transfer's state machine in
+  ``receive.incoming``, accepting channels in ``receive.accept``, the channels' readers in
+  ``receive.recv_channel``), one per receiving rank; rank 0 hosts the worker's rendezvous
+  store. ``expect()`` says which blocks a transfer fills (and, on rank 0, that a trailer
+  completes it); ``wait()`` returns (the trailer, if any) once every part arrived,
+  verified, in those blocks.
+- ``transport/`` — ``channel`` (two-rank groups from ``engine.tp.distributed.make_group``,
+  opened on demand through the receiver's store; gloo for CPU tensors, gloo + nccl for
+  CUDA tensors), ``pool`` (a bound on open channels, least recently used idle ones
+  closed), ``buffers`` (reused staging buffers).
+- ``wire/`` — ``protocol`` (typed wire and rendezvous messages), ``packing`` (paged blocks
+  <-> contiguous parts), ``checksum``.
+- Beside them: ``plan`` (head re-sharding between TP sizes), ``config``, ``errors``,
+  ``states`` (the one state vocabulary of both directions), ``stats``. What must match
+  for two workers to exchange KV is ``engine.kvcache.layout``.
 
-Both directions speak one state vocabulary (``states.TransferState``). ``import kvtransfer``
-and its ``protocol``, ``config``, ``states`` and ``plan`` modules do not import
-torch; the roles load lazily on first access. May import ``engine`` (distributed groups,
-sharding rules) and nothing above it.
+``import kvtransfer`` and its ``wire.protocol``, ``config``, ``states`` and ``plan`` modules
+do not import torch; the roles load lazily on first access. May import ``engine``
+(distributed groups, sharding rules) and nothing above it.
 """
 
 from __future__ import annotations
@@ -46,12 +49,12 @@ if TYPE_CHECKING:
         TransferRejected,
         TransferTimeout,
     )
-    from kvtransfer.receiver import KVReceiver
-    from kvtransfer.sender import KVSender
+    from kvtransfer.receive.receiver import KVReceiver
+    from kvtransfer.send.sender import KVSender
 
 _LAZY = {
-    "KVSender": "kvtransfer.sender",
-    "KVReceiver": "kvtransfer.receiver",
+    "KVSender": "kvtransfer.send.sender",
+    "KVReceiver": "kvtransfer.receive.receiver",
     **{name: "kvtransfer.errors" for name in (
         "TransferError", "TransferTimeout", "ChannelError", "ChannelClosed",
         "ChecksumMismatch", "LayoutMismatch", "TransferRejected")},

@@ -1,6 +1,6 @@
 """The one vocabulary of a KV transfer's state, on both sides and in every report of it.
 
-Torch-free. ``kvtransfer.incoming`` and ``kvtransfer.outgoing`` move a transfer through
+Torch-free. ``kvtransfer.receive.incoming`` and ``kvtransfer.send.outgoing`` move a transfer through
 these states; the workers' rank plugins report them to their leaders in the same terms
 (``worker.rank_calls``).
 """

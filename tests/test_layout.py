@@ -52,7 +52,7 @@ GENERATED = ("pdserve.v1.generate_pb2", "pdserve.v1.generate_pb2_grpc",
 # Modules that must never load torch (statically, through everything they import).
 TORCH_FREE = ("engine.kvcache", "engine.core.scheduler", "engine.core.request", "engine.config",
               "engine.sampling_params", "engine.tp.sharding", "engine.text.tokenizer",
-              "engine.kvcache.layout", "kvtransfer.protocol", "kvtransfer.config",
+              "engine.kvcache.layout", "kvtransfer.wire.protocol", "kvtransfer.config",
               "kvtransfer.states", "kvtransfer.plan", "cluster", "router", "worker.server",
               "worker.loop", "worker.options", "cluster.pause_points", "pdserve.cli", "deploy",
               *SDK_MODULES)
@@ -266,7 +266,7 @@ def test_torch_free_modules_never_load_torch(root: str) -> None:
 def test_torch_free_packages_import_without_torch() -> None:
     result = run_without_torch(
         "import engine, engine.kvcache, engine.core.scheduler, engine.config, engine.tp.sharding\n"
-        "import kvtransfer, engine.kvcache.layout, kvtransfer.protocol, kvtransfer.plan\n"
+        "import kvtransfer, engine.kvcache.layout, kvtransfer.wire.protocol, kvtransfer.plan\n"
         "import cluster.registry, cluster.heartbeat, cluster.view, cluster.fingerprint\n"
         "import router.server, router.service, router.core, router.lifecycle.handoff, router.api, router.worker_calls\n"
         "import worker.server, worker.loop, worker.options, cluster.pause_points\n"

@@ -55,7 +55,7 @@ class LoopInfo:
     """A worker's state for ``Info`` and the leak checks."""
 
     kv: KVCacheUsage
-    pending_transfers: int  # the leader's open handoffs + every rank's pending transfers
+    pending_transfers: int  # the leaders' open transfers + every rank's pending transfers
     open_kv_channels: int  # summed over ranks
     running: int
     waiting: int

@@ -26,7 +26,7 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 PROTOCOL_VERSION = 2
 """Version of what workers and the router exchange: the internal gRPC API
-(``proto/cluster/internal/v1``), the KV wire protocol (``kvtransfer.protocol``) and the
+(``proto/cluster/internal/v1``), the KV wire protocol (``kvtransfer.wire.protocol``) and the
 cluster records. Bump it with any change an older process would misread: it is part of
 the fingerprint, so a rolling upgrade never mixes incompatible workers in one cluster
 (0 names a layout written before the version was recorded). 2: the internal API names the
@@ -67,7 +67,7 @@ class KVLayout:
         return DTYPE_SIZES[self.dtype]
 
     def row_bytes(self, num_heads: int) -> int:
-        """Bytes of one row of a transfer (``kvtransfer.packing``): one block's
+        """Bytes of one row of a transfer (``kvtransfer.wire.packing``): one block's
         ``[block_size, num_heads, head_dim]`` slab of K or V of one layer."""
         return self.block_size * num_heads * self.head_dim * self.element_size
 

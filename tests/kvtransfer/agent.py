@@ -36,13 +36,13 @@ from engine.tp.distributed import (
     create_store_server,
     make_group,
 )
-from kvtransfer.channel import KEY_NEXT_CHANNEL, Pending, accept_key, open_channel
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import TransferError
-from kvtransfer.protocol import Ack, OpenRequest, PartHeader, Status, Trailer
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.recv_channel import RecvChannel
-from kvtransfer.sender import KVSender
+from kvtransfer.receive.receiver import KVReceiver
+from kvtransfer.receive.recv_channel import RecvChannel
+from kvtransfer.send.sender import KVSender
+from kvtransfer.transport.channel import KEY_NEXT_CHANNEL, Pending, accept_key, open_channel
+from kvtransfer.wire.protocol import Ack, OpenRequest, PartHeader, Status, Trailer
 
 
 class RemoteError(RuntimeError):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.checksum import algo_for, checksum
-from kvtransfer.packing import gather, rows_view, scatter
-from kvtransfer.protocol import ChecksumAlgo
+from kvtransfer.wire.checksum import algo_for, checksum
+from kvtransfer.wire.packing import gather, rows_view, scatter
+from kvtransfer.wire.protocol import ChecksumAlgo
 from tests.kvtransfer.conftest import AgentsFactory
 from tests.kvtransfer.topology import (
     assert_received,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvtransfer.protocol import Trailer
+from kvtransfer.wire.protocol import Trailer
 from tests.kvtransfer.agent import RemoteError
 from tests.kvtransfer.conftest import AgentsFactory
 from tests.kvtransfer.topology import (

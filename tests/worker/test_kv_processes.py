@@ -1,4 +1,4 @@
-"""The KV handoff through real worker processes on loopback: two decode workers (TP 2 and
+"""KV transfers through real worker processes on loopback: two decode workers (TP 2 and
 TP 1) and a prefill worker (TP 1), started through the CLI with the test-only pause
 points on (``PDSERVE_TEST_PAUSE_DIR``), driven by this test playing the router.
 
@@ -65,7 +65,7 @@ class Trio:
 
 @pytest.fixture(scope="module")
 def trio(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
-    tmp = tmp_path_factory.mktemp("handoff")
+    tmp = tmp_path_factory.mktemp("kv-processes")
     pause = PauseDir(tmp / "pause")
     workers: list[Proc] = []
     try:
@@ -127,7 +127,7 @@ def test_decode_workers_advertise_the_kv_port_their_store_bound(trio: Trio) -> N
             pass  # rank 0's rendezvous store listens there
         ports.append(int(port))
     assert ports[0] != ports[1]
-    # every rank of the TP 2 worker attached to that port: a handoff reaches both
+    # every rank of the TP 2 worker attached to that port: a transfer reaches both
     prompt = _prompt(1, 40)
     assert _route(trio, trio.d1, prompt, GREEDY) == trio.expected(prompt, GREEDY)
     assert_idle(trio.decode(trio.d1), trio.prefill)

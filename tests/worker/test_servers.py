@@ -61,7 +61,7 @@ def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def _route(c: Cluster, prompt: Sequence[int], params: SamplingParams
            ) -> tuple[list[int], Any, Any]:
-    """The router's handoff: Reserve → Prefill → Generate. Returns (tokens, last chunk,
+    """The router's part, by hand: Reserve → Prefill → Generate. Returns (tokens, last chunk,
     PrefillResponse)."""
     n = next(_ids)
     rid, sampling = f"req-{n}", proto_params(params)
@@ -113,7 +113,7 @@ def test_workers_ready_and_serving(cluster: Cluster) -> None:
     assert_idle(cluster.d, cluster.p)
 
 
-def test_concurrent_handoffs_match_llm(cluster: Cluster, llama_dir: Path) -> None:
+def test_concurrent_requests_through_both_workers_match_llm(cluster: Cluster, llama_dir: Path) -> None:
     with LLM(llama_dir) as llm:
         prompts, params = _workload(llm)
         expected = [r.token_ids for r in llm.generate(prompts, params)]

@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.tp.distributed import StoreAddress
-from kvtransfer.protocol import Trailer
 from kvtransfer.states import TransferState
+from kvtransfer.wire.protocol import Trailer
 
 
 class Op(enum.IntEnum):

@@ -32,8 +32,8 @@ from engine.kvcache.layout import KVLayout
 from engine.tp.distributed import StoreAddress
 from engine.tp.rank_plugin import RankContext
 from kvtransfer import KVReceiver, KVSender
-from kvtransfer.protocol import Trailer
 from kvtransfer.states import TransferState
+from kvtransfer.wire.protocol import Trailer
 from worker.kv.config import KVPlaneConfig
 from worker.kv.messages import (
     Direction,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from cluster.kv_target import KVTarget
 from engine.core.engine_core import EngineCore
-from kvtransfer.protocol import Trailer
+from kvtransfer.wire.protocol import Trailer
 from worker.kv.messages import (
     Direction,
     Expect,

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtransfer.errors import TransferError
-from kvtransfer.protocol import Trailer
 from kvtransfer.states import TransferState
+from kvtransfer.wire.protocol import Trailer
 from worker.kv.messages import (
     Direction,
     RankStats,

@@ -23,7 +23,7 @@ from engine.core.engine_core import EngineCore, RequestOutput
 from engine.core.scheduler import SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.tp.distributed import StoreAddress
-from kvtransfer.protocol import Trailer
+from kvtransfer.wire.protocol import Trailer
 from worker.kv.messages import Direction, SendOrder, abort_request, encode_orders, finish_request
 from worker.kv.reports import RankStates, poll_transfers
 

@@ -29,7 +29,7 @@ from engine.core.engine_core import EngineCore, RequestOutput
 from engine.sampling_params import SamplingParams as Params
 from engine.text.tokenizer import load_tokenizer
 from engine.tp.distributed import LOOPBACK, StoreAddress
-from kvtransfer.protocol import Trailer
+from kvtransfer.wire.protocol import Trailer
 from tests.worker.kv.faults import SPEC as FAULT_SPEC
 from worker.kv.config import KVPlaneConfig
 from worker.kv.messages import RankStats, stats_request

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from engine.tp.distributed import StoreAddress
 from kvtransfer.errors import TransferTimeout
-from kvtransfer.protocol import Trailer
 from kvtransfer.states import TransferState as S
+from kvtransfer.wire.protocol import Trailer
 from worker.kv.messages import (
     Direction,
     Expect,

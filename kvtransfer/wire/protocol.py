@@ -51,7 +51,7 @@ class Flag(enum.IntFlag):
 
 class ChecksumAlgo(enum.IntEnum):
     XXH3_64 = 1  # host memory (gloo / CPU tensors)
-    TORCH_SUM64 = 2  # device memory (nccl / CUDA tensors), see kvtransfer.checksum
+    TORCH_SUM64 = 2  # device memory (nccl / CUDA tensors), see kvtransfer.wire.checksum
 
 
 class Status(enum.IntEnum):

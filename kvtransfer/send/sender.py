@@ -5,10 +5,10 @@ rendezvous store is at ``dest``; it returns at once, so a prefill rank can call 
 the layer hook for layer l while it computes layer l + 1. ``finish()`` (rank 0 only)
 queues the transfer's ``Trailer`` behind its layers for the receiver's rank 0.
 ``done()`` says, without blocking, whether ``wait()`` would return at once. Each
-transfer's states and transitions are ``kvtransfer.outgoing``'s; the sender keeps the set
+transfer's states and transitions are ``kvtransfer.send.outgoing``'s; the sender keeps the set
 of them. Each route of the plan (``kvtransfer.plan``) has a lane: a thread that exists
 while the lane has work, owns the lane's messages in order, and moves them over the
-lane's channel (see ``kvtransfer.send_lane``).
+lane's channel (see ``kvtransfer.send.send_lane``).
 
 Ownership of the KV blocks: from the first ``send()`` of a transfer until ``wait()``
 returns or raises, or ``abort()`` returns, the sender may read the given blocks of
@@ -30,18 +30,18 @@ import torch
 from engine.kvcache.layout import KVLayout
 from engine.tp.distributed import StoreAddress, backend_for, connect_store
 from engine.tp.sharding import kv_head_range
-from kvtransfer.buffers import BufferPool
-from kvtransfer.channel import read_receiver_info
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelError, LayoutMismatch, TransferError, TransferTimeout
-from kvtransfer.outgoing import Job, Outgoing
-from kvtransfer.packing import transfer_blocks
 from kvtransfer.plan import check_tp_size, routes_from
-from kvtransfer.pool import ChannelPool
-from kvtransfer.protocol import ReceiverInfo, Trailer
-from kvtransfer.send_lane import FaultHook, LaneContext, LaneKey, SendLane
+from kvtransfer.send.outgoing import Job, Outgoing
+from kvtransfer.send.send_lane import FaultHook, LaneContext, LaneKey, SendLane
 from kvtransfer.states import TransferState
 from kvtransfer.stats import SenderStats
+from kvtransfer.transport.buffers import BufferPool
+from kvtransfer.transport.channel import read_receiver_info
+from kvtransfer.transport.pool import ChannelPool
+from kvtransfer.wire.packing import transfer_blocks
+from kvtransfer.wire.protocol import ReceiverInfo, Trailer
 
 log = logging.getLogger(__name__)
 

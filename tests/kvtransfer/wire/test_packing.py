@@ -10,9 +10,9 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransfer.checksum import checksum
-from kvtransfer.packing import Segment, gather, rows_view, scatter, segments, split_rows
-from kvtransfer.protocol import ChecksumAlgo
+from kvtransfer.wire.checksum import checksum
+from kvtransfer.wire.packing import Segment, gather, rows_view, scatter, segments, split_rows
+from kvtransfer.wire.protocol import ChecksumAlgo
 
 
 def test_split_rows_covers_everything_in_bounded_parts() -> None:

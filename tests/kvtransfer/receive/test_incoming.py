@@ -1,4 +1,4 @@
-"""One incoming transfer's state machine (``kvtransfer.incoming``): a part is verified
+"""One incoming transfer's state machine (``kvtransfer.receive.incoming``): a part is verified
 before it is written, counted when it is a duplicate, late or invalid; trailers complete
 a transfer only with all its layers (no network: hand-made headers)."""
 
@@ -10,11 +10,13 @@ import time
 
 import torch
 
-from kvtransfer.checksum import checksum
 from kvtransfer.errors import ChecksumMismatch
-from kvtransfer.incoming import Incoming, RankShard
-from kvtransfer.packing import gather, rows_view, split_rows
-from kvtransfer.protocol import (
+from kvtransfer.receive.incoming import Incoming, RankShard
+from kvtransfer.states import TransferState as State
+from kvtransfer.stats import ReceiverStats
+from kvtransfer.wire.checksum import checksum
+from kvtransfer.wire.packing import gather, rows_view, split_rows
+from kvtransfer.wire.protocol import (
     DTYPE_CODES,
     MAGIC,
     ChecksumAlgo,
@@ -24,8 +26,6 @@ from kvtransfer.protocol import (
     Status,
     Trailer,
 )
-from kvtransfer.states import TransferState as State
-from kvtransfer.stats import ReceiverStats
 from tests.kvtransfer.topology import LAYOUT
 
 SRC_IDS, DST_IDS, NUM_TOKENS = [5, 2, 7], [1, 6, 3], 40  # 3 blocks of 16

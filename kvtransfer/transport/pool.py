@@ -13,8 +13,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvtransfer.channel import Channel
 from kvtransfer.errors import ChannelError
+from kvtransfer.transport.channel import Channel
 
 
 class ChannelPool:

@@ -3,9 +3,9 @@
 The decode worker's rank 0 hosts the rendezvous store (``TCPStore``) and advertises its
 KV layout and TP size there (``ReceiverInfo``); every rank's receiver accepts channels
 from prefill ranks through it (an accept thread per rank) and reads each channel on its
-own thread (``kvtransfer.recv_channel``). ``expect()`` announces a transfer: where its KV
+own thread (``kvtransfer.receive.recv_channel``). ``expect()`` announces a transfer: where its KV
 goes, and (on rank 0) whether a ``Trailer`` completes it; ``wait()`` returns that trailer
-once everything arrived. Each transfer's states and transitions are ``kvtransfer.incoming``'s;
+once everything arrived. Each transfer's states and transitions are ``kvtransfer.receive.incoming``'s;
 the receiver keeps the set of them, resolves parts to them and wakes their waiters.
 
 Ownership of the KV blocks: from ``expect()`` until ``wait()`` returns or raises, or
@@ -29,18 +29,18 @@ import torch
 
 from engine.kvcache.layout import KVLayout
 from engine.tp.distributed import StoreAddress, backend_for, create_store_server
-from kvtransfer.accept import Acceptor
-from kvtransfer.channel import Channel, advertise
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelError, TransferError, TransferRejected
-from kvtransfer.incoming import Incoming, RankShard
-from kvtransfer.packing import transfer_blocks
 from kvtransfer.plan import check_tp_size
-from kvtransfer.pool import ChannelPool
-from kvtransfer.protocol import PartHeader, ReceiverInfo, Status, Trailer
-from kvtransfer.recv_channel import RecvChannel
+from kvtransfer.receive.accept import Acceptor
+from kvtransfer.receive.incoming import Incoming, RankShard
+from kvtransfer.receive.recv_channel import RecvChannel
 from kvtransfer.states import TransferState
 from kvtransfer.stats import ReceiverStats
+from kvtransfer.transport.channel import Channel, advertise
+from kvtransfer.transport.pool import ChannelPool
+from kvtransfer.wire.packing import transfer_blocks
+from kvtransfer.wire.protocol import PartHeader, ReceiverInfo, Status, Trailer
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ class KVReceiver:
     # ---------------------------------------------------------------- internals
 
     def _adopt(self, channel_id: int, channel: Channel) -> RecvChannel | None:
-        """An accepted channel's reader (``kvtransfer.accept``), or None once closed."""
+        """An accepted channel's reader (``kvtransfer.receive.accept``), or None once closed."""
         reader = RecvChannel(self, channel_id, channel)
         with self.cond:  # close() sees the reader or the joiner thread, never neither
             if self._closed:

@@ -24,7 +24,11 @@ import torch.distributed as dist
 
 from engine.kvcache.layout import KVLayout
 from engine.tp.distributed import StoreAddress, connect_store
-from kvtransfer.channel import (
+from kvtransfer.config import TransferConfig
+from kvtransfer.errors import ChannelError
+from kvtransfer.plan import check_tp_size
+from kvtransfer.stats import ReceiverStats
+from kvtransfer.transport.channel import (
     RECEIVER,
     Channel,
     accept_key,
@@ -32,19 +36,15 @@ from kvtransfer.channel import (
     layout_refusal,
     reply_key,
 )
-from kvtransfer.config import TransferConfig
-from kvtransfer.errors import ChannelError
-from kvtransfer.plan import check_tp_size
-from kvtransfer.pool import ChannelPool
-from kvtransfer.protocol import OpenReply, OpenRequest, OpenStatus
-from kvtransfer.stats import ReceiverStats
+from kvtransfer.transport.pool import ChannelPool
+from kvtransfer.wire.protocol import OpenReply, OpenRequest, OpenStatus
 
 log = logging.getLogger(__name__)
 ACCEPT_POLL_S = 0.01
 
 
 class Reader(Protocol):
-    """What reads an adopted channel (``kvtransfer.recv_channel.RecvChannel``)."""
+    """What reads an adopted channel (``kvtransfer.receive.recv_channel.RecvChannel``)."""
 
     def start(self) -> None: ...
 

@@ -12,7 +12,7 @@ numbers are reserved every part is sent (a part of an aborted transfer goes out 
 header marked cancelled, without payload), so the receiver's stream never has a gap;
 any failure in between closes the channel instead. The lane owns its queue of jobs (under
 its own lock); it knows its sender only through a ``LaneContext`` and reports each job's
-end to the job's transfer (``kvtransfer.outgoing``).
+end to the job's transfer (``kvtransfer.send.outgoing``).
 """
 
 from __future__ import annotations
@@ -29,9 +29,6 @@ import torch
 
 from engine.kvcache.layout import KVLayout
 from engine.tp.distributed import StoreAddress, connect_store
-from kvtransfer.buffers import BufferPool
-from kvtransfer.channel import Channel, Pending, open_channel
-from kvtransfer.checksum import algo_for, checksum
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import (
     ChannelClosed,
@@ -41,12 +38,15 @@ from kvtransfer.errors import (
     TransferError,
     TransferRejected,
 )
-from kvtransfer.outgoing import Job, Outgoing
-from kvtransfer.packing import gather, rows_view, split_rows
 from kvtransfer.plan import local_heads
-from kvtransfer.pool import ChannelPool
-from kvtransfer.protocol import HEADER_BYTES, Ack, Flag, OpenRequest, PartHeader, Status
+from kvtransfer.send.outgoing import Job, Outgoing
 from kvtransfer.stats import SenderStats
+from kvtransfer.transport.buffers import BufferPool
+from kvtransfer.transport.channel import Channel, Pending, open_channel
+from kvtransfer.transport.pool import ChannelPool
+from kvtransfer.wire.checksum import algo_for, checksum
+from kvtransfer.wire.packing import gather, rows_view, split_rows
+from kvtransfer.wire.protocol import HEADER_BYTES, Ack, Flag, OpenRequest, PartHeader, Status
 
 log = logging.getLogger(__name__)
 SEND_DEPTH = 3  # parts of a message in flight at once (each with its own buffer)

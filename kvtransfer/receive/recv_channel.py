@@ -2,7 +2,7 @@
 
 The channel knows its receiver only through ``PartSink`` (resolve a part to its transfer,
 deliver it, fail a transfer, report the channel's end); each transfer's state machine is
-``kvtransfer.incoming``.
+``kvtransfer.receive.incoming``.
 
 The thread takes the parts in order (0, 1, ...). Each arrives whole (header and payload
 in one message, or on nccl the payload right after) into one of the ``RECV_DEPTH``
@@ -26,13 +26,13 @@ from typing import Protocol
 
 import torch
 
-from kvtransfer.channel import Channel, Pending
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelError, TransferError
-from kvtransfer.incoming import Incoming
-from kvtransfer.pool import ChannelPool
-from kvtransfer.protocol import HEADER_BYTES, Ack, Kind, PartHeader, Status
+from kvtransfer.receive.incoming import Incoming
 from kvtransfer.stats import ReceiverStats
+from kvtransfer.transport.channel import Channel, Pending
+from kvtransfer.transport.pool import ChannelPool
+from kvtransfer.wire.protocol import HEADER_BYTES, Ack, Kind, PartHeader, Status
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class RecvRing:
 
 
 class PartSink(Protocol):
-    """What a channel needs of its receiver (``kvtransfer.receiver.KVReceiver``)."""
+    """What a channel needs of its receiver (``kvtransfer.receive.receiver.KVReceiver``)."""
 
     config: TransferConfig
     stats: ReceiverStats

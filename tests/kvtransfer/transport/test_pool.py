@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvtransfer.errors import ChannelError
-from kvtransfer.pool import ChannelPool
+from kvtransfer.transport.pool import ChannelPool
 
 
 class FakeChannel:

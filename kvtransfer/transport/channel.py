@@ -8,7 +8,7 @@ prefix no other channel uses (channel ids come from a counter in the store).
 
 Headers and acknowledgements travel on a gloo group (CPU); payloads on a second group
 whose backend follows the KV device (``nccl`` for CUDA), or on the same gloo group for
-CPU tensors. Tags follow ``kvtransfer.protocol``.
+CPU tensors. Tags follow ``kvtransfer.wire.protocol``.
 
 Ownership: a channel belongs to the ``ChannelPool`` of the sender or receiver that
 opened or accepted it. Any failed or timed-out wait closes the channel for good
@@ -29,7 +29,7 @@ from engine.kvcache.layout import KVLayout
 from engine.tp.distributed import Group, StoreAddress, backend_for, make_group
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelClosed, ChannelError, LayoutMismatch
-from kvtransfer.protocol import (
+from kvtransfer.wire.protocol import (
     HEADER_BYTES,
     MAX_SEQ,
     Ack,

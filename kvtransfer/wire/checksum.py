@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from kvtransfer.protocol import ChecksumAlgo
+from kvtransfer.wire.protocol import ChecksumAlgo
 
 
 def algo_for(device: torch.device) -> ChecksumAlgo:

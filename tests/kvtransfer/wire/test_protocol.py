@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from engine.tp.distributed import ABORT_TAG
-from kvtransfer.protocol import (
+from kvtransfer.wire.protocol import (
     DTYPE_CODES,
     MAGIC,
     MAX_SEQ,

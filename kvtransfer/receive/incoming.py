@@ -7,8 +7,8 @@ abort, or its deadline). Its deadline: its first part must arrive by ``start_dea
 (a queue of prefills ahead of it costs no timeout); from then on it must complete
 within ``timeout_s``. Every transition happens here, under the transfer's ``lock``,
 which is also held while its blocks are written: once a transition to FAILED returned,
-no block of it is written again. The receiver (``kvtransfer.receiver``) keeps the set of
-transfers and wakes their waiters; channels (``kvtransfer.recv_channel``) hand parts to
+no block of it is written again. The receiver (``kvtransfer.receive.receiver``) keeps the set of
+transfers and wakes their waiters; channels (``kvtransfer.receive.recv_channel``) hand parts to
 ``deliver``.
 """
 
@@ -22,13 +22,13 @@ import torch
 
 from engine.kvcache.layout import KVLayout
 from engine.tp.sharding import kv_head_range
-from kvtransfer.checksum import checksum
 from kvtransfer.errors import ChecksumMismatch, TransferError, TransferRejected, TransferTimeout
-from kvtransfer.packing import rows_view, scatter, segments
 from kvtransfer.plan import local_heads
-from kvtransfer.protocol import ChecksumAlgo, Flag, Kind, PartHeader, Status, Trailer
 from kvtransfer.states import TransferState
 from kvtransfer.stats import ReceiverStats
+from kvtransfer.wire.checksum import checksum
+from kvtransfer.wire.packing import rows_view, scatter, segments
+from kvtransfer.wire.protocol import ChecksumAlgo, Flag, Kind, PartHeader, Status, Trailer
 
 
 @dataclass(frozen=True)

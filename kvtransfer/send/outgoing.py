@@ -6,8 +6,8 @@ trailer — sent and acknowledged by its receiver) or FAILED (its first ``Transf
 corrupted message, a broken channel, an abort, a timeout). Every transition happens
 here and notifies the sender's condition (``changed``), where ``wait`` sleeps. Its blocks
 are read only under ``lock`` while it is not FAILED; once ``fail`` returned, no block of
-it is read again. The sender (``kvtransfer.sender``) keeps the set of transfers; lanes
-(``kvtransfer.send_lane``) run its ``Job``s and report each one's end.
+it is read again. The sender (``kvtransfer.send.sender``) keeps the set of transfers; lanes
+(``kvtransfer.send.send_lane``) run its ``Job``s and report each one's end.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 from engine.tp.distributed import StoreAddress
 from kvtransfer.errors import TransferError
 from kvtransfer.plan import Route
-from kvtransfer.protocol import Trailer
 from kvtransfer.states import TransferState
+from kvtransfer.wire.protocol import Trailer
 
 
 @dataclass(frozen=True)
