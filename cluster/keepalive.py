@@ -7,10 +7,17 @@ are cancelled, which frees what the callee held for them. Channels ping too, so 
 that vanished is noticed by the caller; servers accept those pings (at most one every
 ``MIN_PEER_PING_S``, also while no call is open) instead of answering GOAWAY
 "too_many_pings".
+
+Message size: the internal API's messages may be up to ``INTERNAL_MAX_MESSAGE_BYTES``
+(workers' servers and the router's channels to them), far above what any request the
+router admits can make (its public messages are at most 4 MiB by default; a Reserve or a
+Prefill carries the validated prompt, sampling and ids): an internal call is never
+refused for its size.
 """
 
 from __future__ import annotations
 
+INTERNAL_MAX_MESSAGE_BYTES = 64 << 20
 PING_S = 10.0
 PING_TIMEOUT_S = 10.0
 MIN_PEER_PING_S = 5.0
@@ -30,4 +37,9 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", int(PING_TIMEOUT_S * 1000)),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+)
+
+INTERNAL_SERVER_OPTIONS = (
+    *SERVER_OPTIONS,
+    ("grpc.max_receive_message_length", INTERNAL_MAX_MESSAGE_BYTES),
 )

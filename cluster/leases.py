@@ -34,6 +34,7 @@ import json
 import logging
 import secrets
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import redis
@@ -156,7 +157,9 @@ class LeaseKeeper:
     """A router's leases (one asyncio event loop): ``open`` one per attempt, ``hold`` as
     it asks workers to hold something, ``close`` when the attempt ends.
 
-    One writer task does every Redis call, in order, off the event loop (a thread): new
+    One writer task does every Redis call, in order, off the event loop on a thread of its
+    own (so no burst of other work queued on the default executor delays a renewal, and a
+    write still in flight when ``stop`` deletes is done before the delete): new
     and changed leases are written and ended ones deleted at once (batched), and every
     ``ttl / 3`` all live leases are written again (renewal, and the re-write after Redis
     lost them). A failed write or delete is kept and tried again on the next round; Redis
@@ -177,6 +180,7 @@ class LeaseKeeper:
         self._ended: set[str] = set()  # keys to delete
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-leases")
         self.num_failures = 0  # rounds that Redis did not serve
 
     @property
@@ -239,6 +243,7 @@ class LeaseKeeper:
             await asyncio.wait_for(self._flush(renew=False), timeout_s)
         except TimeoutError:
             logger.warning("could not delete %d leases before stopping", len(self._ended))
+        self._thread.shutdown(wait=False)
 
     async def _run(self) -> None:
         next_renewal = self._clock.monotonic()
@@ -263,7 +268,8 @@ class LeaseKeeper:
         self._dirty.difference_update(ids)
         self._ended.difference_update(ended)
         try:
-            await asyncio.to_thread(self._write_and_delete, values, ended)
+            await asyncio.get_running_loop().run_in_executor(
+                self._thread, self._write_and_delete, values, ended)
         except LeaseStoreUnavailable as exc:
             self.num_failures += 1
             if self.num_failures == 1 or self.num_failures % 100 == 0:

@@ -26,12 +26,15 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import grpc
 import tokenizers
 
 from cluster.leases import LeaseKeeper, new_router_id
+from engine.tp.sharding import num_blocks_for
 from router.admission import Admission, Ticket
 from router.config import AdmissionConfig, HandoffConfig
 from router.errors import RouteError
@@ -47,8 +50,13 @@ from router.worker_calls import WorkerCalls
 from router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TOKENIZE_IN_THREAD_CHARS = 4096  # longer prompts are tokenized off the event loop
+TEXT_THREADS = 2  # threads that tokenize long prompts and render chat templates
+MAX_TIMEOUT_S = 24 * 3600.0
+"""The longest deadline a request may have (a longer one is INVALID_ARGUMENT: every wait
+and every worker call of the request is bounded by it)."""
 
 
 def token_bound(request: ClientRequest, limits: ModelLimits) -> int:
@@ -82,6 +90,7 @@ class RouterCore:
         self._transfer_ids: Iterator[int] = itertools.count((secrets.randbits(40) << 16) + 1)
         self._prefill_turns: Iterator[int] = itertools.count()  # round-robin routing
         self._background: set[asyncio.Future[object]] = set()
+        self._text = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="pdserve-text")
         self.draining = False  # set by the server's stop: new requests get UNAVAILABLE
 
     async def start(self, client: ClientRequest, timeout_s: float | None) -> ServedRequest:
@@ -89,16 +98,9 @@ class RouterCore:
         from now (None: the router's default)."""
         received_at = time.monotonic()
         try:
-            if self.draining:
-                raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                                 "the router is shutting down; retry on another router",
-                                 "draining")
-            if timeout_s is not None and timeout_s <= 0:
-                raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 "the deadline passed before the request was admitted", "deadline")
+            self.gate(token_bound(client, self.limits), timeout_s)
             deadline = received_at + (self.config.default_timeout_s if timeout_s is None
                                       else timeout_s)
-            self.admission.check(token_bound(client, self.limits))
             request = await self._validate(client)
             self._check_fits(request)
             ticket = self.admission.enter(request.request_id, request.num_prompt_tokens)
@@ -113,9 +115,30 @@ class RouterCore:
                              metrics=self.metrics,
                              max_buffered_chunks=self.config.max_buffered_chunks)
 
+    def gate(self, num_tokens: int, timeout_s: float | None) -> None:
+        """The cheap checks every request passes before any heavy work (tokenizing, a chat
+        template): the router is not draining, the deadline is sane, the budgets have room
+        for ``num_tokens`` (an upper bound of the prompt's tokens). ``RouteError`` else."""
+        if self.draining:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                             "the router is shutting down; retry on another router", "draining")
+        if timeout_s is not None and timeout_s <= 0:
+            raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             "the deadline passed before the request was admitted", "deadline")
+        if timeout_s is not None and not timeout_s <= MAX_TIMEOUT_S:
+            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"the request's deadline is {timeout_s:.3g}s away; at most "
+                             f"{MAX_TIMEOUT_S:g}s (24 hours) is allowed", "deadline")
+        self.admission.check(num_tokens)
+
+    async def run_text_work(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` — tokenizing, rendering a chat template — on the router's text
+        threads (not the default executor, which the event loop's other work shares)."""
+        return await asyncio.get_running_loop().run_in_executor(self._text, fn, *args)
+
     async def _validate(self, client: ClientRequest) -> ValidRequest:
         if client.text is not None and len(client.text) > TOKENIZE_IN_THREAD_CHARS:
-            return await asyncio.to_thread(validate, client, self.limits, self._tokenizer)
+            return await self.run_text_work(validate, client, self.limits, self._tokenizer)
         return validate(client, self.limits, self._tokenizer)
 
     def _check_fits(self, request: ValidRequest) -> None:
@@ -127,6 +150,15 @@ class RouterCore:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
                              f"prompt + max_tokens needs {need} KV blocks of "
                              f"{layout.block_size} tokens; the largest decode worker holds "
+                             f"{largest}")
+        # a prompt no prefill worker can hold fails before any work (a decode worker may
+        # prefill it instead where local prefill is allowed)
+        prompt_blocks = num_blocks_for(request.num_prompt_tokens, layout.block_size)
+        largest = self.pool.max_blocks("prefill")
+        if self._handoff.local_prefill == "never" and largest and prompt_blocks > largest:
+            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"the prompt needs {prompt_blocks} KV blocks of "
+                             f"{layout.block_size} tokens; the largest prefill worker holds "
                              f"{largest}")
 
     def handoff(self, request: ValidRequest, ticket: Ticket, deadline: float,
@@ -167,3 +199,7 @@ class RouterCore:
         """Waits (bounded) for the pending worker aborts."""
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout_s)
+
+    def close(self) -> None:
+        """Lets its text threads go (once no request is served any more)."""
+        self._text.shutdown(wait=False, cancel_futures=True)

@@ -58,6 +58,10 @@ from router.workers import WorkerPool
 logger = logging.getLogger(__name__)
 
 
+PENDING_CALLS_MIN = 16384
+"""Calls gRPC may hold for the router before it takes them (at least; 16 x --max-inflight)."""
+
+
 class RouterStartError(RuntimeError):
     """The router could not start (port taken, bad model directory, Redis refused)."""
 
@@ -107,9 +111,15 @@ class Router:
     async def start(self) -> str:
         """Binds, reads the workers once, starts serving; returns ``host:port``."""
         interceptors = [ApiKeyInterceptor(self.config.api_key)] if self.config.api_key else []
+        # gRPC core cancels calls past its pending (not yet handed to us) limit, 1000 by
+        # default: a burst larger than that must reach admission, which answers every one
+        # of them (OK or RESOURCE_EXHAUSTED), never a silent CANCELLED
+        pending = max(PENDING_CALLS_MIN, 16 * self.config.admission.max_inflight)
         server = grpc.aio.server(interceptors=interceptors, options=(
             ("grpc.max_receive_message_length", self.config.admission.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            ("grpc.server.max_pending_requests", pending),
+            ("grpc.server.max_pending_requests_hard_limit", pending),
             *KEEPALIVE_SERVER_OPTIONS,  # a vanished client is noticed and its requests freed
         ))
         server.add_generic_rpc_handlers((self.service.handlers(),))
@@ -224,6 +234,7 @@ class Router:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         await self.core.drain_background()
+        self.core.close()
         await self.leases.stop()
         if self.leases.store is not None:
             self.leases.store.close()

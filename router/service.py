@@ -36,6 +36,7 @@ class GenerationService:
 
     def __init__(self, core: RouterCore) -> None:
         self._core = core
+        self._refusals = RefusalLog()
 
     def handlers(self) -> grpc.GenericRpcHandler:
         """The service's method handlers; ``Generate`` receives raw bytes (see ``router.api``)."""
@@ -62,7 +63,7 @@ class GenerationService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
         except RouteError as exc:
-            logger.info("refused: %s %s", exc.code.name, exc.message)
+            self._refusals.note(exc)
             await context.abort(exc.code, exc.message)
             return
         rid = served.request_id
@@ -83,6 +84,32 @@ class GenerationService:
             log.info("cancelled by the client (or its deadline) after %.2fs",
                      time.monotonic() - start)
             raise
+
+
+class RefusalLog:
+    """Logs refused requests without a line each: a burst of thousands refused at admission
+    must not cost the event loop a log line apiece. The first refusal of a kind is logged at
+    once; later ones are counted and summed up at most every ``every_s`` seconds."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.every_s = every_s
+        self._counts: dict[str, int] = {}
+        self._logged_at = 0.0
+
+    def note(self, exc: RouteError) -> None:
+        key = exc.limit or exc.code.name
+        first = key not in self._counts
+        self._counts[key] = self._counts.get(key, 0) + 1
+        now = time.monotonic()
+        if first:
+            logger.info("refused: %s %s", exc.code.name, exc.message)
+        elif now - self._logged_at >= self.every_s:
+            summary = ", ".join(f"{n} {k}" for k, n in sorted(self._counts.items()))
+            logger.info("refused since the last summary: %s", summary)
+            self._counts = {}
+        else:
+            return
+        self._logged_at = now
 
 
 def _wants_trace(context: grpc.aio.ServicerContext) -> bool:

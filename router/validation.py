@@ -21,7 +21,7 @@ import tokenizers
 
 from engine.config import load_model_config
 from engine.kvcache.block_hash import BlockHash, compute_block_hashes
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from engine.text.tokenizer import TokenizerInfo, load_tokenizer
 from engine.tp.sharding import num_blocks_for
 
@@ -134,6 +134,7 @@ def _prompt_token_ids(request: ClientRequest, limits: ModelLimits,
         raise InvalidRequest("give the prompt as text or as token ids, not both")
     if request.token_ids is not None:
         token_ids = request.token_ids
+        _check_length(len(token_ids), limits)  # the cheap check first: then item by item
         _check_vocab("prompt token id", token_ids, limits.vocab_size)
     else:
         text = request.text or ""
@@ -141,12 +142,16 @@ def _prompt_token_ids(request: ClientRequest, limits: ModelLimits,
             raise InvalidRequest(f"prompt of {len(text)} characters cannot fit the context "
                                  f"length of {limits.context_length} tokens")
         token_ids = tuple(tokenizer.encode(text).ids) if text else ()
-    if not token_ids:
-        raise InvalidRequest("prompt is empty: give non-empty text or at least one token id")
-    if len(token_ids) >= limits.context_length:
-        raise InvalidRequest(f"prompt of {len(token_ids)} tokens leaves no room in the "
-                             f"context length of {limits.context_length} tokens")
+    _check_length(len(token_ids), limits)
     return token_ids
+
+
+def _check_length(num_tokens: int, limits: ModelLimits) -> None:
+    if not num_tokens:
+        raise InvalidRequest("prompt is empty: give non-empty text or at least one token id")
+    if num_tokens >= limits.context_length:
+        raise InvalidRequest(f"prompt of {num_tokens} tokens leaves no room in the "
+                             f"context length of {limits.context_length} tokens")
 
 
 def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
@@ -158,6 +163,9 @@ def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
         value = getattr(request, name)
         if value is not None and not math.isfinite(value):
             raise InvalidRequest(f"{name} must be finite, got {value}")
+    if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # counted before checked one by one
+        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
+                             f"{len(request.stop_token_ids)}")
     _check_vocab("stop token id", request.stop_token_ids, limits.vocab_size)
     try:
         return SamplingParams(

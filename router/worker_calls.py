@@ -90,6 +90,8 @@ def classify(exc: grpc.aio.AioRpcError, *, deadline_passed: bool) -> CallFailure
         code == grpc.StatusCode.UNAVAILABLE and any(s in lowered for s in _TRANSPORT))
     if code == grpc.StatusCode.ALREADY_EXISTS:
         kind = Failure.ALREADY_EXISTS
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in lowered:
+        kind = Failure.REFUSED  # a message over a size limit is no "busy": it never fits
     elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         kind = Failure.BUSY
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.keepalive import CHANNEL_OPTIONS as KEEPALIVE_CHANNEL_OPTIONS
+from cluster.keepalive import INTERNAL_MAX_MESSAGE_BYTES
 from cluster.records import WorkerRecord
 from cluster.registry import Registry
 from cluster.view import WorkerView
@@ -40,7 +42,8 @@ from engine.kvcache.layout import PROTOCOL_VERSION, KVLayout
 logger = logging.getLogger(__name__)
 
 CHANNEL_OPTIONS = (
-    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", INTERNAL_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", INTERNAL_MAX_MESSAGE_BYTES),
     ("grpc.enable_retries", 0),
     *KEEPALIVE_CHANNEL_OPTIONS,
 )
@@ -77,12 +80,15 @@ class WorkerPool:
         self._heard_from: dict[str, float] = {}  # worker id -> clock() of its last answer
         self._foreign: set[str] = set()  # ids logged as serving another model
         self._closing: set[asyncio.Task[None]] = set()  # channels being closed
+        # Redis reads on a thread of their own: no burst of tokenizations delays them
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-view")
 
     # ----------------------------------------------------------------- the view
 
     async def refresh(self) -> None:
         """Read Redis (in a thread) and update the routable set; never raises for Redis."""
-        snapshot = await asyncio.to_thread(self._view.refresh)
+        snapshot = await asyncio.get_running_loop().run_in_executor(self._thread,
+                                                                    self._view.refresh)
         now = self._clock()
         if snapshot.stale:
             # Redis cannot say who left, so nobody is missing while it is unreachable: the
@@ -200,8 +206,12 @@ class WorkerPool:
 
     def max_decode_blocks(self) -> int:
         """The largest KV pool of any known decode worker (0 if none)."""
+        return self.max_blocks("decode")
+
+    def max_blocks(self, role: str) -> int:
+        """The largest KV pool of any known worker of ``role`` (0 if none)."""
         return max((k.record.total_kv_blocks for k in self._known.values()
-                    if k.record.role == "decode" and not k.gone), default=0)
+                    if k.record.role == role and not k.gone), default=0)
 
     # ----------------------------------------------------------------- calls and load
 
@@ -258,3 +268,4 @@ class WorkerPool:
     async def close(self) -> None:
         known, self._known = self._known, {}
         await asyncio.gather(*(k.channel.close() for k in known.values()))
+        self._thread.shutdown(wait=False)

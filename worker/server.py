@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.files import write_json_atomic
 from cluster.heartbeat import Heartbeat
-from cluster.keepalive import SERVER_OPTIONS
+from cluster.keepalive import INTERNAL_SERVER_OPTIONS
 from cluster.leases import LeaseStore
 from cluster.records import WorkerLoad, WorkerRecord
 from cluster.registry import FingerprintMismatch, Registry
@@ -161,7 +161,7 @@ def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
 
 
 async def _serve(args: Any, loop: EngineLoop, endpoint: Endpoint, metrics_address: str) -> int:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=INTERNAL_SERVER_OPTIONS)
     endpoint.add_servicers(server)
     health_ = Health(server)
     await health_.set(False)

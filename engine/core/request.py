@@ -80,7 +80,7 @@ class Request:
     def check_token_stop(self, max_model_len: int) -> FinishReason | None:
         """Why the request stops after its latest output token, or None to go on."""
         last = self.output_token_ids[-1]
-        if last in self.params.stop_token_ids:
+        if last in self.params.stop_token_set:
             return FinishReason.STOP
         if not self.params.ignore_eos and last in self.eos_token_ids:
             return FinishReason.STOP

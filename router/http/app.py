@@ -15,7 +15,6 @@ it is sent back in ``X-Request-Id`` and in the response ``id``.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import math
 from collections.abc import Callable
@@ -28,7 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from router.core import TOKENIZE_IN_THREAD_CHARS, RouterCore
+from router.core import MAX_TIMEOUT_S, TOKENIZE_IN_THREAD_CHARS, RouterCore
+from router.errors import RouteError
 from router.http.chat_template import ChatTemplate
 from router.http.errors import ApiError
 from router.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, parse
@@ -36,6 +36,7 @@ from router.http.relay import REQUEST_ID_HEADER, Relay
 from router.validation import InvalidRequest
 
 TIMEOUT_HEADER = "x-request-timeout"
+MAX_CHAT_MESSAGES = 4096  # messages of one chat request (each is rendered by the template)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,8 @@ def build_app(api: HttpApi) -> FastAPI:
         authorize(request)
         body = parse(ChatCompletionRequest, await _read_body(request, api.max_body_bytes))
         _check_common(body, api)
+        # the cheap checks first (draining, deadline, budgets): the template comes after
+        api.core.gate(body.token_bound(api.core.limits.context_length), _timeout(request))
         token_ids = await _chat_prompt(api, body)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:
@@ -125,6 +128,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RouteError)
+    async def refused(request: Request, exc: RouteError) -> Response:  # e.g. the chat gate
+        error = ApiError.from_route_error(exc)
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(InvalidRequest)
     async def invalid(request: Request, exc: InvalidRequest) -> Response:
@@ -182,9 +190,10 @@ def _timeout(request: Request) -> float | None:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ApiError.invalid(f"{TIMEOUT_HEADER} must be a positive number of seconds, got "
-                               f"{value[:40]!r}", TIMEOUT_HEADER)
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_TIMEOUT_S:
+        raise ApiError.invalid(f"{TIMEOUT_HEADER} must be a number of seconds in (0, "
+                               f"{MAX_TIMEOUT_S:g}] (24 hours), got {value[:40]!r}",
+                               TIMEOUT_HEADER)
     return seconds
 
 
@@ -199,20 +208,28 @@ async def _chat_prompt(api: HttpApi, body: ChatCompletionRequest) -> tuple[int, 
         raise ApiError.invalid("this model has no chat template, so it serves /v1/completions "
                                "only; start the router with --chat-template FILE to serve "
                                "chat", "messages", code="no_chat_template")
-    text = api.chat_template.render(body.template_messages(),
-                                    add_generation_prompt=body.add_generation_prompt,
-                                    extra=body.chat_template_kwargs)
+    if len(body.messages) > MAX_CHAT_MESSAGES:
+        raise ApiError.invalid(f"at most {MAX_CHAT_MESSAGES} messages are allowed, got "
+                               f"{len(body.messages)}", "messages")
     limit = 64 * api.core.limits.context_length  # as router.validation bounds text
-    if len(text) > limit:
-        raise ApiError.invalid(f"the rendered conversation of {len(text)} characters cannot fit "
-                               f"the context length of {limit // 64} tokens", "messages")
+    if body.content_chars() > limit:  # before rendering: the template only adds to it
+        raise ApiError.invalid(f"the conversation of {body.content_chars()} characters cannot "
+                               f"fit the context length of {limit // 64} tokens", "messages")
+    template = api.chat_template
 
-    def encode() -> tuple[int, ...]:
+    def render_and_encode() -> tuple[int, ...]:
+        text = template.render(body.template_messages(),
+                               add_generation_prompt=body.add_generation_prompt,
+                               extra=body.chat_template_kwargs)
+        if len(text) > limit:
+            raise ApiError.invalid(f"the rendered conversation of {len(text)} characters "
+                                   f"cannot fit the context length of {limit // 64} tokens",
+                                   "messages")
         return tuple(api.tokenizer.encode(text, add_special_tokens=False).ids)
 
-    if len(text) > TOKENIZE_IN_THREAD_CHARS:
-        return await asyncio.to_thread(encode)
-    return encode()
+    if body.content_chars() > TOKENIZE_IN_THREAD_CHARS or len(body.messages) > 16:
+        return await api.core.run_text_work(render_and_encode)
+    return render_and_encode()
 
 
 def _room_left(core: RouterCore, num_prompt_tokens: int) -> int | None:

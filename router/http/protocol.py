@@ -138,6 +138,12 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
 
+    def content_chars(self) -> int:
+        """Characters of its content (text parts summed)."""
+        if isinstance(self.content, list):
+            return sum(len(part.text or "") for part in self.content)
+        return len(self.content or "")
+
     def for_template(self, index: int) -> dict[str, Any]:
         """The message as the template sees it (text parts joined into one string)."""
         message = {**(self.model_extra or {}), "role": self.role, "content": self.content}
@@ -168,6 +174,17 @@ class ChatCompletionRequest(SamplingRequest):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template(i) for i, m in enumerate(self.messages)]
+
+    def content_chars(self) -> int:
+        """Characters of every message's content (what a template renders at least)."""
+        return sum(m.content_chars() for m in self.messages)
+
+    def token_bound(self, context_length: int) -> int:
+        """A cheap upper bound of the prompt's tokens before the template renders it (a
+        byte-level BPE makes at most a token per byte; the template adds a few per
+        message), capped at the context length (a longer prompt is refused later)."""
+        per_message = 16  # role markers and separators of a chat template
+        return min(4 * self.content_chars() + per_message * len(self.messages), context_length)
 
 
 def parse(model: type[M], body: bytes) -> M:

@@ -82,6 +82,16 @@ class FakeRouterCore:
     opened: int = 0
     closed: int = 0
 
+    gated: list[int] = field(default_factory=list)
+
+    def gate(self, num_tokens: int, timeout_s: float | None) -> None:
+        self.gated.append(num_tokens)
+        if self.refuse is not None:
+            raise self.refuse
+
+    async def run_text_work(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
     async def start(self, client: ClientRequest, timeout_s: float | None) -> FakeServedRequest:
         self.started.append((client, timeout_s))
         request = validate(client, self.limits, self.tokenizer)  # the router's messages
@@ -354,3 +364,34 @@ def test_a_client_that_leaves_closes_the_request(fake: FakeRouterCore, llama_dir
                                              leave_after_body_chunks=leave_after))
     assert fake.opened == 1 and fake.closed == 1  # the chunks generator was closed
     assert not any(m.get("more_body") is False for m in sent)  # and the response never ended
+
+
+class CountingTemplate:
+    """A chat template that counts how often it renders."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.renders = inner, 0
+
+    def render(self, *args: Any, **kwargs: Any) -> str:
+        self.renders += 1
+        return str(self.inner.render(*args, **kwargs))
+
+
+def test_a_chat_request_is_gated_before_its_template_renders(fake: FakeRouterCore,
+                                                             llama_dir: Path) -> None:
+    template = CountingTemplate(load_chat_template(llama_dir))
+    with TestClient(build_app(make_api(fake, llama_dir, chat_template=template))) as client:
+        chat = {"messages": [{"role": "user", "content": "Hi there"}]}
+        # 1. the router refuses (draining, deadline, budgets): the template never renders
+        fake.refuse = RouteError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
+        error_of(client.post("/v1/chat/completions", json=chat), 503)
+        assert template.renders == 0 and fake.gated and fake.gated[-1] >= 8
+        fake.refuse = None
+        # 2. too many messages: refused naming the limit, nothing rendered
+        many = {"messages": [{"role": "user", "content": "x"}] * 4097}
+        error = error_of(client.post("/v1/chat/completions", json=many), 400)
+        assert "at most 4096 messages" in error["message"] and template.renders == 0
+        # 3. a conversation of many messages renders off the event loop, then runs
+        long = {"messages": [{"role": "user", "content": "hi"}] * 20, "max_tokens": 2}
+        assert client.post("/v1/chat/completions", json=long).status_code == 200
+        assert template.renders == 1

@@ -86,6 +86,11 @@ BAD_INPUT: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("token-id-vocab-size", {"token_ids": (100,)}, ("prompt token id 100", "[0, 100)")),
     ("stop-token-id-out-of-vocab", {"token_ids": _ids(4), "stop_token_ids": (2, 100)},
      ("stop token id 100", "[0, 100)")),
+    ("too-many-stop-token-ids", {"token_ids": _ids(4), "stop_token_ids": (1,) * 1025},
+     ("at most 1024 stop_token_ids", "1025")),
+    ("too-many-stop-token-ids-out-of-vocab", {"token_ids": _ids(4),
+                                              "stop_token_ids": (10**6,) * 5000},
+     ("at most 1024 stop_token_ids", "5000")),  # counted before each is checked
     ("stop-token-id-negative", {"token_ids": _ids(4), "stop_token_ids": (-3,)},
      ("stop token id -3", "[0, 100)")),
     ("unknown-model", {"token_ids": _ids(4), "model": "gpt-9"}, ("'gpt-9'", "'tiny'")),

@@ -19,6 +19,9 @@ def error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
     (S.UNAVAILABLE, "Socket closed", False, Failure.RETRY, True),
     (S.UNAVAILABLE, "the engine loop is not running", False, Failure.RETRY, False),
     (S.RESOURCE_EXHAUSTED, "busy", False, Failure.BUSY, False),
+    # a message over a size limit never fits: a refusal, never "busy" (waiting would loop)
+    (S.RESOURCE_EXHAUSTED, "Received message larger than max (4194400 vs. 4194304)", False,
+     Failure.REFUSED, False),
     (S.NOT_FOUND, "no live reservation", False, Failure.RETRY, False),
     (S.ABORTED, "", False, Failure.RETRY, False),
     (S.INTERNAL, "", False, Failure.RETRY, False),

@@ -37,6 +37,23 @@ def test_greedy_is_argmax_in_any_dtype() -> None:
         assert sample(typed, [GREEDY] * 8, range(8)) == typed.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-20, 5e-6])
+def test_a_tiny_positive_temperature_is_greedy(temperature: float) -> None:
+    # dividing logits by 1e-40 overflows to inf and NaN: such a row samples as greedy does
+    logits = make_logits(6)
+    params = [SamplingParams(temperature=temperature, seed=7)] * 6
+    assert params[0].greedy
+    assert sample(logits, params, range(6)) == logits.argmax(dim=-1).tolist()
+    assert not SamplingParams(temperature=1e-4).greedy  # above the threshold: sampled
+
+
+def test_stop_token_ids_are_bounded_and_checked_in_constant_time() -> None:
+    params = SamplingParams(stop_token_ids=list(range(1024)))
+    assert isinstance(params.stop_token_set, frozenset) and 1023 in params.stop_token_set
+    with pytest.raises(ValueError, match="at most 1024 stop_token_ids"):
+        SamplingParams(stop_token_ids=list(range(1025)))
+
+
 def test_mixed_batch_keeps_greedy_rows_greedy() -> None:
     logits = make_logits(6)
     params = [
