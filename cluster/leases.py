@@ -24,7 +24,10 @@ Redis outages must not kill healthy work: the router keeps every live lease in m
 and re-writes all of them every ``ttl / 3`` (``LeaseKeeper``), so a Redis that came back
 empty holds them again within one renewal period; a worker acts on a missing lease only
 while Redis answers, and only after it has been missing for a full TTL since Redis was
-last seen healthy (``worker.leases.LeaseWatcher``).
+last seen healthy (``worker.leases.LeaseWatcher``) — unless the worker saw the key in the
+same Redis process (same ``run_id``, no outage or stall since): then it expired or was
+deleted because its router stopped renewing it, and the worker frees at once. Redis must
+not evict keys (``maxmemory-policy noeviction``, its default).
 """
 
 from __future__ import annotations
@@ -110,15 +113,28 @@ class LeaseStore:
             with _errors("deleting leases"):
                 self._client.delete(*keys)
 
-    def exist(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is in Redis now, in one round trip."""
-        if not keys:
-            return []
+    def exist(self, keys: Sequence[str]) -> tuple[str, list[bool]]:
+        """Whether each key is in Redis now, and the ``run_id`` of the Redis process that
+        answered ("" if it does not say), in one round trip. A different ``run_id`` is a
+        different Redis (restarted, or failed over): keys seen in another may be lost."""
         with _errors("reading leases"):
             pipe = self._client.pipeline(transaction=False)
+            pipe.info("server")
             for key in keys:
                 pipe.exists(key)
-            return [bool(n) for n in pipe.execute()]
+            info, *present = pipe.execute(raise_on_error=False)
+        for answer in present:
+            if isinstance(answer, Exception):
+                raise LeaseStoreUnavailable(f"Redis failed while reading leases: {answer}")
+        run_id = str(info.get("run_id", "")) if isinstance(info, dict) else ""
+        return run_id, [bool(n) for n in present]
+
+    def eviction_policy(self) -> str:
+        """Redis's ``maxmemory-policy`` ("" if it does not say): leases need
+        ``noeviction`` (the default), since an evicted lease reads as a dead router."""
+        with _errors("reading Redis's memory policy"):
+            info = self._client.info("memory")
+        return str(info.get("maxmemory_policy", ""))
 
     def list(self, router_id: str | None = None) -> list[str]:
         """Every lease key of the cluster (of ``router_id`` only, if given), sorted."""

@@ -6,11 +6,19 @@ GenerateLocal) and ``forget`` it when the attempt ends on this worker (its call 
 an Abort). ``LeaseWatcher`` (a daemon thread) checks the watched keys in Redis and frees
 an attempt whose lease is gone — its router died or lost it — through ``abort``.
 
-When it acts (the mission's rule for Redis outages): a lease counts as missing only in a
-check that Redis answered; any check Redis did not answer restarts every missing clock;
-an attempt is freed once its lease has been missing in every check for a full TTL since
-Redis was last seen healthy. A router re-writes its live leases every ``ttl / 3``, so a
-Redis that restarted empty holds them again long before that.
+When it acts: a lease counts as missing only in a check that Redis answered. A lease this
+watcher saw in the same Redis process (the same ``run_id``) with no outage or stall since
+is freed in the first check that finds it missing: in one Redis that serves throughout, a
+key expires only when its router stopped renewing it for a whole TTL (or deleted it), so
+a dead router's holdings are freed within the TTL plus one check period (at most a
+quarter TTL, 1 s) of its last renewal. Otherwise — never seen, or seen only before Redis
+restarted, failed over, was unreachable, or answered a check slower than a check period —
+the rule for Redis outages holds: any check Redis did not answer restarts every missing
+clock, and an attempt is freed once its lease has been missing in every check for a full
+TTL since Redis was last seen healthy. A router re-writes its live leases every
+``ttl / 3``, so a Redis that came back empty holds them again long before that. Redis must
+not evict keys (``maxmemory-policy noeviction``, its default; the watcher warns at start
+when it is not).
 """
 
 from __future__ import annotations
@@ -83,6 +91,7 @@ class LeaseWatcher:
         self._abort = abort
         self._clock = clock
         self._missing_since: dict[str, float] = {}  # attempt id -> first seen missing
+        self._seen_in: dict[str, str] = {}  # attempt id -> run_id of the Redis it was seen in
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-lease-watcher",
                                         daemon=True)
@@ -91,24 +100,34 @@ class LeaseWatcher:
     def check(self) -> list[str]:
         """One round; returns the attempts it freed."""
         watched = self._book.snapshot()
-        for attempt_id in set(self._missing_since) - set(watched):
-            del self._missing_since[attempt_id]
+        for gone in (self._missing_since, self._seen_in):
+            for attempt_id in set(gone) - set(watched):
+                del gone[attempt_id]
         if not watched:
             return []
         ids = list(watched)
+        started = self._clock.monotonic()
         try:
-            present = self._store.exist([watched[a].key for a in ids])
+            run_id, present = self._store.exist([watched[a].key for a in ids])
         except LeaseStoreUnavailable as exc:
             if self._missing_since:
                 log.warning("Redis unreachable (%s): %d missing leases get a new TTL once it "
                             "answers", exc, len(self._missing_since))
             self._missing_since.clear()  # Redis not seen healthy: start over
+            self._seen_in.clear()  # and what was seen before may have expired meanwhile
             return []
         now = self._clock.monotonic()
+        if now - started > self.period_s():  # Redis stalled: renewals may have waited
+            self._seen_in.clear()
         freed = []
         for attempt_id, here in zip(ids, present, strict=True):
             if here:
                 self._missing_since.pop(attempt_id, None)
+                if run_id:
+                    self._seen_in[attempt_id] = run_id
+                continue
+            if run_id and self._seen_in.get(attempt_id) == run_id:
+                freed.append(attempt_id)  # expired (or deleted) in the Redis that held it
                 continue
             since = self._missing_since.setdefault(attempt_id, now)
             if now - since >= watched[attempt_id].ttl_s:
@@ -118,6 +137,7 @@ class LeaseWatcher:
                         "freeing it", watched[attempt_id].key, attempt_id)
             self._book.forget(attempt_id)
             self._missing_since.pop(attempt_id, None)
+            self._seen_in.pop(attempt_id, None)
             self._book.num_aborted += 1
             self._abort(attempt_id)
         return freed
@@ -129,6 +149,13 @@ class LeaseWatcher:
         return min(MAX_PERIOD_S, max(MIN_PERIOD_S, min(ttls) / 4))
 
     def start(self) -> LeaseWatcher:
+        try:
+            policy = self._store.eviction_policy()
+        except LeaseStoreUnavailable:
+            policy = ""  # not known yet; the checks will say when Redis answers
+        if policy and policy != "noeviction":
+            log.warning("Redis evicts keys (maxmemory-policy %s): an evicted lease frees its "
+                        "attempt as if its router had died; run Redis with noeviction", policy)
         self._thread.start()
         return self
 

@@ -1,11 +1,14 @@
 """Leases against a real redis-server, with a manual clock: the router's keeper writes,
-renews, re-writes after a restart and deletes; the worker's watcher frees an attempt only
-once its lease has been missing for a full TTL while Redis answered."""
+renews, re-writes after a restart and deletes; the worker's watcher frees an attempt at
+once when its lease lapsed in the Redis it was seen in, else only once it has been missing
+for a full TTL while Redis answered."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from collections.abc import Sequence
 
 import pytest
 import redis
@@ -122,21 +125,104 @@ def test_watcher_frees_only_after_a_full_ttl_missing_with_redis_up(
         watcher.stop()
 
 
-def test_watcher_keeps_a_lease_that_comes_back(redis_server: RedisServer,
-                                               raw_redis: redis.Redis) -> None:
+def test_watcher_keeps_a_lease_written_late_and_frees_it_once_it_lapses(
+        redis_server: RedisServer, raw_redis: redis.Redis) -> None:
     clock = ManualClock()
     book, freed = LeaseBook(), list[str]()
     watcher = LeaseWatcher(LeaseStore(redis_server.url), book, freed.append, clock)
     book.watch("a", "pdserve:default:lease:r:9", 2.0)
-    assert watcher.check() == []
+    assert watcher.check() == []  # not written yet: a full TTL to appear
     clock.advance(1.5)
-    raw_redis.set("pdserve:default:lease:r:9", "{}")  # the router re-wrote it
+    raw_redis.set("pdserve:default:lease:r:9", "{}")  # the router's write landed
     assert watcher.check() == []
-    clock.advance(1.5)
+    clock.advance(0.1)
+    # seen in this Redis, now gone from it (expired, or deleted): its router stopped
+    # renewing it, so it is freed in the first check that misses it, no TTL's wait
     raw_redis.delete("pdserve:default:lease:r:9")
-    assert watcher.check() == []  # missing again: a new clock
-    clock.advance(1.9)
+    assert watcher.check() == ["a"] and freed == ["a"] and len(book) == 0
+    watcher.stop()
+
+
+def test_watcher_forgets_what_it_saw_when_redis_restarts(
+        redis_server: RedisServer, raw_redis: redis.Redis) -> None:
+    clock = ManualClock()
+    book, freed = LeaseBook(), list[str]()
+    watcher = LeaseWatcher(LeaseStore(redis_server.url, timeout_s=0.3), book, freed.append,
+                           clock)
+    raw_redis.set("pdserve:default:lease:r:1", "{}")
+    book.watch("r-1", "pdserve:default:lease:r:1", 10.0)
+    assert watcher.check() == []  # seen
+    port = redis_server.port
+    redis_server.stop()
+    back = RedisServer(port=port, start_timeout_s=10.0).start()  # a new Redis, empty
+    try:
+        # missing from a Redis it was never seen in: the outage rule, a full TTL
+        assert watcher.check() == []
+        clock.advance(9.9)
+        assert watcher.check() == [] and not freed
+        with redis.Redis.from_url(back.url) as client:
+            client.set("pdserve:default:lease:r:1", "{}")  # its router re-wrote it
+        clock.advance(5.0)
+        assert watcher.check() == [] and not freed
+    finally:
+        back.stop()
+        watcher.stop()
+
+
+class _StallingStore(LeaseStore):
+    """A store whose next answer comes ``stall_s`` late (on the watcher's clock)."""
+
+    def __init__(self, url: str, clock: ManualClock) -> None:
+        super().__init__(url)
+        self.clock, self.stall_s = clock, 0.0
+
+    def exist(self, keys: Sequence[str]) -> tuple[str, list[bool]]:
+        answer = super().exist(keys)
+        self.clock.advance(self.stall_s)
+        self.stall_s = 0.0
+        return answer
+
+
+def test_watcher_forgets_what_it_saw_when_redis_stalls(
+        redis_server: RedisServer, raw_redis: redis.Redis) -> None:
+    clock = ManualClock()
+    book, freed = LeaseBook(), list[str]()
+    store = _StallingStore(redis_server.url, clock)
+    watcher = LeaseWatcher(store, book, freed.append, clock)
+    raw_redis.set("pdserve:default:lease:r:2", "{}")
+    book.watch("b", "pdserve:default:lease:r:2", 4.0)
+    assert watcher.check() == []  # seen
+    # Redis answered late and without the lease: its router's renewals may have waited
+    # as long, so what was seen before proves nothing; the full TTL applies
+    raw_redis.delete("pdserve:default:lease:r:2")
+    store.stall_s = 2.0
+    assert watcher.check() == []
+    clock.advance(3.9)
     assert watcher.check() == [] and not freed
+    clock.advance(0.2)
+    assert watcher.check() == ["b"]
+    watcher.stop()
+
+
+def test_watcher_warns_of_a_redis_that_evicts_keys(
+        redis_server: RedisServer, raw_redis: redis.Redis,
+        caplog: pytest.LogCaptureFixture) -> None:
+    raw_redis.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with caplog.at_level(logging.WARNING, logger="worker.leases"):
+            LeaseWatcher(LeaseStore(redis_server.url), LeaseBook(), print).start().stop()
+        assert "maxmemory-policy allkeys-lru" in caplog.text
+    finally:
+        raw_redis.config_set("maxmemory-policy", "noeviction")
+
+
+def test_book_forgets_attempts_the_worker_no_longer_holds(
+        redis_server: RedisServer) -> None:
+    clock = ManualClock()
+    book, freed = LeaseBook(), list[str]()
+    watcher = LeaseWatcher(LeaseStore(redis_server.url), book, freed.append, clock)
+    book.watch("c", "pdserve:default:lease:r:3", 1.0)
+    assert watcher.check() == []
     book.retain(set())  # the worker no longer holds it: forgotten, never freed
     clock.advance(5.0)
     assert watcher.check() == [] and not freed
