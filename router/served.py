@@ -151,6 +151,9 @@ class ServedRequest:
                 self.ticket.leave()  # the handoff is closed: nothing is held any more
                 logger.warning("cancelled: %s", exc.message,
                                extra={"request_id": self.request_id})
+            elif exc.detail:  # what the client is not told: which worker, what it said
+                logger.warning("failed: %s %s (%s)", exc.code.name, exc.message, exc.detail,
+                               extra={"request_id": self.request_id})
             queue.put_nowait(_End(exc))
         except Exception as exc:  # noqa: BLE001 - never leave the reader waiting
             logger.exception("the handoff failed", extra={"request_id": self.request_id})

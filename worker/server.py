@@ -201,11 +201,11 @@ async def _serve(args: Any, loop: EngineLoop, endpoint: Endpoint, metrics_addres
         await health_.set(False)
         if heartbeat is not None:
             await asyncio.to_thread(run_guarded, "deregistering", heartbeat.stop)
-        if leases is not None:
-            await asyncio.to_thread(run_guarded, "stopping the lease watcher", leases.stop)
         start = time.monotonic()
         await server.stop(args.grace)
         log.info("gRPC server stopped in %.2fs", time.monotonic() - start)
+        if leases is not None:  # only now: a dead router's attempt is freed during the grace
+            await asyncio.to_thread(run_guarded, "stopping the lease watcher", leases.stop)
     if heartbeat is not None and heartbeat.refused is not None:
         print(f"pdserve {identity.role}: left the cluster: {heartbeat.refused} "
               f"(differing field: {heartbeat.refused.field})", file=sys.stderr)

@@ -87,8 +87,8 @@ class Handoff:
             finally:
                 attempt.end()
         raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                         f"the workers failed {len(failures)} times before the first token: "
-                         + "; ".join(failures))
+                         f"the workers failed {len(failures)} times before the first token",
+                         detail="; ".join(failures))
 
     async def _place(self) -> Attempt:
         """The next attempt; the request's first placement waits its turn in the queue."""

@@ -86,7 +86,7 @@ class Placement:
                 raise RouteError(grpc.StatusCode.UNAVAILABLE,
                                  f"no decode worker could reserve "
                                  f"{self.ctx.request.num_blocks(self.ctx.block_size)} KV "
-                                 "blocks: " + "; ".join(refusals))
+                                 "blocks", detail="; ".join(refusals))
             await self.ctx.ticket.admission.capacity_changed(self.ctx.deadline)
 
     async def _try_reserve(self) -> tuple[Attempt | None, list[str], bool]:
@@ -138,7 +138,8 @@ class Placement:
             ctx.check_deadline(failure)
             if failure.kind is Failure.REFUSED:  # the worker refused what the router sent
                 raise RouteError(grpc.StatusCode.INTERNAL,
-                                 f"reserve on {decode_id}: {failure}") from None
+                                 "a decode worker refused the reservation the router sent",
+                                 detail=f"reserve on {decode_id}: {failure}") from None
             if failure.kind is not Failure.BUSY:
                 ctx.worker_failed(decode_id, failure)
             return str(failure), failure.kind is Failure.BUSY

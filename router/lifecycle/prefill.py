@@ -78,7 +78,9 @@ async def _prefill_on(attempt: Attempt, prefill_id: str) -> Prefilled | None:
         ctx.worker_failed(prefill_id, failure)
         why = f"prefill on {prefill_id}: {failure}"
         if failure.kind is Failure.REFUSED:  # the worker refused what the router sent
-            raise RouteError(grpc.StatusCode.INTERNAL, why) from None
+            raise RouteError(grpc.StatusCode.INTERNAL,
+                             "a prefill worker refused the prefill the router sent",
+                             detail=why) from None
         raise Retry(why, "prefill") from None
     attempt.prefill_released()  # it returned once the decode side acknowledged: done
     ctx.trace.mark("prefill_returned")

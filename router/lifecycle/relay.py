@@ -68,11 +68,12 @@ async def relay(attempt: Attempt, call: grpc.aio.UnaryStreamCall
     except asyncio.CancelledError:
         reraise_if_we_are_cancelled()
         ctx.excluded.add(decode_id)
-        why = f"decode worker {decode_id} stopped answering health checks"
+        why = "stopped answering health checks"
         if num_streamed == 0:
-            raise Retry(why, "health") from None
+            raise Retry(f"decode worker {decode_id} {why}", "health") from None
         raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                         f"{why} after {num_streamed} streamed tokens") from None
+                         f"the decode worker {why} after {num_streamed} streamed tokens",
+                         detail=decode_id) from None
     except grpc.aio.AioRpcError as exc:
         failure = ctx.failure(exc)
         ctx.check_deadline(failure)
@@ -82,11 +83,12 @@ async def relay(attempt: Attempt, call: grpc.aio.UnaryStreamCall
             ctx.excluded.add(decode_id)
             raise Retry(f"generate on {decode_id}: {failure}", "generate") from None
         raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                         f"decode worker {decode_id} failed after {num_streamed} streamed "
-                         f"tokens: {failure}") from None
+                         f"the decode worker failed after {num_streamed} streamed tokens",
+                         detail=f"{decode_id}: {failure}") from None
     if not attempt.is_finished:
         raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                         f"decode worker {decode_id} ended the stream without a finish reason")
+                         "the decode worker ended the stream without a finish reason",
+                         detail=decode_id)
 
 
 async def prefill_and_relay(attempt: Attempt, placement: Placement

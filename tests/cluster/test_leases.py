@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -65,6 +67,37 @@ def test_keeper_writes_renews_and_deletes(redis_server: RedisServer,
         await keeper.stop()
         assert not _exists(redis_server, other.key)
         assert keeper.live() == [] and keeper.num_unwritten == 0
+        store.close()
+
+    asyncio.run(scenario())
+
+
+class _SlowWriteStore(LeaseStore):
+    """A store whose writes take ``delay_s`` after they were sent (a slow Redis reply)."""
+
+    def __init__(self, url: str, delay_s: float) -> None:
+        super().__init__(url, cluster="c")
+        self.delay_s = delay_s
+        self.writing = threading.Event()
+
+    def write(self, values: dict[str, str], ttl_ms: int) -> None:
+        if values:
+            self.writing.set()
+            time.sleep(self.delay_s)
+        super().write(values, ttl_ms)
+
+
+def test_keeper_stop_deletes_after_a_write_still_in_flight(redis_server: RedisServer,
+                                                           raw_redis: redis.Redis) -> None:
+    async def scenario() -> None:
+        store = _SlowWriteStore(redis_server.url, delay_s=0.5)
+        keeper = LeaseKeeper(store, 60.0)  # a key that outlived stop would live a minute
+        keeper.start()
+        lease = keeper.open("r3-1", "x")
+        await asyncio.to_thread(store.writing.wait, 5.0)
+        await keeper.stop()  # while the write is still on its way
+        await asyncio.sleep(0.8)  # past the write's landing
+        assert not raw_redis.exists(lease.key)
         store.close()
 
     asyncio.run(scenario())

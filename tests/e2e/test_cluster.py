@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import signal
 import threading
 import time
@@ -682,3 +683,10 @@ def test_killed_decode_worker_mid_stream_is_unavailable(cluster: Cluster,
     assert excinfo.value.code == grpc.StatusCode.UNAVAILABLE
     assert 1 <= len(received) < 900
     assert "streamed tokens" in excinfo.value.details, excinfo.value.details
+    # which worker it was, and what its channel said, stay in the router's log
+    assert "decode-0" not in excinfo.value.details and "127.0.0.1" not in excinfo.value.details
+    assert cluster.router is not None
+    router = cluster.router
+    wait_until(lambda: re.search(r"failed after \d+ streamed tokens \(decode-0: ",
+                                 router.log_tail(100_000)), 10.0,
+               "the router to log which worker failed")

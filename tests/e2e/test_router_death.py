@@ -141,3 +141,44 @@ def test_a_router_killed_under_load_is_cleaned_up_within_the_ttl(live: Cluster) 
     assert took < FREED_WITHIN_S, f"freed {took:.1f}s after the kill"
     assert c.info(c.decode[0]).kv.in_use_blocks == 0
     assert isinstance(c.info(c.prefill[0]), wpb.WorkerInfo)
+
+
+def test_a_draining_worker_still_frees_a_dead_router_s_stream(live: Cluster) -> None:
+    # the worker's lease watcher runs through its drain grace: a stream whose router hung
+    # (SIGSTOP: its connection stays open) is freed by the lease within the TTL, not held
+    # to the end of the worker's 30 s grace
+    c = live
+    old = c.decode.pop()
+    old.stop()
+    decode = c.start_worker("decode", 1, "--num-kv-blocks", "256", "--grace", "30")
+    decode.wait_ready()
+    c.wait_serving()
+    assert c.router is not None
+    router = c.router
+    pause = PauseDir(c.pause_dir(decode.name))
+    pause.arm("decode.token", n=10)
+    gone = "is gone (its router died or lost it)"
+    with ThreadPoolExecutor(1) as pool:
+        result = _stream(pool, c.address, "drained", max_tokens=1500)
+        try:
+            pause.wait_paused("decode.token", 30.0)
+            router.proc.send_signal(signal.SIGSTOP)
+            decode.proc.send_signal(signal.SIGTERM)
+            terminated_at = time.monotonic()
+            wait_until(lambda: gone in decode.log_path.read_text(errors="replace"), 30.0,
+                       "the draining worker to see the hung router's lease gone")
+            took = time.monotonic() - terminated_at
+        finally:
+            pause.disarm("decode.token")
+            pause.release("decode.token")
+            # its aborted call's last frames wait on the hung peer until keepalive gives up
+            # on it; that exit is not what this test is about
+            decode.proc.kill()
+            decode.proc.wait(10)
+            router.proc.send_signal(signal.SIGCONT)
+        with pytest.raises(PdserveError):
+            result.result(timeout=TIMEOUT_S)
+    assert took < FREED_WITHIN_S, f"freed {took:.1f}s after SIGTERM (the grace is 30 s)"
+    c.decode.remove(decode)
+    c.start_worker("decode", 2, "--num-kv-blocks", "256").wait_ready()
+    c.wait_serving()
