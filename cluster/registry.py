@@ -17,6 +17,10 @@ Key schema — built only by ``Keys``; everything lives under ``pdserve:{cluster
                         every refresh once it pinned the layout of its own model
                         (``assert_fingerprint``), so a worker of another model that claims
                         it first after Redis lost its data does not keep it; nobody deletes it.
+    token_required      "1", no TTL: set by every router and worker started with a cluster
+                        token (``cluster.token``); one started without refuses to join a
+                        cluster that has it (``ClusterTokenRequired``). Delete it by hand to
+                        run a cluster without a token again.
 
 Redis down: ``Registry`` methods raise ``RegistryUnavailable`` after at most a few socket
 timeouts (no retries inside); ``Heartbeat`` logs and retries on its next beat; ``WorkerView``
@@ -68,6 +72,15 @@ class RegistryAuthError(RegistryError):
     """Redis refused the credentials of the URL (wrong or missing password)."""
 
 
+class ClusterTokenRequired(RegistryError):
+    """This process has no cluster token, and its cluster requires one."""
+
+    def __init__(self, cluster: str) -> None:
+        super().__init__(f"cluster {cluster!r} requires the cluster token: give "
+                         "--cluster-token-file or $PDSERVE_CLUSTER_TOKEN (the same as its "
+                         "other processes)")
+
+
 class FingerprintMismatch(RegistryError):
     """A layout differs from the cluster's fingerprint; ``field`` names the first difference."""
 
@@ -93,6 +106,10 @@ class Keys:
     @property
     def fingerprint(self) -> str:
         return f"{self.prefix}fingerprint"
+
+    @property
+    def token_required(self) -> str:
+        return f"{self.prefix}token_required"
 
     @property
     def worker_pattern(self) -> str:
@@ -145,6 +162,17 @@ class Registry:
         """Raises unless Redis answers with these credentials (a startup check)."""
         with self._errors("pinging"):
             self._client.ping()
+
+    def check_token(self, has_token: bool) -> None:
+        """With a token: mark the cluster as requiring one. Without: ``ClusterTokenRequired``
+        when it is so marked (see the key schema)."""
+        with self._errors("checking the cluster token rule"):
+            if has_token:
+                self._client.set(self.keys.token_required, "1")
+                return
+            required = self._client.exists(self.keys.token_required)
+        if required:
+            raise ClusterTokenRequired(self.keys.cluster)
 
     def cluster_layout(self) -> KVLayout | None:
         """The cluster fingerprint, or ``None`` when none is set yet."""

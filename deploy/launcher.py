@@ -2,7 +2,9 @@
 of ``pdserve up`` around any of them.
 
 ``Launcher.start`` runs the one start order — the router's ports checked (a taken one fails
-before anything starts) → ``_prepare`` (log directory, model) → Redis (a private one unless
+before anything starts) → ``_prepare`` (log directory, model) → the cluster token
+(``deploy.spec.cluster_token``; a generated one is written to ``LOG_DIR/cluster.token``,
+mode 0600, for processes of your own) → Redis (a private one unless
 ``ClusterSpec.redis_url`` names one) → every worker, each ready once it has registered →
 the router — and on any failure stops what it started, then re-raises. ``stop`` runs the
 reverse (router: stops accepting and finishes its streams; workers: drain and deregister;
@@ -14,6 +16,7 @@ one) and ``deploy.ray.RayLauncher`` (Ray actors, a placement group per worker).
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -25,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from deploy.spec import ClusterError, ClusterSpec, check_ports, redacted
+from deploy.spec import ClusterError, ClusterSpec, check_ports, cluster_token, redacted
 
 POLL_S = 0.1
 
@@ -39,6 +42,7 @@ class Launcher(ABC):
         self.progress = progress or (lambda _line: None)
         self.log_dir: Path | None = Path(spec.log_dir) if spec.log_dir is not None else None
         self.redis_url: str | None = spec.redis_url
+        self.cluster_token: str | None = None  # what every child gets in its environment
 
     def __enter__(self) -> Launcher:
         return self.start()
@@ -55,6 +59,7 @@ class Launcher(ABC):
         try:
             check_ports(self.spec)
             self._prepare()
+            self._resolve_token()
             self._start_redis()
             self._start_workers()
             if self.spec.start_router:
@@ -141,6 +146,23 @@ class Launcher(ABC):
             self.log_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self.log_dir
+
+    def _resolve_token(self) -> None:
+        token, generated = cluster_token(self.spec)
+        self.cluster_token = token
+        if token is None or not generated:
+            if token is None:
+                self.progress("no cluster token: the workers' internal API and KV channels are "
+                              "open to anyone who can reach them")
+            return
+        where = ""
+        if self.log_dir is not None:
+            path = self.log_dir / "cluster.token"
+            path.unlink(missing_ok=True)
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(token + "\n")
+            where = f" ({path}, for processes of your own: --cluster-token-file)"
+        self.progress(f"generated the cluster token{where}")
 
     def _say_redis(self) -> bool:
         """Reports a given Redis URL; True when there is one (nothing to start)."""

@@ -7,7 +7,8 @@ children in order) and SIGKILLed by the kernel when the supervisor dies, however
 Worker rank processes die with their worker. The start and stop order is the launcher
 skeleton's (``deploy.launcher``); the private Redis listens on a free loopback port and
 has a generated password. Each child's stdout/stderr goes to ``LOG_DIR/NAME.log``;
-failures quote its tail. The Redis URL reaches the children in their environment only.
+failures quote its tail. The Redis URL and the cluster token reach the children in their
+environment only.
 
 Pinning (``ClusterSpec.cpu_affinity``, for benchmarks; off by default): a child named
 there (``prefill-0``, ``decode-1``, ``router``) runs on those CPUs only, and so does
@@ -33,6 +34,7 @@ from deploy.children import child_env, describe_exit, quote_log, spawn, terminat
 from deploy.launcher import Launcher
 from deploy.redis_server import RedisServer, RedisServerError
 from deploy.spec import (
+    CLUSTER_TOKEN_ENV,
     REDIS_URL_ENV,
     ChildExited,
     ClusterError,
@@ -187,6 +189,8 @@ class LocalLauncher(Launcher):
         log_path = self.log_dir / f"{name}.log"
         cpus = self.spec.cpu_affinity.get(name)
         env = {**self.child_env(cpus), REDIS_URL_ENV: self.redis_url}
+        if self.cluster_token is not None:
+            env[CLUSTER_TOKEN_ENV] = self.cluster_token
         with open(log_path, "wb") as log:
             proc = spawn([*argv, "--ready-file", str(ready_path)], stdout=log,
                          stderr=subprocess.STDOUT, env=env, cpus=cpus)

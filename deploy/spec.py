@@ -6,14 +6,16 @@ name. ``ClusterSpec`` says how many of each to start, on which model, bound wher
 launcher (``deploy.local``, ``deploy.ray``) turns it into processes. The options here are
 the servers' own command lines (``pdserve router``, ``pdserve prefill|decode``): a launcher
 reaches a server through them and its option module only, never through its internals.
-Secrets (the Redis URL with its password, API keys) never go on a command line: the
-launchers pass them in the environment (``REDIS_URL_ENV``, ``API_KEY_ENV``).
+Secrets (the Redis URL with its password, API keys, the cluster token) never go on a
+command line: the launchers pass them in the environment (``REDIS_URL_ENV``,
+``API_KEY_ENV``, ``CLUSTER_TOKEN_ENV``; ``cluster_token`` says which token).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import secrets
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,11 +23,12 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from router.options import API_KEY_ENV, DEFAULT_HTTP_PORT, DEFAULT_PORT, LOCAL_PREFILL_MODES
-from worker.options import REDIS_URL_ENV, WILDCARDS
+from worker.options import CLUSTER_TOKEN_ENV, REDIS_URL_ENV, WILDCARDS
 
-__all__ = ["API_KEY_ENV", "LOOPBACK", "REDIS_URL_ENV", "WILDCARDS", "ChildExited", "ClusterError",
-           "ClusterSpec", "PortInUse", "WorkerSlot", "check_cpus", "check_port_free",
-           "is_loopback", "redacted", "router_options", "worker_options"]
+__all__ = ["API_KEY_ENV", "CLUSTER_TOKEN_ENV", "LOOPBACK", "REDIS_URL_ENV", "WILDCARDS",
+           "ChildExited", "ClusterError", "ClusterSpec", "PortInUse", "WorkerSlot", "check_cpus",
+           "check_port_free", "cluster_token", "is_loopback", "redacted", "router_options",
+           "worker_options"]
 
 LOOPBACK = "127.0.0.1"
 ROLES = ("prefill", "decode")
@@ -58,6 +61,9 @@ class ClusterSpec:
     http_port: int | None = DEFAULT_HTTP_PORT  # its OpenAI-compatible HTTP API; None: off
     chat_template: Path | None = None  # router's --chat-template
     redis_url: str | None = None  # None: a private redis-server the launcher starts
+    # the cluster token's file; None: $PDSERVE_CLUSTER_TOKEN, else a generated one when the
+    # launcher starts the Redis (nobody else can join that cluster), else none
+    cluster_token_file: Path | None = None
     name: str = "default"  # the cluster's name: its Redis key namespace (``--cluster``)
     log_dir: Path | None = None  # None: a fresh temp dir
     num_kv_blocks: int | None = None  # per worker; None: fit to memory
@@ -129,6 +135,29 @@ class ChildExited(ClusterError):
 
 
 # ------------------------------------------------------------------ the servers' options
+
+def cluster_token(spec: ClusterSpec, environ: Mapping[str, str] = os.environ
+                  ) -> tuple[str | None, bool]:
+    """The cluster token text the launcher gives every child (in ``CLUSTER_TOKEN_ENV``),
+    and whether it was generated here: ``spec.cluster_token_file``'s content, else
+    ``$PDSERVE_CLUSTER_TOKEN``, else a fresh one for a cluster on a Redis of the launcher's
+    own, else None (an external Redis's cluster keeps what its other processes use). The
+    servers check its form; ``ClusterError`` for an unreadable or empty file."""
+    if spec.cluster_token_file is not None:
+        try:
+            text = Path(spec.cluster_token_file).read_text().strip()
+        except OSError as exc:
+            raise ClusterError(f"cannot read the cluster token file {spec.cluster_token_file}: "
+                               f"{exc.strerror}") from None
+        if not text:
+            raise ClusterError(f"the cluster token file {spec.cluster_token_file} is empty")
+        return text, False
+    if environ.get(CLUSTER_TOKEN_ENV, "").strip():
+        return environ[CLUSTER_TOKEN_ENV].strip(), False
+    if spec.redis_url is None:
+        return secrets.token_urlsafe(32), True
+    return None, False
+
 
 def worker_options(spec: ClusterSpec, slot: WorkerSlot) -> list[str]:
     """``pdserve prefill|decode`` options every launcher gives ``slot`` (it adds where the

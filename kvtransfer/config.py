@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 LOOPBACK = "127.0.0.1"
 
@@ -24,6 +24,10 @@ class TransferConfig:
     - ``park_timeout_s``: how long a receiver holds a part of a transfer it was not told
       about yet before ignoring it (default ``timeout_s / 3``, so the sender's wait on
       that part ends well within its own timeout).
+    - ``auth_keys``: with keys (derived from the cluster token; the first is this side's
+      own, a second one is accepted while the token rotates), channels open only between
+      ends that prove one of them and every part carries a MAC (``kvtransfer.wire.auth``);
+      without, channels are unauthenticated.
     """
 
     timeout_s: float = 30.0
@@ -33,6 +37,7 @@ class TransferConfig:
     idle_timeout_s: float = 600.0
     park_timeout_s: float | None = None
     remember_finished: int = 100_000
+    auth_keys: tuple[bytes, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.idle_timeout_s <= 0:

@@ -99,6 +99,7 @@ def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     from router.options import DEFAULT_HTTP_PORT, DEFAULT_PORT, LOCAL_PREFILL_MODES
+    from worker.options import CLUSTER_TOKEN_ENV, REDIS_URL_ENV
 
     up = sub.add_parser("up", help="run a whole cluster locally (Redis, workers, router)")
     up.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
@@ -114,7 +115,14 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--no-http", dest="http", action="store_false",
                     help="serve gRPC only (no HTTP API)")
     up.add_argument("--chat-template", help="the router's --chat-template (a Jinja file)")
-    up.add_argument("--redis-url", help="use this Redis (default: a private redis-server)")
+    up.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV),
+                    help=f"use this Redis (default: ${REDIS_URL_ENV}, else a private "
+                         "redis-server with a generated password; prefer the variable, which "
+                         "keeps a password off the command line)")
+    up.add_argument("--cluster-token-file",
+                    help="the cluster token every process gets (in its environment; default: "
+                         f"${CLUSTER_TOKEN_ENV}, else one generated for a private Redis's "
+                         "cluster, else none)")
     up.add_argument("--cluster", default="default", help="Redis key namespace")
     up.add_argument("--log-dir", help="children's logs (default: a fresh temp dir)")
     up.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (default: fit)")
@@ -162,6 +170,7 @@ def _up(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, http_port=args.http_port if args.http else None,
             chat_template=Path(args.chat_template) if args.chat_template else None,
             redis_url=args.redis_url, name=args.cluster,
+            cluster_token_file=Path(args.cluster_token_file) if args.cluster_token_file else None,
             log_dir=Path(args.log_dir) if args.log_dir else None,
             num_kv_blocks=args.num_kv_blocks, max_inflight=args.max_inflight,
             local_prefill=args.local_prefill, start_router=args.router)

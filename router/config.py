@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.token import ClusterToken
+
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
 LOCAL_PREFILL_MODES = ("never", "fallback", "always")
@@ -130,6 +132,9 @@ class RouterConfig:
     http: HttpConfig | None = None  # None: no HTTP API
     # serve the internal introspection service (RouterDebug) here (0: any); None: off
     debug_port: int | None = None
+    debug_host: str = "127.0.0.1"  # loopback unless asked otherwise
+    # sent on every call to a worker (and the KV plane's secret); None: the plane is open
+    cluster_token: ClusterToken | None = field(default=None, repr=False)
 
     @property
     def address(self) -> str:

@@ -1,9 +1,9 @@
 """The router's introspection service (``pdserve.internal.v1.RouterDebug``): what this
 router holds right now, for leak checks and debugging. A thin gRPC adapter.
 
-Internal only: served on its own plaintext port (``--debug-port``, bound to ``--host``),
-never on the public API port, and it carries no authentication: give it a loopback or
-otherwise private address.
+Internal only: served on its own plaintext port (``--debug-port``), never on the public
+API port, bound to ``--debug-host`` (loopback by default, whatever ``--host`` is); with
+an API key set it requires the key, as the public API does.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import grpc
 
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
+from router.auth import api_key_interceptor
 from router.core import RouterCore
 
 
@@ -39,11 +40,12 @@ def holdings(core: RouterCore) -> pb.RouterHoldings:
         unwritten_leases=leases.num_unwritten)
 
 
-async def start_debug_server(core: RouterCore, host: str, port: int
-                             ) -> tuple[grpc.aio.Server, str]:
-    """The RouterDebug service alone on ``host:port`` (0: any); (server, "host:port").
-    ``RuntimeError`` when the port cannot be bound."""
-    server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+async def start_debug_server(core: RouterCore, host: str, port: int,
+                             api_key: str | None = None) -> tuple[grpc.aio.Server, str]:
+    """The RouterDebug service alone on ``host:port`` (0: any), requiring ``api_key`` when
+    given; (server, "host:port"). ``RuntimeError`` when the port cannot be bound."""
+    interceptors = [] if api_key is None else [api_key_interceptor(api_key)]
+    server = grpc.aio.server(options=(("grpc.so_reuseport", 0),), interceptors=interceptors)
     pb_grpc.add_RouterDebugServicer_to_server(RouterDebugServicer(core), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

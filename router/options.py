@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from cluster.token import add_token_arg
 from router.config import (
     DEFAULT_HTTP_PORT,
     DEFAULT_LEASE_TTL_S,
@@ -85,7 +86,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug-port", type=int,
                         help="serve the internal introspection service (RouterDebug: requests, "
                              "attempts, leases, pending aborts, channels) in plaintext on this "
-                             "port of --host (0: any free port; default: off). Internal only")
+                             "port of --debug-host (0: any free port; default: off); it "
+                             "requires the API key when one is set")
+    parser.add_argument("--debug-host", default="127.0.0.1",
+                        help="the address --debug-port binds (default 127.0.0.1: loopback "
+                             "only, whatever --host is)")
+    add_token_arg(parser)
     parser.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
     parser.add_argument("--tls-key", help="... and this PEM private key")
     parser.add_argument("--api-key-file",

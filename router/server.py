@@ -37,9 +37,10 @@ from cluster.files import write_json_atomic
 from cluster.fingerprint import fingerprint_model_dir
 from cluster.keepalive import SERVER_OPTIONS as KEEPALIVE_SERVER_OPTIONS
 from cluster.leases import LeaseKeeper, LeaseStore
-from cluster.registry import Registry, RegistryAuthError
+from cluster.registry import ClusterTokenRequired, Registry, RegistryAuthError
+from cluster.token import load_cluster_token
 from engine.text.tokenizer import load_tokenizer
-from router.auth import ApiKeyInterceptor, load_api_key
+from router.auth import api_key_interceptor, load_api_key
 from router.config import (
     AdmissionConfig,
     DiscoveryConfig,
@@ -82,7 +83,7 @@ class Router:
         d = config.discovery
         self.registry = Registry(d.redis_url, cluster=d.cluster)
         self.pool = WorkerPool(self.registry, fingerprint, keep_missing_s=d.keep_missing_s,
-                               suspect_s=d.suspect_s)
+                               suspect_s=d.suspect_s, token=config.cluster_token)
         self.leases = LeaseKeeper(LeaseStore(d.redis_url, cluster=d.cluster),
                                   config.handoff.lease_ttl_s)
         self.core = RouterCore(self.pool, self.limits, tokenizer, handoff=config.handoff,
@@ -110,7 +111,7 @@ class Router:
 
     async def start(self) -> str:
         """Binds, reads the workers once, starts serving; returns ``host:port``."""
-        interceptors = [ApiKeyInterceptor(self.config.api_key)] if self.config.api_key else []
+        interceptors = [api_key_interceptor(self.config.api_key)] if self.config.api_key else []
         # gRPC core cancels calls past its pending (not yet handed to us) limit, 1000 by
         # default: a burst larger than that must reach admission, which answers every one
         # of them (OK or RESOURCE_EXHAUSTED), never a silent CANCELLED
@@ -144,7 +145,9 @@ class Router:
                 raise RouterStartError(str(exc)) from None
         try:
             await asyncio.to_thread(self.registry.ping)
-        except RegistryAuthError as exc:
+            await asyncio.to_thread(self.registry.check_token,
+                                    self.config.cluster_token is not None)
+        except (RegistryAuthError, ClusterTokenRequired) as exc:
             raise RouterStartError(str(exc)) from None
         except Exception as exc:  # unreachable: keep going, the refresh loop retries
             logger.warning("Redis not reachable yet (%s); routing starts once it is", exc)
@@ -155,7 +158,8 @@ class Router:
         if self.config.debug_port is not None:
             try:
                 self._debug_server, self.debug_address = await start_debug_server(
-                    self.core, self.config.host, self.config.debug_port)
+                    self.core, self.config.debug_host, self.config.debug_port,
+                    self.config.api_key)
             except RuntimeError as exc:
                 raise RouterStartError(str(exc)) from None
         self.leases.start()
@@ -262,7 +266,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         handoff=HandoffConfig(local_prefill=args.local_prefill, lease_ttl_s=args.lease_ttl,
                               prefill_routing=args.prefill_routing),
         health_port=args.health_port, metrics_port=args.metrics_port, http=_http(args),
-        debug_port=args.debug_port)
+        debug_port=args.debug_port, debug_host=args.debug_host,
+        cluster_token=load_cluster_token(args.cluster_token_file))
 
 
 def _http(args: argparse.Namespace) -> HttpConfig | None:

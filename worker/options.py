@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from engine.config import RANK_GPUS_ENV  # standard library only too
+from cluster.token import CLUSTER_TOKEN_ENV, add_token_arg  # standard library only too
+from engine.config import RANK_GPUS_ENV
 
-__all__ = ["RANK_GPUS_ENV", "REDIS_URL_ENV", "WILDCARDS", "add_decode_args", "add_worker_args",
-           "advertise_host", "dtype"]
+__all__ = ["CLUSTER_TOKEN_ENV", "RANK_GPUS_ENV", "REDIS_URL_ENV", "WILDCARDS", "add_decode_args",
+           "add_worker_args", "advertise_host", "dtype"]
 
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
 """Where ``--redis-url`` defaults from (so a password never has to be on a command line)."""
@@ -62,6 +63,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stall-timeout", type=float, default=60.0,
                         help="seconds the engine loop may complete no step while it has work "
                              "before health says NOT_SERVING")
+    add_token_arg(parser)
 
 
 def add_decode_args(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,8 @@ import grpc
 
 from cluster.fingerprint import fingerprint_model_dir
 from cluster.records import WorkerLoad
-from cluster.registry import FingerprintMismatch, Registry, RegistryError
+from cluster.registry import ClusterTokenRequired, FingerprintMismatch, Registry, RegistryError
+from cluster.token import ClusterToken, load_cluster_token
 from engine.config import (
     CacheConfig,
     EngineConfig,
@@ -68,15 +69,18 @@ class WorkerKind:
     add_servicer: Callable[[EngineLoop, Identity, grpc.Server], None]
 
 
-def kv_plane_config(args: argparse.Namespace, fingerprint: str) -> KVPlaneConfig:
+def kv_plane_config(args: argparse.Namespace, fingerprint: str,
+                    token: ClusterToken | None = None) -> KVPlaneConfig:
     """Every rank's KV plane settings: rank 0's store (when it receives) binds ``--host``
-    on ``--kv-port`` (0: any), the data plane advertises and binds ``--advertise-host``."""
+    on ``--kv-port`` (0: any), the data plane advertises and binds ``--advertise-host``;
+    with a cluster token, channels are authenticated with keys derived from it."""
     fault_hook = os.environ.get(FAULT_HOOK_ENV) or None
     if fault_hook is not None:
         log.warning("test-only KV fault hook %s is active (%s)", fault_hook, FAULT_HOOK_ENV)
     return KVPlaneConfig(fingerprint, timeout_s=args.transfer_timeout, bind_host=args.host,
                          store_port=getattr(args, "kv_port", 0),
-                         advertise_host=options.advertise_host(args), fault_hook=fault_hook)
+                         advertise_host=options.advertise_host(args), fault_hook=fault_hook,
+                         auth_keys=tuple(k.hex() for k in token.kv_keys()) if token else ())
 
 
 def kv_address(loop: EngineLoop) -> str:
@@ -100,28 +104,37 @@ def engine_config(args: argparse.Namespace, rank_plugin: str = "",
         rank_plugin=rank_plugin, rank_plugin_config=plugin_config)
 
 
-def build_engine(args: argparse.Namespace, fingerprint: str) -> EngineCore:
+def build_engine(args: argparse.Namespace, fingerprint: str,
+                 token: ClusterToken | None = None) -> EngineCore:
     """The worker's engine with the KV rank plugin on every rank; spawns the follower ranks
     (call before any gRPC object exists)."""
-    return EngineCore(engine_config(args, PLUGIN, kv_plane_config(args, fingerprint).to_json()),
-                      load_tokenizer(args.model))
+    plugin_config = kv_plane_config(args, fingerprint, token).to_json()
+    return EngineCore(engine_config(args, PLUGIN, plugin_config), load_tokenizer(args.model))
 
 
-def refusal(args: argparse.Namespace, layout: KVLayout) -> FingerprintMismatch | None:
+def refusal(args: argparse.Namespace, layout: KVLayout, token: ClusterToken | None = None
+            ) -> str | None:
     """Why this worker could never join its cluster, asked before anything is loaded:
-    the cluster fingerprint differs from ``layout``. ``None`` when it matches, none is
-    set, or Redis does not answer now (registration, after readiness, checks again and
-    waits for Redis)."""
+    the cluster fingerprint differs from ``layout`` (the message names the field), or the
+    cluster requires a token this worker lacks. ``None`` when neither, or when Redis does
+    not answer now (registration, after readiness, checks the fingerprint again and waits
+    for Redis)."""
     if not args.redis_url:
         return None
     try:
         with Registry(args.redis_url, cluster=args.cluster) as registry:
+            registry.check_token(token is not None)
             cluster = registry.cluster_layout()
+    except ClusterTokenRequired as exc:
+        return str(exc)
     except RegistryError as exc:
-        log.info("could not check the cluster fingerprint before loading: %s", exc)
+        log.info("could not check the cluster before loading: %s", exc)
         return None
     diff = None if cluster is None else layout.diff(cluster)
-    return None if diff is None else FingerprintMismatch(args.cluster, diff)
+    if diff is None:
+        return None
+    mismatch = FingerprintMismatch(args.cluster, diff)
+    return f"{mismatch} (differing field: {mismatch.field})"
 
 
 def warm_up(core: EngineCore) -> None:
@@ -136,19 +149,19 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
     returns the exit code (2 for unusable options, before anything starts)."""
     try:
         options.advertise_host(args)
+        token = load_cluster_token(args.cluster_token_file)
     except ValueError as exc:
         print(f"pdserve {kind.role}: {exc}", file=sys.stderr)
         return 2
     fingerprint = fingerprint_model_dir(args.model)
     layout = KVLayout.from_engine_config(engine_config(args), fingerprint)
-    if (refused := refusal(args, layout)) is not None:
-        print(f"pdserve {kind.role}: not joining the cluster: {refused} "
-              f"(differing field: {refused.field})", file=sys.stderr)
+    if (refused := refusal(args, layout, token)) is not None:
+        print(f"pdserve {kind.role}: not joining the cluster: {refused}", file=sys.stderr)
         return 3
     identity = Identity(args.worker_id or f"{kind.role}-{uuid.uuid4().hex[:12]}", kind.role,
                         args.tensor_parallel_size, fingerprint)
     metrics = WorkerMetrics(Path(args.model).resolve().name, kind.role, identity.worker_id)
-    core = build_engine(args, fingerprint)
+    core = build_engine(args, fingerprint, token)
     try:
         warm_up(core)
         loop = kind.make_loop(core, args, metrics)
@@ -174,5 +187,6 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
 
     endpoint = Endpoint(identity, layout,
                         kv_address(loop),
-                        lambda server: kind.add_servicer(loop, identity, server), load, metrics)
+                        lambda server: kind.add_servicer(loop, identity, server), load, metrics,
+                        token)
     return serve_until_signal(args, loop, endpoint)

@@ -29,12 +29,14 @@ import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster.auth import cluster_token_interceptor
 from cluster.files import write_json_atomic
 from cluster.heartbeat import Heartbeat
 from cluster.keepalive import INTERNAL_SERVER_OPTIONS
 from cluster.leases import LeaseStore
 from cluster.records import WorkerLoad, WorkerRecord
 from cluster.registry import FingerprintMismatch, Registry
+from cluster.token import ClusterToken
 from engine.kvcache.layout import KVLayout
 from worker.leases import LeaseWatcher
 from worker.loop import Abort, EngineLoop
@@ -134,6 +136,7 @@ class Endpoint:
     add_servicers: Callable[[grpc.aio.Server], None]
     load_fn: Callable[[], WorkerLoad]
     metrics: WorkerMetrics
+    token: ClusterToken | None = None  # every call but health must carry it (None: open)
 
 
 def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
@@ -161,7 +164,8 @@ def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
 
 
 async def _serve(args: Any, loop: EngineLoop, endpoint: Endpoint, metrics_address: str) -> int:
-    server = grpc.aio.server(options=INTERNAL_SERVER_OPTIONS)
+    interceptors = [] if endpoint.token is None else [cluster_token_interceptor(endpoint.token)]
+    server = grpc.aio.server(options=INTERNAL_SERVER_OPTIONS, interceptors=interceptors)
     endpoint.add_servicers(server)
     health_ = Health(server)
     await health_.set(False)

@@ -207,7 +207,7 @@ class RayLauncher(Launcher):
         self.progress("starting " + ", ".join(f"{p.name} (TP {p.tp})" for p in plans) + " ...")
         for plan, group in zip(plans, self._placement_groups, strict=True):
             spec = worker_spec(self.ray_spec, plan, log_dir=str(self.log_dir),
-                               redis_url=self.redis_url)
+                               redis_url=self.redis_url, token=self.cluster_token)
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
             actor = self._actor(SupervisedChild, plan.name, (spec,),
                                 max_restarts=self.ray_spec.max_restarts,
@@ -229,7 +229,8 @@ class RayLauncher(Launcher):
         assert self.redis_url is not None
         self.progress(f"starting router on {self.spec.host}:{self.spec.port} ...")
         spec = router_spec(self.ray_spec, log_dir=str(self.log_dir), redis_url=self.redis_url,
-                           api_key=os.environ.get(API_KEY_ENV) or None)
+                           api_key=os.environ.get(API_KEY_ENV) or None,
+                           token=self.cluster_token)
         actor = self._actor(SupervisedChild, "router", (spec,),
                             num_cpus=self.ray_spec.router_cpus, max_restarts=0,
                             scheduling_strategy=self._here())

@@ -16,8 +16,11 @@ bundle. With Ray's ``GPU`` resource Ray gives the actor R GPU ids; its child sta
 ``CUDA_VISIBLE_DEVICES`` = rank 0's id and ``PDSERVE_RANK_GPUS`` = all R ids in rank order,
 so every rank process sees exactly its own GPU (``worker.options.RANK_GPUS_ENV``).
 
-Secrets (the Redis URL with its password, the router's API key) reach the children in their
-environment only (``$PDSERVE_REDIS_URL``, ``$PDSERVE_API_KEY``), never on a command line.
+Secrets (the Redis URL with its password, the router's API key, the cluster token) reach
+the children in their environment only (``$PDSERVE_REDIS_URL``, ``$PDSERVE_API_KEY``,
+``$PDSERVE_CLUSTER_TOKEN``), never on a command line. With a Redis of its own (the default)
+the launcher generates the cluster token, so the workers' ports on the nodes' routable
+addresses serve only the cluster's router.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 from deploy.children import child_env as base_child_env
 from deploy.spec import (
     API_KEY_ENV,
+    CLUSTER_TOKEN_ENV,
     REDIS_URL_ENV,
     WILDCARDS,
     ClusterSpec,
@@ -158,15 +162,19 @@ def plan_workers(spec: RaySpec) -> list[WorkerPlan]:
             for slot in spec.cluster.workers]
 
 
-def worker_spec(spec: RaySpec, plan: WorkerPlan, *, log_dir: str, redis_url: str) -> ChildSpec:
+def worker_spec(spec: RaySpec, plan: WorkerPlan, *, log_dir: str, redis_url: str,
+                token: str | None = None) -> ChildSpec:
     options = [*worker_options(spec.cluster, plan.slot), "--device", spec.device]
+    secrets = [(REDIS_URL_ENV, redis_url)] + ([(CLUSTER_TOKEN_ENV, token)] if token else [])
     return ChildSpec(plan.name, plan.slot.role, tuple(options), _model(spec.cluster), log_dir,
                      spec.cluster.host, threads=max(1, int(spec.cpus_per_rank)), restart=True,
-                     secrets=((REDIS_URL_ENV, redis_url),))
+                     secrets=tuple(secrets))
 
 
-def router_spec(spec: RaySpec, *, log_dir: str, redis_url: str, api_key: str | None) -> ChildSpec:
+def router_spec(spec: RaySpec, *, log_dir: str, redis_url: str, api_key: str | None,
+                token: str | None = None) -> ChildSpec:
     secrets = [(REDIS_URL_ENV, redis_url)] + ([(API_KEY_ENV, api_key)] if api_key else [])
+    secrets += [(CLUSTER_TOKEN_ENV, token)] if token else []
     return ChildSpec("router", "router", tuple(router_options(spec.cluster)), _model(spec.cluster),
                      log_dir, spec.cluster.host, threads=max(1, int(spec.router_cpus)),
                      restart=False, secrets=tuple(secrets))
@@ -193,7 +201,7 @@ def child_env(spec: ChildSpec, *, base: Mapping[str, str], node_ip: str,
     """The child's environment: ``base`` (the actor's) without secrets it was not given,
     plus its own secrets, its thread count, gloo on loopback when the node's IP is, and its
     ranks' GPUs (``gpu_ids``, the actor's, in rank order)."""
-    strip = (REDIS_URL_ENV, API_KEY_ENV, RANK_GPUS_ENV, "OMP_NUM_THREADS")
+    strip = (REDIS_URL_ENV, API_KEY_ENV, CLUSTER_TOKEN_ENV, RANK_GPUS_ENV, "OMP_NUM_THREADS")
     env = base_child_env({k: v for k, v in base.items() if k not in strip},
                          threads=spec.threads, host=node_ip)
     env.update(spec.secrets)

@@ -8,11 +8,14 @@ refused when the sender's layout or TP size cannot exchange KV with this receive
 (LAYOUT_MISMATCH) or every channel slot is taken (BUSY: the sender retries); otherwise it is
 ACCEPTED and a joiner thread of its own builds the channel's groups — joining blocks until
 the sender joins too (at most the timeout), so a sender that dies mid-open holds up no one
-else's opens.
+else's opens. With ``TransferConfig.auth_keys`` a request without the sender's nonce is
+refused (UNAUTHENTICATED), an accepted one carries this receiver's nonce and proofs, and
+the joiner joins only once the sender's proof checked out (``kvtransfer.wire.auth``).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 import time
@@ -34,9 +37,11 @@ from kvtransfer.transport.channel import (
     accept_key,
     join_channel,
     layout_refusal,
+    proof_key,
     reply_key,
 )
 from kvtransfer.transport.pool import ChannelPool
+from kvtransfer.wire import auth
 from kvtransfer.wire.protocol import OpenReply, OpenRequest, OpenStatus
 
 log = logging.getLogger(__name__)
@@ -103,7 +108,7 @@ class Acceptor:
             store.set(reply_key(request.channel_id), reply.encode())
             if reply.status is OpenStatus.ACCEPTED:
                 joiner = threading.Thread(
-                    target=self._join_accepted, args=(request,), daemon=True,
+                    target=self._join_accepted, args=(request, reply.nonce), daemon=True,
                     name=f"kvtransfer-join-{self.tp_rank}/{request.channel_id}")
                 with self._lock:
                     self._joiners.add(joiner)
@@ -120,21 +125,37 @@ class Acceptor:
         if refusal is not None:
             self.stats.channels_refused += 1
             return OpenReply(OpenStatus.LAYOUT_MISMATCH, self.tp_size, 0, refusal)
+        keys = self.config.auth_keys
+        if keys and not request.nonce:
+            self.stats.channels_refused += 1
+            return OpenReply(OpenStatus.UNAUTHENTICATED, self.tp_size, 0,
+                             "this receiver requires the cluster token (--cluster-token-file "
+                             "or $PDSERVE_CLUSTER_TOKEN)")
         try:
             self.pool.reserve(0.0, wait=False)
         except ChannelError:
             self.stats.busy_replies += 1
             return OpenReply(OpenStatus.BUSY, self.tp_size, 0, "all channels in use")
-        return OpenReply(OpenStatus.ACCEPTED, self.tp_size, self.config.part_bytes, "")
+        if not keys:
+            return OpenReply(OpenStatus.ACCEPTED, self.tp_size, self.config.part_bytes, "")
+        mine = auth.nonce()
+        proofs = auth.receiver_proofs(keys, request.channel_id, request.nonce, mine)
+        return OpenReply(OpenStatus.ACCEPTED, self.tp_size, self.config.part_bytes, "", mine,
+                         ",".join(proofs))
 
-    def _join_accepted(self, request: OpenRequest) -> None:
-        """Build an accepted channel's groups and hand it to the receiver (a joiner)."""
+    def _join_accepted(self, request: OpenRequest, receiver_nonce: str) -> None:
+        """Check the sender's proof (authenticating), build an accepted channel's groups
+        and hand it to the receiver (a joiner)."""
         try:  # its own store client: concurrent waits on one client confuse each other
             store = connect_store(self.store_address, timeout_s=self.config.timeout_s)
+            mac = self._sender_proved(store, request, receiver_nonce)
             channel = join_channel(store, request.channel_id, RECEIVER, self.device,
                                    self.config)
-        except (ChannelError, RuntimeError) as exc:
+            channel.mac = mac
+        except (ChannelError, RuntimeError, auth.AuthError) as exc:
             self.pool.cancel()
+            if isinstance(exc, auth.AuthError):
+                self.stats.channels_refused += 1
             log.warning("channel %d not established: %s", request.channel_id,
                         str(exc).splitlines()[0][:300])
             self._done_joining()
@@ -148,6 +169,22 @@ class Acceptor:
             return
         self.stats.channels_accepted += 1
         reader.start()
+
+    def _sender_proved(self, store: Any, request: OpenRequest, receiver_nonce: str
+                       ) -> auth.ChannelMac | None:
+        """The channel's MAC once the sender proved the token (None: unauthenticated);
+        ``AuthError`` when its proof is wrong, ``RuntimeError`` when none comes in time."""
+        keys = self.config.auth_keys
+        if not keys:
+            return None
+        key_name = proof_key(request.channel_id)
+        store.wait([key_name], datetime.timedelta(seconds=self.config.timeout_s))
+        raw = bytes(store.get(key_name))
+        store.delete_key(key_name)
+        key = auth.check_sender_proof(keys, raw, request.channel_id, request.nonce,
+                                      receiver_nonce)
+        return auth.ChannelMac(auth.channel_key(key, request.channel_id, request.nonce,
+                                                receiver_nonce))
 
     def _done_joining(self) -> None:
         with self._lock:

@@ -9,8 +9,9 @@ in one message, or on nccl the payload right after) into one of the ``RECV_DEPTH
 buffers the ring keeps posted, so the sender never waits for a "ready to receive"
 round trip. Between messages the wait is up to ``idle_timeout_s`` (the channel then
 closes itself), within a message up to ``timeout_s``. Each part is resolved to its
-transfer, verified, written into the transfer's blocks, and each message's last part
-acknowledged; then its buffer is posted again for a later part.
+transfer, verified (its MAC on an authenticated channel: a part that fails it fails its
+transfer and closes the channel), written into the transfer's blocks, and each message's
+last part acknowledged; then its buffer is posted again for a later part.
 
 Ownership: the channel belongs to the receiver's pool and counts as borrowed (never
 closed to make room) from a message's first part to its last. The ring's buffers
@@ -133,6 +134,8 @@ class RecvChannel:
             if seq == 0:
                 self.channel.forget_rendezvous()
             if header.kind == Kind.CLOSE:
+                if not self.channel.check_part(header, buffer):
+                    raise ValueError(f"part {seq} (a close) failed its MAC")
                 self._acknowledge(header, Status.OK)
                 return None
             if not mid_message and rx.pool.checkout(self.channel_id) is None:
@@ -159,6 +162,10 @@ class RecvChannel:
             raise
         rx.stats.parts_received += 1
         rx.stats.bytes_received += header.payload_nbytes
+        if not self.channel.check_part(header, payload):  # injected, or not this channel's
+            if not isinstance(target, Status):
+                rx.fail(target, TransferError("a KV part failed its MAC", header.transfer_id))
+            raise ValueError(f"part {header.seq} failed its MAC")
         if isinstance(target, Status):
             return target
         return rx.deliver(header, payload, target, self.channel_id)

@@ -297,7 +297,7 @@ class SendLane:
         """
         deadline: float | None = None
         while True:
-            ack = _decode_ack(op)
+            ack = _decode_ack(op, channel)
             if ack is not None and (ack.transfer_id, ack.seq) == (transfer_id, seq):
                 return ack
             self.ctx.stats.unexpected_acks += 1
@@ -310,11 +310,13 @@ class SendLane:
             channel.wait(op, max(0.001, deadline - now))
 
 
-def _decode_ack(op: Pending) -> Ack | None:
+def _decode_ack(op: Pending, channel: Channel) -> Ack | None:
+    """The acknowledgement received, None if malformed or without the channel's MAC."""
     try:
-        return Ack.decode(op.tensor.tolist())
+        ack = Ack.decode(op.tensor.tolist())
     except ValueError:
         return None
+    return ack if channel.check_ack(ack) else None
 
 
 def _raise_for(ack: Ack, transfer_id: int) -> None:

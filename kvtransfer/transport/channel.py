@@ -8,7 +8,9 @@ prefix no other channel uses (channel ids come from a counter in the store).
 
 Headers and acknowledgements travel on a gloo group (CPU); payloads on a second group
 whose backend follows the KV device (``nccl`` for CUDA), or on the same gloo group for
-CPU tensors. Tags follow ``kvtransfer.wire.protocol``.
+CPU tensors. Tags follow ``kvtransfer.wire.protocol``. With ``TransferConfig.auth_keys``
+the opening is a mutual proof of the cluster token and every part and acknowledgement
+carries a MAC under the channel's own key (``kvtransfer.wire.auth``; ``Channel.mac``).
 
 Ownership: a channel belongs to the ``ChannelPool`` of the sender or receiver that
 opened or accepted it. Any failed or timed-out wait closes the channel for good
@@ -17,6 +19,7 @@ opened or accepted it. Any failed or timed-out wait closes the channel for good
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import threading
 import time
@@ -29,6 +32,7 @@ from engine.kvcache.layout import KVLayout
 from engine.tp.distributed import Group, StoreAddress, backend_for, make_group
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelClosed, ChannelError, LayoutMismatch
+from kvtransfer.wire import auth
 from kvtransfer.wire.protocol import (
     HEADER_BYTES,
     MAX_SEQ,
@@ -51,6 +55,10 @@ def accept_key(receiver_rank: int) -> str:
 
 def reply_key(channel_id: int) -> str:
     return f"kvtransfer/reply/{channel_id}"
+
+
+def proof_key(channel_id: int) -> str:
+    return f"kvtransfer/proof/{channel_id}"
 
 
 def group_prefix(channel_id: int) -> str:
@@ -84,6 +92,7 @@ class Channel:
         self.closed_by_error = False  # an operation failed (vs closed here on purpose)
         self.max_part_bytes = 0  # the receiver's largest part (sender side, from OpenReply)
         self.last_used = time.monotonic()
+        self.mac: auth.ChannelMac | None = None  # set once the handshake authenticated it
 
     @property
     def is_open(self) -> bool:
@@ -108,6 +117,10 @@ class Channel:
         (``header.payload_nbytes`` of it); the header is written in front of it.
         ``buffer`` must not change until the returned operations complete."""
         end = HEADER_BYTES + header.payload_nbytes
+        if self.mac is not None:
+            covered = (None if self.split_payload or not header.payload_nbytes
+                       else buffer[HEADER_BYTES:end].numpy().data)
+            header = header.with_mac(self.mac.words_mac(header.mac_words(), covered))
         words = torch.tensor(header.encode(), dtype=torch.int64)
         if not self.split_payload:
             buffer[: 8 * len(words)].view(torch.int64).copy_(words)
@@ -131,7 +144,21 @@ class Channel:
         return Pending(self._post(self._data.irecv, payload, seq), payload,
                        f"payload {seq}", nccl=True)
 
+    def check_part(self, header: PartHeader, payload: torch.Tensor) -> bool:
+        """Whether a received part carries this channel's MAC (always, unauthenticated).
+        ``payload``: its bytes (CPU; a split payload's device bytes are not covered)."""
+        if self.mac is None:
+            return True
+        data = None if self.split_payload or not header.payload_nbytes else payload.numpy().data
+        return self.mac.check(header.mac_words(), header.mac, data)
+
+    def check_ack(self, ack: Ack) -> bool:
+        """Whether an acknowledgement carries this channel's MAC (always, unauthenticated)."""
+        return self.mac is None or self.mac.check(ack.mac_words(), ack.mac)
+
     def send_ack(self, ack: Ack) -> Pending:
+        if self.mac is not None:
+            ack = ack.with_mac(self.mac.words_mac(ack.mac_words()))
         words = torch.tensor(ack.encode(), dtype=torch.int64)
         return Pending(self._post(self._control.isend, words, ack.seq), words, "ack")
 
@@ -242,10 +269,12 @@ def open_channel(store: Any, address: StoreAddress, request: OpenRequest, device
     when the receiver does not answer (or stays busy) within ``config.timeout_s``.
     """
     deadline = time.monotonic() + config.timeout_s
+    keys = config.auth_keys
     try:
         while True:
             channel_id = int(store.add(KEY_NEXT_CHANNEL, 1))
-            req = OpenRequest(channel_id, *_fields_after_id(request))
+            req = dataclasses.replace(request, channel_id=channel_id,
+                                      nonce=auth.nonce() if keys else "")
             store.queue_push(accept_key(request.receiver_rank), req.encode())
             remaining = max(0.001, deadline - time.monotonic())
             store.wait([reply_key(channel_id)], datetime.timedelta(seconds=remaining))
@@ -263,7 +292,22 @@ def open_channel(store: Any, address: StoreAddress, request: OpenRequest, device
                            f"{request.receiver_rank}: {str(exc).splitlines()[0][:200]}") from exc
     if reply.status == OpenStatus.LAYOUT_MISMATCH:
         raise LayoutMismatch(f"receiver refused the channel: {reply.reason}")
-    return join_channel(store, channel_id, SENDER, device, config), reply
+    if reply.status == OpenStatus.UNAUTHENTICATED:
+        raise ChannelError(f"the receiver at {address.host}:{address.port} refused the channel: "
+                           f"{reply.reason}")
+    mac = None
+    if keys:
+        try:
+            key, index = auth.sender_key(keys, reply.proofs.split(","), channel_id,
+                                         req.nonce, reply.nonce)
+        except auth.AuthError as exc:  # an impostor, or another cluster: send it nothing
+            raise ChannelError(f"channel to {address.host}:{address.port}: {exc}") from None
+        store.set(proof_key(channel_id), auth.sender_proof(key, channel_id, req.nonce,
+                                                           reply.nonce, index))
+        mac = auth.ChannelMac(auth.channel_key(key, channel_id, req.nonce, reply.nonce))
+    channel = join_channel(store, channel_id, SENDER, device, config)
+    channel.mac = mac
+    return channel, reply
 
 
 def join_channel(store: Any, channel_id: int, role: int, device: torch.device,
@@ -282,11 +326,6 @@ def join_channel(store: Any, channel_id: int, role: int, device: torch.device,
         raise ChannelError(f"channel {channel_id}: group setup failed: "
                            f"{str(exc).splitlines()[0][:200]}") from exc
     return Channel(channel_id, role, control, data, store)
-
-
-def _fields_after_id(request: OpenRequest) -> tuple[Any, ...]:
-    return (request.sender_name, request.sender_rank, request.sender_tp_size,
-            request.receiver_rank, request.backend, request.layout)
 
 
 def layout_refusal(mine: KVLayout, request: OpenRequest, backend: str) -> str | None:

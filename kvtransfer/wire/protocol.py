@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, fields, replace
 from typing import ClassVar
 
 import xxhash
 
 from engine.kvcache.layout import KVLayout, decode_layout, encode_layout
 
-MAGIC = 0x7064_6B76_0002  # "pdkv", protocol version 2 (trailers)
+MAGIC = 0x7064_6B76_0003  # "pdkv", protocol version 3 (authenticated channels)
 MAX_SEQ = (1 << 31) - 3  # tags fit a non-negative int32 below engine's ABORT_TAG
 HEADER_BYTES = 256  # room for the header words; keeps the payload 256-byte aligned
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
@@ -113,8 +113,10 @@ class PartHeader:
     flags: int
     first_token_id: int = 0  # ``Kind.TRAILER`` only (the ``Trailer``); 0 on other parts
     num_cached_tokens: int = 0
+    mac0: int = 0  # on an authenticated channel, the part's MAC (``kvtransfer.wire.auth``)
+    mac1: int = 0
 
-    WORDS: ClassVar[int] = 26  # the fields above + a checksum over them
+    WORDS: ClassVar[int] = 28  # the fields above + a checksum over them
 
     @classmethod
     def closing(cls, seq: int) -> PartHeader:
@@ -152,6 +154,17 @@ class PartHeader:
     @property
     def is_last(self) -> bool:
         return bool(self.flags & Flag.LAST_PART)
+
+    @property
+    def mac(self) -> tuple[int, int]:
+        return self.mac0, self.mac1
+
+    def mac_words(self) -> list[int]:
+        """The words a MAC covers: every field, the MAC's own as zero."""
+        return [int(v) for v in astuple(replace(self, mac0=0, mac1=0))]
+
+    def with_mac(self, mac: tuple[int, int]) -> PartHeader:
+        return replace(self, mac0=mac[0], mac1=mac[1])
 
     @property
     def trailer(self) -> Trailer:
@@ -203,18 +216,30 @@ class Ack:
     transfer_id: int
     seq: int
     status: Status
+    mac: tuple[int, int] = (0, 0)  # on an authenticated channel (``kvtransfer.wire.auth``)
 
-    WORDS: ClassVar[int] = 4
+    WORDS: ClassVar[int] = 6
+
+    def mac_words(self) -> list[int]:
+        """The words a MAC covers."""
+        return [self.transfer_id, self.seq, int(self.status)]
+
+    def with_mac(self, mac: tuple[int, int]) -> Ack:
+        return replace(self, mac=mac)
 
     def encode(self) -> list[int]:
-        words = [self.transfer_id, self.seq, int(self.status)]
+        words = [*self.mac_words(), *self.mac]
         return [*words, _words_checksum(words)]
 
     @classmethod
     def decode(cls, words: list[int]) -> Ack:
         if len(words) != cls.WORDS or _words_checksum(words[:-1]) != words[-1]:
             raise ValueError("malformed acknowledgement")
-        return cls(words[0], words[1], Status(words[2]))
+        try:
+            status = Status(words[2])
+        except ValueError:
+            raise ValueError(f"acknowledgement with unknown status {words[2]}") from None
+        return cls(words[0], words[1], status, (words[3], words[4]))
 
 
 # ---------------------------------------------------------------- rendezvous messages
@@ -289,11 +314,12 @@ class OpenRequest:
     receiver_rank: int
     backend: str  # "gloo" or "nccl": the data group's backend, from the sender's device
     layout: KVLayout
+    nonce: str = ""  # the sender's fresh nonce (hex) when it authenticates, else ""
 
-    SPEC: ClassVar[str] = "qsqqqsL"
+    SPEC: ClassVar[str] = "qsqqqsLs"
 
     def encode(self) -> bytes:
-        return _Codec.pack(self.SPEC, astuple(self)[:6] + (self.layout,))
+        return _Codec.pack(self.SPEC, astuple(self)[:6] + (self.layout, self.nonce))
 
     @classmethod
     def decode(cls, data: bytes) -> OpenRequest:
@@ -304,23 +330,35 @@ class OpenStatus(enum.IntEnum):
     ACCEPTED = 0
     LAYOUT_MISMATCH = 1
     BUSY = 2  # every channel of the receiver is in use; retry later
+    UNAUTHENTICATED = 3  # the receiver requires the cluster token and the sender sent none
 
 
 @dataclass(frozen=True)
 class OpenReply:
     """Receiver -> sender (store key ``reply/<channel_id>``). ``max_part_bytes``: the
-    largest payload one part may carry on this channel."""
+    largest payload one part may carry on this channel. On an authenticating receiver,
+    ``nonce`` is its fresh nonce and ``proofs`` its proofs, comma-separated (hex; see
+    ``kvtransfer.wire.auth``); both "" otherwise."""
 
     status: OpenStatus
     receiver_tp_size: int
     max_part_bytes: int
     reason: str
+    nonce: str = ""
+    proofs: str = ""
+
+    SPEC: ClassVar[str] = "qqqsss"
 
     def encode(self) -> bytes:
-        return _Codec.pack("qqqs", (int(self.status), self.receiver_tp_size,
-                                    self.max_part_bytes, self.reason))
+        return _Codec.pack(self.SPEC, (int(self.status), self.receiver_tp_size,
+                                       self.max_part_bytes, self.reason, self.nonce,
+                                       self.proofs))
 
     @classmethod
     def decode(cls, data: bytes) -> OpenReply:
-        status, tp_size, max_part, reason = _Codec.unpack("qqqs", data)
-        return cls(OpenStatus(status), tp_size, max_part, reason)  # type: ignore[arg-type]
+        status, tp_size, max_part, reason, nonce, proofs = _Codec.unpack(cls.SPEC, data)
+        try:
+            known = OpenStatus(int(status))  # type: ignore[call-overload]
+        except ValueError:
+            raise ValueError(f"open reply with unknown status {status}") from None
+        return cls(known, tp_size, max_part, reason, nonce, proofs)  # type: ignore[arg-type]

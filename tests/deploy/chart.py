@@ -31,6 +31,9 @@ CASES: dict[str, str | None] = {
 }
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+PDSERVE_COMPONENTS = ("router", "prefill", "decode")  # the workloads that run pdserve
+CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
+CLUSTER_TOKEN_SECRET = f"{FULLNAME}-cluster-token"  # the Secret the chart generates
 
 
 def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -112,6 +115,12 @@ def flag_value(args: list[str], flag: str) -> str | None:
 
 def selector_matches(match_labels: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in match_labels.items())
+
+
+def secret_data(secret: dict) -> dict[str, str]:
+    """The keys and decoded values of one Secret."""
+    data = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
+    return {**data, **secret.get("stringData", {})}
 
 
 def secret_values(docs: list[dict]) -> list[str]:

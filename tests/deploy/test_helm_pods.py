@@ -1,6 +1,7 @@
 """What the chart's pods run: the pdserve command lines (checked against the real CLI), the
-probes, GPUs equal to the tensor-parallel size, the Redis URL, secrets kept out of pod
-specs and command lines, non-root security contexts, images, the model volume."""
+probes, GPUs equal to the tensor-parallel size, the Redis URL, secrets (Redis password, API
+key, cluster token) kept out of pod specs and command lines, non-root security contexts,
+images, the model volume."""
 
 from __future__ import annotations
 
@@ -171,8 +172,9 @@ def test_router_redis_url_points_at_the_redis_service(rendered: Rendered, case: 
         assert not [w for w in chart.workloads(docs) if "redis" in w["metadata"]["name"]]
 
 
-SECRET_FLAGS = {"--api-key", "--requirepass", "--redis-url", "--password", "--pass", "-a"}
-SECRET_ENV = {"REDIS_PASSWORD", "REDISCLI_AUTH", "PDSERVE_API_KEY"}
+SECRET_FLAGS = {"--api-key", "--requirepass", "--redis-url", "--password", "--pass", "-a",
+                "--cluster-token"}
+SECRET_ENV = {"REDIS_PASSWORD", "REDISCLI_AUTH", "PDSERVE_API_KEY", chart.CLUSTER_TOKEN_ENV}
 
 
 def _command_lines(container: dict) -> list[str]:
@@ -196,7 +198,8 @@ def test_secrets_are_referenced_not_inlined(rendered: Rendered, case: str) -> No
         for container in chart.containers(obj):
             words = _command_lines(container)
             assert not SECRET_FLAGS & set(words), (obj["metadata"]["name"], words)
-            assert not any("--requirepass" in w or "--api-key=" in w for w in words)
+            assert not any("--requirepass" in w or "--api-key=" in w or "--cluster-token=" in w
+                           for w in words)
             for env in container.get("env", []):
                 if env["name"] in SECRET_ENV:
                     assert "secretKeyRef" in env["valueFrom"], env["name"]
@@ -206,10 +209,17 @@ def test_secrets_are_referenced_not_inlined(rendered: Rendered, case: str) -> No
 
 
 def test_generated_secrets_are_random_and_long(rendered: Rendered) -> None:
-    secrets = chart.secret_values(rendered("tls-apikey"))  # the API key (Redis: existing)
+    # the API key (the Redis password and the cluster token: existing Secrets)
+    secrets = chart.secret_values(rendered("tls-apikey"))
     assert len(secrets) == 1 and len(secrets[0]) == 40 and secrets[0].isalnum()
-    (redis_password,) = chart.secret_values(rendered("defaults"))
-    assert len(redis_password) == 32
+    docs = rendered("defaults")
+    assert {s["metadata"]["name"] for s in chart.find(docs, "Secret")} == {
+        f"{chart.FULLNAME}-redis", chart.CLUSTER_TOKEN_SECRET}
+    (redis_password,) = chart.secret_data(chart.one(docs, "Secret", f"{chart.FULLNAME}-redis")
+                                          ).values()
+    assert len(redis_password) == 32 and redis_password.isalnum()
+    (token,) = chart.secret_data(chart.one(docs, "Secret", chart.CLUSTER_TOKEN_SECRET)).values()
+    assert len(token) == 48 and token.isalnum() and token != redis_password
 
 
 def _mounted_secret(obj: dict, path: str) -> tuple[str, str]:

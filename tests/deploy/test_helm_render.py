@@ -1,10 +1,12 @@
 """The chart lints clean, renders for every values case, and every object it renders is a
 valid object of its kind for a current Kubernetes release (strict: no unknown fields).
-Settings that cannot work fail the render, naming the value."""
+Settings that cannot work fail the render, naming the value. The cluster token reaches every
+router and worker from a Secret, through the environment only."""
 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -80,6 +82,9 @@ def test_names_and_namespaces(rendered: Callable[[str], list[dict]]) -> None:
     (("decode.tensorParalelSize=4",), "decode.tensorParalelSize"),  # values.schema.json
     (("router.localPrefill=sometimes",), "router.localPrefill"),
     (("gpu.enabled=yes",), "gpu.enabled"),
+    (("clusterToken.enabled=yes",), "clusterToken.enabled"),
+    (("clusterToken.secretKey=a/b",), "clusterToken.secretKey"),  # not a Secret key
+    (("clusterToken.existingSecrets=mine",), "clusterToken.existingSecrets"),
 ])
 def test_impossible_settings_fail_naming_the_value(
         helm: Path, sets: tuple[str, ...], message: str) -> None:
@@ -111,3 +116,112 @@ def test_notes_say_how_to_reach_the_api(helm: Path) -> None:
     assert f"{chart.FULLNAME}-router.{chart.NAMESPACE}.svc:50051" in notes
     assert f"get secret {chart.FULLNAME}-api-key" in notes  # where the API key is read
     assert "--tls-ca" in notes and "pdserve generate" in notes
+    assert "the Secret pdserve-cluster-token, key cluster-token" in notes  # the user's own
+
+
+# ------------------------------------------------------------------ the cluster token
+
+TOKEN_RE = re.compile(r"[\x21-\x7e]{16,512}")  # cluster/token.py: printable ASCII, no spaces
+TOKEN_CASES = [c for c in chart.CASES if c != "minimal"]  # minimal: clusterToken.enabled=false
+
+
+def _token_ref(container: dict) -> dict | None:
+    """The container's PDSERVE_CLUSTER_TOKEN entry (checked to be there at most once)."""
+    entries = [e for e in container.get("env", []) if e["name"] == chart.CLUSTER_TOKEN_ENV]
+    assert len(entries) <= 1, container["name"]
+    return entries[0] if entries else None
+
+
+def _expected_ref(case: str) -> tuple[str, str]:
+    """(Secret, key) every pdserve container must read the token from, in ``case``."""
+    if case == "tls-apikey":  # clusterToken.existingSecret and secretKey set
+        return "pdserve-cluster-token", "cluster-token"
+    return chart.CLUSTER_TOKEN_SECRET, "token"
+
+
+def test_default_render_generates_a_valid_token(rendered: Callable[[str], list[dict]]) -> None:
+    from cluster.token import parse_tokens  # the rule the router and workers apply at start
+
+    secret = chart.one(rendered("defaults"), "Secret", chart.CLUSTER_TOKEN_SECRET)
+    assert secret["type"] == "Opaque"
+    assert secret["metadata"]["labels"]["app.kubernetes.io/instance"] == chart.RELEASE
+    data = chart.secret_data(secret)
+    assert set(data) == {"token"}
+    token = data["token"]
+    assert len(token) == 48 and token.isalnum() and TOKEN_RE.fullmatch(token)
+    assert parse_tokens(token).tokens == (token,)
+
+
+def test_each_fresh_render_generates_a_new_token(helm: Path) -> None:
+    """No Secret in the cluster to look up (helm template): a random one each time."""
+    tokens = {chart.secret_data(chart.one(chart.render(helm, None), "Secret",
+                                          chart.CLUSTER_TOKEN_SECRET))["token"]
+              for _ in range(2)}
+    assert len(tokens) == 2
+
+
+@pytest.mark.parametrize("case", TOKEN_CASES)
+def test_every_pdserve_container_reads_the_token_from_the_secret(
+        rendered: Callable[[str], list[dict]], case: str) -> None:
+    docs = rendered(case)
+    name, key = _expected_ref(case)
+    for component in chart.PDSERVE_COMPONENTS:
+        entry = _token_ref(chart.main_container(chart.workload(docs, component)))
+        assert entry == {"name": chart.CLUSTER_TOKEN_ENV,
+                         "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}, component
+    generated = chart.find(docs, "Secret", chart.CLUSTER_TOKEN_SECRET)
+    if case == "tls-apikey":
+        assert not generated and not chart.find(docs, "Secret", name)  # the user's own
+    else:
+        assert key in generated[0]["data"]
+    for obj in chart.workloads(docs):  # nothing else (Redis, init containers) gets it
+        for container in chart.containers(obj):
+            if container is not chart.main_container(obj) or obj["metadata"]["name"].endswith(
+                    "-redis"):
+                assert _token_ref(container) is None, (obj["metadata"]["name"], container["name"])
+
+
+@pytest.mark.parametrize("case", TOKEN_CASES)
+def test_the_token_is_on_no_command_line(rendered: Callable[[str], list[dict]], case: str) -> None:
+    docs = rendered(case)
+    tokens = [chart.secret_data(s)["token"]
+              for s in chart.find(docs, "Secret", chart.CLUSTER_TOKEN_SECRET)]
+    assert tokens or case == "tls-apikey"
+    for doc in docs:  # nor in any env value, annotation or ConfigMap
+        if doc["kind"] != "Secret":
+            assert not any(t in text for t in tokens for text in chart.strings_in(doc))
+    for obj in chart.workloads(docs):
+        for container in chart.containers(obj):
+            words = list(container.get("command", [])) + list(container.get("args", []))
+            words += [w for k, v in container.items() if k.endswith("Probe") and "exec" in v
+                      for w in v["exec"]["command"]]
+            assert not any("cluster-token" in w or chart.CLUSTER_TOKEN_ENV in w for w in words), (
+                obj["metadata"]["name"], words)
+            entry = _token_ref(container)
+            assert entry is None or "value" not in entry
+
+
+def test_an_existing_secret_is_referenced_not_created(helm: Path) -> None:
+    docs = chart.render(helm, None, "clusterToken.existingSecret=mine", "clusterToken.secretKey=k")
+    assert not [s for s in chart.find(docs, "Secret") if "cluster-token" in s["metadata"]["name"]
+                or s["metadata"]["name"] == "mine"]
+    for component in chart.PDSERVE_COMPONENTS:
+        entry = _token_ref(chart.main_container(chart.workload(docs, component)))
+        assert entry["valueFrom"] == {"secretKeyRef": {"name": "mine", "key": "k"}}
+    generated = chart.render(helm, None, "clusterToken.secretKey=k")  # a generated one, key k
+    secret = chart.one(generated, "Secret", chart.CLUSTER_TOKEN_SECRET)
+    assert set(secret["data"]) == {"k"}
+    entry = _token_ref(chart.main_container(chart.workload(generated, "decode")))
+    assert entry["valueFrom"]["secretKeyRef"] == {"name": chart.CLUSTER_TOKEN_SECRET, "key": "k"}
+
+
+@pytest.mark.parametrize("source", ["set", "minimal"])
+def test_disabled_means_no_token_and_no_secret(
+        helm: Path, rendered: Callable[[str], list[dict]], source: str) -> None:
+    docs = (chart.render(helm, None, "clusterToken.enabled=false") if source == "set"
+            else rendered("minimal"))
+    assert not [s for s in chart.find(docs, "Secret") if "cluster-token" in s["metadata"]["name"]]
+    assert chart.CLUSTER_TOKEN_ENV not in str(docs)
+    for component in chart.PDSERVE_COMPONENTS:  # the rest of the environment is unchanged
+        env = chart.env_of(chart.main_container(chart.workload(docs, component)))
+        assert "PDSERVE_REDIS_URL" in env and "HOME" in env

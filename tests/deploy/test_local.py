@@ -9,6 +9,7 @@ Every descendant of a ``pdserve up`` process is recorded while it runs (a /proc 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -94,6 +96,7 @@ class Up:
         self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
                                      preexec_fn=_ignore_sigint)
+        self.log_dir = log_dir
         self.lines: list[str] = []
         self.seen: dict[int, tuple[str, str]] = {}
         self._threads = [threading.Thread(target=self._read, daemon=True),
@@ -238,6 +241,34 @@ def test_up_serves_the_openai_api(served: Up) -> None:
     assert completion.choices[0].finish_reason in ("length", "stop")
     assert chat.choices[0].message.role == "assistant"
     assert chat.usage is not None and chat.usage.completion_tokens <= 3
+
+
+def test_no_secret_is_on_a_command_line_and_each_is_required(served: Up) -> None:
+    import grpc
+    import redis
+
+    from cluster.internal.v1 import worker_pb2, worker_pb2_grpc
+
+    url_file, token_file = served.log_dir / "redis.url", served.log_dir / "cluster.token"
+    for path in (url_file, token_file):
+        assert path.stat().st_mode & 0o777 == 0o600
+    url, token = url_file.read_text().strip(), token_file.read_text().strip()
+    password = urlsplit(url).password
+    assert password and len(token) >= 32
+    command_lines = [cmd for _, cmd in served.seen.values()]
+    assert any("--worker-id decode-0" in cmd for cmd in command_lines)
+    assert any("redis-server" in cmd for cmd in command_lines)
+    for cmd in command_lines:  # read from /proc while each ran
+        assert password not in cmd and token not in cmd, cmd
+    parts = urlsplit(url)
+    with redis.Redis(host=parts.hostname, port=parts.port, socket_timeout=5) as anonymous:
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+    ready = json.loads((served.log_dir / "decode-0.ready.json").read_text())
+    with grpc.insecure_channel(ready["grpc_address"]) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            worker_pb2_grpc.DecodeWorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_sigint_stops_every_child_with_exit_code_0(served: Up) -> None:

@@ -5,7 +5,9 @@ KV pools, and stopped (bounded) by ``Cluster.close``. ``assert_no_leaks`` is the
 cluster's leak check (``tests.leaks.assert_cluster_idle``: every worker, the router's
 introspection and Redis), retried while freeing is under way. Every process gets a
 test-only pause directory (``pause_dir``); the router serves its introspection on a
-``--debug-port`` and keeps its leases for ``lease_ttl_s``.
+``--debug-port`` and keeps its leases for ``lease_ttl_s``. ``env`` goes into every process
+started (e.g. ``$PDSERVE_CLUSTER_TOKEN``: then the cluster's own calls to workers carry
+its first token).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import grpc
 from cluster.internal.v1 import worker_pb2 as wpb
 from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
 from cluster.pause_points import ENV as PAUSE_ENV
+from cluster.token import CLUSTER_TOKEN_ENV
 from deploy.redis_server import RedisServer
+from tests.auth import with_token
 from tests.leaks import assert_cluster_idle
 from tests.processes import Proc, spawn, wait_until
 from tests.worker.kv.faults import FIRST_OF_LENGTH_SPEC
@@ -43,6 +47,7 @@ class Cluster:
     router: Proc | None = None
     lease_ttl_s: float = 10.0
     routers: list[Proc] = field(default_factory=list)  # every router started, live or not
+    env: dict[str, str] = field(default_factory=dict)  # every process's, besides its own
 
     @property
     def address(self) -> str:
@@ -52,19 +57,20 @@ class Cluster:
     def start_worker(self, role: str, index: int, *extra: str,
                      env: dict[str, str] | None = None) -> Proc:
         name = f"{role}-{index}"
-        env = {PAUSE_ENV: str(self.pause_dir(name)), **(env or {})}
+        env = {**self.env, PAUSE_ENV: str(self.pause_dir(name)), **(env or {})}
         proc = spawn(name, [role, "--model", str(self.model_dir), "--redis-url", self.redis.url,
                             "--worker-id", name, *WORKER_FLAGS, *extra], self.tmp, env)
         (self.prefill if role == "prefill" else self.decode).append(proc)
         return proc
 
-    def start_router(self, *extra: str, name: str = "router") -> Proc:
+    def start_router(self, *extra: str, name: str = "router",
+                     env: dict[str, str] | None = None) -> Proc:
         """A router (the cluster's ``router`` unless ``name`` differs): debug port, pause
-        directory ``pause_dir(name)``, the cluster's lease TTL."""
+        directory ``pause_dir(name)``, the cluster's lease TTL; ``env`` over the cluster's."""
         router = spawn(name, ["router", "--model", str(self.model_dir), "--port", "0",
                               "--redis-url", self.redis.url, "--grace", "2", "--debug-port",
                               "0", "--lease-ttl", str(self.lease_ttl_s), *extra], self.tmp,
-                       {PAUSE_ENV: str(self.pause_dir(name))})
+                       {**self.env, PAUSE_ENV: str(self.pause_dir(name)), **(env or {})})
         self.routers.append(router)
         if name == "router":
             self.router = router
@@ -86,8 +92,10 @@ class Cluster:
         return [*self.prefill, *self.decode]
 
     def stub(self, worker: Proc) -> wpb_grpc.PrefillWorkerStub | wpb_grpc.DecodeWorkerStub:
-        return (wpb_grpc.PrefillWorkerStub(worker.channel) if worker.ready["role"] == "prefill"
-                else wpb_grpc.DecodeWorkerStub(worker.channel))
+        """A stub of ``worker``'s internal API (with the cluster token, if it has one)."""
+        channel = with_token(worker.channel, self.env.get(CLUSTER_TOKEN_ENV))
+        return (wpb_grpc.PrefillWorkerStub(channel) if worker.ready["role"] == "prefill"
+                else wpb_grpc.DecodeWorkerStub(channel))
 
     def info(self, worker: Proc) -> wpb.WorkerInfo:
         return self.stub(worker).Info(wpb.InfoRequest(), timeout=RPC_TIMEOUT_S)
@@ -123,10 +131,11 @@ def start_cluster(model_dir: Path, tmp: Path, *, num_prefill: int, num_decode: i
                   decode_tp: int, router_args: tuple[str, ...] = (),
                   decode_kv_blocks: int = NUM_KV_BLOCKS,
                   decode_args: tuple[str, ...] = (),
-                  prefill_args: tuple[str, ...] = (), lease_ttl_s: float = 10.0) -> Cluster:
+                  prefill_args: tuple[str, ...] = (), lease_ttl_s: float = 10.0,
+                  env: dict[str, str] | None = None) -> Cluster:
     redis = RedisServer(start_timeout_s=10.0)
     redis.start()
-    cluster = Cluster(model_dir, tmp, redis, lease_ttl_s=lease_ttl_s)
+    cluster = Cluster(model_dir, tmp, redis, lease_ttl_s=lease_ttl_s, env=dict(env or {}))
     try:
         for i in range(num_decode):
             cluster.start_worker("decode", i, "--tensor-parallel-size", str(decode_tp),

@@ -14,6 +14,7 @@ the same tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import multiprocessing as mp
 import os
@@ -41,8 +42,25 @@ from kvtransfer.errors import TransferError
 from kvtransfer.receive.receiver import KVReceiver
 from kvtransfer.receive.recv_channel import RecvChannel
 from kvtransfer.send.sender import KVSender
-from kvtransfer.transport.channel import KEY_NEXT_CHANNEL, Pending, accept_key, open_channel
-from kvtransfer.wire.protocol import Ack, OpenRequest, PartHeader, Status, Trailer
+from kvtransfer.transport.channel import (
+    KEY_NEXT_CHANNEL,
+    Channel,
+    Pending,
+    accept_key,
+    open_channel,
+)
+from kvtransfer.wire.auth import ChannelMac
+from kvtransfer.wire.checksum import checksum
+from kvtransfer.wire.protocol import (
+    HEADER_BYTES,
+    Ack,
+    ChecksumAlgo,
+    OpenRequest,
+    PartHeader,
+    Status,
+    Trailer,
+    _u64_to_i64,
+)
 
 
 class RemoteError(RuntimeError):
@@ -204,10 +222,11 @@ class AgentState:
         after = self.report()
         return {"before": before, "after": after}
 
-    def raw_open(self, address: StoreAddress, layout: KVLayout, backend: str = "gloo") -> str:
+    def raw_open(self, address: StoreAddress, layout: KVLayout, backend: str = "gloo",
+                 auth_keys: tuple[bytes, ...] = ()) -> str:
         """Ask for a channel with ``layout`` directly, skipping the sender's own check of
         the advertised layout: what the receiver answers ("accepted" or the error)."""
-        config = TransferConfig(timeout_s=10.0)
+        config = TransferConfig(timeout_s=10.0, auth_keys=auth_keys)
         store = connect_store(address, timeout_s=10.0)
         request = OpenRequest(0, "raw", 0, 1, 0, backend, layout)
         try:
@@ -316,6 +335,9 @@ def _fault_hook(kind: str, transfer_id: int, part: int, abort: Any) -> Any:
             return
         if kind == "corrupt":
             payload[payload.numel() // 2] ^= 0x10  # one flipped bit, after the checksum
+        elif kind == "forge":  # what an injected part looks like: valid checksum, no MAC
+            payload[payload.numel() // 2] ^= 0x10
+            _forge_next_part()
         elif kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "stop":
@@ -324,6 +346,25 @@ def _fault_hook(kind: str, transfer_id: int, part: int, abort: Any) -> Any:
             abort(transfer_id)
 
     return hook
+
+
+def _forge_next_part() -> None:
+    """The next part this process sends gets a checksum of its (changed) payload and a MAC
+    under a key no receiver holds, as a third party injecting KV would send it."""
+    original = Channel.send_part
+
+    def send_part(channel: Channel, header: PartHeader, buffer: torch.Tensor) -> list[Pending]:
+        Channel.send_part = original  # type: ignore[method-assign]
+        payload = buffer[HEADER_BYTES : HEADER_BYTES + header.payload_nbytes]
+        forged = dataclasses.replace(header, checksum=_u64_to_i64(
+            checksum(payload, ChecksumAlgo(header.checksum_algo))))
+        real, channel.mac = channel.mac, ChannelMac(os.urandom(32))
+        try:
+            return original(channel, forged, buffer)
+        finally:
+            channel.mac = real
+
+    Channel.send_part = send_part  # type: ignore[method-assign]
 
 
 def _role_threads() -> list[str]:

@@ -4,7 +4,7 @@ JSON (``EngineConfig.rank_plugin_config``; never pickled)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
 from kvtransfer import TransferConfig
@@ -36,7 +36,8 @@ class KVPlaneConfig(JsonConfig):
     ``store_port`` (0: it binds any free port; the receive leader reads the one it got);
     ``advertise_host`` is what other workers are told, and what the data plane's groups
     bind (default: ``bind_host``). ``fault_hook``: tests only, ``"module:factory"`` of a
-    ``kvtransfer`` sender fault hook."""
+    ``kvtransfer`` sender fault hook. ``auth_keys``: the KV plane's keys, hex (derived from
+    the cluster token, ``cluster.token.ClusterToken.kv_keys``; empty without a token)."""
 
     model_fingerprint: str
     timeout_s: float = 30.0  # a transfer not complete this long (after it started) fails
@@ -46,6 +47,10 @@ class KVPlaneConfig(JsonConfig):
     store_port: int = 0
     advertise_host: str | None = None
     fault_hook: str | None = None
+    auth_keys: tuple[str, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "auth_keys", tuple(self.auth_keys))  # a list from JSON
 
     @property
     def reachable_host(self) -> str:
@@ -53,4 +58,5 @@ class KVPlaneConfig(JsonConfig):
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(timeout_s=self.timeout_s, max_channels=self.max_channels,
-                              part_bytes=self.part_bytes, bind_host=self.reachable_host)
+                              part_bytes=self.part_bytes, bind_host=self.reachable_host,
+                              auth_keys=tuple(bytes.fromhex(k) for k in self.auth_keys))

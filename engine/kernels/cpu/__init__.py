@@ -12,7 +12,8 @@ model's ``RMSNorm``, ``silu_and_mul`` and ``RotaryEmbedding``, ``engine.core.sam
 - ``native()`` returns the loaded kernels, building them on first use
   (``engine.kernels.cpu.build``), or ``None`` where they cannot run: not x86-64/ARM
   Linux with a C compiler, the build failed (logged once, with the compiler's output),
-  or ``PDSERVE_CPU_KERNELS=0`` in the environment. Callers then use their torch path,
+  the kernel cache is one another user could write (logged once, with the path and the
+  fix; ``engine.kernels.cpu.cache``), or ``PDSERVE_CPU_KERNELS=0`` in the environment. Callers then use their torch path,
   so a machine without a compiler serves exactly as before, only slower.
 - Every kernel takes fp32 CPU tensors (and int64 ids, positions, slots and tables), runs on ``torch.get_num_threads()`` threads of
   torch's own OpenMP pool, and returns a new tensor (``decoder_stack`` updates its
@@ -26,13 +27,13 @@ model's ``RMSNorm``, ``silu_and_mul`` and ``RotaryEmbedding``, ``engine.core.sam
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
 
 from engine.kernels.cpu._ffi import GEMV_MAX_ROWS
 from engine.kernels.cpu.build import BuildError, build
+from engine.kernels.cpu.cache import DamagedLibraryError, load
 from engine.kernels.cpu.library import NativeKernels
 from engine.kernels.cpu.stack_layout import (
     STACK_MAX_ROWS,
@@ -69,14 +70,15 @@ def native() -> NativeKernels | None:
 
 def _load() -> NativeKernels | None:
     """Build (or find) and load the library; a cached library that does not load (cut
-    short, or from another build) is rebuilt once. Any failure is logged, never raised:
-    the engine then runs its torch kernels."""
+    short, or from another build) is rebuilt once. A cache another user may have written
+    is not used (``engine.kernels.cpu.cache``). Any failure is logged, never raised: the
+    engine then runs its torch kernels."""
     try:
         for attempt in (0, 1):
             path = build(rebuild=attempt == 1)
             try:
-                return NativeKernels(ctypes.CDLL(str(path)), str(path))
-            except (OSError, AttributeError) as e:
+                return NativeKernels(load(path), str(path))
+            except (OSError, AttributeError, DamagedLibraryError) as e:
                 if attempt == 1:
                     raise BuildError(f"the built library {path} does not load: {e}") from e
     except Exception as e:  # noqa: BLE001 - whatever went wrong, serve with torch's kernels

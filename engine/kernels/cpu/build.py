@@ -1,13 +1,24 @@
 """Compiling the kernels' C sources (every ``*.c`` of this directory, with ``kernels.h``)
 into one shared library, once per source, compiler and CPU.
 
-The library goes to ``$XDG_CACHE_HOME/pdserve/kernels/`` (else ``~/.cache/pdserve/``),
+The library goes to ``$XDG_CACHE_HOME/pdserve/kernels/`` (else ``~/.cache/pdserve/kernels/``),
 named by a hash of what it depends on: the sources, the compiler's identity, the flags
 and the CPU (``-march=native`` compiles for the CPU it runs on; ``PDSERVE_CPU_KERNELS_MARCH``
 names another target, e.g. ``x86-64-v3`` for AVX2 machines), with the digest of its
-bytes beside it (``.so.sha256``). A fresh build takes about a second; concurrent builders
-each compile to a temporary file, sync it and rename it into place, so a reader never
-sees half a library, and one that does not match its digest is built again.
+bytes beside it (``.so.sha256``). A fresh build takes about a second.
+
+The cache is trusted only when it is this user's alone (``engine.kernels.cpu.cache``):
+its ``kernels`` and ``pdserve`` directories (created with mode 0o700), the library and
+its digest must be owned by the current user, writable by no one else and not symlinks.
+**An untrusted cache raises** ``UntrustedCacheError`` (a ``BuildError`` naming the path,
+its owner and mode and the fix: ``chmod go-w``, delete the file, or a private
+``XDG_CACHE_HOME``); nothing of it is loaded, and there is no fallback build elsewhere
+(``native()`` logs the error and the engine runs its torch kernels). Builders take
+turns under an ``flock`` on the directory's ``build.lock`` (several ranks starting
+together compile once; the others wait up to ``LOCK_WAIT_S`` and load what the first
+built), compile in a temporary directory inside the cache, and install the digest and
+then the library by renames; a library that does not match its digest is never loaded
+but built again, and temporaries of killed builds are removed under the lock.
 """
 
 from __future__ import annotations
@@ -19,24 +30,33 @@ import re
 import shlex
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
+
+from engine.kernels.cpu.cache import (
+    LIBRARY_PREFIX,
+    BuildError,
+    install,
+    intact,
+    locked,
+    make_private,
+    sweep,
+    temp_dir,
+)
 
 SOURCES = Path(__file__).parent  # the directory of the C files (and their header)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast")
 COMPILER_ENV = "CC"
 MARCH_ENV = "PDSERVE_CPU_KERNELS_MARCH"  # the -march target; default: native
 BUILD_TIMEOUT_S = 120.0
+# how long a builder waits for another one's build: its compile (at most BUILD_TIMEOUT_S)
+# and the hashing, syncing and renaming around it
+LOCK_WAIT_S = BUILD_TIMEOUT_S + 30.0
 _log = logging.getLogger(__name__)
 # /proc/cpuinfo lines naming the CPU and its features (x86: model name, flags; ARM:
 # Features and the implementer/part ids), all of which -march=native compiles for
 _CPU_LINES = ("model name", "flags", "Features", "CPU implementer", "CPU architecture",
               "CPU variant", "CPU part")
-
-
-class BuildError(RuntimeError):
-    """The kernels could not be compiled; the message names the compiler and its output."""
 
 
 def compiler() -> list[str]:
@@ -54,6 +74,8 @@ def compiler() -> list[str]:
 
 
 def cache_dir() -> Path:
+    """Where the libraries are cached: ``$XDG_CACHE_HOME/pdserve/kernels`` (else
+    ``~/.cache/pdserve/kernels``)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "pdserve" / "kernels"
 
@@ -113,69 +135,44 @@ def _library_path(sources: Path, directory: Path | None, cc: list[str], identity
                  _cpu_identity().encode()):
         digest.update(part)
         digest.update(b"\0")
-    return (directory or cache_dir()) / f"pdserve_kernels-{digest.hexdigest()[:16]}.so"
-
-
-def _sidecar(library: Path) -> Path:
-    return library.with_name(library.name + ".sha256")
-
-
-def _file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def intact(library: Path) -> bool:
-    """Whether ``library`` is there and is the file its build wrote (the digest beside
-    it matches): a file cut short would crash the loader (SIGBUS), not raise."""
-    try:
-        return _sidecar(library).read_text().strip() == _file_digest(library)
-    except OSError:
-        return False
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _sync(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+    return (directory or cache_dir()) / f"{LIBRARY_PREFIX}{digest.hexdigest()[:16]}.so"
 
 
 def build(sources: Path = SOURCES, directory: Path | None = None, *, rebuild: bool = False) -> Path:
     """The path of the built library, compiling it first unless an intact one is there
-    (``rebuild``: compile in any case). Raises ``BuildError`` with the compiler's output
-    when compiling fails."""
+    (``rebuild``: compile in any case), one builder of the directory at a time. Raises
+    ``BuildError`` with the compiler's output when compiling fails, and
+    ``UntrustedCacheError`` for a cache another user may have written (see the module
+    docstring). Load it with ``engine.kernels.cpu.cache.load``, which checks it again."""
     cc = compiler()
     identity = _compiler_identity(cc)
     target = _library_path(sources, directory, cc, identity)
+    make_private(target.parent)
     if not rebuild and intact(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with locked(target.parent, LOCK_WAIT_S):
+        sweep(target.parent, BUILD_TIMEOUT_S)
+        if rebuild or not intact(target):  # else another process built it while we waited
+            _compile(sources, target, cc, identity)
+    return target
+
+
+def _compile(sources: Path, target: Path, cc: list[str], identity: str) -> None:
+    """Compile ``target`` in a temporary directory beside it and install it there."""
     started = time.monotonic()
     _log.info("compiling pdserve's CPU kernels for this CPU (once, about a second) ...")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".so", dir=target.parent)
-    os.close(fd)
+    work = temp_dir(target)
+    built = work / target.name
     c_files = [str(f) for f in source_files(sources) if f.suffix == ".c"]
-    cmd = [*cc, *_flags(identity), "-o", tmp, *c_files, "-lm"]
+    cmd = [*cc, *_flags(identity), "-o", str(built), *c_files, "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise BuildError(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n"
                              f"{done.stderr.strip()[:4000]}")
-        _sync(Path(tmp))
-        side_tmp = Path(tmp + ".sha256")
-        _write_synced(side_tmp, _file_digest(Path(tmp)).encode())
-        os.replace(tmp, target)
-        os.replace(side_tmp, _sidecar(target))
+        install(built, target)
         _log.info("compiled pdserve's CPU kernels in %.1f s: %s", time.monotonic() - started, target)
     except subprocess.TimeoutExpired as e:
         raise BuildError(f"compiling the CPU kernels took over {BUILD_TIMEOUT_S:.0f} s") from e
     finally:
-        for leftover in (tmp, tmp + ".sha256"):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-    return target
+        shutil.rmtree(work, ignore_errors=True)

@@ -176,18 +176,20 @@ def _complete_all(address: str, prompts: list[str], max_tokens: int = 6) -> list
         ).token_ids), prompts))
 
 
-def _stub(address: str, role: str = "prefill") -> Any:
+def _stub(address: str, role: str = "prefill", token: str | None = None) -> Any:
+    """A channel to a worker and its stub, the calls carrying the cluster's ``token``."""
     from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
+    from tests.auth import with_token
 
     channel = grpc.insecure_channel(address)
     kind = wpb_grpc.PrefillWorkerStub if role == "prefill" else wpb_grpc.DecodeWorkerStub
-    return channel, kind(channel)
+    return channel, kind(with_token(channel, token))
 
 
-def _info(address: str) -> Any:
+def _info(address: str, token: str | None) -> Any:
     from cluster.internal.v1 import worker_pb2 as wpb
 
-    channel, stub = _stub(address)
+    channel, stub = _stub(address, token=token)
     with channel:
         return stub.Info(wpb.InfoRequest(), timeout=TIMEOUT_S)
 
@@ -204,7 +206,8 @@ def test_greedy_output_through_the_router_matches_llm(served: Any, llm: Any) -> 
         assert json.load(reply)["usage"]["completion_tokens"] == 8
     for status in served.statuses().values():
         if status.name not in ("redis", "router"):
-            channel, stub = _stub(status.ready["grpc_address"], status.ready["role"])
+            channel, stub = _stub(status.ready["grpc_address"], status.ready["role"],
+                                  served.cluster_token)
             with channel:
                 assert_idle(stub)
     lines = served.lines
@@ -324,9 +327,9 @@ def test_a_dead_worker_is_restarted_and_reregisters(served: Any, llm: Any) -> No
 
 
 def _prefill_gets_traffic(cluster: Any, address: str, prompts: list[str]) -> bool:
-    before = _info(address).kv.cached_blocks
+    before = _info(address, cluster.cluster_token).kv.cached_blocks
     _complete_all(cluster.router_address, [f"again {p}" for p in prompts], max_tokens=1)
-    return bool(_info(address).kv.cached_blocks > before)
+    return bool(_info(address, cluster.cluster_token).kv.cached_blocks > before)
 
 
 def test_stop_removes_every_actor_placement_group_and_process(served: Any, ray_head: Any

@@ -158,6 +158,26 @@ def test_worker_environment_secrets_threads_gloo_and_one_gpu_per_rank() -> None:
     assert "GLOO_SOCKET_IFNAME" not in remote and "PDSERVE_RANK_GPUS" not in remote
 
 
+def test_the_cluster_token_reaches_every_process_in_its_environment_only() -> None:
+    config = _config()
+    token = "t0ken-0123456789abcdef"
+    specs = [worker_spec(config, plan, log_dir="/l", redis_url=REDIS_URL, token=token)
+             for plan in plan_workers(config)]
+    specs.append(router_spec(config, log_dir="/l", redis_url=REDIS_URL, api_key=None,
+                             token=token))
+    for spec in specs:
+        argv = child_argv(spec, node_ip="10.0.0.7", model_dir="/m", ready_path="/r")
+        assert not any(token in word for word in argv) and token not in repr(spec)
+        env = child_env(spec, base={"PDSERVE_CLUSTER_TOKEN": "stale"}, node_ip="10.0.0.7",
+                        gpu_ids=[])
+        assert env["PDSERVE_CLUSTER_TOKEN"] == token
+    # a process not given one does not inherit the actor's
+    bare = worker_spec(config, plan_workers(config)[0], log_dir="/l", redis_url=REDIS_URL)
+    env = child_env(bare, base={"PDSERVE_CLUSTER_TOKEN": "stale"}, node_ip="10.0.0.7",
+                    gpu_ids=[])
+    assert "PDSERVE_CLUSTER_TOKEN" not in env
+
+
 def _option(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 

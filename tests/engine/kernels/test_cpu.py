@@ -246,8 +246,9 @@ def test_the_library_is_built_once_per_source(tmp_path: Path) -> None:
     for t in threads:
         t.join(timeout=120)
     assert len(paths) == 3 and len(set(paths)) == 1 and paths[0].exists()
-    # no temporary left: the library and its digest
-    assert sorted(p.name for p in tmp_path.iterdir()) == [paths[0].name, paths[0].name + ".sha256"]
+    # no temporary left: the build lock, the library and its digest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build.lock", paths[0].name,
+                                                          paths[0].name + ".sha256"]
     other = tmp_path / "other"
     other.mkdir()
     for source in source_files(SOURCES):

@@ -120,6 +120,26 @@ in neither the pod spec nor a command line. */}}
 {{- end }}
 {{- end -}}
 
+{{/* The Secret holding the cluster token (the internal plane's shared secret): the user's
+clusterToken.existingSecret, else the one this chart generates (cluster-token-secret.yaml). */}}
+{{- define "pdserve.clusterTokenSecretName" -}}
+{{- default (printf "%s-cluster-token" (include "pdserve.fullname" .)) .Values.clusterToken.existingSecret -}}
+{{- end -}}
+
+{{/* The environment that gives a router or worker the cluster token:
+$PDSERVE_CLUSTER_TOKEN from the Secret (a required reference: a pod whose Secret or key is
+missing does not start, rather than run with an open internal plane). Nothing when
+clusterToken.enabled=false. */}}
+{{- define "pdserve.clusterTokenEnv" -}}
+{{- if .Values.clusterToken.enabled }}
+- name: PDSERVE_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.clusterTokenSecretName" . }}
+      key: {{ .Values.clusterToken.secretKey }}
+{{- end }}
+{{- end -}}
+
 {{/* --model: the checkpoint directory inside the model volume. */}}
 {{- define "pdserve.modelDir" -}}
 {{- $dir := trimAll "/" .Values.model.dir -}}

@@ -3,7 +3,8 @@ The pod template of a worker, prefill or decode: (dict "root" $ "role" "decode")
 All ranks of a tensor-parallel group run in this one pod (the worker spawns them), so a
 worker asks for tensorParallelSize GPUs. The worker registers $(POD_IP) in Redis
 (--advertise-host) and binds 0.0.0.0; its gRPC port answers grpc.health.v1, which the
-startup, liveness and readiness probes ask.
+startup, liveness and readiness probes ask (health needs no cluster token; every other
+call on that port, and the KV handshake, needs $PDSERVE_CLUSTER_TOKEN).
 */}}
 {{- define "pdserve.workerPodTemplate" -}}
 {{- $root := .root -}}
@@ -70,6 +71,7 @@ spec:
           valueFrom:
             fieldRef: {fieldPath: metadata.name}
         {{- include "pdserve.redisEnv" $root | trim | nindent 8 }}
+        {{- with (include "pdserve.clusterTokenEnv" $root | trim) }}{{ . | nindent 8 }}{{ end }}
         {{- include "pdserve.cacheEnv" $root | nindent 8 }}
         {{- if not $root.Values.gpu.enabled }}
         # CPU mode: each rank gets its share of the CPU request (oversubscribed OpenMP
