@@ -16,7 +16,9 @@ What is measured (``python -m bench.kvtransfer``, defaults in brackets):
   warm-up; medians reported; ``ratio = pdserve_gbps / raw_gloo_gbps``.
 
 The KV geometry is [8] layers, [2] KV heads of [64] dims, fp32, blocks of [16] tokens
-(8 KiB per token); parts of [4] MiB. Each process runs one torch thread; with
+(8 KiB per token); parts of [4] MiB. ``--auth`` runs A on authenticated channels (a
+cluster token's keys on both ends: every part MACed, ``kvtransfer.wire.auth``), to compare
+with a run without. Each process runs one torch thread; with
 ``--pin`` (default on when the machine has >= 2 cores) the sender runs on core 0 and the
 receiver on core 1. The table is printed; ``--json PATH`` also writes every figure.
 Target: ratio >= 0.8 at 16 MiB and above.
@@ -25,6 +27,7 @@ Target: ratio >= 0.8 at 16 MiB and above.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import multiprocessing as mp
 import os
 import random
@@ -45,6 +48,7 @@ from engine.tp.distributed import LOOPBACK, StoreAddress, connect_store, make_gr
 from kvtransfer.config import TransferConfig
 from kvtransfer.receive.receiver import KVReceiver
 from kvtransfer.send.sender import KVSender
+from kvtransfer.wire.auth import ChannelMac
 from kvtransfer.wire.checksum import checksum
 from kvtransfer.wire.packing import gather, rows_view, scatter, split_rows
 from kvtransfer.wire.protocol import ChecksumAlgo
@@ -66,6 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    default=(os.cpu_count() or 1) >= 2, help="sender on core 0, receiver on 1")
     p.add_argument("--bandwidth-mib", type=int, default=256, help="bandwidth probe buffer")
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--auth", action="store_true",
+                   help="authenticated channels (every part MACed), as with a cluster token")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p.parse_args(argv)
 
@@ -81,7 +87,9 @@ class Side:
         if args["pin"]:
             os.sched_setaffinity(0, {0 if role == "sender" else 1})
         self.role = role
-        config = TransferConfig(timeout_s=args["timeout_s"], part_bytes=int(args["part_mib"] * MIB))
+        keys = (hashlib.sha256(b"bench cluster token").digest(),) if args["auth"] else ()
+        config = TransferConfig(timeout_s=args["timeout_s"], part_bytes=int(args["part_mib"] * MIB),
+                                auth_keys=keys)
         num_blocks = args["num_blocks"]
         shape = (LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
                  LAYOUT.head_dim)
@@ -281,7 +289,8 @@ def print_report(result: dict[str, Any], context: dict[str, Any]) -> None:
 
 def pass_speeds(num_blocks: int, size_mib: int = 16) -> dict[str, float]:
     """GB/s of the extra passes pdserve makes over the bytes, on one thread, in this
-    process: gather (paged -> part), XXH3 over the part, scatter (part -> paged)."""
+    process: gather (paged -> part), XXH3 over the part, its MAC on an authenticated
+    channel (keyed BLAKE2b-128), scatter (part -> paged)."""
     torch.set_num_threads(1)
     shape = (LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
              LAYOUT.head_dim)
@@ -293,7 +302,8 @@ def pass_speeds(num_blocks: int, size_mib: int = 16) -> dict[str, float]:
     part = torch.zeros(rows_per_part * row_bytes, dtype=torch.uint8)  # pages touched
     view = rows_view(part, torch.float32, rows_per_part, LAYOUT.block_size, LAYOUT.num_kv_heads,
                      LAYOUT.head_dim)
-    spent = {"gather": 0.0, "xxh3": 0.0, "scatter": 0.0}
+    spent = {"gather": 0.0, "xxh3": 0.0, "mac": 0.0, "scatter": 0.0}
+    mac = ChannelMac(hashlib.sha256(b"bench").digest())
     parts = split_rows(2 * LAYOUT.num_layers * n, row_bytes, 4 * MIB)
     for counted, rows in [(False, parts[0])] + [(True, r) for r in parts]:  # one warm-up
         out = view[: rows[1] - rows[0]]
@@ -301,6 +311,8 @@ def pass_speeds(num_blocks: int, size_mib: int = 16) -> dict[str, float]:
         gather(cache, ids, (0, LAYOUT.num_kv_heads), 0, n, rows, out)
         marks.append(time.perf_counter())
         checksum(part[: (rows[1] - rows[0]) * row_bytes], ChecksumAlgo.XXH3_64)
+        marks.append(time.perf_counter())
+        mac.words_mac([0] * 27, part[: (rows[1] - rows[0]) * row_bytes].numpy().data)
         marks.append(time.perf_counter())
         scatter(cache, ids.flip(0), (0, LAYOUT.num_kv_heads), 0, n, rows, out)
         marks.append(time.perf_counter())
@@ -314,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     num_blocks = 2 * max(args.sizes_mib) * MIB // (TOKEN_BYTES * LAYOUT.block_size) + 16
     shared = {"pin": args.pin, "timeout_s": args.timeout_s, "part_mib": args.part_mib,
-              "num_blocks": num_blocks, "sizes_mib": args.sizes_mib}
+              "num_blocks": num_blocks, "sizes_mib": args.sizes_mib, "auth": args.auth}
     probe = BandwidthProbe(args.bandwidth_mib * MIB, threads=1)
     read_gbps = probe.measure()
     probe.release()
@@ -338,6 +350,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                        f"({TOKEN_BYTES // 1024} KiB/token), parts of {args.part_mib:g} MiB",
         "processes": "2 (sender, receiver), 1 torch thread each, "
                      + ("pinned to cores 0 and 1" if args.pin else "not pinned"),
+        "channels": "authenticated (every part MACed)" if args.auth else "unauthenticated",
         "median of": f"{args.repeats} runs per size and side, interleaved",
         "memory read bandwidth (1 thread)": f"{read_gbps:.1f} GB/s",
         "extra passes (1 thread, GB/s)": ", ".join(f"{k} {v:.1f}" for k, v in passes.items()),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.internal_tls import InternalTLS
 from cluster.token import ClusterToken
 
 DEFAULT_PORT = 50051
@@ -135,6 +136,7 @@ class RouterConfig:
     debug_host: str = "127.0.0.1"  # loopback unless asked otherwise
     # sent on every call to a worker (and the KV plane's secret); None: the plane is open
     cluster_token: ClusterToken | None = field(default=None, repr=False)
+    internal_tls: InternalTLS | None = None  # mutual TLS towards the workers; None: plaintext
 
     @property
     def address(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from cluster.internal_tls import add_internal_tls_args
 from cluster.token import add_token_arg
 from router.config import (
     DEFAULT_HTTP_PORT,
@@ -92,6 +93,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="the address --debug-port binds (default 127.0.0.1: loopback "
                              "only, whatever --host is)")
     add_token_arg(parser)
+    add_internal_tls_args(parser)
     parser.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain)")
     parser.add_argument("--tls-key", help="... and this PEM private key")
     parser.add_argument("--api-key-file",

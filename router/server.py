@@ -35,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.files import write_json_atomic
 from cluster.fingerprint import fingerprint_model_dir
+from cluster.internal_tls import internal_tls
 from cluster.keepalive import SERVER_OPTIONS as KEEPALIVE_SERVER_OPTIONS
 from cluster.leases import LeaseKeeper, LeaseStore
 from cluster.registry import ClusterTokenRequired, Registry, RegistryAuthError
@@ -83,7 +84,8 @@ class Router:
         d = config.discovery
         self.registry = Registry(d.redis_url, cluster=d.cluster)
         self.pool = WorkerPool(self.registry, fingerprint, keep_missing_s=d.keep_missing_s,
-                               suspect_s=d.suspect_s, token=config.cluster_token)
+                               suspect_s=d.suspect_s, token=config.cluster_token,
+                               tls=config.internal_tls)
         self.leases = LeaseKeeper(LeaseStore(d.redis_url, cluster=d.cluster),
                                   config.handoff.lease_ttl_s)
         self.core = RouterCore(self.pool, self.limits, tokenizer, handoff=config.handoff,
@@ -267,7 +269,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                               prefill_routing=args.prefill_routing),
         health_port=args.health_port, metrics_port=args.metrics_port, http=_http(args),
         debug_port=args.debug_port, debug_host=args.debug_host,
-        cluster_token=load_cluster_token(args.cluster_token_file))
+        cluster_token=load_cluster_token(args.cluster_token_file),
+        internal_tls=internal_tls(args))
 
 
 def _http(args: argparse.Namespace) -> HttpConfig | None:

@@ -33,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.auth import token_call_interceptors
+from cluster.internal_tls import InternalTLS
 from cluster.keepalive import CHANNEL_OPTIONS as KEEPALIVE_CHANNEL_OPTIONS
 from cluster.keepalive import INTERNAL_MAX_MESSAGE_BYTES
 from cluster.records import WorkerRecord
@@ -69,7 +70,7 @@ class WorkerPool:
     def __init__(self, registry: Registry, model_fingerprint: str, *,
                  keep_missing_s: float = 6.0, suspect_s: float = 5.0,
                  health_timeout_s: float = HEALTH_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
-                 token: ClusterToken | None = None) -> None:
+                 token: ClusterToken | None = None, tls: InternalTLS | None = None) -> None:
         self._view = WorkerView(registry, clock=clock, model_fingerprint=model_fingerprint)
         self._fingerprint = model_fingerprint
         self._keep_missing_s = keep_missing_s
@@ -77,6 +78,7 @@ class WorkerPool:
         self._health_timeout_s = health_timeout_s
         self._clock = clock
         self._interceptors = token_call_interceptors(token)  # the cluster token on each call
+        self._credentials = None if tls is None else tls.channel_credentials()
         self._known: dict[str, _Known] = {}
         self._suspect_until: dict[str, float] = {}
         self._inflight: dict[str, int] = {}
@@ -173,8 +175,12 @@ class WorkerPool:
                 task.add_done_callback(self._closing.discard)
                 self._suspect_until.pop(record.worker_id, None)
                 self._heard_from.pop(record.worker_id, None)
-            channel = grpc.aio.insecure_channel(record.grpc_address, options=CHANNEL_OPTIONS,
-                                                interceptors=self._interceptors)
+            channel = (grpc.aio.insecure_channel(record.grpc_address, options=CHANNEL_OPTIONS,
+                                                 interceptors=self._interceptors)
+                       if self._credentials is None else
+                       grpc.aio.secure_channel(record.grpc_address, self._credentials,
+                                               options=CHANNEL_OPTIONS,
+                                               interceptors=self._interceptors))
             logger.info("worker %s (%s, TP %d) at %s", record.worker_id, record.role,
                         record.tensor_parallel_size, record.grpc_address)
             self._known[record.worker_id] = _Known(record, channel, now)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from cluster.token import CLUSTER_TOKEN_ENV, add_token_arg  # standard library only too
+from cluster.internal_tls import add_internal_tls_args  # standard library only too
+from cluster.token import CLUSTER_TOKEN_ENV, add_token_arg
 from engine.config import RANK_GPUS_ENV
 
 __all__ = ["CLUSTER_TOKEN_ENV", "RANK_GPUS_ENV", "REDIS_URL_ENV", "WILDCARDS", "add_decode_args",
@@ -64,6 +65,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds the engine loop may complete no step while it has work "
                              "before health says NOT_SERVING")
     add_token_arg(parser)
+    add_internal_tls_args(parser)
 
 
 def add_decode_args(parser: argparse.ArgumentParser) -> None:

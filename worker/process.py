@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 
 from cluster.fingerprint import fingerprint_model_dir
+from cluster.internal_tls import internal_tls
 from cluster.records import WorkerLoad
 from cluster.registry import ClusterTokenRequired, FingerprintMismatch, Registry, RegistryError
 from cluster.token import ClusterToken, load_cluster_token
@@ -150,6 +151,7 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
     try:
         options.advertise_host(args)
         token = load_cluster_token(args.cluster_token_file)
+        tls = internal_tls(args)
     except ValueError as exc:
         print(f"pdserve {kind.role}: {exc}", file=sys.stderr)
         return 2
@@ -188,5 +190,5 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
     endpoint = Endpoint(identity, layout,
                         kv_address(loop),
                         lambda server: kind.add_servicer(loop, identity, server), load, metrics,
-                        token)
+                        token, tls)
     return serve_until_signal(args, loop, endpoint)

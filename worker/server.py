@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cluster.auth import cluster_token_interceptor
 from cluster.files import write_json_atomic
 from cluster.heartbeat import Heartbeat
+from cluster.internal_tls import InternalTLS
 from cluster.keepalive import INTERNAL_SERVER_OPTIONS
 from cluster.leases import LeaseStore
 from cluster.records import WorkerLoad, WorkerRecord
@@ -137,6 +138,7 @@ class Endpoint:
     load_fn: Callable[[], WorkerLoad]
     metrics: WorkerMetrics
     token: ClusterToken | None = None  # every call but health must carry it (None: open)
+    tls: InternalTLS | None = None  # serve mutual TLS (None: plaintext)
 
 
 def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
@@ -169,7 +171,9 @@ async def _serve(args: Any, loop: EngineLoop, endpoint: Endpoint, metrics_addres
     endpoint.add_servicers(server)
     health_ = Health(server)
     await health_.set(False)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    bind = f"{args.host}:{args.port}"
+    port = (server.add_insecure_port(bind) if endpoint.tls is None
+            else server.add_secure_port(bind, endpoint.tls.server_credentials()))
     await server.start()
     identity = endpoint.identity
     grpc_address = f"{advertise_host(args)}:{port}"
