@@ -7,10 +7,13 @@ defaults, ``--max-inflight`` above the highest level), then for each concurrency
 opens that many streams at once (``pdserve.AsyncClient``, one channel) and counts the
 requests that completed with all their tokens. While the level the issue names (300)
 runs, both workers' ``grpc.health.v1`` is polled at 10 Hz and the router's queue-time
-histogram is read. Then a burst of 10× ``--max-inflight`` against a router limited to
-16 measures how fast the excess is refused (all sent at once, so the last answer waits
-for the router to get through the burst), and single requests sent one at a time while
-the accepted ones still stream measure one refusal on its own. Prints a table and the machine facts;
+histogram is read. Then (``bench.burst``) a burst of 10× ``--burst-limit`` streams
+(default 3,200 against ``--max-inflight 320``) from ``--burst-clients`` client processes
+at one instant: every request must end OK or RESOURCE_EXHAUSTED, and the refusals' client
+side p50/p99 are reported; single requests sent one at a time while the accepted ones still
+stream measure one refusal on its own. Last, ``--lag-requests`` requests with prompts of
+``--lag-words`` words at once, and the router's worst event-loop stall meanwhile
+(``pdserve:router_event_loop_lag_seconds``). Prints tables and the machine facts;
 ``--json`` writes them.
 """
 
@@ -30,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.burst import PROBES, burst, lag_buckets, lag_burst
 from bench.common import format_table, machine_info, percentile, write_json
 from deploy.local import LocalLauncher
 from deploy.spec import ClusterSpec
@@ -125,29 +129,10 @@ def minus(after: list[tuple[float, float]], before: list[tuple[float, float]]
     return [(bound, count - earlier.get(bound, 0.0)) for bound, count in after]
 
 
-PROBES = 100  # single refused requests sent one after another while the router is full
-
-
-async def burst(address: str, n: int) -> tuple[list[tuple[str, float]], list[float]]:
-    """``n`` requests at once (the excess is refused), then, while the accepted ones still
-    stream, ``PROBES`` requests one at a time: (each burst request's outcome and seconds,
-    each refused probe's seconds)."""
-    async def one(client: AsyncClient, i: int, max_tokens: int) -> tuple[str, float]:
-        start = time.monotonic()
-        try:
-            await client.complete(f"{PROMPT} {i}", max_tokens=max_tokens, ignore_eos=True,
-                                  timeout=300.0)
-            return "ok", time.monotonic() - start
-        except PdserveError as exc:
-            return exc.code.name, time.monotonic() - start
-
-    async with AsyncClient(address) as client:
-        await client.complete(PROMPT, max_tokens=1, timeout=60.0)  # the channel is up first
-        tasks = [asyncio.ensure_future(one(client, i, 256)) for i in range(n)]
-        while sum(t.done() for t in tasks) < n * 9 // 10:  # the excess was answered
-            await asyncio.sleep(0.01)
-        probes = [await one(client, n + i, 1) for i in range(PROBES)]
-        return await asyncio.gather(*tasks), [s for o, s in probes if o == "RESOURCE_EXHAUSTED"]
+def worst_bound(buckets: list[tuple[float, float]]) -> float:
+    """The smallest bucket bound below which every observation fell."""
+    total = buckets[-1][1] if buckets else 0
+    return next((bound for bound, count in buckets if count >= total), math.nan)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -156,7 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--levels", default="100,200,300,400",
                         help="concurrency levels, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--burst-limit", type=int, default=16)
+    parser.add_argument("--burst-limit", type=int, default=320,
+                        help="the burst's router --max-inflight (the burst is 10x it)")
+    parser.add_argument("--burst-clients", type=int, default=4,
+                        help="client processes the burst is sent from")
+    parser.add_argument("--lag-requests", type=int, default=200)
+    parser.add_argument("--lag-words", type=int, default=1500)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
@@ -184,16 +174,33 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{result['failed']} failed in {result['seconds']:.1f}s", flush=True)
     held = [r["concurrency"] for r in report["levels"] if r["failed"] == 0]
     report["max_concurrency_without_failures"] = max(held) if held else 0
-    print(f"burst: {10 * args.burst_limit} requests at --max-inflight {args.burst_limit} ...",
-          flush=True)
-    with LocalLauncher(ClusterSpec(port=0, http_port=0, max_inflight=args.burst_limit),
-                      progress=lambda line: None) as cluster:
-        outcomes, probes = asyncio.run(burst(cluster.router_address, 10 * args.burst_limit))
+    print(f"burst: {10 * args.burst_limit} requests at --max-inflight {args.burst_limit} "
+          f"from {args.burst_clients} client processes ...", flush=True)
+    with LocalLauncher(ClusterSpec(port=0, http_port=0, max_inflight=args.burst_limit,
+                                   router_args=("--metrics-port", "0")),
+                       progress=lambda line: None) as cluster:
+        assert cluster.router is not None and cluster.router.ready is not None
+        metrics_url = f"http://{cluster.router.ready['metrics_address']}/metrics"
+        lag_before = lag_buckets(metrics_url)
+        outcomes, probes = burst(cluster.router_address, metrics_url, 10 * args.burst_limit,
+                                 args.burst_clients, args.burst_limit)
+        burst_lag = minus(lag_buckets(metrics_url), lag_before)
+        print(f"long prompts: {args.lag_requests} of ~{args.lag_words} words at once ...",
+              flush=True)
+        lag_before = lag_buckets(metrics_url)
+        completed = lag_burst(cluster.router_address, args.lag_requests, args.lag_words)
+        long_lag = minus(lag_buckets(metrics_url), lag_before)
+    report["event_loop_lag"] = {
+        "burst_p99_ms": 1000 * histogram_quantile(burst_lag, 0.99),
+        "burst_worst_below_ms": 1000 * worst_bound(burst_lag),
+        "long_prompts_completed": completed,
+        "long_prompts_p99_ms": 1000 * histogram_quantile(long_lag, 0.99),
+        "long_prompts_worst_below_ms": 1000 * worst_bound(long_lag)}
     refused = [s for o, s in outcomes if o == "RESOURCE_EXHAUSTED"]
     report["burst"] = {
-        "requests": len(outcomes), "completed": sum(o == "ok" for o, _ in outcomes),
-        "refused": len(refused), "other": sorted({o for o, _ in outcomes} - {"ok",
-                                                                               "RESOURCE_EXHAUSTED"}),
+        "requests": len(outcomes), "completed": sum(o == "OK" for o, _ in outcomes),
+        "refused": len(refused),
+        "other": sorted({o for o, _ in outcomes} - {"OK", "RESOURCE_EXHAUSTED"}),
         "rejection_p50_ms": 1000 * percentile(refused, 50) if refused else math.nan,
         "rejection_p99_ms": 1000 * percentile(refused, 99) if refused else math.nan,
         "probes_refused": len(probes),
@@ -215,6 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"one request at a time while full: {b['probes_refused']} of {PROBES} refused "
           f"(RESOURCE_EXHAUSTED p50 {b['probe_rejection_p50_ms']:.1f} ms, "
           f"p99 {b['probe_rejection_p99_ms']:.1f} ms)")
+    lag = report["event_loop_lag"]
+    print(f"router event-loop lag: during the burst p99 {lag['burst_p99_ms']:.1f} ms, worst "
+          f"< {lag['burst_worst_below_ms']:.0f} ms; during {args.lag_requests} long prompts "
+          f"({lag['long_prompts_completed']} completed) p99 {lag['long_prompts_p99_ms']:.1f} ms, "
+          f"worst < {lag['long_prompts_worst_below_ms']:.0f} ms")
     print(f"machine: {report['machine']}")
     if args.json:
         write_json(args.json, report)

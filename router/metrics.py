@@ -17,7 +17,9 @@ streamed chunks, end-to-end, and the time a request waited in the router's queue
 - ``pdserve:router_routed_total{role, worker}``: calls placed on each worker;
 - ``pdserve:router_prompt_tokens_total``, ``..._generation_tokens_total``,
   ``..._cached_tokens_total``: over finished requests;
-- ``pdserve:router_requests_running``, ``pdserve:router_requests_waiting`` (gauges).
+- ``pdserve:router_requests_running``, ``pdserve:router_requests_waiting`` (gauges);
+- ``pdserve:router_event_loop_lag_seconds`` (histogram): how much later than asked the
+  router's event loop ran a task that wakes every 50 ms (``router.loop_lag``): its stalls.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0, 600.0)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class RouterMetrics:
@@ -66,6 +69,9 @@ class RouterMetrics:
         self.running = Gauge(p + "requests_running", "Requests placed on workers", registry=r)
         self.waiting = Gauge(p + "requests_waiting", "Requests in the router's queue",
                              registry=r)
+        self.loop_lag = Histogram(p + "event_loop_lag_seconds",
+                                  "How much later than asked the event loop woke a task",
+                                  registry=r, buckets=LAG_BUCKETS)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

@@ -53,6 +53,7 @@ from router.config import (
 from router.core import RouterCore
 from router.debug import start_debug_server
 from router.http.server import HttpServer, HttpStartError, build_http_server
+from router.loop_lag import LoopLagMonitor
 from router.service import SERVICE_NAME, GenerationService
 from router.validation import ModelLimits
 from router.workers import WorkerPool
@@ -91,6 +92,7 @@ class Router:
         self.core = RouterCore(self.pool, self.limits, tokenizer, handoff=config.handoff,
                                admission=config.admission, leases=self.leases)
         self.service = GenerationService(self.core)
+        self.loop_lag = LoopLagMonitor(self.core.metrics.loop_lag)
         self.serving = False  # what health says (also the HTTP API's /health)
         self.http: HttpServer | None = None
         self.http_address: str | None = None
@@ -165,6 +167,7 @@ class Router:
             except RuntimeError as exc:
                 raise RouterStartError(str(exc)) from None
         self.leases.start()
+        self.loop_lag.start()
         await self._refresh()
         await server.start()
         self._server = server
@@ -242,6 +245,7 @@ class Router:
         await self.core.drain_background()
         self.core.close()
         await self.leases.stop()
+        await self.loop_lag.stop()
         if self.leases.store is not None:
             self.leases.store.close()
         if self._debug_server is not None:
