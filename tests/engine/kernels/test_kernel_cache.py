@@ -302,3 +302,22 @@ def test_the_wait_for_another_build_is_bounded(tmp_path: Path) -> None:
         assert 0.3 <= time.monotonic() - started < 5
     with locked(directory, 0.3):  # released with its holder
         pass
+
+
+@needs_cc
+def test_a_process_given_a_planted_shared_cache_runs_without_it(cache_home: Path,
+                                                                  tmp_path: Path) -> None:
+    """A fresh process (as a worker starts) whose XDG_CACHE_HOME holds a planted library in
+    a world-writable directory: it loads nothing from there, says why, and computes with
+    its torch kernels."""
+    library = library_path()
+    _plant(library)
+    library.parent.chmod(0o777)
+    probe = ("import logging, sys\nlogging.basicConfig(level=logging.WARNING)\n"
+             "import engine.kernels.cpu as k\nprint('native' if k.native() else 'torch')\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60, env={**os.environ})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "torch"
+    assert "refusing pdserve's kernel cache" in result.stderr
+    assert library.read_bytes() == GARBAGE and _compiles(tmp_path) == 0
