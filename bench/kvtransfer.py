@@ -290,7 +290,7 @@ def print_report(result: dict[str, Any], context: dict[str, Any]) -> None:
 def pass_speeds(num_blocks: int, size_mib: int = 16) -> dict[str, float]:
     """GB/s of the extra passes pdserve makes over the bytes, on one thread, in this
     process: gather (paged -> part), XXH3 over the part, its MAC on an authenticated
-    channel (keyed BLAKE2b-128), scatter (part -> paged)."""
+    channel (Poly1305), scatter (part -> paged)."""
     torch.set_num_threads(1)
     shape = (LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
              LAYOUT.head_dim)
@@ -312,7 +312,7 @@ def pass_speeds(num_blocks: int, size_mib: int = 16) -> dict[str, float]:
         marks.append(time.perf_counter())
         checksum(part[: (rows[1] - rows[0]) * row_bytes], ChecksumAlgo.XXH3_64)
         marks.append(time.perf_counter())
-        mac.words_mac([0] * 27, part[: (rows[1] - rows[0]) * row_bytes].numpy().data)
+        mac.words_mac(b"part", 0, [0] * 27, part[: (rows[1] - rows[0]) * row_bytes].numpy().data)
         marks.append(time.perf_counter())
         scatter(cache, ids.flip(0), (0, LAYOUT.num_kv_heads), 0, n, rows, out)
         marks.append(time.perf_counter())

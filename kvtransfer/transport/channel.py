@@ -120,7 +120,8 @@ class Channel:
         if self.mac is not None:
             covered = (None if self.split_payload or not header.payload_nbytes
                        else buffer[HEADER_BYTES:end].numpy().data)
-            header = header.with_mac(self.mac.words_mac(header.mac_words(), covered))
+            header = header.with_mac(self.mac.words_mac(b"part", header.seq,
+                                                        header.mac_words(), covered))
         words = torch.tensor(header.encode(), dtype=torch.int64)
         if not self.split_payload:
             buffer[: 8 * len(words)].view(torch.int64).copy_(words)
@@ -150,15 +151,15 @@ class Channel:
         if self.mac is None:
             return True
         data = None if self.split_payload or not header.payload_nbytes else payload.numpy().data
-        return self.mac.check(header.mac_words(), header.mac, data)
+        return self.mac.check(b"part", header.seq, header.mac_words(), header.mac, data)
 
     def check_ack(self, ack: Ack) -> bool:
         """Whether an acknowledgement carries this channel's MAC (always, unauthenticated)."""
-        return self.mac is None or self.mac.check(ack.mac_words(), ack.mac)
+        return self.mac is None or self.mac.check(b"ack", ack.seq, ack.mac_words(), ack.mac)
 
     def send_ack(self, ack: Ack) -> Pending:
         if self.mac is not None:
-            ack = ack.with_mac(self.mac.words_mac(ack.mac_words()))
+            ack = ack.with_mac(self.mac.words_mac(b"ack", ack.seq, ack.mac_words()))
         words = torch.tensor(ack.encode(), dtype=torch.int64)
         return Pending(self._post(self._control.isend, words, ack.seq), words, "ack")
 
