@@ -126,14 +126,21 @@ def test_keeper_survives_redis_down(redis_server: RedisServer) -> None:
     asyncio.run(scenario())
 
 
-def test_watcher_frees_only_after_a_full_ttl_missing_with_redis_up(
-        redis_server: RedisServer, raw_redis: redis.Redis) -> None:
+def _watching_r1(redis_server: RedisServer, raw_redis: redis.Redis
+                 ) -> tuple[ManualClock, LeaseBook, list[str], LeaseWatcher]:
+    """A watcher on a manual clock, watching attempt r-1 whose lease is in Redis."""
     clock = ManualClock()
     book, freed = LeaseBook(), list[str]()
     watcher = LeaseWatcher(LeaseStore(redis_server.url, timeout_s=0.3), book, freed.append,
                            clock)
     raw_redis.set("pdserve:default:lease:r:1", "{}")
     book.watch("r-1", "pdserve:default:lease:r:1", 10.0)
+    return clock, book, freed, watcher
+
+
+def test_watcher_frees_only_after_a_full_ttl_missing_with_redis_up(
+        redis_server: RedisServer, raw_redis: redis.Redis) -> None:
+    clock, book, freed, watcher = _watching_r1(redis_server, raw_redis)
     book.watch("r-2", "pdserve:default:lease:r:2", 10.0)  # never written: missing
     # 1. present: kept; missing: its clock starts, nothing freed before a full TTL
     assert watcher.check() == []
@@ -178,12 +185,7 @@ def test_watcher_keeps_a_lease_written_late_and_frees_it_once_it_lapses(
 
 def test_watcher_forgets_what_it_saw_when_redis_restarts(
         redis_server: RedisServer, raw_redis: redis.Redis) -> None:
-    clock = ManualClock()
-    book, freed = LeaseBook(), list[str]()
-    watcher = LeaseWatcher(LeaseStore(redis_server.url, timeout_s=0.3), book, freed.append,
-                           clock)
-    raw_redis.set("pdserve:default:lease:r:1", "{}")
-    book.watch("r-1", "pdserve:default:lease:r:1", 10.0)
+    clock, book, freed, watcher = _watching_r1(redis_server, raw_redis)
     assert watcher.check() == []  # seen
     port = redis_server.port
     redis_server.stop()

@@ -76,6 +76,13 @@ class Cluster:
             self.router = router
         return router.wait_ready()
 
+    def with_router(self) -> Cluster:
+        """The cluster, with its router running (started anew if a test killed it)."""
+        if self.router is None or self.router.proc.poll() is not None:
+            self.start_router()
+            self.wait_serving()
+        return self
+
     def wait_serving(self, timeout_s: float = 30.0) -> None:
         """Until the router sees every worker (health SERVING, then one more refresh)."""
         wait_until(lambda: _router_sees_all(self), timeout_s, "the router to see every worker")

@@ -54,10 +54,7 @@ IDLE_TIMEOUT_S = 20.0  # the leak check's (tests.e2e.conftest): leases take a TT
 @pytest.fixture
 def idle(cluster: Cluster) -> Cluster:
     """The cluster, with its router running (a test before may have killed it)."""
-    if cluster.router is None or cluster.router.proc.poll() is not None:
-        cluster.start_router()
-        cluster.wait_serving()
-    return cluster
+    return cluster.with_router()
 
 
 def _decode_info(c: Cluster) -> wpb.WorkerInfo:

@@ -53,10 +53,7 @@ POINTS = [
 @pytest.fixture
 def live(cluster: Cluster) -> Cluster:
     """The cluster, with a running router (the test before killed the last one)."""
-    if cluster.router is None or cluster.router.proc.poll() is not None:
-        cluster.start_router()
-        cluster.wait_serving()
-    return cluster
+    return cluster.with_router()
 
 
 def _stream(pool: ThreadPoolExecutor, address: str, request_id: str,
