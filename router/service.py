@@ -17,6 +17,7 @@ import time
 from contextlib import aclosing
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pdserve.v1 import generate_pb2 as pb
 from router import api
@@ -45,12 +46,17 @@ class GenerationService:
                 self.generate, request_deserializer=None,
                 response_serializer=pb.GenerateResponse.SerializeToString),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-                self.get_model_info, request_deserializer=pb.ModelInfoRequest.FromString,
+                self.get_model_info, request_deserializer=None,
                 response_serializer=pb.ModelInfo.SerializeToString),
         })
 
-    async def get_model_info(self, request: pb.ModelInfoRequest,
+    async def get_model_info(self, raw: bytes,
                              context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        try:  # parsed here: a deserializer's exception would reach the client as UNKNOWN
+            pb.ModelInfoRequest.FromString(raw)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"not a valid pdserve.v1.ModelInfoRequest: {exc}")
         layout = self._core.pool.layout()
         return api.model_info(self._core.limits,
                               layout.block_size if layout is not None else 0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -154,15 +155,30 @@ def _check_length(num_tokens: int, limits: ModelLimits) -> None:
                              f"context length of {limits.context_length} tokens")
 
 
+def _as_float32(name: str, value: float | None, default: float) -> float:
+    """``value`` (``default`` if None) as the 32-bit float the internal API carries it as:
+    validated as the workers will see it. ``InvalidRequest`` when not finite there."""
+    if value is None:
+        return default
+    try:
+        rounded: float = struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        rounded = math.inf
+    if not math.isfinite(rounded):
+        raise InvalidRequest(f"{name} must be finite (as a 32-bit float), got {value}")
+    return rounded
+
+
 def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
     max_tokens = DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
     if max_tokens > limits.context_length:
         raise InvalidRequest(f"max_tokens must be at most the context length "
                              f"{limits.context_length}, got {max_tokens}")
-    for name in ("temperature", "top_p"):
-        value = getattr(request, name)
-        if value is not None and not math.isfinite(value):
-            raise InvalidRequest(f"{name} must be finite, got {value}")
+    temperature, top_p = (_as_float32(name, getattr(request, name), default)
+                          for name, default in (("temperature", 1.0), ("top_p", 1.0)))
+    if top_p == 0.0 and request.top_p:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {request.top_p} (0 as the 32-bit "
+                             "float the workers use)")
     if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # counted before checked one by one
         raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
                              f"{len(request.stop_token_ids)}")
@@ -170,8 +186,7 @@ def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
+            temperature=temperature, top_p=top_p,
             top_k=-1 if request.top_k is None else request.top_k,
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos)

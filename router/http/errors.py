@@ -40,7 +40,8 @@ STATUS: dict[grpc.StatusCode, int] = {
 }
 TYPES: dict[int, str] = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+    404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+    415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
     499: "cancelled", 503: "service_unavailable", 504: "timeout",
 }
 

@@ -54,7 +54,14 @@ class Handoff:
         try:
             async for chunk in self._attempts():
                 yield chunk
-        except (RouteError, GeneratorExit):
+        except RouteError as exc:
+            if exc.code == grpc.StatusCode.UNAVAILABLE and self.ctx.clock() >= self.ctx.deadline:
+                # the workers gave up because the caller's time ran out: say so
+                raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 "the request's deadline passed while the workers were serving "
+                                 "it", detail=f"{exc.message} ({exc.detail})") from None
+            raise
+        except GeneratorExit:
             raise
         except Exception as exc:  # noqa: BLE001 - any other failure: INTERNAL, never a hang
             self.ctx.log.exception("the request failed unexpectedly")
