@@ -224,7 +224,7 @@ def one_layer_transfer_ms(model: dict[str, Any], lengths: Sequence[int], repeats
     tokens = {n: -(-b // kv.TOKEN_BYTES) for n, b in layer_bytes.items()}
     num_blocks = 2 * max(tokens.values()) // kv.LAYOUT.block_size + 16
     shared = {"pin": True, "timeout_s": 60.0, "part_mib": 4.0, "num_blocks": num_blocks,
-              "sizes_mib": [1]}
+              "sizes_mib": [1], "auth": False}
     rx, tx = kv.Remote("receiver", shared), kv.Remote("sender", shared)
     times: dict[int, list[float]] = {n: [] for n in lengths}
     try:

@@ -24,6 +24,7 @@ import pytest
 from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
 from deploy.local import LocalLauncher
 from deploy.spec import ClusterSpec
+from tests.auth import with_token
 from tests.factories import REPO_ROOT
 from tests.worker.procs import assert_idle
 
@@ -75,7 +76,8 @@ def test_aiperf_streams_without_errors(served: LocalLauncher, llama_dir: Path, t
     assert report["usage_completion_tokens"]["min"] == OUTPUT_TOKENS  # every one complete
     assert report["time_to_first_token"]["avg"] > 0  # it saw a stream
     for worker in served.workers:
-        with grpc.insecure_channel(str(worker.ready["grpc_address"])) as channel:
+        raw = grpc.insecure_channel(str(worker.ready["grpc_address"]))
+        with with_token(raw, served.cluster_token) as channel:
             stub = (wpb_grpc.PrefillWorkerStub(channel) if worker.name.startswith("prefill")
                     else wpb_grpc.DecodeWorkerStub(channel))
             assert_idle(stub)

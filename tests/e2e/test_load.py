@@ -34,6 +34,7 @@ from deploy.local import LocalLauncher
 from deploy.spec import ClusterSpec
 from pdserve import AsyncClient, Client, PdserveError
 from router.workers import HEALTH_TIMEOUT_S
+from tests.auth import with_token
 from tests.e2e.cluster import Cluster, start_cluster
 from tests.factories import REPO_ROOT
 from tests.processes import wait_until
@@ -104,7 +105,7 @@ def _worker_stubs(cluster: LocalLauncher) -> list[tuple[str, object]]:
     stubs = []
     for child in cluster.workers:
         assert child.ready is not None
-        channel = grpc.insecure_channel(child.address)
+        channel = with_token(grpc.insecure_channel(child.address), cluster.cluster_token)
         stub = (wpb_grpc.PrefillWorkerStub(channel) if child.name.startswith("prefill")
                 else wpb_grpc.DecodeWorkerStub(channel))
         stubs.append((child.name, stub))
