@@ -66,6 +66,7 @@ class Reserve(Command[KVTarget | str]):
     transfer_id: int
     wait_s: float | None = None
     client_request_id: str = ""  # for logs
+    num_resumed_tokens: int = 0  # output already streamed, ending the prompt (a migration)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class Local(Command[None]):
     params: SamplingParams
     stream: OutputStream[RequestOutput]
     client_request_id: str = ""  # for logs
+    num_resumed_tokens: int = 0  # output already streamed, ending the prompt (a migration)
 
 
 class Phase(enum.Enum):
@@ -147,7 +149,8 @@ class DecodeLoop(EngineLoop):
             return (f"busy: {len(self._live)} requests held, the worker's limit "
                     "(--max-requests)")
         try:
-            block_ids = self.core.reserve_for_kv(rid, cmd.prompt_token_ids, cmd.params)
+            block_ids = self.core.reserve_for_kv(rid, cmd.prompt_token_ids, cmd.params,
+                                                 num_resumed_tokens=cmd.num_resumed_tokens)
             if block_ids is None:
                 usage = self.core.kv_usage()
                 return f"out of KV blocks ({usage.free + usage.cached} of {usage.total} free)"
@@ -196,7 +199,8 @@ class DecodeLoop(EngineLoop):
                               f"busy: {len(self._live)} requests held, the worker's limit "
                               "(--max-requests)")
         try:
-            self.core.add_request(cmd.attempt_id, list(cmd.prompt_token_ids), cmd.params)
+            self.core.add_request(cmd.attempt_id, list(cmd.prompt_token_ids), cmd.params,
+                                  num_resumed_tokens=cmd.num_resumed_tokens)
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self._failed.pop(cmd.attempt_id, None)
@@ -289,7 +293,8 @@ class DecodeLoop(EngineLoop):
             return
         if live.local and live.trailer is None and out.new_token_ids:  # its first token
             live.trailer = Trailer(out.new_token_ids[0], out.num_cached_tokens)
-            self.timings.prompt(out.num_prompt_tokens, out.num_cached_tokens)
+            self.timings.prompt(out.num_prompt_tokens + out.num_resumed_tokens,
+                                out.num_cached_tokens)
         self.timings.output(out.request_id, len(out.new_token_ids),
                             out.finish_reason if out.finished else None)
         live.stream.put(out)

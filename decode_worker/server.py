@@ -54,7 +54,7 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
             target = await self.loop.acall(Reserve(
                 attempt, list(request.prompt_token_ids), params,
                 request.transfer_id, request.wait_ms / 1000 if request.wait_ms else None,
-                request.client_request_id),
+                request.client_request_id, request.num_resumed_tokens),
                 call_timeout(context))
             if isinstance(target, str):
                 return pb.ReserveResponse(accepted=False, reason=target)
@@ -98,7 +98,7 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
             await abort_with(context, exc)
         stream: OutputStream[RequestOutput] = OutputStream(params.max_tokens + 2)
         command = Local(attempt, list(request.prompt_token_ids), params, stream,
-                        request.client_request_id)
+                        request.client_request_id, request.num_resumed_tokens)
         async for chunk in self._relay(attempt, command, stream, context, request.lease):
             yield chunk
 
@@ -140,8 +140,10 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                     chunk.finish_reason = out.finish_reason or "stop"
                     # cached_tokens: the prefill worker's count, arrived with the KV
                     chunk.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens,
-                                                  completion_tokens=num_completion,
-                                                  cached_tokens=out.num_cached_tokens))
+                                                  completion_tokens=out.num_resumed_tokens
+                                                  + num_completion,
+                                                  cached_tokens=min(out.num_cached_tokens,
+                                                                    out.num_prompt_tokens)))
                 yield chunk
                 if out.finished:
                     return

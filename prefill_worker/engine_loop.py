@@ -76,6 +76,7 @@ class Submit(Command[None]):
     stream: OutputStream[PrefillDone]
     deadline: float | None = None
     client_request_id: str = ""  # for logs
+    num_resumed_tokens: int = 0  # output already streamed, ending the prompt (a migration)
 
 
 @dataclass
@@ -117,7 +118,7 @@ class PrefillLoop(EngineLoop):
                               "(--max-requests)")
         try:
             self.sending.submit(cmd.attempt_id, cmd.prompt_token_ids, cmd.params, cmd.transfer_id,
-                           cmd.dest)
+                                cmd.dest, num_resumed_tokens=cmd.num_resumed_tokens)
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self.named(cmd.attempt_id, cmd.client_request_id)
@@ -182,7 +183,8 @@ class PrefillLoop(EngineLoop):
         if out.finished and out.request_id in self._held:  # else: warm-up
             if pause_points.enabled():
                 self._started_points(also=out.request_id)
-            self.timings.prompt(out.num_prompt_tokens, out.num_cached_tokens)
+            self.timings.prompt(out.num_prompt_tokens + out.num_resumed_tokens,
+                                out.num_cached_tokens)
             self.timings.output(out.request_id, len(out.new_token_ids), None)
             outcome = self.sending.finish(out)
             if outcome is not None:

@@ -21,6 +21,9 @@ AFFINITY_BLOCKS = 4
 DEFAULT_EPSILON = 0.25
 """Bounded load: a prefill worker above ``(1 + epsilon) * mean`` load is skipped."""
 DEFAULT_LEASE_TTL_S = 10.0
+DEFAULT_MIGRATION_LIMIT = 3
+"""Migrations of one stream (its decode worker failed after tokens were streamed) before
+the client gets UNAVAILABLE."""
 MIN_LEASE_TTL_S = 0.1
 
 
@@ -41,8 +44,13 @@ class HandoffConfig:
     # each attempt's lease in Redis (cluster.leases): renewed every third of it; a worker
     # frees an attempt whose lease has been gone this long
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    # a stream whose decode worker fails after its first token continues on another one
+    # (the prompt and the tokens sent prefilled), at most this often; 0: never
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
 
     def __post_init__(self) -> None:
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.local_prefill not in LOCAL_PREFILL_MODES:
             raise ValueError(f"local_prefill must be one of {LOCAL_PREFILL_MODES}, "
                              f"got {self.local_prefill!r}")

@@ -18,6 +18,10 @@ streamed chunks, end-to-end, and the time a request waited in the router's queue
 - ``pdserve:router_prompt_tokens_total``, ``..._generation_tokens_total``,
   ``..._cached_tokens_total``: over finished requests;
 - ``pdserve:router_requests_running``, ``pdserve:router_requests_waiting`` (gauges);
+- ``pdserve:migrations_total{cause}``: streams continued on another decode worker after
+  theirs failed mid-stream (cause: ``died`` — the call failed —, ``health``, ``draining``,
+  ``ended`` — the stream ended without a finish reason); ``pdserve:migration_stall_seconds``
+  (histogram): the gap a migration left between the tokens around it, as the router saw it;
 - ``pdserve:router_event_loop_lag_seconds`` (histogram): how much later than asked the
   router's event loop ran a task that wakes every 50 ms (``router.loop_lag``): its stalls.
 """
@@ -69,6 +73,12 @@ class RouterMetrics:
         self.running = Gauge(p + "requests_running", "Requests placed on workers", registry=r)
         self.waiting = Gauge(p + "requests_waiting", "Requests in the router's queue",
                              registry=r)
+        self.migrations = Counter("pdserve:migrations",
+                                  "Streams continued on another decode worker mid-stream",
+                                  ["cause"], registry=r)
+        self.migration_stall = Histogram("pdserve:migration_stall_seconds",
+                                         "Gap between the tokens around a migration",
+                                         registry=r, buckets=LATENCY_BUCKETS)
         self.loop_lag = Histogram(p + "event_loop_lag_seconds",
                                   "How much later than asked the event loop woke a task",
                                   registry=r, buckets=LAG_BUCKETS)

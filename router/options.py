@@ -11,6 +11,7 @@ from cluster.token import add_token_arg
 from router.config import (
     DEFAULT_HTTP_PORT,
     DEFAULT_LEASE_TTL_S,
+    DEFAULT_MIGRATION_LIMIT,
     DEFAULT_PORT,
     LOCAL_PREFILL_MODES,
     PREFILL_ROUTING,
@@ -79,6 +80,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "hashing of the prompt's leading blocks, bounded load); "
                              "round-robin: the next one in turn, whatever the prompt (a "
                              "baseline for benchmarks; default: affinity)")
+    parser.add_argument("--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT,
+                        help="how often one stream may move to another decode worker when "
+                             "its own fails after tokens were streamed (the prompt and the "
+                             "tokens sent are prefilled there; the client sees one stream); "
+                             f"0: never, the client gets UNAVAILABLE (default "
+                             f"{DEFAULT_MIGRATION_LIMIT})")
     parser.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL_S,
                         help="seconds of each attempt's lease in Redis (renewed every third of "
                              "it): a worker frees what it holds for an attempt whose lease has "

@@ -114,6 +114,15 @@ class WorkerCalls:
         self._req = request
         self._sampling = _sampling_proto(request)
         self._lease_ttl_ms = lease_ttl_ms
+        self._prompt: list[int] = list(request.prompt_token_ids)
+        self._num_resumed = 0
+
+    def resume(self, sent: tuple[int, ...]) -> None:
+        """Later attempts continue the stream after ``sent``, the tokens the client has
+        (a migration): their prompt is the request's and ``sent``, the last
+        ``len(sent)`` marked as resumed output (``num_resumed_tokens``)."""
+        self._prompt = [*self._req.prompt_token_ids, *sent]
+        self._num_resumed = len(sent)
 
     def _lease(self, lease: Lease) -> pb.Lease:
         return pb.Lease(key=lease.key, ttl_ms=self._lease_ttl_ms if lease.key else 0)
@@ -125,7 +134,8 @@ class WorkerCalls:
         ``wait_s`` to start. ``reserved`` reads the reply."""
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
         return stub.Reserve(pb.ReserveRequest(
-            client_request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
+            client_request_id=self._req.request_id, prompt_token_ids=self._prompt,
+            num_resumed_tokens=self._num_resumed,
             sampling=self._sampling, transfer_id=transfer_id,
             wait_ms=max(1, int(wait_s * 1000)), attempt_id=attempt_id,
             lease=self._lease(lease)), timeout=timeout_s)
@@ -142,7 +152,8 @@ class WorkerCalls:
                       timeout_s: float) -> grpc.aio.UnaryUnaryCall:
         stub = pb_grpc.PrefillWorkerStub(self._pool.channel(prefill_id))
         return stub.Prefill(pb.PrefillRequest(
-            client_request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
+            client_request_id=self._req.request_id, prompt_token_ids=self._prompt,
+            num_resumed_tokens=self._num_resumed,
             sampling=self._sampling, target=pb.KVTarget(
                 kv_address=target.kv_address, tensor_parallel_size=target.tensor_parallel_size,
                 transfer_id=target.transfer_id), attempt_id=attempt_id,
@@ -170,7 +181,8 @@ class WorkerCalls:
                              timeout_s: float) -> grpc.aio.UnaryStreamCall:
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
         return stub.GenerateLocal(pb.GenerateLocalRequest(
-            client_request_id=self._req.request_id, prompt_token_ids=self._req.prompt_token_ids,
+            client_request_id=self._req.request_id, prompt_token_ids=self._prompt,
+            num_resumed_tokens=self._num_resumed,
             sampling=self._sampling, attempt_id=attempt_id, lease=self._lease(lease)),
             timeout=timeout_s)
 

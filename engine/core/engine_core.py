@@ -43,8 +43,9 @@ class RequestOutput:
     text_delta: str
     finished: bool
     finish_reason: str | None
-    num_prompt_tokens: int
+    num_prompt_tokens: int  # the client's prompt (resumed output not included)
     num_cached_tokens: int
+    num_resumed_tokens: int = 0  # output streamed before the request was resumed here
     block_ids: tuple[int, ...] | None = None  # pinned blocks of a finished prefill-only request
 
 
@@ -84,18 +85,29 @@ class EngineCore:
         return f"req-{next(self._ids)}"
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams, *, prefill_only: bool = False) -> None:
-        """Queue a request. Raises ``ValueError`` (naming the limit) for one that can never run."""
-        request = self._make_request(request_id, prompt_token_ids, params, prefill_only)
+                    params: SamplingParams, *, prefill_only: bool = False,
+                    num_resumed_tokens: int = 0) -> None:
+        """Queue a request. Raises ``ValueError`` (naming the limit) for one that can never run.
+
+        ``num_resumed_tokens``: the last that many of ``prompt_token_ids`` are the request's
+        output so far (a stream resumed here after another worker failed it): computed
+        like the prompt, counted as output by ``max_tokens``, the usage and the text
+        stream, whose state (withheld text, a stop string being matched) they rebuild;
+        the tokens sampled next are drawn at the same positions as without the move."""
+        request = self._make_request(request_id, prompt_token_ids, params, prefill_only,
+                                     num_resumed_tokens)
         self.scheduler.add(request)
         self._open_stream(request)
 
     def reserve_for_kv(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams) -> list[int] | None:
+                       params: SamplingParams, *, num_resumed_tokens: int = 0
+                       ) -> list[int] | None:
         """Reserve blocks for a prompt whose KV will be written from outside. Returns the
         block ids (the caller writes the prompt's KV into them, in order), or None when
-        they do not fit now — then nothing is held."""
-        request = self._make_request(request_id, prompt_token_ids, params, False)
+        they do not fit now — then nothing is held. ``num_resumed_tokens``: as for
+        ``add_request``."""
+        request = self._make_request(request_id, prompt_token_ids, params, False,
+                                     num_resumed_tokens)
         block_ids = self.scheduler.reserve(request, request.num_prompt_tokens)
         if block_ids is not None:
             self._open_stream(request)
@@ -172,8 +184,9 @@ class EngineCore:
             text_delta=delta,
             finished=finished,
             finish_reason=request.finish_reason.value if finished and request.finish_reason else None,
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=request.num_client_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            num_resumed_tokens=request.num_resumed_tokens,
             block_ids=tuple(self.block_manager.pinned_block_ids(request.request_id)) if pinned else None,
         )
 
@@ -195,22 +208,36 @@ class EngineCore:
         return delta, finished
 
     def _make_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams, prefill_only: bool) -> Request:
+                      params: SamplingParams, prefill_only: bool,
+                      num_resumed_tokens: int = 0) -> Request:
         if request_id in self.scheduler.requests or self.block_manager.is_pinned(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
-        self._validate_prompt(prompt_token_ids, params, prefill_only)
+        if num_resumed_tokens < 0 or num_resumed_tokens and num_resumed_tokens >= len(
+                prompt_token_ids):
+            raise ValueError(f"{num_resumed_tokens} resumed tokens in a prompt of "
+                             f"{len(prompt_token_ids)}: the client's prompt must remain")
+        if num_resumed_tokens >= params.max_tokens:
+            raise ValueError(f"{num_resumed_tokens} resumed tokens leave nothing to generate "
+                             f"under max_tokens {params.max_tokens}")
+        self._validate_prompt(prompt_token_ids, params, prefill_only, num_resumed_tokens)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
-        return Request(request_id, list(prompt_token_ids), params, eos, prefill_only)
+        return Request(request_id, list(prompt_token_ids), params, eos, prefill_only,
+                       num_resumed_tokens)
 
     def _open_stream(self, request: Request) -> None:
-        if self.tokenizer is not None:
-            self._streams[request.request_id] = TextStream(
-                self.tokenizer.tokenizer, request.prompt_token_ids, stop=request.params.stop)
+        if self.tokenizer is None:
+            return
+        prompt, resumed = request.prompt_token_ids, request.num_resumed_tokens
+        stream = TextStream(self.tokenizer.tokenizer, prompt[:len(prompt) - resumed],
+                            stop=request.params.stop)
+        for token_id in prompt[len(prompt) - resumed:]:  # sent already: rebuild, emit nothing
+            stream.add((token_id,))
+        self._streams[request.request_id] = stream
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                         prefill_only: bool) -> None:
+                         prefill_only: bool, num_resumed_tokens: int = 0) -> None:
         m = self.config.model
         n = len(prompt_token_ids)
         if n == 0:
@@ -218,12 +245,14 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < m.vocab_size]
         if bad:
             raise ValueError(f"token ids must be in [0, {m.vocab_size}); got {bad[:4]}")
-        if n + params.max_tokens > m.max_model_len:
+        # the resumed output is in the prompt already and counts against max_tokens
+        total = n - num_resumed_tokens + params.max_tokens
+        if total > m.max_model_len:
             raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"limit of {m.max_model_len} tokens")
+                f"prompt ({n - num_resumed_tokens} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the context limit of {m.max_model_len} tokens")
         # a prefill-only request holds its prompt's blocks, never the output's
-        num_tokens = n if prefill_only else n + params.max_tokens
+        num_tokens = n if prefill_only else total
         needed = self.block_manager.num_blocks_needed(num_tokens)
         if needed > self.block_manager.num_blocks:
             what = "prompt" if prefill_only else "prompt + max_tokens"

@@ -32,6 +32,10 @@ class Request:
     ``[0, num_computed_tokens)`` is in the request's blocks. A step computes tokens
     ``[num_computed_tokens, num_tokens)`` (or a chunk of them) and, when that reaches
     ``num_tokens``, samples the token at position ``num_tokens``.
+
+    A resumed request (one migrated from another worker after some of its output was
+    streamed) has that output as the last ``num_resumed_tokens`` of ``prompt_token_ids``:
+    computed like the prompt, counted as output (by ``max_tokens`` and the client's usage).
     """
 
     request_id: str
@@ -39,6 +43,7 @@ class Request:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     prefill_only: bool = False
+    num_resumed_tokens: int = 0  # output streamed before, at the end of prompt_token_ids
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -55,6 +60,16 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_client_prompt_tokens(self) -> int:
+        """The client's prompt (``prompt_token_ids`` less the resumed output)."""
+        return len(self.prompt_token_ids) - self.num_resumed_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens of the request so far, the resumed ones included."""
+        return self.num_resumed_tokens + len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +99,6 @@ class Request:
             return FinishReason.STOP
         if not self.params.ignore_eos and last in self.eos_token_ids:
             return FinishReason.STOP
-        if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None

@@ -24,14 +24,16 @@ if TYPE_CHECKING:
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 """Bytes per element of the KV dtypes the engine supports."""
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Version of what workers and the router exchange: the internal gRPC API
 (``proto/cluster/internal/v1``), the KV wire protocol (``kvtransfer.wire.protocol``) and the
 cluster records. Bump it with any change an older process would misread: it is part of
 the fingerprint, so a rolling upgrade never mixes incompatible workers in one cluster
 (0 names a layout written before the version was recorded). 2: the internal API names the
 client's id ``client_request_id``, every call needs its ``attempt_id``, and Generate no
-longer carries the router's copies of the first token."""
+longer carries the router's copies of the first token. 4: Reserve, Prefill and
+GenerateLocal carry ``num_resumed_tokens`` (a migrated stream's output so far, which an
+older worker would take for prompt)."""
 
 
 @dataclass(frozen=True)

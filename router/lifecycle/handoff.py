@@ -13,8 +13,16 @@ reaches the client:
 - a worker at a limit — ``Busy`` — aborts the attempt, waits for capacity and tries again
   without spending an attempt.
 
-After the first token nothing is retried: UNAVAILABLE naming how many tokens were
-streamed. The client's deadline is handed to every worker call; a passed deadline is
+After the first token, a decode worker that fails the stream (the call fails, it stops
+answering health checks, it ends the stream without a finish reason) — ``Migrate`` — is
+excluded and the stream continues on another one, up to ``migration_limit`` times: the
+new attempt's "prompt" is the prompt and every token sent so far, marked as resumed
+output (``num_resumed_tokens`` in the internal API), so the workers prefill it (the
+prefill worker's cache holds the prompt) and count it as output — ``max_tokens``, the
+usage, the text stream (text withheld for a possible stop string is rebuilt, neither
+lost nor sent twice) — and sampling continues at the next position, which for seeded
+sampling is the token the failed worker would have drawn. The client sees one stream;
+past the limit, UNAVAILABLE naming how many tokens were streamed. The client's deadline is handed to every worker call; a passed deadline is
 DEADLINE_EXCEEDED. A failure the loop does not expect (a bug, a value no code path
 checked) ends the request with INTERNAL — never a hang — and, like every other end, the
 attempt's ``end()`` releases everything it held. Every attempt is ended exactly once,
@@ -36,7 +44,7 @@ from cluster import pause_points
 from router.errors import RouteError
 from router.lifecycle.attempt import Attempt
 from router.lifecycle.context import RequestContext
-from router.lifecycle.outcomes import Busy, Retry
+from router.lifecycle.outcomes import Busy, Migrate, Retry
 from router.lifecycle.placement import Placement
 from router.lifecycle.relay import prefill_and_relay, relay, start_generate
 from router.outputs import OutputChunk
@@ -48,6 +56,11 @@ class Handoff:
     def __init__(self, ctx: RequestContext, placement: Placement) -> None:
         self.ctx = ctx
         self.placement = placement
+        self.sent: list[int] = []  # the tokens relayed to the client, in order
+        self.migrations = 0
+        self._last_chunk_at: float | None = None
+        self._migrated_at: float | None = None  # the last token before the last migration
+        self._migrating: str | None = None  # why the last migration left its worker
 
     async def stream(self) -> AsyncGenerator[OutputChunk, None]:
         """The request's output chunks; raises ``RouteError`` on failure."""
@@ -72,12 +85,17 @@ class Handoff:
     async def _attempts(self) -> AsyncGenerator[OutputChunk, None]:
         ctx, failures = self.ctx, list[str]()
         while len(failures) < ctx.config.max_attempts:
-            attempt = await self._place()
+            attempt = await self._place_after(failures)
             try:
                 async with aclosing(self._run(attempt)) as relayed:
                     async for chunk in relayed:
+                        self._relayed(chunk)
                         yield chunk
                 return
+            except Migrate as migrate:
+                failures.clear()  # the next attempt starts afresh, after the tokens sent
+                self._migrate(attempt.id, migrate)
+                self._migrating = str(migrate)
             except Busy as busy:  # not the worker's fault: wait, then place again
                 ctx.metrics.retries.labels("busy").inc()
                 ctx.log.info("attempt %s: %s; waiting for capacity", attempt.id, busy)
@@ -96,6 +114,45 @@ class Handoff:
         raise RouteError(grpc.StatusCode.UNAVAILABLE,
                          f"the workers failed {len(failures)} times before the first token",
                          detail="; ".join(failures))
+
+    def _relayed(self, chunk: OutputChunk) -> None:
+        now = self.ctx.clock()
+        if self._migrated_at is not None and chunk.token_ids:
+            self.ctx.metrics.migration_stall.observe(now - self._migrated_at)
+            self._migrated_at = None
+        self.sent.extend(chunk.token_ids)
+        self._last_chunk_at = now
+
+    def _migrate(self, attempt_id: str, migrate: Migrate) -> None:
+        """Continue after ``migrate`` on another decode worker (the next attempt resumes
+        after ``sent``), or UNAVAILABLE past the migration limit."""
+        ctx, limit = self.ctx, self.ctx.config.migration_limit
+        if self.migrations >= limit:
+            ctx.log.warning("attempt %s: %s (%s); migration limit %d reached", attempt_id,
+                            migrate, migrate.detail, limit)
+            raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                             f"{migrate} after {len(self.sent)} streamed tokens"
+                             + (f" ({self.migrations} migrations, the limit)" if limit else ""),
+                             detail=migrate.detail)
+        self.migrations += 1
+        ctx.metrics.migrations.labels(migrate.cause).inc()
+        ctx.log.warning("attempt %s: %s after %d streamed tokens (%s); migrating (%d of %d)",
+                        attempt_id, migrate, len(self.sent), migrate.detail, self.migrations,
+                        limit)
+        self._migrated_at = self._last_chunk_at
+        ctx.calls.resume(tuple(self.sent))
+
+    async def _place_after(self, failures: list[str]) -> Attempt:
+        """The next attempt; after a migration, a placement that fails says what the
+        stream had streamed and why it left its worker."""
+        try:
+            return await self._place()
+        except RouteError as exc:
+            if self._migrating is None or exc.code != grpc.StatusCode.UNAVAILABLE:
+                raise
+            raise RouteError(exc.code, f"{self._migrating} after {len(self.sent)} streamed "
+                             f"tokens, and no other worker could continue it: {exc.message}",
+                             detail="; ".join([*failures, exc.detail or ""])) from None
 
     async def _place(self) -> Attempt:
         """The next attempt; the request's first placement waits its turn in the queue."""

@@ -1,7 +1,8 @@
 """How an attempt ends short of the client's error: ``Retry`` (it failed before any token
-reached the client; another attempt may succeed) and ``Busy`` (a worker was at a limit:
-wait for capacity, then try again; the worker is not suspected, the attempt not spent).
-A failure the client sees is a ``router.errors.RouteError``."""
+reached the client; another attempt may succeed), ``Busy`` (a worker was at a limit:
+wait for capacity, then try again; the worker is not suspected, the attempt not spent)
+and ``Migrate`` (its decode worker failed after tokens reached the client: the stream
+may continue on another one). A failure the client sees is a ``router.errors.RouteError``."""
 
 from __future__ import annotations
 
@@ -20,6 +21,18 @@ class Retry(Exception):
 class Busy(Exception):
     """A worker answered "busy" (RESOURCE_EXHAUSTED) before any token reached the client:
     wait for capacity and try again; the worker is not suspected, the attempt not spent."""
+
+
+class Migrate(Exception):
+    """The decode worker failed this attempt after ``num_streamed`` of its tokens reached
+    the client; the stream may continue elsewhere. ``cause``: died, health, draining or
+    ended (metrics); ``detail`` names the worker (for logs, never the client)."""
+
+    def __init__(self, message: str, cause: str, num_streamed: int, detail: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.num_streamed = num_streamed
+        self.detail = detail
 
 
 def reraise_if_we_are_cancelled() -> None:

@@ -1,7 +1,9 @@
 """The decode worker's stream of an attempt, relayed to the client.
 
 ``relay`` reads a Generate (or GenerateLocal) stream: a failure before the first token is
-``Retry`` (or ``Busy``), after it UNAVAILABLE naming how many tokens were streamed.
+``Retry`` (or ``Busy``), after it ``Migrate`` naming how many tokens were streamed (the
+handoff continues the stream elsewhere, or ends it with UNAVAILABLE); a refusal of what
+the router sent (a router bug) is INTERNAL, never migrated.
 ``prefill_and_relay`` opens the Generate stream together with the Prefill: the first
 chunk leaves as soon as the KV has arrived on the decode worker, not after the Prefill
 reply's trip back and a Generate call behind it; until that chunk a failed Prefill fails
@@ -19,7 +21,7 @@ import grpc
 from cluster import pause_points
 from router.errors import RouteError
 from router.lifecycle.attempt import Attempt
-from router.lifecycle.outcomes import Busy, Retry, reraise_if_we_are_cancelled
+from router.lifecycle.outcomes import Busy, Migrate, Retry, reraise_if_we_are_cancelled
 from router.lifecycle.placement import Placement
 from router.lifecycle.prefill import prefill, prefill_verdict
 from router.outputs import OutputChunk
@@ -71,9 +73,7 @@ async def relay(attempt: Attempt, call: grpc.aio.UnaryStreamCall
         why = "stopped answering health checks"
         if num_streamed == 0:
             raise Retry(f"decode worker {decode_id} {why}", "health") from None
-        raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                         f"the decode worker {why} after {num_streamed} streamed tokens",
-                         detail=decode_id) from None
+        raise Migrate(f"the decode worker {why}", "health", num_streamed, decode_id) from None
     except grpc.aio.AioRpcError as exc:
         failure = ctx.failure(exc)
         ctx.check_deadline(failure)
@@ -82,13 +82,21 @@ async def relay(attempt: Attempt, call: grpc.aio.UnaryStreamCall
         if num_streamed == 0 and failure.kind is Failure.RETRY:
             ctx.excluded.add(decode_id)
             raise Retry(f"generate on {decode_id}: {failure}", "generate") from None
-        raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                         f"the decode worker failed after {num_streamed} streamed tokens",
-                         detail=f"{decode_id}: {failure}") from None
+        if failure.kind in (Failure.REFUSED, Failure.ALREADY_EXISTS):
+            raise RouteError(grpc.StatusCode.INTERNAL,
+                             f"the decode worker refused the stream after {num_streamed} "
+                             "streamed tokens", detail=f"{decode_id}: {failure}") from None
+        ctx.worker_failed(decode_id, failure)
+        cause = "draining" if "shutting down" in failure.details else "died"
+        raise Migrate("the decode worker failed", cause, num_streamed,
+                      f"{decode_id}: {failure}") from None
     if not attempt.is_finished:
-        raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                         "the decode worker ended the stream without a finish reason",
-                         detail=decode_id)
+        ctx.excluded.add(decode_id)
+        if num_streamed == 0:
+            raise Retry(f"decode worker {decode_id} ended the stream without a token",
+                        "generate")
+        raise Migrate("the decode worker ended the stream without a finish reason", "ended",
+                      num_streamed, decode_id)
 
 
 async def prefill_and_relay(attempt: Attempt, placement: Placement

@@ -76,9 +76,11 @@ class KVSendLeader:
         core.step_payload = self.step_payload
 
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-               transfer_id: int, dest: StoreAddress) -> None:
-        """Queue a prefill-only request whose KV goes to the receiving worker's store ``dest``."""
-        self.core.add_request(request_id, prompt_ids, params, prefill_only=True)
+               transfer_id: int, dest: StoreAddress, *, num_resumed_tokens: int = 0) -> None:
+        """Queue a prefill-only request whose KV goes to the receiving worker's store ``dest``
+        (``num_resumed_tokens``: as for ``EngineCore.add_request``)."""
+        self.core.add_request(request_id, prompt_ids, params, prefill_only=True,
+                              num_resumed_tokens=num_resumed_tokens)
         self._orders[request_id] = _Order(transfer_id, dest)
 
     def step_payload(self, out: SchedulerOutput) -> bytes:

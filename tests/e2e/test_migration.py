@@ -1,0 +1,164 @@
+"""Streams that outlive their decode worker: one prefill and two decode workers and the
+router, real processes; a decode worker SIGKILLed mid-stream under 16 concurrent streams.
+Every stream must come out whole and right — greedy and seeded tokens, text and stop
+strings equal to ``engine.LLM``'s unfaulted run, usage counting the whole output — with
+the migrations counted, and nothing held afterwards (the module's leak check). With
+``--migration-limit 0`` the same death is UNAVAILABLE naming the streamed tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from pdserve import AsyncClient, Client, PdserveError
+from tests.e2e.cluster import Cluster
+from tests.factories import PROMPTS
+from tests.processes import Proc
+
+pytestmark = pytest.mark.timeout(300)
+
+TIMEOUT_S = 120.0
+MAX_TOKENS = 256
+KILL_AFTER = 16  # every stream has this many tokens when the worker dies
+CLUSTER = {"num_prefill": 1, "num_decode": 2, "decode_tp": 1, "decode_kv_blocks": 400,
+           "router_args": ("--metrics-port", "0")}
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> Iterator[LLM]:
+    with LLM(llama_dir) as engine:
+        yield engine
+
+
+def _streams(llm: LLM) -> tuple[list[str], list[SamplingParams]]:
+    """16 streams: 12 greedy (4 of them with a stop string that matches late in their
+    output, after the migration), 4 seeded sampling."""
+    prompts = [f"{PROMPTS[i % 4]} (stream {i})" for i in range(16)]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+              if i < 12 else SamplingParams(max_tokens=MAX_TOKENS, temperature=0.75, seed=i,
+                                            ignore_eos=True) for i in range(16)]
+    free = llm.generate(prompts[8:12], params[8:12])
+    for i, result in zip(range(8, 12), free, strict=True):
+        cut = len(result.text) * 3 // 4  # a stop string of the output's last quarter
+        stop = result.text[cut:cut + 6]
+        if len(stop.strip()) >= 2:
+            params[i] = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                       stop=(stop,))
+    return prompts, params
+
+
+def _metrics(cluster: Cluster) -> dict[str, float]:
+    assert cluster.router is not None
+    address = cluster.router.ready["metrics_address"]
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def _holding(cluster: Cluster) -> dict[str, int]:
+    """Attempts each live decode worker holds."""
+    return {w.name: len(cluster.info(w).attempt_ids) for w in cluster.decode
+            if w.proc.poll() is None}
+
+
+NEW_WORKERS = itertools.count(2)  # decode-2, decode-3, ...: the replacements
+
+
+def _replace(cluster: Cluster, dead: Proc) -> None:
+    """A new decode worker in place of ``dead``, serving once the router sees it (the
+    dead one's record lapses meanwhile: the leak check waits for Redis to match)."""
+    cluster.decode.remove(dead)
+    cluster.start_worker("decode", next(NEW_WORKERS), "--num-kv-blocks", "400").wait_ready()
+    cluster.wait_serving()
+
+
+def test_sixteen_streams_survive_their_decode_worker_killed_mid_stream(
+        cluster: Cluster, llm: LLM) -> None:
+    prompts, params = _streams(llm)
+    expected = llm.generate(prompts, params)
+    assert sum(1 for p in params if p.stop) >= 2  # stop strings are in flight
+    received: list[list[int]] = [[] for _ in prompts]
+    texts = ["" for _ in prompts]
+    victim = cluster.decode[0]
+    held: dict[str, int] = {}
+
+    async def one(client: AsyncClient, i: int) -> tuple[str | None, object]:
+        p = params[i]
+        finish, usage = None, None
+        async for chunk in client.generate(prompts[i], max_tokens=p.max_tokens,
+                                           temperature=p.temperature, seed=p.seed,
+                                           stop=list(p.stop), ignore_eos=True,
+                                           timeout=TIMEOUT_S):
+            received[i] += chunk.token_ids
+            texts[i] += chunk.text
+            finish, usage = chunk.finish_reason or finish, chunk.usage or usage
+        return finish, usage
+
+    async def kill_when_all_have_streamed() -> None:
+        while min(len(r) for r in received) < KILL_AFTER:
+            await asyncio.sleep(0.005)
+        held.update(await asyncio.to_thread(_holding, cluster))
+        victim.stop(sig=9)
+
+    async def run() -> list[tuple[str | None, object]]:
+        async with AsyncClient(cluster.address) as client:
+            killer = asyncio.ensure_future(kill_when_all_have_streamed())
+            try:
+                return await asyncio.gather(*(one(client, i) for i in range(16)))
+            finally:
+                killer.cancel()
+
+    before = _metrics(cluster)
+    ends = asyncio.run(run())
+    assert victim.proc.poll() is not None and held.get(victim.name, 0) >= 1, held
+    for i, result in enumerate(expected):
+        assert received[i] == result.token_ids, i  # nothing twice, nothing missing
+        assert texts[i] == result.text, i
+        finish, usage = ends[i]
+        assert finish == result.finish_reason, i
+        assert usage is not None and usage.completion_tokens == len(result.token_ids), i
+        assert usage.prompt_tokens == len(result.prompt_token_ids), i
+    assert sum(1 for e, p in zip(expected, params, strict=True)
+               if p.stop and e.finish_reason == "stop") >= 2
+    after = _metrics(cluster)
+    migrated = sum(v - before.get(k, 0.0) for k, v in after.items()
+                   if k.startswith("pdserve:migrations_total"))
+    # every stream the victim held was migrated (those that ended in the meantime not)
+    assert 1 <= migrated <= held[victim.name], (migrated, held)
+    stalls = (after.get("pdserve:migration_stall_seconds_count", 0.0)
+              - before.get("pdserve:migration_stall_seconds_count", 0.0))
+    assert stalls == migrated
+    assert cluster.router is not None
+    assert "migrating (1 of 3)" in cluster.router.log_tail(200_000)
+    _replace(cluster, victim)
+
+
+def test_with_migration_off_a_decode_death_is_unavailable_and_frees_all(
+        cluster: Cluster) -> None:
+    router = cluster.start_router("--migration-limit", "0", name="router-no-migration")
+    try:
+        with Client(router.address) as client:
+            stream = client.generate(f"{PROMPTS[3]} no migration", max_tokens=MAX_TOKENS,
+                                     ignore_eos=True, timeout=TIMEOUT_S)
+            received = list(next(stream).token_ids)
+            (victim,) = [w for w in cluster.decode if _holding(cluster).get(w.name)]
+            victim.stop(sig=9)
+            with pytest.raises(PdserveError) as caught:
+                for chunk in stream:
+                    received += chunk.token_ids
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "streamed tokens" in caught.value.details, caught.value.details
+        assert victim.name not in caught.value.details
+        assert 1 <= len(received) < MAX_TOKENS
+    finally:
+        router.stop()
+    cluster.routers.remove(router)
+    _replace(cluster, victim)
