@@ -17,6 +17,9 @@ Key schema — built only by ``Keys``; everything lives under ``pdserve:{cluster
                         every refresh once it pinned the layout of its own model
                         (``assert_fingerprint``), so a worker of another model that claims
                         it first after Redis lost its data does not keep it; nobody deletes it.
+    resume_key          64 hex digits, no TTL: the routers' shared key of resume tokens in a
+                        cluster without a cluster token (``router.resume``); ``SET NX`` by
+                        the first router, read by every one.
     token_required      "1", no TTL: set by every router and worker started with a cluster
                         token (``cluster.token``); one started without refuses to join a
                         cluster that has it (``ClusterTokenRequired``). Delete it by hand to
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -112,6 +116,10 @@ class Keys:
         return f"{self.prefix}token_required"
 
     @property
+    def resume_key(self) -> str:
+        return f"{self.prefix}resume_key"
+
+    @property
     def worker_pattern(self) -> str:
         """SCAN pattern of all worker keys (names cannot hold glob characters)."""
         return f"{self.prefix}worker:*"
@@ -173,6 +181,20 @@ class Registry:
             required = self._client.exists(self.keys.token_required)
         if required:
             raise ClusterTokenRequired(self.keys.cluster)
+
+    def resume_key(self) -> bytes:
+        """The routers' shared resume key (see the key schema), made by the first to ask."""
+        with self._errors("reading the resume key"):
+            self._client.set(self.keys.resume_key, secrets.token_hex(32), nx=True)
+            raw = self._client.get(self.keys.resume_key)
+        try:
+            key = bytes.fromhex(raw.decode() if isinstance(raw, bytes) else str(raw))
+        except ValueError:
+            key = b""
+        if len(key) != 32:
+            raise RegistryUnavailable(f"the resume key in Redis ({self.keys.resume_key}) is "
+                                      "not 64 hex digits; delete it to have a new one made")
+        return key
 
     def cluster_layout(self) -> KVLayout | None:
         """The cluster fingerprint, or ``None`` when none is set yet."""

@@ -21,6 +21,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from typing import Any
 from deploy.spec import ClusterError, ClusterSpec, check_ports, cluster_token, redacted
 
 POLL_S = 0.1
+RESTART_POLL_S = 0.5  # how soon ``serve`` acts on a SIGHUP
 
 
 class Launcher(ABC):
@@ -93,6 +95,12 @@ class Launcher(ABC):
         return self._reachable(str(self._router_ready()["grpc_address"]))
 
     @property
+    def router_addresses(self) -> list[str]:
+        """``HOST:PORT`` of every router replica's public API (``pdserve.Client`` takes
+        the list: it spreads calls over them and resumes a broken stream elsewhere)."""
+        return [self._reachable(str(r["grpc_address"])) for r in self._routers_ready()]
+
+    @property
     def http_url(self) -> str:
         """``http://HOST:PORT`` of the OpenAI-compatible HTTP API."""
         address = self._router_ready().get("http_address")
@@ -132,6 +140,18 @@ class Launcher(ABC):
     @abstractmethod
     def _stop_processes(self) -> None:
         """Router, workers, Redis, in that order; then whatever else was acquired."""
+
+    def _routers_ready(self) -> list[dict[str, Any]]:
+        """Every router replica's ready file (one router unless an implementation runs
+        several)."""
+        return [self._router_ready()]
+
+    can_restart = False  # whether ``rolling_restart`` (SIGHUP to ``pdserve up``) works
+
+    def rolling_restart(self) -> None:
+        """Restarts every process but Redis, one at a time (``ClusterError`` where this
+        launcher cannot)."""
+        raise ClusterError(f"{type(self).__name__} cannot restart its processes in place")
 
     @abstractmethod
     def _router_ready(self) -> dict[str, Any]:
@@ -197,8 +217,9 @@ def _interrupt(signum: int, _frame: object) -> None:
 def serve(launcher: Launcher, *, on_ready: Callable[[Any], int | None] | None = None) -> int:
     """``pdserve up``: start ``launcher``, call ``on_ready(launcher)`` (a non-zero result
     stops with that exit code), serve until SIGINT/SIGTERM (exit 0) or until a process is
-    gone (``ClusterError``: reported on stderr, exit 1), and stop everything. Its lines go
-    to ``launcher.progress``. Main thread only."""
+    gone (``ClusterError``: reported on stderr, exit 1), and stop everything; a SIGHUP
+    meanwhile restarts every process in place, one at a time (``rolling_restart``). Its
+    lines go to ``launcher.progress``. Main thread only."""
     say = launcher.progress
     spec = launcher.spec
     # installed, not inherited: a shell starts background jobs with SIGINT ignored
@@ -210,17 +231,34 @@ def serve(launcher: Launcher, *, on_ready: Callable[[Any], int | None] | None = 
         if code:
             return code
         if spec.start_router:
-            say(f"pdserve is serving at {launcher.router_address} (Ctrl-C to stop); try:\n"
-                f"  {pdserve_command()} generate \"Hello\" --address {launcher.router_address}")
+            addresses = launcher.router_addresses
+            say(f"pdserve is serving at {', '.join(addresses)} (Ctrl-C to stop); try:\n"
+                f"  {pdserve_command()} generate \"Hello\" --address {','.join(addresses)}")
             if spec.http_port is not None:
                 say(f"OpenAI-compatible HTTP API at {launcher.http_url}/v1; try:\n"
                     f"  curl {launcher.http_url}/v1/completions -H 'Content-Type: "
                     f"application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+            if launcher.can_restart:
+                say(f"kill -HUP {os.getpid()} restarts every process in place, one at a time")
         else:
             say("workers are serving without a router; Redis at "
                 f"{redacted(launcher.redis_url or '')} (Ctrl-C to stop)")
-        launcher.wait()
-        return 0  # unreachable: wait() returns only by raising
+        restart = threading.Event()
+        previous_hup = signal.signal(signal.SIGHUP, lambda *_: restart.set())
+        try:
+            while True:  # until a process is gone (ChildExited) or an interrupt
+                launcher.wait(RESTART_POLL_S)
+                if restart.is_set() and not launcher.can_restart:
+                    restart.clear()
+                    say(f"SIGHUP ignored: {type(launcher).__name__} cannot restart its "
+                        "processes in place")
+                elif restart.is_set():
+                    restart.clear()
+                    say("SIGHUP: restarting every process, one at a time ...")
+                    launcher.rolling_restart()
+                    say("rolling restart done")
+        finally:
+            signal.signal(signal.SIGHUP, previous_hup)
     except KeyboardInterrupt:
         say("interrupted")
         return 0

@@ -45,6 +45,10 @@ from deploy.spec import (
     worker_options,
 )
 
+RESTART_SETTLE_S = 2.0
+"""After restarting a child, how long ``rolling_restart`` waits before the next one (the
+routers' view of the workers refreshes every 0.5 s)."""
+
 
 @dataclass
 class Child:
@@ -55,6 +59,7 @@ class Child:
     log_path: Path
     ready_path: Path
     ready: dict[str, Any] | None = None
+    argv: tuple[str, ...] = ()  # how it was started (its ready file's flag not included)
 
     @property
     def address(self) -> str:
@@ -69,14 +74,22 @@ class Child:
 
 class LocalLauncher(Launcher):
     """The cluster of ``spec`` as child processes of this one (see the module docstring).
-    ``workers`` and ``router`` are the running children; ``pids()`` names every process."""
+    ``workers`` and ``routers`` are the running children (``router`` the first router);
+    ``pids()`` names every process; ``restart``/``rolling_restart`` replace them in place."""
+
+    can_restart = True
 
     def __init__(self, spec: ClusterSpec, progress: Callable[[str], None] | None = None) -> None:
         super().__init__(spec, progress)
         self.model_dir: Path | None = None
         self._redis: RedisServer | None = None
         self.workers: list[Child] = []
-        self.router: Child | None = None
+        self.routers: list[Child] = []
+
+    @property
+    def router(self) -> Child | None:
+        """The first router replica (None when none runs)."""
+        return self.routers[0] if self.routers else None
 
     @property
     def started(self) -> bool:
@@ -106,28 +119,66 @@ class LocalLauncher(Launcher):
                                        f"{self._redis.log_tail()}")
 
     def _router_ready(self) -> dict[str, Any]:
-        if self.router is None or self.router.ready is None:
+        return self._routers_ready()[0]
+
+    def _routers_ready(self) -> list[dict[str, Any]]:
+        if not self.routers or any(r.ready is None for r in self.routers):
             raise RuntimeError("the router is not running")
-        return self.router.ready
+        return [r.ready for r in self.routers if r.ready is not None]
 
     def _stop_processes(self) -> None:
         grace = self.spec.stop_grace_s
-        router, self.router = self.router, None
+        routers, self.routers = self.routers, []
         workers, self.workers = self.workers, []
         redis_server, self._redis = self._redis, None
-        if router is not None:
-            terminate_all([router.proc], grace)
+        if routers:
+            terminate_all([r.proc for r in routers], grace)
         if workers:
             terminate_all([w.proc for w in workers], grace)
         if redis_server is not None:
             redis_server.stop()
-        for child in [*workers, *([router] if router is not None else [])]:
+        for child in [*workers, *routers]:
             child.ready_path.unlink(missing_ok=True)  # it no longer tells the truth
+
+    # ------------------------------------------------------------------ restarts
+
+    def restart(self, name: str) -> Child:
+        """Replaces child ``name`` in place: SIGTERM (it drains: a router ends its streams
+        for their clients to resume elsewhere, a decode worker's streams migrate, a
+        prefill worker's queue goes elsewhere), then the same command — a router on the
+        ports it had — until ready. Its peers keep serving meanwhile."""
+        children = {c.name: c for c in self._children()}
+        if name not in children:
+            raise ClusterError(f"no process named {name!r} (there are "
+                               f"{', '.join(sorted(children))})")
+        old = children[name]
+        self.progress(f"restarting {name} ...")
+        terminate_all([old.proc], self.spec.stop_grace_s)
+        argv = list(old.argv)
+        if name in self.spec.router_names and old.ready is not None:  # the same ports
+            argv += ["--port", str(old.ready["grpc_address"]).rpartition(":")[2]]
+            if "http_address" in old.ready:
+                argv += ["--http-port", str(old.ready["http_address"]).rpartition(":")[2]]
+        new = self._spawn(name, argv)
+        group = self.routers if name in self.spec.router_names else self.workers
+        group[group.index(old)] = new
+        self._wait_ready([new], self._describe_worker)
+        return new
+
+    def rolling_restart(self, settle_s: float = RESTART_SETTLE_S) -> None:
+        """Restarts every child, one at a time — the routers, then the prefill workers,
+        then the decode workers — waiting ``settle_s`` after each (for the routers to see
+        a worker back) before the next. Serving goes on without a failed request where
+        every kind has at least two processes (and clients know every router)."""
+        names = [*self.spec.router_names, *self.spec.worker_names]
+        for name in names:
+            self.restart(name)
+            time.sleep(settle_s)
 
     # ------------------------------------------------------------------ start steps
 
     def _children(self) -> list[Child]:
-        return [*self.workers, *([self.router] if self.router is not None else [])]
+        return [*self.workers, *self.routers]
 
     def _prepare(self) -> None:
         self.progress(f"logs in {self._make_log_dir()}")
@@ -172,11 +223,12 @@ class LocalLauncher(Launcher):
 
     def _start_router(self) -> None:
         spec = self.spec
-        self.progress(f"starting router on {spec.host}:{spec.port} ...")
-        self.router = self._spawn("router", [*self._pdserve("router"), *router_options(spec)])
-        self._wait_ready([self.router], lambda c: f"router ready at {c.address}" + (
-            f" (HTTP {c.ready['http_address']})" if c.ready and "http_address" in c.ready
-            else ""))
+        ports = ", ".join(str(spec.router_ports(i)[0]) for i in range(spec.num_routers))
+        self.progress(f"starting {'router' if spec.num_routers == 1 else 'routers'} on "
+                      f"{spec.host}:{ports} ...")
+        self.routers = [self._spawn(name, [*self._pdserve("router"), *router_options(spec, i)])
+                        for i, name in enumerate(spec.router_names)]
+        self._wait_ready(self.routers, self._describe_worker)
 
     def _pdserve(self, command: str) -> list[str]:
         return [sys.executable, "-m", "pdserve", command, "--model", str(self.model_dir),
@@ -191,10 +243,10 @@ class LocalLauncher(Launcher):
         env = {**self.child_env(cpus), REDIS_URL_ENV: self.redis_url}
         if self.cluster_token is not None:
             env[CLUSTER_TOKEN_ENV] = self.cluster_token
-        with open(log_path, "wb") as log:
+        with open(log_path, "ab") as log:  # a restarted child's log goes on after its last
             proc = spawn([*argv, "--ready-file", str(ready_path)], stdout=log,
                          stderr=subprocess.STDOUT, env=env, cpus=cpus)
-        return Child(name, proc, log_path, ready_path)
+        return Child(name, proc, log_path, ready_path, argv=tuple(argv))
 
     def child_env(self, cpus: Sequence[int] | None = None) -> dict[str, str]:
         """A child's environment: ours, with its thread count unless set already (one per
@@ -221,9 +273,11 @@ class LocalLauncher(Launcher):
 
     @staticmethod
     def _describe_worker(child: Child) -> str:
+        """``NAME ready at ADDRESS (KV ..., metrics ..., HTTP ...)``, what it has of those."""
         ready = child.ready or {}
         extra = [f"{what} {ready[key]}" for what, key in (("KV", "kv_address"),
-                                                          ("metrics", "metrics_address"))
+                                                          ("metrics", "metrics_address"),
+                                                          ("HTTP", "http_address"))
                  if ready.get(key)]
         return f"{child.name} ready at {child.address}" + (f" ({', '.join(extra)})" if extra
                                                           else "")

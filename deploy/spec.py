@@ -59,6 +59,9 @@ class ClusterSpec:
     host: str = LOOPBACK  # every endpoint binds here (a private Redis: loopback, or the node)
     port: int = DEFAULT_PORT  # the router's public API; 0: the OS picks
     http_port: int | None = DEFAULT_HTTP_PORT  # its OpenAI-compatible HTTP API; None: off
+    # router replicas (``router``, ``router-1``, ...): replica i listens on port + i and
+    # http_port + i (0 stays 0: each gets a free port)
+    num_routers: int = 1
     chat_template: Path | None = None  # router's --chat-template
     redis_url: str | None = None  # None: a private redis-server the launcher starts
     # the cluster token's file; None: $PDSERVE_CLUSTER_TOKEN, else a generated one when the
@@ -83,7 +86,7 @@ class ClusterSpec:
         if self.local_prefill not in LOCAL_PREFILL_MODES:
             raise ValueError(f"local_prefill must be one of {LOCAL_PREFILL_MODES}, "
                              f"got {self.local_prefill!r}")
-        for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp"):
+        for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp", "num_routers"):
             least = 0 if name == "num_prefill" and self.local_prefill == "always" else 1
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)}"
@@ -92,7 +95,10 @@ class ClusterSpec:
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in 0..65535, got {value}")
-        names = {*self.worker_names, "router"}
+            if value and value + self.num_routers > 65536:
+                raise ValueError(f"{self.num_routers} routers need {name} {value} and the "
+                                 f"{self.num_routers - 1} after it, beyond 65535")
+        names = {*self.worker_names, *self.router_names}
         for name, cpus in self.cpu_affinity.items():
             if name not in names:
                 raise ValueError(f"cpu_affinity names {name!r}, not a process of this cluster "
@@ -110,6 +116,19 @@ class ClusterSpec:
     def worker_names(self) -> list[str]:
         """The workers' names in start order (``prefill-0`` ..., ``decode-0`` ...)."""
         return [slot.name for slot in self.workers]
+
+    @property
+    def router_names(self) -> list[str]:
+        """The routers' names: ``router``, then ``router-1``, ``router-2``, ..."""
+        return ["router", *(f"router-{i}" for i in range(1, self.num_routers))]
+
+    def router_ports(self, index: int) -> tuple[int, int | None]:
+        """(gRPC port, HTTP port or None) of router replica ``index``."""
+        def nth(port: int | None) -> int | None:
+            return port + index if port else port
+        port = nth(self.port)
+        assert port is not None
+        return port, nth(self.http_port)
 
     @property
     def num_ranks(self) -> int:
@@ -169,16 +188,18 @@ def worker_options(spec: ClusterSpec, slot: WorkerSlot) -> list[str]:
     return options + list(spec.worker_args)
 
 
-def router_options(spec: ClusterSpec) -> list[str]:
-    """``pdserve router`` options every launcher gives the router (it adds where the router
-    binds, its model and its ready file); ``router_args`` last, so they win."""
-    options = ["--port", str(spec.port), "--cluster", spec.name,
+def router_options(spec: ClusterSpec, index: int = 0) -> list[str]:
+    """``pdserve router`` options every launcher gives router replica ``index`` (it adds
+    where the router binds, its model and its ready file); ``router_args`` last, so they
+    win."""
+    port, http_port = spec.router_ports(index)
+    options = ["--port", str(port), "--cluster", spec.name,
                "--local-prefill", spec.local_prefill]
     if spec.model_name is not None:
         options += ["--model-name", spec.model_name]
     if spec.max_inflight is not None:
         options += ["--max-inflight", str(spec.max_inflight)]
-    options += ["--no-http"] if spec.http_port is None else ["--http-port", str(spec.http_port)]
+    options += ["--no-http"] if http_port is None else ["--http-port", str(http_port)]
     if spec.chat_template is not None:
         options += ["--chat-template", str(spec.chat_template)]
     return options + list(spec.router_args)
@@ -215,9 +236,11 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
 def check_ports(spec: ClusterSpec) -> None:
     """The router's ports are free (before anything starts; a no-router spec has none)."""
     if spec.start_router:
-        check_port_free(spec.host, spec.port)
-        if spec.http_port is not None:
-            check_port_free(spec.host, spec.http_port, "--http-port")
+        for index in range(spec.num_routers):
+            port, http_port = spec.router_ports(index)
+            check_port_free(spec.host, port)
+            if http_port is not None:
+                check_port_free(spec.host, http_port, "--http-port")
 
 
 def is_loopback(host: str) -> bool:

@@ -127,7 +127,9 @@ class RequestFailed(Exception):
 
 
 class GrpcStreamUser(_StreamUser):
-    """Streams completions over the public gRPC API (``--host grpc://HOST:PORT``)."""
+    """Streams completions over the public gRPC API (``--host grpc://HOST:PORT``, or
+    ``grpc://HOST:PORT,HOST:PORT,...`` for several routers: the SDK spreads the calls over
+    them and resumes a broken stream on the next one)."""
 
     schemes = ("grpc",)
 
@@ -136,7 +138,8 @@ class GrpcStreamUser(_StreamUser):
         parts = urlsplit(self.host or "")
         if parts.scheme != "grpc" or not parts.netloc:
             raise ValueError(f"GrpcStreamUser needs --host grpc://HOST:PORT, got {self.host!r}")
-        self.client = pdserve.Client(parts.netloc, api_key=self.options.api_key or None)
+        self.client = pdserve.Client(parts.netloc.split(","),
+                                     api_key=self.options.api_key or None)
         self.vocab_size = self.options.vocab_size or self.client.model_info(
             timeout=30).vocab_size
 

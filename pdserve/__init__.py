@@ -12,11 +12,12 @@ The command line lives in ``pdserve.cli`` (``pdserve --help``). The offline engi
 (module ``__getattr__``), so ``import pdserve`` stays cheap: it loads neither gRPC nor
 torch.
 
-The package is what a user imports and runs: the SDK (``client``, ``aio_client``, the
-generated public API in ``pdserve.v1``), which needs only grpcio and protobuf, and the
-command line (``cli``, ``local_cluster`` for ``pdserve up``, ``redis_server``,
-``child_process``), whose server commands need the ``pdserve[server]`` extra. The SDK
-modules import nothing else of the tree; the command line imports the servers lazily.
+The package is what a user imports and runs: the SDK (``client``, ``aio_client``,
+``failover`` — several routers, resumed streams —, the generated public API in
+``pdserve.v1``), which needs only grpcio and protobuf, and the command line (``cli``),
+whose server commands need the ``pdserve[server]`` extra (``pdserve up`` runs the
+launchers of ``deploy``). The SDK modules import nothing else of the tree; the command
+line imports the servers lazily.
 """
 
 from __future__ import annotations

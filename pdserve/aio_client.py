@@ -32,6 +32,7 @@ from pdserve.client import (
     error_from_rpc,
     model_info_from_proto,
 )
+from pdserve.failover import DEFAULT_MAX_RESUMES, RouterTurns, StreamProgress, as_addresses
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 __all__ = ["AsyncClient", "AsyncGenerationStream"]
@@ -49,13 +50,16 @@ class AsyncGenerationStream:
     closed, raises ``PdserveError(CANCELLED)``.
     """
 
-    def __init__(self, stub: generate_pb2_grpc.GenerationStub,
+    def __init__(self, stubs: Sequence[generate_pb2_grpc.GenerationStub],
                  request: generate_pb2.GenerateRequest, timeout: float | None,
-                 metadata: tuple[tuple[str, str], ...] | None = None) -> None:
-        self._stub = stub
+                 metadata: tuple[tuple[str, str], ...] | None = None, *,
+                 turns: RouterTurns | None = None,
+                 max_resumes: int = DEFAULT_MAX_RESUMES) -> None:
+        self._stubs = stubs
+        self._turns = turns or RouterTurns(len(stubs))
+        self._router = self._turns.first()
         self._metadata = metadata
-        self._request = request
-        self._timeout = timeout
+        self._progress = StreamProgress(request, timeout, max_resumes)
         self._call: Any = None  # grpc.aio.UnaryStreamCall once started
         self._finished = False
         self._closed = False
@@ -66,14 +70,36 @@ class AsyncGenerationStream:
     async def __anext__(self) -> GenerationChunk:
         if self._finished or self._closed:
             raise StopAsyncIteration
-        if self._call is None:
-            self._call = self._stub.Generate(self._request, timeout=self._timeout,
-                                             metadata=self._metadata)
+        while True:
+            if self._call is None:
+                progress = self._progress
+                self._call = self._stubs[self._router].Generate(
+                    progress.next_request(), timeout=progress.timeout(),
+                    metadata=self._metadata)
+            try:
+                response = await self._read()
+            except grpc.RpcError as error:  # the stream goes on on the next router, or fails
+                if self._closed or not self._progress.may_go_on(error):
+                    self._finished = True
+                    raise error_from_rpc(error) from None
+                self._call = None
+                self._router = self._turns.after(self._router)
+                continue
+            if response is grpc.aio.EOF:
+                self._finished = True
+                raise StopAsyncIteration
+            try:
+                self._progress.received(response)
+            except ValueError as exc:
+                self.cancel()
+                raise PdserveError(grpc.StatusCode.INTERNAL, str(exc)) from None
+            return chunk_from_response(response)
+
+    async def _read(self) -> Any:
+        """The current call's next message (or EOF); a cancel under this task is
+        ``PdserveError(CANCELLED)``, this task's own cancel cancels the call."""
         try:
-            response = await self._call.read()
-        except grpc.RpcError as error:
-            self._finished = True
-            raise error_from_rpc(error) from None
+            return await self._call.read()
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and not task.cancelling():
@@ -83,10 +109,6 @@ class AsyncGenerationStream:
                                    "the stream or its client was closed") from None
             self.cancel()
             raise
-        if response is grpc.aio.EOF:
-            self._finished = True
-            raise StopAsyncIteration
-        return chunk_from_response(response)
 
     def cancel(self) -> None:
         """Cancels the call (a no-op once it has ended) and ends the iteration."""
@@ -110,7 +132,9 @@ class AsyncGenerationStream:
 
 
 class AsyncClient:
-    """An asyncio client of one pdserve router at ``address`` (``"host:port"``).
+    """An asyncio client of a pdserve cluster's routers: ``address`` is one
+    (``"host:port"``) or a list of them, used in turn, a broken stream resumed on the
+    next one (up to ``max_resumes`` times per call), as by ``Client``.
 
     Create it inside the event loop that will use it (a ``grpc.aio`` channel belongs to
     one loop). ``api_key``, ``tls``, ``root_certificates`` and ``options`` as for
@@ -118,15 +142,20 @@ class AsyncClient:
     ``await close()``. Every call failure raises ``PdserveError``.
     """
 
-    def __init__(self, address: str, *, api_key: str | None = None, tls: bool = False,
-                 root_certificates: bytes | None = None, options: ChannelOptions = ()) -> None:
-        self.address = address
+    def __init__(self, address: str | Sequence[str], *, api_key: str | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None,
+                 options: ChannelOptions = (), max_resumes: int = DEFAULT_MAX_RESUMES) -> None:
+        self.addresses = as_addresses(address)
+        self.address = self.addresses[0]
+        self.max_resumes = max_resumes
         credentials = channel_credentials(tls, root_certificates)
-        self._channel = (
-            grpc.aio.insecure_channel(address, options=channel_options(options))
+        self._channels = [
+            grpc.aio.insecure_channel(a, options=channel_options(options))
             if credentials is None
-            else grpc.aio.secure_channel(address, credentials, channel_options(options)))
-        self._stub = generate_pb2_grpc.GenerationStub(self._channel)
+            else grpc.aio.secure_channel(a, credentials, channel_options(options))
+            for a in self.addresses]
+        self._stubs = [generate_pb2_grpc.GenerationStub(c) for c in self._channels]
+        self._turns = RouterTurns(len(self._stubs))
         self._metadata = auth_metadata(api_key)
 
     def generate(
@@ -147,7 +176,8 @@ class AsyncClient:
             prompt, prompt_token_ids, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos, request_id=request_id, model=model)
-        return AsyncGenerationStream(self._stub, request, timeout, self._metadata)
+        return AsyncGenerationStream(self._stubs, request, timeout, self._metadata,
+                                     turns=self._turns, max_resumes=self.max_resumes)
 
     async def complete(
         self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
@@ -175,15 +205,16 @@ class AsyncClient:
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """The served model and its limits; ``PdserveError`` on failure."""
         try:
-            info = await self._stub.GetModelInfo(generate_pb2.ModelInfoRequest(),
-                                                 timeout=timeout, metadata=self._metadata)
+            info = await self._stubs[self._turns.first()].GetModelInfo(
+                generate_pb2.ModelInfoRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
         return model_info_from_proto(info)
 
     async def close(self) -> None:
-        """Closes the channel; calls still running fail with ``PdserveError(CANCELLED)``."""
-        await self._channel.close()
+        """Closes the channels; calls still running fail with ``PdserveError(CANCELLED)``."""
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

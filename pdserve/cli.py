@@ -127,6 +127,10 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--log-dir", help="children's logs (default: a fresh temp dir)")
     up.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (default: fit)")
     up.add_argument("--max-inflight", type=int, help="the router's in-flight request limit")
+    up.add_argument("--routers", type=int, default=1,
+                    help="router replicas: router i listens on --port + i and --http-port + i; "
+                         "clients given them all fail over and resume streams between them, "
+                         "and a rolling restart (SIGHUP) serves on (default 1; local only)")
     up.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",
                     help="the router's --local-prefill (always: colocated, --prefill 0 allowed)")
     up.add_argument("--no-router", dest="router", action="store_false",
@@ -144,7 +148,8 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
                                 "$PDSERVE_API_KEY.")
     gen.add_argument("prompt")
     gen.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORT}",
-                     help="the router (HOST:PORT)")
+                     help="the router (HOST:PORT), or several, comma-separated: calls go to "
+                          "them in turn and a broken stream resumes on the next one")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -173,7 +178,8 @@ def _up(args: argparse.Namespace) -> int:
             cluster_token_file=Path(args.cluster_token_file) if args.cluster_token_file else None,
             log_dir=Path(args.log_dir) if args.log_dir else None,
             num_kv_blocks=args.num_kv_blocks, max_inflight=args.max_inflight,
-            local_prefill=args.local_prefill, start_router=args.router)
+            local_prefill=args.local_prefill, start_router=args.router,
+            num_routers=args.routers)
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
@@ -238,7 +244,11 @@ def _generate(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"pdserve generate: cannot read {args.tls_ca}: {exc.strerror}", file=sys.stderr)
         return 2
-    with Client(args.address, api_key=_api_key(), root_certificates=ca) as client:
+    addresses = [a.strip() for a in args.address.split(",") if a.strip()]
+    if not addresses:
+        print("pdserve generate: --address names no router", file=sys.stderr)
+        return 2
+    with Client(addresses, api_key=_api_key(), root_certificates=ca) as client:
         return _stream(client, "pdserve generate", args.prompt, max_tokens=args.max_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                        seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,

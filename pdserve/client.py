@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.failover import DEFAULT_MAX_RESUMES, RouterTurns, StreamProgress, as_addresses
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 __all__ = ["Client", "Completion", "GenerationChunk", "ModelInfo", "PdserveError", "Usage"]
@@ -223,10 +224,15 @@ class CompletionBuilder:
 
 
 class Client:
-    """A blocking client of one pdserve router at ``address`` (``"host:port"``).
+    """A blocking client of a pdserve cluster's routers: ``address`` is one
+    (``"host:port"``) or a list of them.
 
-    Opens a gRPC channel (plaintext unless TLS is asked for below; connected lazily, on the
-    first call); ``options`` are
+    Calls go to the routers in turn; a stream that breaks (``UNAVAILABLE``: its router
+    died or is shutting down, the connection was cut) goes on on the next router, resumed
+    after the tokens received — the caller sees one stream, every token once — at most
+    ``max_resumes`` times per call (0: a broken stream raises; ``pdserve.failover``).
+    Opens a gRPC channel per address (plaintext unless TLS is asked for below; connected
+    lazily, on the first call); ``options`` are
     extra channel options (``(key, value)`` pairs, e.g. keepalive settings) that override
     the SDK's defaults. ``api_key``: the router's key (``pdserve router --api-key-file``),
     sent with every call. ``tls=True`` (system CAs) or ``root_certificates`` (PEM bytes
@@ -235,14 +241,19 @@ class Client:
     raises ``PdserveError``.
     """
 
-    def __init__(self, address: str, *, api_key: str | None = None, tls: bool = False,
-                 root_certificates: bytes | None = None, options: ChannelOptions = ()) -> None:
-        self.address = address
+    def __init__(self, address: str | Sequence[str], *, api_key: str | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None,
+                 options: ChannelOptions = (), max_resumes: int = DEFAULT_MAX_RESUMES) -> None:
+        self.addresses = as_addresses(address)
+        self.address = self.addresses[0]
+        self.max_resumes = max_resumes
         credentials = channel_credentials(tls, root_certificates)
-        self._channel = (
-            grpc.insecure_channel(address, options=channel_options(options)) if credentials
-            is None else grpc.secure_channel(address, credentials, channel_options(options)))
-        self._stub = generate_pb2_grpc.GenerationStub(self._channel)
+        self._channels = [
+            grpc.insecure_channel(a, options=channel_options(options)) if credentials
+            is None else grpc.secure_channel(a, credentials, channel_options(options))
+            for a in self.addresses]
+        self._stubs = [generate_pb2_grpc.GenerationStub(c) for c in self._channels]
+        self._turns = RouterTurns(len(self._stubs))
         self._metadata = auth_metadata(api_key)
 
     def generate(
@@ -298,15 +309,16 @@ class Client:
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """The served model and its limits; ``PdserveError`` on failure."""
         try:
-            info = self._stub.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=timeout,
-                                           metadata=self._metadata)
+            info = self._stubs[self._turns.first()].GetModelInfo(
+                generate_pb2.ModelInfoRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
         return model_info_from_proto(info)
 
     def close(self) -> None:
-        """Closes the channel; calls still running fail with ``PdserveError(CANCELLED)``."""
-        self._channel.close()
+        """Closes the channels; calls still running fail with ``PdserveError(CANCELLED)``."""
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -316,12 +328,23 @@ class Client:
 
     def _stream(self, request: generate_pb2.GenerateRequest, timeout: float | None
                 ) -> Generator[GenerationChunk, None, None]:
-        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
-        try:
-            for response in call:
-                yield chunk_from_response(response)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
-        finally:
-            call.cancel()  # a no-op once the call has ended; frees the server otherwise
+        progress = StreamProgress(request, timeout, self.max_resumes)
+        router = self._turns.first()
+        while True:
+            call = self._stubs[router].Generate(progress.next_request(),
+                                                timeout=progress.timeout(),
+                                                metadata=self._metadata)
+            try:
+                for response in call:
+                    progress.received(response)
+                    yield chunk_from_response(response)
+                return
+            except grpc.RpcError as error:
+                if not progress.may_go_on(error):
+                    raise error_from_rpc(error) from None
+            except ValueError as exc:
+                raise PdserveError(grpc.StatusCode.INTERNAL, str(exc)) from None
+            finally:
+                call.cancel()  # a no-op once the call has ended; frees the server otherwise
+            router = self._turns.after(router)
 

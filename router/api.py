@@ -33,6 +33,8 @@ def to_client_request(message: pb.GenerateRequest) -> ClientRequest:
     if message.HasField("token_ids"):
         unknown += [f.field_number for f in UnknownFieldSet(message.token_ids)]
     which = message.WhichOneof("prompt")
+    if message.HasField("resume"):
+        unknown += [f.field_number for f in UnknownFieldSet(message.resume)]
     return ClientRequest(
         request_id=message.request_id, model=message.model,
         text=message.text if which == "text" else None,
@@ -43,12 +45,18 @@ def to_client_request(message: pb.GenerateRequest) -> ClientRequest:
         top_k=s.top_k if s.HasField("top_k") else None,
         seed=s.seed if s.HasField("seed") else None,
         stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        unknown_fields=tuple(sorted(set(unknown))))
+        unknown_fields=tuple(sorted(set(unknown))),
+        resume_token=message.resume.token if message.HasField("resume") else None,
+        resume_token_ids=tuple(message.resume.token_ids))
 
 
-def to_response(request_id: str, chunk: OutputChunk) -> pb.GenerateResponse:
+def to_response(request_id: str, chunk: OutputChunk, offset: int = 0,
+                resume_token: bytes = b"") -> pb.GenerateResponse:
+    """The message of ``chunk``: its first token is the stream's ``offset``-th; the
+    stream resumes after it with ``resume_token`` (``router.resume``)."""
     message = pb.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids,
-                                  text=chunk.text, finish_reason=chunk.finish_reason or "")
+                                  text=chunk.text, finish_reason=chunk.finish_reason or "",
+                                  offset=offset, resume_token=resume_token)
     if chunk.usage is not None:
         message.usage.prompt_tokens = chunk.usage.prompt_tokens
         message.usage.completion_tokens = chunk.usage.completion_tokens

@@ -12,7 +12,7 @@ budgets, checked against a cheap upper bound of the prompt's tokens before anyth
 tokenized (RESOURCE_EXHAUSTED) → validation and tokenization (INVALID_ARGUMENT) → workers
 known and big enough (UNAVAILABLE / INVALID_ARGUMENT) → admitted (RESOURCE_EXHAUSTED over
 a budget; a client request id already in flight is served too: every attempt has its own
-id on the workers) → queued until a decode worker takes it (DEADLINE_EXCEEDED if its
+id on the workers; a resumed stream's token checked, ``router.resume``) → queued until a decode worker takes it (DEADLINE_EXCEEDED if its
 deadline passes first) → the handoff streams.
 
 The router's identity: ``router_id`` (random per process) names its attempts
@@ -43,6 +43,7 @@ from router.lifecycle.context import RequestContext
 from router.lifecycle.handoff import Handoff
 from router.lifecycle.placement import Placement
 from router.metrics import RouterMetrics
+from router.resume import ResumeSeal
 from router.served import ServedRequest
 from router.trace import Trace
 from router.validation import ClientRequest, InvalidRequest, ModelLimits, ValidRequest, validate
@@ -75,7 +76,7 @@ class RouterCore:
     def __init__(self, pool: WorkerPool, limits: ModelLimits, tokenizer: tokenizers.Tokenizer,
                  *, handoff: HandoffConfig, admission: AdmissionConfig,
                  metrics: RouterMetrics | None = None, leases: LeaseKeeper | None = None,
-                 router_id: str | None = None) -> None:
+                 router_id: str | None = None, seal: ResumeSeal | None = None) -> None:
         self.pool = pool
         self.limits = limits
         self.config = admission
@@ -84,12 +85,15 @@ class RouterCore:
         self.router_id = router_id or new_router_id()
         self.attempt_ids = AttemptIds(self.router_id)
         self.leases = leases or LeaseKeeper(None, handoff.lease_ttl_s)
+        # resume tokens (router.resume); the server sets the cluster's key once it has it
+        self.seal = seal or ResumeSeal(())
         self._tokenizer = tokenizer
         self._handoff = handoff
         # unique per attempt within this router, random across routers; never 0
         self._transfer_ids: Iterator[int] = itertools.count((secrets.randbits(40) << 16) + 1)
         self._prefill_turns: Iterator[int] = itertools.count()  # round-robin routing
         self._background: set[asyncio.Future[object]] = set()
+        self._live: set[ServedRequest] = set()  # requests whose chunks are being served
         self._text = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="pdserve-text")
         self.draining = False  # set by the server's stop: new requests get UNAVAILABLE
 
@@ -102,8 +106,12 @@ class RouterCore:
             deadline = received_at + (self.config.default_timeout_s if timeout_s is None
                                       else timeout_s)
             request = await self._validate(client)
+            if request.resume_token is not None:
+                self.seal.check(request, request.resume_token, request.resumed)
             self._check_fits(request)
             ticket = self.admission.enter(request.request_id, request.num_prompt_tokens)
+            if request.resume_token is not None:
+                self.metrics.resumes.inc()
         except RouteError as exc:
             self.metrics.rejections.labels(exc.limit or exc.code.name.lower()).inc()
             raise
@@ -113,7 +121,8 @@ class RouterCore:
         return ServedRequest(request, ticket, deadline, received_at,
                              lambda trace: self.handoff(request, ticket, deadline, trace),
                              metrics=self.metrics,
-                             max_buffered_chunks=self.config.max_buffered_chunks)
+                             max_buffered_chunks=self.config.max_buffered_chunks,
+                             live=self._live)
 
     def gate(self, num_tokens: int, timeout_s: float | None) -> None:
         """The cheap checks every request passes before any heavy work (tokenizing, a chat
@@ -173,7 +182,7 @@ class RouterCore:
                              self._keep, trace or Trace(time.monotonic()), layout.block_size,
                              layout.hash_seed)
         placement = Placement(ctx, self.attempt_ids, self._transfer_ids, self._prefill_turns)
-        return Handoff(ctx, placement)
+        return Handoff(ctx, placement, resumed=request.resumed)
 
     @property
     def inflight(self) -> int:
@@ -194,6 +203,16 @@ class RouterCore:
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return not self.inflight
+
+    def end_all(self) -> int:
+        """Ends every request being served with UNAVAILABLE (the router stops): their
+        clients resume them on another router (``router.resume``). How many."""
+        live = list(self._live)
+        for served in live:
+            served.end(RouteError(grpc.StatusCode.UNAVAILABLE,
+                                  "the router is shutting down; resume the stream on another "
+                                  "router", "draining"))
+        return len(live)
 
     async def drain_background(self, timeout_s: float = 5.0) -> None:
         """Waits (bounded) for the pending worker aborts."""

@@ -22,6 +22,8 @@ streamed chunks, end-to-end, and the time a request waited in the router's queue
   theirs failed mid-stream (cause: ``died`` — the call failed —, ``health``, ``draining``,
   ``ended`` — the stream ended without a finish reason); ``pdserve:migration_stall_seconds``
   (histogram): the gap a migration left between the tokens around it, as the router saw it;
+- ``pdserve:router_resumed_streams_total``: broken streams their clients resumed here
+  (``GenerateRequest.resume``, ``router.resume``);
 - ``pdserve:router_event_loop_lag_seconds`` (histogram): how much later than asked the
   router's event loop ran a task that wakes every 50 ms (``router.loop_lag``): its stalls.
 """
@@ -76,6 +78,8 @@ class RouterMetrics:
         self.migrations = Counter("pdserve:migrations",
                                   "Streams continued on another decode worker mid-stream",
                                   ["cause"], registry=r)
+        self.resumes = Counter(p + "resumed_streams",
+                               "Broken streams resumed here by their clients", registry=r)
         self.migration_stall = Histogram("pdserve:migration_stall_seconds",
                                          "Gap between the tokens around a migration",
                                          registry=r, buckets=LATENCY_BUCKETS)

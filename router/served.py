@@ -77,7 +77,10 @@ class ServedRequest:
 
     def __init__(self, request: ValidRequest, ticket: Ticket, deadline: float,
                  received_at: float, make_handoff: Callable[[Trace], Handoff], *,
-                 metrics: RouterMetrics, max_buffered_chunks: int) -> None:
+                 metrics: RouterMetrics, max_buffered_chunks: int,
+                 live: set[ServedRequest] | None = None) -> None:
+        """``live``: the router's set of requests being served (this one is in it while
+        its ``chunks()`` runs), for ``end``."""
         self.request = request
         self.ticket = ticket
         self.deadline = deadline
@@ -87,6 +90,9 @@ class ServedRequest:
         self._metrics = metrics
         self._max_buffered_chunks = max_buffered_chunks
         self._make_handoff = make_handoff
+        self._live = live
+        self._queue: asyncio.Queue[tuple[OutputChunk, float] | _End] | None = None
+        self._pump: asyncio.Task[None] | None = None
 
     @property
     def request_id(self) -> str:
@@ -105,7 +111,10 @@ class ServedRequest:
                 record.status = exc.code.name
                 raise
             queue: asyncio.Queue[tuple[OutputChunk, float] | _End] = asyncio.Queue()
-            pump = asyncio.get_running_loop().create_task(self._pump(handoff, queue))
+            pump = asyncio.get_running_loop().create_task(self._pump_chunks(handoff, queue))
+            self._queue, self._pump = queue, pump
+            if self._live is not None:
+                self._live.add(self)
             while True:
                 item = await queue.get()
                 if isinstance(item, _End):
@@ -126,12 +135,22 @@ class ServedRequest:
             # gone, the server stopping) may interrupt the await below
             if pump is not None:
                 pump.cancel()
+            if self._live is not None:
+                self._live.discard(self)
             self.ticket.leave()
             record.done(self.ticket)
             if pump is not None:
                 await asyncio.gather(pump, return_exceptions=True)
 
-    async def _pump(self, handoff: Handoff,
+    def end(self, error: RouteError) -> None:
+        """Ends the request now (the router is stopping): its workers are released, its
+        client gets the chunks already buffered, then ``error``."""
+        if self._pump is None or self._queue is None or self._pump.done():
+            return
+        self._pump.cancel()
+        self._queue.put_nowait(_End(error))
+
+    async def _pump_chunks(self, handoff: Handoff,
                     queue: asyncio.Queue[tuple[OutputChunk, float] | _End]) -> None:
         """Move the handoff's chunks into ``queue``; past the bound the client is too slow."""
         limit = self._max_buffered_chunks

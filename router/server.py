@@ -54,11 +54,13 @@ from router.core import RouterCore
 from router.debug import start_debug_server
 from router.http.server import HttpServer, HttpStartError, build_http_server
 from router.loop_lag import LoopLagMonitor
+from router.resume import ResumeSeal, key_from_cluster_token
 from router.service import SERVICE_NAME, GenerationService
 from router.validation import ModelLimits
 from router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
+END_WAIT_S = 2.0  # for the streams ended at shutdown to tell their clients
 
 
 PENDING_CALLS_MIN = 16384
@@ -155,6 +157,7 @@ class Router:
             raise RouterStartError(str(exc)) from None
         except Exception as exc:  # unreachable: keep going, the refresh loop retries
             logger.warning("Redis not reachable yet (%s); routing starts once it is", exc)
+        self.core.seal = ResumeSeal(await self._resume_keys())
         if self.config.health_port is not None:
             await self._start_health_server()
         if self.config.metrics_port is not None:
@@ -202,6 +205,19 @@ class Router:
         self._health_server = server
         self.health_address = f"{self.config.host}:{port}"
 
+    async def _resume_keys(self) -> list[bytes]:
+        """The cluster's resume keys (``router.resume``): of its cluster token, else shared
+        through Redis, else (Redis unreachable) none — this router's own then."""
+        token = self.config.cluster_token
+        if token is not None:
+            return [key_from_cluster_token(t) for t in token.tokens]
+        try:
+            return [await asyncio.to_thread(self.registry.resume_key)]
+        except Exception as exc:  # noqa: BLE001 - resumes then work on this router alone
+            logger.warning("no shared resume key (%s): streams this router serves can be "
+                           "resumed on it alone", exc)
+            return []
+
     async def _refresh(self) -> None:
         await self.pool.refresh()
         colocated = self.config.handoff.local_prefill != "never"
@@ -223,8 +239,9 @@ class Router:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops accepting (health NOT_SERVING; a new request gets UNAVAILABLE, on both
-        APIs, while the ports stay open), lets streams finish for ``grace_s``, then closes
-        the servers (cancelling what is left) and releases everything."""
+        APIs, while the ports stay open), lets streams finish for ``grace_s``, ends those
+        left with UNAVAILABLE (their clients resume them elsewhere, ``router.resume``),
+        then closes the servers and releases everything."""
         if self._refresher is not None:
             self._refresher.cancel()
         self.serving = False
@@ -233,7 +250,10 @@ class Router:
             grace = self.config.grace_s if grace_s is None else grace_s
             started = time.monotonic()
             await self._health.enter_graceful_shutdown()
-            await self.core.wait_idle(grace)
+            if not await self.core.wait_idle(grace):  # end what is left: clients resume it
+                logger.info("ending %d streams still served after the %.1fs grace",
+                            self.core.end_all(), grace)
+                await self.core.wait_idle(END_WAIT_S)
             await asyncio.gather(
                 self._server.stop(max(0.0, grace - (time.monotonic() - started))),
                 *([self.http.stop()] if self.http is not None else []))

@@ -76,10 +76,13 @@ class GenerationService:
         context.set_trailing_metadata(((REQUEST_ID_METADATA, rid),))
         log = logging.LoggerAdapter(logger, {"request_id": rid})
         start = time.monotonic()
+        cursor = self._core.seal.cursor(served.request, served.request.resumed)
         try:
             async with aclosing(served.chunks()) as chunks:
                 async for chunk in chunks:
-                    await context.write(api.to_response(rid, chunk))
+                    offset = cursor.offset
+                    await context.write(api.to_response(rid, chunk, offset,
+                                                        cursor.advance(chunk.token_ids)))
             if _wants_trace(context):
                 context.set_trailing_metadata(((REQUEST_ID_METADATA, rid),
                                                (TRACE_METADATA, served.trace.to_json())))

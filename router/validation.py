@@ -77,15 +77,21 @@ class ClientRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     unknown_fields: tuple[int, ...] = ()  # field numbers this API does not define
+    resume_token: bytes | None = None  # a broken stream's resume (``router.resume``)
+    resume_token_ids: tuple[int, ...] = ()  # what the client received of it
 
 
 @dataclass(frozen=True)
 class ValidRequest:
-    """A request that passed every check."""
+    """A request that passed every check. ``resumed``: the tokens a resumed stream's
+    client has (checked against ``resume_token`` by ``router.resume`` before admission);
+    the stream goes on after them."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
+    resume_token: bytes | None = None
+    resumed: tuple[int, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -117,7 +123,17 @@ def validate(request: ClientRequest, limits: ModelLimits,
         raise InvalidRequest(f"prompt ({len(token_ids)} tokens) + max_tokens "
                              f"({sampling.max_tokens}) = {total} is over the context length "
                              f"{limits.context_length}")
-    return ValidRequest(request_id, token_ids, sampling)
+    if request.resume_token is None:
+        if request.resume_token_ids:
+            raise InvalidRequest("resume.token_ids without resume.token")
+        return ValidRequest(request_id, token_ids, sampling)
+    if len(request.resume_token_ids) >= sampling.max_tokens:  # counted before checked
+        raise InvalidRequest(f"resume.token_ids holds {len(request.resume_token_ids)} "
+                             f"tokens; a stream of max_tokens={sampling.max_tokens} that "
+                             "was not whole has fewer")
+    _check_vocab("resumed token id", request.resume_token_ids, limits.vocab_size)
+    return ValidRequest(request_id, token_ids, sampling, request.resume_token,
+                        request.resume_token_ids)
 
 
 def _request_id(request_id: str) -> str:

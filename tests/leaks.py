@@ -49,9 +49,10 @@ def worker_problem(info: pb.WorkerInfo) -> str | None:
 
 def redis_problem(client: redis.Redis, cluster: str, live_worker_ids: Sequence[str]) -> str | None:
     prefix = f"pdserve:{cluster}:"
-    # the cluster's lasting marks (its fingerprint, that it requires a token) may stay
-    keys = {k.decode() for k in client.scan_iter(match="*", count=1000)} - {
-        f"{prefix}token_required"}
+    # the cluster's lasting marks (its fingerprint, that it requires a token, the routers'
+    # resume key of every cluster in this Redis) may stay
+    keys = {k.decode() for k in client.scan_iter(match="*", count=1000)
+            if not k.endswith(b":resume_key")} - {f"{prefix}token_required"}
     expected = {f"{prefix}fingerprint", *(f"{prefix}worker:{w}" for w in live_worker_ids)}
     if keys == expected:
         return None

@@ -39,10 +39,11 @@ MAY_IMPORT = {
     "router": {"cluster", "engine", "pdserve.v1"},
     "deploy": {"router.options", "worker.options", "engine.testing.tiny_model"},
 }
-SDK_MODULES = ("pdserve", "pdserve.client", "pdserve.aio_client", "pdserve.v1")
+SDK_MODULES = ("pdserve", "pdserve.client", "pdserve.aio_client", "pdserve.failover",
+               "pdserve.v1")
 # The thin gRPC adapters: the only modules that import generated protobuf code.
 ADAPTERS = {
-    "pdserve.client", "pdserve.aio_client",  # the SDK
+    "pdserve.client", "pdserve.aio_client", "pdserve.failover",  # the SDK
     "router.api", "router.service", "router.worker_calls",  # the router's two edges
     "router.debug",  # the router's introspection service
     "worker.servicer", "prefill_worker.server", "decode_worker.server",  # the workers' edge

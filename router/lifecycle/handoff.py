@@ -53,10 +53,15 @@ from router.outputs import OutputChunk
 class Handoff:
     """Drives one validated, admitted request to completion; iterate ``stream()`` once."""
 
-    def __init__(self, ctx: RequestContext, placement: Placement) -> None:
+    def __init__(self, ctx: RequestContext, placement: Placement,
+                 resumed: tuple[int, ...] = ()) -> None:
+        """``resumed``: the tokens a resumed stream's client has (``router.resume``): the
+        stream goes on after them, as after a migration."""
         self.ctx = ctx
         self.placement = placement
-        self.sent: list[int] = []  # the tokens relayed to the client, in order
+        self.sent: list[int] = list(resumed)  # the tokens the client has, in order
+        if resumed:
+            ctx.calls.resume(resumed)
         self.migrations = 0
         self._last_chunk_at: float | None = None
         self._migrated_at: float | None = None  # the last token before the last migration

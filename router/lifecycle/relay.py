@@ -69,12 +69,18 @@ async def relay(attempt: Attempt, call: grpc.aio.UnaryStreamCall
                 yield chunk
     except asyncio.CancelledError:
         reraise_if_we_are_cancelled()
+        if attempt.is_finished:  # its last chunk is relayed: nothing is lost
+            return
         ctx.excluded.add(decode_id)
         why = "stopped answering health checks"
         if num_streamed == 0:
             raise Retry(f"decode worker {decode_id} {why}", "health") from None
         raise Migrate(f"the decode worker {why}", "health", num_streamed, decode_id) from None
     except grpc.aio.AioRpcError as exc:
+        if attempt.is_finished:  # the worker died after its last chunk: nothing is lost
+            ctx.log.info("the decode worker's stream failed after its last chunk: %s",
+                         exc.code().name)
+            return
         failure = ctx.failure(exc)
         ctx.check_deadline(failure)
         if num_streamed == 0 and failure.kind is Failure.BUSY:

@@ -302,9 +302,12 @@ def _raw_generate(cluster: Cluster, payload: bytes) -> grpc.RpcError:
 def test_malformed_messages_are_refused(cluster: Cluster, client: Client) -> None:
     bad_utf8 = b"\x1a\x02\xff\xfe"  # field 3 (text), 2 bytes that are not UTF-8
     assert _raw_generate(cluster, bad_utf8).code() == INVALID
-    internal = wpb.ReserveRequest(client_request_id="x", attempt_id="x", prompt_token_ids=[1, 2], transfer_id=7)
+    internal = wpb.ReserveRequest(client_request_id="x", prompt_token_ids=[1, 2], transfer_id=7)
     error = _raw_generate(cluster, internal.SerializeToString())
     assert error.code() == INVALID and "internal fields" in (error.details() or "")
+    # its attempt_id is field 6, the public resume: not a Resume message, so not parsed
+    internal.attempt_id = "x"
+    assert _raw_generate(cluster, internal.SerializeToString()).code() == INVALID
     oversized = pb.GenerateRequest(text="x" * (5 << 20)).SerializeToString()
     assert _raw_generate(cluster, oversized).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert client.complete("fine", max_tokens=1, timeout=TIMEOUT_S).finish_reason == "length"
@@ -670,16 +673,17 @@ def test_no_prefill_worker_left(cluster: Cluster, client: Client, llm: LLM,
                                 timeout=TIMEOUT_S).token_ids) == expected
 
 
-def test_killed_decode_worker_mid_stream_is_unavailable(cluster: Cluster,
-                                                       client: Client) -> None:
-    # the tokens already streamed stay streamed; then UNAVAILABLE, never a silent end
-    stream = client.generate("until the decode worker dies " * 3, max_tokens=900,
-                             ignore_eos=True, timeout=TIMEOUT_S)
-    received = list(next(stream).token_ids)
-    cluster.decode[0].stop(sig=9)
-    with pytest.raises(PdserveError) as excinfo:
-        for chunk in stream:
-            received += chunk.token_ids
+def test_killed_decode_worker_mid_stream_is_unavailable(cluster: Cluster) -> None:
+    # the tokens already streamed stay streamed; then UNAVAILABLE, never a silent end (the
+    # only decode worker is gone: no migration; the client does not resume)
+    with Client(cluster.address, max_resumes=0) as client:
+        stream = client.generate("until the decode worker dies " * 3, max_tokens=900,
+                                 ignore_eos=True, timeout=TIMEOUT_S)
+        received = list(next(stream).token_ids)
+        cluster.decode[0].stop(sig=9)
+        with pytest.raises(PdserveError) as excinfo:
+            for chunk in stream:
+                received += chunk.token_ids
     assert excinfo.value.code == grpc.StatusCode.UNAVAILABLE
     assert 1 <= len(received) < 900
     assert "streamed tokens" in excinfo.value.details, excinfo.value.details

@@ -71,9 +71,10 @@ def _holds(info: wpb.WorkerInfo) -> bool:
 
 def _stream_async(pool: ThreadPoolExecutor, address: str, text: str, max_tokens: int,
                   request_id: str, **kw: Any) -> Future[list[int]]:
-    """A whole stream read in a thread: its tokens (or the PdserveError it raised)."""
+    """A whole stream read in a thread: its tokens (or the PdserveError it raised; the
+    client does not resume a broken stream, so the router's own failure shows)."""
     def run() -> list[int]:
-        with Client(address) as client:
+        with Client(address, max_resumes=0) as client:
             tokens: list[int] = []
             for chunk in client.generate(text, max_tokens=max_tokens, ignore_eos=True,
                                          request_id=request_id, timeout=TIMEOUT_S, **kw):

@@ -1,9 +1,12 @@
-"""Streams that outlive their decode worker: one prefill and two decode workers and the
-router, real processes; a decode worker SIGKILLed mid-stream under 16 concurrent streams.
-Every stream must come out whole and right — greedy and seeded tokens, text and stop
-strings equal to ``engine.LLM``'s unfaulted run, usage counting the whole output — with
-the migrations counted, and nothing held afterwards (the module's leak check). With
-``--migration-limit 0`` the same death is UNAVAILABLE naming the streamed tokens.
+"""Streams that outlive the process serving them: one prefill and two decode workers and
+two routers, real processes. A decode worker SIGKILLed mid-stream under 16 concurrent
+streams, then a router SIGKILLed mid-stream under streams of an SDK client given both
+routers: every stream must come out whole and right — greedy and seeded tokens, text and
+stop strings equal to ``engine.LLM``'s unfaulted run, usage counting the whole output —
+with the migrations counted, and nothing held afterwards (the module's leak check: the
+dead router's attempts are freed once their leases lapse). With ``--migration-limit 0``
+a decode death is UNAVAILABLE naming the streamed tokens; a resume whose token does not
+seal the request and the tokens it names is refused.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ pytestmark = pytest.mark.timeout(300)
 
 TIMEOUT_S = 120.0
 MAX_TOKENS = 256
+LONG = 900
 KILL_AFTER = 16  # every stream has this many tokens when the worker dies
 CLUSTER = {"num_prefill": 1, "num_decode": 2, "decode_tp": 1, "decode_kv_blocks": 400,
-           "router_args": ("--metrics-port", "0")}
+           "router_args": ("--metrics-port", "0"), "lease_ttl_s": 3.0}
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +59,11 @@ def _streams(llm: LLM) -> tuple[list[str], list[SamplingParams]]:
     return prompts, params
 
 
-def _metrics(cluster: Cluster) -> dict[str, float]:
-    assert cluster.router is not None
-    address = cluster.router.ready["metrics_address"]
+def _metrics(cluster: Cluster, router: Proc | None = None) -> dict[str, float]:
+    """A router's metrics (default: the module's): ``name{labels}`` → value."""
+    router = router or cluster.router
+    assert router is not None
+    address = router.ready["metrics_address"]
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line and not line.startswith("#")}
@@ -89,6 +95,7 @@ def test_sixteen_streams_survive_their_decode_worker_killed_mid_stream(
     texts = ["" for _ in prompts]
     victim = cluster.decode[0]
     held: dict[str, int] = {}
+    ends_of: list[str | None] = [None for _ in prompts]  # finish reasons, once finished
 
     async def one(client: AsyncClient, i: int) -> tuple[str | None, object]:
         p = params[i]
@@ -100,10 +107,11 @@ def test_sixteen_streams_survive_their_decode_worker_killed_mid_stream(
             received[i] += chunk.token_ids
             texts[i] += chunk.text
             finish, usage = chunk.finish_reason or finish, chunk.usage or usage
+        ends_of[i] = finish
         return finish, usage
 
     async def kill_when_all_have_streamed() -> None:
-        while min(len(r) for r in received) < KILL_AFTER:
+        while any(len(r) < KILL_AFTER and ends_of[i] is None for i, r in enumerate(received)):
             await asyncio.sleep(0.005)
         held.update(await asyncio.to_thread(_holding, cluster))
         victim.stop(sig=9)
@@ -135,8 +143,9 @@ def test_sixteen_streams_survive_their_decode_worker_killed_mid_stream(
     assert 1 <= migrated <= held[victim.name], (migrated, held)
     stalls = (after.get("pdserve:migration_stall_seconds_count", 0.0)
               - before.get("pdserve:migration_stall_seconds_count", 0.0))
-    assert stalls == migrated
     assert cluster.router is not None
+    assert stalls == migrated, [line for line in cluster.router.log_tail(200_000).splitlines()
+                                if "migrat" in line]
     assert "migrating (1 of 3)" in cluster.router.log_tail(200_000)
     _replace(cluster, victim)
 
@@ -145,8 +154,9 @@ def test_with_migration_off_a_decode_death_is_unavailable_and_frees_all(
         cluster: Cluster) -> None:
     router = cluster.start_router("--migration-limit", "0", name="router-no-migration")
     try:
-        with Client(router.address) as client:
-            stream = client.generate(f"{PROMPTS[3]} no migration", max_tokens=MAX_TOKENS,
+        with Client(router.address, max_resumes=0) as client:  # the router's answer
+            # long enough to outlast the kill below
+            stream = client.generate(f"{PROMPTS[3]} no migration", max_tokens=LONG,
                                      ignore_eos=True, timeout=TIMEOUT_S)
             received = list(next(stream).token_ids)
             (victim,) = [w for w in cluster.decode if _holding(cluster).get(w.name)]
@@ -157,8 +167,113 @@ def test_with_migration_off_a_decode_death_is_unavailable_and_frees_all(
         assert caught.value.code == grpc.StatusCode.UNAVAILABLE
         assert "streamed tokens" in caught.value.details, caught.value.details
         assert victim.name not in caught.value.details
-        assert 1 <= len(received) < MAX_TOKENS
+        assert 1 <= len(received) < LONG
     finally:
         router.stop()
     cluster.routers.remove(router)
     _replace(cluster, victim)
+
+
+
+def test_streams_resume_on_the_other_router_when_theirs_is_killed(
+        cluster: Cluster, llm: LLM) -> None:
+    cluster.with_router()
+    other = cluster.start_router("--metrics-port", "0", name="router-b")
+    prompts, params = _streams(llm)
+    prompts, params = prompts[4:12], params[4:12]  # 4 greedy, 4 greedy with a stop string
+    prompts += [f"{PROMPTS[1]} resumed {i}" for i in range(2)]
+    params += [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.75, seed=40 + i,
+                              ignore_eos=True) for i in range(2)]
+    expected = llm.generate(prompts, params)
+    received: list[list[int]] = [[] for _ in prompts]
+    texts = ["" for _ in prompts]
+    done: set[int] = set()
+    victim = cluster.router
+    assert victim is not None
+    served_by_victim = [0]
+
+    async def one(client: AsyncClient, i: int) -> object:
+        p, usage = params[i], None
+        async for chunk in client.generate(prompts[i], max_tokens=p.max_tokens,
+                                           temperature=p.temperature, seed=p.seed,
+                                           stop=list(p.stop), ignore_eos=True,
+                                           timeout=TIMEOUT_S):
+            received[i] += chunk.token_ids
+            texts[i] += chunk.text
+            usage = chunk.usage or usage
+        done.add(i)
+        return usage
+
+    async def kill_when_all_have_streamed() -> None:
+        while any(len(r) < KILL_AFTER and i not in done for i, r in enumerate(received)):
+            await asyncio.sleep(0.005)
+        # the streams the victim serves: calls go to the two routers in turn
+        served_by_victim[0] = sum(1 for i in range(0, len(prompts), 2) if i not in done)
+        victim.stop(sig=9)
+
+    async def run() -> list[object]:
+        async with AsyncClient([victim.address, other.address]) as client:
+            killer = asyncio.ensure_future(kill_when_all_have_streamed())
+            try:
+                return await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
+            finally:
+                killer.cancel()
+
+    before = _metrics(cluster, other).get("pdserve:router_resumed_streams_total", 0.0)
+    usages = asyncio.run(run())
+    assert victim.proc.poll() is not None
+    for i, result in enumerate(expected):
+        assert received[i] == result.token_ids, i  # nothing twice, nothing missing
+        assert texts[i] == result.text, i
+        assert usages[i].completion_tokens == len(result.token_ids), i  # type: ignore[attr-defined]
+    after = _metrics(cluster, other)["pdserve:router_resumed_streams_total"]
+    assert served_by_victim[0] >= 1
+    assert after - before == served_by_victim[0]  # each broken stream resumed once
+    cluster.with_router()  # the module's router again; router-b stays for the next test
+
+
+def test_a_resume_is_refused_unless_its_token_seals_the_request_and_tokens(
+        cluster: Cluster, llm: LLM) -> None:
+    from pdserve.v1 import generate_pb2 as gpb
+    from pdserve.v1 import generate_pb2_grpc as gpb_grpc
+
+    (other,) = [r for r in cluster.routers if r.name == "router-b" and r.proc.poll() is None]
+    request = gpb.GenerateRequest(text=f"{PROMPTS[0]} sealed", sampling=gpb.SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True))
+    (expected,) = llm.generate([request.text], SamplingParams(max_tokens=24, temperature=0.0,
+                                                              ignore_eos=True))
+    with grpc.insecure_channel(cluster.address) as channel:  # three messages, then gone
+        stream = gpb_grpc.GenerationStub(channel).Generate(request, timeout=TIMEOUT_S)
+        first = [next(stream) for _ in range(3)]
+        stream.cancel()
+    got = [t for m in first for t in m.token_ids]
+    assert [m.offset for m in first] == [0, len(first[0].token_ids),
+                                         len(first[0].token_ids) + len(first[1].token_ids)]
+    with grpc.insecure_channel(other.address) as channel:
+        stub = gpb_grpc.GenerationStub(channel)
+
+        def resume(token: bytes, token_ids: list[int]) -> list[gpb.GenerateResponse]:
+            resumed = gpb.GenerateRequest()
+            resumed.CopyFrom(request)
+            resumed.resume.token, resumed.resume.token_ids[:] = token, token_ids
+            return list(stub.Generate(resumed, timeout=TIMEOUT_S))
+
+        rest = resume(first[-1].resume_token, got)  # on another router: the rest
+        assert rest[0].offset == len(got)
+        assert got + [t for m in rest for t in m.token_ids] == expected.token_ids
+        assert "".join(m.text for m in first + rest) == expected.text
+        assert rest[-1].usage.completion_tokens == len(expected.token_ids)
+        forged = [got[:-1] + [(got[-1] + 1) % 100], got[:-1], got]
+        tokens = [first[-1].resume_token, first[-1].resume_token, first[0].resume_token]
+        for token_ids, token in zip(forged, tokens, strict=True):
+            with pytest.raises(grpc.RpcError) as caught:
+                resume(token, token_ids)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "does not seal" in (caught.value.details() or "")
+        changed = gpb.GenerateRequest()
+        changed.CopyFrom(request)
+        changed.sampling.seed = 1  # another request under the same token
+        changed.resume.token, changed.resume.token_ids[:] = first[-1].resume_token, got
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(changed, timeout=TIMEOUT_S))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

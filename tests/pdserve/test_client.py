@@ -63,13 +63,13 @@ def keep_calls(client: Client, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     that the SDK cancels the call itself, as an application holding it would need.
     """
     calls: list[Any] = []
-    start_call = client._stub.Generate
+    start_call = client._stubs[0].Generate
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         calls.append(start_call(*args, **kwargs))
         return calls[-1]
 
-    monkeypatch.setattr(client._stub, "Generate", spy)
+    monkeypatch.setattr(client._stubs[0], "Generate", spy)
     return calls
 
 

@@ -1,0 +1,97 @@
+"""Several routers, one stream: how ``Client`` and ``AsyncClient`` spread their calls over
+a cluster's routers, fail over, and resume a broken stream (``GenerateRequest.resume``).
+
+Calls go to the routers in turn. A call that fails with ``UNAVAILABLE`` (the router died
+or was cut off, is shutting down, or its workers failed the stream) is made again on the
+next router, at most ``max_resumes`` times per call, within the call's one deadline: before
+any token, as it was; after some, as a resume — the same request with every token id
+received and the last message's ``resume_token`` — so the stream goes on with exactly
+the rest (``offset`` of the first new message checked). With one address the same
+router is asked again (an address that resolves to several reaches the others).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from pdserve.v1 import generate_pb2
+
+DEFAULT_MAX_RESUMES = 3
+
+
+def as_addresses(address: str | Sequence[str]) -> tuple[str, ...]:
+    """``address`` as a non-empty tuple of ``"host:port"`` strings (``ValueError`` else)."""
+    addresses = (address,) if isinstance(address, str) else tuple(address)
+    if not addresses or not all(isinstance(a, str) and a for a in addresses):
+        raise ValueError(f"give a router address or a list of them, got {address!r}")
+    return addresses
+
+
+class RouterTurns:
+    """The routers in turn: ``first()`` the one a new call goes to, ``after(i)`` the one
+    a failed call on ``i`` goes to next."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._turns = itertools.count()
+
+    def first(self) -> int:
+        return next(self._turns) % self.count
+
+    def after(self, index: int) -> int:
+        return (index + 1) % self.count
+
+
+class StreamProgress:
+    """What the client received of one stream, and the call that goes on after it."""
+
+    def __init__(self, request: generate_pb2.GenerateRequest, timeout: float | None,
+                 max_resumes: int) -> None:
+        self.request = request
+        self.max_resumes = max_resumes
+        self.token_ids: list[int] = []
+        self.resume_token = b""
+        self.resumes = 0
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+
+    def timeout(self) -> float | None:
+        """Seconds left of the call's one deadline (None: no deadline)."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def next_request(self) -> generate_pb2.GenerateRequest:
+        """The request of the next call: the original, or its resume."""
+        if not self.token_ids:
+            return self.request
+        resumed = generate_pb2.GenerateRequest()
+        resumed.CopyFrom(self.request)
+        resumed.resume.token = self.resume_token
+        resumed.resume.token_ids.extend(self.token_ids)
+        return resumed
+
+    def received(self, response: generate_pb2.GenerateResponse) -> None:
+        """A message arrived; ``ValueError`` if it is not the one expected next (a resumed
+        stream that does not continue where it broke; checked where the router sealed it,
+        ``resume_token``)."""
+        if response.resume_token and response.offset != len(self.token_ids):
+            raise ValueError(f"the stream went on at token {response.offset}, not "
+                             f"{len(self.token_ids)}")
+        self.token_ids.extend(response.token_ids)
+        if response.resume_token:
+            self.resume_token = response.resume_token
+
+    def may_go_on(self, error: grpc.RpcError) -> bool:
+        """Whether the stream that failed with ``error`` goes on on another call (counts
+        the resume)."""
+        code = error.code() if hasattr(error, "code") else None
+        if code != grpc.StatusCode.UNAVAILABLE or self.resumes >= self.max_resumes:
+            return False
+        if self.token_ids and not self.resume_token:  # a router that gives no tokens
+            return False
+        if self.timeout() == 0.0:
+            return False
+        self.resumes += 1
+        return True

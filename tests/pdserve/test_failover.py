@@ -1,0 +1,145 @@
+"""Unit tests of the SDK's failover (``pdserve.failover``): several router addresses used in
+turn, a stream broken by ``UNAVAILABLE`` resumed on the next router with every token id
+received and the last resume token, the caller seeing one stream. Against two
+``FakeGeneration`` servers (real gRPC on 127.0.0.1); the real routers' resume is tested
+end to end in ``tests/e2e/test_resume.py``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pdserve import AsyncClient, Client, PdserveError
+from pdserve.v1 import generate_pb2, generate_pb2_grpc
+from tests.pdserve.fake_generation import RPC_TIMEOUT_S, USAGE, FakeGeneration, Handler
+
+OUTPUT = [([11, 12], "He"), ([13], "llo"), ([14, 15], " wo"), ([16], "rld")]
+
+
+@pytest.fixture
+def fakes() -> Iterator[list[FakeGeneration]]:
+    """Two started ``FakeGeneration`` routers on 127.0.0.1."""
+    servers, fakes = [], []
+    for _ in range(2):
+        fake = FakeGeneration()
+        server = grpc.server(ThreadPoolExecutor(max_workers=4))
+        generate_pb2_grpc.add_GenerationServicer_to_server(fake, server)
+        fake.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        server.start()
+        servers.append(server)
+        fakes.append(fake)
+    yield fakes
+    for server in servers:
+        server.stop(grace=None).wait(5)
+
+
+def sealed(*, start: int = 0, stop: int = len(OUTPUT), fail: bool = False) -> Handler:
+    """Messages ``start:stop`` of ``OUTPUT`` with offsets and resume tokens (``b"after-N"``,
+    N tokens), then the end — or, with ``fail``, UNAVAILABLE as from a dying router."""
+    def handler(request: generate_pb2.GenerateRequest, context: grpc.ServicerContext
+                ) -> Iterator[generate_pb2.GenerateResponse]:
+        offset = sum(len(ids) for ids, _ in OUTPUT[:start])
+        for i in range(start, stop):
+            ids, text = OUTPUT[i]
+            response = generate_pb2.GenerateResponse(
+                request_id="r", token_ids=ids, text=text, offset=offset,
+                resume_token=f"after-{offset + len(ids)}".encode())
+            offset += len(ids)
+            if i == len(OUTPUT) - 1:
+                response.finish_reason = "length"
+                response.usage.CopyFrom(USAGE)
+            yield response
+        if fail:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed")
+    return handler
+
+
+def test_a_broken_stream_resumes_on_the_next_router(fakes: list[FakeGeneration]) -> None:
+    first, second = fakes
+    first.handler, second.handler = sealed(stop=2, fail=True), sealed(start=2)
+    with Client([first.address, second.address]) as client:
+        result = client.complete("Hi", max_tokens=8, seed=3, timeout=RPC_TIMEOUT_S)
+    assert list(result.token_ids) == [11, 12, 13, 14, 15, 16] and result.text == "Hello world"
+    (broken,), (resumed,) = first.requests, second.requests
+    assert not broken.HasField("resume")
+    assert list(resumed.resume.token_ids) == [11, 12, 13]
+    assert resumed.resume.token == b"after-3"
+    # the same request otherwise, so the router can check the seal
+    resumed.ClearField("resume")
+    assert resumed == broken
+
+
+def test_the_async_client_resumes_too_and_calls_go_in_turn(
+        fakes: list[FakeGeneration]) -> None:
+    first, second = fakes
+    first.handler, second.handler = sealed(stop=3, fail=True), sealed(start=3)
+
+    async def main() -> tuple[list[int], str]:
+        async with AsyncClient([first.address, second.address]) as client:
+            result = await client.complete("Hi", max_tokens=8, timeout=RPC_TIMEOUT_S)
+            second.handler = first.handler = sealed()
+            await client.complete("next", timeout=RPC_TIMEOUT_S)  # the second's turn
+            await client.complete("then", timeout=RPC_TIMEOUT_S)  # the first's again
+            return list(result.token_ids), result.text
+
+    assert asyncio.run(main()) == ([11, 12, 13, 14, 15, 16], "Hello world")
+    assert [r.text for r in first.requests] == ["Hi", "then"]
+    assert [r.text for r in second.requests] == ["Hi", "next"]
+    assert list(second.requests[0].resume.token_ids) == [11, 12, 13, 14, 15]
+
+
+def test_before_any_token_the_request_is_sent_again_as_it_was(
+        fakes: list[FakeGeneration]) -> None:
+    first, second = fakes
+    first.handler, second.handler = sealed(stop=0, fail=True), sealed()
+    with Client([first.address, second.address]) as client:
+        assert client.complete("Hi", timeout=RPC_TIMEOUT_S).text == "Hello world"
+    assert second.requests == first.requests  # no resume field: nothing was received
+
+
+def test_resumes_are_bounded_and_can_be_turned_off(fakes: list[FakeGeneration]) -> None:
+    first, second = fakes
+    first.handler = second.handler = sealed(stop=0, fail=True)
+    with Client([first.address, second.address], max_resumes=2) as client:
+        with pytest.raises(PdserveError) as caught:
+            client.complete("Hi", timeout=RPC_TIMEOUT_S)
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert len(first.requests) + len(second.requests) == 3  # the call and 2 more
+    first.handler = sealed(stop=1, fail=True)
+    with Client([first.address, second.address], max_resumes=0) as client:
+        with pytest.raises(PdserveError):
+            client.complete("Hi", timeout=RPC_TIMEOUT_S)
+    assert len(second.requests) == 1  # untouched by the second client
+
+
+def test_other_errors_and_a_stream_that_does_not_go_on_where_it_broke_are_raised(
+        fakes: list[FakeGeneration]) -> None:
+    first, second = fakes
+    first.handler = sealed(stop=2, fail=True)
+    second.handler = sealed(start=3)  # skips message 2: tokens 14, 15 would be missing
+    with Client([first.address, second.address]) as client:
+        with pytest.raises(PdserveError) as caught:
+            client.complete("Hi", timeout=RPC_TIMEOUT_S)
+        assert caught.value.code == grpc.StatusCode.INTERNAL
+        assert "went on at token 5, not 3" in caught.value.details
+
+        def invalid(request: generate_pb2.GenerateRequest, context: grpc.ServicerContext
+                    ) -> Iterator[generate_pb2.GenerateResponse]:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no")
+            yield from ()
+
+        first.handler = second.handler = invalid
+        before = len(first.requests) + len(second.requests)
+        with pytest.raises(PdserveError) as caught:
+            client.complete("Hi", timeout=RPC_TIMEOUT_S)
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(first.requests) + len(second.requests) == before + 1
+
+
+def test_addresses_must_be_given() -> None:
+    with pytest.raises(ValueError, match="router address"):
+        Client([])
