@@ -1,0 +1,26 @@
+"""``python -m bench.migration --quick``: a decode worker SIGKILLed under one stream, the
+stream whole (the bench checks it against the unfaulted output and fails otherwise), its
+stall and the unloaded TTFT reported; never a speed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import migration
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_quick_reports_the_stall_against_the_ttft(tmp_path: Path) -> None:
+    out = tmp_path / "migration.json"
+    assert migration.main(["--quick", "--trials", "1", "--lengths", "48", "--max-tokens",
+                           "64", "--kill-after", "8", "--settle-s", "0",
+                           "--json", str(out)]) == 0
+    entry = json.loads(out.read_text())["by_prompt_len"]["48"]
+    assert entry["ttft_p50_ms"] > 0 and entry["stall_p50_ms"] > 0
+    assert entry["stall_over_ttft"] == pytest.approx(entry["stall_p50_ms"]
+                                                     / entry["ttft_p50_ms"])
+    assert entry["goal_met"] == (entry["stall_p50_ms"] <= 2 * entry["ttft_p50_ms"])
