@@ -9,6 +9,9 @@ from functools import cached_property
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
+LOGIT_BIAS_LIMIT = 100.0  # a bias is clamped to [-100, 100], as OpenAI's API does
+MAX_PENALTY = 2.0  # presence and frequency penalties are in [-2, 2], as OpenAI's
 GREEDY_BELOW = 1e-5
 """A temperature below this is greedy (as vLLM's sampler treats it): dividing logits by a
 tiny positive temperature overflows to inf and NaN."""
@@ -19,7 +22,16 @@ class SamplingParams:
     """How one request's tokens are chosen and when it stops.
 
     ``temperature == 0`` — or below ``GREEDY_BELOW`` — means greedy (as in vLLM).
-    ``top_k == -1`` disables top-k.
+    ``top_k == -1`` disables top-k; ``min_p`` (0: off) drops tokens less likely than
+    ``min_p`` times the likeliest.
+
+    What the logits go through first (vLLM's order, for greedy rows too): ``logit_bias``
+    (token id → bias, clamped to ±100) is added; until ``min_tokens`` tokens are out, EOS
+    and ``stop_token_ids`` are masked; ``repetition_penalty`` (HF's rule: a positive logit
+    divided by it, a negative one multiplied) over the prompt's and the output's tokens;
+    ``presence_penalty`` (once per token present) and ``frequency_penalty`` (per
+    occurrence) subtracted over the output's tokens only. Then temperature, ``min_p``,
+    top-k, top-p.
     With ``seed`` set, sampling is a pure function of (seed, position, logits): the same
     request yields the same tokens whatever else is batched with it and in whichever
     process samples it. Invalid values raise ``ValueError`` naming the limit.
@@ -33,13 +45,26 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable/frozen.
         object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop", MAX_STOP_STRINGS, "stop strings"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(
             self.stop_token_ids, int, "stop_token_ids", MAX_STOP_TOKEN_IDS, "stop_token_ids"))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         self._validate()
+
+    @property
+    def penalized(self) -> bool:
+        """Whether its logits are changed before sampling (bias, min_tokens, penalties)."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty
+                    or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +93,39 @@ class SamplingParams:
                 )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
+        if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
+                             f"{self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
+                                 f"{value!r}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be finite and > 0, got "
+                             f"{self.repetition_penalty!r}")
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """``value`` (a mapping or pairs of token id → bias) as sorted pairs, each bias clamped
+    to ±``LOGIT_BIAS_LIMIT``; ``ValueError`` for a negative id, a bias not finite, or more
+    than ``MAX_LOGIT_BIAS`` entries."""
+    items = list(value.items()) if isinstance(value, dict) else list(value)  # type: ignore[call-overload]
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got "
+                         f"{len(items)}")
+    pairs: dict[int, float] = {}
+    for item in items:
+        token_id, bias = item
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got "
+                             f"{token_id!r:.40}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            raise ValueError(f"logit_bias values must be finite numbers, got {bias!r:.40}")
+        pairs[token_id] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(bias)))
+    return tuple(sorted(pairs.items()))
 
 
 def _as_tuple(value: object, kind: type, name: str, limit: int, items_name: str) -> tuple:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 import grpc.aio
@@ -22,6 +22,7 @@ from pdserve.client import (
     Completion,
     CompletionBuilder,
     GenerationChunk,
+    LogitsOptions,
     ModelInfo,
     PdserveError,
     auth_metadata,
@@ -164,6 +165,7 @@ class AsyncClient:
         seed: int | None = None, stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
         request_id: str | None = None, model: str | None = None, timeout: float | None = None,
+        **logits: Unpack[LogitsOptions],
     ) -> AsyncGenerationStream:
         """Streams the completion of one prompt: ``async for chunk in client.generate(...)``.
 
@@ -175,7 +177,7 @@ class AsyncClient:
         request = build_request(
             prompt, prompt_token_ids, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos, request_id=request_id, model=model)
+            ignore_eos=ignore_eos, request_id=request_id, model=model, logits=logits)
         return AsyncGenerationStream(self._stubs, request, timeout, self._metadata,
                                      turns=self._turns, max_resumes=self.max_resumes)
 
@@ -185,6 +187,7 @@ class AsyncClient:
         seed: int | None = None, stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
         request_id: str | None = None, model: str | None = None, timeout: float | None = None,
+        **logits: Unpack[LogitsOptions],
     ) -> Completion:
         """Generates to the end and returns the whole ``Completion``.
 
@@ -195,7 +198,7 @@ class AsyncClient:
             prompt, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id,
-            model=model, timeout=timeout)
+            model=model, timeout=timeout, **logits)
         builder = CompletionBuilder()
         async with stream:
             async for chunk in stream:

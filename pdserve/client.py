@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Generator, Sequence
-from typing import Any
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any, TypedDict, Unpack
 
 import grpc
 
 from pdserve.failover import DEFAULT_MAX_RESUMES, RouterTurns, StreamProgress, as_addresses
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
-__all__ = ["Client", "Completion", "GenerationChunk", "ModelInfo", "PdserveError", "Usage"]
+__all__ = ["Client", "Completion", "GenerationChunk", "LogitsOptions", "ModelInfo",
+           "PdserveError", "Usage"]
 
 ChannelOptions = Sequence[tuple[str, Any]]
 
@@ -140,11 +141,27 @@ def channel_options(options: ChannelOptions) -> list[tuple[str, Any]]:
     return list(merged.items())
 
 
+class LogitsOptions(TypedDict, total=False):
+    """More sampling arguments, named and meant as in vLLM (absent: off): ``min_p``
+    (0..1), ``min_tokens`` (EOS and stop token ids held back until that many tokens),
+    ``presence_penalty`` and ``frequency_penalty`` (-2..2, over the output),
+    ``repetition_penalty`` (> 0, 1 off; over prompt and output), ``logit_bias`` (token
+    id → bias, clamped to ±100)."""
+
+    min_p: float
+    min_tokens: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: Mapping[int, float]
+
+
 def build_request(
     prompt: str | None, prompt_token_ids: Sequence[int] | None, *, max_tokens: int,
     temperature: float, top_p: float, top_k: int, seed: int | None,
     stop: str | Sequence[str] | None, stop_token_ids: Sequence[int] | None,
     ignore_eos: bool, request_id: str | None, model: str | None,
+    logits: LogitsOptions | None = None,
 ) -> generate_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (see ``Client.generate``).
 
@@ -160,6 +177,13 @@ def build_request(
         stop_token_ids=list(stop_token_ids or ()), ignore_eos=ignore_eos)
     if seed is not None:
         sampling.seed = seed
+    for name, value in (logits or {}).items():
+        if name == "logit_bias":
+            sampling.logit_bias.update({int(k): float(v) for k, v in value.items()})  # type: ignore[attr-defined]
+        elif name in LogitsOptions.__annotations__:
+            setattr(sampling, name, value)
+        else:
+            raise TypeError(f"unexpected keyword argument {name!r}")
     request = generate_pb2.GenerateRequest(
         request_id=request_id or "", model=model or "", sampling=sampling)
     if prompt is not None:
@@ -262,12 +286,14 @@ class Client:
         seed: int | None = None, stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
         request_id: str | None = None, model: str | None = None, timeout: float | None = None,
+        **logits: Unpack[LogitsOptions],
     ) -> Generator[GenerationChunk, None, None]:
         """Streams the completion of one prompt as ``GenerationChunk``s.
 
         Give exactly one of ``prompt`` (text, tokenized by the server) or
         ``prompt_token_ids``, else ``ValueError`` is raised here, before any network use.
-        Sampling arguments are named and defaulted as in vLLM and checked by the server
+        Sampling arguments (and ``LogitsOptions``': penalties, ``min_p``, ``min_tokens``,
+        ``logit_bias``) are named and defaulted as in vLLM and checked by the server
         (``PdserveError(INVALID_ARGUMENT)``); ``seed=None`` is unseeded. ``request_id`` is
         sent when given (the server generates one otherwise); ``model``, when given, must
         name the served model. ``timeout`` (seconds) is the deadline of the whole call.
@@ -280,7 +306,7 @@ class Client:
         request = build_request(
             prompt, prompt_token_ids, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos, request_id=request_id, model=model)
+            ignore_eos=ignore_eos, request_id=request_id, model=model, logits=logits)
         return self._stream(request, timeout)
 
     def complete(
@@ -289,6 +315,7 @@ class Client:
         seed: int | None = None, stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
         request_id: str | None = None, model: str | None = None, timeout: float | None = None,
+        **logits: Unpack[LogitsOptions],
     ) -> Completion:
         """Generates to the end and returns the whole ``Completion``.
 
@@ -299,7 +326,7 @@ class Client:
             prompt, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, request_id=request_id,
-            model=model, timeout=timeout)
+            model=model, timeout=timeout, **logits)
         builder = CompletionBuilder()
         with contextlib.closing(chunks):
             for chunk in chunks:

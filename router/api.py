@@ -15,6 +15,9 @@ from pdserve.v1 import generate_pb2 as pb
 from router.outputs import OutputChunk
 from router.validation import ClientRequest, InvalidRequest, ModelLimits
 
+OPTIONAL_SAMPLING = ("min_p", "min_tokens", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty")
+
 
 def parse_generate_request(raw: bytes) -> ClientRequest:
     """``ClientRequest`` from a serialized ``GenerateRequest``; ``InvalidRequest`` when it
@@ -45,6 +48,8 @@ def to_client_request(message: pb.GenerateRequest) -> ClientRequest:
         top_k=s.top_k if s.HasField("top_k") else None,
         seed=s.seed if s.HasField("seed") else None,
         stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        **{name: getattr(s, name) for name in OPTIONAL_SAMPLING if s.HasField(name)},
+        logit_bias=tuple(sorted(s.logit_bias.items())),
         unknown_fields=tuple(sorted(set(unknown))),
         resume_token=message.resume.token if message.HasField("resume") else None,
         resume_token_ids=tuple(message.resume.token_ids))

@@ -41,7 +41,9 @@ def request_digest(request: ValidRequest) -> bytes:
     parameter (not its id, which clients reuse)."""
     p = request.sampling
     fields = [p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, list(p.stop),
-              list(p.stop_token_ids), p.ignore_eos]
+              list(p.stop_token_ids), p.ignore_eos, p.min_p, p.min_tokens,
+              p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+              [list(pair) for pair in p.logit_bias]]
     h = hashlib.blake2b(json.dumps(fields).encode(), digest_size=32)
     h.update(_token_bytes(request.prompt_token_ids))
     return h.digest()

@@ -22,7 +22,12 @@ import tokenizers
 
 from engine.config import load_model_config
 from engine.kvcache.block_hash import BlockHash, compute_block_hashes
-from engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from engine.sampling_params import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from engine.text.tokenizer import TokenizerInfo, load_tokenizer
 from engine.tp.sharding import num_blocks_for
 
@@ -76,6 +81,12 @@ class ClientRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float | None = None
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     unknown_fields: tuple[int, ...] = ()  # field numbers this API does not define
     resume_token: bytes | None = None  # a broken stream's resume (``router.resume``)
     resume_token_ids: tuple[int, ...] = ()  # what the client received of it
@@ -190,8 +201,10 @@ def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
     if max_tokens > limits.context_length:
         raise InvalidRequest(f"max_tokens must be at most the context length "
                              f"{limits.context_length}, got {max_tokens}")
-    temperature, top_p = (_as_float32(name, getattr(request, name), default)
-                          for name, default in (("temperature", 1.0), ("top_p", 1.0)))
+    temperature, top_p, min_p, presence, frequency, repetition = (
+        _as_float32(name, getattr(request, name), default) for name, default in (
+            ("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0), ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)))
     if top_p == 0.0 and request.top_p:
         raise InvalidRequest(f"top_p must be in (0, 1], got {request.top_p} (0 as the 32-bit "
                              "float the workers use)")
@@ -199,13 +212,22 @@ def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
         raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
                              f"{len(request.stop_token_ids)}")
     _check_vocab("stop token id", request.stop_token_ids, limits.vocab_size)
+    if len(request.logit_bias) > MAX_LOGIT_BIAS:  # counted before checked one by one
+        raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got "
+                             f"{len(request.logit_bias)}")
+    _check_vocab("logit_bias token id", [t for t, _ in request.logit_bias], limits.vocab_size)
+    bias = tuple((t, _as_float32("a logit_bias value", max(-LOGIT_BIAS_LIMIT, min(
+        LOGIT_BIAS_LIMIT, b)) if b == b else b, 0.0)) for t, b in request.logit_bias)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature, top_p=top_p,
             top_k=-1 if request.top_k is None else request.top_k,
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
-            ignore_eos=request.ignore_eos)
+            ignore_eos=request.ignore_eos, min_p=min_p,
+            min_tokens=0 if request.min_tokens is None else request.min_tokens,
+            presence_penalty=presence, frequency_penalty=frequency,
+            repetition_penalty=repetition, logit_bias=bias)
     except ValueError as exc:  # the engine's own limits, named in its message
         raise InvalidRequest(str(exc)) from None
 

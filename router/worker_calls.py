@@ -210,7 +210,12 @@ def _sampling_proto(request: ValidRequest) -> pb.SamplingParams:
     p = request.sampling
     message = pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
                                 top_p=p.top_p, top_k=p.top_k, stop=p.stop,
-                                stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos)
+                                stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+                                min_p=p.min_p, min_tokens=p.min_tokens,
+                                presence_penalty=p.presence_penalty,
+                                frequency_penalty=p.frequency_penalty,
+                                repetition_penalty=p.repetition_penalty,
+                                logit_bias=dict(p.logit_bias))
     if p.seed is not None:
         message.seed = p.seed
     return message

@@ -87,7 +87,9 @@ def sampling_kwargs(msg: Any) -> dict[str, Any]:
     return dict(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p,
                 top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None,
                 stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
-                ignore_eos=msg.ignore_eos)
+                ignore_eos=msg.ignore_eos, min_p=msg.min_p, min_tokens=msg.min_tokens,
+                presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                repetition_penalty=msg.repetition_penalty, logit_bias=dict(msg.logit_bias))
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from engine.attention.metadata import LayerHook
 from engine.config import EngineConfig
+from engine.core.logits import History, process_logits
 from engine.core.request import FinishReason, Request
 from engine.core.runner import resolve_num_kv_blocks
 from engine.core.sampler import sample
@@ -47,6 +48,14 @@ class RequestOutput:
     num_cached_tokens: int
     num_resumed_tokens: int = 0  # output streamed before the request was resumed here
     block_ids: tuple[int, ...] | None = None  # pinned blocks of a finished prefill-only request
+
+
+def _history(request: Request) -> History:
+    """The tokens the logits processors (``engine.core.logits``) read of ``request``."""
+    prompt = request.prompt_token_ids
+    split = len(prompt) - request.num_resumed_tokens
+    eos = () if request.params.ignore_eos else request.eos_token_ids
+    return History(prompt[:split], [*prompt[split:], *request.output_token_ids], eos)
 
 
 class EngineCore:
@@ -171,6 +180,9 @@ class EngineCore:
         sampling = [c for c in out.chunks if c.sample]
         params = [requests[c.request_id].params for c in sampling]
         positions = [c.start_position + len(c.token_ids) for c in sampling]
+        if any(p.penalized for p in params):
+            logits = process_logits(logits, params,
+                                    [_history(requests[c.request_id]) for c in sampling])
         return sample(logits, params, positions)
 
     def _output(self, update: StepUpdate) -> RequestOutput:

@@ -1,7 +1,7 @@
 """Choosing the next token of each sequence from its logits.
 
-Greedy rows take the argmax. Random rows apply temperature, then top-k, then top-p on
-the renormalised top-k distribution, and draw with the exponential race
+Greedy rows take the argmax. Random rows apply temperature, then ``min_p``, then top-k,
+then top-p on the renormalised top-k distribution, and draw with the exponential race
 ``argmax(probs / E)``, ``E ~ Exp(1)`` i.i.d. per vocabulary entry, which picks token ``v``
 with probability ``probs[v]``. A seeded row draws ``E`` from a CPU generator whose seed
 is a stable hash of (request seed, position), so its token is a pure function of
@@ -85,12 +85,23 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     """
     temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
     logits = logits / temperatures.unsqueeze(1)
+    if any(p.min_p > 0 for p in params):
+        logits = _apply_min_p(logits, params)
     if any(p.top_k != -1 for p in params):
         logits = _apply_top_k(logits, params)
     probs = torch.softmax(logits, dim=-1)
     if any(p.top_p < 1.0 for p in params):
         probs = _apply_top_p(probs, params)
     return probs
+
+
+def _apply_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Set logits of tokens less likely than ``min_p`` times the likeliest to -inf (after
+    temperature; rows with min_p 0 untouched)."""
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def _apply_top_k(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

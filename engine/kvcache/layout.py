@@ -33,7 +33,8 @@ the fingerprint, so a rolling upgrade never mixes incompatible workers in one cl
 client's id ``client_request_id``, every call needs its ``attempt_id``, and Generate no
 longer carries the router's copies of the first token. 4: Reserve, Prefill and
 GenerateLocal carry ``num_resumed_tokens`` (a migrated stream's output so far, which an
-older worker would take for prompt)."""
+older worker would take for prompt), and ``SamplingParams`` the penalties, ``min_p``,
+``min_tokens`` and ``logit_bias`` (which an older worker would ignore)."""
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,8 @@ M = TypeVar("M", bound=BaseModel)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,),
     "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "logit_bias": ({},),
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",), "min_p": (0, 0.0), "min_tokens": (0,),
+    "functions": ([],), "function_call": ("none",),
     "use_beam_search": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "structured_outputs": (),
 }
@@ -64,6 +62,12 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
+    min_p: float | None = None
+    min_tokens: Annotated[int, INT64] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as JSON's string key) -> bias
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, ignored
@@ -100,7 +104,23 @@ class SamplingRequest(BaseModel):
             request_id=request_id, model=self.model or "", text=text, token_ids=token_ids,
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, seed=self.seed, stop=stop,
-            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos)
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            min_p=self.min_p, min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias())
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` with its keys as token ids (400 naming it for a key that is not
+        an integer)."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise ApiError.invalid(f"logit_bias keys must be token ids, got "
+                                       f"{json.dumps(key)[:40]}", "logit_bias") from None
+            pairs.append((token_id, bias))
+        return tuple(pairs)
 
 
 class CompletionRequest(SamplingRequest):

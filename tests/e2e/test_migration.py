@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -43,12 +44,16 @@ def llm(llama_dir: Path) -> Iterator[LLM]:
 
 
 def _streams(llm: LLM) -> tuple[list[str], list[SamplingParams]]:
-    """16 streams: 12 greedy (4 of them with a stop string that matches late in their
-    output, after the migration), 4 seeded sampling."""
+    """16 streams: 12 greedy (4 of them with penalties and min_tokens, 4 with a stop
+    string that matches late in their output, after the migration), 4 seeded sampling
+    (2 with penalties)."""
     prompts = [f"{PROMPTS[i % 4]} (stream {i})" for i in range(16)]
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
               if i < 12 else SamplingParams(max_tokens=MAX_TOKENS, temperature=0.75, seed=i,
                                             ignore_eos=True) for i in range(16)]
+    for i in (4, 5, 6, 7, 14, 15):  # penalties count the output so far across a move
+        params[i] = replace(params[i], presence_penalty=0.5, frequency_penalty=0.25,
+                            repetition_penalty=1.25, min_tokens=MAX_TOKENS // 2)
     free = llm.generate(prompts[8:12], params[8:12])
     for i, result in zip(range(8, 12), free, strict=True):
         cut = len(result.text) * 3 // 4  # a stop string of the output's last quarter
@@ -57,6 +62,14 @@ def _streams(llm: LLM) -> tuple[list[str], list[SamplingParams]]:
             params[i] = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
                                        stop=(stop,))
     return prompts, params
+
+
+def _sdk(p: SamplingParams) -> dict[str, object]:
+    """``p`` as the SDK's keyword arguments (the values exact in float32)."""
+    return dict(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed,
+                stop=list(p.stop), ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+                min_tokens=p.min_tokens, timeout=TIMEOUT_S)
 
 
 def _metrics(cluster: Cluster, router: Proc | None = None) -> dict[str, float]:
@@ -98,12 +111,8 @@ def test_sixteen_streams_survive_their_decode_worker_killed_mid_stream(
     ends_of: list[str | None] = [None for _ in prompts]  # finish reasons, once finished
 
     async def one(client: AsyncClient, i: int) -> tuple[str | None, object]:
-        p = params[i]
         finish, usage = None, None
-        async for chunk in client.generate(prompts[i], max_tokens=p.max_tokens,
-                                           temperature=p.temperature, seed=p.seed,
-                                           stop=list(p.stop), ignore_eos=True,
-                                           timeout=TIMEOUT_S):
+        async for chunk in client.generate(prompts[i], **_sdk(params[i])):  # type: ignore[arg-type]
             received[i] += chunk.token_ids
             texts[i] += chunk.text
             finish, usage = chunk.finish_reason or finish, chunk.usage or usage
@@ -193,11 +202,8 @@ def test_streams_resume_on_the_other_router_when_theirs_is_killed(
     served_by_victim = [0]
 
     async def one(client: AsyncClient, i: int) -> object:
-        p, usage = params[i], None
-        async for chunk in client.generate(prompts[i], max_tokens=p.max_tokens,
-                                           temperature=p.temperature, seed=p.seed,
-                                           stop=list(p.stop), ignore_eos=True,
-                                           timeout=TIMEOUT_S):
+        usage = None
+        async for chunk in client.generate(prompts[i], **_sdk(params[i])):  # type: ignore[arg-type]
             received[i] += chunk.token_ids
             texts[i] += chunk.text
             usage = chunk.usage or usage

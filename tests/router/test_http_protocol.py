@@ -171,3 +171,16 @@ def test_chat_refuses_non_text_parts_and_empty_conversations() -> None:
     assert "messages[0].content[0]" in error.message and "image_url" in error.message
     assert refused(ChatCompletionRequest, messages=[]).param == "messages"
     assert refused(ChatCompletionRequest, messages=[{"content": "no role"}]).param == "messages"
+
+
+def test_penalties_min_p_min_tokens_and_logit_bias_are_carried() -> None:
+    body = completion(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2,
+                      min_p=0.1, min_tokens=3, logit_bias={"5": 10, "7": -100})
+    request = body.client_request(request_id="r", max_tokens=8, text="hi")
+    assert (request.presence_penalty, request.frequency_penalty, request.repetition_penalty,
+            request.min_p, request.min_tokens) == (0.5, -0.25, 1.2, 0.1, 3)
+    assert request.logit_bias == ((5, 10.0), (7, -100.0))
+    with pytest.raises(ApiError) as info:
+        completion(logit_bias={"five": 1}).client_request(request_id="r", max_tokens=8,
+                                                          text="hi")
+    assert info.value.param == "logit_bias" and "token ids" in info.value.message

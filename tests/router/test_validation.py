@@ -102,6 +102,23 @@ BAD_INPUT: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("request-id-non-ascii", {"token_ids": _ids(4), "request_id": "réq"}, ("[A-Za-z0-9._:-]",)),
     ("unknown-fields", {"token_ids": _ids(4), "unknown_fields": (4, 99)},
      ("[4, 99]", "not part of the public API")),
+    ("presence-penalty-over-2", {"token_ids": _ids(4), "presence_penalty": 2.5},
+     ("presence_penalty", "[-2, 2]", "2.5")),
+    ("frequency-penalty-nan", {"token_ids": _ids(4), "frequency_penalty": math.nan},
+     ("frequency_penalty", "finite")),
+    ("repetition-penalty-zero", {"token_ids": _ids(4), "repetition_penalty": 0.0},
+     ("repetition_penalty", "> 0")),
+    ("min-p-over-one", {"token_ids": _ids(4), "min_p": 1.5}, ("min_p", "[0, 1]")),
+    ("min-tokens-over-max-tokens", {"token_ids": _ids(4), "max_tokens": 4, "min_tokens": 5},
+     ("min_tokens", "max_tokens=4", "5")),
+    ("min-tokens-negative", {"token_ids": _ids(4), "min_tokens": -1}, ("min_tokens", "-1")),
+    ("logit-bias-out-of-vocab", {"token_ids": _ids(4), "logit_bias": ((5, 1.0), (100, 2.0))},
+     ("logit_bias token id 100", "[0, 100)")),
+    ("logit-bias-nan", {"token_ids": _ids(4), "logit_bias": ((5, math.nan),)},
+     ("logit_bias value", "finite")),
+    ("too-many-logit-biases", {"token_ids": _ids(4),
+                               "logit_bias": tuple((10**6, 1.0) for _ in range(1025))},
+     ("at most 1024 logit_bias entries", "1025")),
 ]
 
 
