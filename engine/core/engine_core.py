@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from engine.attention.metadata import LayerHook
 from engine.config import EngineConfig
@@ -50,12 +53,21 @@ class RequestOutput:
     block_ids: tuple[int, ...] | None = None  # pinned blocks of a finished prefill-only request
 
 
-def _history(request: Request) -> History:
-    """The tokens the logits processors (``engine.core.logits``) read of ``request``."""
+PromptCache = weakref.WeakKeyDictionary[Request, torch.Tensor]
+
+
+def _history(request: Request, prompts: PromptCache) -> History:
+    """The tokens the logits processors (``engine.core.logits``) read of ``request``;
+    ``prompts`` keeps each request's distinct prompt ids (made once, gone with it)."""
     prompt = request.prompt_token_ids
     split = len(prompt) - request.num_resumed_tokens
     eos = () if request.params.ignore_eos else request.eos_token_ids
-    return History(prompt[:split], [*prompt[split:], *request.output_token_ids], eos)
+    prompt_ids: Sequence[int] | torch.Tensor = ()
+    if request.params.repetition_penalty != 1.0:
+        prompt_ids = prompts.get(request)  # type: ignore[assignment]
+        if prompt_ids is None:
+            prompt_ids = prompts[request] = torch.unique(torch.tensor(prompt[:split]))
+    return History(prompt_ids, [*prompt[split:], *request.output_token_ids], eos)
 
 
 class EngineCore:
@@ -87,6 +99,7 @@ class EngineCore:
         # Builds the payload every rank's plugin step_hook receives with a step (or None).
         self.step_payload: Callable[[SchedulerOutput], bytes] | None = None
         self._streams: dict[str, TextStream] = {}
+        self._prompts: PromptCache = weakref.WeakKeyDictionary()  # engine.core.logits
         self._ids = itertools.count()
 
     # --- requests -----------------------------------------------------------------
@@ -182,7 +195,8 @@ class EngineCore:
         positions = [c.start_position + len(c.token_ids) for c in sampling]
         if any(p.penalized for p in params):
             logits = process_logits(logits, params,
-                                    [_history(requests[c.request_id]) for c in sampling])
+                                    [_history(requests[c.request_id], self._prompts)
+                                     for c in sampling])
         return sample(logits, params, positions)
 
     def _output(self, update: StepUpdate) -> RequestOutput:

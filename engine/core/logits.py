@@ -21,7 +21,7 @@ class History:
     """One row's tokens: the client's prompt and the output so far (resumed tokens
     included), and the ids that end it (EOS unless ignored, and the stop token ids)."""
 
-    prompt_token_ids: Sequence[int]
+    prompt_token_ids: Sequence[int] | torch.Tensor  # a tensor: kept by the caller per request
     output_token_ids: Sequence[int]
     eos_token_ids: Sequence[int] = ()
 
@@ -29,37 +29,70 @@ class History:
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                    histories: Sequence[History]) -> torch.Tensor:
     """``logits`` (``[num_rows, vocab]``) with each penalized row's bias, mask and
-    penalties applied (fp32; rows without any are returned as they were)."""
+    penalties applied (a copy in fp32; ``logits`` itself when no row has any). Sparse:
+    the work grows with the rows' histories, not with the vocabulary."""
     rows = [i for i, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
     logits = logits.float().clone()
+    flat = logits.view(-1)
     vocab_size = logits.shape[1]
-    for i in rows:
-        p, history, row = params[i], histories[i], logits[i]
-        for token_id, bias in p.logit_bias:
-            if token_id < vocab_size:
-                row[token_id] += bias
-        if len(history.output_token_ids) < p.min_tokens:
-            ends = [t for t in (*history.eos_token_ids, *p.stop_token_ids) if t < vocab_size]
-            if ends:
-                row[torch.tensor(ends, dtype=torch.long)] = float("-inf")
-        _penalize(row, p, history, vocab_size)
+    bias = [(r * vocab_size + t, b) for r in rows for t, b in params[r].logit_bias
+            if t < vocab_size]
+    if bias:
+        index, values = zip(*bias, strict=True)
+        flat.index_add_(0, torch.tensor(index), torch.tensor(values, dtype=flat.dtype))
+    ends = [r * vocab_size + t for r in rows
+            if len(histories[r].output_token_ids) < params[r].min_tokens
+            for t in (*histories[r].eos_token_ids, *params[r].stop_token_ids) if t < vocab_size]
+    if ends:
+        flat[torch.tensor(ends)] = float("-inf")
+    _repetition(flat, rows, params, histories, vocab_size)
+    _presence_frequency(flat, rows, params, histories, vocab_size)
     return logits
 
 
-def _penalize(row: torch.Tensor, p: SamplingParams, history: History, vocab_size: int) -> None:
-    """The repetition penalty over prompt and output, then presence and frequency over
-    the output, in place."""
-    output = torch.tensor([t for t in history.output_token_ids if t < vocab_size],
-                          dtype=torch.long)
-    if p.repetition_penalty != 1.0:
-        prompt = torch.tensor([t for t in history.prompt_token_ids if t < vocab_size],
-                              dtype=torch.long)
-        seen = torch.unique(torch.cat((prompt, output)))
-        values = row[seen]
-        row[seen] = torch.where(values > 0, values / p.repetition_penalty,
-                                values * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and output.numel():
-        counts = torch.bincount(output, minlength=vocab_size).to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+def _flat_ids(rows: Sequence[int], lists: Sequence[Sequence[int] | torch.Tensor],
+              vocab_size: int) -> torch.Tensor:
+    """Each row's tokens as indices into the flattened ``[rows, vocab]`` logits."""
+    parts = []
+    for r, tokens in zip(rows, lists, strict=True):
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        parts.append(ids[ids < vocab_size] + r * vocab_size)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def _repetition(flat: torch.Tensor, all_rows: Sequence[int], params: Sequence[SamplingParams],
+                histories: Sequence[History], vocab_size: int) -> None:
+    """HF's repetition penalty over each row's prompt and output tokens, in place."""
+    rows = [r for r in all_rows if params[r].repetition_penalty != 1.0]
+    if not rows:
+        return
+    seen = torch.unique(torch.cat((
+        _flat_ids(rows, [histories[r].prompt_token_ids for r in rows], vocab_size),
+        _flat_ids(rows, [histories[r].output_token_ids for r in rows], vocab_size))))
+    penalty = torch.ones(max(rows) + 1)
+    penalty[torch.tensor(rows)] = torch.tensor([params[r].repetition_penalty for r in rows])
+    factor = penalty[seen // vocab_size]
+    values = flat[seen]
+    flat[seen] = torch.where(values > 0, values / factor, values * factor)
+
+
+def _presence_frequency(flat: torch.Tensor, all_rows: Sequence[int],
+                        params: Sequence[SamplingParams], histories: Sequence[History],
+                        vocab_size: int) -> None:
+    """Presence (once per token present) and frequency (per occurrence) penalties over
+    each row's output, in place."""
+    rows = [r for r in all_rows if params[r].presence_penalty or params[r].frequency_penalty]
+    if not rows:
+        return
+    ids = _flat_ids(rows, [histories[r].output_token_ids for r in rows], vocab_size)
+    if not ids.numel():
+        return
+    unique, counts = torch.unique(ids, return_counts=True)
+    presence, frequency = torch.zeros(max(rows) + 1), torch.zeros(max(rows) + 1)
+    index = torch.tensor(rows)
+    presence[index] = torch.tensor([params[r].presence_penalty for r in rows])
+    frequency[index] = torch.tensor([params[r].frequency_penalty for r in rows])
+    row = unique // vocab_size
+    flat.index_add_(0, unique, -(frequency[row] * counts.to(flat.dtype) + presence[row]))
