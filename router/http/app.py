@@ -15,6 +15,7 @@ it is sent back in ``X-Request-Id`` and in the response ``id``.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import math
 from collections.abc import Callable
@@ -32,8 +33,8 @@ from router.errors import RouteError
 from router.http.chat_template import ChatTemplate
 from router.http.errors import ApiError
 from router.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, parse
-from router.http.relay import REQUEST_ID_HEADER, Relay
-from router.validation import InvalidRequest
+from router.http.relay import REQUEST_ID_HEADER, Relay, parse_event_id
+from router.validation import ClientRequest, InvalidRequest
 
 TIMEOUT_HEADER = "x-request-timeout"
 MAX_CHAT_MESSAGES = 4096  # messages of one chat request (each is rendered by the template)
@@ -150,9 +151,26 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _relay(api: HttpApi, request: Request, body: SamplingRequest, client: Any,
            *, chat: bool) -> Relay:
-    return Relay(api.core, client, timeout_s=_timeout(request), chat=chat,
-                 model=api.core.limits.name, stream=body.stream,
-                 include_usage=body.include_usage)
+    return Relay(api.core, _resumed(request, body, client), timeout_s=_timeout(request),
+                 chat=chat, model=api.core.limits.name, stream=body.stream,
+                 include_usage=body.include_usage, token_ids=body.return_token_ids)
+
+
+def _resumed(request: Request, body: SamplingRequest, client: ClientRequest) -> ClientRequest:
+    """``client``, resuming the stream ``Last-Event-ID`` names when there is one (with the
+    body's ``resume_token_ids``, every token id received; ``router.http.relay``)."""
+    last = request.headers.get("last-event-id")
+    if last is None:
+        if body.resume_token_ids is not None:
+            raise ApiError.invalid("resume_token_ids needs the Last-Event-ID header of the "
+                                   "stream to resume", "resume_token_ids")
+        return client
+    offset, token = parse_event_id(last)
+    ids = tuple(body.resume_token_ids or ())
+    if offset != len(ids):
+        raise ApiError.invalid(f"Last-Event-ID is after {offset} tokens; resume_token_ids "
+                               f"holds {len(ids)}", "resume_token_ids")
+    return dataclasses.replace(client, resume_token=token, resume_token_ids=ids)
 
 
 def _check_common(body: SamplingRequest, api: HttpApi) -> None:

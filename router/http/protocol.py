@@ -68,6 +68,8 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as JSON's string key) -> bias
+    return_token_ids: bool = False  # vLLM's: every choice carries its token ids
+    resume_token_ids: list[Int64] | None = None  # with Last-Event-ID: the ids received
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, ignored

@@ -12,11 +12,19 @@ so anything that fails before it (refused at admission, invalid, no worker, dead
 passed in the queue) is a plain HTTP error with its status; a non-streamed response is
 sent only when complete, so its errors always are. An error after a stream started is an
 SSE ``error`` event (OpenAI's error body) followed by ``data: [DONE]``.
+
+Resumable streams (``router.resume``): every event that carries output has an SSE ``id``,
+``OFFSET.TOKEN`` — the tokens sent so far and the resume token after them (base64url) —
+so a client whose stream broke sends the same request again with ``Last-Event-ID`` and
+the token ids it received (``resume_token_ids``; ``return_token_ids`` puts them in the
+chunks), and gets the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import time
@@ -31,7 +39,8 @@ from router.errors import RouteError
 from router.http.errors import ApiError, as_api_error
 from router.http.responses import DONE, Shape, sse
 from router.outputs import OutputChunk
-from router.validation import ClientRequest, InvalidRequest
+from router.resume import ResumeSeal
+from router.validation import ClientRequest, InvalidRequest, ValidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +55,35 @@ class StartedRequest(Protocol):
     @property
     def request_id(self) -> str: ...
 
+    @property
+    def request(self) -> ValidRequest: ...
+
     def chunks(self) -> AsyncGenerator[OutputChunk, None]: ...
 
 
 class RequestStarter(Protocol):
     """What the relay needs of ``router.core.RouterCore``."""
 
+    @property
+    def seal(self) -> ResumeSeal: ...
+
     async def start(self, client: ClientRequest,
                     timeout_s: float | None) -> StartedRequest: ...
+
+
+def event_id(offset: int, token: bytes) -> str:
+    """The SSE ``id`` of an event after ``offset`` tokens: ``OFFSET.TOKEN`` (base64url)."""
+    return f"{offset}.{base64.urlsafe_b64encode(token).decode().rstrip('=')}"
+
+
+def parse_event_id(value: str) -> tuple[int, bytes]:
+    """(offset, resume token) of a ``Last-Event-ID``; ``ApiError`` (400) if malformed."""
+    offset, _, token = value.strip().partition(".")
+    try:
+        return int(offset), base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+    except (ValueError, binascii.Error):
+        raise ApiError.invalid("Last-Event-ID must be the id of an event of the stream "
+                               "(OFFSET.TOKEN)", "Last-Event-ID") from None
 
 
 async def send_json(send: Send, status: int, body: dict[str, Any],
@@ -70,13 +100,14 @@ class Relay(Response):
 
     def __init__(self, core: RequestStarter, client: ClientRequest, *,
                  timeout_s: float | None, chat: bool, model: str, stream: bool,
-                 include_usage: bool) -> None:
+                 include_usage: bool, token_ids: bool = False) -> None:
         super().__init__()
         self._core = core
         self._client = client
         self._timeout_s = timeout_s
         self._chat, self._model, self._stream = chat, model, stream
         self._include_usage = include_usage
+        self._token_ids = token_ids
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         work = asyncio.ensure_future(self._run(send))
@@ -103,7 +134,8 @@ class Relay(Response):
             return
         rid = served.request_id
         shape = Shape.of(chat=self._chat, request_id=rid, model=self._model,
-                         created=int(time.time()), include_usage=self._include_usage)
+                         created=int(time.time()), include_usage=self._include_usage,
+                         token_ids=self._token_ids)
         headers = [(REQUEST_ID_HEADER.encode(), rid.encode())]
         log = logging.LoggerAdapter(logger, {"request_id": rid})
         started = time.monotonic()
@@ -125,11 +157,12 @@ class Relay(Response):
                 await send_json(send, error.status, error.body(), headers)
                 return
             if self._stream:
-                await self._write_stream(send, shape, first, chunks, headers, log)
+                await self._write_stream(send, served, shape, first, chunks, headers, log)
             else:
                 await self._write_whole(send, shape, first, chunks, headers, log)
 
-    async def _write_stream(self, send: Send, shape: Shape, first: OutputChunk | None,
+    async def _write_stream(self, send: Send, served: StartedRequest, shape: Shape,
+                            first: OutputChunk | None,
                             chunks: AsyncIterator[OutputChunk],
                             headers: list[tuple[bytes, bytes]],
                             log: logging.LoggerAdapter[logging.Logger]) -> None:
@@ -139,14 +172,24 @@ class Relay(Response):
         async def write(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        events = shape.opening() + (shape.chunks(first) if first is not None else [])
-        await write(b"".join(sse(e) for e in events))
+        cursor = self._core.seal.cursor(served.request, served.request.resumed)
+
+        def encoded(chunk: OutputChunk) -> bytes:
+            """The chunk's events, the last with the id that resumes after it."""
+            events = shape.chunks(chunk)
+            after = event_id(cursor.offset + len(chunk.token_ids),
+                             cursor.advance(chunk.token_ids))
+            return b"".join(sse(e, event_id=after if i == len(events) - 1 else None)
+                            for i, e in enumerate(events))
+
+        opening = b"".join(sse(e) for e in shape.opening())
+        await write(opening + (encoded(first) if first is not None else b""))
         last = first
         try:
             async for chunk in chunks:
-                events = shape.chunks(chunk)
-                if events:
-                    await write(b"".join(sse(e) for e in events))
+                data = encoded(chunk)
+                if data:
+                    await write(data)
                 last = chunk
         except Exception as exc:
             await write(sse(_failed(log, exc).body(), event="error"))
@@ -169,7 +212,8 @@ class Relay(Response):
         last = received[-1] if received else None
         body = shape.whole("".join(c.text for c in received),
                            last.finish_reason if last is not None else None,
-                           last.usage if last is not None else None)
+                           last.usage if last is not None else None,
+                           [t for c in received for t in c.token_ids])
         await send_json(send, 200, body, headers)
 
 

@@ -9,7 +9,8 @@ One ``Shape`` per endpoint says how a request's output looks:
   ``OutputChunk``, then a chunk with an empty delta and the ``finish_reason``.
 
 With ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last
-chunk with no choices carries the usage. ``usage`` is OpenAI's, with
+chunk with no choices carries the usage. With vLLM's ``return_token_ids`` each choice
+also carries its ``token_ids`` (what a client needs to resume a broken stream). ``usage`` is OpenAI's, with
 ``prompt_tokens_details.cached_tokens`` (prompt tokens served from a prefix cache).
 """
 
@@ -32,9 +33,9 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-def sse(data: dict[str, Any], event: str | None = None) -> bytes:
-    """One server-sent event (``event:`` line only when named)."""
-    head = f"event: {event}\n" if event else ""
+def sse(data: dict[str, Any], event: str | None = None, event_id: str | None = None) -> bytes:
+    """One server-sent event (``event:`` and ``id:`` lines only when given)."""
+    head = (f"event: {event}\n" if event else "") + (f"id: {event_id}\n" if event_id else "")
     return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
@@ -47,12 +48,13 @@ class Shape:
     model: str
     created: int  # Unix seconds
     include_usage: bool = False
+    token_ids: bool = False  # vLLM's return_token_ids: each choice carries its token ids
 
     @classmethod
     def of(cls, *, chat: bool, request_id: str, model: str, created: int,
-           include_usage: bool = False) -> Shape:
+           include_usage: bool = False, token_ids: bool = False) -> Shape:
         prefix = "chatcmpl-" if chat else "cmpl-"
-        return cls(chat, prefix + request_id, model, created, include_usage)
+        return cls(chat, prefix + request_id, model, created, include_usage, token_ids)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created,
@@ -76,16 +78,17 @@ class Shape:
         """The stream chunks of one ``OutputChunk`` (none for an empty, unfinished one)."""
         out = []
         finish = chunk.finish_reason
+        ids = {"token_ids": list(chunk.token_ids)} if self.token_ids else {}
         if self.chat:
-            if chunk.text:
+            if chunk.text or (ids and chunk.token_ids):
                 out.append(self._chunk([{"index": 0, "delta": {"content": chunk.text},
-                                         "logprobs": None, "finish_reason": None}]))
+                                         "logprobs": None, "finish_reason": None, **ids}]))
             if finish is not None:
                 out.append(self._chunk([{"index": 0, "delta": {}, "logprobs": None,
                                          "finish_reason": finish}]))
-        elif chunk.text or finish is not None:
+        elif chunk.text or finish is not None or (ids and chunk.token_ids):
             out.append(self._chunk([{"index": 0, "text": chunk.text, "logprobs": None,
-                                     "finish_reason": finish}]))
+                                     "finish_reason": finish, **ids}]))
         return out
 
     def closing(self, usage: Usage | None) -> list[dict[str, Any]]:
@@ -94,13 +97,16 @@ class Shape:
             return []
         return [{**self._chunk([]), "usage": usage_body(usage)}]
 
-    def whole(self, text: str, finish_reason: str | None, usage: Usage | None) -> dict[str, Any]:
+    def whole(self, text: str, finish_reason: str | None, usage: Usage | None,
+              token_ids: list[int] | None = None) -> dict[str, Any]:
         """The non-streamed response."""
+        ids = {"token_ids": token_ids or []} if self.token_ids else {}
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "logprobs": None,
                                       "message": {"role": "assistant", "content": text},
-                                      "finish_reason": finish_reason}
+                                      "finish_reason": finish_reason, **ids}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      **ids}
         return {**self._head("chat.completion" if self.chat else "text_completion"),
                 "choices": [choice], "usage": usage_body(usage)}

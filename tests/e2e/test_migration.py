@@ -72,6 +72,12 @@ def _sdk(p: SamplingParams) -> dict[str, object]:
                 min_tokens=p.min_tokens, timeout=TIMEOUT_S)
 
 
+def _router_b(cluster: Cluster) -> Proc:
+    """The module's second router (started on first use, with metrics)."""
+    live = [r for r in cluster.routers if r.name == "router-b" and r.proc.poll() is None]
+    return live[0] if live else cluster.start_router("--metrics-port", "0", name="router-b")
+
+
 def _metrics(cluster: Cluster, router: Proc | None = None) -> dict[str, float]:
     """A router's metrics (default: the module's): ``name{labels}`` → value."""
     router = router or cluster.router
@@ -187,7 +193,7 @@ def test_with_migration_off_a_decode_death_is_unavailable_and_frees_all(
 def test_streams_resume_on_the_other_router_when_theirs_is_killed(
         cluster: Cluster, llm: LLM) -> None:
     cluster.with_router()
-    other = cluster.start_router("--metrics-port", "0", name="router-b")
+    other = _router_b(cluster)
     prompts, params = _streams(llm)
     prompts, params = prompts[4:12], params[4:12]  # 4 greedy, 4 greedy with a stop string
     prompts += [f"{PROMPTS[1]} resumed {i}" for i in range(2)]
@@ -243,7 +249,7 @@ def test_a_resume_is_refused_unless_its_token_seals_the_request_and_tokens(
     from pdserve.v1 import generate_pb2 as gpb
     from pdserve.v1 import generate_pb2_grpc as gpb_grpc
 
-    (other,) = [r for r in cluster.routers if r.name == "router-b" and r.proc.poll() is None]
+    other = _router_b(cluster)
     request = gpb.GenerateRequest(text=f"{PROMPTS[0]} sealed", sampling=gpb.SamplingParams(
         max_tokens=24, temperature=0.0, ignore_eos=True))
     (expected,) = llm.generate([request.text], SamplingParams(max_tokens=24, temperature=0.0,
@@ -283,3 +289,59 @@ def test_a_resume_is_refused_unless_its_token_seals_the_request_and_tokens(
         with pytest.raises(grpc.RpcError) as caught:
             list(stub.Generate(changed, timeout=TIMEOUT_S))
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _sse(lines: Iterator[str]) -> Iterator[tuple[str | None, str]]:
+    """(id, data) of each server-sent event of ``lines``."""
+    event_id, data = None, None
+    for line in lines:
+        if not line:
+            if data is not None:
+                yield event_id, data
+            event_id, data = None, None
+        elif line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            data = line[6:]
+
+
+def test_an_http_stream_resumes_on_the_other_router_with_last_event_id(
+        cluster: Cluster, llm: LLM) -> None:
+    import json
+
+    import httpx2
+
+    other = _router_b(cluster.with_router())
+    assert cluster.router is not None
+    body = {"model": "", "prompt": f"{PROMPTS[3]} over HTTP", "max_tokens": 40,
+            "temperature": 0.75, "seed": 3, "presence_penalty": 0.5, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    (expected,) = llm.generate([body["prompt"]], SamplingParams(
+        max_tokens=40, temperature=0.75, seed=3, presence_penalty=0.5, ignore_eos=True))
+    text, ids, last_id = "", [], None
+    url = f"http://{cluster.router.ready['http_address']}/v1/completions"
+    with httpx2.Client(timeout=TIMEOUT_S) as http:
+        with http.stream("POST", url, json=body) as response:  # 3 events, then gone
+            for event_id, data in _sse(response.iter_lines()):
+                choice = json.loads(data)["choices"][0]
+                text, ids, last_id = text + choice["text"], ids + choice["token_ids"], event_id
+                if len(ids) >= 3:
+                    break
+        assert last_id is not None and last_id.startswith(f"{len(ids)}.")
+        resumed = {**body, "resume_token_ids": ids}
+        url = f"http://{other.ready['http_address']}/v1/completions"
+        with http.stream("POST", url, json=resumed,
+                         headers={"Last-Event-ID": last_id}) as response:
+            assert response.status_code == 200
+            for _event_id, data in _sse(response.iter_lines()):
+                if data == "[DONE]":
+                    break
+                choice = json.loads(data)["choices"][0]
+                text, ids = text + choice["text"], ids + choice["token_ids"]
+        assert ids == expected.token_ids and text == expected.text
+        forged = http.post(url, json={**resumed, "resume_token_ids": ids[:2] + [ids[2] - 1 or 1]},
+                           headers={"Last-Event-ID": last_id})
+        assert forged.status_code == 400 and "does not seal" in forged.text
+        mismatched = http.post(url, json={**resumed, "resume_token_ids": ids[:2]},
+                               headers={"Last-Event-ID": last_id})
+        assert mismatched.status_code == 400 and "resume_token_ids" in mismatched.text

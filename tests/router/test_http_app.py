@@ -22,6 +22,7 @@ from router.http.app import HttpApi, build_app
 from router.http.chat_template import load_chat_template
 from router.metrics import RouterMetrics
 from router.outputs import OutputChunk, Usage
+from router.resume import ResumeSeal
 from router.validation import ClientRequest, ModelLimits, ValidRequest, validate
 
 KEY = "k3y-for-tests"
@@ -83,6 +84,7 @@ class FakeRouterCore:
     closed: int = 0
 
     gated: list[int] = field(default_factory=list)
+    seal: ResumeSeal = field(default_factory=lambda: ResumeSeal(()))  # router.resume
 
     def gate(self, num_tokens: int, timeout_s: float | None) -> None:
         self.gated.append(num_tokens)
