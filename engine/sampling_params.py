@@ -31,7 +31,8 @@ class SamplingParams:
     divided by it, a negative one multiplied) over the prompt's and the output's tokens;
     ``presence_penalty`` (once per token present) and ``frequency_penalty`` (per
     occurrence) subtracted over the output's tokens only. Then temperature, ``min_p``,
-    top-k, top-p.
+    top-k, top-p. Stop strings too wait for ``min_tokens``: they are looked for once more
+    than ``min_tokens`` tokens are out (vLLM's rule).
     With ``seed`` set, sampling is a pure function of (seed, position, logits): the same
     request yields the same tokens whatever else is batched with it and in whichever
     process samples it. Invalid values raise ``ValueError`` naming the limit.

@@ -80,11 +80,15 @@ class AsyncGenerationStream:
             try:
                 response = await self._read()
             except grpc.RpcError as error:  # the stream goes on on the next router, or fails
+                if self._progress.finished:  # the last message arrived: the stream is whole
+                    self._finished = True
+                    raise StopAsyncIteration from None
                 if self._closed or not self._progress.may_go_on(error):
                     self._finished = True
                     raise error_from_rpc(error) from None
                 self._call = None
                 self._router = self._turns.after(self._router)
+                await asyncio.sleep(self._progress.backoff_s())
                 continue
             if response is grpc.aio.EOF:
                 self._finished = True

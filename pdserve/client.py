@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
@@ -367,8 +368,11 @@ class Client:
                     yield chunk_from_response(response)
                 return
             except grpc.RpcError as error:
+                if progress.finished:  # the last message arrived: the stream is whole
+                    return
                 if not progress.may_go_on(error):
                     raise error_from_rpc(error) from None
+                time.sleep(progress.backoff_s())
             except ValueError as exc:
                 raise PdserveError(grpc.StatusCode.INTERNAL, str(exc)) from None
             finally:

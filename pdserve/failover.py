@@ -6,13 +6,16 @@ or was cut off, is shutting down, or its workers failed the stream) is made agai
 next router, at most ``max_resumes`` times per call, within the call's one deadline: before
 any token, as it was; after some, as a resume — the same request with every token id
 received and the last message's ``resume_token`` — so the stream goes on with exactly
-the rest (``offset`` of the first new message checked). With one address the same
-router is asked again (an address that resolves to several reaches the others).
+the rest (``offset`` of the first new message checked), after a short jittered backoff.
+With one address the same router is asked again (an address that resolves to several
+reaches the others). A stream whose last message (``finish_reason``) arrived is whole:
+a failure after it is no failure.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from collections.abc import Sequence
 
@@ -21,6 +24,8 @@ import grpc
 from pdserve.v1 import generate_pb2
 
 DEFAULT_MAX_RESUMES = 3
+BACKOFF_S = 0.05
+MAX_BACKOFF_S = 1.0
 
 
 def as_addresses(address: str | Sequence[str]) -> tuple[str, ...]:
@@ -56,6 +61,7 @@ class StreamProgress:
         self.token_ids: list[int] = []
         self.resume_token = b""
         self.resumes = 0
+        self.finished = False  # its last message (finish_reason) arrived: nothing to resume
         self._deadline = None if timeout is None else time.monotonic() + timeout
 
     def timeout(self) -> float | None:
@@ -82,12 +88,14 @@ class StreamProgress:
         self.token_ids.extend(response.token_ids)
         if response.resume_token:
             self.resume_token = response.resume_token
+        if response.finish_reason:
+            self.finished = True
 
     def may_go_on(self, error: grpc.RpcError) -> bool:
         """Whether the stream that failed with ``error`` goes on on another call (counts
         the resume)."""
         code = error.code() if hasattr(error, "code") else None
-        if code != grpc.StatusCode.UNAVAILABLE or self.resumes >= self.max_resumes:
+        if self.finished or code != grpc.StatusCode.UNAVAILABLE or self.resumes >= self.max_resumes:
             return False
         if self.token_ids and not self.resume_token:  # a router that gives no tokens
             return False
@@ -95,3 +103,11 @@ class StreamProgress:
             return False
         self.resumes += 1
         return True
+
+    def backoff_s(self) -> float:
+        """How long to wait before the next call (after ``may_go_on``): a jittered 50 ms
+        doubling per resume, at most 1 s and within the deadline, so a router that is
+        restarting (or a channel still reconnecting) gets a moment."""
+        wait = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (self.resumes - 1)) * random.uniform(0.5, 1.0)
+        left = self.timeout()
+        return wait if left is None else min(wait, left / 2)

@@ -62,6 +62,10 @@ class ResumeSeal:
             keys = (secrets.token_bytes(KEY_BYTES),)
         self._keys = tuple(keys)
 
+    def with_key(self, key: bytes) -> ResumeSeal:
+        """A seal that seals with ``key`` and still accepts this one's keys."""
+        return ResumeSeal([key, *self._keys])
+
     def cursor(self, request: ValidRequest, sent: Sequence[int] = ()) -> StreamCursor:
         """The cursor of ``request``'s stream, ``sent`` tokens already with the client."""
         return StreamCursor(self._keys[0], request_digest(request), sent)

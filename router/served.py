@@ -93,6 +93,7 @@ class ServedRequest:
         self._live = live
         self._queue: asyncio.Queue[tuple[OutputChunk, float] | _End] | None = None
         self._pump: asyncio.Task[None] | None = None
+        self._last_queued = False  # the chunk with the finish reason is in the queue
 
     @property
     def request_id(self) -> str:
@@ -145,8 +146,8 @@ class ServedRequest:
     def end(self, error: RouteError) -> None:
         """Ends the request now (the router is stopping): its workers are released, its
         client gets the chunks already buffered, then ``error``."""
-        if self._pump is None or self._queue is None or self._pump.done():
-            return
+        if self._pump is None or self._queue is None or self._pump.done() or self._last_queued:
+            return  # done, or whole but for the handoff's cleanup: the client gets it all
         self._pump.cancel()
         self._queue.put_nowait(_End(error))
 
@@ -163,6 +164,7 @@ class ServedRequest:
                                          "router's limit, --max-buffered-chunks); the request "
                                          "was cancelled")
                     queue.put_nowait((chunk, time.monotonic()))
+                    self._last_queued = self._last_queued or chunk.finish_reason is not None
         except RouteError as exc:
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and queue.qsize() >= limit:
                 while not queue.empty():  # what the client did not read is dropped

@@ -114,6 +114,7 @@ class Router:
         self._debug_server: grpc.aio.Server | None = None
         self.debug_address: str | None = None
         self.address = config.address
+        self._own_resume_key = False  # resume tokens sealed with this router's own key
 
     async def start(self) -> str:
         """Binds, reads the workers once, starts serving; returns ``host:port``."""
@@ -157,7 +158,9 @@ class Router:
             raise RouterStartError(str(exc)) from None
         except Exception as exc:  # unreachable: keep going, the refresh loop retries
             logger.warning("Redis not reachable yet (%s); routing starts once it is", exc)
-        self.core.seal = ResumeSeal(await self._resume_keys())
+        keys = await self._resume_keys()
+        self._own_resume_key = not keys  # no shared key yet: _refresh asks again
+        self.core.seal = ResumeSeal(keys)
         if self.config.health_port is not None:
             await self._start_health_server()
         if self.config.metrics_port is not None:
@@ -234,8 +237,21 @@ class Router:
             await asyncio.sleep(self.config.discovery.refresh_interval_s)
             try:
                 await self._refresh()
+                if self._own_resume_key:
+                    await self._share_resume_key()
             except Exception:  # the loop must survive anything; log and go on
                 logger.exception("refreshing the worker view failed")
+
+    async def _share_resume_key(self) -> None:
+        """Takes up the cluster's shared resume key once Redis answers (its own, which
+        sealed the streams served meanwhile, stays accepted)."""
+        try:
+            shared = await asyncio.to_thread(self.registry.resume_key)
+        except Exception:  # noqa: BLE001 - Redis still away: next refresh
+            return
+        self.core.seal = self.core.seal.with_key(shared)
+        self._own_resume_key = False
+        logger.info("resume tokens now use the cluster's shared key")
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops accepting (health NOT_SERVING; a new request gets UNAVAILABLE, on both

@@ -81,8 +81,9 @@ class GenerationService:
             async with aclosing(served.chunks()) as chunks:
                 async for chunk in chunks:
                     offset = cursor.offset
+                    token = cursor.advance(chunk.token_ids)  # none after the last message
                     await context.write(api.to_response(rid, chunk, offset,
-                                                        cursor.advance(chunk.token_ids)))
+                                                        b"" if chunk.finish_reason else token))
             if _wants_trace(context):
                 context.set_trailing_metadata(((REQUEST_ID_METADATA, rid),
                                                (TRACE_METADATA, served.trace.to_json())))

@@ -89,7 +89,9 @@ def sampling_kwargs(msg: Any) -> dict[str, Any]:
                 stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                 ignore_eos=msg.ignore_eos, min_p=msg.min_p, min_tokens=msg.min_tokens,
                 presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-                repetition_penalty=msg.repetition_penalty, logit_bias=dict(msg.logit_bias))
+                # proto3's 0 is "not set" (an older sender): off is 1
+                repetition_penalty=msg.repetition_penalty or 1.0,
+                logit_bias=dict(msg.logit_bias))
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:

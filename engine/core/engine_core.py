@@ -221,7 +221,8 @@ class EngineCore:
         stream = self._streams.get(request.request_id)
         if stream is None:
             return "", finished
-        delta, stopped = stream.add(new_ids)
+        delta, stopped = stream.add(
+            new_ids, may_stop=request.num_output_tokens > request.params.min_tokens)
         if stopped and not finished:
             self.scheduler.finish(request.request_id, FinishReason.STOP)
             finished = True
@@ -258,8 +259,8 @@ class EngineCore:
         prompt, resumed = request.prompt_token_ids, request.num_resumed_tokens
         stream = TextStream(self.tokenizer.tokenizer, prompt[:len(prompt) - resumed],
                             stop=request.params.stop)
-        for token_id in prompt[len(prompt) - resumed:]:  # sent already: rebuild, emit nothing
-            stream.add((token_id,))
+        for n, token_id in enumerate(prompt[len(prompt) - resumed:], 1):  # sent: rebuild
+            stream.add((token_id,), may_stop=n > request.params.min_tokens)
         self._streams[request.request_id] = stream
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams,

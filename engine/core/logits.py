@@ -39,14 +39,16 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     vocab_size = logits.shape[1]
     bias = [(r * vocab_size + t, b) for r in rows for t, b in params[r].logit_bias
             if t < vocab_size]
+    device = logits.device
     if bias:
         index, values = zip(*bias, strict=True)
-        flat.index_add_(0, torch.tensor(index), torch.tensor(values, dtype=flat.dtype))
+        flat.index_add_(0, torch.tensor(index, device=device),
+                        torch.tensor(values, dtype=flat.dtype, device=device))
     ends = [r * vocab_size + t for r in rows
             if len(histories[r].output_token_ids) < params[r].min_tokens
             for t in (*histories[r].eos_token_ids, *params[r].stop_token_ids) if t < vocab_size]
     if ends:
-        flat[torch.tensor(ends)] = float("-inf")
+        flat[torch.tensor(ends, device=device)] = float("-inf")
     _repetition(flat, rows, params, histories, vocab_size)
     _presence_frequency(flat, rows, params, histories, vocab_size)
     return logits
@@ -57,7 +59,7 @@ def _flat_ids(rows: Sequence[int], lists: Sequence[Sequence[int] | torch.Tensor]
     """Each row's tokens as indices into the flattened ``[rows, vocab]`` logits."""
     parts = []
     for r, tokens in zip(rows, lists, strict=True):
-        ids = torch.as_tensor(tokens, dtype=torch.long)
+        ids = torch.as_tensor(tokens, dtype=torch.long).cpu()
         parts.append(ids[ids < vocab_size] + r * vocab_size)
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
@@ -73,7 +75,8 @@ def _repetition(flat: torch.Tensor, all_rows: Sequence[int], params: Sequence[Sa
         _flat_ids(rows, [histories[r].output_token_ids for r in rows], vocab_size))))
     penalty = torch.ones(max(rows) + 1)
     penalty[torch.tensor(rows)] = torch.tensor([params[r].repetition_penalty for r in rows])
-    factor = penalty[seen // vocab_size]
+    factor = penalty[seen // vocab_size].to(flat.device)
+    seen = seen.to(flat.device)
     values = flat[seen]
     flat[seen] = torch.where(values > 0, values / factor, values * factor)
 
@@ -95,4 +98,5 @@ def _presence_frequency(flat: torch.Tensor, all_rows: Sequence[int],
     presence[index] = torch.tensor([params[r].presence_penalty for r in rows])
     frequency[index] = torch.tensor([params[r].frequency_penalty for r in rows])
     row = unique // vocab_size
-    flat.index_add_(0, unique, -(frequency[row] * counts.to(flat.dtype) + presence[row]))
+    delta = -(frequency[row] * counts.to(torch.float32) + presence[row])
+    flat.index_add_(0, unique.to(flat.device), delta.to(device=flat.device, dtype=flat.dtype))

@@ -148,11 +148,18 @@ class TextStream:
             self._chunks = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
 
-    def add(self, token_ids: Sequence[int]) -> tuple[str, bool]:
-        """Append output ids; return ``(delta, stopped)``."""
+    def add(self, token_ids: Sequence[int], *, may_stop: bool = True) -> tuple[str, bool]:
+        """Append output ids; return ``(delta, stopped)``. ``may_stop`` False (the
+        request's ``min_tokens`` are not out yet, as vLLM rules): no stop string is
+        looked for and nothing is withheld for one."""
         if self._stopped:
             return "", True
         self._pending += self._detokenizer.add(token_ids)
+        if not may_stop:
+            delta, self._pending = self._pending, ""
+            if delta:
+                self._chunks.append(delta)
+            return delta, False
         return self._release(final=False), self._stopped
 
     def flush(self) -> str:

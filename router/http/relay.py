@@ -177,8 +177,10 @@ class Relay(Response):
         def encoded(chunk: OutputChunk) -> bytes:
             """The chunk's events, the last with the id that resumes after it."""
             events = shape.chunks(chunk)
-            after = event_id(cursor.offset + len(chunk.token_ids),
-                             cursor.advance(chunk.token_ids))
+            after: str | None = event_id(cursor.offset + len(chunk.token_ids),
+                                         cursor.advance(chunk.token_ids))
+            if chunk.finish_reason is not None:  # whole: nothing to resume after it
+                after = None
             return b"".join(sse(e, event_id=after if i == len(events) - 1 else None)
                             for i, e in enumerate(events))
 

@@ -143,3 +143,18 @@ def test_other_errors_and_a_stream_that_does_not_go_on_where_it_broke_are_raised
 def test_addresses_must_be_given() -> None:
     with pytest.raises(ValueError, match="router address"):
         Client([])
+
+
+def test_a_failure_after_the_last_message_is_no_failure(fakes: list[FakeGeneration]) -> None:
+    first, second = fakes
+    first.handler, second.handler = sealed(fail=True), sealed()  # whole, then UNAVAILABLE
+    with Client([first.address, second.address]) as client:
+        result = client.complete("Hi", timeout=RPC_TIMEOUT_S)
+
+        async def main() -> str:
+            async with AsyncClient([first.address, second.address]) as aio:
+                return (await aio.complete("Hi", timeout=RPC_TIMEOUT_S)).text
+
+        assert asyncio.run(main()) == "Hello world"
+    assert result.text == "Hello world" and result.finish_reason == "length"
+    assert second.requests == []  # nothing resumed

@@ -89,3 +89,12 @@ def test_resume_fields_are_validated_before_any_work(token: bytes | None,
                            resume_token_ids=token_ids)
     with pytest.raises(InvalidRequest, match=message):
         validate(client, LIMITS, _Tokenizer())  # type: ignore[arg-type]
+
+
+def test_a_seal_takes_up_a_new_key_and_keeps_accepting_the_old() -> None:
+    own = ResumeSeal([KEY])
+    sent, token = _tokens(own)[0]
+    shared = own.with_key(OTHER)
+    shared.check(REQUEST, token, sent)  # sealed before the switch
+    sent, token = _tokens(shared)[0]
+    ResumeSeal([OTHER]).check(REQUEST, token, sent)  # sealed after: the shared key's

@@ -140,3 +140,30 @@ def test_bad_values_are_refused(kwargs: dict[str, Any], message: str) -> None:
 
 def test_a_bias_is_clamped_to_a_hundred() -> None:
     assert SamplingParams(logit_bias={5: 1e9, 2: -1e9}).logit_bias == ((2, -100.0), (5, 100.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_logits_are_processed_as_on_the_cpu() -> None:
+    logits = torch.randn(3, 500)
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
+                             repetition_penalty=1.25, logit_bias={4: 3.0}, min_tokens=5),
+              SamplingParams(), SamplingParams(repetition_penalty=0.5)]
+    histories = [History(torch.tensor([1, 2, 3]), [4, 4, 9], (2,)), History((), ()),
+                 History([7, 8], [8])]
+    cpu = process_logits(logits, params, histories)
+    assert torch.equal(process_logits(logits.cuda(), params, histories).cpu(), cpu)
+
+
+def test_stop_strings_wait_for_min_tokens_as_in_vllm(llm: LLM) -> None:
+    free = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0,
+                                                     ignore_eos=True))[0]
+    stop = free.text[:3]
+    assert len(stop) == 3
+    early = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0,
+                                                      ignore_eos=True, stop=(stop,)))[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) < 12
+    held = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0,
+                                                     ignore_eos=True, stop=(stop,),
+                                                     min_tokens=12))[0]
+    assert held.token_ids == free.token_ids and held.text == free.text
