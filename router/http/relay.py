@@ -184,7 +184,8 @@ class Relay(Response):
             return b"".join(sse(e, event_id=after if i == len(events) - 1 else None)
                             for i, e in enumerate(events))
 
-        opening = b"".join(sse(e) for e in shape.opening())
+        # a resumed stream's client has had the opening (a chat's role chunk) already
+        opening = b"" if served.request.resumed else b"".join(sse(e) for e in shape.opening())
         await write(opening + (encoded(first) if first is not None else b""))
         last = first
         try:
