@@ -20,12 +20,13 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from bench.clusters import bench_model
 from bench.common import format_table, machine_info, write_json
 from engine import LLM, SamplingParams
 
-ARMS = {
+ARMS: dict[str, dict[str, Any]] = {
     "plain": {},
     "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
     "logit_bias": {"logit_bias": {i * 7: 1.5 for i in range(1, 17)}},
