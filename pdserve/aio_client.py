@@ -27,11 +27,10 @@ from pdserve.client import (
     PdserveError,
     auth_metadata,
     build_request,
-    channel_credentials,
-    channel_options,
     chunk_from_response,
     error_from_rpc,
     model_info_from_proto,
+    open_channels,
 )
 from pdserve.failover import DEFAULT_MAX_RESUMES, RouterTurns, StreamProgress, as_addresses
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
@@ -153,12 +152,8 @@ class AsyncClient:
         self.addresses = as_addresses(address)
         self.address = self.addresses[0]
         self.max_resumes = max_resumes
-        credentials = channel_credentials(tls, root_certificates)
-        self._channels = [
-            grpc.aio.insecure_channel(a, options=channel_options(options))
-            if credentials is None
-            else grpc.aio.secure_channel(a, credentials, channel_options(options))
-            for a in self.addresses]
+        self._channels = open_channels(grpc.aio, self.addresses, tls, root_certificates,
+                                       options)
         self._stubs = [generate_pb2_grpc.GenerationStub(c) for c in self._channels]
         self._turns = RouterTurns(len(self._stubs))
         self._metadata = auth_metadata(api_key)

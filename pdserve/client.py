@@ -157,6 +157,16 @@ class LogitsOptions(TypedDict, total=False):
     logit_bias: Mapping[int, float]
 
 
+def open_channels(api: Any, addresses: Sequence[str], tls: bool,
+                  root_certificates: bytes | None, options: ChannelOptions) -> list[Any]:
+    """A channel per address, of ``api`` (``grpc`` or ``grpc.aio``, which open them the same
+    way): TLS as ``channel_credentials`` says, the SDK's ``channel_options``."""
+    credentials = channel_credentials(tls, root_certificates)
+    merged = channel_options(options)
+    return [api.insecure_channel(a, options=merged) if credentials is None
+            else api.secure_channel(a, credentials, merged) for a in addresses]
+
+
 def build_request(
     prompt: str | None, prompt_token_ids: Sequence[int] | None, *, max_tokens: int,
     temperature: float, top_p: float, top_k: int, seed: int | None,
@@ -272,11 +282,7 @@ class Client:
         self.addresses = as_addresses(address)
         self.address = self.addresses[0]
         self.max_resumes = max_resumes
-        credentials = channel_credentials(tls, root_certificates)
-        self._channels = [
-            grpc.insecure_channel(a, options=channel_options(options)) if credentials
-            is None else grpc.secure_channel(a, credentials, channel_options(options))
-            for a in self.addresses]
+        self._channels = open_channels(grpc, self.addresses, tls, root_certificates, options)
         self._stubs = [generate_pb2_grpc.GenerationStub(c) for c in self._channels]
         self._turns = RouterTurns(len(self._stubs))
         self._metadata = auth_metadata(api_key)
