@@ -54,8 +54,10 @@ class AsyncGenerationStream:
                  request: generate_pb2.GenerateRequest, timeout: float | None,
                  metadata: tuple[tuple[str, str], ...] | None = None, *,
                  turns: RouterTurns | None = None,
-                 max_resumes: int = DEFAULT_MAX_RESUMES) -> None:
+                 max_resumes: int = DEFAULT_MAX_RESUMES,
+                 channels: Sequence[grpc.aio.Channel] | None = None) -> None:
         self._stubs = stubs
+        self._channels = channels  # the stubs' channels (None: no wait for one to connect)
         self._turns = turns or RouterTurns(len(stubs))
         self._router = self._turns.first()
         self._metadata = metadata
@@ -88,6 +90,7 @@ class AsyncGenerationStream:
                 self._call = None
                 self._router = self._turns.after(self._router)
                 await asyncio.sleep(self._progress.backoff_s())
+                await self._await_ready(self._router)
                 continue
             if response is grpc.aio.EOF:
                 self._finished = True
@@ -98,6 +101,17 @@ class AsyncGenerationStream:
                 self.cancel()
                 raise PdserveError(grpc.StatusCode.INTERNAL, str(exc)) from None
             return chunk_from_response(response)
+
+    async def _await_ready(self, router: int) -> None:
+        """A moment for ``router``'s channel to connect (it may be reconnecting to a router
+        that restarted); one still down is called anyway and fails fast, as one more try."""
+        if self._channels is None:
+            return
+        try:
+            await asyncio.wait_for(self._channels[router].channel_ready(),
+                                   self._progress.ready_wait_s())
+        except TimeoutError:
+            pass
 
     async def _read(self) -> Any:
         """The current call's next message (or EOF); a cancel under this task is
@@ -178,7 +192,8 @@ class AsyncClient:
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos, request_id=request_id, model=model, logits=logits)
         return AsyncGenerationStream(self._stubs, request, timeout, self._metadata,
-                                     turns=self._turns, max_resumes=self.max_resumes)
+                                     turns=self._turns, max_resumes=self.max_resumes,
+                                     channels=self._channels)
 
     async def complete(
         self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,

@@ -130,13 +130,18 @@ def channel_credentials(tls: bool, root_certificates: bytes | None
 def channel_options(options: ChannelOptions) -> list[tuple[str, Any]]:
     """The SDK's channel options, with ``options`` added (same key: ``options`` wins).
     Keepalive pings every 20 s (within what the router accepts): a router that vanished
-    without closing the connection fails the calls on it within about half a minute."""
+    without closing the connection fails the calls on it within about half a minute.
+    Reconnects back off from 0.1 s to at most 1 s (gRPC's default grows to 120 s), so a
+    router that restarted is reached again within about a second of it being back."""
     merged: dict[str, Any] = {
         "grpc.max_receive_message_length": MAX_RECEIVE_MESSAGE_BYTES,
         "grpc.primary_user_agent": "pdserve-python",
         "grpc.keepalive_time_ms": 20_000,
         "grpc.keepalive_timeout_ms": 10_000,
         "grpc.http2.max_pings_without_data": 0,
+        "grpc.initial_reconnect_backoff_ms": 100,
+        "grpc.min_reconnect_backoff_ms": 100,
+        "grpc.max_reconnect_backoff_ms": 1_000,
     }
     merged.update(options)
     return list(merged.items())
@@ -384,4 +389,9 @@ class Client:
             finally:
                 call.cancel()  # a no-op once the call has ended; frees the server otherwise
             router = self._turns.after(router)
+            try:  # a router that is back, its channel still reconnecting: a moment for it
+                grpc.channel_ready_future(self._channels[router]).result(
+                    timeout=progress.ready_wait_s())
+            except grpc.FutureTimeoutError:
+                pass  # the call fails fast (UNAVAILABLE) and counts as one more try
 

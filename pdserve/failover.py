@@ -3,7 +3,8 @@ a cluster's routers, fail over, and resume a broken stream (``GenerateRequest.re
 
 Calls go to the routers in turn. A call that fails with ``UNAVAILABLE`` (the router died
 or was cut off, is shutting down, or its workers failed the stream) is made again on the
-next router, at most ``max_resumes`` times per call, within the call's one deadline: before
+next router (once its channel is connected, or after a moment for it to reconnect), at
+most ``max_resumes`` times per call, within the call's one deadline: before
 any token, as it was; after some, as a resume — the same request with every token id
 received and the last message's ``resume_token`` — so the stream goes on with exactly
 the rest (``offset`` of the first new message checked), after a short jittered backoff.
@@ -26,6 +27,7 @@ from pdserve.v1 import generate_pb2
 DEFAULT_MAX_RESUMES = 3
 BACKOFF_S = 0.05
 MAX_BACKOFF_S = 1.0
+READY_WAIT_S = 1.5  # how long a failover waits for the next router's channel to connect
 
 
 def as_addresses(address: str | Sequence[str]) -> tuple[str, ...]:
@@ -111,3 +113,11 @@ class StreamProgress:
         wait = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (self.resumes - 1)) * random.uniform(0.5, 1.0)
         left = self.timeout()
         return wait if left is None else min(wait, left / 2)
+
+    def ready_wait_s(self) -> float:
+        """How long to wait, after the backoff, for the next router's channel to be ready
+        (it may be reconnecting to a router that restarted; the SDK's reconnect backoff
+        is at most 1 s): ``READY_WAIT_S``, within the deadline. A router still down then
+        is called anyway and fails fast, as one more try."""
+        left = self.timeout()
+        return READY_WAIT_S if left is None else min(READY_WAIT_S, left / 2)

@@ -277,26 +277,28 @@ def test_router_and_prefill_worker_drain_on_sigterm(cluster: Cluster, client: Cl
     from cluster.pause_points import ENV as PAUSE_ENV
     from tests.processes import spawn
 
-    # 1. the router: a stream in flight finishes; new calls are refused; it exits 0
+    # 1. the router: a stream in flight finishes; new calls are refused; it exits 0. The
+    # stream is held in the router's queue until the refusal is seen (else, on a fast
+    # machine, it may end, and the router exit, before the second call is sent).
+    router_pause = PauseDir(tmp_path / "pause-router")
+    router_pause.arm("router.queued", request_id="held-by-drain")
     router = spawn("router-drain", ["router", "--model", str(cluster.model_dir), "--port", "0",
                                     "--redis-url", cluster.redis.url, "--grace", "20"],
-                   tmp_path).wait_ready()
+                   tmp_path, env=router_pause.env()).wait_ready()
     try:
-        with Client(router.address) as draining:
-            stream = draining.generate("drain the router " * 3, max_tokens=120,
-                                       ignore_eos=True, timeout=TIMEOUT_S)
-            received = list(next(stream).token_ids)
+        with Client(router.address) as draining, ThreadPoolExecutor(1) as pool:
+            held = pool.submit(draining.complete, "drain the router " * 3, max_tokens=120,
+                               ignore_eos=True, timeout=TIMEOUT_S, request_id="held-by-drain")
+            router_pause.wait_paused("router.queued", TIMEOUT_S)
             router.proc.send_signal(signal.SIGTERM)
             wait_until(lambda: "stopping:" in router.log_tail(), 30.0, "the router to drain")
             with pytest.raises(PdserveError) as excinfo:
                 draining.complete("too late for this router", max_tokens=2, timeout=10.0)
             assert excinfo.value.code == grpc.StatusCode.UNAVAILABLE, excinfo.value
             assert "shutting down" in excinfo.value.details, excinfo.value
-            finish = None
-            for chunk in stream:
-                received += chunk.token_ids
-                finish = chunk.finish_reason or finish
-            assert (len(received), finish) == (120, "length")
+            router_pause.release("router.queued")
+            result = held.result(TIMEOUT_S)
+            assert (len(result.token_ids), result.finish_reason) == (120, "length")
         assert router.proc.wait(30) == 0, router.log_tail()
     finally:
         router.stop()

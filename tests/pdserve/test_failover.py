@@ -2,7 +2,7 @@
 turn, a stream broken by ``UNAVAILABLE`` resumed on the next router with every token id
 received and the last resume token, the caller seeing one stream. Against two
 ``FakeGeneration`` servers (real gRPC on 127.0.0.1); the real routers' resume is tested
-end to end in ``tests/e2e/test_resume.py``."""
+end to end in ``tests/e2e/test_migration.py``."""
 
 from __future__ import annotations
 
@@ -20,21 +20,31 @@ from tests.pdserve.fake_generation import RPC_TIMEOUT_S, USAGE, FakeGeneration, 
 OUTPUT = [([11, 12], "He"), ([13], "llo"), ([14, 15], " wo"), ([16], "rld")]
 
 
+def serve(fake: FakeGeneration, port: int = 0) -> grpc.Server:
+    """A started gRPC server of ``fake`` on 127.0.0.1 (``port`` 0: a free one; sets
+    ``fake.address``)."""
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    generate_pb2_grpc.add_GenerationServicer_to_server(fake, server)
+    fake.address = f"127.0.0.1:{server.add_insecure_port(f'127.0.0.1:{port}')}"
+    server.start()
+    return server
+
+
 @pytest.fixture
-def fakes() -> Iterator[list[FakeGeneration]]:
-    """Two started ``FakeGeneration`` routers on 127.0.0.1."""
-    servers, fakes = [], []
-    for _ in range(2):
-        fake = FakeGeneration()
-        server = grpc.server(ThreadPoolExecutor(max_workers=4))
-        generate_pb2_grpc.add_GenerationServicer_to_server(fake, server)
-        fake.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-        server.start()
-        servers.append(server)
-        fakes.append(fake)
-    yield fakes
-    for server in servers:
+def servers() -> Iterator[list[grpc.Server]]:
+    """The servers a test started (stopped after it)."""
+    started: list[grpc.Server] = []
+    yield started
+    for server in started:
         server.stop(grace=None).wait(5)
+
+
+@pytest.fixture
+def fakes(servers: list[grpc.Server]) -> list[FakeGeneration]:
+    """Two started ``FakeGeneration`` routers on 127.0.0.1."""
+    fakes = [FakeGeneration(), FakeGeneration()]
+    servers.extend(serve(fake) for fake in fakes)
+    return fakes
 
 
 def sealed(*, start: int = 0, stop: int = len(OUTPUT), fail: bool = False) -> Handler:
@@ -158,3 +168,38 @@ def test_a_failure_after_the_last_message_is_no_failure(fakes: list[FakeGenerati
         assert asyncio.run(main()) == "Hello world"
     assert result.text == "Hello world" and result.finish_reason == "length"
     assert second.requests == []  # nothing resumed
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_router_back_on_its_port_is_reached_at_once(
+        kind: str, fakes: list[FakeGeneration], servers: list[grpc.Server]) -> None:
+    """A rolling restart: the first router goes down and comes back on its port; then the
+    second goes down. The first's channel, still backing off from its failed reconnects,
+    gets a moment to connect: no call fails."""
+    first, second = fakes
+    first.handler = second.handler = sealed()
+    port = int(first.address.rsplit(":", 1)[1])
+
+    async def calls(client: Client | AsyncClient, n: int) -> list[str]:
+        if isinstance(client, AsyncClient):
+            return [(await client.complete("Hi", timeout=RPC_TIMEOUT_S)).text for _ in range(n)]
+        return [client.complete("Hi", timeout=RPC_TIMEOUT_S).text for _ in range(n)]
+
+    async def main() -> list[str]:
+        addresses = [first.address, second.address]
+        client = Client(addresses) if kind == "sync" else AsyncClient(addresses)
+        try:
+            texts = await calls(client, 2)  # both channels connected
+            servers[0].stop(grace=None).wait(5)
+            texts += await calls(client, 4)  # the first refuses: every call on the second
+            servers.append(serve(first, port))  # back, on the same port
+            second.handler = sealed(stop=0, fail=True)  # the second shuts down
+            texts += await calls(client, 4)  # every call ends on the first
+            return texts
+        finally:
+            if isinstance(client, AsyncClient):
+                await client.close()
+            else:
+                client.close()
+
+    assert asyncio.run(main()) == ["Hello world"] * 10
