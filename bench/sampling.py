@@ -8,8 +8,9 @@ On ``bench55m`` (``--quick``: the built-in tiny model), one torch thread per cor
 arm runs ``--batch`` requests of fresh random prompts, greedy, ``ignore_eos``, for
 ``--max-tokens`` tokens; the arms alternate for ``--repeats`` rounds after a warm-up and
 the medians are compared: ``penalties`` (presence 0.5, frequency 0.5, repetition 1.2),
-``logit_bias`` (16 biased ids) and ``min_tokens`` (all of them) against ``plain``. The
-issue's goal: penalties cost at most 5 % of decode throughput at batch 32.
+``logit_bias`` (16 biased ids), ``min_tokens`` (all of them) and ``logprobs`` (5
+alternatives per token) against ``plain``. The issue's goals at batch 32: penalties cost
+at most 5 % of decode throughput, logprobs with 5 alternatives at most 10 %.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
     "logit_bias": {"logit_bias": {i * 7: 1.5 for i in range(1, 17)}},
     "min_tokens": {"min_tokens": -1},  # -1: max_tokens
+    "logprobs": {"logprobs": 5},
 }
 
 

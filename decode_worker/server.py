@@ -34,6 +34,7 @@ from worker.servicer import (
     abort_with,
     attempt_of,
     call_timeout,
+    logprobs_to_proto,
     sampling_params_from_proto,
 )
 from worker.streams import OutputStream
@@ -130,6 +131,9 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                 except WorkerError as exc:
                     await abort_with(context, exc)
                 chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.text_delta)
+                if out.logprobs:  # a first token admitted with its KV has none here
+                    chunk.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs
+                                          if lp is not None)
                 if first:  # how long the first chunk took here (from the later of the call
                     # and the loop noticing the KV's arrival)
                     since = max(started, stream.inputs_arrived_at or started)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     from engine.core.engine_core import EngineCore, RequestOutput
@@ -23,7 +23,8 @@ _LAZY = {
     "RequestOutput": "engine.core.engine_core",
 }
 
-__all__ = ["LLM", "EngineCore", "GenerationResult", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineCore", "GenerationResult", "RequestOutput", "SamplingParams",
+           "TokenLogprobs"]
 
 
 def __getattr__(name: str) -> Any:

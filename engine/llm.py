@@ -20,7 +20,7 @@ from engine.config import (
 )
 from engine.core.engine_core import EngineCore
 from engine.core.scheduler import SchedulerStats
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.text.tokenizer import load_tokenizer
 
 Prompt = str | Sequence[int]
@@ -29,13 +29,15 @@ Prompt = str | Sequence[int]
 @dataclass
 class GenerationResult:
     """One prompt's completion: tokens, text (stop string excluded), why it ended
-    (``"stop"`` or ``"length"``) and how many prompt tokens came from the prefix cache."""
+    (``"stop"`` or ``"length"``), how many prompt tokens came from the prefix cache, and
+    (when its ``SamplingParams.logprobs`` asked) one ``TokenLogprobs`` per token."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" or "length"
     num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -97,6 +99,9 @@ class LLM:
                 for out in self.core.step():
                     result = results[out.request_id]
                     result.token_ids.extend(out.new_token_ids)
+                    if out.logprobs is not None:
+                        result.logprobs = (result.logprobs or []) + [
+                            lp for lp in out.logprobs if lp is not None]
                     texts[out.request_id].append(out.text_delta)
                     if out.finished:
                         result.finish_reason = out.finish_reason or ""

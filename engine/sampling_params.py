@@ -10,11 +10,24 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (vLLM's max_logprobs)
 LOGIT_BIAS_LIMIT = 100.0  # a bias is clamped to [-100, 100], as OpenAI's API does
 MAX_PENALTY = 2.0  # presence and frequency penalties are in [-2, 2], as OpenAI's
 GREEDY_BELOW = 1e-5
 """A temperature below this is greedy (as vLLM's sampler treats it): dividing logits by a
 tiny positive temperature overflows to inf and NaN."""
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """What ``SamplingParams.logprobs`` gets for one sampled token: its log-probability
+    and rank (1: the likeliest) and the ``top`` (token id, log-probability) pairs at its
+    position, likeliest first (as many as asked). Made by ``engine.core.logprobs``."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -35,7 +48,9 @@ class SamplingParams:
     than ``min_tokens`` tokens are out (vLLM's rule).
     With ``seed`` set, sampling is a pure function of (seed, position, logits): the same
     request yields the same tokens whatever else is batched with it and in whichever
-    process samples it. Invalid values raise ``ValueError`` naming the limit.
+    process samples it. ``logprobs`` (None: off) asks for each sampled token's
+    log-probability and that many likeliest alternatives (``engine.core.logprobs``).
+    Invalid values raise ``ValueError`` naming the limit.
     """
 
     max_tokens: int = 16
@@ -52,6 +67,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    logprobs: int | None = None  # None: off; k in [0, 20]: the sampled token's and k more
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable/frozen.
@@ -104,6 +120,10 @@ class SamplingParams:
             if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
                                  f"{value!r}")
+        if self.logprobs is not None and (
+                not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be finite and > 0, got "
                              f"{self.repetition_penalty!r}")

@@ -12,7 +12,7 @@ The command line lives in ``pdserve.cli`` (``pdserve --help``). The offline engi
 (module ``__getattr__``), so ``import pdserve`` stays cheap: it loads neither gRPC nor
 torch.
 
-The package is what a user imports and runs: the SDK (``client``, ``aio_client``,
+The package is what a user imports and runs: the SDK (``client``, ``aio_client``, ``results``,
 ``failover`` — several routers, resumed streams —, the generated public API in
 ``pdserve.v1``), which needs only grpcio and protobuf, and the command line (``cli``),
 whose server commands need the ``pdserve[server]`` extra (``pdserve up`` runs the
@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdserve.aio_client import AsyncClient, AsyncGenerationStream
-    from pdserve.client import Client, Completion, GenerationChunk, ModelInfo, PdserveError, Usage
+    from pdserve.client import (
+        Client,
+        Completion,
+        GenerationChunk,
+        ModelInfo,
+        PdserveError,
+        TokenLogprob,
+        Usage,
+    )
 
 __version__ = "0.1.0"
 
@@ -36,16 +44,17 @@ _LAZY_EXPORTS = {
     "AsyncClient": "pdserve.aio_client",
     "AsyncGenerationStream": "pdserve.aio_client",
     "Client": "pdserve.client",
-    "Completion": "pdserve.client",
-    "GenerationChunk": "pdserve.client",
-    "ModelInfo": "pdserve.client",
-    "PdserveError": "pdserve.client",
-    "Usage": "pdserve.client",
+    "Completion": "pdserve.results",
+    "GenerationChunk": "pdserve.results",
+    "ModelInfo": "pdserve.results",
+    "PdserveError": "pdserve.results",
+    "TokenLogprob": "pdserve.results",
+    "Usage": "pdserve.results",
 }
 
 __all__ = [
     "AsyncClient", "AsyncGenerationStream", "Client", "Completion", "GenerationChunk",
-    "ModelInfo", "PdserveError", "Usage", "__version__",
+    "ModelInfo", "PdserveError", "TokenLogprob", "Usage", "__version__",
 ]
 
 

@@ -31,7 +31,7 @@ import grpc
 from cluster import pause_points
 from engine.core.engine_core import EngineCore, RequestOutput
 from engine.core.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.tp.distributed import StoreAddress
 from worker.commands import Command, WorkerError
 from worker.kv.plane import KVPlane
@@ -61,6 +61,7 @@ class PrefillDone:
     num_cached_tokens: int
     num_prompt_tokens: int
     times: PrefillTimes | None = None
+    first_token_logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class _Held:
     transfer_id: int
     received_at: float = 0.0  # monotonic
     started: bool = False  # its prompt's first chunk was computed (pause point)
+    first_token_logprobs: TokenLogprobs | None = None
 
 
 class PrefillLoop(EngineLoop):
@@ -181,6 +183,8 @@ class PrefillLoop(EngineLoop):
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.finished and out.request_id in self._held:  # else: warm-up
+            if out.logprobs:
+                self._held[out.request_id].first_token_logprobs = out.logprobs[0]
             if pause_points.enabled():
                 self._started_points(also=out.request_id)
             self.timings.prompt(out.num_prompt_tokens + out.num_resumed_tokens,
@@ -215,7 +219,8 @@ class PrefillLoop(EngineLoop):
             pause_points.pause("prefill.transfer_done", attempt_id=outcome.request_id,
                                transfer_id=held.transfer_id)
         stream.put(PrefillDone(outcome.trailer.first_token_id, outcome.trailer.num_cached_tokens,
-                               outcome.num_prompt_tokens, _times(held, outcome)))
+                               outcome.num_prompt_tokens, _times(held, outcome),
+                               held.first_token_logprobs))
 
 
 def _times(held: _Held, outcome: SendOutcome) -> PrefillTimes | None:

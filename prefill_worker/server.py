@@ -32,6 +32,7 @@ from worker.servicer import (
     abort_with,
     attempt_of,
     call_timeout,
+    logprobs_to_proto,
     sampling_params_from_proto,
 )
 from worker.streams import OutputStream
@@ -70,6 +71,8 @@ class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
         response = pb.PrefillResponse(first_token_id=done.first_token_id,
                                       num_cached_tokens=done.num_cached_tokens,
                                       num_prompt_tokens=done.num_prompt_tokens)
+        if done.first_token_logprobs is not None:
+            response.first_token_logprobs.CopyFrom(logprobs_to_proto(done.first_token_logprobs))
         if done.times is not None:
             t = done.times
             response.timings.CopyFrom(pb.PrefillTimings(

@@ -16,7 +16,7 @@ from router.outputs import OutputChunk
 from router.validation import ClientRequest, InvalidRequest, ModelLimits
 
 OPTIONAL_SAMPLING = ("min_p", "min_tokens", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty")
+                     "repetition_penalty", "logprobs")
 
 
 def parse_generate_request(raw: bytes) -> ClientRequest:
@@ -62,6 +62,10 @@ def to_response(request_id: str, chunk: OutputChunk, offset: int = 0,
     message = pb.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids,
                                   text=chunk.text, finish_reason=chunk.finish_reason or "",
                                   offset=offset, resume_token=resume_token)
+    for found in chunk.logprobs:
+        message.logprobs.add(token_id=found.token_id, logprob=found.logprob, rank=found.rank,
+                             top_token_ids=[t for t, _ in found.top],
+                             top_logprobs=[lp for _, lp in found.top])
     if chunk.usage is not None:
         message.usage.prompt_tokens = chunk.usage.prompt_tokens
         message.usage.completion_tokens = chunk.usage.completion_tokens

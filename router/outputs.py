@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.sampling_params import TokenLogprobs
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -23,3 +25,6 @@ class OutputChunk:
     finish_reason: str | None = None
     usage: Usage | None = None
     worker_s: float | None = None  # a stream's first chunk: the decode worker's time to it
+    # when the request asked for logprobs: one per token (but see ``TokenChunk.logprobs``:
+    # a handoff's first token's come with the Prefill's reply, ``router.lifecycle.relay``)
+    logprobs: tuple[TokenLogprobs, ...] = ()

@@ -44,6 +44,8 @@ def request_digest(request: ValidRequest) -> bytes:
               list(p.stop_token_ids), p.ignore_eos, p.min_p, p.min_tokens,
               p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
               [list(pair) for pair in p.logit_bias]]
+    if p.logprobs is not None:  # appended only when set: older routers' seals still hold
+        fields.append(p.logprobs)
     h = hashlib.blake2b(json.dumps(fields).encode(), digest_size=32)
     h.update(_token_bytes(request.prompt_token_ids))
     return h.digest()

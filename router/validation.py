@@ -87,6 +87,7 @@ class ClientRequest:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logprobs: int | None = None  # None: off; else alternatives per token (0..20)
     unknown_fields: tuple[int, ...] = ()  # field numbers this API does not define
     resume_token: bytes | None = None  # a broken stream's resume (``router.resume``)
     resume_token_ids: tuple[int, ...] = ()  # what the client received of it
@@ -227,7 +228,7 @@ def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
             ignore_eos=request.ignore_eos, min_p=min_p,
             min_tokens=0 if request.min_tokens is None else request.min_tokens,
             presence_penalty=presence, frequency_penalty=frequency,
-            repetition_penalty=repetition, logit_bias=bias)
+            repetition_penalty=repetition, logit_bias=bias, logprobs=request.logprobs)
     except ValueError as exc:  # the engine's own limits, named in its message
         raise InvalidRequest(str(exc)) from None
 

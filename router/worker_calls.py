@@ -20,6 +20,7 @@ from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from cluster.kv_target import KVTarget
 from cluster.leases import Lease
+from engine.sampling_params import TokenLogprobs
 from router.outputs import OutputChunk, Usage
 from router.trace import PrefillTimes
 from router.validation import ValidRequest
@@ -47,6 +48,7 @@ class Prefilled:
     num_cached_tokens: int
     num_prompt_tokens: int
     times: PrefillTimes | None = None  # the prefill worker's report (router.trace)
+    first_token_logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 class Failure(enum.Enum):
@@ -166,7 +168,8 @@ class WorkerCalls:
             t = reply.timings
             times = PrefillTimes(t.queue_us / 1e6, t.compute_us / 1e6, t.transfer_us / 1e6)
         return Prefilled(reply.first_token_id, reply.num_cached_tokens, reply.num_prompt_tokens,
-                         times)
+                         times, _logprobs(reply.first_token_logprobs)
+                         if reply.HasField("first_token_logprobs") else None)
 
     def start_generate(self, decode_id: str, attempt_id: str, lease: Lease, timeout_s: float
                        ) -> grpc.aio.UnaryStreamCall:
@@ -218,15 +221,24 @@ def _sampling_proto(request: ValidRequest) -> pb.SamplingParams:
                                 logit_bias=dict(p.logit_bias))
     if p.seed is not None:
         message.seed = p.seed
+    if p.logprobs is not None:
+        message.logprobs = p.logprobs
     return message
 
 
 def _chunk(message: pb.TokenChunk) -> OutputChunk:
     worker_s = (message.timings.first_chunk_us / 1e6 if message.HasField("timings")
                 else None)
+    logprobs = tuple(_logprobs(m) for m in message.logprobs)
     if not message.finish_reason:
-        return OutputChunk(tuple(message.token_ids), message.text, worker_s=worker_s)
+        return OutputChunk(tuple(message.token_ids), message.text, worker_s=worker_s,
+                           logprobs=logprobs)
     usage = message.usage
     return OutputChunk(tuple(message.token_ids), message.text, message.finish_reason,
                        Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
-                       worker_s)
+                       worker_s, logprobs)
+
+
+def _logprobs(message: pb.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(message.token_id, message.logprob, message.rank,
+                         tuple(zip(message.top_token_ids, message.top_logprobs, strict=True)))

@@ -40,7 +40,7 @@ MAY_IMPORT = {
     "deploy": {"router.options", "worker.options", "engine.testing.tiny_model"},
 }
 SDK_MODULES = ("pdserve", "pdserve.client", "pdserve.aio_client", "pdserve.failover",
-               "pdserve.v1")
+               "pdserve.results", "pdserve.v1")
 # The thin gRPC adapters: the only modules that import generated protobuf code.
 ADAPTERS = {
     "pdserve.client", "pdserve.aio_client", "pdserve.failover",  # the SDK

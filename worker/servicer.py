@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import grpc
 
 from cluster.internal.v1 import worker_pb2 as pb
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from worker.commands import CALL_TIMEOUT_S, Abort, Info, LoopInfo, WorkerError
 from worker.loop import EngineLoop
 from worker.server import Identity
@@ -91,7 +91,15 @@ def sampling_kwargs(msg: Any) -> dict[str, Any]:
                 presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
                 # proto3's 0 is "not set" (an older sender): off is 1
                 repetition_penalty=msg.repetition_penalty or 1.0,
-                logit_bias=dict(msg.logit_bias))
+                logit_bias=dict(msg.logit_bias),
+                logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+
+
+def logprobs_to_proto(found: TokenLogprobs) -> pb.TokenLogprobs:
+    """One token's ``TokenLogprobs`` (the engine's) → its message."""
+    return pb.TokenLogprobs(token_id=found.token_id, logprob=found.logprob, rank=found.rank,
+                            top_token_ids=[t for t, _ in found.top],
+                            top_logprobs=[lp for _, lp in found.top])
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:

@@ -24,12 +24,13 @@ import torch
 from engine.attention.metadata import LayerHook
 from engine.config import EngineConfig
 from engine.core.logits import History, process_logits
+from engine.core.logprobs import token_logprobs
 from engine.core.request import FinishReason, Request
 from engine.core.runner import resolve_num_kv_blocks
 from engine.core.sampler import sample
 from engine.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from engine.kvcache import BlockManager, KVCacheUsage
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.text.detokenizer import TextStream
 from engine.text.tokenizer import TokenizerInfo
 from engine.tp.executor import Executor, LocalExecutor, TPExecutor
@@ -51,6 +52,9 @@ class RequestOutput:
     num_cached_tokens: int
     num_resumed_tokens: int = 0  # output streamed before the request was resumed here
     block_ids: tuple[int, ...] | None = None  # pinned blocks of a finished prefill-only request
+    # one per new token when the request asks for logprobs (None for a token sampled
+    # elsewhere: the first one admitted with its KV); None when it does not ask
+    logprobs: list[TokenLogprobs | None] | None = None
 
 
 PromptCache = weakref.WeakKeyDictionary[Request, torch.Tensor]
@@ -100,6 +104,7 @@ class EngineCore:
         self.step_payload: Callable[[SchedulerOutput], bytes] | None = None
         self._streams: dict[str, TextStream] = {}
         self._prompts: PromptCache = weakref.WeakKeyDictionary()  # engine.core.logits
+        self._step_logprobs: dict[str, TokenLogprobs] = {}  # this step's, by request id
         self._ids = itertools.count()
 
     # --- requests -----------------------------------------------------------------
@@ -183,6 +188,7 @@ class EngineCore:
         sampled = self._execute(out) if out.chunks else []
         updates = self.scheduler.update(out, sampled)
         outputs = [self._output(u) for u in updates]
+        self._step_logprobs.clear()
         self.scheduler.forget(o.request_id for o in outputs if o.finished)
         return outputs
 
@@ -193,17 +199,30 @@ class EngineCore:
         sampling = [c for c in out.chunks if c.sample]
         params = [requests[c.request_id].params for c in sampling]
         positions = [c.start_position + len(c.token_ids) for c in sampling]
+        raw = logits
         if any(p.penalized for p in params):
             logits = process_logits(logits, params,
                                     [_history(requests[c.request_id], self._prompts)
                                      for c in sampling])
-        return sample(logits, params, positions)
+        sampled = sample(logits, params, positions)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if rows:  # of the raw logits (engine.core.logprobs)
+            picked = raw[torch.tensor(rows, device=raw.device)] if len(rows) < len(params) else raw
+            found = token_logprobs(picked, [sampled[i] for i in rows],
+                                   [params[i].logprobs or 0 for i in rows])
+            self._step_logprobs.update(
+                (sampling[i].request_id, lp) for i, lp in zip(rows, found, strict=True))
+        return sampled
 
     def _output(self, update: StepUpdate) -> RequestOutput:
         request = update.request
         new_ids = [update.new_token_id] if update.new_token_id is not None else []
         delta, finished = self._detokenize(request, new_ids, update.finished)
         pinned = request.finish_reason is FinishReason.PREFILLED
+        logprobs: list[TokenLogprobs | None] | None = None
+        if request.params.logprobs is not None:
+            found = self._step_logprobs.pop(request.request_id, None)
+            logprobs = [found] if new_ids else []
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,
@@ -214,6 +233,7 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             num_resumed_tokens=request.num_resumed_tokens,
             block_ids=tuple(self.block_manager.pinned_block_ids(request.request_id)) if pinned else None,
+            logprobs=logprobs,
         )
 
     def _detokenize(self, request: Request, new_ids: list[int], finished: bool) -> tuple[str, bool]:

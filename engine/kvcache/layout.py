@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 """Bytes per element of the KV dtypes the engine supports."""
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Version of what workers and the router exchange: the internal gRPC API
 (``proto/cluster/internal/v1``), the KV wire protocol (``kvtransfer.wire.protocol``) and the
 cluster records. Bump it with any change an older process would misread: it is part of

@@ -32,6 +32,7 @@ from router.core import MAX_TIMEOUT_S, TOKENIZE_IN_THREAD_CHARS, RouterCore
 from router.errors import RouteError
 from router.http.chat_template import ChatTemplate
 from router.http.errors import ApiError
+from router.http.logprobs import LogprobsWriter
 from router.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, parse
 from router.http.relay import REQUEST_ID_HEADER, Relay, parse_event_id
 from router.validation import ClientRequest, InvalidRequest
@@ -153,7 +154,9 @@ def _relay(api: HttpApi, request: Request, body: SamplingRequest, client: Any,
            *, chat: bool) -> Relay:
     return Relay(api.core, _resumed(request, body, client), timeout_s=_timeout(request),
                  chat=chat, model=api.core.limits.name, stream=body.stream,
-                 include_usage=body.include_usage, token_ids=body.return_token_ids)
+                 include_usage=body.include_usage, token_ids=body.return_token_ids,
+                 logprobs=None if client.logprobs is None
+                 else LogprobsWriter(api.tokenizer, chat=chat))
 
 
 def _resumed(request: Request, body: SamplingRequest, client: ClientRequest) -> ClientRequest:

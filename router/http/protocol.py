@@ -18,6 +18,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.sampling_params import MAX_LOGPROBS
 from router.http.errors import ApiError
 from router.validation import ClientRequest
 
@@ -29,8 +30,7 @@ M = TypeVar("M", bound=BaseModel)
 
 # parameter -> the values that mean "not used" (anything else: 400)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,),
-    "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
+    "n": (1,), "best_of": (1,), "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",),
     "use_beam_search": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
@@ -97,6 +97,10 @@ class SamplingRequest(BaseModel):
             raise ApiError.invalid("stream_options can only be given with stream=true",
                                    "stream_options")
 
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives per token the request's logprobs ask for (None: none)."""
+        return None
+
     def client_request(self, *, request_id: str, max_tokens: int | None,
                        text: str | None = None,
                        token_ids: tuple[int, ...] | None = None) -> ClientRequest:
@@ -109,7 +113,8 @@ class SamplingRequest(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             min_p=self.min_p, min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias())
+            repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias(),
+            logprobs=self.logprobs_asked())
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` with its keys as token ids (400 naming it for a key that is not
@@ -130,6 +135,10 @@ class CompletionRequest(SamplingRequest):
     accepted too: ``["text"]``, ``[[1, 2, 3]]``)."""
 
     prompt: str | list[Int64] | list[str] | list[list[Int64]]
+    logprobs: Annotated[int, INT64] | None = None  # the legacy API's: alternatives per token
+
+    def logprobs_asked(self) -> int | None:
+        return _logprobs_count(self.logprobs, "logprobs")
 
     def prompt_parts(self) -> tuple[str | None, tuple[int, ...] | None]:
         """(text, token ids): exactly one is not None; 400 for a batch of several."""
@@ -187,6 +196,15 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Annotated[int, INT64] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, INT64] | None = None
+
+    def logprobs_asked(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ApiError.invalid("top_logprobs needs logprobs=true", "top_logprobs")
+            return None
+        return _logprobs_count(self.top_logprobs or 0, "top_logprobs")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -230,3 +248,11 @@ def _is_union_branch(part: object) -> bool:
 def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
     """Whether ``value`` is one of ``defaults`` (``True`` is not ``1``)."""
     return any(value == d and isinstance(value, bool) == isinstance(d, bool) for d in defaults)
+
+
+def _logprobs_count(value: int | None, name: str) -> int | None:
+    """``value`` (alternatives per token) checked against the engine's cap (400 naming
+    ``name``)."""
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError.invalid(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
+    return value

@@ -37,6 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.errors import RouteError
 from router.http.errors import ApiError, as_api_error
+from router.http.logprobs import LogprobsWriter
 from router.http.responses import DONE, Shape, sse
 from router.outputs import OutputChunk
 from router.resume import ResumeSeal
@@ -100,7 +101,8 @@ class Relay(Response):
 
     def __init__(self, core: RequestStarter, client: ClientRequest, *,
                  timeout_s: float | None, chat: bool, model: str, stream: bool,
-                 include_usage: bool, token_ids: bool = False) -> None:
+                 include_usage: bool, token_ids: bool = False,
+                 logprobs: LogprobsWriter | None = None) -> None:
         super().__init__()
         self._core = core
         self._client = client
@@ -108,6 +110,7 @@ class Relay(Response):
         self._chat, self._model, self._stream = chat, model, stream
         self._include_usage = include_usage
         self._token_ids = token_ids
+        self._logprobs = logprobs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         work = asyncio.ensure_future(self._run(send))
@@ -135,7 +138,7 @@ class Relay(Response):
         rid = served.request_id
         shape = Shape.of(chat=self._chat, request_id=rid, model=self._model,
                          created=int(time.time()), include_usage=self._include_usage,
-                         token_ids=self._token_ids)
+                         token_ids=self._token_ids, logprobs=self._logprobs)
         headers = [(REQUEST_ID_HEADER.encode(), rid.encode())]
         log = logging.LoggerAdapter(logger, {"request_id": rid})
         started = time.monotonic()
@@ -216,7 +219,8 @@ class Relay(Response):
         body = shape.whole("".join(c.text for c in received),
                            last.finish_reason if last is not None else None,
                            last.usage if last is not None else None,
-                           [t for c in received for t in c.token_ids])
+                           [t for c in received for t in c.token_ids],
+                           [lp for c in received for lp in c.logprobs])
         await send_json(send, 200, body, headers)
 
 

@@ -10,16 +10,21 @@ One ``Shape`` per endpoint says how a request's output looks:
 
 With ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last
 chunk with no choices carries the usage. With vLLM's ``return_token_ids`` each choice
-also carries its ``token_ids`` (what a client needs to resume a broken stream). ``usage`` is OpenAI's, with
+also carries its ``token_ids`` (what a client needs to resume a broken stream). A request
+that asked for logprobs gets each choice's (and each chunk's) ``logprobs`` object
+(``router.http.logprobs``), else ``"logprobs": null``. ``usage`` is OpenAI's, with
 ``prompt_tokens_details.cached_tokens`` (prompt tokens served from a prefix cache).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.sampling_params import TokenLogprobs
+from router.http.logprobs import LogprobsWriter
 from router.outputs import OutputChunk, Usage
 
 DONE = b"data: [DONE]\n\n"
@@ -49,12 +54,18 @@ class Shape:
     created: int  # Unix seconds
     include_usage: bool = False
     token_ids: bool = False  # vLLM's return_token_ids: each choice carries its token ids
+    logprobs: LogprobsWriter | None = None  # the request asked for logprobs
 
     @classmethod
     def of(cls, *, chat: bool, request_id: str, model: str, created: int,
-           include_usage: bool = False, token_ids: bool = False) -> Shape:
+           include_usage: bool = False, token_ids: bool = False,
+           logprobs: LogprobsWriter | None = None) -> Shape:
         prefix = "chatcmpl-" if chat else "cmpl-"
-        return cls(chat, prefix + request_id, model, created, include_usage, token_ids)
+        return cls(chat, prefix + request_id, model, created, include_usage, token_ids,
+                   logprobs)
+
+    def _logprobs(self, found: Sequence[TokenLogprobs]) -> dict[str, Any] | None:
+        return None if self.logprobs is None else self.logprobs.body(found)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created,
@@ -79,15 +90,19 @@ class Shape:
         out = []
         finish = chunk.finish_reason
         ids = {"token_ids": list(chunk.token_ids)} if self.token_ids else {}
+        # tokens with no text yet (bytes held back) still carry their ids / logprobs
+        tokens = bool(chunk.token_ids) and (bool(ids) or self.logprobs is not None)
         if self.chat:
-            if chunk.text or (ids and chunk.token_ids):
+            if chunk.text or tokens:
                 out.append(self._chunk([{"index": 0, "delta": {"content": chunk.text},
-                                         "logprobs": None, "finish_reason": None, **ids}]))
+                                         "logprobs": self._logprobs(chunk.logprobs),
+                                         "finish_reason": None, **ids}]))
             if finish is not None:
                 out.append(self._chunk([{"index": 0, "delta": {}, "logprobs": None,
                                          "finish_reason": finish}]))
-        elif chunk.text or finish is not None or (ids and chunk.token_ids):
-            out.append(self._chunk([{"index": 0, "text": chunk.text, "logprobs": None,
+        elif chunk.text or finish is not None or tokens:
+            out.append(self._chunk([{"index": 0, "text": chunk.text,
+                                     "logprobs": self._logprobs(chunk.logprobs),
                                      "finish_reason": finish, **ids}]))
         return out
 
@@ -98,15 +113,17 @@ class Shape:
         return [{**self._chunk([]), "usage": usage_body(usage)}]
 
     def whole(self, text: str, finish_reason: str | None, usage: Usage | None,
-              token_ids: list[int] | None = None) -> dict[str, Any]:
+              token_ids: list[int] | None = None,
+              logprobs: Sequence[TokenLogprobs] = ()) -> dict[str, Any]:
         """The non-streamed response."""
         ids = {"token_ids": token_ids or []} if self.token_ids else {}
+        found = self._logprobs(logprobs)
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "logprobs": None,
+            choice: dict[str, Any] = {"index": 0, "logprobs": found,
                                       "message": {"role": "assistant", "content": text},
                                       "finish_reason": finish_reason, **ids}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+            choice = {"index": 0, "text": text, "logprobs": found, "finish_reason": finish_reason,
                       **ids}
         return {**self._head("chat.completion" if self.chat else "text_completion"),
                 "choices": [choice], "usage": usage_body(usage)}

@@ -8,13 +8,16 @@ the router sent (a router bug) is INTERNAL, never migrated.
 chunk leaves as soon as the KV has arrived on the decode worker, not after the Prefill
 reply's trip back and a Generate call behind it; until that chunk a failed Prefill fails
 the attempt (the stream is cancelled with it); once the stream is done, the Prefill's
-reply is awaited briefly for its timings, then the call is let go.
+reply is awaited briefly for its timings, then the call is let go. A request that asks
+for logprobs waits for that reply before its first chunk: the first token's logprobs
+come with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 
 import grpc
 
@@ -136,6 +139,8 @@ async def prefill_and_relay(attempt: Attempt, placement: Placement
                 raise
             ctx.excluded.discard(attempt.decode_id)  # the decode worker only reported it
             raise blame from None
+        if chunk is not None and ctx.request.sampling.logprobs is not None:
+            chunk = await _with_first_logprobs(chunk, prefill_task)
         if chunk is not None:
             yield chunk
             async for chunk in relayed:
@@ -149,6 +154,19 @@ async def prefill_and_relay(attempt: Attempt, placement: Placement
         finally:
             await _settle(attempt, prefill_task,
                           PREFILL_SETTLE_S if attempt.is_finished else 0.0)
+
+
+async def _with_first_logprobs(chunk: OutputChunk, task: asyncio.Future[Prefilled]
+                               ) -> OutputChunk:
+    """The stream's first chunk with its first token's logprobs, from the Prefill's reply
+    (the decode worker has those of the tokens it sampled only; the reply is on its way:
+    the prefill worker answers once the KV was acknowledged). A failed Prefill fails the
+    attempt here, before anything was streamed."""
+    prefilled = await asyncio.shield(task)
+    if prefilled.first_token_logprobs is None:
+        raise RouteError(grpc.StatusCode.INTERNAL, "the prefill worker sent no logprobs for "
+                         "the first token")
+    return replace(chunk, logprobs=(prefilled.first_token_logprobs, *chunk.logprobs))
 
 
 async def _settle(attempt: Attempt, task: asyncio.Future[Prefilled], wait_s: float) -> None:

@@ -1,5 +1,5 @@
-"""Penalties, ``min_p``, ``min_tokens`` and ``logit_bias`` give one answer everywhere: the
-disaggregated cluster (the first token sampled on the prefill worker, the rest on the
+"""Penalties, ``min_p``, ``min_tokens``, ``logit_bias`` and logprobs give one answer
+everywhere: the disaggregated cluster (the first token sampled on the prefill worker, the rest on the
 decode worker), the colocated one (``--local-prefill always``: all on the decode worker),
 the HTTP API through the official ``openai`` SDK (chat and completions) and ``engine.LLM``
 — greedy and seeded. Real processes: one prefill and one decode worker, two routers."""
@@ -10,11 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from pdserve import Client
+from pdserve import Client, PdserveError
 from tests.e2e.cluster import Cluster
 from tests.factories import PROMPTS
 
@@ -103,3 +104,85 @@ def test_out_of_range_values_are_a_400_naming_the_field(cluster: Cluster) -> Non
             with pytest.raises(openai.BadRequestError) as info:
                 oai.completions.create(model="", prompt="hi", max_tokens=10, **kwargs)
             assert field in info.value.message
+
+
+def _assert_logprobs_match(got: Any, expected: Any) -> None:
+    """The SDK's logprobs equal ``engine.LLM``'s: same tokens, ranks and alternatives,
+    values within 1e-4 (fp32, other batch shapes)."""
+    assert list(got.token_ids) == expected.token_ids
+    assert len(got.logprobs) == len(expected.logprobs) == len(expected.token_ids)
+    for mine, theirs in zip(got.logprobs, expected.logprobs, strict=True):
+        assert (mine.token_id, mine.rank) == (theirs.token_id, theirs.rank)
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+        assert [v for _, v in mine.top] == pytest.approx([v for _, v in theirs.top], abs=1e-4)
+
+
+@pytest.mark.parametrize("sampling", sorted(SAMPLING))
+def test_logprobs_are_one_answer_everywhere(cluster: Cluster, colocated: Client, llm: LLM,
+                                            sampling: str) -> None:
+    """The first token's logprobs come from the prefill worker (with its Prefill reply),
+    the rest from the decode worker: together they equal the engine's, and the colocated
+    cluster's; the HTTP API carries the same values in OpenAI's two shapes."""
+    prompt = f"{PROMPTS[3]} logprobs"
+    knobs = dict(max_tokens=12, ignore_eos=True, presence_penalty=1.0, **SAMPLING[sampling])
+    expected = llm.generate([prompt], SamplingParams(logprobs=4, **knobs))[0]  # type: ignore[arg-type]
+    with Client(cluster.address) as disaggregated:
+        _assert_logprobs_match(disaggregated.complete(prompt, logprobs=4, timeout=TIMEOUT_S,
+                                                      **knobs), expected)  # type: ignore[arg-type]
+    _assert_logprobs_match(colocated.complete(prompt, logprobs=4, timeout=TIMEOUT_S,
+                                              **knobs), expected)  # type: ignore[arg-type]
+    assert cluster.router is not None
+    address = cluster.router.ready["http_address"]
+    with openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0,
+                       timeout=TIMEOUT_S) as oai:
+        http = oai.completions.create(model="", prompt=prompt, max_tokens=12, logprobs=4,
+                                      presence_penalty=1.0, extra_body={"ignore_eos": True},
+                                      **SAMPLING[sampling])
+        legacy = http.choices[0].logprobs
+        assert legacy is not None and legacy.token_logprobs is not None
+        assert legacy.token_logprobs == pytest.approx([lp.logprob for lp in expected.logprobs],
+                                                      abs=1e-4)
+        assert legacy.tokens is not None and len(legacy.tokens) == 12
+        assert legacy.top_logprobs is not None  # strings as keys: equal ones collide
+        assert all(1 <= len(top) <= 5 and token in top
+                   for top, token in zip(legacy.top_logprobs, legacy.tokens, strict=True))
+        for stream in (False, True):
+            chat = oai.chat.completions.create(
+                model="", messages=[{"role": "user", "content": prompt}], max_tokens=12,
+                logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
+                temperature=0.0, stream=stream)
+            if stream:
+                entries = [e for chunk in chat for choice in chunk.choices  # type: ignore[union-attr]
+                           if choice.logprobs is not None for e in choice.logprobs.content or ()]
+            else:
+                content = chat.choices[0].logprobs  # type: ignore[union-attr]
+                assert content is not None
+                entries = list(content.content or ())
+            assert len(entries) == 12
+            for entry in entries:  # greedy: the sampled token is the likeliest
+                assert len(entry.top_logprobs) == 3
+                assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+                assert entry.bytes == list(entry.token.encode())
+
+
+def test_bad_logprobs_are_a_400_naming_the_field(cluster: Cluster) -> None:
+    assert cluster.router is not None
+    address = cluster.router.ready["http_address"]
+    with openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0,
+                       timeout=TIMEOUT_S) as oai:
+        for kwargs, field in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                              ({"top_logprobs": 2}, "top_logprobs")):
+            with pytest.raises(openai.BadRequestError) as info:
+                oai.chat.completions.create(model="", messages=[{"role": "user",
+                                                                 "content": "hi"}],
+                                            max_tokens=4, **kwargs)
+            assert field in info.value.message
+        for value in (-1, 21):
+            with pytest.raises(openai.BadRequestError) as info:
+                oai.completions.create(model="", prompt="hi", max_tokens=4, logprobs=value)
+            assert "logprobs" in info.value.message
+    with Client(cluster.address) as client, pytest.raises(PdserveError) as refused:
+        client.complete("hi", max_tokens=4, logprobs=21, timeout=TIMEOUT_S)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "logprobs" in refused.value.details

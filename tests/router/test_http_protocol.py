@@ -184,3 +184,25 @@ def test_penalties_min_p_min_tokens_and_logit_bias_are_carried() -> None:
         completion(logit_bias={"five": 1}).client_request(request_id="r", max_tokens=8,
                                                           text="hi")
     assert info.value.param == "logit_bias" and "token ids" in info.value.message
+
+
+def test_logprobs_map_to_the_client_request_and_bad_ones_are_refused() -> None:
+    assert completion(logprobs=3).client_request(request_id="r", max_tokens=4).logprobs == 3
+    assert completion().client_request(request_id="r", max_tokens=4).logprobs is None
+
+    def chat(**fields: Any) -> int | None:
+        body = parse(ChatCompletionRequest, json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}], **fields}).encode())
+        return body.client_request(request_id="r", max_tokens=4).logprobs
+
+    assert chat(logprobs=True, top_logprobs=5) == 5
+    assert chat(logprobs=True) == 0
+    assert chat(logprobs=False) is None
+    for fields, param in (({"top_logprobs": 2}, "top_logprobs"),
+                          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+        with pytest.raises(ApiError) as info:
+            chat(**fields)
+        assert info.value.param == param
+    with pytest.raises(ApiError) as info:
+        completion(logprobs=-1).client_request(request_id="r", max_tokens=4)
+    assert info.value.param == "logprobs" and "[0, 20]" in info.value.message
