@@ -18,6 +18,31 @@ GREEDY_BELOW = 1e-5
 tiny positive temperature overflows to inf and NaN."""
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_CHARS = 64 * 1024  # a schema, regex or grammar, as text
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match (vLLM's ``structured_outputs``): ``kind`` ``"json"`` (a
+    JSON Schema, as JSON text), ``"json_object"`` (any JSON object; ``spec`` empty),
+    ``"regex"``, ``"choice"`` (a JSON list of strings: exactly one of them) or
+    ``"grammar"`` (a Lark grammar). Compiled and enforced by ``engine.grammar``."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {list(STRUCTURED_KINDS)}, "
+                             f"got {self.kind!r:.40}")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_CHARS:
+            raise ValueError(f"a structured output's {self.kind} must be text of at most "
+                             f"{MAX_STRUCTURED_CHARS} characters")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"a structured output of kind {self.kind!r} needs its {self.kind}")
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     """What ``SamplingParams.logprobs`` gets for one sampled token: its log-probability
@@ -48,7 +73,9 @@ class SamplingParams:
     than ``min_tokens`` tokens are out (vLLM's rule).
     With ``seed`` set, sampling is a pure function of (seed, position, logits): the same
     request yields the same tokens whatever else is batched with it and in whichever
-    process samples it. ``logprobs`` (None: off) asks for each sampled token's
+    process samples it. ``structured`` constrains every token to what keeps the output
+    matching it (a JSON Schema, a regex, ...; ``engine.grammar``); the request stops once
+    the output is complete. ``logprobs`` (None: off) asks for each sampled token's
     log-probability and that many likeliest alternatives (``engine.core.logprobs``).
     Invalid values raise ``ValueError`` naming the limit.
     """
@@ -68,6 +95,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     logprobs: int | None = None  # None: off; k in [0, 20]: the sampled token's and k more
+    structured: StructuredOutput | None = None  # what the output must match (None: free)
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable/frozen.

@@ -18,6 +18,7 @@ The one local check is that exactly one of ``prompt`` / ``prompt_token_ids`` is 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
@@ -85,7 +86,10 @@ class LogitsOptions(TypedDict, total=False):
     ``presence_penalty`` and ``frequency_penalty`` (-2..2, over the output),
     ``repetition_penalty`` (> 0, 1 off; over prompt and output), ``logit_bias`` (token
     id → bias, clamped to ±100), ``logprobs`` (0..20: each token's log-probability and
-    that many likeliest alternatives, in ``GenerationChunk.logprobs``)."""
+    that many likeliest alternatives, in ``GenerationChunk.logprobs``),
+    ``structured_outputs`` (what the output must match, one of ``{"json": SCHEMA}`` — a
+    dict or JSON text —, ``{"json_object": True}``, ``{"regex": R}``, ``{"choice":
+    [S, ...]}``, ``{"grammar": LARK}``; vLLM's)."""
 
     min_p: float
     min_tokens: int
@@ -94,6 +98,7 @@ class LogitsOptions(TypedDict, total=False):
     repetition_penalty: float
     logit_bias: Mapping[int, float]
     logprobs: int
+    structured_outputs: Mapping[str, Any]
 
 
 def open_channels(api: Any, addresses: Sequence[str], tls: bool,
@@ -130,6 +135,8 @@ def build_request(
     for name, value in (logits or {}).items():
         if name == "logit_bias":
             sampling.logit_bias.update({int(k): float(v) for k, v in value.items()})  # type: ignore[attr-defined]
+        elif name == "structured_outputs":
+            sampling.structured_outputs.CopyFrom(_structured(value))  # type: ignore[arg-type]
         elif name in LogitsOptions.__annotations__:
             setattr(sampling, name, value)
         else:
@@ -143,6 +150,26 @@ def build_request(
         # CopyFrom marks the oneof as set even for an empty list (the router rejects it).
         request.token_ids.CopyFrom(generate_pb2.TokenIds(ids=list(prompt_token_ids)))
     return request
+
+
+def _structured(value: Mapping[str, Any]) -> generate_pb2.StructuredOutputs:
+    """``structured_outputs`` (one kind) as its message (``ValueError`` for another shape)."""
+    if not isinstance(value, Mapping) or len(value) != 1:
+        raise ValueError("structured_outputs takes one kind: json, json_object, regex, choice "
+                         "or grammar")
+    ((kind, spec),) = value.items()
+    message = generate_pb2.StructuredOutputs()
+    if kind == "json":
+        message.json = spec if isinstance(spec, str) else json.dumps(spec)
+    elif kind == "json_object":
+        message.json_object = bool(spec)
+    elif kind == "choice":
+        message.choice.choices.extend(spec)
+    elif kind in ("regex", "grammar"):
+        setattr(message, kind, spec)
+    else:
+        raise ValueError(f"structured_outputs has no kind {kind!r}")
+    return message
 
 
 def chunk_from_response(response: generate_pb2.GenerateResponse) -> GenerationChunk:

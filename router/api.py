@@ -8,6 +8,8 @@ INVALID_ARGUMENT with a message, not gRPC's generic INTERNAL.
 
 from __future__ import annotations
 
+import json
+
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
@@ -38,6 +40,8 @@ def to_client_request(message: pb.GenerateRequest) -> ClientRequest:
     which = message.WhichOneof("prompt")
     if message.HasField("resume"):
         unknown += [f.field_number for f in UnknownFieldSet(message.resume)]
+    if s.HasField("structured_outputs"):
+        unknown += [f.field_number for f in UnknownFieldSet(s.structured_outputs)]
     return ClientRequest(
         request_id=message.request_id, model=message.model,
         text=message.text if which == "text" else None,
@@ -50,9 +54,24 @@ def to_client_request(message: pb.GenerateRequest) -> ClientRequest:
         stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
         **{name: getattr(s, name) for name in OPTIONAL_SAMPLING if s.HasField(name)},
         logit_bias=tuple(sorted(s.logit_bias.items())),
+        structured=_structured(s.structured_outputs) if s.HasField("structured_outputs")
+        else None,
         unknown_fields=tuple(sorted(set(unknown))),
         resume_token=message.resume.token if message.HasField("resume") else None,
         resume_token_ids=tuple(message.resume.token_ids))
+
+
+def _structured(message: pb.StructuredOutputs) -> tuple[str, str] | None:
+    """A ``StructuredOutputs`` as (kind, spec) of ``StructuredOutput`` (None: no kind set,
+    or ``json_object`` false)."""
+    kind = message.WhichOneof("kind")
+    if kind is None or kind == "json_object" and not message.json_object:
+        return None
+    if kind == "json_object":
+        return kind, ""
+    if kind == "choice":
+        return kind, json.dumps(list(message.choice.choices))
+    return kind, getattr(message, kind)
 
 
 def to_response(request_id: str, chunk: OutputChunk, offset: int = 0,

@@ -34,6 +34,7 @@ import grpc
 import tokenizers
 
 from cluster.leases import LeaseKeeper, new_router_id
+from engine.grammar import Grammars
 from engine.tp.sharding import num_blocks_for
 from router.admission import Admission, Ticket
 from router.config import AdmissionConfig, HandoffConfig
@@ -88,6 +89,8 @@ class RouterCore:
         # resume tokens (router.resume); the server sets the cluster's key once it has it
         self.seal = seal or ResumeSeal(())
         self._tokenizer = tokenizer
+        # structured outputs, compiled as the workers will (refused here with the reason)
+        self._grammars = Grammars(tokenizer.to_str(), limits.vocab_size, limits.eos_token_ids)
         self._handoff = handoff
         # unique per attempt within this router, random across routers; never 0
         self._transfer_ids: Iterator[int] = itertools.count((secrets.randbits(40) << 16) + 1)
@@ -146,9 +149,11 @@ class RouterCore:
         return await asyncio.get_running_loop().run_in_executor(self._text, fn, *args)
 
     async def _validate(self, client: ClientRequest) -> ValidRequest:
-        if client.text is not None and len(client.text) > TOKENIZE_IN_THREAD_CHARS:
-            return await self.run_text_work(validate, client, self.limits, self._tokenizer)
-        return validate(client, self.limits, self._tokenizer)
+        if (client.text is not None and len(client.text) > TOKENIZE_IN_THREAD_CHARS
+                or client.structured is not None):  # a grammar may take a while to compile
+            return await self.run_text_work(validate, client, self.limits, self._tokenizer,
+                                            self._grammars)
+        return validate(client, self.limits, self._tokenizer, self._grammars)
 
     def _check_fits(self, request: ValidRequest) -> None:
         layout = self.pool.layout()

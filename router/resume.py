@@ -46,6 +46,8 @@ def request_digest(request: ValidRequest) -> bytes:
               [list(pair) for pair in p.logit_bias]]
     if p.logprobs is not None:  # appended only when set: older routers' seals still hold
         fields.append(p.logprobs)
+    if p.structured is not None:
+        fields.append([p.structured.kind, p.structured.spec])
     h = hashlib.blake2b(json.dumps(fields).encode(), digest_size=32)
     h.update(_token_bytes(request.prompt_token_ids))
     return h.digest()

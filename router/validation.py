@@ -21,12 +21,14 @@ from pathlib import Path
 import tokenizers
 
 from engine.config import load_model_config
+from engine.grammar import GrammarError, Grammars
 from engine.kvcache.block_hash import BlockHash, compute_block_hashes
 from engine.sampling_params import (
     LOGIT_BIAS_LIMIT,
     MAX_LOGIT_BIAS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
+    StructuredOutput,
 )
 from engine.text.tokenizer import TokenizerInfo, load_tokenizer
 from engine.tp.sharding import num_blocks_for
@@ -88,6 +90,7 @@ class ClientRequest:
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     logprobs: int | None = None  # None: off; else alternatives per token (0..20)
+    structured: tuple[str, str] | None = None  # (kind, spec) of StructuredOutput; None: free
     unknown_fields: tuple[int, ...] = ()  # field numbers this API does not define
     resume_token: bytes | None = None  # a broken stream's resume (``router.resume``)
     resume_token_ids: tuple[int, ...] = ()  # what the client received of it
@@ -119,8 +122,10 @@ class ValidRequest:
 
 
 def validate(request: ClientRequest, limits: ModelLimits,
-             tokenizer: tokenizers.Tokenizer) -> ValidRequest:
-    """``ValidRequest`` for ``request`` or ``InvalidRequest`` naming what is wrong."""
+             tokenizer: tokenizers.Tokenizer, grammars: Grammars | None = None) -> ValidRequest:
+    """``ValidRequest`` for ``request`` or ``InvalidRequest`` naming what is wrong (a
+    structured output is compiled with ``grammars``, as the workers will: refused here
+    with the library's message; None: not checked)."""
     if request.unknown_fields:
         raise InvalidRequest(f"fields {list(request.unknown_fields)} are not part of the "
                              "public API (internal fields cannot be set by clients)")
@@ -130,6 +135,11 @@ def validate(request: ClientRequest, limits: ModelLimits,
                              f"{limits.name!r}")
     token_ids = _prompt_token_ids(request, limits, tokenizer)
     sampling = _sampling(request, limits)
+    if sampling.structured is not None and grammars is not None:
+        try:
+            grammars.grammar(sampling.structured)
+        except GrammarError as exc:
+            raise InvalidRequest(str(exc)) from None
     total = len(token_ids) + sampling.max_tokens
     if total > limits.context_length:
         raise InvalidRequest(f"prompt ({len(token_ids)} tokens) + max_tokens "
@@ -220,6 +230,8 @@ def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
     bias = tuple((t, _as_float32("a logit_bias value", max(-LOGIT_BIAS_LIMIT, min(
         LOGIT_BIAS_LIMIT, b)) if b == b else b, 0.0)) for t, b in request.logit_bias)
     try:
+        structured = None if request.structured is None else StructuredOutput(
+            *request.structured)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature, top_p=top_p,
@@ -228,7 +240,8 @@ def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
             ignore_eos=request.ignore_eos, min_p=min_p,
             min_tokens=0 if request.min_tokens is None else request.min_tokens,
             presence_penalty=presence, frequency_penalty=frequency,
-            repetition_penalty=repetition, logit_bias=bias, logprobs=request.logprobs)
+            repetition_penalty=repetition, logit_bias=bias, logprobs=request.logprobs,
+            structured=structured)
     except ValueError as exc:  # the engine's own limits, named in its message
         raise InvalidRequest(str(exc)) from None
 

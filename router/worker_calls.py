@@ -223,6 +223,9 @@ def _sampling_proto(request: ValidRequest) -> pb.SamplingParams:
         message.seed = p.seed
     if p.logprobs is not None:
         message.logprobs = p.logprobs
+    if p.structured is not None:
+        message.structured.kind = p.structured.kind
+        message.structured.spec = p.structured.spec
     return message
 
 

@@ -52,7 +52,7 @@ GENERATED = ("pdserve.v1.generate_pb2", "pdserve.v1.generate_pb2_grpc",
              "cluster.internal.v1.worker_pb2", "cluster.internal.v1.worker_pb2_grpc")
 # Modules that must never load torch (statically, through everything they import).
 TORCH_FREE = ("engine.kvcache", "engine.core.scheduler", "engine.core.request", "engine.config",
-              "engine.sampling_params", "engine.tp.sharding", "engine.text.tokenizer",
+              "engine.sampling_params", "engine.grammar", "engine.tp.sharding", "engine.text.tokenizer",
               "engine.kvcache.layout", "kvtransfer.wire.protocol", "kvtransfer.config",
               "kvtransfer.states", "kvtransfer.plan", "cluster", "router", "worker.server",
               "worker.loop", "worker.options", "cluster.pause_points", "pdserve.cli", "deploy",

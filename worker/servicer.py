@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import grpc
 
 from cluster.internal.v1 import worker_pb2 as pb
-from engine.sampling_params import SamplingParams, TokenLogprobs
+from engine.sampling_params import SamplingParams, StructuredOutput, TokenLogprobs
 from worker.commands import CALL_TIMEOUT_S, Abort, Info, LoopInfo, WorkerError
 from worker.loop import EngineLoop
 from worker.server import Identity
@@ -92,7 +92,9 @@ def sampling_kwargs(msg: Any) -> dict[str, Any]:
                 # proto3's 0 is "not set" (an older sender): off is 1
                 repetition_penalty=msg.repetition_penalty or 1.0,
                 logit_bias=dict(msg.logit_bias),
-                logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+                logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+                structured=StructuredOutput(msg.structured.kind, msg.structured.spec)
+                if msg.HasField("structured") else None)
 
 
 def logprobs_to_proto(found: TokenLogprobs) -> pb.TokenLogprobs:

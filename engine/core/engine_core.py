@@ -19,16 +19,14 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from engine.attention.metadata import LayerHook
 from engine.config import EngineConfig
-from engine.core.logits import History, process_logits
-from engine.core.logprobs import token_logprobs
+from engine.core.choose import PromptCache, choose_tokens
+from engine.core.constrain import Constraints
 from engine.core.request import FinishReason, Request
 from engine.core.runner import resolve_num_kv_blocks
-from engine.core.sampler import sample
 from engine.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
+from engine.grammar import Grammars
 from engine.kvcache import BlockManager, KVCacheUsage
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.text.detokenizer import TextStream
@@ -57,21 +55,12 @@ class RequestOutput:
     logprobs: list[TokenLogprobs | None] | None = None
 
 
-PromptCache = weakref.WeakKeyDictionary[Request, torch.Tensor]
-
-
-def _history(request: Request, prompts: PromptCache) -> History:
-    """The tokens the logits processors (``engine.core.logits``) read of ``request``;
-    ``prompts`` keeps each request's distinct prompt ids (made once, gone with it)."""
-    prompt = request.prompt_token_ids
-    split = len(prompt) - request.num_resumed_tokens
-    eos = () if request.params.ignore_eos else request.eos_token_ids
-    prompt_ids: Sequence[int] | torch.Tensor = ()
-    if request.params.repetition_penalty != 1.0:
-        prompt_ids = prompts.get(request)  # type: ignore[assignment]
-        if prompt_ids is None:
-            prompt_ids = prompts[request] = torch.unique(torch.tensor(prompt[:split]))
-    return History(prompt_ids, [*prompt[split:], *request.output_token_ids], eos)
+def _grammars(config: EngineConfig, tokenizer: TokenizerInfo | None) -> Grammars | None:
+    """The engine's structured-output compiler (None without a tokenizer)."""
+    if tokenizer is None:
+        return None
+    return Grammars(tokenizer.tokenizer.to_str(), config.model.vocab_size,
+                    tokenizer.eos_token_ids)
 
 
 class EngineCore:
@@ -103,8 +92,9 @@ class EngineCore:
         # Builds the payload every rank's plugin step_hook receives with a step (or None).
         self.step_payload: Callable[[SchedulerOutput], bytes] | None = None
         self._streams: dict[str, TextStream] = {}
-        self._prompts: PromptCache = weakref.WeakKeyDictionary()  # engine.core.logits
+        self._prompts: PromptCache = weakref.WeakKeyDictionary()  # engine.core.choose
         self._step_logprobs: dict[str, TokenLogprobs] = {}  # this step's, by request id
+        self.constraints = Constraints(_grammars(config, tokenizer))  # structured outputs
         self._ids = itertools.count()
 
     # --- requests -----------------------------------------------------------------
@@ -123,6 +113,7 @@ class EngineCore:
         the tokens sampled next are drawn at the same positions as without the move."""
         request = self._make_request(request_id, prompt_token_ids, params, prefill_only,
                                      num_resumed_tokens)
+        self.constraints.open(request)
         self.scheduler.add(request)
         self._open_stream(request)
 
@@ -137,6 +128,7 @@ class EngineCore:
                                      num_resumed_tokens)
         block_ids = self.scheduler.reserve(request, request.num_prompt_tokens)
         if block_ids is not None:
+            self.constraints.open(request)
             self._open_stream(request)
         return block_ids
 
@@ -156,6 +148,7 @@ class EngineCore:
             raise ValueError(f"{num_cached_tokens} cached tokens for a prompt of "
                              f"{request.num_prompt_tokens}")
         request.num_cached_tokens = num_cached_tokens
+        self.constraints.follow(request_id, [first_token_id])
         update = self.scheduler.admit_with_kv(
             request_id, request.num_prompt_tokens, first_token_id)
         out = self._output(update)
@@ -167,6 +160,7 @@ class EngineCore:
         """Stop a request wherever it is and free its blocks. False if unknown or finished."""
         request = self.scheduler.finish(request_id, FinishReason.ABORT)
         self._streams.pop(request_id, None)
+        self.constraints.close(request_id)
         self.scheduler.forget([request_id])
         return request is not None
 
@@ -195,29 +189,23 @@ class EngineCore:
     def _execute(self, out: SchedulerOutput) -> list[int]:
         payload = self.step_payload(out) if self.step_payload is not None else b""
         logits = self.executor.execute(out.chunks, self.layer_hook, payload)
-        requests = self.scheduler.requests
         sampling = [c for c in out.chunks if c.sample]
-        params = [requests[c.request_id].params for c in sampling]
-        positions = [c.start_position + len(c.token_ids) for c in sampling]
-        raw = logits
-        if any(p.penalized for p in params):
-            logits = process_logits(logits, params,
-                                    [_history(requests[c.request_id], self._prompts)
-                                     for c in sampling])
-        sampled = sample(logits, params, positions)
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if rows:  # of the raw logits (engine.core.logprobs)
-            picked = raw[torch.tensor(rows, device=raw.device)] if len(rows) < len(params) else raw
-            found = token_logprobs(picked, [sampled[i] for i in rows],
-                                   [params[i].logprobs or 0 for i in rows])
-            self._step_logprobs.update(
-                (sampling[i].request_id, lp) for i, lp in zip(rows, found, strict=True))
-        return sampled
+        choice = choose_tokens(logits, [self.scheduler.requests[c.request_id] for c in sampling],
+                               [c.start_position + len(c.token_ids) for c in sampling],
+                               self._prompts, self.constraints)
+        self._step_logprobs = choice.logprobs
+        return choice.token_ids
 
     def _output(self, update: StepUpdate) -> RequestOutput:
         request = update.request
         new_ids = [update.new_token_id] if update.new_token_id is not None else []
-        delta, finished = self._detokenize(request, new_ids, update.finished)
+        finished = update.finished
+        if not finished and self.constraints.is_done(request.request_id):
+            self.scheduler.finish(request.request_id, FinishReason.STOP)  # output complete
+            finished = True
+        delta, finished = self._detokenize(request, new_ids, finished)
+        if finished:
+            self.constraints.close(request.request_id)
         pinned = request.finish_reason is FinishReason.PREFILLED
         logprobs: list[TokenLogprobs | None] | None = None
         if request.params.logprobs is not None:
@@ -270,8 +258,10 @@ class EngineCore:
                              f"under max_tokens {params.max_tokens}")
         self._validate_prompt(prompt_token_ids, params, prefill_only, num_resumed_tokens)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
-        return Request(request_id, list(prompt_token_ids), params, eos, prefill_only,
-                       num_resumed_tokens)
+        request = Request(request_id, list(prompt_token_ids), params, eos, prefill_only,
+                          num_resumed_tokens)
+        self.constraints.check(request)
+        return request
 
     def _open_stream(self, request: Request) -> None:
         if self.tokenizer is None:

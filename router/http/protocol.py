@@ -31,11 +31,12 @@ M = TypeVar("M", bound=BaseModel)
 # parameter -> the values that mean "not used" (anything else: 400)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "n": (1,), "best_of": (1,), "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",),
-    "use_beam_search": (False,), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "structured_outputs": (),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "use_beam_search": (False,),
 }
+# vLLM's older names of structured outputs -> the kind they set
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
 INTERNAL_FIELDS = ("transfer_id", "attempt_id", "worker_id", "target", "kv_address",
                    "kv_target", "first_token_id", "num_cached_tokens", "model_fingerprint",
                    "lease", "prefill_worker", "decode_worker", "prompt_token_ids")
@@ -68,6 +69,13 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as JSON's string key) -> bias
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     return_token_ids: bool = False  # vLLM's: every choice carries its token ids
     resume_token_ids: list[Int64] | None = None  # with Last-Event-ID: the ids received
     stream: bool = False
@@ -114,7 +122,32 @@ class SamplingRequest(BaseModel):
             min_p=self.min_p, min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias(),
-            logprobs=self.logprobs_asked())
+            logprobs=self.logprobs_asked(), structured=self.structured_asked())
+
+    def structured_asked(self) -> tuple[str, str] | None:
+        """The (kind, spec) of the structured output the body asks for, wherever it asks
+        (None: free text); 400 naming the field for a malformed one, or for two."""
+        found: list[tuple[str, str, str]] = []  # (field, kind, spec)
+        if self.response_format is not None:
+            found += _response_format(self.response_format)
+        if self.structured_outputs is not None:
+            for kind, value in self.structured_outputs.items():
+                if kind not in _STRUCTURED_KINDS:
+                    raise ApiError.invalid(f"structured_outputs.{kind} is not a kind of "
+                                           f"structured output (one of "
+                                           f"{sorted(_STRUCTURED_KINDS)})", "structured_outputs")
+                if value is not None and value is not False:
+                    found.append(("structured_outputs",
+                                  *_structured_spec(kind, value, "structured_outputs")))
+        for name, kind in GUIDED.items():
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, *_structured_spec(kind, value, name)))
+        if len(found) > 1:
+            raise ApiError.invalid(f"give one structured output, got {found[0][0]} "
+                                   f"({found[0][1]}) and {found[1][0]} ({found[1][1]})",
+                                   found[1][0])
+        return (found[0][1], found[0][2]) if found else None
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` with its keys as token ids (400 naming it for a key that is not
@@ -256,3 +289,40 @@ def _logprobs_count(value: int | None, name: str) -> int | None:
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
         raise ApiError.invalid(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
     return value
+
+
+_STRUCTURED_KINDS = frozenset({"json", "json_object", "regex", "choice", "grammar"})
+
+
+def _response_format(value: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """OpenAI's ``response_format``: ``text`` (nothing), ``json_object``, or
+    ``json_schema`` with its ``schema`` (``strict`` accepted: the schema is always held)."""
+    kind = value.get("type")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [("response_format", "json_object", "")]
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError.invalid("response_format.json_schema.schema must be a JSON Schema "
+                                   "object", "response_format")
+        return [("response_format", "json", json.dumps(schema))]
+    raise ApiError.invalid(f"response_format.type must be text, json_object or json_schema, "
+                           f"got {json.dumps(kind)[:40]}", "response_format")
+
+
+def _structured_spec(kind: str, value: Any, field: str) -> tuple[str, str]:
+    """(kind, spec) of one structured output given as ``value`` in ``field``."""
+    if kind == "json" and isinstance(value, dict | str):
+        return kind, value if isinstance(value, str) else json.dumps(value)
+    if kind == "json_object" and value is True:
+        return kind, ""
+    if kind in ("regex", "grammar") and isinstance(value, str):
+        return kind, value
+    if kind == "choice" and isinstance(value, list) and all(isinstance(c, str) for c in value):
+        return kind, json.dumps(value)
+    wanted = {"json": "a JSON Schema (object or text)", "json_object": "true",
+              "regex": "a string", "grammar": "a string", "choice": "a list of strings"}[kind]
+    raise ApiError.invalid(f"{field}: {kind} must be {wanted}", field)

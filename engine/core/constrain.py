@@ -1,0 +1,84 @@
+"""Structured outputs in one engine: a matcher per constrained request (``engine.grammar``),
+its mask applied to the request's logits before sampling, the sampled token followed
+after. A request's matcher follows its whole output, wherever each token was sampled:
+opened over a resumed request's resumed tokens, advanced over the first token that came
+with the KV (``EngineCore.admit_with_kv``) and over every token sampled here. A request
+whose grammar is complete (no token may follow) stops (``FinishReason.STOP``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.torch as llg_torch
+import torch
+
+from engine.core.request import Request
+from engine.grammar import Grammars, advance
+
+log = logging.getLogger(__name__)
+
+
+class Constraints:
+    """The matchers of one engine's constrained requests, by request id."""
+
+    def __init__(self, grammars: Grammars | None) -> None:
+        self.grammars = grammars
+        self._matchers: dict[str, llguidance.LLMatcher] = {}
+
+    def check(self, request: Request) -> None:
+        """``ValueError`` (naming why) unless the request's structured output compiles."""
+        structured = request.params.structured
+        if structured is None:
+            return
+        if self.grammars is None:
+            raise ValueError("structured outputs need a tokenizer; this engine has none")
+        self.grammars.grammar(structured)
+
+    def open(self, request: Request) -> None:
+        """Starts following ``request`` (checked by ``check``): its resumed tokens are output
+        the grammar has seen."""
+        structured = request.params.structured
+        if structured is None or self.grammars is None:
+            return
+        matcher = self.grammars.matcher(structured)
+        resumed = request.prompt_token_ids[len(request.prompt_token_ids)
+                                           - request.num_resumed_tokens:]
+        if not advance(matcher, resumed):
+            raise ValueError(f"the resumed tokens do not match the structured output: "
+                             f"{matcher.get_error()[:200]}")
+        self._matchers[request.request_id] = matcher
+
+    def follow(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The request's next output tokens (a rejected one is logged: its matcher is then
+        done, and the request stops)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is not None and not advance(matcher, token_ids):
+            log.warning("request %s: token %s breaks its structured output: %s", request_id,
+                        list(token_ids), matcher.get_error()[:200])
+
+    def is_done(self, request_id: str) -> bool:
+        """Whether the request's grammar lets no more tokens come (complete, or broken)."""
+        matcher = self._matchers.get(request_id)
+        return matcher is not None and (matcher.is_stopped() or matcher.is_error())
+
+    def close(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def mask(self, logits: torch.Tensor, request_ids: Sequence[str]) -> torch.Tensor:
+        """``logits`` (row ``i``: request ``request_ids[i]``) with every token a row's grammar
+        does not allow at -inf (a copy; ``logits`` itself when no row is constrained)."""
+        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
+        if not rows:
+            return logits
+        bitmask = llg_torch.allocate_token_bitmask(len(rows), logits.shape[1])
+        for slot, row in enumerate(rows):
+            llg_torch.fill_next_token_bitmask(self._matchers[request_ids[row]], bitmask, slot)
+        index = torch.tensor(rows, device=logits.device)
+        constrained = logits[index].float()
+        llg_torch.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
+        out = logits.float().clone()  # the raw logits stay as they were (logprobs)
+        out[index] = constrained
+        return out
