@@ -8,14 +8,17 @@ On ``bench55m`` (``--quick``: the built-in tiny model), one torch thread per cor
 arm runs ``--batch`` requests of fresh random prompts, greedy, ``ignore_eos``, for
 ``--max-tokens`` tokens; the arms alternate for ``--repeats`` rounds after a warm-up and
 the medians are compared: ``penalties`` (presence 0.5, frequency 0.5, repetition 1.2),
-``logit_bias`` (16 biased ids), ``min_tokens`` (all of them) and ``logprobs`` (5
-alternatives per token) against ``plain``. The issue's goals at batch 32: penalties cost
-at most 5 % of decode throughput, logprobs with 5 alternatives at most 10 %.
+``logit_bias`` (16 biased ids), ``min_tokens`` (all of them), ``logprobs`` (5
+alternatives per token) and structured outputs (``json_schema``, an array of at least
+1,000 objects, and ``regex``: both run to ``--max-tokens``) against ``plain``. The
+issue's goals at batch 32: penalties cost at most 5 % of decode throughput, logprobs with
+5 alternatives at most 10 %, JSON-Schema-constrained decoding at most 15 %.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -26,6 +29,7 @@ from typing import Any
 from bench.clusters import bench_model
 from bench.common import format_table, machine_info, write_json
 from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutput
 
 ARMS: dict[str, dict[str, Any]] = {
     "plain": {},
@@ -33,6 +37,14 @@ ARMS: dict[str, dict[str, Any]] = {
     "logit_bias": {"logit_bias": {i * 7: 1.5 for i in range(1, 17)}},
     "min_tokens": {"min_tokens": -1},  # -1: max_tokens
     "logprobs": {"logprobs": 5},
+    # structured outputs that cannot end before max_tokens (an arm that ended early would
+    # run a smaller batch): an array of at least 1,000 objects, a long regex
+    "json_schema": {"structured": StructuredOutput("json", json.dumps({
+        "type": "array", "minItems": 1000, "items": {"type": "object", "properties": {
+            "id": {"type": "integer"}, "tag": {"enum": ["a", "b"]},
+            "text": {"type": "string", "maxLength": 12}},
+            "required": ["id", "tag"]}}))},
+    "regex": {"structured": StructuredOutput("regex", "([a-z]+[ ,.]){1000}")},
 }
 
 

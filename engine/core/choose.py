@@ -40,8 +40,7 @@ def choose_tokens(logits: torch.Tensor, requests: Sequence[Request], positions: 
     ids = [r.request_id for r in requests]
     logits = constraints.mask(logits, ids)
     sampled = sample(logits, params, positions)
-    for request_id, token_id in zip(ids, sampled, strict=True):
-        constraints.follow(request_id, [token_id])
+    constraints.follow_step(ids, sampled)
     choice = Choice(sampled)
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if rows:

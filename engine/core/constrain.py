@@ -70,15 +70,19 @@ class Constraints:
     def mask(self, logits: torch.Tensor, request_ids: Sequence[str]) -> torch.Tensor:
         """``logits`` (row ``i``: request ``request_ids[i]``) with every token a row's grammar
         does not allow at -inf (a copy; ``logits`` itself when no row is constrained)."""
-        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
+        rows = [(self._matchers[rid], i) for i, rid in enumerate(request_ids)
+                if rid in self._matchers]
         if not rows:
             return logits
-        bitmask = llg_torch.allocate_token_bitmask(len(rows), logits.shape[1])
-        for slot, row in enumerate(rows):
-            llg_torch.fill_next_token_bitmask(self._matchers[request_ids[row]], bitmask, slot)
-        index = torch.tensor(rows, device=logits.device)
-        constrained = logits[index].float()
-        llg_torch.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
+        bitmask = llg_torch.allocate_token_bitmask(len(logits), logits.shape[1])  # all allowed
+        for matcher, row in rows:  # serial: threads would contend with torch's on the cores
+            llg_torch.fill_next_token_bitmask(matcher, bitmask, row)
         out = logits.float().clone()  # the raw logits stay as they were (logprobs)
-        out[index] = constrained
+        llg_torch.apply_token_bitmask_inplace(out, bitmask.to(logits.device))
         return out
+
+    def follow_step(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+        """A step's sampled tokens (``token_ids[i]``: request ``request_ids[i]``'s)."""
+        for request_id, token_id in zip(request_ids, token_ids, strict=True):
+            if request_id in self._matchers:
+                self.follow(request_id, (token_id,))

@@ -6,6 +6,7 @@ the HTTP API through the official ``openai`` SDK (chat and completions) and ``en
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutput
 from pdserve import Client, PdserveError
 from tests.e2e.cluster import Cluster
 from tests.factories import PROMPTS
@@ -186,3 +188,58 @@ def test_bad_logprobs_are_a_400_naming_the_field(cluster: Cluster) -> None:
         client.complete("hi", max_tokens=4, logprobs=21, timeout=TIMEOUT_S)
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "logprobs" in refused.value.details
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "mood": {"enum": ["calm", "busy"]},
+    "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "mood", "n"], "additionalProperties": False}
+
+
+def test_structured_outputs_are_one_answer_everywhere(cluster: Cluster, colocated: Client,
+                                                      llm: LLM) -> None:
+    """The prefill worker constrains the first token, the decode worker the rest (its
+    matcher advanced over the first): seeded at temperature 1 on the random model, the
+    output validates, stops inside max_tokens, and equals the colocated and the engine's;
+    the HTTP API takes OpenAI's response_format and vLLM's guided_choice."""
+    import jsonschema
+
+    prompt = f"{PROMPTS[2]} json"
+    knobs: dict[str, Any] = dict(max_tokens=80, temperature=1.0, seed=23)
+    expected = llm.generate([prompt], SamplingParams(
+        structured=StructuredOutput("json", json.dumps(SCHEMA)), **knobs))[0]
+    assert expected.finish_reason == "stop"
+    jsonschema.validate(json.loads(expected.text), SCHEMA)
+    with Client(cluster.address) as disaggregated:
+        got = disaggregated.complete(prompt, structured_outputs={"json": SCHEMA},
+                                     timeout=TIMEOUT_S, **knobs)
+    assert (list(got.token_ids), got.text, got.finish_reason) == (
+        expected.token_ids, expected.text, "stop")
+    assert list(colocated.complete(prompt, structured_outputs={"json": SCHEMA},
+                                   timeout=TIMEOUT_S, **knobs).token_ids) == expected.token_ids
+    assert cluster.router is not None
+    address = cluster.router.ready["http_address"]
+    with openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0,
+                       timeout=TIMEOUT_S) as oai:
+        chat = oai.chat.completions.create(
+            model="", messages=[{"role": "user", "content": prompt}], max_tokens=80,
+            temperature=1.0, seed=5, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
+                                                       "strict": True}})
+        assert chat.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(chat.choices[0].message.content or ""), SCHEMA)
+        choice = oai.completions.create(model="", prompt=prompt, max_tokens=10,
+                                        extra_body={"guided_choice": ["left", "right"]})
+        assert choice.choices[0].text in ("left", "right")
+        for extra, field in (({"structured_outputs": {"regex": "(("}}, "unclosed group"),
+                             ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+                             ({"response_format": {"type": "yaml"}}, "response_format")):
+            with pytest.raises(openai.BadRequestError) as info:
+                oai.completions.create(model="", prompt="hi", max_tokens=4, extra_body=extra)
+            assert field in info.value.message
+    with Client(cluster.address) as client, pytest.raises(PdserveError) as refused:
+        client.complete("hi", structured_outputs={"json": '{"type": "nope"}'},
+                        timeout=TIMEOUT_S)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "nope" in refused.value.details
