@@ -89,7 +89,8 @@ class LogitsOptions(TypedDict, total=False):
     that many likeliest alternatives, in ``GenerationChunk.logprobs``),
     ``structured_outputs`` (what the output must match, one of ``{"json": SCHEMA}`` — a
     dict or JSON text —, ``{"json_object": True}``, ``{"regex": R}``, ``{"choice":
-    [S, ...]}``, ``{"grammar": LARK}``; vLLM's)."""
+    [S, ...]}``, ``{"grammar": LARK}``; vLLM's), ``n`` (choices, default 1: their chunks
+    carry their ``index``; ``complete`` returns choice 0 with every one in ``choices``)."""
 
     min_p: float
     min_tokens: int
@@ -99,6 +100,7 @@ class LogitsOptions(TypedDict, total=False):
     logit_bias: Mapping[int, float]
     logprobs: int
     structured_outputs: Mapping[str, Any]
+    n: int
 
 
 def open_channels(api: Any, addresses: Sequence[str], tls: bool,
@@ -181,7 +183,7 @@ def chunk_from_response(response: generate_pb2.GenerateResponse) -> GenerationCh
                       cached_tokens=response.usage.cached_tokens)
     return GenerationChunk(request_id=response.request_id, token_ids=tuple(response.token_ids),
                            text=response.text, finish_reason=response.finish_reason or None,
-                           usage=usage, logprobs=tuple(
+                           usage=usage, index=response.index, logprobs=tuple(
                                TokenLogprob(lp.token_id, lp.logprob, lp.rank, tuple(zip(
                                    lp.top_token_ids, lp.top_logprobs, strict=True)))
                                for lp in response.logprobs))

@@ -18,7 +18,7 @@ from router.outputs import OutputChunk
 from router.validation import ClientRequest, InvalidRequest, ModelLimits
 
 OPTIONAL_SAMPLING = ("min_p", "min_tokens", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "logprobs")
+                     "repetition_penalty", "logprobs", "n")
 
 
 def parse_generate_request(raw: bytes) -> ClientRequest:
@@ -80,7 +80,7 @@ def to_response(request_id: str, chunk: OutputChunk, offset: int = 0,
     stream resumes after it with ``resume_token`` (``router.resume``)."""
     message = pb.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids,
                                   text=chunk.text, finish_reason=chunk.finish_reason or "",
-                                  offset=offset, resume_token=resume_token)
+                                  offset=offset, resume_token=resume_token, index=chunk.index)
     for found in chunk.logprobs:
         message.logprobs.add(token_id=found.token_id, logprob=found.logprob, rank=found.rank,
                              top_token_ids=[t for t, _ in found.top],

@@ -75,8 +75,11 @@ class AdmissionConfig:
     default_timeout_s: float = 600.0  # deadline of a request whose client set none
     # chunks of one request waiting for a slow client; past it: RESOURCE_EXHAUSTED
     max_buffered_chunks: int = 1024
+    max_n: int = 16  # choices one request may ask for (``n``); each is admitted as a request
 
     def __post_init__(self) -> None:
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.max_queued_tokens is not None and self.max_queued_tokens < 1:

@@ -44,6 +44,7 @@ from router.lifecycle.context import RequestContext
 from router.lifecycle.handoff import Handoff
 from router.lifecycle.placement import Placement
 from router.metrics import RouterMetrics
+from router.parallel import ParallelRequest, choice_requests
 from router.resume import ResumeSeal
 from router.served import ServedRequest
 from router.trace import Trace
@@ -100,19 +101,33 @@ class RouterCore:
         self._text = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="pdserve-text")
         self.draining = False  # set by the server's stop: new requests get UNAVAILABLE
 
-    async def start(self, client: ClientRequest, timeout_s: float | None) -> ServedRequest:
+    async def start(self, client: ClientRequest, timeout_s: float | None
+                    ) -> ServedRequest | ParallelRequest:
         """Validate and admit ``client`` (see module doc); its deadline is ``timeout_s``
-        from now (None: the router's default)."""
+        from now (None: the router's default). n > 1 choices: a ``ParallelRequest``, each
+        choice admitted as a request of its own."""
         received_at = time.monotonic()
         try:
             self.gate(token_bound(client, self.limits), timeout_s)
             deadline = received_at + (self.config.default_timeout_s if timeout_s is None
                                       else timeout_s)
             request = await self._validate(client)
+            if request.n > self.config.max_n:
+                raise InvalidRequest(f"n must be at most {self.config.max_n} (the router's "
+                                     f"--max-n), got {request.n}")
             if request.resume_token is not None:
                 self.seal.check(request, request.resume_token, request.resumed)
             self._check_fits(request)
-            ticket = self.admission.enter(request.request_id, request.num_prompt_tokens)
+            choices = choice_requests(request) if request.n > 1 else [request]
+            tickets: list[Ticket] = []
+            try:
+                for choice in choices:
+                    tickets.append(self.admission.enter(choice.request_id,
+                                                        choice.num_prompt_tokens))
+            except RouteError:
+                for ticket in tickets:
+                    ticket.leave()
+                raise
             if request.resume_token is not None:
                 self.metrics.resumes.inc()
         except RouteError as exc:
@@ -121,6 +136,12 @@ class RouterCore:
         except InvalidRequest:
             self.metrics.rejections.labels("invalid").inc()
             raise
+        served = [self._served(c, t, deadline, received_at) for c, t in zip(choices, tickets,
+                                                                             strict=True)]
+        return served[0] if request.n == 1 else ParallelRequest(request, served)
+
+    def _served(self, request: ValidRequest, ticket: Ticket, deadline: float,
+                received_at: float) -> ServedRequest:
         return ServedRequest(request, ticket, deadline, received_at,
                              lambda trace: self.handoff(request, ticket, deadline, trace),
                              metrics=self.metrics,

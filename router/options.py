@@ -69,6 +69,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="chunks of one stream the router holds for a client that reads "
                              "slower than tokens come; past it the request is cancelled with "
                              "RESOURCE_EXHAUSTED (client too slow)")
+    parser.add_argument("--max-n", type=int, default=AdmissionConfig.max_n,
+                        help="choices one request may ask for (n); more is INVALID_ARGUMENT "
+                             "/ a 400 (each choice is admitted as a request of its own)")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
     parser.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",

@@ -28,3 +28,4 @@ class OutputChunk:
     # when the request asked for logprobs: one per token (but see ``TokenChunk.logprobs``:
     # a handoff's first token's come with the Prefill's reply, ``router.lifecycle.relay``)
     logprobs: tuple[TokenLogprobs, ...] = ()
+    index: int = 0  # the choice it belongs to (n > 1: ``router.parallel``)

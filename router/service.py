@@ -77,11 +77,16 @@ class GenerationService:
         log = logging.LoggerAdapter(logger, {"request_id": rid})
         start = time.monotonic()
         cursor = self._core.seal.cursor(served.request, served.request.resumed)
+        offsets = [0] * served.request.n  # n > 1: each choice's, and no resume tokens
         try:
             async with aclosing(served.chunks()) as chunks:
                 async for chunk in chunks:
-                    offset = cursor.offset
-                    token = cursor.advance(chunk.token_ids)  # none after the last message
+                    if served.request.n > 1:
+                        offset, token = offsets[chunk.index], b""
+                        offsets[chunk.index] += len(chunk.token_ids)
+                    else:
+                        offset = cursor.offset
+                        token = cursor.advance(chunk.token_ids)  # none after the last message
                     await context.write(api.to_response(rid, chunk, offset,
                                                         b"" if chunk.finish_reason else token))
             if _wants_trace(context):

@@ -91,6 +91,7 @@ class ClientRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     logprobs: int | None = None  # None: off; else alternatives per token (0..20)
     structured: tuple[str, str] | None = None  # (kind, spec) of StructuredOutput; None: free
+    n: int | None = None  # choices (None: 1)
     unknown_fields: tuple[int, ...] = ()  # field numbers this API does not define
     resume_token: bytes | None = None  # a broken stream's resume (``router.resume``)
     resume_token_ids: tuple[int, ...] = ()  # what the client received of it
@@ -107,6 +108,7 @@ class ValidRequest:
     sampling: SamplingParams
     resume_token: bytes | None = None
     resumed: tuple[int, ...] = ()
+    n: int = 1  # choices: choice i is sampled with seed + i (``router.parallel``)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -145,10 +147,16 @@ def validate(request: ClientRequest, limits: ModelLimits,
         raise InvalidRequest(f"prompt ({len(token_ids)} tokens) + max_tokens "
                              f"({sampling.max_tokens}) = {total} is over the context length "
                              f"{limits.context_length}")
+    n = 1 if request.n is None else request.n
+    if n < 1:
+        raise InvalidRequest(f"n must be at least 1, got {n}")
     if request.resume_token is None:
         if request.resume_token_ids:
             raise InvalidRequest("resume.token_ids without resume.token")
-        return ValidRequest(request_id, token_ids, sampling)
+        return ValidRequest(request_id, token_ids, sampling, n=n)
+    if n != 1:
+        raise InvalidRequest("a stream of n > 1 choices cannot be resumed (its messages carry "
+                             "no resume token)")
     if len(request.resume_token_ids) >= sampling.max_tokens:  # counted before checked
         raise InvalidRequest(f"resume.token_ids holds {len(request.resume_token_ids)} "
                              f"tokens; a stream of max_tokens={sampling.max_tokens} that "

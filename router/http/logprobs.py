@@ -28,17 +28,19 @@ class LogprobsWriter:
     def __init__(self, tokenizer: tokenizers.Tokenizer, *, chat: bool) -> None:
         self._tokenizer = tokenizer
         self._chat = chat
-        self._offset = 0
+        self._offsets: dict[int, int] = {}  # by choice
 
-    def body(self, found: Sequence[TokenLogprobs]) -> dict[str, Any]:
-        """The ``logprobs`` object of a choice's (or a stream chunk's) tokens ``found``."""
+    def body(self, found: Sequence[TokenLogprobs], index: int = 0) -> dict[str, Any]:
+        """The ``logprobs`` object of choice ``index``'s tokens ``found`` (all of them, or
+        a stream chunk's: the text offsets go on from the choice's previous chunk)."""
         if self._chat:
             return {"content": [self._chat_entry(lp) for lp in found]}
         tokens = [self._text(lp.token_id) for lp in found]
-        offsets = []
+        offsets, offset = [], self._offsets.get(index, 0)
         for token in tokens:
-            offsets.append(self._offset)
-            self._offset += len(token)
+            offsets.append(offset)
+            offset += len(token)
+        self._offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in found],
                 "top_logprobs": [{**{self._text(t): v for t, v in lp.top},
                                   self._text(lp.token_id): lp.logprob} for lp in found],

@@ -30,7 +30,7 @@ M = TypeVar("M", bound=BaseModel)
 
 # parameter -> the values that mean "not used" (anything else: 400)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "use_beam_search": (False,),
 }
@@ -76,6 +76,7 @@ class SamplingRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    n: Annotated[int, INT64] | None = None  # choices (the router caps it: --max-n)
     return_token_ids: bool = False  # vLLM's: every choice carries its token ids
     resume_token_ids: list[Int64] | None = None  # with Last-Event-ID: the ids received
     stream: bool = False
@@ -122,7 +123,7 @@ class SamplingRequest(BaseModel):
             min_p=self.min_p, min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias(),
-            logprobs=self.logprobs_asked(), structured=self.structured_asked())
+            logprobs=self.logprobs_asked(), structured=self.structured_asked(), n=self.n)
 
     def structured_asked(self) -> tuple[str, str] | None:
         """The (kind, spec) of the structured output the body asks for, wherever it asks

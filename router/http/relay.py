@@ -138,7 +138,8 @@ class Relay(Response):
         rid = served.request_id
         shape = Shape.of(chat=self._chat, request_id=rid, model=self._model,
                          created=int(time.time()), include_usage=self._include_usage,
-                         token_ids=self._token_ids, logprobs=self._logprobs)
+                         token_ids=self._token_ids, logprobs=self._logprobs,
+                         n=served.request.n)
         headers = [(REQUEST_ID_HEADER.encode(), rid.encode())]
         log = logging.LoggerAdapter(logger, {"request_id": rid})
         started = time.monotonic()
@@ -180,8 +181,10 @@ class Relay(Response):
         def encoded(chunk: OutputChunk) -> bytes:
             """The chunk's events, the last with the id that resumes after it."""
             events = shape.chunks(chunk)
-            after: str | None = event_id(cursor.offset + len(chunk.token_ids),
-                                         cursor.advance(chunk.token_ids))
+            after: str | None = None
+            if served.request.n == 1:  # n > 1 choices: a stream not to resume (no ids)
+                after = event_id(cursor.offset + len(chunk.token_ids),
+                                 cursor.advance(chunk.token_ids))
             if chunk.finish_reason is not None:  # whole: nothing to resume after it
                 after = None
             return b"".join(sse(e, event_id=after if i == len(events) - 1 else None)
@@ -215,13 +218,7 @@ class Relay(Response):
             error = _failed(log, exc)
             await send_json(send, error.status, error.body(), headers)
             return
-        last = received[-1] if received else None
-        body = shape.whole("".join(c.text for c in received),
-                           last.finish_reason if last is not None else None,
-                           last.usage if last is not None else None,
-                           [t for c in received for t in c.token_ids],
-                           [lp for c in received for lp in c.logprobs])
-        await send_json(send, 200, body, headers)
+        await send_json(send, 200, shape.whole(received), headers)
 
 
 def _failed(log: logging.LoggerAdapter[logging.Logger], exc: Exception) -> ApiError:

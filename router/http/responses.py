@@ -55,17 +55,19 @@ class Shape:
     include_usage: bool = False
     token_ids: bool = False  # vLLM's return_token_ids: each choice carries its token ids
     logprobs: LogprobsWriter | None = None  # the request asked for logprobs
+    n: int = 1  # choices
 
     @classmethod
     def of(cls, *, chat: bool, request_id: str, model: str, created: int,
            include_usage: bool = False, token_ids: bool = False,
-           logprobs: LogprobsWriter | None = None) -> Shape:
+           logprobs: LogprobsWriter | None = None, n: int = 1) -> Shape:
         prefix = "chatcmpl-" if chat else "cmpl-"
         return cls(chat, prefix + request_id, model, created, include_usage, token_ids,
-                   logprobs)
+                   logprobs, n)
 
-    def _logprobs(self, found: Sequence[TokenLogprobs]) -> dict[str, Any] | None:
-        return None if self.logprobs is None else self.logprobs.body(found)
+    def _logprobs(self, found: Sequence[TokenLogprobs], index: int = 0
+                  ) -> dict[str, Any] | None:
+        return None if self.logprobs is None else self.logprobs.body(found, index)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created,
@@ -82,8 +84,8 @@ class Shape:
         """Chunks sent before any output (chat: the role)."""
         if not self.chat:
             return []
-        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])]
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
 
     def chunks(self, chunk: OutputChunk) -> list[dict[str, Any]]:
         """The stream chunks of one ``OutputChunk`` (none for an empty, unfinished one)."""
@@ -92,17 +94,18 @@ class Shape:
         ids = {"token_ids": list(chunk.token_ids)} if self.token_ids else {}
         # tokens with no text yet (bytes held back) still carry their ids / logprobs
         tokens = bool(chunk.token_ids) and (bool(ids) or self.logprobs is not None)
+        index = chunk.index
         if self.chat:
             if chunk.text or tokens:
-                out.append(self._chunk([{"index": 0, "delta": {"content": chunk.text},
-                                         "logprobs": self._logprobs(chunk.logprobs),
+                out.append(self._chunk([{"index": index, "delta": {"content": chunk.text},
+                                         "logprobs": self._logprobs(chunk.logprobs, index),
                                          "finish_reason": None, **ids}]))
             if finish is not None:
-                out.append(self._chunk([{"index": 0, "delta": {}, "logprobs": None,
+                out.append(self._chunk([{"index": index, "delta": {}, "logprobs": None,
                                          "finish_reason": finish}]))
         elif chunk.text or finish is not None or tokens:
-            out.append(self._chunk([{"index": 0, "text": chunk.text,
-                                     "logprobs": self._logprobs(chunk.logprobs),
+            out.append(self._chunk([{"index": index, "text": chunk.text,
+                                     "logprobs": self._logprobs(chunk.logprobs, index),
                                      "finish_reason": finish, **ids}]))
         return out
 
@@ -112,18 +115,23 @@ class Shape:
             return []
         return [{**self._chunk([]), "usage": usage_body(usage)}]
 
-    def whole(self, text: str, finish_reason: str | None, usage: Usage | None,
-              token_ids: list[int] | None = None,
-              logprobs: Sequence[TokenLogprobs] = ()) -> dict[str, Any]:
-        """The non-streamed response."""
-        ids = {"token_ids": token_ids or []} if self.token_ids else {}
-        found = self._logprobs(logprobs)
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "logprobs": found,
-                                      "message": {"role": "assistant", "content": text},
-                                      "finish_reason": finish_reason, **ids}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": found, "finish_reason": finish_reason,
-                      **ids}
+    def whole(self, received: Sequence[OutputChunk]) -> dict[str, Any]:
+        """The non-streamed response of every chunk ``received`` (each choice's chunks
+        joined; the usage: the last chunk's)."""
+        choices = [self._choice(i, [c for c in received if c.index == i])
+                   for i in range(self.n)]
+        usage = received[-1].usage if received else None
         return {**self._head("chat.completion" if self.chat else "text_completion"),
-                "choices": [choice], "usage": usage_body(usage)}
+                "choices": choices, "usage": usage_body(usage)}
+
+    def _choice(self, index: int, chunks: Sequence[OutputChunk]) -> dict[str, Any]:
+        text = "".join(c.text for c in chunks)
+        finish_reason = chunks[-1].finish_reason if chunks else None
+        ids = {"token_ids": [t for c in chunks for t in c.token_ids]} if self.token_ids else {}
+        found = self._logprobs([lp for c in chunks for lp in c.logprobs], index)
+        if self.chat:
+            return {"index": index, "logprobs": found,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish_reason, **ids}
+        return {"index": index, "text": text, "logprobs": found, "finish_reason": finish_reason,
+                **ids}

@@ -161,8 +161,8 @@ def test_errors_arrive_as_the_sdks_exceptions(oai: openai.OpenAI, grpc_client: C
         grpc_client.complete("Hi", temperature=-1, timeout=TIMEOUT_S)
     assert same.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert bad.value.body["message"] == same.value.details  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError, match="n is not supported"):
-        oai.completions.create(model="", prompt="Hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
+        oai.completions.create(model="", prompt="Hi", best_of=2)
     with pytest.raises(openai.BadRequestError, match="internal fields"):
         oai.chat.completions.create(model="", messages=[{"role": "user", "content": "x"}],
                                     extra_body={"transfer_id": 12})

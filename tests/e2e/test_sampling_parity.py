@@ -243,3 +243,48 @@ def test_structured_outputs_are_one_answer_everywhere(cluster: Cluster, colocate
                         timeout=TIMEOUT_S)
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "nope" in refused.value.details
+
+
+def test_n_choices_each_reproducible_and_the_prompt_counted_once(cluster: Cluster,
+                                                                  llm: LLM) -> None:
+    """n seeded choices: choice i is the engine's answer with seed + i (choice 0: the n = 1
+    answer), the usage counts the prompt once; the same through the openai SDK (streamed
+    and not); n over --max-n is refused naming it."""
+    prompt = f"{PROMPTS[1]} choices"
+    knobs: dict[str, Any] = dict(max_tokens=10, temperature=0.8, ignore_eos=True)
+    expected = [llm.generate([prompt], SamplingParams(seed=40 + i, **knobs))[0]
+                for i in range(3)]
+    assert len({tuple(e.token_ids) for e in expected}) == 3  # the choices differ
+    with Client(cluster.address) as client:
+        got = client.complete(prompt, n=3, seed=40, timeout=TIMEOUT_S, **knobs)
+        assert [list(c.token_ids) for c in got.choices] == [e.token_ids for e in expected]
+        assert list(got.token_ids) == expected[0].token_ids
+        assert got.usage.prompt_tokens == len(expected[0].prompt_token_ids)
+        assert got.usage.completion_tokens == 30
+        indexes = [chunk.index for chunk in client.generate(prompt, n=2, seed=40,
+                                                            timeout=TIMEOUT_S, **knobs)]
+        assert sorted(set(indexes)) == [0, 1]
+        with pytest.raises(PdserveError) as refused:
+            client.complete(prompt, n=17, timeout=TIMEOUT_S)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "--max-n" in refused.value.details
+    assert cluster.router is not None
+    address = cluster.router.ready["http_address"]
+    with openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0,
+                       timeout=TIMEOUT_S) as oai:
+        http = oai.completions.create(model="", prompt=prompt, n=3, seed=40, max_tokens=10,
+                                      temperature=0.8, extra_body={"ignore_eos": True})
+        assert [c.text for c in sorted(http.choices, key=lambda c: c.index)] == [
+            e.text for e in expected]
+        assert http.usage is not None and http.usage.completion_tokens == 30
+        stream = oai.chat.completions.create(
+            model="", messages=[{"role": "user", "content": prompt}], n=2, max_tokens=6,
+            temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+        texts: dict[int, str] = {}
+        for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        assert sorted(texts) == [0, 1] and texts[0] == texts[1]  # greedy: the same twice
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.completions.create(model="", prompt="hi", n=17, max_tokens=2)
+        assert "--max-n" in info.value.message

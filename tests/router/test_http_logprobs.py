@@ -10,7 +10,7 @@ from pathlib import Path
 from engine.sampling_params import TokenLogprobs
 from router.http.logprobs import LogprobsWriter
 from router.http.responses import Shape
-from router.outputs import OutputChunk
+from router.outputs import OutputChunk, Usage
 from router.validation import load_router_tokenizer
 
 
@@ -41,5 +41,20 @@ def test_a_chunk_without_text_still_carries_its_logprobs(llama_dir: Path) -> Non
     assert event["choices"][0]["logprobs"]["content"][0]["logprob"] == -1.0
     plain = Shape.of(chat=True, request_id="r", model="m", created=0)
     assert plain.chunks(OutputChunk((5,), "")) == []
-    whole = plain.whole("hi", "stop", None)
-    assert whole["choices"][0]["logprobs"] is None
+    whole = plain.whole([OutputChunk((5,), "hi", "stop")])
+    assert whole["choices"][0]["logprobs"] is None and whole["choices"][0]["message"][
+        "content"] == "hi"
+
+
+def test_n_choices_are_indexed_and_joined_per_choice() -> None:
+    shape = Shape.of(chat=False, request_id="r", model="m", created=0, n=2)
+    received = [OutputChunk((1,), "a", index=1), OutputChunk((2,), "b"),
+                OutputChunk((3,), "c", "length", index=1),
+                OutputChunk((4,), "d", "stop", Usage(5, 4, 0))]
+    assert [e["choices"][0]["index"] for c in received for e in shape.chunks(c)] == [1, 0, 1, 0]
+    whole = shape.whole(received)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in whole["choices"]] == [
+        (0, "bd", "stop"), (1, "ac", "length")]
+    assert whole["usage"]["completion_tokens"] == 4
+    chat = Shape.of(chat=True, request_id="r", model="m", created=0, n=3)
+    assert [e["choices"][0]["index"] for e in chat.opening()] == [0, 1, 2]
