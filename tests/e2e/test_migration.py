@@ -13,21 +13,29 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutput
 from pdserve import AsyncClient, Client, PdserveError
 from tests.e2e.cluster import Cluster
 from tests.factories import PROMPTS
 from tests.processes import Proc
 
 pytestmark = pytest.mark.timeout(300)
+
+# a structured output long enough to be in flight when its decode worker dies
+SCHEMA = {"type": "object", "properties": {"words": {
+    "type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
+    "minItems": 12, "maxItems": 20}}, "required": ["words"], "additionalProperties": False}
 
 TIMEOUT_S = 120.0
 MAX_TOKENS = 256
@@ -45,8 +53,8 @@ def llm(llama_dir: Path) -> Iterator[LLM]:
 
 def _streams(llm: LLM) -> tuple[list[str], list[SamplingParams]]:
     """16 streams: 12 greedy (4 of them with penalties and min_tokens, 4 with a stop
-    string that matches late in their output, after the migration), 4 seeded sampling
-    (2 with penalties)."""
+    string that matches late in their output, after the migration, 2 with logprobs), 4
+    seeded sampling (2 with penalties, 1 held to a JSON Schema)."""
     prompts = [f"{PROMPTS[i % 4]} (stream {i})" for i in range(16)]
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
               if i < 12 else SamplingParams(max_tokens=MAX_TOKENS, temperature=0.75, seed=i,
@@ -54,6 +62,9 @@ def _streams(llm: LLM) -> tuple[list[str], list[SamplingParams]]:
     for i in (4, 5, 6, 7, 14, 15):  # penalties count the output so far across a move
         params[i] = replace(params[i], presence_penalty=0.5, frequency_penalty=0.25,
                             repetition_penalty=1.25, min_tokens=MAX_TOKENS // 2)
+    for i in (2, 3):  # logprobs go on where they broke (the first after it: the prefill's)
+        params[i] = replace(params[i], logprobs=2)
+    params[13] = replace(params[13], structured=StructuredOutput("json", json.dumps(SCHEMA)))
     free = llm.generate(prompts[8:12], params[8:12])
     for i, result in zip(range(8, 12), free, strict=True):
         cut = len(result.text) * 3 // 4  # a stop string of the output's last quarter
@@ -66,10 +77,15 @@ def _streams(llm: LLM) -> tuple[list[str], list[SamplingParams]]:
 
 def _sdk(p: SamplingParams) -> dict[str, object]:
     """``p`` as the SDK's keyword arguments (the values exact in float32)."""
+    extra: dict[str, object] = {}
+    if p.logprobs is not None:
+        extra["logprobs"] = p.logprobs
+    if p.structured is not None:
+        extra["structured_outputs"] = {p.structured.kind: p.structured.spec}
     return dict(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed,
                 stop=list(p.stop), ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty,
                 frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-                min_tokens=p.min_tokens, timeout=TIMEOUT_S)
+                min_tokens=p.min_tokens, timeout=TIMEOUT_S, **extra)
 
 
 def _router_b(cluster: Cluster) -> Proc:
@@ -111,6 +127,7 @@ def test_sixteen_streams_survive_their_decode_worker_killed_mid_stream(
     expected = llm.generate(prompts, params)
     assert sum(1 for p in params if p.stop) >= 2  # stop strings are in flight
     received: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
     texts = ["" for _ in prompts]
     victim = cluster.decode[0]
     held: dict[str, int] = {}
@@ -120,6 +137,7 @@ def test_sixteen_streams_survive_their_decode_worker_killed_mid_stream(
         finish, usage = None, None
         async for chunk in client.generate(prompts[i], **_sdk(params[i])):  # type: ignore[arg-type]
             received[i] += chunk.token_ids
+            logprobs[i] += [lp.logprob for lp in chunk.logprobs]
             texts[i] += chunk.text
             finish, usage = chunk.finish_reason or finish, chunk.usage or usage
         ends_of[i] = finish
@@ -145,12 +163,17 @@ def test_sixteen_streams_survive_their_decode_worker_killed_mid_stream(
     for i, result in enumerate(expected):
         assert received[i] == result.token_ids, i  # nothing twice, nothing missing
         assert texts[i] == result.text, i
+        if result.logprobs is not None:
+            assert logprobs[i] == pytest.approx([lp.logprob for lp in result.logprobs],
+                                                abs=1e-4), i
         finish, usage = ends[i]
         assert finish == result.finish_reason, i
         assert usage is not None and usage.completion_tokens == len(result.token_ids), i
         assert usage.prompt_tokens == len(result.prompt_token_ids), i
     assert sum(1 for e, p in zip(expected, params, strict=True)
                if p.stop and e.finish_reason == "stop") >= 2
+    assert ends[13][0] == "stop" and len(received[13]) > KILL_AFTER  # moved mid-grammar
+    jsonschema.validate(json.loads(texts[13]), SCHEMA)
     after = _metrics(cluster)
     migrated = sum(v - before.get(k, 0.0) for k, v in after.items()
                    if k.startswith("pdserve:migrations_total"))
