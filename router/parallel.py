@@ -4,9 +4,10 @@ Each choice is a request of its own through the whole lifecycle — admitted, pl
 prefilled, decoded, migrated, cancelled — with the same prompt and sampling but for its
 seed: choice i samples with ``seed + i`` (mod 2**64; unseeded choices draw freely), so
 choice 0 is the n = 1 answer and every seeded choice is reproducible. Their prompts are
-the same, so after the first the prefill workers' prefix caches serve all but the last
-partial block; each choice's KV still travels to its decode worker. The choices run at
-once; their chunks are interleaved as they come, each tagged with its ``index``, and
+the same: the other choices start once choice 0's first token is out — its prompt is then
+in the prefill worker's prefix cache, which serves theirs but for the last partial block
+(each choice's KV still travels to its decode worker). Their chunks are interleaved as
+they come, each tagged with its ``index``, and
 the usage of the whole request (the prompt once, every choice's completion tokens) goes
 on the stream's very last chunk. A failed choice fails the request (the others are
 cancelled); leaving the stream cancels every choice.
@@ -58,16 +59,27 @@ class ParallelRequest:
     async def chunks(self) -> AsyncGenerator[OutputChunk, None]:
         queue: asyncio.Queue[tuple[int, OutputChunk | BaseException | None]] = asyncio.Queue()
 
+        first_out = asyncio.Event()  # choice 0's prompt is computed (and cached)
+        started: set[int] = set()  # the choices whose chunks() runs (it leaves admission)
+
         async def pump(index: int, served: ServedRequest) -> None:
             try:
+                if index:
+                    await first_out.wait()
+                started.add(index)
                 async with aclosing(served.chunks()) as chunks:
                     async for chunk in chunks:
                         queue.put_nowait((index, chunk))
+                        if not index:
+                            first_out.set()
                 queue.put_nowait((index, None))
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the reader
                 queue.put_nowait((index, exc))
+            finally:
+                if not index:
+                    first_out.set()
 
         tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(self.choices)]
         usages: dict[int, Usage] = {}
@@ -88,6 +100,9 @@ class ParallelRequest:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for index, served in enumerate(self.choices):
+                if index not in started:  # never served: its admission is let go here
+                    served.ticket.leave()
 
     def _total(self, usages: dict[int, Usage]) -> Usage | None:
         """The request's usage once every choice has reported its own (else None)."""
