@@ -48,7 +48,10 @@ class Grammars:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
                  *, cache_size: int = DEFAULT_CACHE_SIZE,
-                 compile_limit_s: float = DEFAULT_COMPILE_LIMIT_S) -> None:
+                 compile_limit_s: float | None = DEFAULT_COMPILE_LIMIT_S) -> None:
+        """``compile_limit_s``: a grammar that takes longer to compile is refused (None: no
+        limit). ``ValueError`` / ``RuntimeError`` from llguidance for a tokenizer it cannot
+        use (e.g. more tokens than ``vocab_size``)."""
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size,
             eos_token=list(eos_token_ids) if eos_token_ids else None)
@@ -73,7 +76,7 @@ class Grammars:
             raise GrammarError(f"the {structured.kind} of structured outputs is invalid: "
                                f"{error[:500]}")
         elapsed = time.monotonic() - started
-        if elapsed > self.compile_limit_s:
+        if self.compile_limit_s is not None and elapsed > self.compile_limit_s:
             raise GrammarError(f"the {structured.kind} of structured outputs took "
                                f"{elapsed:.1f}s to compile, over the limit of "
                                f"{self.compile_limit_s:g}s")

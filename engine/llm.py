@@ -100,8 +100,9 @@ class LLM:
                     result = results[out.request_id]
                     result.token_ids.extend(out.new_token_ids)
                     if out.logprobs is not None:
-                        result.logprobs = (result.logprobs or []) + [
-                            lp for lp in out.logprobs if lp is not None]
+                        if result.logprobs is None:
+                            result.logprobs = []
+                        result.logprobs.extend(lp for lp in out.logprobs if lp is not None)
                     texts[out.request_id].append(out.text_delta)
                     if out.finished:
                         result.finish_reason = out.finish_reason or ""

@@ -166,6 +166,8 @@ def _structured(value: Mapping[str, Any]) -> generate_pb2.StructuredOutputs:
     elif kind == "json_object":
         message.json_object = bool(spec)
     elif kind == "choice":
+        if isinstance(spec, str):
+            raise ValueError("structured_outputs choice takes a list of strings")
         message.choice.choices.extend(spec)
     elif kind in ("regex", "grammar"):
         setattr(message, kind, spec)

@@ -90,8 +90,8 @@ class StreamProgress:
         self.token_ids.extend(response.token_ids)
         if response.resume_token:
             self.resume_token = response.resume_token
-        if response.finish_reason:
-            self.finished = True
+        if response.HasField("usage"):  # the stream's last message (n > 1: every choice's
+            self.finished = True          # ends with a finish_reason; only the last has usage)
 
     def may_go_on(self, error: grpc.RpcError) -> bool:
         """Whether the stream that failed with ``error`` goes on on another call (counts

@@ -90,8 +90,10 @@ class RouterCore:
         # resume tokens (router.resume); the server sets the cluster's key once it has it
         self.seal = seal or ResumeSeal(())
         self._tokenizer = tokenizer
-        # structured outputs, compiled as the workers will (refused here with the reason)
-        self._grammars = Grammars(tokenizer.to_str(), limits.vocab_size, limits.eos_token_ids)
+        # structured outputs, compiled as the workers will (refused here with the reason);
+        # built on the first request that asks (a tokenizer llguidance cannot read then
+        # refuses structured requests, not the router's start)
+        self._grammars: Grammars | str | None = None
         self._handoff = handoff
         # unique per attempt within this router, random across routers; never 0
         self._transfer_ids: Iterator[int] = itertools.count((secrets.randbits(40) << 16) + 1)
@@ -112,9 +114,7 @@ class RouterCore:
             deadline = received_at + (self.config.default_timeout_s if timeout_s is None
                                       else timeout_s)
             request = await self._validate(client)
-            if request.n > self.config.max_n:
-                raise InvalidRequest(f"n must be at most {self.config.max_n} (the router's "
-                                     f"--max-n), got {request.n}")
+            self._check_n(request)
             if request.resume_token is not None:
                 self.seal.check(request, request.resume_token, request.resumed)
             self._check_fits(request)
@@ -139,6 +139,22 @@ class RouterCore:
         served = [self._served(c, t, deadline, received_at) for c, t in zip(choices, tickets,
                                                                              strict=True)]
         return served[0] if request.n == 1 else ParallelRequest(request, served)
+
+    def _check_n(self, request: ValidRequest) -> None:
+        """``InvalidRequest`` for more choices than the router takes: over ``--max-n``, or
+        more than admission could ever hold at once (each choice is admitted)."""
+        n, config = request.n, self.config
+        if n > config.max_n:
+            raise InvalidRequest(f"n must be at most {config.max_n} (the router's --max-n), "
+                                 f"got {n}")
+        if n > 1 and n > config.max_inflight:
+            raise InvalidRequest(f"n={n} choices are more than the router admits at once "
+                                 f"(--max-inflight {config.max_inflight})")
+        total = n * request.num_prompt_tokens
+        if n > 1 and config.max_queued_tokens is not None and total > config.max_queued_tokens:
+            raise InvalidRequest(f"n={n} choices of a {request.num_prompt_tokens}-token prompt "
+                                 f"are {total} prompt tokens, more than the router queues "
+                                 f"(--max-queued-tokens {config.max_queued_tokens})")
 
     def _served(self, request: ValidRequest, ticket: Ticket, deadline: float,
                 received_at: float) -> ServedRequest:
@@ -173,8 +189,21 @@ class RouterCore:
         if (client.text is not None and len(client.text) > TOKENIZE_IN_THREAD_CHARS
                 or client.structured is not None):  # a grammar may take a while to compile
             return await self.run_text_work(validate, client, self.limits, self._tokenizer,
-                                            self._grammars)
-        return validate(client, self.limits, self._tokenizer, self._grammars)
+                                            self.grammars())
+        return validate(client, self.limits, self._tokenizer)
+
+    def grammars(self) -> Grammars:
+        """The router's structured-output compiler (``InvalidRequest`` when this model's
+        tokenizer cannot be used for them)."""
+        if self._grammars is None:
+            try:
+                self._grammars = Grammars(self._tokenizer.to_str(), self.limits.vocab_size,
+                                          self.limits.eos_token_ids)
+            except ValueError as exc:
+                self._grammars = f"structured outputs are unavailable for this model: {exc}"
+        if isinstance(self._grammars, str):
+            raise InvalidRequest(self._grammars)
+        return self._grammars
 
     def _check_fits(self, request: ValidRequest) -> None:
         layout = self.pool.layout()

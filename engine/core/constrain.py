@@ -9,7 +9,7 @@ whose grammar is complete (no token may follow) stops (``FinishReason.STOP``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llguidance
 import llguidance.torch as llg_torch
@@ -24,26 +24,45 @@ log = logging.getLogger(__name__)
 class Constraints:
     """The matchers of one engine's constrained requests, by request id."""
 
-    def __init__(self, grammars: Grammars | None) -> None:
-        self.grammars = grammars
+    def __init__(self, make_grammars: Callable[[], Grammars] | None) -> None:
+        """``make_grammars``: builds the compiler on the first constrained request (None:
+        this engine has no tokenizer, structured outputs are refused)."""
+        self._make_grammars = make_grammars
+        self._grammars: Grammars | None = None
+        self._unavailable = "" if make_grammars is not None else "this engine has no tokenizer"
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+
+    @property
+    def grammars(self) -> Grammars | None:
+        """The compiler, built on first use (None, with ``_unavailable`` saying why, when
+        it cannot be: e.g. a tokenizer llguidance cannot read)."""
+        if self._grammars is None and not self._unavailable:
+            assert self._make_grammars is not None
+            try:
+                self._grammars = self._make_grammars()
+            except (ValueError, RuntimeError) as exc:
+                self._unavailable = f"this model's tokenizer cannot be used: {exc}"
+                log.warning("structured outputs are unavailable: %s", self._unavailable)
+        return self._grammars
 
     def check(self, request: Request) -> None:
         """``ValueError`` (naming why) unless the request's structured output compiles."""
         structured = request.params.structured
         if structured is None:
             return
-        if self.grammars is None:
-            raise ValueError("structured outputs need a tokenizer; this engine has none")
-        self.grammars.grammar(structured)
+        grammars = self.grammars
+        if grammars is None:
+            raise ValueError(f"structured outputs are unavailable: {self._unavailable}")
+        grammars.grammar(structured)
 
     def open(self, request: Request) -> None:
         """Starts following ``request`` (checked by ``check``): its resumed tokens are output
         the grammar has seen."""
         structured = request.params.structured
-        if structured is None or self.grammars is None:
+        grammars = self.grammars
+        if structured is None or grammars is None:
             return
-        matcher = self.grammars.matcher(structured)
+        matcher = grammars.matcher(structured)
         resumed = request.prompt_token_ids[len(request.prompt_token_ids)
                                            - request.num_resumed_tokens:]
         if not advance(matcher, resumed):

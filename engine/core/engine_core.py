@@ -55,12 +55,14 @@ class RequestOutput:
     logprobs: list[TokenLogprobs | None] | None = None
 
 
-def _grammars(config: EngineConfig, tokenizer: TokenizerInfo | None) -> Grammars | None:
-    """The engine's structured-output compiler (None without a tokenizer)."""
+def _grammars(config: EngineConfig, tokenizer: TokenizerInfo | None
+              ) -> Callable[[], Grammars] | None:
+    """How the engine makes its structured-output compiler, on first use (None without a
+    tokenizer). No compile-time limit here: the router applied it before sending."""
     if tokenizer is None:
         return None
-    return Grammars(tokenizer.tokenizer.to_str(), config.model.vocab_size,
-                    tokenizer.eos_token_ids)
+    return lambda: Grammars(tokenizer.tokenizer.to_str(), config.model.vocab_size,
+                            tokenizer.eos_token_ids, compile_limit_s=None)
 
 
 class EngineCore:
@@ -126,9 +128,11 @@ class EngineCore:
         ``add_request``."""
         request = self._make_request(request_id, prompt_token_ids, params, False,
                                      num_resumed_tokens)
+        self.constraints.open(request)  # before anything is held: it may refuse
         block_ids = self.scheduler.reserve(request, request.num_prompt_tokens)
-        if block_ids is not None:
-            self.constraints.open(request)
+        if block_ids is None:
+            self.constraints.close(request_id)
+        else:
             self._open_stream(request)
         return block_ids
 

@@ -31,6 +31,7 @@ M = TypeVar("M", bound=BaseModel)
 # parameter -> the values that mean "not used" (anything else: 400)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
+    "top_logprobs": (),  # chat's (a field there); completions take logprobs (an integer)
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "use_beam_search": (False,),
 }
@@ -230,7 +231,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Annotated[int, INT64] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: Annotated[int, INT64] | None = None
 
     def logprobs_asked(self) -> int | None:

@@ -203,3 +203,26 @@ def test_a_router_back_on_its_port_is_reached_at_once(
                 client.close()
 
     assert asyncio.run(main()) == ["Hello world"] * 10
+
+
+def test_with_n_choices_a_failure_after_the_first_choice_ended_is_raised(
+        fakes: list[FakeGeneration]) -> None:
+    """Every choice ends with a finish_reason; only the stream's last message (usage) ends
+    the stream: a failure before it is the call's failure, not a short stream."""
+    first, second = fakes
+
+    def choice_zero_then_fail(request: generate_pb2.GenerateRequest,
+                              context: grpc.ServicerContext
+                              ) -> Iterator[generate_pb2.GenerateResponse]:
+        yield generate_pb2.GenerateResponse(request_id="r", token_ids=[11], text="a",
+                                            finish_reason="length", index=0)
+        yield generate_pb2.GenerateResponse(request_id="r", token_ids=[12], text="b", index=1)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed")
+
+    first.handler = second.handler = choice_zero_then_fail
+    with Client([first.address, second.address]) as client:
+        with pytest.raises(PdserveError) as caught:
+            client.complete("Hi", n=2, timeout=RPC_TIMEOUT_S)
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(PdserveError):
+            list(client.generate("Hi", n=2, timeout=RPC_TIMEOUT_S))

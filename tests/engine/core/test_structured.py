@@ -109,3 +109,25 @@ def test_what_the_library_rejects_is_refused_with_its_message(llm: LLM) -> None:
     with pytest.raises(ValueError, match="kind must be one of"):
         StructuredOutput("yaml", "a: b")
     assert not llm.core.has_unfinished()
+
+
+def test_a_refused_resume_holds_nothing_and_an_unusable_tokenizer_refuses_only_these(
+        llm: LLM, llama_dir: Path) -> None:
+    from engine.core.constrain import Constraints
+    from engine.core.request import Request
+    from engine.grammar import Grammars
+
+    structured = StructuredOutput("choice", json.dumps(["yes", "no"]))
+    in_use = llm.core.kv_usage().in_use
+    bad_resume = llm.encode(PROMPTS[0]) + llm.encode("zzz")  # not a prefix of yes / no
+    with pytest.raises(ValueError, match="do not match the structured output"):
+        llm.core.reserve_for_kv("r1", bad_resume, SamplingParams(
+            max_tokens=8, structured=structured), num_resumed_tokens=len(llm.encode("zzz")))
+    assert "r1" not in llm.core.scheduler.reserved and not llm.core.has_unfinished()
+    assert llm.core.kv_usage().in_use == in_use
+    tokenizer_json = (llama_dir / "tokenizer.json").read_text()
+    broken = Constraints(lambda: Grammars(tokenizer_json, 10, [2]))  # fewer ids than tokens
+    request = Request("r2", [5, 6], SamplingParams(structured=structured))
+    with pytest.raises(ValueError, match="structured outputs are unavailable"):
+        broken.check(request)
+    broken.check(Request("r3", [5, 6], SamplingParams()))  # the others are untouched
