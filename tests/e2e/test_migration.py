@@ -157,6 +157,12 @@ def test_sixteen_streams_survive_their_decode_worker_killed_mid_stream(
             finally:
                 killer.cancel()
 
+    async def warm_up() -> None:  # each decode worker builds its grammar compiler first
+        async with AsyncClient(cluster.address) as client:
+            await asyncio.gather(*(client.complete(prompts[13], **_sdk(replace(  # type: ignore[arg-type]
+                params[13], max_tokens=24, seed=s))) for s in range(2)))
+
+    asyncio.run(warm_up())  # (built on first use, it would hold one worker's streams back)
     before = _metrics(cluster)
     ends = asyncio.run(run())
     assert victim.proc.poll() is not None and held.get(victim.name, 0) >= 1, held
