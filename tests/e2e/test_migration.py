@@ -185,11 +185,17 @@ def test_sixteen_streams_survive_their_decode_worker_killed_mid_stream(
                    if k.startswith("pdserve:migrations_total"))
     # every stream the victim held was migrated (those that ended in the meantime not)
     assert 1 <= migrated <= held[victim.name], (migrated, held)
-    stalls = (after.get("pdserve:migration_stall_seconds_count", 0.0)
-              - before.get("pdserve:migration_stall_seconds_count", 0.0))
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    # each migrated stream's gap is timed at its next token — unless the stream failed
+    # again before it (e.g. no worker could take it at once) and the SDK resumed it
+    stalls = delta("pdserve:migration_stall_seconds_count")
+    resumed = delta("pdserve:router_resumed_streams_total")
     assert cluster.router is not None
-    assert stalls == migrated, [line for line in cluster.router.log_tail(200_000).splitlines()
-                                if "migrat" in line]
+    assert stalls <= migrated <= stalls + resumed, (
+        stalls, migrated, resumed, [line for line in cluster.router.log_tail(200_000).splitlines()
+                                    if "WARNING" in line and "abort of" not in line][-40:])
     assert "migrating (1 of 3)" in cluster.router.log_tail(200_000)
     _replace(cluster, victim)
 
