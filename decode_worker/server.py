@@ -22,7 +22,7 @@ from cluster import pause_points
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from decode_worker.engine_loop import DecodeLoop, Local, Open, Reserve
-from engine.core.engine_core import EngineCore, RequestOutput
+from engine.core.engine_core import EngineCore, RequestOutput, merge_outputs
 from engine.tp.sharding import num_blocks_for
 from worker.commands import WorkerError
 from worker.loop import EngineLoop
@@ -130,6 +130,8 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                     out = await stream.get(context.time_remaining())
                 except WorkerError as exc:
                     await abort_with(context, exc)
+                if not out.finished:  # fallen behind the engine: what is here goes as one
+                    out = merge_outputs(out, stream.ready())
                 chunk = pb.TokenChunk(token_ids=out.new_token_ids, text=out.text_delta)
                 if out.logprobs:  # a first token admitted with its KV has none here
                     chunk.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs

@@ -4,6 +4,7 @@ decode worker's stream, ``router.api`` turns them into ``pdserve.v1`` responses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.sampling_params import TokenLogprobs
@@ -29,3 +30,15 @@ class OutputChunk:
     # a handoff's first token's come with the Prefill's reply, ``router.lifecycle.relay``)
     logprobs: tuple[TokenLogprobs, ...] = ()
     index: int = 0  # the choice it belongs to (n > 1: ``router.parallel``)
+
+
+def merge_chunks(chunks: Sequence[OutputChunk]) -> OutputChunk:
+    """Consecutive chunks of one choice as one: tokens, text and logprobs in order; the
+    first's ``worker_s``, the last's finish and usage."""
+    if len(chunks) == 1:
+        return chunks[0]
+    first, last = chunks[0], chunks[-1]
+    return OutputChunk(tuple(t for c in chunks for t in c.token_ids),
+                       "".join(c.text for c in chunks), last.finish_reason, last.usage,
+                       first.worker_s, tuple(lp for c in chunks for lp in c.logprobs),
+                       first.index)

@@ -5,7 +5,10 @@ Buffering: the handoff's chunks are pumped into a queue of at most ``max_buffere
 while the edge writes them to its client; when a client falls that far behind, its
 request is cancelled on every worker, its admission released and the chunks not yet
 written dropped: the client's next read gets RESOURCE_EXHAUSTED ("client too slow"). A
-slow reader never holds the router's memory, the workers or the decode batch.
+slow reader never holds the router's memory, the workers or the decode batch. Chunks that
+wait when the edge asks for the next go to it as one (``merge_chunks``): a client, or a
+router loop, that fell behind gets fewer, larger messages instead of a backlog of one per
+token (the decode worker does the same towards the router).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from router.admission import Ticket
 from router.errors import RouteError
 from router.lifecycle.handoff import Handoff
 from router.metrics import RouterMetrics
-from router.outputs import OutputChunk
+from router.outputs import OutputChunk, merge_chunks
 from router.trace import Trace
 from router.validation import ValidRequest
 
@@ -68,6 +71,23 @@ class _End:
     """The pump's last item: how the handoff ended (``error`` None: cleanly)."""
 
     error: BaseException | None = None
+
+
+def _merge_waiting(item: tuple[OutputChunk, float],
+                   queue: asyncio.Queue[tuple[OutputChunk, float] | _End]
+                   ) -> tuple[tuple[OutputChunk, float], tuple[OutputChunk, float] | _End | None]:
+    """``item`` and the chunks of its choice already waiting behind it, as one chunk (one
+    message to a client that fell behind, instead of one per token); and the item taken
+    that could not join it (the end, another choice's chunk), if any."""
+    first, arrived_at = item
+    chunks, taken = [first], None
+    while chunks[-1].finish_reason is None and not queue.empty():
+        nxt = queue.get_nowait()
+        if isinstance(nxt, _End) or nxt[0].index != first.index:
+            taken = nxt
+            break
+        chunks.append(nxt[0])
+    return (merge_chunks(chunks), arrived_at), taken
 
 
 class ServedRequest:
@@ -116,8 +136,11 @@ class ServedRequest:
             self._queue, self._pump = queue, pump
             if self._live is not None:
                 self._live.add(self)
+            held: tuple[OutputChunk, float] | _End | None = None  # taken, not yet merged
             while True:
-                item = await queue.get()
+                item, held = held or await queue.get(), None
+                if not isinstance(item, _End):  # the client fell behind: merge what waits
+                    item, held = _merge_waiting(item, queue)
                 if isinstance(item, _End):
                     if item.error is not None:
                         record.status = item.error.code.name if isinstance(

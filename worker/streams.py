@@ -4,6 +4,7 @@ task that awaits them (``worker.loop``'s threading model)."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Generic, TypeVar
 
 import grpc
@@ -22,11 +23,14 @@ class OutputStream(Generic[T]):
     a bug and raises. The end of the
     stream is an item for which the reader's own check says so, or a ``WorkerError``
     (put with ``fail``). Items for a reader whose event loop closed are dropped.
+    ``ready()`` takes, without waiting, the items that arrived meanwhile (a reader that
+    fell behind sends them as one message).
     """
 
     def __init__(self, capacity: int | None = None) -> None:
         self._event_loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[T | WorkerError] = asyncio.Queue()
+        self._items: deque[T | WorkerError] = deque()  # the event loop's thread only
+        self._waiter: asyncio.Future[None] | None = None
         self._capacity = capacity
         self._num_put = 0  # loop thread only
         # monotonic, set by the loop: when what the request waited on outside this worker
@@ -48,17 +52,35 @@ class OutputStream(Generic[T]):
 
     def _deliver(self, item: T | WorkerError) -> None:
         try:
-            self._event_loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._event_loop.call_soon_threadsafe(self._arrived, item)
         except RuntimeError:  # the reader's event loop is closed: nobody reads any more
             pass
+
+    def _arrived(self, item: T | WorkerError) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def get(self, timeout_s: float | None) -> T:
         """The next item; raises the ``WorkerError`` put by ``fail``, or
         ``WorkerError(DEADLINE_EXCEEDED)`` after ``timeout_s``."""
-        try:
-            item = await asyncio.wait_for(self._queue.get(), timeout_s)
-        except TimeoutError:
-            raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+        if not self._items:
+            self._waiter = self._event_loop.create_future()
+            try:
+                await asyncio.wait_for(self._waiter, timeout_s)
+            except TimeoutError:
+                raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  "deadline exceeded") from None
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if isinstance(item, WorkerError):
             raise item
         return item
+
+    def ready(self) -> list[T]:
+        """The items already here, in order, without waiting; a failure stays for ``get``."""
+        taken: list[T] = []
+        while self._items and not isinstance(self._items[0], WorkerError):
+            taken.append(self._items.popleft())  # type: ignore[arg-type]
+        return taken

@@ -17,7 +17,7 @@ import itertools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.attention.metadata import LayerHook
 from engine.config import EngineConfig
@@ -53,6 +53,19 @@ class RequestOutput:
     # one per new token when the request asks for logprobs (None for a token sampled
     # elsewhere: the first one admitted with its KV); None when it does not ask
     logprobs: list[TokenLogprobs | None] | None = None
+
+
+def merge_outputs(first: RequestOutput, later: Sequence[RequestOutput]) -> RequestOutput:
+    """One request's consecutive outputs as one: the tokens, text and logprobs in order;
+    the counts and the finish of the last (``first`` itself when ``later`` is empty)."""
+    if not later:
+        return first
+    last = later[-1]
+    logprobs = None if first.logprobs is None else [
+        lp for out in (first, *later) for lp in out.logprobs or [None] * len(out.new_token_ids)]
+    return replace(last, new_token_ids=[t for out in (first, *later) for t in out.new_token_ids],
+                   text_delta="".join(out.text_delta for out in (first, *later)),
+                   logprobs=logprobs)
 
 
 def _grammars(config: EngineConfig, tokenizer: TokenizerInfo | None

@@ -255,12 +255,14 @@ def test_a_slow_reader_is_cut_off_while_fast_readers_stream_on(small: Cluster) -
     # the slow client's window is small, so the router's writes to it stop soon
     slow_options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
     gaps: list[float] = []
+    tokens: list[int] = []
 
     def fast_reader(i: int) -> None:
         with Client(small.address) as client:
             last = None
-            for _ in client.generate(f"{PROMPT} fast {i}", max_tokens=64, ignore_eos=True,
-                                     timeout=120.0):
+            for chunk in client.generate(f"{PROMPT} fast {i}", max_tokens=64, ignore_eos=True,
+                                         timeout=120.0):
+                tokens.append(len(chunk.token_ids))
                 now = time.monotonic()
                 if last is not None:
                     gaps.append(now - last)
@@ -286,7 +288,8 @@ def test_a_slow_reader_is_cut_off_while_fast_readers_stream_on(small: Cluster) -
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "client too slow" in info.value.details
     gaps.sort()
-    assert len(gaps) == 4 * 63 and gaps[len(gaps) // 2] < 0.5, gaps[len(gaps) // 2]
+    # every token arrived (a message may carry several when a reader fell behind a moment)
+    assert sum(tokens) == 4 * 64 and gaps[len(gaps) // 2] < 0.5, gaps[len(gaps) // 2]
 
 
 _SILENT_CLIENT = """
