@@ -1,5 +1,5 @@
-"""What ``n`` > 1 choices cost against one: time to first token and prompt tokens computed
-on the prefill worker.
+"""What ``n`` > 1 choices cost against one: time to first token, prompt tokens computed on
+the prefill worker, and KV bytes it sent.
 
     python -m bench.parallel [--quick] [--n 4] [--prompt-len 512] [--max-tokens 16]
                              [--trials 5] [--json out.json]
@@ -9,11 +9,12 @@ Starts ``pdserve up`` as a library (one prefill and one decode worker, metrics o
 prompt twice, one request at a time: once with ``n=1`` and once (another fresh prompt)
 with ``--n``, greedy; TTFT is the time to the first chunk of any choice. The prefill
 worker's prompt tokens computed (``vllm:prompt_tokens`` less ``vllm:prefix_cache_hits``,
-counted as each prefill ends) are read before and after each request.
-The issue's goals: ``n=4`` on a 512-token prompt computes the prompt once (here each
-choice is a request of its own: the later ones hit the prefill worker's prefix cache but
-for the last partial block; each choice's KV travels, n times ``n=1``'s bytes, not
-measured here) and TTFT at most 1.2x ``n=1``'s.
+counted as each prefill ends) and KV bytes sent (``pdserve:kv_transfer_bytes_total``) are
+read before and after each request.
+The issue's goals: ``n=4`` on a 512-token prompt computes the prompt and moves its KV once
+(here each choice is a request of its own: the later ones hit the prefill worker's prefix
+cache, and that of choice 0's decode worker, but for the last prompt token's block, which
+is computed and sent again) and TTFT at most 1.2x ``n=1``'s.
 """
 
 from __future__ import annotations
@@ -44,32 +45,42 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _computed(running: LocalLauncher) -> float:
-    """Prompt tokens the prefill workers computed so far (not served from their cache)."""
-    computed = 0.0
+def _counted(running: LocalLauncher) -> tuple[float, float]:
+    """(prompt tokens the prefill workers computed so far, not served from their cache;
+    KV bytes they sent)."""
+    computed = sent = 0.0
     for worker in running.workers:
         if not worker.name.startswith("prefill") or worker.ready is None:
             continue
         url = f"http://{worker.ready['metrics_address']}/metrics"
         for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+            value = line.rsplit(" ", 1)[-1]
             if line.startswith("vllm:prompt_tokens_total"):  # every prompt token ...
-                computed += float(line.rsplit(" ", 1)[1])
+                computed += float(value)
             elif line.startswith("vllm:prefix_cache_hits_total"):  # ... less the cached
-                computed -= float(line.rsplit(" ", 1)[1])
-    return computed
+                computed -= float(value)
+            elif line.startswith("pdserve:kv_transfer_bytes_total") and '"sent"' in line:
+                sent += float(value)
+    return computed, sent
 
 
 def _one(client: Client, running: LocalLauncher, prompt: list[int], n: int,
-         max_tokens: int) -> tuple[float, float]:
-    """(TTFT s, prompt tokens computed) of one request of ``n`` choices."""
-    before = _computed(running)
+         max_tokens: int) -> tuple[float, float, float]:
+    """(TTFT s, prompt tokens computed, KV bytes sent) of one request of ``n`` choices."""
+    before = _counted(running)
     start = time.perf_counter()
     ttft = None
     for _ in client.generate(prompt_token_ids=prompt, n=n, max_tokens=max_tokens,
                              temperature=0.0, ignore_eos=True, timeout=300.0):
         ttft = ttft if ttft is not None else time.perf_counter() - start
     assert ttft is not None
-    return ttft, _computed(running) - before
+    after = _counted(running)
+    for _ in range(20):  # the workers' snapshot of their ranks' totals, taken once idle
+        time.sleep(0.05)
+        if (again := _counted(running)) == after:
+            break
+        after = again
+    return ttft, after[0] - before[0], after[1] - before[1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rng = random.Random(0)
     print(f"n={args.n} against n=1 on {model.name}: {args.prompt_len}-token prompts, "
           f"{args.trials} trials ...", flush=True)
-    runs: dict[int, list[tuple[float, float]]] = {1: [], args.n: []}
+    runs: dict[int, list[tuple[float, float, float]]] = {1: [], args.n: []}
     with cluster(model, num_prefill=1, num_decode=1,
                  worker_args=("--metrics-port", "0")) as running:
         vocab = 500
@@ -89,18 +100,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
                     runs[n].append(_one(client, running, prompt, n, args.max_tokens))
                 print(f"  trial {trial + 1}/{args.trials} done", flush=True)
-    medians = {n: tuple(statistics.median(r[i] for r in rs) for i in range(2))
+    medians = {n: tuple(statistics.median(r[i] for r in rs) for i in range(3))
                for n, rs in runs.items()}
     base = medians[1]
     rows = [[f"n={n}", f"{m[0] * 1e3:.1f}", f"{m[0] / base[0]:.2f}x", f"{m[1]:.0f}",
-             f"{m[1] / base[1]:.2f}x"] for n, m in medians.items()]
+             f"{m[1] / base[1]:.2f}x", f"{m[2] / 2**20:.2f}", f"{m[2] / base[2]:.2f}x"]
+            for n, m in medians.items()]
     print(format_table(rows, ["arm", "TTFT p50 ms", "vs n=1", "prompt tokens computed",
-                              "vs n=1"]))
+                              "vs n=1", "KV MiB sent", "vs n=1"]))
     facts = machine_info()
     print(f"machine: {facts.get('cpu_model', '?')}, {facts.get('cpu_count', '?')} CPUs")
     if args.json:
         write_json(args.json, {"model": model.name, "n": args.n, "prompt_len": args.prompt_len,
-                               "medians": {str(n): dict(zip(("ttft_s", "prompt_tokens_computed"),
+                               "medians": {str(n): dict(zip(("ttft_s", "prompt_tokens_computed",
+                                                             "kv_bytes_sent"),
                                                             m, strict=True))
                                            for n, m in medians.items()},
                                "runs": {str(n): r for n, r in runs.items()}, "machine": facts})

@@ -4,7 +4,9 @@ and the receiving side of its KV plane (``worker.kv.receiving.KVReceiveLeader``)
 Life of one request here (commands from gRPC handlers, see ``worker.loop``), each phase
 recorded in one place, the request's ``_Live.phase``:
 
-- ``Reserve``: blocks reserved in the engine (``reserve_for_kv``), the transfer announced
+- ``Reserve``: blocks reserved in the engine (``reserve_for_kv``: the leading blocks its
+  prefix cache holds for the prompt are taken as they are, and the target's
+  ``num_cached_blocks`` tells the sender to skip them), the transfer of the rest announced
   to every rank (``KVReceiveLeader.expect``) — phase RESERVED;
 - the loop polls the leader; once the KV arrived on every rank, with its trailer (the
   first token and the prefill side's cached-token count) on rank 0 — phase ARRIVED;
@@ -33,7 +35,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -107,6 +109,7 @@ class _Live:
     trailer: Trailer | None = None  # arrived with the KV
     local: bool = False  # prefilled here (colocated)
     transfer_id: int = 0  # 0 when prefilled here
+    num_cached_blocks: int = 0  # leading prompt blocks the prefix cache had (not sent)
     num_streamed: int = 0  # tokens put on its stream
 
 
@@ -142,21 +145,27 @@ class DecodeLoop(EngineLoop):
         rid = cmd.attempt_id
         if rid in self._live:
             if self.receiving.transfer_id(rid) == cmd.transfer_id:  # a repeated Reserve
-                return self.receiving.target(cmd.transfer_id)
+                return replace(self.receiving.target(cmd.transfer_id),
+                               num_cached_blocks=self._live[rid].num_cached_blocks)
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {rid!r} is live here with another transfer")
         if self.busy:
             return (f"busy: {len(self._live)} requests held, the worker's limit "
                     "(--max-requests)")
         try:
-            block_ids = self.core.reserve_for_kv(rid, cmd.prompt_token_ids, cmd.params,
-                                                 num_resumed_tokens=cmd.num_resumed_tokens)
-            if block_ids is None:
+            reserved = self.core.reserve_for_kv(rid, cmd.prompt_token_ids, cmd.params,
+                                                num_resumed_tokens=cmd.num_resumed_tokens,
+                                                reuse_prefix=True)
+            if reserved is None:
                 usage = self.core.kv_usage()
                 return f"out of KV blocks ({usage.free + usage.cached} of {usage.total} free)"
+            # the prefix cache's hits stay as they are: only the blocks after them arrive
+            skipped = reserved.num_cached_blocks * self.core.config.cache.block_size
             try:
-                target = self.receiving.expect(rid, cmd.transfer_id, len(cmd.prompt_token_ids),
-                                               block_ids, self.transfer_timeout_s, cmd.wait_s)
+                target = self.receiving.expect(rid, cmd.transfer_id,
+                                               len(cmd.prompt_token_ids) - skipped,
+                                               reserved.blocks_to_write,
+                                               self.transfer_timeout_s, cmd.wait_s)
             except BaseException:
                 self.core.abort_request(rid)
                 raise
@@ -165,9 +174,11 @@ class DecodeLoop(EngineLoop):
         self._failed.pop(rid, None)
         self.named(rid, cmd.client_request_id)
         self._live[rid] = _Live(Phase.RESERVED, cmd.params.max_tokens,
-                                transfer_id=cmd.transfer_id)
+                                transfer_id=cmd.transfer_id,
+                                num_cached_blocks=reserved.num_cached_blocks)
+        self.metrics.kv_blocks_reused(reserved.num_cached_blocks)
         self.timings.received(rid)
-        return target
+        return replace(target, num_cached_blocks=reserved.num_cached_blocks)
 
     @property
     def busy(self) -> bool:

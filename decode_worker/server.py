@@ -78,7 +78,8 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
             accepted=True, num_blocks=num_blocks_for(len(request.prompt_token_ids), block_size),
             target=pb.KVTarget(kv_address=target.kv_address,
                                tensor_parallel_size=target.tensor_parallel_size,
-                               transfer_id=target.transfer_id))
+                               transfer_id=target.transfer_id,
+                               num_cached_blocks=target.num_cached_blocks))
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 - gRPC name
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:

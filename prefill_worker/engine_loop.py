@@ -78,6 +78,7 @@ class Submit(Command[None]):
     deadline: float | None = None
     client_request_id: str = ""  # for logs
     num_resumed_tokens: int = 0  # output already streamed, ending the prompt (a migration)
+    num_skipped_blocks: int = 0  # leading prompt blocks the receiver holds: not sent
 
 
 @dataclass
@@ -120,7 +121,8 @@ class PrefillLoop(EngineLoop):
                               "(--max-requests)")
         try:
             self.sending.submit(cmd.attempt_id, cmd.prompt_token_ids, cmd.params, cmd.transfer_id,
-                                cmd.dest, num_resumed_tokens=cmd.num_resumed_tokens)
+                                cmd.dest, num_resumed_tokens=cmd.num_resumed_tokens,
+                                num_skipped_blocks=cmd.num_skipped_blocks)
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self.named(cmd.attempt_id, cmd.client_request_id)

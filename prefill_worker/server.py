@@ -55,7 +55,8 @@ class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
                                 sampling_params_from_proto(request.sampling),
                                 request.target.transfer_id, _dest(request.target), stream,
                                 None if remaining is None else time.monotonic() + remaining,
-                                request.client_request_id, request.num_resumed_tokens)
+                                request.client_request_id, request.num_resumed_tokens,
+                                request.target.num_cached_blocks)
                 await self.loop.acall(submit, call_timeout(context))
             except WorkerError as exc:
                 held = exc.code not in REFUSALS

@@ -40,7 +40,7 @@ from router.admission import Admission, Ticket
 from router.config import AdmissionConfig, HandoffConfig
 from router.errors import RouteError
 from router.lifecycle.attempt import AttemptIds
-from router.lifecycle.context import RequestContext
+from router.lifecycle.context import RequestContext, SharedDecode
 from router.lifecycle.handoff import Handoff
 from router.lifecycle.placement import Placement
 from router.metrics import RouterMetrics
@@ -136,8 +136,9 @@ class RouterCore:
         except InvalidRequest:
             self.metrics.rejections.labels("invalid").inc()
             raise
-        served = [self._served(c, t, deadline, received_at) for c, t in zip(choices, tickets,
-                                                                             strict=True)]
+        shared = SharedDecode() if request.n > 1 else None
+        served = [self._served(c, t, deadline, received_at, shared)
+                  for c, t in zip(choices, tickets, strict=True)]
         return served[0] if request.n == 1 else ParallelRequest(request, served)
 
     def _check_n(self, request: ValidRequest) -> None:
@@ -157,9 +158,10 @@ class RouterCore:
                                  f"(--max-queued-tokens {config.max_queued_tokens})")
 
     def _served(self, request: ValidRequest, ticket: Ticket, deadline: float,
-                received_at: float) -> ServedRequest:
+                received_at: float, shared: SharedDecode | None = None) -> ServedRequest:
         return ServedRequest(request, ticket, deadline, received_at,
-                             lambda trace: self.handoff(request, ticket, deadline, trace),
+                             lambda trace: self.handoff(request, ticket, deadline, trace,
+                                                        shared),
                              metrics=self.metrics,
                              max_buffered_chunks=self.config.max_buffered_chunks,
                              live=self._live)
@@ -226,16 +228,17 @@ class RouterCore:
                              f"{largest}")
 
     def handoff(self, request: ValidRequest, ticket: Ticket, deadline: float,
-                trace: Trace | None = None) -> Handoff:
+                trace: Trace | None = None, shared: SharedDecode | None = None) -> Handoff:
         """The lifecycle of an admitted request (``router.lifecycle``); UNAVAILABLE when
-        no worker is known (the cluster's KV layout names the block size)."""
+        no worker is known (the cluster's KV layout names the block size). ``shared``:
+        the decode worker its sibling choices share (n > 1)."""
         layout = self.pool.layout()
         if layout is None:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy worker is registered")
         ctx = RequestContext(self.pool, request, ticket, deadline, self._handoff, self.metrics,
                              self.leases, WorkerCalls(self.pool, request, self.leases.ttl_ms),
                              self._keep, trace or Trace(time.monotonic()), layout.block_size,
-                             layout.hash_seed)
+                             layout.hash_seed, shared_decode=shared)
         placement = Placement(ctx, self.attempt_ids, self._transfer_ids, self._prefill_turns)
         return Handoff(ctx, placement, resumed=request.resumed)
 

@@ -5,9 +5,10 @@ prefilled, decoded, migrated, cancelled — with the same prompt and sampling bu
 seed: choice i samples with ``seed + i`` (mod 2**64; unseeded choices draw freely), so
 choice 0 is the n = 1 answer and every seeded choice is reproducible. Their prompts are
 the same: the other choices start once choice 0's first token is out — its prompt is then
-in the prefill worker's prefix cache, which serves theirs but for the last partial block
-(each choice's KV still travels to its decode worker). Their chunks are interleaved as
-they come, each tagged with its ``index``, and
+in the prefill worker's prefix cache, which serves theirs but for the last token's block,
+and in the prefix cache of choice 0's decode worker, which the others ask first
+(``router.lifecycle.context.SharedDecode``): only that last block travels again. Their
+chunks are interleaved as they come, each tagged with its ``index``, and
 the usage of the whole request (the prompt once, every choice's completion tokens) goes
 on the stream's very last chunk. A failed choice fails the request (the others are
 cancelled); leaving the stream cancels every choice.

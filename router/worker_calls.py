@@ -148,7 +148,7 @@ class WorkerCalls:
             return Reservation(False, reason=reply.reason)
         t = reply.target
         return Reservation(True, reply.num_blocks, KVTarget(
-            t.transfer_id, t.kv_address, t.tensor_parallel_size))
+            t.transfer_id, t.kv_address, t.tensor_parallel_size, t.num_cached_blocks))
 
     def start_prefill(self, prefill_id: str, attempt_id: str, lease: Lease, target: KVTarget,
                       timeout_s: float) -> grpc.aio.UnaryUnaryCall:
@@ -158,7 +158,8 @@ class WorkerCalls:
             num_resumed_tokens=self._num_resumed,
             sampling=self._sampling, target=pb.KVTarget(
                 kv_address=target.kv_address, tensor_parallel_size=target.tensor_parallel_size,
-                transfer_id=target.transfer_id), attempt_id=attempt_id,
+                transfer_id=target.transfer_id, num_cached_blocks=target.num_cached_blocks),
+            attempt_id=attempt_id,
             lease=self._lease(lease)), timeout=timeout_s)
 
     @staticmethod

@@ -29,16 +29,22 @@ class LoopFigures:
         self._snapshot_at = self._totals_at = 0.0
         self._totals: RankTotals | None = None
         self._preemptions_seen = 0
+        # the last snapshot was taken idle, with the ranks' totals, and nothing ran since
+        self.settled = False
 
-    def due(self) -> bool:
-        """Whether the snapshot is older than ``SNAPSHOT_S``."""
-        return time.monotonic() - self._snapshot_at >= SNAPSHOT_S
+    def due(self, idle: bool) -> bool:
+        """Whether to refresh now: the snapshot is older than ``SNAPSHOT_S``, or the loop
+        goes ``idle`` after work (then the snapshot is what the loop leaves, until its
+        next work: a scrape of an idle worker reads its final figures)."""
+        return time.monotonic() - self._snapshot_at >= SNAPSHOT_S or idle and not self.settled
 
-    def refresh(self, num_unadmitted: int) -> None:
-        """The gauges' snapshot (the ranks' totals every ``TOTALS_S``) and the preemption
-        counter; ``num_unadmitted``: requests held that the scheduler does not count yet."""
+    def refresh(self, num_unadmitted: int, idle: bool = False) -> None:
+        """The gauges' snapshot (the ranks' totals every ``TOTALS_S``, and whenever
+        ``idle``) and the preemption counter; ``num_unadmitted``: requests held that the
+        scheduler does not count yet."""
         now = self._snapshot_at = time.monotonic()
-        if self._totals is None or now - self._totals_at >= TOTALS_S:
+        self.settled = idle
+        if self._totals is None or idle or now - self._totals_at >= TOTALS_S:
             self._totals, self._totals_at = self.kv.rank_totals(), now
         sched, kv, totals = self.core.scheduler, self.core.kv_usage(), self._totals
         self.metrics.snapshot = Snapshot(

@@ -173,6 +173,8 @@ class EngineLoop:
             if item is None:
                 return False
             block = False
+            if not isinstance(item.command, Info):  # Info reads; the others may change figures
+                self.figures.settled = False  # the snapshot is taken again once idle
             if not item.future.set_running_or_notify_cancel():
                 continue
             if item.deadline is not None and time.monotonic() > item.deadline:
@@ -219,10 +221,12 @@ class EngineLoop:
             self.core.shutdown()
 
     def _refresh_metrics(self) -> None:
-        """The metrics' snapshot, every ``figures.SNAPSHOT_S`` (the loop thread)."""
-        if self.figures.due():
+        """The metrics' snapshot, every ``figures.SNAPSHOT_S`` and once the loop goes idle
+        (the loop thread)."""
+        idle = not self.core.has_unfinished() and not self._is_polling()
+        if self.figures.due(idle):
             self._forget_ended()
-            self.figures.refresh(self._num_unadmitted())
+            self.figures.refresh(self._num_unadmitted(), idle)
 
     # --- the commands every kind shares -------------------------------------------
     def _handle(self, command: Command[Any]) -> Any:

@@ -24,7 +24,9 @@ rank acknowledged; received: reservation → KV verified on every rank) — labe
 direction of the transfer, not by the worker's role: any worker may send and receive —
 ``pdserve:kv_checksum_failures_total``,
 ``pdserve:kv_unexpected_acks_total`` (acknowledgements a sender counted and ignored),
-``pdserve:kv_pinned_blocks``, ``pdserve:kv_open_channels`` (gauges), and
+``pdserve:kv_blocks_reused_total`` (prompt blocks a decode worker's prefix cache held
+at a reservation, so the sender skipped them), ``pdserve:kv_pinned_blocks``,
+``pdserve:kv_open_channels`` (gauges), and
 ``pdserve:worker_info{role, worker_id}`` (1).
 
 Thread model: the engine-loop thread records events (prometheus-client metrics are
@@ -132,8 +134,12 @@ class WorkerMetrics:
                                  ("direction", "outcome"))
         self.transfer_seconds = histogram("pdserve:kv_transfer_seconds", "KV transfer time",
                                           LATENCY_BUCKETS, ("direction",))
+        self.blocks_reused = counter(
+            "pdserve:kv_blocks_reused",
+            "Prompt KV blocks a decode worker's prefix cache held, so were not transferred")
         for metric in (self.prefix_queries, self.prefix_hits, self.preemptions,
-                       self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
+                       self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.blocks_reused):
             metric.labels(model_name)  # exported (at 0) before the first event
         for reason in ("stop", "length", "prefilled"):
             self.success.labels(model_name, reason)
@@ -154,6 +160,11 @@ class WorkerMetrics:
         self.label(self.transfers, direction, "ok" if ok else "failed").inc()
         if ok and seconds is not None:
             self.label(self.transfer_seconds, direction).observe(seconds)
+
+    def kv_blocks_reused(self, num_blocks: int) -> None:
+        """A reservation took ``num_blocks`` prompt blocks from the prefix cache."""
+        if num_blocks:
+            self.label(self.blocks_reused).inc(num_blocks)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

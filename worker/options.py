@@ -51,6 +51,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", help="default: ROLE-<random>")
     parser.add_argument("--num-kv-blocks", type=int, help="default: fit to memory")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="reuse cached prompt blocks by hash (a decode worker: skip "
+                             "receiving the blocks it holds); --no-enable-prefix-caching: off")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--transfer-timeout", type=float, default=30.0,

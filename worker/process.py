@@ -98,7 +98,8 @@ def engine_config(args: argparse.Namespace, rank_plugin: str = "",
     """The worker's engine configuration (reads the model's ``config.json`` only)."""
     return EngineConfig(
         model=load_model_config(args.model, dtype=options.dtype(args)), device=args.device,
-        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
+        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                          enable_prefix_caching=args.enable_prefix_caching),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),

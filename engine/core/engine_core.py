@@ -55,6 +55,20 @@ class RequestOutput:
     logprobs: list[TokenLogprobs | None] | None = None
 
 
+@dataclass(frozen=True)
+class KVReservation:
+    """Blocks reserved for a prompt's KV (``EngineCore.reserve_for_kv``): the whole table,
+    in order; its first ``num_cached_blocks`` already hold the prompt's KV (prefix-cache
+    hits), the caller writes the rest."""
+
+    block_ids: list[int]
+    num_cached_blocks: int = 0
+
+    @property
+    def blocks_to_write(self) -> list[int]:
+        return self.block_ids[self.num_cached_blocks:]
+
+
 def merge_outputs(first: RequestOutput, later: Sequence[RequestOutput]) -> RequestOutput:
     """One request's consecutive outputs as one: the tokens, text and logprobs in order;
     the counts and the finish of the last (``first`` itself when ``later`` is empty)."""
@@ -133,21 +147,23 @@ class EngineCore:
         self._open_stream(request)
 
     def reserve_for_kv(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams, *, num_resumed_tokens: int = 0
-                       ) -> list[int] | None:
-        """Reserve blocks for a prompt whose KV will be written from outside. Returns the
-        block ids (the caller writes the prompt's KV into them, in order), or None when
-        they do not fit now — then nothing is held. ``num_resumed_tokens``: as for
-        ``add_request``."""
+                       params: SamplingParams, *, num_resumed_tokens: int = 0,
+                       reuse_prefix: bool = False) -> KVReservation | None:
+        """Reserve blocks for a prompt whose KV will be written from outside, or None when
+        they do not fit now — then nothing is held. With ``reuse_prefix`` the leading
+        blocks the prefix cache holds for the prompt (never its last token's) are taken
+        as they are, and the caller writes only the blocks after them.
+        ``num_resumed_tokens``: as for ``add_request``."""
         request = self._make_request(request_id, prompt_token_ids, params, False,
                                      num_resumed_tokens)
         self.constraints.open(request)  # before anything is held: it may refuse
-        block_ids = self.scheduler.reserve(request, request.num_prompt_tokens)
+        cached = self.scheduler.cached_prefix(request) if reuse_prefix else []
+        block_ids = self.scheduler.reserve(request, request.num_prompt_tokens, cached)
         if block_ids is None:
             self.constraints.close(request_id)
-        else:
-            self._open_stream(request)
-        return block_ids
+            return None
+        self._open_stream(request)
+        return KVReservation(block_ids, len(cached))
 
     def admit_with_kv(self, request_id: str, first_token_id: int,
                       num_cached_tokens: int = 0) -> RequestOutput:

@@ -94,16 +94,18 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def reserve(self, request: Request, num_tokens: int) -> list[int] | None:
-        """Reserve blocks for ``num_tokens`` tokens whose KV will be written from outside.
-        Returns the block ids, or None (nothing held) when they do not fit now."""
-        block_ids = self.blocks.allocate(request.request_id, num_tokens)
-        if block_ids is None:
+    def reserve(self, request: Request, num_tokens: int,
+                cached_block_ids: Sequence[int] = ()) -> list[int] | None:
+        """Reserve blocks for ``num_tokens`` tokens whose KV will be written from outside,
+        led by ``cached_block_ids`` (from ``cached_prefix``: KV already here, never
+        written). Returns the whole block table, or None (nothing held) when it does not
+        fit now."""
+        if self.blocks.allocate(request.request_id, num_tokens, cached_block_ids) is None:
             return None
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         self.reserved[request.request_id] = request
-        return block_ids
+        return self.blocks.block_ids(request.request_id)
 
     def admit_with_kv(self, request_id: str, num_computed_tokens: int,
                       first_token_id: int) -> StepUpdate:
@@ -175,7 +177,7 @@ class Scheduler:
         decoding = any(r.output_token_ids and r.num_computed_tokens for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached = self._cached_prefix(request)
+            cached = self.cached_prefix(request)
             num_computed = len(cached) * self.blocks.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if self.blocks.allocate(request.request_id, num_computed + num_new, cached) is None:
@@ -191,7 +193,9 @@ class Scheduler:
             self._emit(out, request, num_new)
             budget -= num_new
 
-    def _cached_prefix(self, request: Request) -> list[int]:
+    def cached_prefix(self, request: Request) -> list[int]:
+        """The request's leading blocks in the prefix cache (none when it is off), short
+        of its last token's block; takes no reference (valid until the next allocation)."""
         if not self.cache.enable_prefix_caching:
             return []
         # At least the last token is always computed, so its logits exist to sample from.

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 """Bytes per element of the KV dtypes the engine supports."""
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Version of what workers and the router exchange: the internal gRPC API
 (``proto/cluster/internal/v1``), the KV wire protocol (``kvtransfer.wire.protocol``) and the
 cluster records. Bump it with any change an older process would misread: it is part of
@@ -34,7 +34,9 @@ client's id ``client_request_id``, every call needs its ``attempt_id``, and Gene
 longer carries the router's copies of the first token. 4: Reserve, Prefill and
 GenerateLocal carry ``num_resumed_tokens`` (a migrated stream's output so far, which an
 older worker would take for prompt), and ``SamplingParams`` the penalties, ``min_p``,
-``min_tokens`` and ``logit_bias`` (which an older worker would ignore)."""
+``min_tokens`` and ``logit_bias`` (which an older worker would ignore). 6: ``KVTarget``
+carries ``num_cached_blocks`` (blocks the decode worker holds; an older sender would send
+them anyway and fail the transfer)."""
 
 
 @dataclass(frozen=True)

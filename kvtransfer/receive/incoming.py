@@ -193,7 +193,9 @@ def _check_trailer(shard: RankShard, header: PartHeader, record: Incoming) -> st
                 f"{shard.tp_rank}")
     if header.num_tokens != record.num_tokens or header.payload_nbytes:
         return f"trailer of {header.num_tokens} tokens with {header.payload_nbytes} payload bytes"
-    if header.first_token_id < 0 or not 0 <= header.num_cached_tokens <= record.num_tokens:
+    # the sender's cached count covers the whole prompt, of which the receiver may hold
+    # leading blocks already (not sent): the worker checks it against the prompt
+    if header.first_token_id < 0 or header.num_cached_tokens < 0:
         return f"trailer {header.trailer} out of range"
     return None
 

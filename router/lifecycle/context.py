@@ -26,12 +26,23 @@ logger = logging.getLogger("router.lifecycle")
 
 
 @dataclass
+class SharedDecode:
+    """The decode worker the choices of one request (n > 1) share: the latest reservation
+    of any of them names it, and the others ask it first (unless it failed them) — its
+    prefix cache then holds their prompt's blocks, so only the last prompt token's block
+    travels to it again."""
+
+    worker_id: str | None = None
+
+
+@dataclass
 class RequestContext:
     """One request's shared state (the event loop's; one request, its lifecycle's rooms).
 
     ``excluded`` holds the workers that failed this request (never asked again for it);
     ``background`` keeps a task alive until it ends (Aborts sent while the request's own
-    task may be cancelled)."""
+    task may be cancelled); ``shared_decode``, the decode worker of the request's sibling
+    choices (n > 1)."""
 
     pool: WorkerPool
     request: ValidRequest
@@ -47,6 +58,7 @@ class RequestContext:
     hash_seed: int
     clock: Callable[[], float] = time.monotonic
     excluded: set[str] = field(default_factory=set)
+    shared_decode: SharedDecode | None = None
     log: logging.LoggerAdapter = field(init=False)
 
     def __post_init__(self) -> None:

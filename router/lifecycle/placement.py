@@ -2,7 +2,9 @@
 and the order in which prefill workers are asked.
 
 - Decode: least in flight, then most free blocks (``router.routing.rank_decode``), among
-  the routable decode workers that did not fail this request. ``reserve`` asks them in
+  the routable decode workers that did not fail this request; the choices of one request
+  (n > 1) ask the first choice's decode worker first (``SharedDecode``: its prefix cache
+  holds their prompt). ``reserve`` asks them in
   turn, a new attempt per Reserve; while every reachable one refuses (no room now, or at
   its stream limit) it waits for capacity until the deadline; when none answers at all,
   UNAVAILABLE.
@@ -53,6 +55,10 @@ class Placement:
         if not order:
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"no healthy decode worker can hold {need} KV blocks")
+        shared = ctx.shared_decode
+        if shared is not None and shared.worker_id in order:
+            order.remove(shared.worker_id)
+            order.insert(0, shared.worker_id)
         return order
 
     def prefills_locally(self) -> bool:
@@ -148,9 +154,12 @@ class Placement:
             return reply.reason, True
         assert reply.target is not None
         attempt.reserved(reply.target)
+        if ctx.shared_decode is not None:  # the latest to receive the prompt's KV
+            ctx.shared_decode.worker_id = decode_id
         ctx.metrics.routed.labels("decode", decode_id).inc()
-        ctx.log.info("attempt %s: %d blocks reserved on %s (transfer %d)", attempt.id,
-                     reply.num_blocks, decode_id, attempt.transfer_id)
+        ctx.log.info("attempt %s: %d blocks reserved on %s (transfer %d, %d held there)",
+                     attempt.id, reply.num_blocks, decode_id, attempt.transfer_id,
+                     reply.target.num_cached_blocks)
         return None
 
     # ----------------------------------------------------------------- prefill

@@ -13,10 +13,12 @@ its first token).
 from __future__ import annotations
 
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.internal.v1 import worker_pb2 as wpb
 from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
@@ -162,6 +164,19 @@ def start_cluster(model_dir: Path, tmp: Path, *, num_prefill: int, num_decode: i
         cluster.close()
         raise
     return cluster
+
+
+def scrape_metrics(address: str, *, keep_model_name: bool = False) -> dict[str, float]:
+    """A ``/metrics`` endpoint's samples: ``name{label=value,...}`` (labels sorted, the
+    ``model_name`` label left out unless ``keep_model_name``) → value."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                              if keep_model_name or k != "model_name")
+            values[f"{sample.name}{{{labels}}}"] = sample.value
+    return values
 
 
 def _router_sees_all(cluster: Cluster) -> bool:

@@ -18,14 +18,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.internal.v1 import worker_pb2 as wpb
 from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
@@ -35,7 +33,7 @@ from deploy.spec import ClusterSpec
 from pdserve import AsyncClient, Client, PdserveError
 from router.workers import HEALTH_TIMEOUT_S
 from tests.auth import with_token
-from tests.e2e.cluster import Cluster, start_cluster
+from tests.e2e.cluster import Cluster, scrape_metrics, start_cluster
 from tests.factories import REPO_ROOT
 from tests.processes import wait_until
 from tests.worker.procs import assert_idle
@@ -203,13 +201,7 @@ def small(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def _metrics(cluster: Cluster) -> dict[str, float]:
     """The router's metrics: ``name{label=value,...}`` → value."""
     address = cluster.router.ready["metrics_address"]  # type: ignore[union-attr]
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}"] = sample.value
-    return values
+    return scrape_metrics(address, keep_model_name=True)
 
 
 def _total(metrics: dict[str, float], prefix: str) -> float:
@@ -354,17 +346,6 @@ def test_a_long_prefill_queue_costs_no_transfer_timeout_or_retry(small: Cluster)
     assert_idle(small.stub(small.prefill[0]), small.stub(small.decode[0]))
 
 
-def _scrape(address: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
-                              if k != "model_name")
-            values[f"{sample.name}{{{labels}}}"] = sample.value
-    return values
-
-
 WORKER_METRICS = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
@@ -374,12 +355,13 @@ WORKER_METRICS = (
     "pdserve:kv_transfers_total", "pdserve:kv_transfer_bytes_total",
     "pdserve:kv_transfer_seconds_count", "pdserve:kv_checksum_failures_total",
     "pdserve:kv_unexpected_acks_total",
-    "pdserve:kv_pinned_blocks", "pdserve:kv_open_channels", "pdserve:worker_info")
+    "pdserve:kv_pinned_blocks", "pdserve:kv_open_channels", "pdserve:kv_blocks_reused_total",
+    "pdserve:worker_info")
 
 
 def test_metrics_count_what_happened(small: Cluster) -> None:
     prefill, decode = small.prefill[0], small.decode[0]
-    before = {w.name: _scrape(w.ready["metrics_address"]) for w in (prefill, decode)}
+    before = {w.name: scrape_metrics(w.ready["metrics_address"]) for w in (prefill, decode)}
     router_before = _metrics(small)
     with Client(small.address) as client:
         results = [client.complete(f"{PROMPT} metrics {i}", max_tokens=5, ignore_eos=True,
@@ -387,8 +369,8 @@ def test_metrics_count_what_happened(small: Cluster) -> None:
     prompt_tokens = sum(r.usage.prompt_tokens for r in results)
     cached = sum(r.usage.cached_tokens for r in results)
     # scrapes lag the loop by up to a snapshot; counters are exact once recorded
-    p_after = _scrape(prefill.ready["metrics_address"])
-    d_after = _scrape(decode.ready["metrics_address"])
+    p_after = scrape_metrics(prefill.ready["metrics_address"])
+    d_after = scrape_metrics(decode.ready["metrics_address"])
     router_after = _metrics(small)
     for name in WORKER_METRICS:  # vLLM's names (and ours) are all there, on both
         assert any(k.startswith(name + "{") for k in d_after), name

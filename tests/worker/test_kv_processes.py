@@ -134,13 +134,15 @@ def test_decode_workers_advertise_the_kv_port_their_store_bound(trio: Trio) -> N
 
 
 def test_first_token_and_cached_count_travel_with_the_kv(trio: Trio) -> None:
-    # 1. a new prompt of 4+ blocks, 2. one sharing its first 3 blocks (cached on prefill);
+    # 1. a new prompt of 4+ blocks, 2. one sharing its first 3 blocks (cached on prefill,
+    # and on the decode worker, which then receives only the 4th);
     # Generate is opened before Prefill and carries no copies of the first token
     base = _prompt(2, 70)
     stub = trio.decode(trio.d1)
     with ThreadPoolExecutor(2) as pool:
         for prompt, params, cached in ((base, GREEDY, 0), (base[:50] + [5, 6], SEEDED, 48)):
             rid, reserved = _reserve(stub, prompt, params)
+            assert reserved.target.num_cached_blocks == cached // 16
             stream = pool.submit(calls.generate, stub, rid)
             first = _prefill(trio, rid, prompt, params, reserved).result(WAIT_S)
             chunks = stream.result(WAIT_S)

@@ -61,7 +61,8 @@ _STATUS = struct.Struct("<qBBqqI")
 _ID = struct.Struct("<q")
 _DIRECTED_ID = struct.Struct("<Bq")
 _FINISH = struct.Struct("<Bqqq")  # op, transfer_id, first_token_id, num_cached_tokens
-_ORDER = struct.Struct("<iqiH")  # chunk index, transfer_id, port, len(host); then host
+# chunk index, transfer_id, skipped blocks, port, len(host); then host
+_ORDER = struct.Struct("<iqiiH")
 # op, transfer_id, num_tokens, timeout_s, start_timeout_s; then int64 block ids
 _EXPECT = struct.Struct("<Bqqdd")
 # per direction (send, receive): pending, open channels, bytes; then max channels,
@@ -164,29 +165,32 @@ def stats_request() -> bytes:
 
 @dataclass(frozen=True)
 class SendOrder:
-    """Send all blocks of the request computed by ``chunks[chunk_index]`` of this step."""
+    """Send the blocks of the request computed by ``chunks[chunk_index]`` of this step,
+    all but the first ``num_skipped_blocks`` (the receiver holds them)."""
 
     chunk_index: int
     transfer_id: int
     dest: StoreAddress
+    num_skipped_blocks: int = 0
 
 
 def encode_orders(orders: Sequence[SendOrder]) -> bytes:
     parts = []
     for o in orders:
         host = o.dest.host.encode()
-        parts.append(_ORDER.pack(o.chunk_index, o.transfer_id, o.dest.port, len(host)) + host)
+        parts.append(_ORDER.pack(o.chunk_index, o.transfer_id, o.num_skipped_blocks,
+                                 o.dest.port, len(host)) + host)
     return b"".join(parts)
 
 
 def decode_orders(raw: bytes) -> list[SendOrder]:
     out, offset = [], 0
     while offset < len(raw):
-        index, transfer_id, port, n = _ORDER.unpack_from(raw, offset)
+        index, transfer_id, skipped, port, n = _ORDER.unpack_from(raw, offset)
         offset += _ORDER.size
         host = raw[offset:offset + n].decode()
         offset += n
-        out.append(SendOrder(index, transfer_id, StoreAddress(host, port)))
+        out.append(SendOrder(index, transfer_id, StoreAddress(host, port), skipped))
     return out
 
 

@@ -108,10 +108,13 @@ class SendSide:
         orders = decode_orders(payload)
         if not orders:
             return None
-        # per order: (transfer id, block ids, num_tokens, dest); the chunk is the last one
-        sends = [(o.transfer_id, chunks[o.chunk_index].block_ids,
-                  chunks[o.chunk_index].start_position + len(chunks[o.chunk_index].token_ids),
-                  o.dest) for o in orders]
+        # per order: (transfer id, block ids, num_tokens, dest); the chunk is the last one.
+        # Blocks the receiver holds are skipped: the rest goes as a transfer of its own
+        # tokens, into the receiver's blocks after the ones it holds.
+        block_size = self.layout.block_size
+        sends = [(o.transfer_id, chunks[o.chunk_index].block_ids[o.num_skipped_blocks:],
+                  chunks[o.chunk_index].start_position + len(chunks[o.chunk_index].token_ids)
+                  - o.num_skipped_blocks * block_size, o.dest) for o in orders]
         sender = self.sender
 
         def send_layer(layer_idx: int) -> None:

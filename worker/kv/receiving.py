@@ -113,7 +113,7 @@ class KVReceiveLeader:
     def _settle(self, request_id: str, transfer: _Transfer) -> Arrival | None:
         ranks = transfer.ranks
         if ranks.done:
-            problem = self._check_trailer(ranks)
+            problem = self._check_trailer(request_id, ranks)
             if problem is None:
                 del self._transfers[request_id]
                 return Arrival(request_id, True, trailer=ranks.trailer,
@@ -126,12 +126,16 @@ class KVReceiveLeader:
                            seconds=time.monotonic() - transfer.expected_at)
         return None
 
-    def _check_trailer(self, ranks: RankStates) -> str | None:
+    def _check_trailer(self, request_id: str, ranks: RankStates) -> str | None:
         vocab_size = self.core.config.model.vocab_size
         if ranks.trailer is None:
             return "no trailer (first token) arrived with the KV"
         if not 0 <= ranks.trailer.first_token_id < vocab_size:
             return f"first token id {ranks.trailer.first_token_id} outside [0, {vocab_size})"
+        request = self.core.scheduler.reserved.get(request_id)
+        if request is not None and ranks.trailer.num_cached_tokens > request.num_prompt_tokens:
+            return (f"{ranks.trailer.num_cached_tokens} cached tokens for a prompt of "
+                    f"{request.num_prompt_tokens}")
         return None
 
     def abort(self, request_id: str) -> bool:

@@ -48,6 +48,7 @@ class SendOutcome:
 class _Order:
     transfer_id: int
     dest: StoreAddress
+    num_skipped_blocks: int = 0  # leading blocks the receiver holds: not sent
     started: bool = False
     scheduled_at: float | None = None  # monotonic, its first chunk's step
     # set by finish(): the request's output, and when the leader gives up waiting
@@ -76,12 +77,20 @@ class KVSendLeader:
         core.step_payload = self.step_payload
 
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-               transfer_id: int, dest: StoreAddress, *, num_resumed_tokens: int = 0) -> None:
+               transfer_id: int, dest: StoreAddress, *, num_resumed_tokens: int = 0,
+               num_skipped_blocks: int = 0) -> None:
         """Queue a prefill-only request whose KV goes to the receiving worker's store ``dest``
-        (``num_resumed_tokens``: as for ``EngineCore.add_request``)."""
+        (``num_resumed_tokens``: as for ``EngineCore.add_request``), all but its first
+        ``num_skipped_blocks`` blocks (the receiver holds those; ``ValueError`` unless the
+        last prompt token's block is still sent)."""
+        block_size = self.core.config.cache.block_size
+        if not 0 <= num_skipped_blocks * block_size < len(prompt_ids):
+            raise ValueError(f"{num_skipped_blocks} cached blocks of {block_size} tokens on "
+                             f"the receiver leave nothing of a {len(prompt_ids)}-token prompt "
+                             "to send")
         self.core.add_request(request_id, prompt_ids, params, prefill_only=True,
                               num_resumed_tokens=num_resumed_tokens)
-        self._orders[request_id] = _Order(transfer_id, dest)
+        self._orders[request_id] = _Order(transfer_id, dest, num_skipped_blocks)
 
     def step_payload(self, out: SchedulerOutput) -> bytes:
         """The ``SendOrder``s of this step (installed as ``core.step_payload``)."""
@@ -93,7 +102,8 @@ class KVSendLeader:
                 order.scheduled_at = now
             if order is not None and chunk.sample and not order.started:
                 order.started = True
-                orders.append(SendOrder(index, order.transfer_id, order.dest))
+                orders.append(SendOrder(index, order.transfer_id, order.dest,
+                                        order.num_skipped_blocks))
         return encode_orders(orders)
 
     def finish(self, output: RequestOutput) -> SendOutcome | None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n cluster/internal/v1/worker.proto\x12\x13pdserve.internal.v1\"\xfa\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x46\n\nlogit_bias\x18\x0e \x03(\x0b\x32\x32.pdserve.internal.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x01\x88\x01\x01\x12\x39\n\nstructured\x18\x10 \x01(\x0b\x32%.pdserve.internal.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"Q\n\x08KVTarget\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\r\x12\x13\n\x0btransfer_id\x18\x03 \x01(\x04\"$\n\x05Lease\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"\xfd\x01\n\x0eReserveRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x04\x12\x12\n\nattempt_id\x18\x06 \x01(\t\x12)\n\x05lease\x18\x07 \x01(\x0b\x32\x1a.pdserve.internal.v1.Lease\x12\x1a\n\x12num_resumed_tokens\x18\x08 \x01(\r\"v\n\x0fReserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12-\n\x06target\x18\x04 \x01(\x0b\x32\x1d.pdserve.internal.v1.KVTarget\"@\n\x0fGenerateRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x12\n\nattempt_id\x18\x02 \x01(\t\"\xdd\x01\n\x14GenerateLocalRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.SamplingParams\x12\x12\n\nattempt_id\x18\x04 \x01(\t\x12)\n\x05lease\x18\x05 \x01(\x0b\x32\x1a.pdserve.internal.v1.Lease\x12\x1a\n\x12num_resumed_tokens\x18\x06 \x01(\r\"\xda\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x1a.pdserve.internal.v1.Usage\x12\x33\n\x07timings\x18\x05 \x01(\x0b\x32\".pdserve.internal.v1.DecodeTimings\x12\x34\n\x08logprobs\x18\x06 \x03(\x0b\x32\".pdserve.internal.v1.TokenLogprobs\"\'\n\rDecodeTimings\x12\x16\n\x0e\x66irst_chunk_us\x18\x01 \x01(\x04\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x86\x02\n\x0ePrefillRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.SamplingParams\x12-\n\x06target\x18\x04 \x01(\x0b\x32\x1d.pdserve.internal.v1.KVTarget\x12\x12\n\nattempt_id\x18\x05 \x01(\t\x12)\n\x05lease\x18\x06 \x01(\x0b\x32\x1a.pdserve.internal.v1.Lease\x12\x1a\n\x12num_resumed_tokens\x18\x07 \x01(\r\"\xd7\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x34\n\x07timings\x18\x04 \x01(\x0b\x32#.pdserve.internal.v1.PrefillTimings\x12@\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\".pdserve.internal.v1.TokenLogprobs\"K\n\x0ePrefillTimings\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\x12\x13\n\x0btransfer_us\x18\x03 \x01(\x04\"=\n\x0c\x41\x62ortRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x12\n\nattempt_id\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"~\n\x0cKVCacheUsage\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\x12\x15\n\rpinned_blocks\x18\x04 \x01(\r\x12\x15\n\rin_use_blocks\x18\x05 \x01(\r\"\x8c\x04\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12-\n\x02kv\x18\x05 \x01(\x0b\x32!.pdserve.internal.v1.KVCacheUsage\x12\x19\n\x11pending_transfers\x18\x06 \x01(\r\x12\x18\n\x10open_kv_channels\x18\x07 \x01(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\x18\n\x10waiting_requests\x18\t \x01(\r\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x1c\n\x14num_expired_requests\x18\x0b \x01(\x04\x12\x1c\n\x14num_started_requests\x18\x0c \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\r \x01(\x04\x12\x13\n\x0b\x61ttempt_ids\x18\x0e \x03(\t\x12\x16\n\x0ewatched_leases\x18\x0f \x01(\r\x12\x17\n\x0fqueued_commands\x18\x10 \x01(\r\x12\x18\n\x10num_lease_aborts\x18\x11 \x01(\x04\x12\x1c\n\x14num_expired_commands\x18\x12 \x01(\x04\x12\x1b\n\x13num_unexpected_acks\x18\x13 \x01(\x04\"\xc5\x01\n\x0eRouterHoldings\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x19\n\x11inflight_requests\x18\x02 \x01(\r\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12\x13\n\x0b\x61ttempt_ids\x18\x04 \x03(\t\x12\x16\n\x0epending_aborts\x18\x05 \x01(\r\x12\x15\n\ropen_channels\x18\x06 \x01(\r\x12\x12\n\nlease_keys\x18\x07 \x03(\t\x12\x18\n\x10unwritten_leases\x18\x08 \x01(\r2\xb3\x03\n\x0c\x44\x65\x63odeWorker\x12T\n\x07Reserve\x12#.pdserve.internal.v1.ReserveRequest\x1a$.pdserve.internal.v1.ReserveResponse\x12S\n\x08Generate\x12$.pdserve.internal.v1.GenerateRequest\x1a\x1f.pdserve.internal.v1.TokenChunk0\x01\x12]\n\rGenerateLocal\x12).pdserve.internal.v1.GenerateLocalRequest\x1a\x1f.pdserve.internal.v1.TokenChunk0\x01\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12I\n\x04Info\x12 .pdserve.internal.v1.InfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfo2\x80\x02\n\rPrefillWorker\x12T\n\x07Prefill\x12#.pdserve.internal.v1.PrefillRequest\x1a$.pdserve.internal.v1.PrefillResponse\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12I\n\x04Info\x12 .pdserve.internal.v1.InfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfo2`\n\x0bRouterDebug\x12Q\n\x08Holdings\x12 .pdserve.internal.v1.InfoRequest\x1a#.pdserve.internal.v1.RouterHoldingsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n cluster/internal/v1/worker.proto\x12\x13pdserve.internal.v1\"\xfa\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x46\n\nlogit_bias\x18\x0e \x03(\x0b\x32\x32.pdserve.internal.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x01\x88\x01\x01\x12\x39\n\nstructured\x18\x10 \x01(\x0b\x32%.pdserve.internal.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"l\n\x08KVTarget\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\r\x12\x13\n\x0btransfer_id\x18\x03 \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\"$\n\x05Lease\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"\xfd\x01\n\x0eReserveRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x04\x12\x12\n\nattempt_id\x18\x06 \x01(\t\x12)\n\x05lease\x18\x07 \x01(\x0b\x32\x1a.pdserve.internal.v1.Lease\x12\x1a\n\x12num_resumed_tokens\x18\x08 \x01(\r\"v\n\x0fReserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12-\n\x06target\x18\x04 \x01(\x0b\x32\x1d.pdserve.internal.v1.KVTarget\"@\n\x0fGenerateRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x12\n\nattempt_id\x18\x02 \x01(\t\"\xdd\x01\n\x14GenerateLocalRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.SamplingParams\x12\x12\n\nattempt_id\x18\x04 \x01(\t\x12)\n\x05lease\x18\x05 \x01(\x0b\x32\x1a.pdserve.internal.v1.Lease\x12\x1a\n\x12num_resumed_tokens\x18\x06 \x01(\r\"\xda\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x1a.pdserve.internal.v1.Usage\x12\x33\n\x07timings\x18\x05 \x01(\x0b\x32\".pdserve.internal.v1.DecodeTimings\x12\x34\n\x08logprobs\x18\x06 \x03(\x0b\x32\".pdserve.internal.v1.TokenLogprobs\"\'\n\rDecodeTimings\x12\x16\n\x0e\x66irst_chunk_us\x18\x01 \x01(\x04\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x86\x02\n\x0ePrefillRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.internal.v1.SamplingParams\x12-\n\x06target\x18\x04 \x01(\x0b\x32\x1d.pdserve.internal.v1.KVTarget\x12\x12\n\nattempt_id\x18\x05 \x01(\t\x12)\n\x05lease\x18\x06 \x01(\x0b\x32\x1a.pdserve.internal.v1.Lease\x12\x1a\n\x12num_resumed_tokens\x18\x07 \x01(\r\"\xd7\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x34\n\x07timings\x18\x04 \x01(\x0b\x32#.pdserve.internal.v1.PrefillTimings\x12@\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\".pdserve.internal.v1.TokenLogprobs\"K\n\x0ePrefillTimings\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\x12\x13\n\x0btransfer_us\x18\x03 \x01(\x04\"=\n\x0c\x41\x62ortRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x12\n\nattempt_id\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"~\n\x0cKVCacheUsage\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\x12\x15\n\rpinned_blocks\x18\x04 \x01(\r\x12\x15\n\rin_use_blocks\x18\x05 \x01(\r\"\x8c\x04\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12-\n\x02kv\x18\x05 \x01(\x0b\x32!.pdserve.internal.v1.KVCacheUsage\x12\x19\n\x11pending_transfers\x18\x06 \x01(\r\x12\x18\n\x10open_kv_channels\x18\x07 \x01(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\x18\n\x10waiting_requests\x18\t \x01(\r\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x1c\n\x14num_expired_requests\x18\x0b \x01(\x04\x12\x1c\n\x14num_started_requests\x18\x0c \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\r \x01(\x04\x12\x13\n\x0b\x61ttempt_ids\x18\x0e \x03(\t\x12\x16\n\x0ewatched_leases\x18\x0f \x01(\r\x12\x17\n\x0fqueued_commands\x18\x10 \x01(\r\x12\x18\n\x10num_lease_aborts\x18\x11 \x01(\x04\x12\x1c\n\x14num_expired_commands\x18\x12 \x01(\x04\x12\x1b\n\x13num_unexpected_acks\x18\x13 \x01(\x04\"\xc5\x01\n\x0eRouterHoldings\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x19\n\x11inflight_requests\x18\x02 \x01(\r\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12\x13\n\x0b\x61ttempt_ids\x18\x04 \x03(\t\x12\x16\n\x0epending_aborts\x18\x05 \x01(\r\x12\x15\n\ropen_channels\x18\x06 \x01(\r\x12\x12\n\nlease_keys\x18\x07 \x03(\t\x12\x18\n\x10unwritten_leases\x18\x08 \x01(\r2\xb3\x03\n\x0c\x44\x65\x63odeWorker\x12T\n\x07Reserve\x12#.pdserve.internal.v1.ReserveRequest\x1a$.pdserve.internal.v1.ReserveResponse\x12S\n\x08Generate\x12$.pdserve.internal.v1.GenerateRequest\x1a\x1f.pdserve.internal.v1.TokenChunk0\x01\x12]\n\rGenerateLocal\x12).pdserve.internal.v1.GenerateLocalRequest\x1a\x1f.pdserve.internal.v1.TokenChunk0\x01\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12I\n\x04Info\x12 .pdserve.internal.v1.InfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfo2\x80\x02\n\rPrefillWorker\x12T\n\x07Prefill\x12#.pdserve.internal.v1.PrefillRequest\x1a$.pdserve.internal.v1.PrefillResponse\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12I\n\x04Info\x12 .pdserve.internal.v1.InfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfo2`\n\x0bRouterDebug\x12Q\n\x08Holdings\x12 .pdserve.internal.v1.InfoRequest\x1a#.pdserve.internal.v1.RouterHoldingsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,45 +42,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROBS']._serialized_start=614
   _globals['_TOKENLOGPROBS']._serialized_end=723
   _globals['_KVTARGET']._serialized_start=725
-  _globals['_KVTARGET']._serialized_end=806
-  _globals['_LEASE']._serialized_start=808
-  _globals['_LEASE']._serialized_end=844
-  _globals['_RESERVEREQUEST']._serialized_start=847
-  _globals['_RESERVEREQUEST']._serialized_end=1100
-  _globals['_RESERVERESPONSE']._serialized_start=1102
-  _globals['_RESERVERESPONSE']._serialized_end=1220
-  _globals['_GENERATEREQUEST']._serialized_start=1222
-  _globals['_GENERATEREQUEST']._serialized_end=1286
-  _globals['_GENERATELOCALREQUEST']._serialized_start=1289
-  _globals['_GENERATELOCALREQUEST']._serialized_end=1510
-  _globals['_TOKENCHUNK']._serialized_start=1513
-  _globals['_TOKENCHUNK']._serialized_end=1731
-  _globals['_DECODETIMINGS']._serialized_start=1733
-  _globals['_DECODETIMINGS']._serialized_end=1772
-  _globals['_USAGE']._serialized_start=1774
-  _globals['_USAGE']._serialized_end=1854
-  _globals['_PREFILLREQUEST']._serialized_start=1857
-  _globals['_PREFILLREQUEST']._serialized_end=2119
-  _globals['_PREFILLRESPONSE']._serialized_start=2122
-  _globals['_PREFILLRESPONSE']._serialized_end=2337
-  _globals['_PREFILLTIMINGS']._serialized_start=2339
-  _globals['_PREFILLTIMINGS']._serialized_end=2414
-  _globals['_ABORTREQUEST']._serialized_start=2416
-  _globals['_ABORTREQUEST']._serialized_end=2477
-  _globals['_ABORTRESPONSE']._serialized_start=2479
-  _globals['_ABORTRESPONSE']._serialized_end=2509
-  _globals['_INFOREQUEST']._serialized_start=2511
-  _globals['_INFOREQUEST']._serialized_end=2524
-  _globals['_KVCACHEUSAGE']._serialized_start=2526
-  _globals['_KVCACHEUSAGE']._serialized_end=2652
-  _globals['_WORKERINFO']._serialized_start=2655
-  _globals['_WORKERINFO']._serialized_end=3179
-  _globals['_ROUTERHOLDINGS']._serialized_start=3182
-  _globals['_ROUTERHOLDINGS']._serialized_end=3379
-  _globals['_DECODEWORKER']._serialized_start=3382
-  _globals['_DECODEWORKER']._serialized_end=3817
-  _globals['_PREFILLWORKER']._serialized_start=3820
-  _globals['_PREFILLWORKER']._serialized_end=4076
-  _globals['_ROUTERDEBUG']._serialized_start=4078
-  _globals['_ROUTERDEBUG']._serialized_end=4174
+  _globals['_KVTARGET']._serialized_end=833
+  _globals['_LEASE']._serialized_start=835
+  _globals['_LEASE']._serialized_end=871
+  _globals['_RESERVEREQUEST']._serialized_start=874
+  _globals['_RESERVEREQUEST']._serialized_end=1127
+  _globals['_RESERVERESPONSE']._serialized_start=1129
+  _globals['_RESERVERESPONSE']._serialized_end=1247
+  _globals['_GENERATEREQUEST']._serialized_start=1249
+  _globals['_GENERATEREQUEST']._serialized_end=1313
+  _globals['_GENERATELOCALREQUEST']._serialized_start=1316
+  _globals['_GENERATELOCALREQUEST']._serialized_end=1537
+  _globals['_TOKENCHUNK']._serialized_start=1540
+  _globals['_TOKENCHUNK']._serialized_end=1758
+  _globals['_DECODETIMINGS']._serialized_start=1760
+  _globals['_DECODETIMINGS']._serialized_end=1799
+  _globals['_USAGE']._serialized_start=1801
+  _globals['_USAGE']._serialized_end=1881
+  _globals['_PREFILLREQUEST']._serialized_start=1884
+  _globals['_PREFILLREQUEST']._serialized_end=2146
+  _globals['_PREFILLRESPONSE']._serialized_start=2149
+  _globals['_PREFILLRESPONSE']._serialized_end=2364
+  _globals['_PREFILLTIMINGS']._serialized_start=2366
+  _globals['_PREFILLTIMINGS']._serialized_end=2441
+  _globals['_ABORTREQUEST']._serialized_start=2443
+  _globals['_ABORTREQUEST']._serialized_end=2504
+  _globals['_ABORTRESPONSE']._serialized_start=2506
+  _globals['_ABORTRESPONSE']._serialized_end=2536
+  _globals['_INFOREQUEST']._serialized_start=2538
+  _globals['_INFOREQUEST']._serialized_end=2551
+  _globals['_KVCACHEUSAGE']._serialized_start=2553
+  _globals['_KVCACHEUSAGE']._serialized_end=2679
+  _globals['_WORKERINFO']._serialized_start=2682
+  _globals['_WORKERINFO']._serialized_end=3206
+  _globals['_ROUTERHOLDINGS']._serialized_start=3209
+  _globals['_ROUTERHOLDINGS']._serialized_end=3406
+  _globals['_DECODEWORKER']._serialized_start=3409
+  _globals['_DECODEWORKER']._serialized_end=3844
+  _globals['_PREFILLWORKER']._serialized_start=3847
+  _globals['_PREFILLWORKER']._serialized_end=4103
+  _globals['_ROUTERDEBUG']._serialized_start=4105
+  _globals['_ROUTERDEBUG']._serialized_end=4201
 # @@protoc_insertion_point(module_scope)

@@ -72,14 +72,16 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("kv_address", "tensor_parallel_size", "transfer_id")
+    __slots__ = ("kv_address", "tensor_parallel_size", "transfer_id", "num_cached_blocks")
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     kv_address: str
     tensor_parallel_size: int
     transfer_id: int
-    def __init__(self, kv_address: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., transfer_id: _Optional[int] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, kv_address: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., transfer_id: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("key", "ttl_ms")

@@ -92,8 +92,10 @@ def test_kv_written_from_outside_continues_like_local(llama_dir: Path) -> None:
         (out,) = _step_all(prefill.core)
         src_blocks = list(out.block_ids)
         # 2. reserve on the "decode" engine, copy the KV block by block
-        dst_blocks = decode.core.reserve_for_kv("x", prompt, GREEDY)
-        assert dst_blocks is not None and len(dst_blocks) == len(src_blocks)
+        reserved = decode.core.reserve_for_kv("x", prompt, GREEDY)
+        assert reserved is not None and reserved.num_cached_blocks == 0
+        dst_blocks = reserved.block_ids
+        assert len(dst_blocks) == len(src_blocks)
         src_kv = prefill.core.executor.runner.kv_cache
         dst_kv = decode.core.executor.runner.kv_cache
         dst_kv[:, :, dst_blocks] = src_kv[:, :, src_blocks]
@@ -102,6 +104,40 @@ def test_kv_written_from_outside_continues_like_local(llama_dir: Path) -> None:
         first = decode.core.admit_with_kv("x", out.new_token_ids[0])
         rest = _drain(decode.core).get("x", [])
         assert first.new_token_ids + rest == expected
+        for engine in (prefill, decode):
+            engine.core.check_integrity()
+            assert engine.core.kv_usage().in_use == 0
+
+
+def test_reservation_reuses_the_prefix_cache(llama_dir: Path) -> None:
+    """A second reservation of a prompt sharing a cached prefix takes those blocks as they
+    are (never the last token's block); written only after them, it continues like a
+    local generation, and a refused or aborted one leaves the cache intact."""
+    with LLM(llama_dir, num_kv_blocks=64) as prefill, LLM(llama_dir, num_kv_blocks=64) as decode:
+        first = list(range(3, 3 + 40))  # 2 full blocks + 8 tokens
+        second = first[:32] + list(range(100, 120))  # shares the 2 full blocks
+        src_kv = prefill.core.executor.runner.kv_cache
+        dst_kv = decode.core.executor.runner.kv_cache
+        for rid, prompt, want_cached in (("a", first, 0), ("b", second, 2), ("c", first[:32], 1)):
+            expected = prefill.generate([prompt], GREEDY)[0].token_ids
+            prefill.core.add_request(rid, prompt, GREEDY, prefill_only=True)
+            (out,) = _step_all(prefill.core)
+            reserved = decode.core.reserve_for_kv(rid, prompt, GREEDY, reuse_prefix=True)
+            assert reserved is not None and reserved.num_cached_blocks == want_cached
+            written = reserved.blocks_to_write
+            dst_kv[:, :, written] = src_kv[:, :, list(out.block_ids)[want_cached:]]
+            assert prefill.core.release_pinned(rid)
+            head = decode.core.admit_with_kv(rid, out.new_token_ids[0])
+            assert head.new_token_ids + _drain(decode.core).get(rid, []) == expected, rid
+        without = decode.core.reserve_for_kv("d", second, GREEDY)  # reuse not asked
+        assert without is not None and without.num_cached_blocks == 0
+        assert decode.core.abort_request("d")
+        # b's third block is cached now (its KV arrived with b), its fourth never full
+        aborted = decode.core.reserve_for_kv("e", second, GREEDY, reuse_prefix=True)
+        assert aborted is not None and aborted.num_cached_blocks == 3
+        assert decode.core.abort_request("e")
+        assert decode.core.scheduler.cached_prefix(
+            decode.core._make_request("f", second, GREEDY, False, 0)) == aborted.block_ids[:3]
         for engine in (prefill, decode):
             engine.core.check_integrity()
             assert engine.core.kv_usage().in_use == 0

@@ -162,12 +162,18 @@ def test_layers_without_the_wanted_trailer_leave_the_transfer_active() -> None:
 
 def test_invalid_or_unwanted_trailers_fail_the_transfer() -> None:
     for wants, changes in ((False, {}), (True, {"num_tokens": 41}),
-                           (True, {"num_cached_tokens": NUM_TOKENS + 1}),
+                           (True, {"num_cached_tokens": -1}),
                            (True, {"first_token_id": -1}), (True, {"block_size": 8})):
         rx, record, _ = _setup()
         record.wants_trailer = wants
         assert rx.deliver(*_trailer(**changes), record) == Status.BAD_PART, changes
         assert record.state == State.FAILED and record.trailer is None, changes
+    # a cached count past the blocks sent: the receiver held leading blocks (the worker
+    # checks the count against the whole prompt)
+    rx, record, _ = _setup()
+    record.wants_trailer = True
+    assert rx.deliver(*_trailer(num_cached_tokens=NUM_TOKENS + 16), record) == Status.OK
+    assert record.trailer is not None and record.trailer.num_cached_tokens == NUM_TOKENS + 16
     rx, record, _ = _setup()
     record.wants_trailer = True
     cancelled = _trailer(flags=int(Flag.LAST_PART | Flag.CANCELLED))

@@ -53,11 +53,12 @@ class ReceiveDriver:
 
     def reserve(self, rid: str, prompt: Sequence[int], params: Params, transfer_id: int,
                 timeout_s: float | None = None) -> KVTarget | None:
-        block_ids = self.core.reserve_for_kv(rid, prompt, params)
-        if block_ids is None:
+        reserved = self.core.reserve_for_kv(rid, prompt, params)
+        if reserved is None:
             return None
         try:
-            return self.leader.expect(rid, transfer_id, len(prompt), block_ids, timeout_s)
+            return self.leader.expect(rid, transfer_id, len(prompt), reserved.block_ids,
+                                      timeout_s)
         except BaseException:
             self.core.abort_request(rid)
             raise
