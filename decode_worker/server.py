@@ -137,6 +137,9 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                 if out.logprobs:  # a first token admitted with its KV has none here
                     chunk.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs
                                           if lp is not None)
+                if out.prompt_logprobs:  # prefilled here (colocated)
+                    chunk.prompt_logprobs.extend(logprobs_to_proto(lp)
+                                                 for lp in out.prompt_logprobs)
                 if first:  # how long the first chunk took here (from the later of the call
                     # and the loop noticing the KV's arrival)
                     since = max(started, stream.inputs_arrived_at or started)

@@ -30,7 +30,8 @@ Prompt = str | Sequence[int]
 class GenerationResult:
     """One prompt's completion: tokens, text (stop string excluded), why it ended
     (``"stop"`` or ``"length"``), how many prompt tokens came from the prefix cache, and
-    (when its ``SamplingParams.logprobs`` asked) one ``TokenLogprobs`` per token."""
+    (when its ``SamplingParams.logprobs`` asked) one ``TokenLogprobs`` per token; (when
+    ``prompt_logprobs`` asked) one per prompt token after the first."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -38,6 +39,7 @@ class GenerationResult:
     finish_reason: str  # "stop" or "length"
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -103,6 +105,8 @@ class LLM:
                         if result.logprobs is None:
                             result.logprobs = []
                         result.logprobs.extend(lp for lp in out.logprobs if lp is not None)
+                    if out.prompt_logprobs is not None:
+                        result.prompt_logprobs = out.prompt_logprobs
                     texts[out.request_id].append(out.text_delta)
                     if out.finished:
                         result.finish_reason = out.finish_reason or ""

@@ -76,7 +76,10 @@ class SamplingParams:
     process samples it. ``structured`` constrains every token to what keeps the output
     matching it (a JSON Schema, a regex, ...; ``engine.grammar``); the request stops once
     the output is complete. ``logprobs`` (None: off) asks for each sampled token's
-    log-probability and that many likeliest alternatives (``engine.core.logprobs``).
+    log-probability and that many likeliest alternatives (``engine.core.logprobs``);
+    ``prompt_logprobs`` the same of every prompt token after the first, given the tokens
+    before it (vLLM's; computed where the prompt runs, never served from the prefix
+    cache, and not for a resumed request's prompt).
     Invalid values raise ``ValueError`` naming the limit.
     """
 
@@ -96,6 +99,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     logprobs: int | None = None  # None: off; k in [0, 20]: the sampled token's and k more
     structured: StructuredOutput | None = None  # what the output must match (None: free)
+    prompt_logprobs: int | None = None  # None: off; k in [0, 20]: each prompt token's and k more
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable/frozen.
@@ -148,13 +152,18 @@ class SamplingParams:
             if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
                                  f"{value!r}")
-        if self.logprobs is not None and (
-                not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check_logprobs("logprobs", self.logprobs)
+        _check_logprobs("prompt_logprobs", self.prompt_logprobs)
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be finite and > 0, got "
                              f"{self.repetition_penalty!r}")
+
+
+def _check_logprobs(name: str, value: object) -> None:
+    """``ValueError`` unless ``value`` is None (off) or an int in [0, MAX_LOGPROBS]."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or not 0 <= value <= MAX_LOGPROBS):
+        raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
 import grpc
@@ -86,7 +86,9 @@ class LogitsOptions(TypedDict, total=False):
     ``presence_penalty`` and ``frequency_penalty`` (-2..2, over the output),
     ``repetition_penalty`` (> 0, 1 off; over prompt and output), ``logit_bias`` (token
     id → bias, clamped to ±100), ``logprobs`` (0..20: each token's log-probability and
-    that many likeliest alternatives, in ``GenerationChunk.logprobs``),
+    that many likeliest alternatives, in ``GenerationChunk.logprobs``), ``prompt_logprobs``
+    (0..20: the same of each prompt token after the first, given the ones before, on each
+    choice's first chunk: ``GenerationChunk.prompt_logprobs``),
     ``structured_outputs`` (what the output must match, one of ``{"json": SCHEMA}`` — a
     dict or JSON text —, ``{"json_object": True}``, ``{"regex": R}``, ``{"choice":
     [S, ...]}``, ``{"grammar": LARK}``; vLLM's), ``n`` (choices, default 1: their chunks
@@ -99,6 +101,7 @@ class LogitsOptions(TypedDict, total=False):
     repetition_penalty: float
     logit_bias: Mapping[int, float]
     logprobs: int
+    prompt_logprobs: int
     structured_outputs: Mapping[str, Any]
     n: int
 
@@ -185,10 +188,14 @@ def chunk_from_response(response: generate_pb2.GenerateResponse) -> GenerationCh
                       cached_tokens=response.usage.cached_tokens)
     return GenerationChunk(request_id=response.request_id, token_ids=tuple(response.token_ids),
                            text=response.text, finish_reason=response.finish_reason or None,
-                           usage=usage, index=response.index, logprobs=tuple(
-                               TokenLogprob(lp.token_id, lp.logprob, lp.rank, tuple(zip(
-                                   lp.top_token_ids, lp.top_logprobs, strict=True)))
-                               for lp in response.logprobs))
+                           usage=usage, index=response.index,
+                           logprobs=_logprobs(response.logprobs),
+                           prompt_logprobs=_logprobs(response.prompt_logprobs))
+
+
+def _logprobs(messages: Iterable[generate_pb2.TokenLogprobs]) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(lp.token_id, lp.logprob, lp.rank, tuple(zip(
+        lp.top_token_ids, lp.top_logprobs, strict=True))) for lp in messages)
 
 
 def model_info_from_proto(info: generate_pb2.ModelInfo) -> ModelInfo:

@@ -62,6 +62,7 @@ class PrefillDone:
     num_prompt_tokens: int
     times: PrefillTimes | None = None
     first_token_logprobs: TokenLogprobs | None = None  # when the request asked for them
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # prompt tokens 1.., when asked for
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class _Held:
     received_at: float = 0.0  # monotonic
     started: bool = False  # its prompt's first chunk was computed (pause point)
     first_token_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class PrefillLoop(EngineLoop):
@@ -187,6 +189,8 @@ class PrefillLoop(EngineLoop):
         if out.finished and out.request_id in self._held:  # else: warm-up
             if out.logprobs:
                 self._held[out.request_id].first_token_logprobs = out.logprobs[0]
+            if out.prompt_logprobs:
+                self._held[out.request_id].prompt_logprobs = tuple(out.prompt_logprobs)
             if pause_points.enabled():
                 self._started_points(also=out.request_id)
             self.timings.prompt(out.num_prompt_tokens + out.num_resumed_tokens,
@@ -222,7 +226,7 @@ class PrefillLoop(EngineLoop):
                                transfer_id=held.transfer_id)
         stream.put(PrefillDone(outcome.trailer.first_token_id, outcome.trailer.num_cached_tokens,
                                outcome.num_prompt_tokens, _times(held, outcome),
-                               held.first_token_logprobs))
+                               held.first_token_logprobs, held.prompt_logprobs))
 
 
 def _times(held: _Held, outcome: SendOutcome) -> PrefillTimes | None:

@@ -74,6 +74,7 @@ class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
                                       num_prompt_tokens=done.num_prompt_tokens)
         if done.first_token_logprobs is not None:
             response.first_token_logprobs.CopyFrom(logprobs_to_proto(done.first_token_logprobs))
+        response.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in done.prompt_logprobs)
         if done.times is not None:
             t = done.times
             response.timings.CopyFrom(pb.PrefillTimings(

@@ -18,7 +18,7 @@ from router.outputs import OutputChunk
 from router.validation import ClientRequest, InvalidRequest, ModelLimits
 
 OPTIONAL_SAMPLING = ("min_p", "min_tokens", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "logprobs", "n")
+                     "repetition_penalty", "logprobs", "n", "prompt_logprobs")
 
 
 def parse_generate_request(raw: bytes) -> ClientRequest:
@@ -81,10 +81,11 @@ def to_response(request_id: str, chunk: OutputChunk, offset: int = 0,
     message = pb.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids,
                                   text=chunk.text, finish_reason=chunk.finish_reason or "",
                                   offset=offset, resume_token=resume_token, index=chunk.index)
-    for found in chunk.logprobs:
-        message.logprobs.add(token_id=found.token_id, logprob=found.logprob, rank=found.rank,
-                             top_token_ids=[t for t, _ in found.top],
-                             top_logprobs=[lp for _, lp in found.top])
+    for into, found in ((message.logprobs, chunk.logprobs),
+                        (message.prompt_logprobs, chunk.prompt_logprobs)):
+        for lp in found:
+            into.add(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                     top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
     if chunk.usage is not None:
         message.usage.prompt_tokens = chunk.usage.prompt_tokens
         message.usage.completion_tokens = chunk.usage.completion_tokens

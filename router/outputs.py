@@ -30,6 +30,9 @@ class OutputChunk:
     # a handoff's first token's come with the Prefill's reply, ``router.lifecycle.relay``)
     logprobs: tuple[TokenLogprobs, ...] = ()
     index: int = 0  # the choice it belongs to (n > 1: ``router.parallel``)
+    # a choice's first chunk, when the request asked for them: prompt tokens 1.. (from
+    # the Prefill's reply, or the decode worker's first chunk when colocated)
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 def merge_chunks(chunks: Sequence[OutputChunk]) -> OutputChunk:
@@ -41,4 +44,4 @@ def merge_chunks(chunks: Sequence[OutputChunk]) -> OutputChunk:
     return OutputChunk(tuple(t for c in chunks for t in c.token_ids),
                        "".join(c.text for c in chunks), last.finish_reason, last.usage,
                        first.worker_s, tuple(lp for c in chunks for lp in c.logprobs),
-                       first.index)
+                       first.index, tuple(lp for c in chunks for lp in c.prompt_logprobs))

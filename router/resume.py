@@ -40,7 +40,7 @@ def request_digest(request: ValidRequest) -> bytes:
     """What identifies a request across routers: its prompt token ids and every sampling
     parameter (not its id, which clients reuse)."""
     p = request.sampling
-    fields = [p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, list(p.stop),
+    fields: list[object] = [p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, list(p.stop),
               list(p.stop_token_ids), p.ignore_eos, p.min_p, p.min_tokens,
               p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
               [list(pair) for pair in p.logit_bias]]
@@ -48,6 +48,8 @@ def request_digest(request: ValidRequest) -> bytes:
         fields.append(p.logprobs)
     if p.structured is not None:
         fields.append([p.structured.kind, p.structured.spec])
+    if p.prompt_logprobs is not None:
+        fields.append({"prompt_logprobs": p.prompt_logprobs})
     h = hashlib.blake2b(json.dumps(fields).encode(), digest_size=32)
     h.update(_token_bytes(request.prompt_token_ids))
     return h.digest()

@@ -90,6 +90,7 @@ class ClientRequest:
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     logprobs: int | None = None  # None: off; else alternatives per token (0..20)
+    prompt_logprobs: int | None = None  # None: off; else the prompt's, alternatives (0..20)
     structured: tuple[str, str] | None = None  # (kind, spec) of StructuredOutput; None: free
     n: int | None = None  # choices (None: 1)
     unknown_fields: tuple[int, ...] = ()  # field numbers this API does not define
@@ -249,7 +250,7 @@ def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
             min_tokens=0 if request.min_tokens is None else request.min_tokens,
             presence_penalty=presence, frequency_penalty=frequency,
             repetition_penalty=repetition, logit_bias=bias, logprobs=request.logprobs,
-            structured=structured)
+            prompt_logprobs=request.prompt_logprobs, structured=structured)
     except ValueError as exc:  # the engine's own limits, named in its message
         raise InvalidRequest(str(exc)) from None
 

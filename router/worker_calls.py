@@ -49,6 +49,7 @@ class Prefilled:
     num_prompt_tokens: int
     times: PrefillTimes | None = None  # the prefill worker's report (router.trace)
     first_token_logprobs: TokenLogprobs | None = None  # when the request asked for them
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # prompt tokens 1.., when asked for
 
 
 class Failure(enum.Enum):
@@ -126,6 +127,12 @@ class WorkerCalls:
         self._prompt = [*self._req.prompt_token_ids, *sent]
         self._num_resumed = len(sent)
 
+    @property
+    def num_resumed(self) -> int:
+        """Tokens the client has before this attempt's first (0 unless a migration or a
+        resumed stream)."""
+        return self._num_resumed
+
     def _lease(self, lease: Lease) -> pb.Lease:
         return pb.Lease(key=lease.key, ttl_ms=self._lease_ttl_ms if lease.key else 0)
 
@@ -170,7 +177,8 @@ class WorkerCalls:
             times = PrefillTimes(t.queue_us / 1e6, t.compute_us / 1e6, t.transfer_us / 1e6)
         return Prefilled(reply.first_token_id, reply.num_cached_tokens, reply.num_prompt_tokens,
                          times, _logprobs(reply.first_token_logprobs)
-                         if reply.HasField("first_token_logprobs") else None)
+                         if reply.HasField("first_token_logprobs") else None,
+                         tuple(_logprobs(m) for m in reply.prompt_logprobs))
 
     def start_generate(self, decode_id: str, attempt_id: str, lease: Lease, timeout_s: float
                        ) -> grpc.aio.UnaryStreamCall:
@@ -224,6 +232,8 @@ def _sampling_proto(request: ValidRequest) -> pb.SamplingParams:
         message.seed = p.seed
     if p.logprobs is not None:
         message.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        message.prompt_logprobs = p.prompt_logprobs
     if p.structured is not None:
         message.structured.kind = p.structured.kind
         message.structured.spec = p.structured.spec
@@ -234,13 +244,14 @@ def _chunk(message: pb.TokenChunk) -> OutputChunk:
     worker_s = (message.timings.first_chunk_us / 1e6 if message.HasField("timings")
                 else None)
     logprobs = tuple(_logprobs(m) for m in message.logprobs)
+    prompt_logprobs = tuple(_logprobs(m) for m in message.prompt_logprobs)
     if not message.finish_reason:
         return OutputChunk(tuple(message.token_ids), message.text, worker_s=worker_s,
-                           logprobs=logprobs)
+                           logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     usage = message.usage
     return OutputChunk(tuple(message.token_ids), message.text, message.finish_reason,
                        Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
-                       worker_s, logprobs)
+                       worker_s, logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def _logprobs(message: pb.TokenLogprobs) -> TokenLogprobs:

@@ -93,6 +93,7 @@ def sampling_kwargs(msg: Any) -> dict[str, Any]:
                 repetition_penalty=msg.repetition_penalty or 1.0,
                 logit_bias=dict(msg.logit_bias),
                 logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+                prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
                 structured=StructuredOutput(msg.structured.kind, msg.structured.spec)
                 if msg.HasField("structured") else None)
 

@@ -23,6 +23,7 @@ from engine.attention.metadata import LayerHook
 from engine.config import EngineConfig
 from engine.core.choose import PromptCache, choose_tokens
 from engine.core.constrain import Constraints
+from engine.core.logprobs import delivered_prompt_logprobs, prompt_logprobs
 from engine.core.request import FinishReason, Request
 from engine.core.runner import resolve_num_kv_blocks
 from engine.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
@@ -53,6 +54,9 @@ class RequestOutput:
     # one per new token when the request asks for logprobs (None for a token sampled
     # elsewhere: the first one admitted with its KV); None when it does not ask
     logprobs: list[TokenLogprobs | None] | None = None
+    # with the first token, when the request asks for them and its prompt ran here: prompt
+    # tokens 1.. (``SamplingParams.prompt_logprobs``); None otherwise
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,8 @@ class EngineCore:
     def _execute(self, out: SchedulerOutput) -> list[int]:
         payload = self.step_payload(out) if self.step_payload is not None else b""
         logits = self.executor.execute(out.chunks, self.layer_hook, payload)
+        if any(c.all_logits for c in out.chunks):
+            logits = prompt_logprobs(logits, out.chunks, self.scheduler.requests)
         sampling = [c for c in out.chunks if c.sample]
         choice = choose_tokens(logits, [self.scheduler.requests[c.request_id] for c in sampling],
                                [c.start_position + len(c.token_ids) for c in sampling],
@@ -255,6 +261,7 @@ class EngineCore:
             num_resumed_tokens=request.num_resumed_tokens,
             block_ids=tuple(self.block_manager.pinned_block_ids(request.request_id)) if pinned else None,
             logprobs=logprobs,
+            prompt_logprobs=delivered_prompt_logprobs(request, bool(new_ids)),
         )
 
     def _detokenize(self, request: Request, new_ids: list[int], finished: bool) -> tuple[str, bool]:

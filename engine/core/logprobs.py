@@ -7,15 +7,25 @@ say what the model thinks, whatever the sampler then did. The sampled token is a
 reported, with its rank (1: the likeliest; ties share the better rank), even where it
 is not among the top ones. The same function runs where the prompt ran (a prefill
 worker, for the first token) and where the rest is decoded, so the two agree.
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``) are the same values for the prompt's
+own tokens: the logits at position p say how likely prompt token p + 1 was. A chunk whose
+request wants them comes back with a logits row per token (``ScheduledChunk.all_logits``);
+``prompt_logprobs`` records them on the request and leaves the sampling rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import TokenLogprobs
+
+if TYPE_CHECKING:
+    from engine.core.request import Request
+    from engine.core.scheduler import ScheduledChunk
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
@@ -37,3 +47,40 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
             top = tuple(zip(top_ids[i, :n].tolist(), top_lp[i, :n].tolist(), strict=True))
         out.append(TokenLogprobs(int(token_id), values[i], int(ranks[i]), top))
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
+                    requests: Mapping[str, Request]) -> torch.Tensor:
+    """Record on each request of an ``all_logits`` chunk the logprobs its rows give of
+    its prompt's next tokens (``Request.prompt_logprobs``, in prompt order: positions
+    already recorded, e.g. before a preemption, are not recorded twice); returns the
+    sampling rows of ``logits``, one per chunk with ``sample``, in chunk order."""
+    keep: list[int] = []
+    row = 0
+    for chunk in chunks:
+        num_rows = len(chunk.token_ids) if chunk.all_logits else int(chunk.sample)
+        if chunk.all_logits:
+            request = requests[chunk.request_id]
+            prompt, start = request.prompt_token_ids, chunk.start_position
+            # row j predicts position start + j + 1, a prompt token while that is < len
+            num = min(num_rows, len(prompt) - 1 - start)
+            if num > 0 and len(request.prompt_logprobs) == start:
+                request.prompt_logprobs.extend(token_logprobs(
+                    logits[row:row + num], prompt[start + 1:start + 1 + num],
+                    [request.params.prompt_logprobs or 0] * num))
+        if chunk.sample:
+            keep.append(row + num_rows - 1)
+        row += num_rows
+    return logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
+
+
+def delivered_prompt_logprobs(request: Request, new_token: bool) -> list[TokenLogprobs] | None:
+    """What an output of ``request`` carries of its prompt's logprobs: all of them with
+    the first token sampled here (``new_token``: the output has a token), when asked for
+    and computed here; None otherwise (a resumed request, or a first token sampled
+    elsewhere and admitted with its KV)."""
+    if (request.params.prompt_logprobs is None or request.num_resumed_tokens or not new_token
+            or len(request.output_token_ids) != 1
+            or len(request.prompt_logprobs) != request.num_prompt_tokens - 1):
+        return None
+    return list(request.prompt_logprobs)

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.kvcache import BlockHash, hash_block_tokens, root_hash
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -53,9 +53,18 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # prompt tokens 1.. given the ones before (``SamplingParams.prompt_logprobs``), in order
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are computed here: asked for, and not yet all found (a
+        resumed request's client has them already)."""
+        return (self.params.prompt_logprobs is not None and self.num_resumed_tokens == 0
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def num_prompt_tokens(self) -> int:

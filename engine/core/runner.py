@@ -145,7 +145,9 @@ class ModelRunner:
     def execute(self, chunks: Sequence[ScheduledChunk],
                 layer_hook: LayerHook | None = None) -> torch.Tensor:
         """Run one forward over ``chunks`` (decodes first, then prefills); returns logits
-        ``[num sampling chunks, vocab]`` for the last token of each chunk with ``sample``.
+        ``[rows, vocab]``: in chunk order, one row per token of a chunk with ``all_logits``
+        (its last one the sampling row when it has ``sample``), else one for the last token
+        of a chunk with ``sample``.
 
         An exception from ``layer_hook`` does not interrupt the forward (other ranks are
         in its collectives); the first one is re-raised once the step is complete."""
@@ -178,7 +180,9 @@ class ModelRunner:
             pos = range(c.start_position, c.start_position + len(c.token_ids))
             positions.extend(pos)
             slots.extend(c.block_ids[p // bs] * bs + p % bs for p in pos)
-            if c.sample:
+            if c.all_logits:
+                sample_rows.extend(range(start, len(token_ids)))
+            elif c.sample:
                 sample_rows.append(len(token_ids) - 1)
             if not c.is_decode:
                 prefills.append((start, c))

@@ -24,13 +24,16 @@ from engine.kvcache import BlockManager
 class ScheduledChunk:
     """Tokens ``[start_position, start_position + len(token_ids))`` of one request, computed
     this step into ``block_ids`` (the request's whole block table). ``sample``: the chunk
-    reaches the end of the sequence, so the next token is sampled."""
+    reaches the end of the sequence, so the next token is sampled. ``all_logits``: the
+    logits of every token of the chunk are wanted (its prompt's logprobs), not only the
+    last one's."""
 
     request_id: str
     token_ids: tuple[int, ...]
     start_position: int
     block_ids: tuple[int, ...]
     sample: bool
+    all_logits: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -194,9 +197,10 @@ class Scheduler:
             budget -= num_new
 
     def cached_prefix(self, request: Request) -> list[int]:
-        """The request's leading blocks in the prefix cache (none when it is off), short
-        of its last token's block; takes no reference (valid until the next allocation)."""
-        if not self.cache.enable_prefix_caching:
+        """The request's leading blocks in the prefix cache (none when it is off, or when
+        its prompt's logprobs are wanted: a cached block has no logits), short of its last
+        token's block; takes no reference (valid until the next allocation)."""
+        if not self.cache.enable_prefix_caching or request.wants_prompt_logprobs:
             return []
         # At least the last token is always computed, so its logits exist to sample from.
         num_blocks = (request.num_tokens - 1) // self.blocks.block_size
@@ -211,6 +215,7 @@ class Scheduler:
             start_position=start,
             block_ids=tuple(self.blocks.block_ids(request.request_id)),
             sample=start + num_new == request.num_tokens,
+            all_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1,
         )
         if chunk.is_decode:
             out.decodes.append(chunk)

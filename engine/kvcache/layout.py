@@ -36,7 +36,7 @@ GenerateLocal carry ``num_resumed_tokens`` (a migrated stream's output so far, w
 older worker would take for prompt), and ``SamplingParams`` the penalties, ``min_p``,
 ``min_tokens`` and ``logit_bias`` (which an older worker would ignore). 6: ``KVTarget``
 carries ``num_cached_blocks`` (blocks the decode worker holds; an older sender would send
-them anyway and fail the transfer)."""
+them anyway and fail the transfer), ``SamplingParams`` ``prompt_logprobs``."""
 
 
 @dataclass(frozen=True)

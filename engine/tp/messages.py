@@ -37,7 +37,8 @@ class StepMessage:
     def encode(self) -> bytes:
         words = array("q", [int(self.op), len(self.chunks)])
         for c in self.chunks:
-            words.extend((c.start_position, len(c.token_ids), len(c.block_ids), int(c.sample)))
+            flags = int(c.sample) | int(c.all_logits) << 1
+            words.extend((c.start_position, len(c.token_ids), len(c.block_ids), flags))
             words.extend(c.token_ids)
             words.extend(c.block_ids)
         words.append(len(self.payload))
@@ -53,10 +54,11 @@ class StepMessage:
         op = Op(reader.take(1)[0])
         chunks = []
         for _ in range(reader.count()):
-            start, num_tokens, num_blocks, sample = reader.take(1)[0], reader.count(), reader.count(), reader.take(1)[0]
+            start, num_tokens, num_blocks, flags = reader.take(1)[0], reader.count(), reader.count(), reader.take(1)[0]
             tokens = tuple(reader.take(num_tokens))
             blocks = tuple(reader.take(num_blocks))
-            chunks.append(ScheduledChunk("", tokens, start, blocks, bool(sample)))
+            chunks.append(ScheduledChunk("", tokens, start, blocks, bool(flags & 1),
+                                         bool(flags & 2)))
         num_payload_bytes = reader.count()
         payload = reader.take(-(-num_payload_bytes // words.itemsize)).tobytes()[:num_payload_bytes]
         if reader.pos != len(words):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"\xc2\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0f \x01(\x03H\n\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x10 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12\x0e\n\x01n\x18\x11 \x01(\x03H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_n\"\x8d\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xcb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x06resume\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.ResumeB\x08\n\x06prompt\"*\n\x06Resume\x12\r\n\x05token\x18\x01 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xe2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0e\n\x06offset\x18\x06 \x01(\r\x12\x14\n\x0cresume_token\x18\x07 \x01(\x0c\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18\t \x01(\r\"\x12\n\x10ModelInfoRequest\"q\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r2\x9a\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x43\n\x0cGetModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"\xf4\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0f \x01(\x03H\n\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x10 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12\x0e\n\x01n\x18\x11 \x01(\x03H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x03H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\x8d\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xcb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x06resume\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.ResumeB\x08\n\x06prompt\"*\n\x06Resume\x12\r\n\x05token\x18\x01 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x96\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0e\n\x06offset\x18\x06 \x01(\r\x12\x14\n\x0cresume_token\x18\x07 \x01(\x0c\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18\t \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x12\n\x10ModelInfoRequest\"q\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r2\x9a\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x43\n\x0cGetModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=748
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=530
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=578
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=751
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=892
-  _globals['_CHOICES']._serialized_start=894
-  _globals['_CHOICES']._serialized_end=920
-  _globals['_TOKENLOGPROBS']._serialized_start=922
-  _globals['_TOKENLOGPROBS']._serialized_end=1031
-  _globals['_TOKENIDS']._serialized_start=1033
-  _globals['_TOKENIDS']._serialized_end=1056
-  _globals['_GENERATEREQUEST']._serialized_start=1059
-  _globals['_GENERATEREQUEST']._serialized_end=1262
-  _globals['_RESUME']._serialized_start=1264
-  _globals['_RESUME']._serialized_end=1306
-  _globals['_USAGE']._serialized_start=1308
-  _globals['_USAGE']._serialized_end=1388
-  _globals['_GENERATERESPONSE']._serialized_start=1391
-  _globals['_GENERATERESPONSE']._serialized_end=1617
-  _globals['_MODELINFOREQUEST']._serialized_start=1619
-  _globals['_MODELINFOREQUEST']._serialized_end=1637
-  _globals['_MODELINFO']._serialized_start=1639
-  _globals['_MODELINFO']._serialized_end=1752
-  _globals['_GENERATION']._serialized_start=1755
-  _globals['_GENERATION']._serialized_end=1909
+  _globals['_SAMPLINGPARAMS']._serialized_end=798
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=560
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=608
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=801
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=942
+  _globals['_CHOICES']._serialized_start=944
+  _globals['_CHOICES']._serialized_end=970
+  _globals['_TOKENLOGPROBS']._serialized_start=972
+  _globals['_TOKENLOGPROBS']._serialized_end=1081
+  _globals['_TOKENIDS']._serialized_start=1083
+  _globals['_TOKENIDS']._serialized_end=1106
+  _globals['_GENERATEREQUEST']._serialized_start=1109
+  _globals['_GENERATEREQUEST']._serialized_end=1312
+  _globals['_RESUME']._serialized_start=1314
+  _globals['_RESUME']._serialized_end=1356
+  _globals['_USAGE']._serialized_start=1358
+  _globals['_USAGE']._serialized_end=1438
+  _globals['_GENERATERESPONSE']._serialized_start=1441
+  _globals['_GENERATERESPONSE']._serialized_end=1719
+  _globals['_MODELINFOREQUEST']._serialized_start=1721
+  _globals['_MODELINFOREQUEST']._serialized_end=1739
+  _globals['_MODELINFO']._serialized_start=1741
+  _globals['_MODELINFO']._serialized_end=1854
+  _globals['_GENERATION']._serialized_start=1857
+  _globals['_GENERATION']._serialized_end=2011
 # @@protoc_insertion_point(module_scope)

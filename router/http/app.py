@@ -89,7 +89,11 @@ def build_app(api: HttpApi) -> FastAPI:
         text, token_ids = body.prompt_parts()
         client = body.client_request(request_id=_request_id(body, request),
                                      max_tokens=body.max_tokens, text=text, token_ids=token_ids)
-        return _relay(api, request, body, client, chat=False)
+        echo = None
+        if body.echo:
+            echo = text if text is not None else api.tokenizer.decode(
+                list(token_ids or ()), skip_special_tokens=False)
+        return _relay(api, request, body, client, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -151,11 +155,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _relay(api: HttpApi, request: Request, body: SamplingRequest, client: Any,
-           *, chat: bool) -> Relay:
+           *, chat: bool, echo: str | None = None) -> Relay:
     return Relay(api.core, _resumed(request, body, client), timeout_s=_timeout(request),
                  chat=chat, model=api.core.limits.name, stream=body.stream,
                  include_usage=body.include_usage, token_ids=body.return_token_ids,
                  logprobs=None if client.logprobs is None
+                 else LogprobsWriter(api.tokenizer, chat=chat), echo=echo,
+                 prompt_logprobs=None if body.prompt_logprobs_asked() is None
                  else LogprobsWriter(api.tokenizer, chat=chat))
 
 

@@ -30,7 +30,7 @@ M = TypeVar("M", bound=BaseModel)
 
 # parameter -> the values that mean "not used" (anything else: 400)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "suffix": ("",),
     "top_logprobs": (),  # chat's (a field there); completions take logprobs (an integer)
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "use_beam_search": (False,),
@@ -78,6 +78,7 @@ class SamplingRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     n: Annotated[int, INT64] | None = None  # choices (the router caps it: --max-n)
+    prompt_logprobs: Annotated[int, INT64] | None = None  # vLLM's: the prompt's, non-streamed
     return_token_ids: bool = False  # vLLM's: every choice carries its token ids
     resume_token_ids: list[Int64] | None = None  # with Last-Event-ID: the ids received
     stream: bool = False
@@ -111,6 +112,14 @@ class SamplingRequest(BaseModel):
         """How many alternatives per token the request's logprobs ask for (None: none)."""
         return None
 
+    def prompt_logprobs_asked(self) -> int | None:
+        """How many alternatives per prompt token its prompt's logprobs ask for (None:
+        none); 400 with ``stream`` (as vLLM: they are not streamed)."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise ApiError.invalid("prompt_logprobs are not available with stream=true",
+                                   "prompt_logprobs")
+        return _logprobs_count(self.prompt_logprobs, "prompt_logprobs")
+
     def client_request(self, *, request_id: str, max_tokens: int | None,
                        text: str | None = None,
                        token_ids: tuple[int, ...] | None = None) -> ClientRequest:
@@ -124,7 +133,13 @@ class SamplingRequest(BaseModel):
             min_p=self.min_p, min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias(),
-            logprobs=self.logprobs_asked(), structured=self.structured_asked(), n=self.n)
+            logprobs=self.logprobs_asked(), prompt_logprobs=self.prompt_logprobs_needed(),
+            structured=self.structured_asked(), n=self.n)
+
+    def prompt_logprobs_needed(self) -> int | None:
+        """What the workers compute of the prompt's logprobs (``prompt_logprobs_asked``,
+        or what ``echo`` with ``logprobs`` shows)."""
+        return self.prompt_logprobs_asked()
 
     def structured_asked(self) -> tuple[str, str] | None:
         """The (kind, spec) of the structured output the body asks for, wherever it asks
@@ -171,9 +186,16 @@ class CompletionRequest(SamplingRequest):
 
     prompt: str | list[Int64] | list[str] | list[list[Int64]]
     logprobs: Annotated[int, INT64] | None = None  # the legacy API's: alternatives per token
+    echo: bool = False  # the prompt leads each choice's text (and its logprobs, if asked)
 
     def logprobs_asked(self) -> int | None:
         return _logprobs_count(self.logprobs, "logprobs")
+
+    def prompt_logprobs_needed(self) -> int | None:
+        asked, shown = self.prompt_logprobs_asked(), self.logprobs_asked()
+        if self.echo and shown is not None:
+            return shown if asked is None else max(asked, shown)
+        return asked
 
     def prompt_parts(self) -> tuple[str | None, tuple[int, ...] | None]:
         """(text, token ids): exactly one is not None; 400 for a batch of several."""

@@ -102,7 +102,10 @@ class Relay(Response):
     def __init__(self, core: RequestStarter, client: ClientRequest, *,
                  timeout_s: float | None, chat: bool, model: str, stream: bool,
                  include_usage: bool, token_ids: bool = False,
-                 logprobs: LogprobsWriter | None = None) -> None:
+                 logprobs: LogprobsWriter | None = None, echo: str | None = None,
+                 prompt_logprobs: LogprobsWriter | None = None) -> None:
+        """``echo``: the prompt's text, to lead each choice's (completions); its
+        ``prompt_logprobs``: vLLM's field was asked for."""
         super().__init__()
         self._core = core
         self._client = client
@@ -111,6 +114,8 @@ class Relay(Response):
         self._include_usage = include_usage
         self._token_ids = token_ids
         self._logprobs = logprobs
+        self._echo = echo
+        self._prompt_logprobs = prompt_logprobs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         work = asyncio.ensure_future(self._run(send))
@@ -139,7 +144,11 @@ class Relay(Response):
         shape = Shape.of(chat=self._chat, request_id=rid, model=self._model,
                          created=int(time.time()), include_usage=self._include_usage,
                          token_ids=self._token_ids, logprobs=self._logprobs,
-                         n=served.request.n)
+                         n=served.request.n,
+                         # a resumed stream's client has had the echo
+                         echo=None if served.request.resumed else self._echo,
+                         prompt_token_ids=served.request.prompt_token_ids,
+                         prompt_logprobs=self._prompt_logprobs)
         headers = [(REQUEST_ID_HEADER.encode(), rid.encode())]
         log = logging.LoggerAdapter(logger, {"request_id": rid})
         started = time.monotonic()

@@ -139,8 +139,12 @@ async def prefill_and_relay(attempt: Attempt, placement: Placement
                 raise
             ctx.excluded.discard(attempt.decode_id)  # the decode worker only reported it
             raise blame from None
-        if chunk is not None and ctx.request.sampling.logprobs is not None:
-            chunk = await _with_first_logprobs(chunk, prefill_task)
+        sampling = ctx.request.sampling
+        prompt_logprobs = sampling.prompt_logprobs is not None and not ctx.calls.num_resumed
+        if chunk is not None and (sampling.logprobs is not None or prompt_logprobs):
+            chunk = await _with_prefill_logprobs(chunk, prefill_task,
+                                                 sampling.logprobs is not None, prompt_logprobs,
+                                                 len(ctx.request.prompt_token_ids))
         if chunk is not None:
             yield chunk
             async for chunk in relayed:
@@ -156,17 +160,27 @@ async def prefill_and_relay(attempt: Attempt, placement: Placement
                           PREFILL_SETTLE_S if attempt.is_finished else 0.0)
 
 
-async def _with_first_logprobs(chunk: OutputChunk, task: asyncio.Future[Prefilled]
-                               ) -> OutputChunk:
-    """The stream's first chunk with its first token's logprobs, from the Prefill's reply
-    (the decode worker has those of the tokens it sampled only; the reply is on its way:
-    the prefill worker answers once the KV was acknowledged). A failed Prefill fails the
-    attempt here, before anything was streamed."""
+async def _with_prefill_logprobs(chunk: OutputChunk, task: asyncio.Future[Prefilled],
+                                 first_logprobs: bool, prompt_logprobs: bool,
+                                 num_prompt_tokens: int) -> OutputChunk:
+    """The stream's first chunk with what the Prefill's reply has of the logprobs asked
+    for: with ``first_logprobs`` its first token's (the decode worker has those of the
+    tokens it sampled only), with ``prompt_logprobs`` the prompt's. The reply is on its way: the prefill
+    worker answers once the KV was acknowledged. A failed Prefill fails the attempt here,
+    before anything was streamed."""
     prefilled = await asyncio.shield(task)
-    if prefilled.first_token_logprobs is None:
-        raise RouteError(grpc.StatusCode.INTERNAL, "the prefill worker sent no logprobs for "
-                         "the first token")
-    return replace(chunk, logprobs=(prefilled.first_token_logprobs, *chunk.logprobs))
+    if first_logprobs:
+        if prefilled.first_token_logprobs is None:
+            raise RouteError(grpc.StatusCode.INTERNAL, "the prefill worker sent no logprobs "
+                             "for the first token")
+        chunk = replace(chunk, logprobs=(prefilled.first_token_logprobs, *chunk.logprobs))
+    if prompt_logprobs:
+        if len(prefilled.prompt_logprobs) != max(0, num_prompt_tokens - 1):
+            raise RouteError(grpc.StatusCode.INTERNAL, "the prefill worker sent the logprobs "
+                             f"of {len(prefilled.prompt_logprobs)} prompt tokens for a prompt "
+                             f"of {num_prompt_tokens}")
+        chunk = replace(chunk, prompt_logprobs=prefilled.prompt_logprobs)
+    return chunk
 
 
 async def _settle(attempt: Attempt, task: asyncio.Future[Prefilled], wait_s: float) -> None:

@@ -190,6 +190,73 @@ def test_bad_logprobs_are_a_400_naming_the_field(cluster: Cluster) -> None:
     assert "logprobs" in refused.value.details
 
 
+
+def _assert_same(got: Any, expected: Any) -> None:
+    """Two lists of logprobs agree: tokens, ranks, alternatives; values within 1e-4."""
+    assert len(got) == len(expected)
+    for mine, theirs in zip(got, expected, strict=True):
+        assert (mine.token_id, mine.rank) == (theirs.token_id, theirs.rank)
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+
+
+def test_prompt_logprobs_and_echo_are_one_answer_everywhere(
+        cluster: Cluster, colocated: Client, llm: LLM) -> None:
+    """The prompt's logprobs are computed where the prompt runs (the prefill worker, or
+    the decode worker colocated), never from the prefix cache (the prompt ran before):
+    both equal the engine's; the HTTP API shows them as vLLM does (``prompt_logprobs``)
+    and, with ``echo`` and ``logprobs``, in the legacy object after the prompt's text."""
+    prompt = f"{PROMPTS[2]} echo"
+    knobs: dict[str, Any] = dict(max_tokens=5, temperature=0.0, ignore_eos=True)
+    expected = llm.generate([prompt], SamplingParams(prompt_logprobs=2, logprobs=2, **knobs))[0]
+    assert expected.prompt_logprobs is not None and expected.logprobs is not None
+    with Client(cluster.address) as disaggregated:
+        disaggregated.complete(prompt, timeout=TIMEOUT_S, **knobs)  # cached on both sides
+        for client in (disaggregated, colocated):
+            got = client.complete(prompt, prompt_logprobs=2, timeout=TIMEOUT_S, **knobs)
+            assert list(got.token_ids) == expected.token_ids
+            _assert_same(got.prompt_logprobs, expected.prompt_logprobs)
+            chunks = list(client.generate(prompt, prompt_logprobs=2, timeout=TIMEOUT_S, **knobs))
+            assert len(chunks[0].prompt_logprobs) == len(expected.prompt_token_ids) - 1
+            assert all(not c.prompt_logprobs for c in chunks[1:])
+    assert cluster.router is not None
+    address = cluster.router.ready["http_address"]
+    with openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0,
+                       timeout=TIMEOUT_S) as oai:
+        http = oai.completions.create(model="", prompt=prompt, max_tokens=5, temperature=0.0,
+                                      echo=True, logprobs=2, extra_body={"ignore_eos": True})
+        choice = http.choices[0]
+        assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+        legacy = choice.logprobs
+        assert legacy is not None and legacy.token_logprobs is not None
+        num_prompt = len(expected.prompt_token_ids)
+        assert len(legacy.token_logprobs) == num_prompt + 5 and legacy.token_logprobs[0] is None
+        assert legacy.token_logprobs[1:] == pytest.approx(
+            [lp.logprob for lp in [*expected.prompt_logprobs, *expected.logprobs]], abs=1e-4)
+        assert legacy.text_offset is not None and legacy.text_offset[0] == 0
+        streamed = list(oai.completions.create(model="", prompt=prompt, max_tokens=5,
+                                               temperature=0.0, echo=True, stream=True,
+                                               extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+        assert streamed[0].choices[0].text.startswith(prompt)
+        vllm = oai.completions.create(model="", prompt=prompt, max_tokens=5, temperature=0.0,
+                                      extra_body={"ignore_eos": True, "prompt_logprobs": 1})
+        shown = vllm.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+        assert shown[0] is None and len(shown) == num_prompt
+        for entry, lp in zip(shown[1:], expected.prompt_logprobs, strict=True):
+            assert entry[str(lp.token_id)]["logprob"] == pytest.approx(lp.logprob, abs=1e-4)
+            assert entry[str(lp.token_id)]["rank"] == lp.rank
+        chat = oai.chat.completions.create(
+            model="", messages=[{"role": "user", "content": prompt}], max_tokens=3,
+            extra_body={"prompt_logprobs": 0})
+        assert chat.model_extra is not None and chat.model_extra["prompt_logprobs"][0] is None
+        for extra in ({"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True}):
+            with pytest.raises(openai.BadRequestError) as info:
+                oai.completions.create(model="", prompt="hi", max_tokens=2,
+                                       extra_body=extra)  # type: ignore[arg-type]
+            assert "prompt_logprobs" in info.value.message
+    cluster.assert_no_leaks()
+
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},
     "mood": {"enum": ["calm", "busy"]},

@@ -79,3 +79,32 @@ def test_no_logprobs_unless_asked_and_bad_values_are_refused(llm: LLM) -> None:
     for bad in (-1, 21, True, 2.0):
         with pytest.raises(ValueError, match="logprobs must be in"):
             SamplingParams(logprobs=bad)  # type: ignore[arg-type]
+    for bad in (-1, 21, True):
+        with pytest.raises(ValueError, match="prompt_logprobs must be in"):
+            SamplingParams(prompt_logprobs=bad)  # type: ignore[arg-type]
+
+
+def test_prompt_logprobs_equal_hugging_faces_over_chunks_and_a_cached_prefix(
+        llama_dir: Path, hf: Any) -> None:
+    """Every prompt token after the first: its log-probability given the ones before, its
+    rank and the 3 likeliest there, as Hugging Face's log-softmax says — with the prompt
+    prefilled in chunks of 16 and its prefix already cached (the cache is bypassed), in
+    one batch with a request that does not ask; the output is the plain one."""
+    prompt_ids = list(range(5, 5 + 45))
+    ask = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir, num_kv_blocks=64, max_num_batched_tokens=16) as llm:
+        warm = llm.generate([prompt_ids], plain)[0]  # the prefix is cached now
+        asked, other = llm.generate([prompt_ids, list(range(60, 90))], [ask, plain])
+    assert warm.prompt_logprobs is None and other.prompt_logprobs is None
+    assert asked.token_ids == warm.token_ids and asked.num_cached_tokens == 0
+    found = asked.prompt_logprobs
+    assert found is not None and [lp.token_id for lp in found] == prompt_ids[1:]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt_ids])).logits[0, :-1].float()
+    reference = torch.log_softmax(logits, dim=-1)
+    for i, lp in enumerate(found):
+        assert lp.logprob == pytest.approx(float(reference[i, lp.token_id]), abs=1e-4)
+        assert lp.rank == int((reference[i] > reference[i, lp.token_id] + 1e-5).sum()) + 1
+        assert [v for _, v in lp.top] == pytest.approx(reference[i].topk(3).values.tolist(),
+                                                       abs=1e-4)

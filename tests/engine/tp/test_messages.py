@@ -52,6 +52,10 @@ def test_encoding_layout() -> None:
               ScheduledChunk("", (11,), 10, (3, 5), True)]
     assert step_message(chunks).encode() == words(
         int(Op.STEP), 2, 4, 3, 1, 0, 7, 8, 9, 2, 10, 1, 2, 1, 11, 3, 5, 0)
+    # a chunk that wants every row's logits (its prompt's logprobs): flag bit 1
+    wants = ScheduledChunk("", (7, 8), 0, (2,), True, all_logits=True)
+    assert step_message([wants]).encode() == words(int(Op.STEP), 1, 0, 2, 1, 3, 7, 8, 2, 0)
+    assert StepMessage.decode(step_message([wants]).encode()).chunks == (wants,)
 
 
 @pytest.mark.parametrize("payload", [b"", b"x", b"12345678", b"123456789", bytes(range(256))])

@@ -40,7 +40,7 @@ def test_a_cancel_while_the_stream_closes_still_lets_the_prefill_go(
     monkeypatch.setattr(relay_module, "prefill", slow_prefill)
     monkeypatch.setattr(relay_module, "relay", stream)
     monkeypatch.setattr(relay_module, "start_generate", lambda attempt: None)
-    request = SimpleNamespace(sampling=SimpleNamespace(logprobs=None))
+    request = SimpleNamespace(sampling=SimpleNamespace(logprobs=None, prompt_logprobs=None))
     attempt = SimpleNamespace(ctx=SimpleNamespace(client_request_id="r", request=request),
                               id="a-1",
                               decode_id="d", is_finished=False)
