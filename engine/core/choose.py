@@ -35,8 +35,11 @@ def choose_tokens(logits: torch.Tensor, requests: Sequence[Request], positions: 
     constrained requests' matchers follow the tokens chosen."""
     params = [r.params for r in requests]
     raw = logits
-    if any(p.penalized for p in params):
-        logits = process_logits(logits, params, [_history(r, prompts) for r in requests])
+    if any(p.penalized for p in params):  # the raw logits kept only for logprobs
+        logits = process_logits(logits, params,
+                                [_history(r, prompts) if p.penalized else _NO_HISTORY
+                                 for r, p in zip(requests, params, strict=True)],
+                                in_place=all(p.logprobs is None for p in params))
     ids = [r.request_id for r in requests]
     logits = constraints.mask(logits, ids)
     sampled = sample(logits, params, positions)
@@ -51,6 +54,9 @@ def choose_tokens(logits: torch.Tensor, requests: Sequence[Request], positions: 
     return choice
 
 
+_NO_HISTORY = History((), ())  # an unpenalized row's: never read
+
+
 def _history(request: Request, prompts: PromptCache) -> History:
     """The tokens the logits processors (``engine.core.logits``) read of ``request``;
     ``prompts`` keeps each request's distinct prompt ids (made once, gone with it)."""
@@ -62,6 +68,8 @@ def _history(request: Request, prompts: PromptCache) -> History:
         prompt_ids = prompts.get(request)  # type: ignore[assignment]
         if prompt_ids is None:
             prompt_ids = prompts[request] = torch.unique(torch.tensor(prompt[:split]))
-    return History(prompt_ids, [*prompt[split:], *request.output_token_ids], eos)
+    output = request.output_token_ids  # the resumed tokens are output too
+    return History(prompt_ids, [*prompt[split:], *output] if split < len(prompt) else output,
+                   eos)
 
 

@@ -26,15 +26,18 @@ class History:
     eos_token_ids: Sequence[int] = ()
 
 
+@torch.inference_mode()  # the engine's logits are inference tensors (changed in place)
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
-                   histories: Sequence[History]) -> torch.Tensor:
+                   histories: Sequence[History], *, in_place: bool = False) -> torch.Tensor:
     """``logits`` (``[num_rows, vocab]``) with each penalized row's bias, mask and
-    penalties applied (a copy in fp32; ``logits`` itself when no row has any). Sparse:
-    the work grows with the rows' histories, not with the vocabulary."""
+    penalties applied (a copy in fp32 — ``logits`` itself, changed, with ``in_place`` and
+    fp32 logits —; ``logits`` unchanged when no row has any). Only the penalized rows'
+    ``histories`` are read. Sparse: the work grows with the rows' histories, not with the
+    vocabulary."""
     rows = [i for i, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
-    logits = logits.float().clone()
+    logits = logits.float() if in_place else logits.float().clone()
     flat = logits.view(-1)
     vocab_size = logits.shape[1]
     bias = [(r * vocab_size + t, b) for r in rows for t, b in params[r].logit_bias
@@ -56,12 +59,22 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 def _flat_ids(rows: Sequence[int], lists: Sequence[Sequence[int] | torch.Tensor],
               vocab_size: int) -> torch.Tensor:
-    """Each row's tokens as indices into the flattened ``[rows, vocab]`` logits."""
-    parts = []
-    for r, tokens in zip(rows, lists, strict=True):
-        ids = torch.as_tensor(tokens, dtype=torch.long).cpu()
-        parts.append(ids[ids < vocab_size] + r * vocab_size)
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    """Each row's tokens as indices into the flattened ``[rows, vocab]`` logits, in no
+    particular order (the callers count and deduplicate them). A handful of tensor ops
+    whatever the number of rows: the lists are joined in Python, the tensors concatenated."""
+    tensors = [(r, t.to("cpu", torch.long)) for r, t in zip(rows, lists, strict=True)
+               if isinstance(t, torch.Tensor)]
+    plain = [(r, t) for r, t in zip(rows, lists, strict=True) if not isinstance(t, torch.Tensor)]
+    parts = [t for _, t in tensors]
+    if plain:
+        parts.append(torch.tensor([v for _, t in plain for v in t], dtype=torch.long))
+    if not parts:
+        return torch.zeros(0, dtype=torch.long)
+    ids = torch.cat(parts)
+    row = torch.repeat_interleave(
+        torch.tensor([r for r, _ in tensors] + [r for r, _ in plain]),
+        torch.tensor([len(t) for _, t in tensors] + [len(t) for _, t in plain]))
+    return (ids + row * vocab_size)[ids < vocab_size]
 
 
 def _repetition(flat: torch.Tensor, all_rows: Sequence[int], params: Sequence[SamplingParams],
