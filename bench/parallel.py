@@ -12,9 +12,9 @@ worker's prompt tokens computed (``vllm:prompt_tokens`` less ``vllm:prefix_cache
 counted as each prefill ends) and KV bytes sent (``pdserve:kv_transfer_bytes_total``) are
 read before and after each request.
 The issue's goals: ``n=4`` on a 512-token prompt computes the prompt and moves its KV once
-(here each choice is a request of its own: the later ones hit the prefill worker's prefix
-cache, and that of choice 0's decode worker, but for the last prompt token's block, which
-is computed and sent again) and TTFT at most 1.2x ``n=1``'s.
+(here each choice is a request of its own: the later ones prefill on choice 0's decode
+worker, whose prefix cache holds all of their prompt but the last token's block) and TTFT
+at most 1.2x ``n=1``'s.
 """
 
 from __future__ import annotations

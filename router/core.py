@@ -137,8 +137,8 @@ class RouterCore:
             self.metrics.rejections.labels("invalid").inc()
             raise
         shared = SharedDecode() if request.n > 1 else None
-        served = [self._served(c, t, deadline, received_at, shared)
-                  for c, t in zip(choices, tickets, strict=True)]
+        served = [self._served(c, t, deadline, received_at, shared, i)
+                  for i, (c, t) in enumerate(zip(choices, tickets, strict=True))]
         return served[0] if request.n == 1 else ParallelRequest(request, served)
 
     def _check_n(self, request: ValidRequest) -> None:
@@ -158,10 +158,11 @@ class RouterCore:
                                  f"(--max-queued-tokens {config.max_queued_tokens})")
 
     def _served(self, request: ValidRequest, ticket: Ticket, deadline: float,
-                received_at: float, shared: SharedDecode | None = None) -> ServedRequest:
+                received_at: float, shared: SharedDecode | None = None,
+                choice: int = 0) -> ServedRequest:
         return ServedRequest(request, ticket, deadline, received_at,
                              lambda trace: self.handoff(request, ticket, deadline, trace,
-                                                        shared),
+                                                        shared, choice),
                              metrics=self.metrics,
                              max_buffered_chunks=self.config.max_buffered_chunks,
                              live=self._live)
@@ -228,17 +229,18 @@ class RouterCore:
                              f"{largest}")
 
     def handoff(self, request: ValidRequest, ticket: Ticket, deadline: float,
-                trace: Trace | None = None, shared: SharedDecode | None = None) -> Handoff:
+                trace: Trace | None = None, shared: SharedDecode | None = None,
+                choice: int = 0) -> Handoff:
         """The lifecycle of an admitted request (``router.lifecycle``); UNAVAILABLE when
         no worker is known (the cluster's KV layout names the block size). ``shared``:
-        the decode worker its sibling choices share (n > 1)."""
+        the decode worker its sibling choices share (n > 1), ``choice`` its index."""
         layout = self.pool.layout()
         if layout is None:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy worker is registered")
         ctx = RequestContext(self.pool, request, ticket, deadline, self._handoff, self.metrics,
                              self.leases, WorkerCalls(self.pool, request, self.leases.ttl_ms),
                              self._keep, trace or Trace(time.monotonic()), layout.block_size,
-                             layout.hash_seed, shared_decode=shared)
+                             layout.hash_seed, shared_decode=shared, choice=choice)
         placement = Placement(ctx, self.attempt_ids, self._transfer_ids, self._prefill_turns)
         return Handoff(ctx, placement, resumed=request.resumed)
 

@@ -77,7 +77,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",
                         help="never: no prefill worker left is UNAVAILABLE; fallback: then a "
                              "decode worker prefills locally; always: colocated mode, every "
-                             "request prefilled on its decode worker (default: never)")
+                             "request prefilled on its decode worker (default: never). In "
+                             "every mode the later choices of n > 1 prefill on choice 0's "
+                             "decode worker, whose prefix cache holds their prompt but its "
+                             "last block")
     parser.add_argument("--prefill-routing", choices=PREFILL_ROUTING, default="affinity",
                         help="affinity: the prefill worker by prefix affinity (rendezvous "
                              "hashing of the prompt's leading blocks, bounded load); "

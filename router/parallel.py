@@ -4,10 +4,10 @@ Each choice is a request of its own through the whole lifecycle — admitted, pl
 prefilled, decoded, migrated, cancelled — with the same prompt and sampling but for its
 seed: choice i samples with ``seed + i`` (mod 2**64; unseeded choices draw freely), so
 choice 0 is the n = 1 answer and every seeded choice is reproducible. Their prompts are
-the same: the other choices start once choice 0's first token is out — its prompt is then
-in the prefill worker's prefix cache, which serves theirs but for the last token's block,
-and in the prefix cache of choice 0's decode worker, which the others ask first
-(``router.lifecycle.context.SharedDecode``): only that last block travels again. Their
+the same: the other choices start once choice 0's first token is out — its prompt's KV
+is then in the prefix cache of choice 0's decode worker, where the others prefill locally
+(``router.lifecycle.context.SharedDecode``): it computes only their last prompt token's
+block, so the prompt is computed on a prefill worker and its KV moved once. Their
 chunks are interleaved as they come, each tagged with its ``index``, and
 the usage of the whole request (the prompt once, every choice's completion tokens) goes
 on the stream's very last chunk. A failed choice fails the request (the others are

@@ -27,10 +27,11 @@ logger = logging.getLogger("router.lifecycle")
 
 @dataclass
 class SharedDecode:
-    """The decode worker the choices of one request (n > 1) share: the latest reservation
-    of any of them names it, and the others ask it first (unless it failed them) — its
-    prefix cache then holds their prompt's blocks, so only the last prompt token's block
-    travels to it again."""
+    """The decode worker the choices of one request (n > 1) share: choice 0's attempt
+    names it (its latest), and the later choices prefill there locally (unless it failed
+    them or left routing): its prefix cache holds their prompt but for the last token's
+    block, which it computes, so the prompt's KV travels once and the prefill worker
+    computes it once."""
 
     worker_id: str | None = None
 
@@ -42,7 +43,7 @@ class RequestContext:
     ``excluded`` holds the workers that failed this request (never asked again for it);
     ``background`` keeps a task alive until it ends (Aborts sent while the request's own
     task may be cancelled); ``shared_decode``, the decode worker of the request's sibling
-    choices (n > 1)."""
+    choices (n > 1), and ``choice`` the request's index among them."""
 
     pool: WorkerPool
     request: ValidRequest
@@ -59,6 +60,7 @@ class RequestContext:
     clock: Callable[[], float] = time.monotonic
     excluded: set[str] = field(default_factory=set)
     shared_decode: SharedDecode | None = None
+    choice: int = 0
     log: logging.LoggerAdapter = field(init=False)
 
     def __post_init__(self) -> None:

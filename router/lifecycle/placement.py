@@ -2,14 +2,15 @@
 and the order in which prefill workers are asked.
 
 - Decode: least in flight, then most free blocks (``router.routing.rank_decode``), among
-  the routable decode workers that did not fail this request; the choices of one request
-  (n > 1) ask the first choice's decode worker first (``SharedDecode``: its prefix cache
-  holds their prompt). ``reserve`` asks them in
+  the routable decode workers that did not fail this request; the later choices of one
+  request (n > 1) ask the first choice's decode worker first (``SharedDecode``: its prefix
+  cache holds their prompt). ``reserve`` asks them in
   turn, a new attempt per Reserve; while every reachable one refuses (no room now, or at
   its stream limit) it waits for capacity until the deadline; when none answers at all,
   UNAVAILABLE.
 - Local: colocated mode (``local_prefill`` "always"), or "fallback" once no prefill
-  worker is left for the request: the attempt prefills on the decode worker.
+  worker is left for the request, or a later choice of n > 1 whose first choice's
+  decode worker can take it: the attempt prefills on the decode worker.
 - Prefill: rendezvous order of the prompt's affinity key with bounded load
   (``router.routing.pick_prefill``), or in turn (``prefill_routing`` "round-robin").
 """
@@ -62,10 +63,22 @@ class Placement:
         return order
 
     def prefills_locally(self) -> bool:
-        """Colocated this attempt: always, or (fallback) when no prefill worker is left."""
+        """Colocated this attempt: always, (fallback) when no prefill worker is left, or
+        a later choice that its first choice's decode worker can take."""
         mode = self.ctx.config.local_prefill
-        return mode == "always" or mode == "fallback" and not any(
-            r.worker_id not in self.ctx.excluded for r in self.ctx.pool.routable("prefill"))
+        return mode == "always" or self._sibling_worker() is not None or (
+            mode == "fallback" and not any(r.worker_id not in self.ctx.excluded
+                                           for r in self.ctx.pool.routable("prefill")))
+
+    def _sibling_worker(self) -> str | None:
+        """The decode worker holding a later choice's prompt (``SharedDecode``), if it is
+        routable and did not fail this choice."""
+        ctx, shared = self.ctx, self.ctx.shared_decode
+        if not ctx.choice or shared is None or shared.worker_id is None \
+                or shared.worker_id in ctx.excluded:
+            return None
+        routable = {r.worker_id for r in ctx.pool.routable("decode")}
+        return shared.worker_id if shared.worker_id in routable else None
 
     async def place(self) -> Attempt:
         """The next attempt: local, or a reservation (waiting for capacity meanwhile)."""
@@ -78,10 +91,17 @@ class Placement:
         decode_id = self.decode_order()[0]
         ctx.metrics.routed.labels("decode", decode_id).inc()
         attempt = Attempt(ctx, self._ids.new(), decode_id, local=True)
+        self._share(decode_id)
         ctx.log.info("attempt %s: prefilling locally on %s (%s)", attempt.id, decode_id,
                      "colocated mode" if ctx.config.local_prefill == "always"
+                     else "its prompt is cached there" if self._sibling_worker() == decode_id
                      else "no prefill worker left")
         return attempt
+
+    def _share(self, decode_id: str) -> None:
+        """Choice 0 of n > 1 runs on ``decode_id``: the later choices go there."""
+        if self.ctx.shared_decode is not None and not self.ctx.choice:
+            self.ctx.shared_decode.worker_id = decode_id
 
     async def _reserve(self) -> Attempt:
         while True:
@@ -154,8 +174,7 @@ class Placement:
             return reply.reason, True
         assert reply.target is not None
         attempt.reserved(reply.target)
-        if ctx.shared_decode is not None:  # the latest to receive the prompt's KV
-            ctx.shared_decode.worker_id = decode_id
+        self._share(decode_id)
         ctx.metrics.routed.labels("decode", decode_id).inc()
         ctx.log.info("attempt %s: %d blocks reserved on %s (transfer %d, %d held there)",
                      attempt.id, reply.num_blocks, decode_id, attempt.transfer_id,

@@ -1,7 +1,7 @@
 """``python -m bench.parallel --quick``: n=1 and n=3 through a real cluster, their TTFT,
 prompt tokens computed and KV bytes sent by the prefill worker reported (figures, never a
-speed); the n=3 request's later choices hit the prefill worker's prefix cache and that
-of choice 0's decode worker."""
+speed); the n=3 request's later choices prefill on choice 0's decode worker, from its
+prefix cache."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_quick_reports_both_arms(tmp_path: Path) -> None:
     one, three = medians["1"], medians["3"]
     assert one["ttft_s"] > 0 and three["ttft_s"] > 0
     assert one["prompt_tokens_computed"] == 64  # a fresh prompt, computed once
-    # the other two choices compute at most their last partial block (16-token blocks)
-    assert 64 <= three["prompt_tokens_computed"] <= 64 + 2 * 16
-    # ... and receive only that block: 4 + 1 + 1 blocks against n=1's 4
-    assert three["kv_bytes_sent"] * 4 == one["kv_bytes_sent"] * 6
+    # the other two choices prefill on choice 0's decode worker, from its prefix cache:
+    # the prefill worker computes the prompt and sends its KV once
+    assert three["prompt_tokens_computed"] == 64
+    assert three["kv_bytes_sent"] == one["kv_bytes_sent"] > 0

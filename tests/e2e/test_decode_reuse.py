@@ -3,15 +3,16 @@ prompt blocks its prefix cache holds, and the prefill worker sends only the bloc
 them (``KVTarget.num_cached_blocks``). Redis, one prefill worker, two decode workers of
 two tensor-parallel ranks each (every rank skips the same blocks), the router.
 
-- the choices of an n = 3 request share choice 0's decode worker (the router asks it
-  first): the later choices receive only the block of the prompt's last token, so the
-  request moves 4 + 1 + 1 blocks against n = 1's 4, and each choice's tokens are what
-  n = 1 gives for its seed;
+- the later choices of an n = 3 request prefill locally on choice 0's decode worker,
+  whose prefix cache holds their prompt but for its last token's block: the request
+  moves the KV of n = 1 and computes its prompt on the prefill worker once, and each
+  choice's tokens are what n = 1 gives for its seed;
 - the same prompt again on a decode worker that holds it: its leading blocks are not
   sent, and the continuation equals the engine's.
 
 Counted on the workers' metrics (``pdserve:kv_transfer_bytes_total``,
-``pdserve:kv_blocks_reused_total``); every test ends with the cluster's leak check.
+``pdserve:kv_blocks_reused_total``, ``vllm:prompt_tokens_total``,
+``vllm:prefix_cache_hits_total``); every test ends with the cluster's leak check.
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ def _counts(cluster: Cluster) -> tuple[float, dict[str, float]]:
     return sent, reused
 
 
+def _prompt_tokens(cluster: Cluster) -> tuple[float, dict[str, float]]:
+    """(prompt tokens the prefill worker computed, prefix-cache hits of each decode
+    worker's own prefills)."""
+    computed = scrape_metrics(cluster.prefill[0].ready["metrics_address"])[
+        "vllm:prompt_tokens_total{}"]
+    hits = {d.name: scrape_metrics(d.ready["metrics_address"])[
+        "vllm:prefix_cache_hits_total{}"] for d in cluster.decode}
+    return computed, hits
+
+
 def _settled(cluster: Cluster) -> tuple[float, dict[str, float]]:
     """``_counts`` once two reads agree: the prefill worker's snapshot of its ranks'
     totals is taken as its loop goes idle, just after the request's transfer ended."""
@@ -68,19 +79,24 @@ def _moved(after: dict[str, float], before: dict[str, float]) -> dict[str, float
 def test_n_choices_move_the_prompt_kv_once(cluster: Cluster, client: Client) -> None:
     knobs: dict[str, Any] = dict(max_tokens=6, temperature=0.7, seed=5, ignore_eos=True,
                                  timeout=TIMEOUT_S)
-    bytes0, reused0 = _counts(cluster)
+    bytes0, _ = _counts(cluster)
+    computed0, _ = _prompt_tokens(cluster)
     single = client.complete(prompt_token_ids=[7 + i % 300 for i in range(60)], **knobs)
     bytes1, reused1 = _settled(cluster)
+    computed1, hits1 = _prompt_tokens(cluster)
     prompt = [11 + (3 * i) % 400 for i in range(60)]  # 3 full blocks + 12 tokens
     several = client.complete(prompt_token_ids=prompt, n=3, **knobs)
     bytes3, reused3 = _settled(cluster)
+    computed3, hits3 = _prompt_tokens(cluster)
     alone = [client.complete(prompt_token_ids=prompt, **{**knobs, "seed": 5 + i})
              for i in (1, 2)]
     assert single.usage.prompt_tokens == several.usage.prompt_tokens == 60
-    assert _moved(reused1, reused0) == {}
-    # one decode worker took all three choices; the later two reused 3 blocks each
-    assert list(_moved(reused3, reused1).values()) == [2 * 3]
-    assert (bytes3 - bytes1) * 4 == (bytes1 - bytes0) * (4 + 1 + 1)
+    # the prompt computed on the prefill worker and its KV moved once, as for n = 1 ...
+    assert computed1 - computed0 == computed3 - computed1 == 60
+    assert bytes3 - bytes1 == bytes1 - bytes0 > 0
+    assert _moved(reused3, reused1) == {}
+    # ... and the later two choices found 3 of its blocks on one decode worker
+    assert list(_moved(hits3, hits1).values()) == [2 * 3 * BLOCK]
     assert [list(c.token_ids) for c in several.choices[1:]] == [
         list(a.token_ids) for a in alone]
     cluster.assert_no_leaks()
