@@ -41,23 +41,24 @@ def llm(llama_dir: Path) -> Iterator[LLM]:
         yield engine
 
 
+def _figures(cluster: Cluster, prefill_metric: str, decode_metric: str
+             ) -> tuple[float, dict[str, float]]:
+    """(the prefill worker's ``prefill_metric``, each decode worker's ``decode_metric``)."""
+    on_prefill = scrape_metrics(cluster.prefill[0].ready["metrics_address"])[prefill_metric]
+    return on_prefill, {d.name: scrape_metrics(d.ready["metrics_address"])[decode_metric]
+                        for d in cluster.decode}
+
+
 def _counts(cluster: Cluster) -> tuple[float, dict[str, float]]:
     """(KV bytes the prefill worker sent, blocks each decode worker reused)."""
-    sent = scrape_metrics(cluster.prefill[0].ready["metrics_address"])[
-        "pdserve:kv_transfer_bytes_total{direction=sent}"]
-    reused = {d.name: scrape_metrics(d.ready["metrics_address"])[
-        "pdserve:kv_blocks_reused_total{}"] for d in cluster.decode}
-    return sent, reused
+    return _figures(cluster, "pdserve:kv_transfer_bytes_total{direction=sent}",
+                    "pdserve:kv_blocks_reused_total{}")
 
 
 def _prompt_tokens(cluster: Cluster) -> tuple[float, dict[str, float]]:
     """(prompt tokens the prefill worker computed, prefix-cache hits of each decode
     worker's own prefills)."""
-    computed = scrape_metrics(cluster.prefill[0].ready["metrics_address"])[
-        "vllm:prompt_tokens_total{}"]
-    hits = {d.name: scrape_metrics(d.ready["metrics_address"])[
-        "vllm:prefix_cache_hits_total{}"] for d in cluster.decode}
-    return computed, hits
+    return _figures(cluster, "vllm:prompt_tokens_total{}", "vllm:prefix_cache_hits_total{}")
 
 
 def _settled(cluster: Cluster) -> tuple[float, dict[str, float]]:
