@@ -165,7 +165,7 @@ class RouterCore:
                                                         shared, choice),
                              metrics=self.metrics,
                              max_buffered_chunks=self.config.max_buffered_chunks,
-                             live=self._live)
+                             live=self._live, choice=choice)
 
     def gate(self, num_tokens: int, timeout_s: float | None) -> None:
         """The cheap checks every request passes before any heavy work (tokenizing, a chat

@@ -17,6 +17,8 @@ streamed chunks, end-to-end, and the time a request waited in the router's queue
 - ``pdserve:router_routed_total{role, worker}``: calls placed on each worker;
 - ``pdserve:router_prompt_tokens_total``, ``..._generation_tokens_total``,
   ``..._cached_tokens_total``: over finished requests;
+- a request of n > 1 choices is one request (its prompt counted once, its time to first
+  token and latency choice 0's); its generation tokens and gaps are every choice's;
 - ``pdserve:router_requests_running``, ``pdserve:router_requests_waiting`` (gauges);
 - ``pdserve:migrations_total{cause}``: streams continued on another decode worker after
   theirs failed mid-stream (cause: ``died`` — the call failed —, ``health``, ``draining``,

@@ -34,11 +34,15 @@ logger = logging.getLogger(__name__)
 
 
 class _Record:
-    """What one request's metrics need, measured where its chunks leave the router."""
+    """What one request's metrics need, measured where its chunks leave the router. A
+    later choice of n > 1 (not ``primary``) adds its tokens and gaps only: the request,
+    its prompt, its time to first token and its latency are choice 0's."""
 
-    def __init__(self, metrics: RouterMetrics, received_at: float) -> None:
+    def __init__(self, metrics: RouterMetrics, received_at: float, primary: bool = True
+                 ) -> None:
         self.metrics = metrics
         self.received_at = received_at
+        self.primary = primary
         self.last_sent: float | None = None
         self.last: OutputChunk | None = None
         self.status = "CANCELLED"  # unless it ends otherwise: the client left
@@ -46,23 +50,27 @@ class _Record:
     def sent(self, chunk: OutputChunk) -> None:
         now = time.monotonic()
         if self.last_sent is None:
-            self.metrics.ttft.observe(now - self.received_at)
+            if self.primary:
+                self.metrics.ttft.observe(now - self.received_at)
         else:
             self.metrics.itl.observe(now - self.last_sent)
         self.last_sent, self.last = now, chunk
 
     def done(self, ticket: Ticket) -> None:
         m = self.metrics
+        usage = self.last.usage if self.last is not None else None
+        if usage is not None:
+            m.generation_tokens.inc(usage.completion_tokens)
+        if not self.primary:
+            return
         if ticket.placed_at is not None:
             m.queue.observe(ticket.queue_s)
         finish = self.last.finish_reason if self.last is not None else None
         m.requests.labels(self.status, finish or "").inc()
         if self.status == "OK":
             m.e2e.observe(time.monotonic() - self.received_at)
-        usage = self.last.usage if self.last is not None else None
         if usage is not None:
             m.prompt_tokens.inc(usage.prompt_tokens)
-            m.generation_tokens.inc(usage.completion_tokens)
             m.cached_tokens.inc(usage.cached_tokens)
 
 
@@ -98,9 +106,10 @@ class ServedRequest:
     def __init__(self, request: ValidRequest, ticket: Ticket, deadline: float,
                  received_at: float, make_handoff: Callable[[Trace], Handoff], *,
                  metrics: RouterMetrics, max_buffered_chunks: int,
-                 live: set[ServedRequest] | None = None) -> None:
+                 live: set[ServedRequest] | None = None, choice: int = 0) -> None:
         """``live``: the router's set of requests being served (this one is in it while
-        its ``chunks()`` runs), for ``end``."""
+        its ``chunks()`` runs), for ``end``; ``choice``: its index among the request's
+        choices (n > 1: only choice 0 counts as a request in the metrics)."""
         self.request = request
         self.ticket = ticket
         self.deadline = deadline
@@ -111,6 +120,7 @@ class ServedRequest:
         self._max_buffered_chunks = max_buffered_chunks
         self._make_handoff = make_handoff
         self._live = live
+        self._choice = choice
         self._queue: asyncio.Queue[tuple[OutputChunk, float] | _End] | None = None
         self._pump: asyncio.Task[None] | None = None
         self._last_queued = False  # the chunk with the finish reason is in the queue
@@ -123,7 +133,7 @@ class ServedRequest:
     async def chunks(self) -> AsyncGenerator[OutputChunk, None]:
         """The request's chunks; raises ``RouteError``. Leaving early (client gone)
         cancels the request on every worker."""
-        record = _Record(self._metrics, self.received_at)
+        record = _Record(self._metrics, self.received_at, primary=not self._choice)
         pump: asyncio.Task[None] | None = None
         try:  # from here on, however it ends, the request leaves admission
             try:

@@ -18,7 +18,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutput
 from pdserve import Client, PdserveError
-from tests.e2e.cluster import Cluster
+from tests.e2e.cluster import Cluster, scrape_metrics
 from tests.factories import PROMPTS
 
 pytestmark = pytest.mark.timeout(300)
@@ -322,8 +322,16 @@ def test_n_choices_each_reproducible_and_the_prompt_counted_once(cluster: Cluste
     expected = [llm.generate([prompt], SamplingParams(seed=40 + i, **knobs))[0]
                 for i in range(3)]
     assert len({tuple(e.token_ids) for e in expected}) == 3  # the choices differ
+    assert cluster.router is not None
+    http_address = cluster.router.ready["http_address"]
+    before = scrape_metrics(http_address)
     with Client(cluster.address) as client:
         got = client.complete(prompt, n=3, seed=40, timeout=TIMEOUT_S, **knobs)
+        after = scrape_metrics(http_address)  # one request, its prompt once, every token
+        for name, moved in (("pdserve:router_requests_total{finish_reason=length,status=OK}", 1),
+                            ("pdserve:router_prompt_tokens_total{}", got.usage.prompt_tokens),
+                            ("pdserve:router_generation_tokens_total{}", 30)):
+            assert after[name] - before.get(name, 0.0) == moved, name
         assert [list(c.token_ids) for c in got.choices] == [e.token_ids for e in expected]
         assert list(got.token_ids) == expected[0].token_ids
         assert got.usage.prompt_tokens == len(expected[0].prompt_token_ids)
