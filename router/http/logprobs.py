@@ -55,6 +55,12 @@ class LogprobsWriter:
                                   self._text(e.token_id): e.logprob} for e in entries],
                 "text_offset": offsets}
 
+    def resume_after(self, token_ids: Sequence[int], index: int = 0) -> None:
+        """Choice ``index``'s client has ``token_ids`` already (a resumed stream): its
+        text offsets go on after theirs."""
+        self._offsets[index] = self._offsets.get(index, 0) + sum(
+            len(self._text(t)) for t in token_ids)
+
     def prompt_logprobs(self, found: Sequence[TokenLogprobs]) -> list[dict[str, Any] | None]:
         """vLLM's ``prompt_logprobs`` of a prompt whose tokens after the first are
         ``found``."""

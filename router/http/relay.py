@@ -141,6 +141,10 @@ class Relay(Response):
             await send_json(send, error.status, error.body())
             return
         rid = served.request_id
+        if self._logprobs is not None and served.request.resumed:  # text offsets go on
+            self._logprobs.resume_after((*served.request.prompt_token_ids,
+                                         *served.request.resumed)
+                                        if self._echo is not None else served.request.resumed)
         shape = Shape.of(chat=self._chat, request_id=rid, model=self._model,
                          created=int(time.time()), include_usage=self._include_usage,
                          token_ids=self._token_ids, logprobs=self._logprobs,

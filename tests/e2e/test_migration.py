@@ -350,20 +350,30 @@ def test_an_http_stream_resumes_on_the_other_router_with_last_event_id(
     assert cluster.router is not None
     body = {"model": "", "prompt": f"{PROMPTS[3]} over HTTP", "max_tokens": 40,
             "temperature": 0.75, "seed": 3, "presence_penalty": 0.5, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
+            "stream": True, "return_token_ids": True, "logprobs": 0}
     (expected,) = llm.generate([body["prompt"]], SamplingParams(
         max_tokens=40, temperature=0.75, seed=3, presence_penalty=0.5, ignore_eos=True))
     text, ids, last_id = "", [], None
+    tokens: list[str] = []  # the logprobs' token strings and text offsets, both streams
+    offsets: list[int] = []
+
+    def logprobs(choice: dict) -> None:
+        if choice["logprobs"] is not None:
+            tokens.extend(choice["logprobs"]["tokens"])
+            offsets.extend(choice["logprobs"]["text_offset"])
+
     url = f"http://{cluster.router.ready['http_address']}/v1/completions"
     with httpx2.Client(timeout=TIMEOUT_S) as http:
         with http.stream("POST", url, json=body) as response:  # 3 events, then gone
             for event_id, data in _sse(response.iter_lines()):
                 choice = json.loads(data)["choices"][0]
                 text, ids, last_id = text + choice["text"], ids + choice["token_ids"], event_id
+                logprobs(choice)
                 if len(ids) >= 3:
                     break
         assert last_id is not None and last_id.startswith(f"{len(ids)}.")
-        resumed = {**body, "resume_token_ids": ids}
+        received = list(ids)  # 3 or more (a client that fell behind gets several at once)
+        resumed = {**body, "resume_token_ids": received}
         url = f"http://{other.ready['http_address']}/v1/completions"
         with http.stream("POST", url, json=resumed,
                          headers={"Last-Event-ID": last_id}) as response:
@@ -373,10 +383,14 @@ def test_an_http_stream_resumes_on_the_other_router_with_last_event_id(
                     break
                 choice = json.loads(data)["choices"][0]
                 text, ids = text + choice["text"], ids + choice["token_ids"]
+                logprobs(choice)
         assert ids == expected.token_ids and text == expected.text
-        forged = http.post(url, json={**resumed, "resume_token_ids": ids[:2] + [ids[2] - 1 or 1]},
-                           headers={"Last-Event-ID": last_id})
+        # the resumed stream's text offsets go on after what the client had
+        assert len(offsets) == len(ids) and offsets == [
+            sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        forged = http.post(url, json={**resumed, "resume_token_ids": [
+            *received[:-1], received[-1] - 1 if received[-1] else 1]}, headers={"Last-Event-ID": last_id})
         assert forged.status_code == 400 and "does not seal" in forged.text
-        mismatched = http.post(url, json={**resumed, "resume_token_ids": ids[:2]},
+        mismatched = http.post(url, json={**resumed, "resume_token_ids": received[:-1]},
                                headers={"Last-Event-ID": last_id})
         assert mismatched.status_code == 400 and "resume_token_ids" in mismatched.text
