@@ -74,16 +74,19 @@ class KVReservation:
 
 
 def merge_outputs(first: RequestOutput, later: Sequence[RequestOutput]) -> RequestOutput:
-    """One request's consecutive outputs as one: the tokens, text and logprobs in order;
-    the counts and the finish of the last (``first`` itself when ``later`` is empty)."""
+    """One request's consecutive outputs as one: the tokens, text and logprobs in order,
+    the prompt's logprobs of the one that has them; the counts and the finish of the last
+    (``first`` itself when ``later`` is empty)."""
     if not later:
         return first
     last = later[-1]
+    outs = (first, *later)
     logprobs = None if first.logprobs is None else [
-        lp for out in (first, *later) for lp in out.logprobs or [None] * len(out.new_token_ids)]
-    return replace(last, new_token_ids=[t for out in (first, *later) for t in out.new_token_ids],
-                   text_delta="".join(out.text_delta for out in (first, *later)),
-                   logprobs=logprobs)
+        lp for out in outs for lp in out.logprobs or [None] * len(out.new_token_ids)]
+    prompt = next((out.prompt_logprobs for out in outs if out.prompt_logprobs is not None), None)
+    return replace(last, new_token_ids=[t for out in outs for t in out.new_token_ids],
+                   text_delta="".join(out.text_delta for out in outs),
+                   logprobs=logprobs, prompt_logprobs=prompt)
 
 
 def _grammars(config: EngineConfig, tokenizer: TokenizerInfo | None

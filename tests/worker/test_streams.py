@@ -6,6 +6,7 @@ that fell behind)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import grpc
@@ -78,3 +79,8 @@ def test_merge_outputs_keeps_order_and_takes_the_last_counts_and_finish() -> Non
     assert plain.logprobs is None and plain.new_token_ids == [3, 4]
     alone = _out(5)
     assert merge_outputs(alone, []) is alone
+    # the first token's output carries the prompt's logprobs: a merge keeps them
+    prompt = [TokenLogprobs(9, -1.5, 2)]
+    first = dataclasses.replace(_out(6), prompt_logprobs=prompt)
+    assert merge_outputs(first, [_out(7)]).prompt_logprobs == prompt
+    assert merge_outputs(_out(8), [_out(9)]).prompt_logprobs is None
