@@ -20,6 +20,8 @@ Key schema — built only by ``Keys``; everything lives under ``pdserve:{cluster
     resume_key          64 hex digits, no TTL: the routers' shared key of resume tokens in a
                         cluster without a cluster token (``router.resume``); ``SET NX`` by
                         the first router, read by every one.
+    kv_events           Redis stream, ``MAXLEN ~``: every worker's KV events, one entry per
+                        batch (``cluster.kv_events``); every router reads all of it.
     token_required      "1", no TTL: set by every router and worker started with a cluster
                         token (``cluster.token``); one started without refuses to join a
                         cluster that has it (``ClusterTokenRequired``). Delete it by hand to
@@ -36,10 +38,11 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -123,6 +126,10 @@ class Keys:
     def worker_pattern(self) -> str:
         """SCAN pattern of all worker keys (names cannot hold glob characters)."""
         return f"{self.prefix}worker:*"
+
+    @property
+    def kv_events(self) -> str:
+        return f"{self.prefix}kv_events"
 
     def worker(self, worker_id: str) -> str:
         check_name("worker_id", worker_id)
@@ -279,6 +286,29 @@ class Registry:
                 if record is not None and role in (None, record.role):
                     records.append(record)
         return sorted(records, key=lambda r: r.worker_id)
+
+    def publish_kv_events(self, fields: Mapping[str, bytes], maxlen: int) -> None:
+        """Append one KV event entry (``cluster.kv_events``) to the cluster's stream,
+        trimmed to about ``maxlen`` entries."""
+        with self._errors("publishing KV events"):
+            self._client.xadd(self.keys.kv_events, dict(fields),  # type: ignore[arg-type]
+                              maxlen=maxlen, approximate=True)
+
+    def kv_events_tail(self) -> str:
+        """The id of the KV event stream's newest entry (``0-0`` when it is empty)."""
+        with self._errors("reading the KV event stream"):
+            last: Any = self._client.xrevrange(self.keys.kv_events, count=1)
+        return last[0][0].decode() if last else "0-0"
+
+    def read_kv_events(self, after: str, *, block_ms: int, count: int
+                       ) -> list[tuple[str, dict[bytes, bytes]]]:
+        """KV event entries after id ``after``, oldest first: at most ``count``, waiting
+        up to ``block_ms`` (less than the socket timeout) for the first."""
+        with self._errors("reading the KV event stream"):
+            reply: Any = self._client.xread({self.keys.kv_events: after}, count=count,
+                                            block=block_ms)
+        return [(entry_id.decode(), fields)
+                for _, entries in reply or () for entry_id, fields in entries]
 
     def _accept(self, key: str, raw: bytes | str, cluster: KVLayout | None
                 ) -> WorkerRecord | None:

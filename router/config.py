@@ -15,7 +15,7 @@ from cluster.token import ClusterToken
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
 LOCAL_PREFILL_MODES = ("never", "fallback", "always")
-PREFILL_ROUTING = ("affinity", "round-robin")
+PREFILL_ROUTING = ("kv-aware", "affinity", "round-robin")
 AFFINITY_BLOCKS = 4
 """Leading full blocks that make the prefill affinity key (64 tokens at block size 16)."""
 DEFAULT_EPSILON = 0.25
@@ -38,9 +38,11 @@ class HandoffConfig:
     # "never": no prefill worker left is UNAVAILABLE; "fallback": then the decode worker
     # prefills locally; "always": colocated mode (every request prefilled on decode)
     local_prefill: str = "never"
-    # "affinity": rendezvous hashing of the prompt's leading blocks with bounded load;
-    # "round-robin": the next prefill worker in turn (the baseline of benchmarks)
-    prefill_routing: str = "affinity"
+    # "kv-aware": the least predicted prefill work, from the KV index (router.kv_index),
+    # affinity while the index cannot be trusted; "affinity": rendezvous hashing of the
+    # prompt's leading blocks with bounded load; "round-robin": the next prefill worker in
+    # turn (the baseline of benchmarks)
+    prefill_routing: str = "kv-aware"
     # each attempt's lease in Redis (cluster.leases): renewed every third of it; a worker
     # frees an attempt whose lease has been gone this long
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S

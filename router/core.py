@@ -39,6 +39,7 @@ from engine.tp.sharding import num_blocks_for
 from router.admission import Admission, Ticket
 from router.config import AdmissionConfig, HandoffConfig
 from router.errors import RouteError
+from router.kv_index import KVIndex
 from router.lifecycle.attempt import AttemptIds
 from router.lifecycle.context import RequestContext, SharedDecode
 from router.lifecycle.handoff import Handoff
@@ -98,6 +99,7 @@ class RouterCore:
         # unique per attempt within this router, random across routers; never 0
         self._transfer_ids: Iterator[int] = itertools.count((secrets.randbits(40) << 16) + 1)
         self._prefill_turns: Iterator[int] = itertools.count()  # round-robin routing
+        self.kv_index: KVIndex | None = None  # kv-aware routing's (the server's feed fills it)
         self._background: set[asyncio.Future[object]] = set()
         self._live: set[ServedRequest] = set()  # requests whose chunks are being served
         self._text = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="pdserve-text")
@@ -240,7 +242,8 @@ class RouterCore:
         ctx = RequestContext(self.pool, request, ticket, deadline, self._handoff, self.metrics,
                              self.leases, WorkerCalls(self.pool, request, self.leases.ttl_ms),
                              self._keep, trace or Trace(time.monotonic()), layout.block_size,
-                             layout.hash_seed, shared_decode=shared, choice=choice)
+                             layout.hash_seed, shared_decode=shared, choice=choice,
+                             kv_index=self.kv_index)
         placement = Placement(ctx, self.attempt_ids, self._transfer_ids, self._prefill_turns)
         return Handoff(ctx, placement, resumed=request.resumed)
 

@@ -26,6 +26,17 @@ streamed chunks, end-to-end, and the time a request waited in the router's queue
   (histogram): the gap a migration left between the tokens around it, as the router saw it;
 - ``pdserve:router_resumed_streams_total``: broken streams their clients resumed here
   (``GenerateRequest.resume``, ``router.resume``);
+- ``pdserve:router_decisions_total{kind, reason}``: routing decisions (kind ``prefill`` or
+  ``decode``) by why the first choice won: ``kv_hit`` (the KV index said it holds the
+  longest prefix), ``kv_cost`` (the index was used and it had the least predicted work),
+  ``affinity``, ``round_robin``, ``index_stale`` (kv-aware without a trusted index: it
+  fell back to affinity), ``load``;
+- ``pdserve:router_kv_events_total{outcome}``: KV event batches read (``router.kv_index``'s
+  outcomes; bad ones: ``malformed``, ``hash_length``, ``op``, ``unknown_worker``,
+  ``epoch_backwards``), ``pdserve:router_kv_resyncs_total``: snapshots loaded,
+  ``pdserve:router_kv_index_blocks`` (gauge): distinct blocks indexed,
+  ``pdserve:router_kv_index_worker_blocks{worker}`` (gauge): blocks indexed per worker,
+  ``pdserve:router_kv_event_lag_seconds`` (histogram): publish to apply;
 - ``pdserve:router_event_loop_lag_seconds`` (histogram): how much later than asked the
   router's event loop ran a task that wakes every 50 ms (``router.loop_lag``): its stalls.
 """
@@ -85,6 +96,19 @@ class RouterMetrics:
         self.migration_stall = Histogram("pdserve:migration_stall_seconds",
                                          "Gap between the tokens around a migration",
                                          registry=r, buckets=LATENCY_BUCKETS)
+        self.decisions = Counter(p + "decisions", "Routing decisions by why the first "
+                                 "choice won", ["kind", "reason"], registry=r)
+        self.kv_events = Counter(p + "kv_events", "KV event batches read, by outcome",
+                                 ["outcome"], registry=r)
+        self.kv_resyncs = Counter(p + "kv_resyncs", "KV index snapshots loaded", registry=r)
+        self.kv_index_blocks = Gauge(p + "kv_index_blocks", "Distinct blocks in the KV index",
+                                     registry=r)
+        self.kv_worker_blocks = Gauge(p + "kv_index_worker_blocks",
+                                      "Blocks the KV index says a worker holds", ["worker"],
+                                      registry=r)
+        self.kv_event_lag = Histogram(p + "kv_event_lag_seconds",
+                                      "KV event batch published to applied", registry=r,
+                                      buckets=LAG_BUCKETS)
         self.loop_lag = Histogram(p + "event_loop_lag_seconds",
                                   "How much later than asked the event loop woke a task",
                                   registry=r, buckets=LAG_BUCKETS)

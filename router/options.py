@@ -81,11 +81,15 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "every mode the later choices of n > 1 prefill on choice 0's "
                              "decode worker, whose prefix cache holds their prompt but its "
                              "last block")
-    parser.add_argument("--prefill-routing", choices=PREFILL_ROUTING, default="affinity",
-                        help="affinity: the prefill worker by prefix affinity (rendezvous "
-                             "hashing of the prompt's leading blocks, bounded load); "
-                             "round-robin: the next one in turn, whatever the prompt (a "
-                             "baseline for benchmarks; default: affinity)")
+    parser.add_argument("--prefill-routing", choices=PREFILL_ROUTING, default="kv-aware",
+                        help="kv-aware: the prefill worker with the least predicted work "
+                             "(prompt tokens queued there plus this prompt's tokens it does "
+                             "not hold, from the workers' KV events), and the decode worker "
+                             "holding the longest prefix within the load bound; affinity "
+                             "while the events do not flow (default). affinity: by prefix "
+                             "affinity (rendezvous hashing of the prompt's leading blocks, "
+                             "bounded load); round-robin: the next one in turn, whatever "
+                             "the prompt (a baseline for benchmarks)")
     parser.add_argument("--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT,
                         help="how often one stream may move to another decode worker when "
                              "its own fails after tokens were streamed (the prompt and the "

@@ -10,8 +10,17 @@ skipped for the next one in rendezvous order, so a hot prefix spills over to a s
 second choice instead of overloading one worker. ``--prefill-routing round-robin``
 (``round_robin``) ignores prompts altogether: the baseline affinity is measured against.
 
-Decode: the least running work (the router's own in-flight count on the worker), then
-the most free KV blocks (from its last heartbeat).
+Prefill, ``kv-aware`` (``rank_by_cost``): the least predicted work before this prompt's
+first token — the prompt tokens already queued on the worker plus those of this prompt
+it does not hold (the KV index, ``router.kv_index``, says how many leading blocks each
+holds) — ties in rendezvous order, so an idle cluster with nothing cached routes as
+``affinity`` does. Affinity follows from the cost: the worker holding a prompt's prefix
+computes least.
+
+Decode: among the workers within the same bounded load, the one holding the longest
+prefix of the prompt (decode-side reuse: only the blocks it lacks travel), then the least
+running work (the router's own in-flight count on the worker), then the most free KV
+blocks (from its last heartbeat).
 """
 
 from __future__ import annotations
@@ -62,6 +71,17 @@ def pick_prefill(key: bytes, loads: Mapping[str, int],
     return within + [w for w in order if w not in within]
 
 
+def uncached_tokens(num_prompt_tokens: int, block_size: int, cached_blocks: int) -> int:
+    """Prompt tokens a worker holding ``cached_blocks`` leading blocks still computes (the
+    last token always: its logits sample the first token)."""
+    return max(1, num_prompt_tokens - cached_blocks * block_size)
+
+
+def rank_by_cost(key: bytes, costs: Mapping[str, int]) -> list[str]:
+    """Worker ids from the least cost to the most, ties in rendezvous order of ``key``."""
+    return sorted(rendezvous_order(key, list(costs)), key=costs.__getitem__)
+
+
 def round_robin(worker_ids: Sequence[str], turn: int) -> list[str]:
     """``worker_ids`` (sorted) starting at the ``turn``-th: each request's turn is one more
     than the last one's, so consecutive requests go to consecutive workers."""
@@ -78,16 +98,26 @@ class DecodeCandidate:
     inflight: int  # requests the router has in flight on it
     free_kv_blocks: int  # from its last heartbeat
     total_kv_blocks: int
+    cached_blocks: int = 0  # leading prompt blocks it holds (the KV index's word)
 
 
-def rank_decode(candidates: Sequence[DecodeCandidate], num_blocks: int) -> list[str]:
-    """Decode workers to try, best first: least in flight, then most free blocks, then id.
+def rank_decode(candidates: Sequence[DecodeCandidate], num_blocks: int,
+                epsilon: float = DEFAULT_EPSILON) -> list[str]:
+    """Decode workers to try, best first: those within the load bound (as in
+    ``pick_prefill``) before the others; among them the most cached prompt blocks, then
+    least in flight, then most free blocks, then id. With nothing cached anywhere that is
+    least in flight first (a worker past the bound has more in flight than any within).
 
     Workers whose whole KV pool is smaller than ``num_blocks`` can never hold the request
     and are left out.
     """
     fit = [c for c in candidates if c.total_kv_blocks >= num_blocks]
-    fit.sort(key=lambda c: (c.inflight, -c.free_kv_blocks, c.worker_id))
+    if not fit:
+        return []
+    bound = math.ceil((1 + Fraction(str(epsilon))) * (sum(c.inflight for c in fit) + 1)
+                      / len(fit))
+    fit.sort(key=lambda c: (c.inflight + 1 > bound, -c.cached_blocks, c.inflight,
+                            -c.free_kv_blocks, c.worker_id))
     return [c.worker_id for c in fit]
 
 

@@ -18,6 +18,7 @@ import grpc
 
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
+from cluster.kv_events import unpack_hashes
 from cluster.kv_target import KVTarget
 from cluster.leases import Lease
 from engine.sampling_params import TokenLogprobs
@@ -210,6 +211,24 @@ class WorkerCalls:
             else pb_grpc.PrefillWorkerStub(channel))
         return stub.Abort(pb.AbortRequest(client_request_id=self._req.request_id,
                                           attempt_id=attempt_id), timeout=ABORT_TIMEOUT_S)
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """What a worker's prefix cache held at its KV event batch ``seq`` of ``epoch``."""
+
+    epoch: int
+    seq: int
+    block_hashes: list[bytes]
+
+
+async def kv_snapshot(channel: grpc.aio.Channel, role: str, timeout_s: float) -> KVSnapshot:
+    """The worker's ``KVSnapshot`` (one with no KV events gives an empty one of epoch 0);
+    ``BadEvent`` when its hashes are garbled, ``AioRpcError`` when the call fails."""
+    stub = (pb_grpc.PrefillWorkerStub(channel) if role == "prefill"
+            else pb_grpc.DecodeWorkerStub(channel))
+    reply = await stub.KVSnapshot(pb.KVSnapshotRequest(), timeout=timeout_s)
+    return KVSnapshot(reply.epoch, reply.seq, unpack_hashes(reply.block_hashes))
 
 
 async def chunks(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[OutputChunk]:

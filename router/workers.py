@@ -82,6 +82,7 @@ class WorkerPool:
         self._known: dict[str, _Known] = {}
         self._suspect_until: dict[str, float] = {}
         self._inflight: dict[str, int] = {}
+        self._tokens: dict[str, int] = {}  # see ``busy``
         self._calls: dict[str, set[grpc.aio.Call]] = {}  # see ``watched``
         self._heard_from: dict[str, float] = {}  # worker id -> clock() of its last answer
         self._foreign: set[str] = set()  # ids logged as serving another model
@@ -215,6 +216,10 @@ class WorkerPool:
                 if k.record.role == role and k.serving and not k.gone
                 and self._suspect_until.get(w, 0.0) <= now]
 
+    def records(self) -> list[WorkerRecord]:
+        """Every known worker's record (routable or not), but those gone for good."""
+        return [k.record for k in self._known.values() if not k.gone]
+
     def max_decode_blocks(self) -> int:
         """The largest KV pool of any known decode worker (0 if none)."""
         return self.max_blocks("decode")
@@ -241,18 +246,26 @@ class WorkerPool:
     def inflight(self, worker_id: str) -> int:
         return self._inflight.get(worker_id, 0)
 
+    def queued_tokens(self, worker_id: str) -> int:
+        """Prompt tokens the router's requests in flight on ``worker_id`` have it compute."""
+        return self._tokens.get(worker_id, 0)
+
     @contextmanager
-    def busy(self, worker_id: str) -> Iterator[None]:
-        """Counts one request of the router's in flight on ``worker_id`` while inside."""
+    def busy(self, worker_id: str, tokens: int = 0) -> Iterator[None]:
+        """Counts one request of the router's in flight on ``worker_id`` while inside,
+        and the ``tokens`` it has the worker compute."""
         self._inflight[worker_id] = self._inflight.get(worker_id, 0) + 1
+        self._tokens[worker_id] = self._tokens.get(worker_id, 0) + tokens
         try:
             yield
         finally:
             left = self._inflight[worker_id] - 1
             if left:
                 self._inflight[worker_id] = left
+                self._tokens[worker_id] -= tokens
             else:
                 del self._inflight[worker_id]
+                del self._tokens[worker_id]
 
     def heard_from(self, worker_id: str) -> None:
         """A call to ``worker_id`` just answered (a streamed chunk, a reply): it is alive."""

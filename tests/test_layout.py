@@ -32,7 +32,8 @@ TORCH = ("torch", "flash_attn", "triton")
 MAY_IMPORT = {
     "engine": set(),
     "kvtransfer": {"engine"},
-    "cluster": {"engine.kvcache.layout"},  # the KV layout a fingerprint is part of
+    # the KV layout a fingerprint is part of, the KV event operations the stream carries
+    "cluster": {"engine.kvcache.layout", "engine.kvcache.events"},
     "worker": {"cluster", "kvtransfer", "engine"},
     "prefill_worker": {"worker", "cluster", "kvtransfer", "engine"},
     "decode_worker": {"worker", "cluster", "kvtransfer", "engine"},

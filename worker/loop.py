@@ -35,6 +35,7 @@ from worker.metrics import RequestTimings, WorkerMetrics
 if TYPE_CHECKING:
     from engine.core.engine_core import EngineCore, RequestOutput
     from worker.kv.plane import KVPlane
+    from worker.kv_events import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class EngineLoop:
         self.num_expired = 0  # requests dropped at their deadline before any compute
         self.num_expired_commands = 0  # commands whose caller's deadline passed unrun
         self.leases = LeaseBook()  # what the lease watcher watches (worker.leases)
+        self.kv_events: KVEventPublisher | None = None  # its KV events (worker.process)
         self._client_ids: dict[str, str] = {}  # attempt id -> the client's request id (logs)
 
     def start(self) -> None:

@@ -34,6 +34,7 @@ from engine.config import (
     load_model_config,
 )
 from engine.core.engine_core import EngineCore
+from engine.kvcache.events import KVEventLog
 from engine.kvcache.layout import KVLayout
 from engine.sampling_params import SamplingParams
 from engine.text.tokenizer import load_tokenizer
@@ -41,6 +42,7 @@ from worker import options
 from worker.commands import Info, WorkerError
 from worker.kv.config import KVPlaneConfig
 from worker.kv.rank import PLUGIN
+from worker.kv_events import KVEventPublisher
 from worker.loop import EngineLoop
 from worker.metrics import WorkerMetrics
 from worker.server import Endpoint, Identity, serve_until_signal
@@ -171,6 +173,7 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
     except BaseException:
         core.shutdown()
         raise
+    loop.kv_events = kv_event_publisher(args, identity.worker_id, core)
     loop.start()
 
     last: list[WorkerLoad] = []
@@ -192,4 +195,20 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
                         kv_address(loop),
                         lambda server: kind.add_servicer(loop, identity, server), load, metrics,
                         token, tls)
-    return serve_until_signal(args, loop, endpoint)
+    try:
+        return serve_until_signal(args, loop, endpoint)
+    finally:
+        if loop.kv_events is not None:
+            loop.kv_events.stop()
+
+
+def kv_event_publisher(args: argparse.Namespace, worker_id: str, core: EngineCore
+                       ) -> KVEventPublisher | None:
+    """With ``--redis-url``: the started publisher of what the engine's prefix cache
+    gains and loses (``worker.kv_events``); call before the engine loop starts."""
+    if not args.redis_url:
+        return None
+    events = KVEventLog()
+    core.block_manager.publish_events(events)
+    registry = Registry(args.redis_url, cluster=args.cluster)
+    return KVEventPublisher(registry, worker_id, events).start()

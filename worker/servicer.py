@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 import grpc
 
 from cluster.internal.v1 import worker_pb2 as pb
+from cluster.kv_events import pack_hashes
 from engine.sampling_params import SamplingParams, StructuredOutput, TokenLogprobs
 from worker.commands import CALL_TIMEOUT_S, Abort, Info, LoopInfo, WorkerError
 from worker.loop import EngineLoop
@@ -79,6 +80,15 @@ class LoopServicerMixin:
                                  await self.loop.acall(Info(), call_timeout(context)))
         except WorkerError as exc:
             await abort_with(context, exc)
+
+    async def KVSnapshot(self, request: pb.KVSnapshotRequest,  # noqa: N802 - gRPC name
+                         context: grpc.aio.ServicerContext) -> pb.KVSnapshotReply:
+        publisher = self.loop.kv_events
+        if publisher is None:
+            return pb.KVSnapshotReply(publishing=False)
+        snapshot = publisher.snapshot()
+        return pb.KVSnapshotReply(publishing=True, epoch=snapshot.epoch, seq=snapshot.seq,
+                                  block_hashes=pack_hashes(list(snapshot.block_hashes)))
 
 
 def sampling_kwargs(msg: Any) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from engine.kvcache.block_hash import BlockHash
 from engine.kvcache.block_pool import BlockPool, KVCacheIntegrityError
+from engine.kvcache.events import KVEventLog
 from engine.tp.sharding import num_blocks_for
 
 
@@ -195,6 +196,11 @@ class BlockManager:
             return False
         self._pool.unpin(reversed(block_ids))
         return True
+
+    def publish_events(self, events: KVEventLog) -> None:
+        """Append every key the prefix cache gains or loses to ``events`` (first the
+        keys it holds now): ``BlockPool.publish_events``."""
+        self._pool.publish_events(events)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the keys of all idle cached blocks; blocks held by requests or pins

@@ -10,6 +10,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
 from engine.kvcache.block_hash import BlockHash
+from engine.kvcache.events import KVEventLog
 
 
 class KVCacheIntegrityError(AssertionError):
@@ -39,6 +40,9 @@ class BlockPool:
     Ownership: every reference is owned by whoever took it (``allocate`` or ``touch``)
     and must be given back with exactly one ``release``; likewise ``pin``/``unpin``.
     The pool does not know the owners; ``BlockManager`` does.
+
+    Events: once ``publish_events`` attached a ``KVEventLog``, every key the pool gains
+    or loses is appended to it (``engine.kvcache.events``).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -54,6 +58,7 @@ class BlockPool:
         # Tracked incrementally; check_integrity recounts them from scratch.
         self._num_cached = 0  # in the free queue and hashed
         self._num_pinned = 0  # pin count > 0
+        self._events: KVEventLog | None = None
 
     # ------------------------------------------------------------------ counters
     @property
@@ -94,6 +99,12 @@ class BlockPool:
     def is_free_queued(self, block_id: int) -> bool:
         """True if ``block_id`` has ``ref == pin == 0`` (allocatable, maybe cached)."""
         return block_id in self._free_queue
+
+    def publish_events(self, events: KVEventLog) -> None:
+        """From now on, append every key gained or lost to ``events``; it first gets
+        the keys the pool holds already."""
+        events.stored_all(self._hash_to_block)
+        self._events = events
 
     # --------------------------------------------------------------- operations
     def allocate(self, num_blocks: int) -> list[int] | None:
@@ -181,6 +192,8 @@ class BlockPool:
             return False
         self._block_hashes[block_id] = block_hash
         self._hash_to_block[block_hash] = block_id
+        if self._events is not None:
+            self._events.stored(block_hash)
         return True
 
     def lookup(self, block_hash: BlockHash) -> int | None:
@@ -222,13 +235,16 @@ class BlockPool:
         if block_hash is not None:
             del self._hash_to_block[block_hash]
             self._block_hashes[block_id] = None
+            if self._events is not None:
+                self._events.removed(block_hash)
 
     # ----------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
         """Recount every category from the per-block state and compare with the tracked
         counters, the free queue and the hash map. Raises ``KVCacheIntegrityError``."""
-        counts = Counter(self._category(block_id) for block_id in range(self.num_blocks))
-        idle = {b for b in range(self.num_blocks) if self._is_idle(b)}
+        states = list(zip(self._ref_counts, self._pin_counts, self._block_hashes, strict=True))
+        counts = Counter(_category(block_id, *state) for block_id, state in enumerate(states))
+        idle = {b for b, (ref, pin, _) in enumerate(states) if ref == 0 and pin == 0}
         _require(
             set(self._free_queue) == idle,
             f"free queue {sorted(self._free_queue)} != blocks with ref == pin == 0 {sorted(idle)}",
@@ -251,20 +267,18 @@ class BlockPool:
             f"hashes ({len(hashed)} hashed blocks)",
         )
 
-    def _is_idle(self, block_id: int) -> bool:
-        return self._ref_counts[block_id] == 0 and self._pin_counts[block_id] == 0
 
-    def _category(self, block_id: int) -> str:
-        ref_count, pin_count = self._ref_counts[block_id], self._pin_counts[block_id]
-        _require(
-            ref_count >= 0 and pin_count >= 0,
-            f"block {block_id} has ref {ref_count}, pin {pin_count}",
-        )
-        if pin_count > 0:
-            return "pinned"
-        if ref_count > 0:
-            return "in_use"
-        return "free" if self._block_hashes[block_id] is None else "cached"
+def _category(block_id: int, ref_count: int, pin_count: int,
+              block_hash: BlockHash | None) -> str:
+    _require(
+        ref_count >= 0 and pin_count >= 0,
+        f"block {block_id} has ref {ref_count}, pin {pin_count}",
+    )
+    if pin_count > 0:
+        return "pinned"
+    if ref_count > 0:
+        return "in_use"
+    return "free" if block_hash is None else "cached"
 
 
 def _require(condition: bool, message: str) -> None:

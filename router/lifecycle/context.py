@@ -16,6 +16,7 @@ from cluster.leases import LeaseKeeper
 from router.admission import Ticket
 from router.config import HandoffConfig
 from router.errors import RouteError
+from router.kv_index import KVIndex
 from router.metrics import RouterMetrics
 from router.trace import Trace
 from router.validation import ValidRequest
@@ -61,6 +62,7 @@ class RequestContext:
     excluded: set[str] = field(default_factory=set)
     shared_decode: SharedDecode | None = None
     choice: int = 0
+    kv_index: KVIndex | None = None  # where the workers' KV is (kv-aware routing)
     log: logging.LoggerAdapter = field(init=False)
 
     def __post_init__(self) -> None:

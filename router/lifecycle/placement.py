@@ -1,8 +1,10 @@
 """Where an attempt runs: the decode worker that reserves its KV (or prefills it locally),
 and the order in which prefill workers are asked.
 
-- Decode: least in flight, then most free blocks (``router.routing.rank_decode``), among
-  the routable decode workers that did not fail this request; the later choices of one
+- Decode: within the load bound, the longest cached prefix of the prompt (kv-aware, with a
+  trusted KV index), then least in flight, then most free blocks
+  (``router.routing.rank_decode``), among the routable decode workers that did not fail
+  this request; the later choices of one
   request (n > 1) ask the first choice's decode worker first (``SharedDecode``: its prefix
   cache holds their prompt). ``reserve`` asks them in
   turn, a new attempt per Reserve; while every reachable one refuses (no room now, or at
@@ -11,8 +13,12 @@ and the order in which prefill workers are asked.
 - Local: colocated mode (``local_prefill`` "always"), or "fallback" once no prefill
   worker is left for the request, or a later choice of n > 1 whose first choice's
   decode worker can take it: the attempt prefills on the decode worker.
-- Prefill: rendezvous order of the prompt's affinity key with bounded load
-  (``router.routing.pick_prefill``), or in turn (``prefill_routing`` "round-robin").
+- Prefill: kv-aware, the least predicted work (tokens queued there plus this prompt's
+  tokens it does not hold: ``router.routing.rank_by_cost``); affinity, and kv-aware while
+  the KV index cannot be trusted, rendezvous order of the prompt's affinity key with
+  bounded load (``router.routing.pick_prefill``); or in turn (``prefill_routing``
+  "round-robin"). Each decision is counted by why its first choice won
+  (``pdserve:router_decisions_total``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,15 @@ from router.errors import RouteError
 from router.lifecycle.attempt import Attempt, AttemptIds
 from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import reraise_if_we_are_cancelled
-from router.routing import DecodeCandidate, affinity_key, pick_prefill, rank_decode, round_robin
+from router.routing import (
+    DecodeCandidate,
+    affinity_key,
+    pick_prefill,
+    rank_by_cost,
+    rank_decode,
+    round_robin,
+    uncached_tokens,
+)
 from router.worker_calls import Failure, WorkerCalls
 
 
@@ -42,17 +56,20 @@ class Placement:
         self._transfer_ids = transfer_ids
         self._turns = turns
         self._turn: int | None = None  # this request's round-robin turn, once drawn
-        self._key: bytes | None = None  # the prefill affinity key, computed on first use
+        self._hashes: list[bytes] | None = None  # the prompt's block hashes, on first use
+        self._prefill_cached: dict[str, int] = {}  # blocks each prefill worker holds
 
     # ----------------------------------------------------------------- decode
 
     def decode_order(self) -> list[str]:
         ctx = self.ctx
         need = ctx.request.num_blocks(ctx.block_size)
+        records = [r for r in ctx.pool.routable("decode") if r.worker_id not in ctx.excluded]
+        cached = self._cached_blocks([r.worker_id for r in records])
         candidates = [DecodeCandidate(r.worker_id, ctx.pool.inflight(r.worker_id),
-                                      r.free_kv_blocks, r.total_kv_blocks)
-                      for r in ctx.pool.routable("decode") if r.worker_id not in ctx.excluded]
-        order = rank_decode(candidates, need)
+                                      r.free_kv_blocks, r.total_kv_blocks,
+                                      cached.get(r.worker_id, 0)) for r in records]
+        order = rank_decode(candidates, need, ctx.config.load_epsilon)
         if not order:
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"no healthy decode worker can hold {need} KV blocks")
@@ -60,6 +77,10 @@ class Placement:
         if shared is not None and shared.worker_id in order:
             order.remove(shared.worker_id)
             order.insert(0, shared.worker_id)
+            reason = "sibling"
+        else:
+            reason = "kv_hit" if cached.get(order[0]) else "load"
+        ctx.metrics.decisions.labels("decode", reason).inc()
         return order
 
     def prefills_locally(self) -> bool:
@@ -186,21 +207,57 @@ class Placement:
     def prefill_order(self) -> list[str]:
         """The prefill workers to ask, best first (by affinity with bounded load, or in
         turn), among the routable ones that did not fail this request."""
-        ctx = self.ctx
+        ctx, mode = self.ctx, self.ctx.config.prefill_routing
         loads = {r.worker_id: ctx.pool.inflight(r.worker_id) for r in ctx.pool.routable("prefill")
                  if r.worker_id not in ctx.excluded}
-        if ctx.config.prefill_routing == "round-robin":
+        if mode == "round-robin":
             if self._turn is None:
                 self._turn = next(self._turns) if self._turns is not None else 0
-            return round_robin(list(loads), self._turn)
-        return pick_prefill(self._affinity_key(), loads, ctx.config.load_epsilon)
+            order, reason = round_robin(list(loads), self._turn), "round_robin"
+        elif self._index_trusted():
+            self._prefill_cached = cached = self._cached_blocks(list(loads))
+            costs = {w: ctx.pool.queued_tokens(w) + self.prefill_tokens(w) for w in loads}
+            order = rank_by_cost(self._affinity_key(), costs)
+            reason = "kv_hit" if order and cached.get(order[0]) else "kv_cost"
+        else:
+            order = pick_prefill(self._affinity_key(), loads, ctx.config.load_epsilon)
+            reason = "affinity" if mode == "affinity" else "index_stale"
+        if order:
+            ctx.metrics.decisions.labels("prefill", reason).inc()
+        return order
+
+    def prefill_tokens(self, prefill_id: str) -> int:
+        """The prompt tokens ``prefill_id`` computes for this request, as far as the router
+        knows (kv-aware: the KV index's word on its prefix cache; else all of them)."""
+        return uncached_tokens(len(self.ctx.request.prompt_token_ids), self.ctx.block_size,
+                               self._prefill_cached.get(prefill_id, 0))
+
+    def _index_trusted(self) -> bool:
+        index = self.ctx.kv_index
+        return self.ctx.config.prefill_routing == "kv-aware" and index is not None \
+            and index.trusted()
+
+    def _cached_blocks(self, worker_ids: list[str]) -> dict[str, int]:
+        """Leading prompt blocks each worker holds (kv-aware with a trusted index; else
+        none known)."""
+        if not self._index_trusted():
+            return {}
+        assert self.ctx.kv_index is not None
+        return self.ctx.kv_index.match(self._block_hashes(), worker_ids)
+
+    def _block_hashes(self) -> list[bytes]:
+        if self._hashes is None:
+            ctx = self.ctx
+            self._hashes = compute_block_hashes(ctx.request.prompt_token_ids, ctx.block_size,
+                                                seed=ctx.hash_seed)
+        return self._hashes
 
     def _affinity_key(self) -> bytes:
-        """The prompt's prefill affinity key (hashing only the blocks it needs)."""
-        if self._key is None:
-            ctx = self.ctx
-            prompt = ctx.request.prompt_token_ids
-            head = prompt[:ctx.config.affinity_blocks * ctx.block_size]
-            hashes = compute_block_hashes(head, ctx.block_size, seed=ctx.hash_seed)
-            self._key = affinity_key(hashes, prompt, ctx.config.affinity_blocks)
-        return self._key
+        """The prompt's prefill affinity key (hashing only the blocks it needs, unless
+        they are all hashed already)."""
+        ctx = self.ctx
+        prompt = ctx.request.prompt_token_ids
+        hashes = self._hashes if self._hashes is not None else compute_block_hashes(
+            prompt[:ctx.config.affinity_blocks * ctx.block_size], ctx.block_size,
+            seed=ctx.hash_seed)
+        return affinity_key(hashes, prompt, ctx.config.affinity_blocks)

@@ -35,15 +35,16 @@ async def prefill(attempt: Attempt, placement: Placement) -> Prefilled:
                 raise Retry("no prefill worker left", "no_prefill")
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         for prefill_id in order:
-            reply = await _prefill_on(attempt, prefill_id)
+            reply = await _prefill_on(attempt, prefill_id, placement.prefill_tokens(prefill_id))
             if reply is not None:
                 return reply
         ctx.log.info("every prefill worker is busy; waiting for capacity")
         await ctx.ticket.admission.capacity_changed(ctx.deadline)
 
 
-async def _prefill_on(attempt: Attempt, prefill_id: str) -> Prefilled | None:
-    """The Prefill call on ``prefill_id``: its reply, or None when it answered busy."""
+async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int) -> Prefilled | None:
+    """The Prefill call on ``prefill_id`` (which computes about ``tokens`` of the prompt):
+    its reply, or None when it answered busy."""
     ctx = attempt.ctx
     assert attempt.target is not None
     ctx.metrics.routed.labels("prefill", prefill_id).inc()
@@ -58,7 +59,7 @@ async def _prefill_on(attempt: Attempt, prefill_id: str) -> Prefilled | None:
         raise Retry(f"prefill worker {prefill_id} left the registry", "worker_left") from None
     attempt.track(call)
     try:
-        with ctx.pool.busy(prefill_id), ctx.pool.watched(prefill_id, call):
+        with ctx.pool.busy(prefill_id, tokens), ctx.pool.watched(prefill_id, call):
             reply = WorkerCalls.prefilled(await call)
         ctx.pool.heard_from(prefill_id)
     except asyncio.CancelledError:

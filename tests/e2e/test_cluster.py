@@ -37,7 +37,10 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 LONG_PREFIX = " ".join(PROMPTS[3:5] + PROMPTS[3:4])  # > 4 blocks of 16 tokens
 
 
-CLUSTER = {"num_prefill": 2, "num_decode": 1, "decode_tp": 2}
+# its tests aim prompts at a prefill worker by affinity (``_prompt_routed_to``), which
+# kv-aware routing overrides once another worker holds the prompt's prefix
+CLUSTER = {"num_prefill": 2, "num_decode": 1, "decode_tp": 2,
+           "router_args": ("--prefill-routing", "affinity")}
 
 
 @pytest.fixture(scope="module")

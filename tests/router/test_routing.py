@@ -19,9 +19,11 @@ from router.routing import (
     DecodeCandidate,
     affinity_key,
     pick_prefill,
+    rank_by_cost,
     rank_decode,
     rendezvous_order,
     round_robin,
+    uncached_tokens,
 )
 
 WORKERS = ["prefill-0", "prefill-1", "prefill-2", "prefill-3"]
@@ -252,3 +254,48 @@ def test_round_robin_takes_workers_in_turn_whatever_the_prompt() -> None:
     assert round_robin([], 3) == []
     with pytest.raises(ValueError, match="prefill_routing"):
         HandoffConfig(prefill_routing="random")
+
+
+# --- kv-aware ---------------------------------------------------------------------
+
+
+def test_uncached_tokens_always_leave_the_last_token_to_compute() -> None:
+    assert uncached_tokens(100, 16, 0) == 100
+    assert uncached_tokens(100, 16, 2) == 68
+    assert uncached_tokens(32, 16, 2) == 1  # a whole-block prompt: its last token still
+
+
+@given(key=keys, workers=st.lists(worker_ids, min_size=1, max_size=8, unique=True),
+       costs=st.lists(st.integers(0, 5), min_size=8, max_size=8))
+def test_rank_by_cost_sorts_by_cost_with_ties_in_rendezvous_order(
+        key: bytes, workers: list[str], costs: list[int]) -> None:
+    cost = dict(zip(workers, costs, strict=False))
+    order = rank_by_cost(key, cost)
+    assert sorted(order) == sorted(workers)
+    assert [cost[w] for w in order] == sorted(cost.values())
+    rendezvous = rendezvous_order(key, workers)
+    for low in set(cost.values()):
+        tied = [w for w in order if cost[w] == low]
+        assert tied == [w for w in rendezvous if cost[w] == low]
+
+
+def test_with_equal_costs_kv_aware_routes_as_affinity() -> None:
+    key = _keys(1)[0]
+    assert rank_by_cost(key, dict.fromkeys(WORKERS, 7)) == pick_prefill(key, dict.fromkeys(
+        WORKERS, 0))
+
+
+def test_rank_decode_prefers_the_longest_cached_prefix_within_the_load_bound() -> None:
+    candidates = [
+        DecodeCandidate("idle", inflight=0, free_kv_blocks=90, total_kv_blocks=100),
+        DecodeCandidate("holder", inflight=1, free_kv_blocks=50, total_kv_blocks=100,
+                        cached_blocks=6),
+        DecodeCandidate("partial", inflight=1, free_kv_blocks=50, total_kv_blocks=100,
+                        cached_blocks=2),
+    ]
+    assert rank_decode(candidates, num_blocks=4) == ["holder", "partial", "idle"]
+    # past the bound (ceil(1.25 * (0 + 4 + 1 + 1) / 3) = 3 requests), the holder goes last
+    crowded = [candidates[0], DecodeCandidate("holder", inflight=4, free_kv_blocks=50,
+                                              total_kv_blocks=100, cached_blocks=6),
+               candidates[2]]
+    assert rank_decode(crowded, num_blocks=4) == ["partial", "idle", "holder"]

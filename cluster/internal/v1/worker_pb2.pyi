@@ -320,3 +320,19 @@ class RouterHoldings(_message.Message):
     lease_keys: _containers.RepeatedScalarFieldContainer[str]
     unwritten_leases: int
     def __init__(self, router_id: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., attempt_ids: _Optional[_Iterable[str]] = ..., pending_aborts: _Optional[int] = ..., open_channels: _Optional[int] = ..., lease_keys: _Optional[_Iterable[str]] = ..., unwritten_leases: _Optional[int] = ...) -> None: ...
+
+class KVSnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVSnapshotReply(_message.Message):
+    __slots__ = ("publishing", "epoch", "seq", "block_hashes")
+    PUBLISHING_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    publishing: bool
+    epoch: int
+    seq: int
+    block_hashes: bytes
+    def __init__(self, publishing: _Optional[bool] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...

@@ -67,6 +67,11 @@ class DecodeWorkerStub:
                 request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.KVSnapshot = channel.unary_unary(
+                '/pdserve.internal.v1.DecodeWorker/KVSnapshot',
+                request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotRequest.SerializeToString,
+                response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotReply.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -160,6 +165,15 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVSnapshot(self, request, context):
+        """What this worker's prefix cache holds, as of its KV event batch `seq` of `epoch`
+        (cluster.kv_events): a router resynchronises its index of this worker from it after
+        a gap in the worker's sequence numbers, a new epoch, or on first seeing the worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -187,6 +201,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'KVSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.KVSnapshot,
+                    request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotRequest.FromString,
+                    response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -342,6 +361,33 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def KVSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.DecodeWorker/KVSnapshot',
+            cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotRequest.SerializeToString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """A prefill worker: runs prompt forward passes and pushes KV to decode workers.
@@ -367,6 +413,11 @@ class PrefillWorkerStub:
                 '/pdserve.internal.v1.PrefillWorker/Info',
                 request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+                _registered_method=True)
+        self.KVSnapshot = channel.unary_unary(
+                '/pdserve.internal.v1.PrefillWorker/KVSnapshot',
+                request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotRequest.SerializeToString,
+                response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotReply.FromString,
                 _registered_method=True)
 
 
@@ -418,6 +469,15 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVSnapshot(self, request, context):
+        """What this worker's prefix cache holds, as of its KV event batch `seq` of `epoch`
+        (cluster.kv_events): a router resynchronises its index of this worker from it after
+        a gap in the worker's sequence numbers, a new epoch, or on first seeing the worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -435,6 +495,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'KVSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.KVSnapshot,
+                    request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotRequest.FromString,
+                    response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -519,6 +584,33 @@ class PrefillWorker:
             '/pdserve.internal.v1.PrefillWorker/Info',
             cluster_dot_internal_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
             cluster_dot_internal_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.PrefillWorker/KVSnapshot',
+            cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotRequest.SerializeToString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotReply.FromString,
             options,
             channel_credentials,
             insecure,

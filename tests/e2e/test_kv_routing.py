@@ -1,0 +1,182 @@
+"""KV-aware routing through real processes: the workers' KV events reach the routers'
+indexes, and a prompt goes to the prefill worker that holds its prefix. Redis, two
+prefill workers, one decode worker, the router (``--prefill-routing kv-aware``, the
+default, serving metrics).
+
+- a router started after the traffic resynchronises every worker from its snapshot and
+  routes a repeated prefix to the worker that holds it, though rendezvous hashing of the
+  prompt names the other worker;
+- bad entries on the stream (an unknown worker, a hash of the wrong length, an epoch
+  going backwards) are counted and ignored;
+- a lost batch (a sequence gap) makes the router resynchronise that worker; a worker
+  restarted empty leaves the index (its new epoch).
+
+Observed on the routers' metrics (``pdserve:router_kv_*``, ``pdserve:router_decisions_total``)
+and the prefill workers' (``vllm:prompt_tokens_total``, ``vllm:prefix_cache_hits_total``);
+every test ends with the cluster's leak check.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from cluster.kv_events import EventBatch, decode, encode
+from cluster.registry import Keys, Registry
+from engine.kvcache.block_hash import compute_block_hashes
+from pdserve import Client
+from router.routing import affinity_key, rendezvous_order
+from tests.e2e.cluster import Cluster, scrape_metrics
+from tests.processes import Proc, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+TIMEOUT_S = 60.0
+CLUSTER = {"num_prefill": 2, "num_decode": 1, "decode_tp": 1,
+           "router_args": ("--metrics-port", "0")}
+BLOCK = 16  # the workers' --block-size
+STREAM = Keys().kv_events
+
+
+def _metric(proc: Proc, name: str) -> float:
+    return scrape_metrics(proc.ready["metrics_address"]).get(name, 0.0)
+
+
+def _settled(read: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """``read()`` once two reads 0.1 s apart agree (workers refresh figures when idle)."""
+    last = read()
+    for _ in range(50):
+        time.sleep(0.1)
+        if (now := read()) == last:
+            return now
+        last = now
+    raise AssertionError(f"figures kept moving: {last}")
+
+
+def _prefill_figures(cluster: Cluster) -> dict[str, float]:
+    return {f"{p.name} {what}": _metric(p, f"vllm:{what}_total{{}}") for p in cluster.prefill
+            for what in ("prompt_tokens", "prefix_cache_hits")}
+
+
+def _indexed(router: Proc, worker: str) -> float:
+    return _metric(router, f"pdserve:router_kv_index_worker_blocks{{worker={worker}}}")
+
+
+def _complete(address: str, prompt: list[int]) -> list[int]:
+    with Client(address) as client:
+        return list(client.complete(prompt_token_ids=prompt, max_tokens=2, temperature=0.0,
+                                    ignore_eos=True, timeout=TIMEOUT_S).token_ids)
+
+
+def _holder(cluster: Cluster, prompt: list[int]) -> str:
+    """Send ``prompt`` through the cluster's router: the prefill worker that computed it."""
+    before = _settled(lambda: _prefill_figures(cluster))
+    _complete(cluster.address, prompt)
+    after = _settled(lambda: _prefill_figures(cluster))
+    grew = [p.name for p in cluster.prefill
+            if after[f"{p.name} prompt_tokens"] > before[f"{p.name} prompt_tokens"]]
+    assert len(grew) == 1, (before, after)
+    return grew[0]
+
+
+def _last_batch(cluster: Cluster, worker: str) -> EventBatch:
+    client = redis.Redis.from_url(cluster.redis.url, socket_timeout=5)
+    try:
+        for _, fields in client.xrevrange(STREAM, count=2000):
+            batch = decode(fields)
+            if batch.worker_id == worker:
+                return batch
+    finally:
+        client.close()
+    raise AssertionError(f"no KV event of {worker} on the stream")
+
+
+def _add(cluster: Cluster, fields: dict[str, bytes]) -> None:
+    client = redis.Redis.from_url(cluster.redis.url, socket_timeout=5)
+    try:
+        client.xadd(STREAM, fields)  # type: ignore[arg-type]
+    finally:
+        client.close()
+
+
+def test_a_late_router_routes_a_repeated_prefix_to_the_worker_that_holds_it(
+        cluster: Cluster) -> None:
+    assert cluster.router is not None
+    base = [30 + (5 * i) % 500 for i in range(40)]  # 2 full blocks + 8 tokens
+    holder = _holder(cluster, base)
+    other = next(p.name for p in cluster.prefill if p.name != holder)
+    wait_until(lambda: _indexed(cluster.router, holder) >= 2, 10.0,  # type: ignore[arg-type]
+               "the router to index the prompt's blocks")
+    # a longer prompt on that prefix whose rendezvous hashing names the other worker
+    with Registry(cluster.redis.url) as registry:
+        layout = registry.cluster_layout()
+    assert layout is not None
+    for start in range(200):
+        prompt = base + [600 + (start + 3 * i) % 97 for i in range(60)]  # 6 blocks + 4
+        hashes = compute_block_hashes(prompt, BLOCK, seed=layout.hash_seed)
+        if rendezvous_order(affinity_key(hashes, prompt), [holder, other])[0] == other:
+            break
+    else:
+        raise AssertionError("no prompt found whose affinity names the other worker")
+    late = cluster.start_router("--metrics-port", "0", name="router-late")
+    try:
+        wait_until(lambda: _indexed(late, holder) >= 2, 15.0,
+                   "the late router to resynchronise from the workers' snapshots")
+        assert _metric(late, "pdserve:router_kv_resyncs_total{}") >= 3  # every worker
+        before = _settled(lambda: _prefill_figures(cluster))
+        _complete(late.address, prompt)
+        after = _settled(lambda: _prefill_figures(cluster))
+        assert after[f"{other} prompt_tokens"] == before[f"{other} prompt_tokens"]
+        assert after[f"{holder} prefix_cache_hits"] - before[f"{holder} prefix_cache_hits"] \
+            == 2 * BLOCK
+        assert _metric(late, "pdserve:router_decisions_total{kind=prefill,reason=kv_hit}") == 1
+    finally:
+        late.stop()
+    cluster.assert_no_leaks()
+
+
+def test_bad_events_are_counted_and_ignored(cluster: Cluster) -> None:
+    router = cluster.router
+    assert router is not None
+    victim = cluster.prefill[0].name
+    last = _last_batch(cluster, victim)
+    held = _indexed(router, victim)
+    good = encode(EventBatch(victim, last.epoch, last.seq + 1, ()))
+    _add(cluster, {**good, "w": b"ghost-worker"})
+    _add(cluster, {**good, "o": b"S" + b"\x01" * 10})
+    _add(cluster, {**good, "e": str(last.epoch - 1).encode(), "s": b"1"})
+    for outcome in ("unknown_worker", "hash_length", "epoch_backwards"):
+        wait_until(lambda o=outcome: _metric(  # type: ignore[misc]
+            router, f"pdserve:router_kv_events_total{{outcome={o}}}") >= 1, 10.0,
+            f"the router to count a {outcome} event")
+    assert _indexed(router, victim) == held
+    assert len(_complete(cluster.address, [3, 1, 4, 1, 5, 9, 2, 6])) == 2  # still serving
+    cluster.assert_no_leaks()
+
+
+def test_a_gap_resyncs_and_a_restarted_worker_leaves_the_index(cluster: Cluster) -> None:
+    router = cluster.router
+    assert router is not None
+    prompt = [60 + (11 * i) % 600 for i in range(50)]  # 3 full blocks + 2 tokens
+    holder = _holder(cluster, prompt)
+    wait_until(lambda: _indexed(router, holder) >= 3, 10.0, "the router to index the prompt")
+    resyncs = _metric(router, "pdserve:router_kv_resyncs_total{}")
+    last = _last_batch(cluster, holder)
+    # a batch from later on: the ones between were lost, so the router asks for a snapshot
+    _add(cluster, encode(EventBatch(holder, last.epoch, last.seq + 5, ())))
+    wait_until(lambda: _metric(router, "pdserve:router_kv_resyncs_total{}") > resyncs, 10.0,
+               "the router to resynchronise the worker after a gap")
+    assert _metric(router, "pdserve:router_kv_events_total{outcome=gap}") >= 1
+    assert _indexed(router, holder) >= 3  # the snapshot has the prompt's blocks
+    # the worker restarts (same id, empty cache): its blocks leave the index
+    index = next(i for i, p in enumerate(cluster.prefill) if p.name == holder)
+    cluster.prefill.pop(index).stop()
+    cluster.start_worker("prefill", index).wait_ready()
+    cluster.wait_serving()
+    wait_until(lambda: _indexed(router, holder) == 0, 15.0,
+               "the router to forget the restarted worker's blocks")
+    assert len(_complete(cluster.address, prompt)) == 2
+    cluster.assert_no_leaks()

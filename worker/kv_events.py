@@ -1,0 +1,115 @@
+"""A worker's KV event publisher: what its prefix cache gains and loses, to every router.
+
+The engine's block pool appends to a ``KVEventLog`` (``engine.kvcache.events``); this
+publisher's thread drains it every ``period_s``, numbers each batch (``seq``, from 1 in
+this process's ``epoch``) and appends it to the cluster's Redis stream
+(``cluster.kv_events``). It keeps a mirror of the keys the cache holds as of its last
+batch, so ``snapshot()`` is exactly what a router that applied batches 1..seq knows: the
+worker serves it (``KVSnapshot`` RPC) to a router that must resynchronise.
+
+Redis down: a batch that cannot be published is dropped (its sequence number is used),
+so every router sees a gap at the next batch that gets through and resynchronises. The
+publisher never blocks the engine: it only drains a deque.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from cluster.kv_events import MAX_OPS_PER_BATCH, STREAM_MAXLEN, EventBatch, encode
+from cluster.registry import Registry, RegistryError
+from engine.kvcache.events import STORED, KVEventLog
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PERIOD_S = 0.02
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """The keys a worker's cache held at batch ``seq`` of ``epoch``."""
+
+    epoch: int
+    seq: int
+    block_hashes: tuple[bytes, ...]
+
+
+class KVEventPublisher:
+    """Publishes ``events`` as ``worker_id``'s batches through ``registry``."""
+
+    def __init__(self, registry: Registry, worker_id: str, events: KVEventLog, *,
+                 period_s: float = DEFAULT_PERIOD_S) -> None:
+        self._registry = registry
+        self.worker_id = worker_id
+        self._events = events
+        self._period_s = period_s
+        self.epoch = time.time_ns()  # the cache starts empty with this process
+        self._seq = 0
+        self._mirror: set[bytes] = set()
+        self._lock = threading.Lock()  # seq and mirror, against snapshot()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdserve-kv-events",
+                                        daemon=True)
+        self.published = 0  # batches Redis took
+        self.dropped = 0  # batches it did not (routers resynchronise)
+        self._failing = False
+
+    def start(self) -> KVEventPublisher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Publish what is left (once), stop the thread, close the registry."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        self._registry.close()
+
+    def snapshot(self) -> KVSnapshot:
+        with self._lock:
+            return KVSnapshot(self.epoch, self._seq, tuple(self._mirror))
+
+    def publish_once(self) -> int:
+        """Publish what the log holds now (in batches of at most ``MAX_OPS_PER_BATCH``),
+        or, the first time, at least an empty batch 1 (it announces the epoch: routers
+        forget what an earlier process of this worker id held); returns how many batches
+        were made."""
+        made = 0
+        while (ops := self._events.drain(MAX_OPS_PER_BATCH)) or not self._seq:
+            with self._lock:
+                self._seq += 1
+                for op, block_hash in ops:
+                    if op == STORED:
+                        self._mirror.add(block_hash)
+                    else:
+                        self._mirror.discard(block_hash)
+                batch = EventBatch(self.worker_id, self.epoch, self._seq, tuple(ops),
+                                   time.time())
+            self._send(batch)
+            made += 1
+        return made
+
+    def _send(self, batch: EventBatch) -> None:
+        try:
+            self._registry.publish_kv_events(encode(batch), STREAM_MAXLEN)
+        except RegistryError as exc:
+            self.dropped += 1
+            if not self._failing:
+                log.warning("KV events not published (routers will resynchronise): %s", exc)
+            self._failing = True
+            return
+        if self._failing:
+            log.info("KV events published again")
+        self._failing = False
+        self.published += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period_s):
+            try:
+                self.publish_once()
+            except Exception:  # noqa: BLE001 - a publisher bug must not kill the worker
+                log.exception("publishing KV events failed")
+        self.publish_once()
