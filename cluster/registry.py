@@ -20,6 +20,7 @@ Key schema — built only by ``Keys``; everything lives under ``pdserve:{cluster
     resume_key          64 hex digits, no TTL: the routers' shared key of resume tokens in a
                         cluster without a cluster token (``router.resume``); ``SET NX`` by
                         the first router, read by every one.
+    load:{router_id}    one router's load on each worker, short TTL (``cluster.router_loads``).
     kv_events           Redis stream, ``MAXLEN ~``: every worker's KV events, one entry per
                         batch (``cluster.kv_events``); every router reads all of it.
     token_required      "1", no TTL: set by every router and worker started with a cluster

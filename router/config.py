@@ -25,6 +25,10 @@ DEFAULT_MIGRATION_LIMIT = 3
 """Migrations of one stream (its decode worker failed after tokens were streamed) before
 the client gets UNAVAILABLE."""
 MIN_LEASE_TTL_S = 0.1
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 0
+"""kv-aware: the longest uncached tail a decode worker prefills itself; off until a
+measurement on accelerators picks one (on CPU every process shares the same cores, so
+bench.routing cannot tell what moving a tail's compute to the decode side costs)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,9 @@ class HandoffConfig:
     # prompt's leading blocks with bounded load; "round-robin": the next prefill worker in
     # turn (the baseline of benchmarks)
     prefill_routing: str = "kv-aware"
+    # kv-aware: a prompt a decode worker holds all of but at most this many tokens is
+    # prefilled there (conditional disaggregation); 0: never
+    local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
     # each attempt's lease in Redis (cluster.leases): renewed every third of it; a worker
     # frees an attempt whose lease has been gone this long
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
@@ -51,6 +58,9 @@ class HandoffConfig:
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
 
     def __post_init__(self) -> None:
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be >= 0, got "
+                             f"{self.local_prefill_max_tokens}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.local_prefill not in LOCAL_PREFILL_MODES:

@@ -75,6 +75,7 @@ class KVFeed:
                 if after is None:
                     after = await loop.run_in_executor(self._thread,
                                                        self._registry.kv_events_tail)
+                    self.index.heard()  # reading from here on: the snapshots are current
                 entries = await loop.run_in_executor(self._thread, partial(
                     self._registry.read_kv_events, after, block_ms=READ_BLOCK_MS,
                     count=READ_COUNT))
@@ -82,6 +83,7 @@ class KVFeed:
                 if not self._failing:
                     logger.warning("KV events unreadable (the index ages): %s", exc)
                 self._failing = True
+                self._metrics.kv_index_trusted.set(self.index.trusted())
                 await asyncio.sleep(RETRY_S)
                 continue
             if self._failing:
@@ -112,6 +114,7 @@ class KVFeed:
     def _figures(self) -> None:
         metrics, index = self._metrics, self.index
         metrics.kv_index_blocks.set(index.num_blocks)
+        metrics.kv_index_trusted.set(index.trusted())
         for worker_id in index.workers():
             metrics.kv_worker_blocks.labels(worker_id).set(index.num_blocks_of(worker_id))
         for worker_id in self._shown - set(index.workers()):

@@ -36,6 +36,8 @@ streamed chunks, end-to-end, and the time a request waited in the router's queue
   ``epoch_backwards``), ``pdserve:router_kv_resyncs_total``: snapshots loaded,
   ``pdserve:router_kv_index_blocks`` (gauge): distinct blocks indexed,
   ``pdserve:router_kv_index_worker_blocks{worker}`` (gauge): blocks indexed per worker,
+  ``pdserve:router_kv_index_trusted`` (gauge): 1 while routing uses the index, 0 while
+  it falls back to affinity (the stream unread for 10 s),
   ``pdserve:router_kv_event_lag_seconds`` (histogram): publish to apply;
 - ``pdserve:router_event_loop_lag_seconds`` (histogram): how much later than asked the
   router's event loop ran a task that wakes every 50 ms (``router.loop_lag``): its stalls.
@@ -105,6 +107,9 @@ class RouterMetrics:
                                      registry=r)
         self.kv_worker_blocks = Gauge(p + "kv_index_worker_blocks",
                                       "Blocks the KV index says a worker holds", ["worker"],
+                                      registry=r)
+        self.kv_index_trusted = Gauge(p + "kv_index_trusted",
+                                      "1 while kv-aware routing trusts its KV index",
                                       registry=r)
         self.kv_event_lag = Histogram(p + "kv_event_lag_seconds",
                                       "KV event batch published to applied", registry=r,

@@ -11,6 +11,7 @@ from cluster.token import add_token_arg
 from router.config import (
     DEFAULT_HTTP_PORT,
     DEFAULT_LEASE_TTL_S,
+    DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
     DEFAULT_MIGRATION_LIMIT,
     DEFAULT_PORT,
     LOCAL_PREFILL_MODES,
@@ -90,6 +91,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "affinity (rendezvous hashing of the prompt's leading blocks, "
                              "bounded load); round-robin: the next one in turn, whatever "
                              "the prompt (a baseline for benchmarks)")
+    parser.add_argument("--local-prefill-max-tokens", type=int,
+                        default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+                        help="kv-aware: a prompt that a decode worker holds all of but at most "
+                             "this many tokens is prefilled there, not on a prefill worker "
+                             "(conditional disaggregation); 0: never (default "
+                             f"{DEFAULT_LOCAL_PREFILL_MAX_TOKENS})")
     parser.add_argument("--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT,
                         help="how often one stream may move to another decode worker when "
                              "its own fails after tokens were streamed (the prompt and the "

@@ -53,11 +53,10 @@ from router.config import (
 from router.core import RouterCore
 from router.debug import start_debug_server
 from router.http.server import HttpServer, HttpStartError, build_http_server
-from router.kv_feed import KVFeed
-from router.kv_index import KVIndex
 from router.loop_lag import LoopLagMonitor
 from router.resume import ResumeSeal, key_from_cluster_token
 from router.service import SERVICE_NAME, GenerationService
+from router.shared import SharedState
 from router.validation import ModelLimits
 from router.workers import WorkerPool
 
@@ -95,13 +94,7 @@ class Router:
                                   config.handoff.lease_ttl_s)
         self.core = RouterCore(self.pool, self.limits, tokenizer, handoff=config.handoff,
                                admission=config.admission, leases=self.leases)
-        # kv-aware routing: the workers' KV events, on a Redis connection of their own
-        self.kv_feed: KVFeed | None = None
-        if config.handoff.prefill_routing == "kv-aware":
-            self.core.kv_index = KVIndex()
-            self.kv_feed = KVFeed(self.core.kv_index, Registry(d.redis_url, cluster=d.cluster),
-                                  self.pool, self.core.metrics)
-        self._kv_feed_task: asyncio.Task[None] | None = None
+        self.shared = SharedState(config, self.pool, self.core)  # KV events, loads
         self.service = GenerationService(self.core)
         self.loop_lag = LoopLagMonitor(self.core.metrics.loop_lag)
         self.serving = False  # what health says (also the HTTP API's /health)
@@ -189,8 +182,7 @@ class Router:
         if self.http is not None:
             await self.http.start()
         self._refresher = asyncio.create_task(self._refresh_forever())
-        if self.kv_feed is not None:
-            self._kv_feed_task = asyncio.create_task(self.kv_feed.run())
+        self.shared.start()
         return self.address
 
     def _start_metrics_server(self, port: int) -> None:
@@ -234,8 +226,7 @@ class Router:
 
     async def _refresh(self) -> None:
         await self.pool.refresh()
-        if self.kv_feed is not None:
-            self.kv_feed.watch(self.pool.records())
+        await self.shared.refreshed()
         colocated = self.config.handoff.local_prefill != "never"
         serving = bool(self.pool.routable("decode")
                        and (colocated or self.pool.routable("prefill")))
@@ -273,8 +264,7 @@ class Router:
         then closes the servers and releases everything."""
         if self._refresher is not None:
             self._refresher.cancel()
-        if self._kv_feed_task is not None:
-            self._kv_feed_task.cancel()
+        self.shared.cancel()
         self.serving = False
         self.core.draining = True
         if self._server is not None:
@@ -301,8 +291,7 @@ class Router:
             self.leases.store.close()
         if self._debug_server is not None:
             await self._debug_server.stop(None)
-        if self.kv_feed is not None:
-            await self.kv_feed.stop()
+        await self.shared.stop()
         await self.pool.close()
         self.registry.close()
 
@@ -325,6 +314,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                                   max_n=args.max_n),
         handoff=HandoffConfig(local_prefill=args.local_prefill, lease_ttl_s=args.lease_ttl,
                               prefill_routing=args.prefill_routing,
+                              local_prefill_max_tokens=args.local_prefill_max_tokens,
                               migration_limit=args.migration_limit),
         health_port=args.health_port, metrics_port=args.metrics_port, http=_http(args),
         debug_port=args.debug_port, debug_host=args.debug_host,

@@ -83,6 +83,7 @@ class WorkerPool:
         self._suspect_until: dict[str, float] = {}
         self._inflight: dict[str, int] = {}
         self._tokens: dict[str, int] = {}  # see ``busy``
+        self._others: dict[str, tuple[int, int]] = {}  # see ``others_loads``
         self._calls: dict[str, set[grpc.aio.Call]] = {}  # see ``watched``
         self._heard_from: dict[str, float] = {}  # worker id -> clock() of its last answer
         self._foreign: set[str] = set()  # ids logged as serving another model
@@ -249,6 +250,23 @@ class WorkerPool:
     def queued_tokens(self, worker_id: str) -> int:
         """Prompt tokens the router's requests in flight on ``worker_id`` have it compute."""
         return self._tokens.get(worker_id, 0)
+
+    def own_loads(self) -> dict[str, tuple[int, int]]:
+        """(requests in flight, prompt tokens) of this router on each worker it uses."""
+        return {w: (n, self._tokens.get(w, 0)) for w, n in self._inflight.items()}
+
+    def others_loads(self, loads: dict[str, tuple[int, int]]) -> None:
+        """The other routers' figures (``cluster.router_loads``), as last read."""
+        self._others = loads
+
+    def cluster_inflight(self, worker_id: str) -> int:
+        """Requests in flight on ``worker_id``: this router's and, as last read, the
+        other routers'."""
+        return self.inflight(worker_id) + self._others.get(worker_id, (0, 0))[0]
+
+    def cluster_tokens(self, worker_id: str) -> int:
+        """``queued_tokens`` of every router, as ``cluster_inflight``."""
+        return self.queued_tokens(worker_id) + self._others.get(worker_id, (0, 0))[1]
 
     @contextmanager
     def busy(self, worker_id: str, tokens: int = 0) -> Iterator[None]:

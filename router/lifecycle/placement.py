@@ -66,7 +66,7 @@ class Placement:
         need = ctx.request.num_blocks(ctx.block_size)
         records = [r for r in ctx.pool.routable("decode") if r.worker_id not in ctx.excluded]
         cached = self._cached_blocks([r.worker_id for r in records])
-        candidates = [DecodeCandidate(r.worker_id, ctx.pool.inflight(r.worker_id),
+        candidates = [DecodeCandidate(r.worker_id, ctx.pool.cluster_inflight(r.worker_id),
                                       r.free_kv_blocks, r.total_kv_blocks,
                                       cached.get(r.worker_id, 0)) for r in records]
         order = rank_decode(candidates, need, ctx.config.load_epsilon)
@@ -84,12 +84,29 @@ class Placement:
         return order
 
     def prefills_locally(self) -> bool:
-        """Colocated this attempt: always, (fallback) when no prefill worker is left, or
-        a later choice that its first choice's decode worker can take."""
+        """Colocated this attempt: always, (fallback) when no prefill worker is left, a
+        later choice that its first choice's decode worker can take, or a prompt whose
+        part no decode worker holds is short (``local_prefill_max_tokens``)."""
         mode = self.ctx.config.local_prefill
         return mode == "always" or self._sibling_worker() is not None or (
             mode == "fallback" and not any(r.worker_id not in self.ctx.excluded
-                                           for r in self.ctx.pool.routable("prefill")))
+                                           for r in self.ctx.pool.routable("prefill"))
+        ) or self._short_tail()
+
+    def _short_tail(self) -> bool:
+        """Conditional disaggregation: a decode worker holds all of the prompt but at
+        most ``local_prefill_max_tokens`` of it (kv-aware, a trusted index, not a resumed
+        stream), so computing that tail where the KV is beats a round trip through a
+        prefill worker."""
+        ctx = self.ctx
+        limit = ctx.config.local_prefill_max_tokens
+        if not limit or ctx.calls.num_resumed or not self._index_trusted():
+            return False
+        held = self._cached_blocks([r.worker_id for r in ctx.pool.routable("decode")
+                                    if r.worker_id not in ctx.excluded])
+        best = max(held.values(), default=0)
+        return best > 0 and uncached_tokens(len(ctx.request.prompt_token_ids), ctx.block_size,
+                                            best) <= limit
 
     def _sibling_worker(self) -> str | None:
         """The decode worker holding a later choice's prompt (``SharedDecode``), if it is
@@ -113,10 +130,13 @@ class Placement:
         ctx.metrics.routed.labels("decode", decode_id).inc()
         attempt = Attempt(ctx, self._ids.new(), decode_id, local=True)
         self._share(decode_id)
-        ctx.log.info("attempt %s: prefilling locally on %s (%s)", attempt.id, decode_id,
-                     "colocated mode" if ctx.config.local_prefill == "always"
-                     else "its prompt is cached there" if self._sibling_worker() == decode_id
-                     else "no prefill worker left")
+        why = ("colocated mode" if ctx.config.local_prefill == "always"
+               else "its prompt is cached there" if self._sibling_worker() == decode_id
+               else "it holds the prompt but a short tail" if self._short_tail()
+               else "no prefill worker left")
+        if why.startswith("it holds"):
+            ctx.metrics.decisions.labels("prefill", "local_short_tail").inc()
+        ctx.log.info("attempt %s: prefilling locally on %s (%s)", attempt.id, decode_id, why)
         return attempt
 
     def _share(self, decode_id: str) -> None:
@@ -208,15 +228,15 @@ class Placement:
         """The prefill workers to ask, best first (by affinity with bounded load, or in
         turn), among the routable ones that did not fail this request."""
         ctx, mode = self.ctx, self.ctx.config.prefill_routing
-        loads = {r.worker_id: ctx.pool.inflight(r.worker_id) for r in ctx.pool.routable("prefill")
-                 if r.worker_id not in ctx.excluded}
+        loads = {r.worker_id: ctx.pool.cluster_inflight(r.worker_id)
+                 for r in ctx.pool.routable("prefill") if r.worker_id not in ctx.excluded}
         if mode == "round-robin":
             if self._turn is None:
                 self._turn = next(self._turns) if self._turns is not None else 0
             order, reason = round_robin(list(loads), self._turn), "round_robin"
         elif self._index_trusted():
             self._prefill_cached = cached = self._cached_blocks(list(loads))
-            costs = {w: ctx.pool.queued_tokens(w) + self.prefill_tokens(w) for w in loads}
+            costs = {w: ctx.pool.cluster_tokens(w) + self.prefill_tokens(w) for w in loads}
             order = rank_by_cost(self._affinity_key(), costs)
             reason = "kv_hit" if order and cached.get(order[0]) else "kv_cost"
         else:

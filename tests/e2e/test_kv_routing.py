@@ -8,6 +8,10 @@ default, serving metrics).
   prompt names the other worker;
 - bad entries on the stream (an unknown worker, a hash of the wrong length, an epoch
   going backwards) are counted and ignored;
+- routers see each other's load (``cluster.router_loads``): one with nothing in flight
+  routes away from the prefill worker another router keeps busy;
+- a prompt a decode worker holds all but a short tail of is prefilled there
+  (``--local-prefill-max-tokens``), counted by reason, its tokens the engine's;
 - a lost batch (a sequence gap) makes the router resynchronise that worker; a worker
   restarted empty leaves the index (its new epoch).
 
@@ -20,12 +24,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import redis
 
 from cluster.kv_events import EventBatch, decode, encode
 from cluster.registry import Keys, Registry
+from engine import LLM, SamplingParams
 from engine.kvcache.block_hash import compute_block_hashes
 from pdserve import Client
 from router.routing import affinity_key, rendezvous_order
@@ -62,6 +68,9 @@ def _prefill_figures(cluster: Cluster) -> dict[str, float]:
 
 
 def _indexed(router: Proc, worker: str) -> float:
+    """Blocks ``router``'s KV index says ``worker`` holds, once it trusts the index."""
+    if _metric(router, "pdserve:router_kv_index_trusted{}") != 1:
+        return -1.0
     return _metric(router, f"pdserve:router_kv_index_worker_blocks{{worker={worker}}}")
 
 
@@ -154,6 +163,87 @@ def test_bad_events_are_counted_and_ignored(cluster: Cluster) -> None:
             f"the router to count a {outcome} event")
     assert _indexed(router, victim) == held
     assert len(_complete(cluster.address, [3, 1, 4, 1, 5, 9, 2, 6])) == 2  # still serving
+    cluster.assert_no_leaks()
+
+
+def _fresh_prompt_routed_to(cluster: Cluster, worker: str, workers: list[str], salt: int,
+                            num_tokens: int = 40) -> list[int]:
+    """A prompt no test sent before whose affinity (all idle, nothing cached) is ``worker``."""
+    with Registry(cluster.redis.url) as registry:
+        layout = registry.cluster_layout()
+    assert layout is not None
+    for start in range(200):
+        prompt = [400 + (salt * 31 + start + 13 * i) % 300 for i in range(num_tokens)]
+        hashes = compute_block_hashes(prompt, BLOCK, seed=layout.hash_seed)
+        if rendezvous_order(affinity_key(hashes, prompt), workers)[0] == worker:
+            return prompt
+    raise AssertionError(f"no prompt routes to {worker}")
+
+
+def test_routers_see_each_others_load(cluster: Cluster) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster.pause_points import PauseDir
+
+    assert cluster.router is not None
+    names = [p.name for p in cluster.prefill]
+    busy, idle = names
+    held = _fresh_prompt_routed_to(cluster, busy, names, salt=1)
+    asked = _fresh_prompt_routed_to(cluster, busy, names, salt=2)  # by affinity, busy's too
+    late = cluster.start_router("--metrics-port", "0", name="router-shared-load")
+    pause = PauseDir(cluster.pause_dir(busy))
+    try:
+        cluster.wait_serving()
+        pause.arm("prefill.started")
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(_complete, cluster.address, held)
+            pause.wait_paused("prefill.started", TIMEOUT_S)
+            time.sleep(1.5)  # three refreshes: the first router's load is in Redis, read
+            before = _prefill_figures(cluster)
+            # the late router has nothing in flight itself: it routes away from the
+            # worker the first router keeps busy only because it sees that router's load
+            assert len(_complete(late.address, asked)) == 2
+            routed = {w: _metric(late, f"pdserve:router_routed_total{{role=prefill,worker={w}}}")
+                      for w in names}
+            assert routed == {busy: 0.0, idle: 1.0}  # first time right, no retry
+            after = _settled(lambda: {k: v for k, v in _prefill_figures(cluster).items()
+                                      if k.startswith(idle)})
+            assert after[f"{idle} prompt_tokens"] - before[f"{idle} prompt_tokens"] \
+                == len(asked)
+            pause.release("prefill.started")
+            assert len(first.result(TIMEOUT_S)) == 2
+    finally:
+        pause.release("prefill.started")
+        late.stop()
+    cluster.assert_no_leaks()
+
+
+def test_a_short_uncached_tail_is_prefilled_on_the_decode_worker(
+        cluster: Cluster, llama_dir: Path) -> None:
+    names = [p.name for p in cluster.prefill]
+    first = _fresh_prompt_routed_to(cluster, names[0], names, salt=3)  # 2 blocks + 8
+    turn = first + [7 + i for i in range(10)]  # the decode worker holds all but 18 tokens
+    router = cluster.start_router("--metrics-port", "0", "--local-prefill-max-tokens", "64",
+                                  name="router-local-tail")
+    try:
+        cluster.wait_serving()
+        _complete(router.address, first)
+        wait_until(lambda: _indexed(router, "decode-0") >= 2, 10.0,
+                   "the router to index the decode worker's blocks")
+        before = _settled(lambda: _prefill_figures(cluster))
+        with Client(router.address) as client:
+            got = client.complete(prompt_token_ids=turn, max_tokens=6, temperature=0.0,
+                                  ignore_eos=True, timeout=TIMEOUT_S)
+        assert _settled(lambda: _prefill_figures(cluster)) == before  # no prefill worker
+        assert got.usage.cached_tokens == 2 * BLOCK  # the decode worker's own cache
+        assert _metric(router, "pdserve:router_decisions_total"
+                               "{kind=prefill,reason=local_short_tail}") == 1
+    finally:
+        router.stop()
+    with LLM(llama_dir) as llm:
+        expected = llm.generate([turn], SamplingParams(max_tokens=6, temperature=0.0,
+                                                       ignore_eos=True))[0].token_ids
+    assert list(got.token_ids) == expected
     cluster.assert_no_leaks()
 
 

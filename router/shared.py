@@ -1,0 +1,66 @@
+"""What a router shares with the other routers through Redis, besides the registry: the
+workers' KV events feeding its KV index (``router.kv_feed``, kv-aware routing only), and
+its load on each worker (``cluster.router_loads``), exchanged at every refresh of its view
+so that its placement sees the whole cluster's traffic (``WorkerPool.cluster_inflight``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from cluster.registry import Registry, RegistryError
+from cluster.router_loads import RouterLoads
+from router.config import RouterConfig
+from router.core import RouterCore
+from router.kv_feed import KVFeed
+from router.kv_index import KVIndex
+from router.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+class SharedState:
+    """A router's KV feed and shared load view; ``start`` → ``refreshed`` … → ``stop``."""
+
+    def __init__(self, config: RouterConfig, pool: WorkerPool, core: RouterCore) -> None:
+        d = config.discovery
+        self._pool = pool
+        self.loads = RouterLoads(d.redis_url, cluster=d.cluster, router_id=core.router_id)
+        self.kv_feed: KVFeed | None = None
+        if config.handoff.prefill_routing == "kv-aware":  # on a Redis connection of its own
+            core.kv_index = KVIndex()
+            self.kv_feed = KVFeed(core.kv_index, Registry(d.redis_url, cluster=d.cluster),
+                                  pool, core.metrics)
+        self._feed_task: asyncio.Task[None] | None = None
+        self._loads_failing = False
+
+    def start(self) -> None:
+        if self.kv_feed is not None:
+            self._feed_task = asyncio.create_task(self.kv_feed.run())
+
+    async def refreshed(self) -> None:
+        """After each refresh of the worker view: the live workers to the KV feed, this
+        router's load out and the others' in (Redis down: its own figures alone)."""
+        if self.kv_feed is not None:
+            self.kv_feed.watch(self._pool.records())
+        try:
+            others = await asyncio.to_thread(self.loads.exchange, self._pool.own_loads())
+        except RegistryError as exc:
+            if not self._loads_failing:
+                logger.warning("routing on this router's own load alone: %s", exc)
+            self._loads_failing, others = True, {}
+        else:
+            self._loads_failing = False
+        self._pool.others_loads(others)
+
+    def cancel(self) -> None:
+        """Stop reading events (at the start of shutdown)."""
+        if self._feed_task is not None:
+            self._feed_task.cancel()
+
+    async def stop(self) -> None:
+        self.cancel()
+        if self.kv_feed is not None:
+            await self.kv_feed.stop()
+        await asyncio.to_thread(self.loads.close)
