@@ -12,6 +12,7 @@ default, serving metrics).
   routes away from the prefill worker another router keeps busy;
 - a prompt a decode worker holds all but a short tail of is prefilled there
   (``--local-prefill-max-tokens``), counted by reason, its tokens the engine's;
+- after Redis restarts empty, the events flow again through the new stream;
 - a lost batch (a sequence gap) makes the router resynchronise that worker; a worker
   restarted empty leaves the index (its new epoch).
 
@@ -244,6 +245,23 @@ def test_a_short_uncached_tail_is_prefilled_on_the_decode_worker(
         expected = llm.generate([turn], SamplingParams(max_tokens=6, temperature=0.0,
                                                        ignore_eos=True))[0].token_ids
     assert list(got.token_ids) == expected
+    cluster.assert_no_leaks()
+
+
+def test_after_redis_restarts_empty_the_events_flow_again(cluster: Cluster) -> None:
+    router = cluster.router
+    assert router is not None
+    names = [p.name for p in cluster.prefill]
+    before = _settled(lambda: _prefill_figures(cluster))
+    cluster.redis.restart()  # the stream, the load keys, the registrations: all gone
+    cluster.wait_serving()
+    # a new prompt's blocks, published on the new stream, reach the index
+    prompt = _fresh_prompt_routed_to(cluster, names[1], names, salt=4)
+    held = {n: _indexed(router, n) for n in names}
+    _complete(cluster.address, prompt)
+    after = _settled(lambda: _prefill_figures(cluster))
+    holder = next(n for n in names if after[f"{n} prompt_tokens"] > before[f"{n} prompt_tokens"])
+    wait_until(lambda: _indexed(router, holder) >= held[holder] + 2, 15.0, "the router to index blocks published after Redis restarted")
     cluster.assert_no_leaks()
 
 

@@ -1,0 +1,120 @@
+"""Placement's kv-aware decisions on a stand-in pool: the KV index's word, the cluster's
+load, the fallback to affinity, conditional disaggregation. One layer (the lifecycle's
+choice of workers); the real processes are tests/e2e/test_kv_routing.py."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from cluster.kv_events import EventBatch
+from engine.kvcache.block_hash import compute_block_hashes
+from engine.kvcache.events import STORED
+from router.config import HandoffConfig
+from router.kv_index import KVIndex
+from router.lifecycle.placement import Placement
+from router.metrics import RouterMetrics
+from router.routing import affinity_key, rendezvous_order
+
+BLOCK = 16
+
+
+@dataclass
+class Pool:
+    """What Placement reads of a ``WorkerPool``."""
+
+    tokens: dict[str, int] = field(default_factory=dict)  # every router's, per worker
+
+    def routable(self, role: str) -> list[Any]:
+        names = ["p-0", "p-1"] if role == "prefill" else ["d-0"]
+        return [SimpleNamespace(worker_id=n, free_kv_blocks=64, total_kv_blocks=64)
+                for n in names]
+
+    def cluster_inflight(self, worker_id: str) -> int:
+        return 1 if self.tokens.get(worker_id) else 0
+
+    def cluster_tokens(self, worker_id: str) -> int:
+        return self.tokens.get(worker_id, 0)
+
+
+def _placement(prompt: list[int], index: KVIndex | None, pool: Pool,
+               **config: Any) -> tuple[Placement, RouterMetrics]:
+    metrics = RouterMetrics()
+    request = SimpleNamespace(prompt_token_ids=prompt,
+                              num_blocks=lambda size: -(-len(prompt) // size))
+    ctx = SimpleNamespace(pool=pool, request=request,
+                          config=HandoffConfig(**config), kv_index=index, metrics=metrics,
+                          excluded=set(), block_size=BLOCK, hash_seed=0, shared_decode=None,
+                          choice=0, calls=SimpleNamespace(num_resumed=0))
+    return Placement(ctx, None, itertools.count()), metrics  # type: ignore[arg-type]
+
+
+def _index(holdings: dict[str, list[bytes]]) -> KVIndex:
+    index = KVIndex()
+    index.watch([*holdings, "p-0", "p-1", "d-0"])
+    for worker, hashes in holdings.items():
+        index.apply(EventBatch(worker, 1, 1, tuple((STORED, h) for h in hashes)))
+    index.heard()
+    return index
+
+
+def _prompt_by_affinity(worker: str) -> list[int]:
+    for salt in range(100):
+        prompt = [3 + (salt + 7 * i) % 400 for i in range(100)]
+        key = affinity_key(compute_block_hashes(prompt, BLOCK), prompt)
+        if rendezvous_order(key, ["p-0", "p-1"])[0] == worker:
+            return prompt
+    raise AssertionError("none found")
+
+
+def _decisions(metrics: RouterMetrics, kind: str, reason: str) -> float:
+    value = metrics.registry.get_sample_value("pdserve:router_decisions_total",
+                                              {"kind": kind, "reason": reason})
+    return 0.0 if value is None else value
+
+
+def test_the_worker_holding_the_prefix_wins_over_affinity() -> None:
+    prompt = _prompt_by_affinity("p-0")
+    hashes = compute_block_hashes(prompt, BLOCK)
+    placement, metrics = _placement(prompt, _index({"p-1": hashes[:4]}), Pool())
+    assert placement.prefill_order() == ["p-1", "p-0"]
+    assert placement.prefill_tokens("p-1") == 100 - 4 * BLOCK
+    assert _decisions(metrics, "prefill", "kv_hit") == 1
+
+
+def test_another_routers_queue_moves_it_elsewhere() -> None:
+    prompt = _prompt_by_affinity("p-0")
+    hashes = compute_block_hashes(prompt, BLOCK)
+    # p-1 holds 4 blocks (64 tokens fewer to compute) but has 500 tokens queued
+    placement, metrics = _placement(prompt, _index({"p-1": hashes[:4]}), Pool({"p-1": 500}))
+    assert placement.prefill_order() == ["p-0", "p-1"]
+    assert _decisions(metrics, "prefill", "kv_cost") == 1
+
+
+def test_an_untrusted_index_falls_back_to_affinity() -> None:
+    prompt = _prompt_by_affinity("p-0")
+    hashes = compute_block_hashes(prompt, BLOCK)
+    stale = KVIndex(stale_after_s=-1.0)  # never trusted
+    stale.watch(["p-1"])
+    stale.apply(EventBatch("p-1", 1, 1, tuple((STORED, h) for h in hashes)))
+    placement, metrics = _placement(prompt, stale, Pool())
+    assert placement.prefill_order() == ["p-0", "p-1"]
+    assert _decisions(metrics, "prefill", "index_stale") == 1
+    placement, metrics = _placement(prompt, _index({"p-1": hashes}), Pool(),
+                                    prefill_routing="affinity")
+    assert placement.prefill_order() == ["p-0", "p-1"]
+    assert _decisions(metrics, "prefill", "affinity") == 1
+
+
+def test_a_short_tail_on_a_decode_worker_is_prefilled_there() -> None:
+    prompt = _prompt_by_affinity("p-0")  # 100 tokens: 6 full blocks and 4
+    hashes = compute_block_hashes(prompt, BLOCK)
+    index = _index({"d-0": hashes[:5]})  # all but 20 tokens
+    assert _placement(prompt, index, Pool(), local_prefill_max_tokens=32)[0].prefills_locally()
+    assert not _placement(prompt, index, Pool(),
+                          local_prefill_max_tokens=16)[0].prefills_locally()
+    assert not _placement(prompt, index, Pool())[0].prefills_locally()  # off by default
+    placement, _ = _placement(prompt, index, Pool(), local_prefill_max_tokens=32)
+    assert placement.decode_order() == ["d-0"]
