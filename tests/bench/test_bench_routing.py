@@ -1,0 +1,38 @@
+"""``python -m bench.routing --quick``: the chat workload through a real cluster under one
+routing arm, its figures reported (never asserted as speeds); the oracle on known prompts;
+the decision's cost measured on the policy objects."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import routing
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_oracle_counts_the_longest_shared_full_block_prefix() -> None:
+    a = list(range(40))  # 2 full blocks + 8: nothing before it
+    b = a[:32] + [99] * 20  # shares 2 blocks with a
+    c = a[:16]  # shares its only block, capped at its length - 1
+    d = [7] * 40  # shares nothing
+    assert routing.oracle_cached_tokens([a, b, c, d]) == 0 + 32 + 15 + 0
+
+
+def test_quick_reports_an_arm(tmp_path: Path) -> None:
+    out = tmp_path / "routing.json"
+    assert routing.main(["--quick", "--chats", "3", "--turns", "2", "--system-tokens", "48",
+                         "--user-tokens", "16", "--reply-tokens", "4", "--prefill", "2",
+                         "--routers", "1", "--arms", "kv-aware", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (arm,) = report["arms"]
+    assert arm["arm"] == "kv-aware" and arm["requests"] == 6
+    # every later turn starts with its chat's earlier turn and the reply: the oracle has
+    # at least the system prompt's 3 blocks for all but the first prompt
+    assert arm["oracle_tokens"] >= 5 * 48
+    assert 0 < arm["cached_tokens"] <= arm["oracle_tokens"] + 6 * 4
+    assert sum(arm["computed_per_worker"].values()) > 0 and arm["kv_bytes_per_request"] > 0
+    assert report["decision"]["p99_ms"] > 0
