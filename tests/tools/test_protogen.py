@@ -108,11 +108,13 @@ def test_services_have_the_documented_methods() -> None:
         "GenerateLocal": ("GenerateLocalRequest", "TokenChunk", True),
         "Abort": ("AbortRequest", "AbortResponse", False),
         "Info": ("InfoRequest", "WorkerInfo", False),
+        "KVSnapshot": ("KVSnapshotRequest", "KVSnapshotReply", False),
     }
     assert shape("PrefillWorker") == {
         "Prefill": ("PrefillRequest", "PrefillResponse", False),
         "Abort": ("AbortRequest", "AbortResponse", False),
         "Info": ("InfoRequest", "WorkerInfo", False),
+        "KVSnapshot": ("KVSnapshotRequest", "KVSnapshotReply", False),
     }
 
 
