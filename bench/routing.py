@@ -293,14 +293,14 @@ def _plot(path: str, arms: list[dict[str, Any]]) -> None:
     from bench.plots import _pyplot
 
     plt = _pyplot()
-    names = [f"{a['arm']}\n{a['routers']}R" for a in arms]
+    names = [f"{a['arm']} {a['routers']}R" for a in arms]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, key, title in zip(axes, ("cached_over_oracle", "prefill_imbalance", "ttft_p90_ms"),
                               ("cached ÷ oracle", "prefill imbalance (max ÷ mean)",
                                "TTFT p90 (ms)"), strict=True):
         ax.bar(names, [a[key] for a in arms])
         ax.set_title(title)
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=8, labelrotation=30)
     fig.tight_layout()
     fig.savefig(path)
     print(f"plot: {path}")

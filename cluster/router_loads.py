@@ -10,6 +10,10 @@ Key schema (beside ``cluster.registry``'s)::
                       router's view while it has anything in flight; deleted once it has
                       nothing (an idle cluster holds no such key), and gone ttl after a
                       router that died.
+    load_routers      set of the router ids that wrote a ``load:`` key (a reader finds
+                      the keys without a SCAN); every writer renews its ttl, and readers
+                      remove the ids whose key is gone, so it empties (and vanishes) with
+                      the keys.
 
 A malformed record is skipped. Redis errors surface as ``RegistryUnavailable``; the router
 then goes on with its own figures.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -40,6 +45,8 @@ class RouterLoads:
         check_name("cluster", cluster)
         self._prefix = f"pdserve:{cluster}:load:"
         self._key = self._prefix + router_id
+        self._router_id = router_id
+        self._routers = f"pdserve:{cluster}:load_routers"
         self._ttl_ms = max(1, round(ttl_s * 1000))
         self._client = redis.Redis.from_url(
             redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -54,13 +61,19 @@ class RouterLoads:
             if own:
                 record = {"v": 1, "workers": {w: list(load) for w, load in own.items()}}
                 pipe.set(self._key, json.dumps(record), px=self._ttl_ms)
+                pipe.sadd(self._routers, self._router_id)
+                pipe.pexpire(self._routers, self._ttl_ms)
             elif self._written:
                 pipe.delete(self._key)
-            pipe.execute()
+                pipe.srem(self._routers, self._router_id)
+            pipe.smembers(self._routers)
+            members: Any = pipe.execute()[-1]
             self._written = bool(own)
-            keys = [k for k in self._client.scan_iter(match=self._prefix + "*", count=512)
-                    if k.decode() != self._key]
-            values = self._client.mget(keys) if keys else []
+            others = sorted(m.decode() for m in members if m.decode() != self._router_id)
+            values: Any = self._client.mget([self._prefix + r for r in others]) if others else []
+            gone = [r for r, raw in zip(others, values, strict=True) if raw is None]
+            if gone:  # died (their keys expired) or just went idle
+                self._client.srem(self._routers, *gone)
         except redis.RedisError as exc:
             raise RegistryUnavailable(f"Redis failed while sharing router loads: {exc}") \
                 from exc
@@ -75,6 +88,7 @@ class RouterLoads:
         """Delete this router's key (best effort) and close the connection."""
         try:
             self._client.delete(self._key)
+            self._client.srem(self._routers, self._router_id)
         except redis.RedisError:
             pass
         self._client.close()

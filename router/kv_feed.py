@@ -26,9 +26,9 @@ import grpc
 from cluster.kv_events import BadEvent, decode
 from cluster.records import WorkerRecord
 from cluster.registry import Registry, RegistryError
-from router.kv_index import BAD_OUTCOMES, KVIndex
+from router.kv_index import APPLIED, BAD_OUTCOMES, DUPLICATE, KVIndex
 from router.metrics import RouterMetrics
-from router.worker_calls import kv_snapshot
+from router.worker_calls import KVSnapshot, kv_snapshot
 from router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -86,13 +86,20 @@ class KVFeed:
                 self._metrics.kv_index_trusted.set(self.index.trusted())
                 await asyncio.sleep(RETRY_S)
                 continue
+            except Exception:  # noqa: BLE001 - the feed must outlive any bug: log, go on
+                logger.exception("reading KV events failed")
+                await asyncio.sleep(RETRY_S)
+                continue
             if self._failing:
                 logger.info("KV events readable again")
             self._failing = False
             self.index.heard()
             for entry_id, fields in entries:
                 after = entry_id
-                self._apply(fields)
+                try:
+                    self._apply(fields)
+                except Exception:  # noqa: BLE001 - one bad entry must not stop the feed
+                    logger.exception("applying a KV event failed")
             self._figures()
             self._ask_snapshots()
 
@@ -133,27 +140,38 @@ class KVFeed:
 
     async def _snapshot(self, worker_id: str) -> None:
         record = self._records.get(worker_id)
+        outcome = None
         try:
             if record is None:
                 raise KeyError(worker_id)
-            reply = await kv_snapshot(self._pool.channel(worker_id), record.role,
-                                      SNAPSHOT_TIMEOUT_S)
-        except (KeyError, grpc.aio.AioRpcError, BadEvent) as exc:
+            try:
+                reply = await kv_snapshot(self._pool.channel(worker_id), record.role,
+                                          SNAPSHOT_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                reply = KVSnapshot(0, 0, [])  # an older worker: it publishes nothing
+            # a worker that publishes nothing holds nothing the index could know of
+            outcome = self.index.load_snapshot(worker_id, reply.epoch, reply.seq,
+                                               reply.block_hashes)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure: ask again later
             logger.info("no KV snapshot from %s yet: %s", worker_id,
                         exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc)
-            await asyncio.sleep(RETRY_S)  # asked again at the next read or refresh
+        if outcome == APPLIED:
+            self._metrics.kv_resyncs.inc()
+            self._figures()
+            logger.info("KV index of %s resynchronised: %d blocks at batch %d", worker_id,
+                        len(reply.block_hashes), reply.seq)
+        elif outcome != DUPLICATE:  # failed, or older than what the index knows: later
+            await asyncio.sleep(RETRY_S)
             self.index.snapshot_failed(worker_id)
-            return
-        # a worker that publishes nothing holds nothing the index could know of
-        self.index.load_snapshot(worker_id, reply.epoch, reply.seq, reply.block_hashes)
-        self._metrics.kv_resyncs.inc()
-        self._figures()
-        logger.info("KV index of %s resynchronised: %d blocks at batch %d", worker_id,
-                    len(reply.block_hashes), reply.seq)
 
     async def stop(self) -> None:
         for task in list(self._snapshots):
             task.cancel()
         await asyncio.gather(*self._snapshots, return_exceptions=True)
-        self._thread.shutdown(wait=False)
+        # a blocked read returns within READ_BLOCK_MS: wait for it before closing Redis
+        await asyncio.to_thread(self._thread.shutdown, wait=True)
         self._registry.close()

@@ -139,9 +139,9 @@ class KVIndex:
         state = self._workers.get(worker_id)
         if state is None:
             return UNKNOWN_WORKER
-        state.asked = False
-        if epoch < state.epoch:
+        if epoch < state.epoch:  # still asked: the caller waits, then ``snapshot_failed``
             return EPOCH_BACKWARDS
+        state.asked = False
         if state.synced and epoch == state.epoch and seq <= state.seq:
             return DUPLICATE  # the batches applied meanwhile are ahead of it
         self._clear(worker_id)

@@ -34,6 +34,7 @@ class SharedState:
                                   pool, core.metrics)
         self._feed_task: asyncio.Task[None] | None = None
         self._loads_failing = False
+        self._exchange: asyncio.Future[dict[str, tuple[int, int]]] | None = None
 
     def start(self) -> None:
         if self.kv_feed is not None:
@@ -44,8 +45,10 @@ class SharedState:
         router's load out and the others' in (Redis down: its own figures alone)."""
         if self.kv_feed is not None:
             self.kv_feed.watch(self._pool.records())
+        self._exchange = asyncio.get_running_loop().run_in_executor(
+            None, self.loads.exchange, self._pool.own_loads())
         try:
-            others = await asyncio.to_thread(self.loads.exchange, self._pool.own_loads())
+            others = await self._exchange
         except RegistryError as exc:
             if not self._loads_failing:
                 logger.warning("routing on this router's own load alone: %s", exc)
@@ -61,6 +64,10 @@ class SharedState:
 
     async def stop(self) -> None:
         self.cancel()
+        if self._feed_task is not None:
+            await asyncio.gather(self._feed_task, return_exceptions=True)
         if self.kv_feed is not None:
             await self.kv_feed.stop()
+        if self._exchange is not None:  # one still running would write after the close
+            await asyncio.gather(self._exchange, return_exceptions=True)
         await asyncio.to_thread(self.loads.close)

@@ -63,14 +63,9 @@ class Placement:
 
     def decode_order(self) -> list[str]:
         ctx = self.ctx
-        need = ctx.request.num_blocks(ctx.block_size)
-        records = [r for r in ctx.pool.routable("decode") if r.worker_id not in ctx.excluded]
-        cached = self._cached_blocks([r.worker_id for r in records])
-        candidates = [DecodeCandidate(r.worker_id, ctx.pool.cluster_inflight(r.worker_id),
-                                      r.free_kv_blocks, r.total_kv_blocks,
-                                      cached.get(r.worker_id, 0)) for r in records]
-        order = rank_decode(candidates, need, ctx.config.load_epsilon)
+        order, cached = self._decode_ranking()
         if not order:
+            need = ctx.request.num_blocks(ctx.block_size)
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"no healthy decode worker can hold {need} KV blocks")
         shared = ctx.shared_decode
@@ -82,6 +77,18 @@ class Placement:
             reason = "kv_hit" if cached.get(order[0]) else "load"
         ctx.metrics.decisions.labels("decode", reason).inc()
         return order
+
+    def _decode_ranking(self) -> tuple[list[str], dict[str, int]]:
+        """(``rank_decode``'s order of the decode workers that may take this attempt, the
+        leading prompt blocks each holds)."""
+        ctx = self.ctx
+        records = [r for r in ctx.pool.routable("decode") if r.worker_id not in ctx.excluded]
+        cached = self._cached_blocks([r.worker_id for r in records])
+        candidates = [DecodeCandidate(r.worker_id, ctx.pool.cluster_inflight(r.worker_id),
+                                      r.free_kv_blocks, r.total_kv_blocks,
+                                      cached.get(r.worker_id, 0)) for r in records]
+        return rank_decode(candidates, ctx.request.num_blocks(ctx.block_size),
+                           ctx.config.load_epsilon), cached
 
     def prefills_locally(self) -> bool:
         """Colocated this attempt: always, (fallback) when no prefill worker is left, a
@@ -96,15 +103,15 @@ class Placement:
     def _short_tail(self) -> bool:
         """Conditional disaggregation: a decode worker holds all of the prompt but at
         most ``local_prefill_max_tokens`` of it (kv-aware, a trusted index, not a resumed
-        stream), so computing that tail where the KV is beats a round trip through a
-        prefill worker."""
+        stream) — the one a local attempt would take, within the load bound — so
+        computing that tail where the KV is beats a round trip through a prefill
+        worker."""
         ctx = self.ctx
         limit = ctx.config.local_prefill_max_tokens
         if not limit or ctx.calls.num_resumed or not self._index_trusted():
             return False
-        held = self._cached_blocks([r.worker_id for r in ctx.pool.routable("decode")
-                                    if r.worker_id not in ctx.excluded])
-        best = max(held.values(), default=0)
+        order, held = self._decode_ranking()  # the worker a local attempt would take
+        best = held.get(order[0], 0) if order else 0
         return best > 0 and uncached_tokens(len(ctx.request.prompt_token_ids), ctx.block_size,
                                             best) <= limit
 

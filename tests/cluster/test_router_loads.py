@@ -27,11 +27,12 @@ def test_each_router_sees_the_others_load_summed(redis_server: RedisServer,
         assert c.exchange({}) == {"prefill-0": (2, 300)}
         raw_redis.set("pdserve:c1:load:router-x", "{not json")
         raw_redis.set("pdserve:c1:load:router-y", '{"v": 1, "workers": {"w": [-1, 5]}}')
+        raw_redis.sadd("pdserve:c1:load_routers", "router-x", "router-y")
         assert c.exchange({}) == {"prefill-0": (2, 300)}  # malformed ones are skipped
         raw_redis.delete("pdserve:c1:load:router-x", "pdserve:c1:load:router-y")
         time.sleep(0.7)  # router-a stopped writing (died): its figures expire
         assert c.exchange({}) == {}
-        assert raw_redis.keys("pdserve:c1:load:*") == []
+        assert raw_redis.keys("pdserve:c1:load*") == []  # the set of writers emptied too
     finally:
         for loads in (a, b, c):
             loads.close()
