@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,3 +94,38 @@ def one_by_one(address: str, requests: Sequence[Request]) -> list[Outcome]:
     """Each request alone (the next is sent once the last finished): unloaded latencies."""
     outcomes, _ = send(address, requests, request_rate=float("inf"), max_concurrency=1)
     return outcomes
+
+
+def prefill_counters(running: LocalLauncher) -> tuple[dict[str, float], float]:
+    """(prompt tokens each prefill worker computed so far, not served from its cache; KV
+    bytes the prefill workers sent), from their metrics (``--metrics-port``)."""
+    computed: dict[str, float] = {}
+    sent = 0.0
+    for worker in running.workers:
+        if not worker.name.startswith("prefill") or worker.ready is None:
+            continue
+        url = f"http://{worker.ready['metrics_address']}/metrics"
+        value = 0.0
+        for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+            number = line.rsplit(" ", 1)[-1]
+            if line.startswith("vllm:prompt_tokens_total"):  # every prompt token ...
+                value += float(number)
+            elif line.startswith("vllm:prefix_cache_hits_total"):  # ... less the cached
+                value -= float(number)
+            elif line.startswith("pdserve:kv_transfer_bytes_total") and '"sent"' in line:
+                sent += float(number)
+        computed[worker.name] = value
+    return computed, sent
+
+
+def settled_prefill_counters(running: LocalLauncher, tries: int = 20, pause_s: float = 0.05
+                             ) -> tuple[dict[str, float], float]:
+    """``prefill_counters`` once two reads ``pause_s`` apart agree (at most ``tries``): a
+    worker refreshes its ranks' totals as its loop goes idle, just after a request ends."""
+    last = prefill_counters(running)
+    for _ in range(tries):
+        time.sleep(pause_s)
+        if (now := prefill_counters(running)) == last:
+            break
+        last = now
+    return last

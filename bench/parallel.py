@@ -24,10 +24,9 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 
-from bench.clusters import bench_model, cluster
+from bench.clusters import bench_model, cluster, prefill_counters, settled_prefill_counters
 from bench.common import format_table, machine_info, write_json
 from deploy.local import LocalLauncher
 from pdserve import Client
@@ -45,42 +44,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _counted(running: LocalLauncher) -> tuple[float, float]:
-    """(prompt tokens the prefill workers computed so far, not served from their cache;
-    KV bytes they sent)."""
-    computed = sent = 0.0
-    for worker in running.workers:
-        if not worker.name.startswith("prefill") or worker.ready is None:
-            continue
-        url = f"http://{worker.ready['metrics_address']}/metrics"
-        for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
-            value = line.rsplit(" ", 1)[-1]
-            if line.startswith("vllm:prompt_tokens_total"):  # every prompt token ...
-                computed += float(value)
-            elif line.startswith("vllm:prefix_cache_hits_total"):  # ... less the cached
-                computed -= float(value)
-            elif line.startswith("pdserve:kv_transfer_bytes_total") and '"sent"' in line:
-                sent += float(value)
-    return computed, sent
-
-
 def _one(client: Client, running: LocalLauncher, prompt: list[int], n: int,
          max_tokens: int) -> tuple[float, float, float]:
     """(TTFT s, prompt tokens computed, KV bytes sent) of one request of ``n`` choices."""
-    before = _counted(running)
+    before, sent_before = prefill_counters(running)
     start = time.perf_counter()
     ttft = None
     for _ in client.generate(prompt_token_ids=prompt, n=n, max_tokens=max_tokens,
                              temperature=0.0, ignore_eos=True, timeout=300.0):
         ttft = ttft if ttft is not None else time.perf_counter() - start
     assert ttft is not None
-    after = _counted(running)
-    for _ in range(20):  # the workers' snapshot of their ranks' totals, taken once idle
-        time.sleep(0.05)
-        if (again := _counted(running)) == after:
-            break
-        after = again
-    return ttft, after[0] - before[0], after[1] - before[1]
+    after, sent_after = settled_prefill_counters(running)
+    return ttft, sum(after.values()) - sum(before.values()), sent_after - sent_before
 
 
 def main(argv: Sequence[str] | None = None) -> int:

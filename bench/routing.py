@@ -39,15 +39,13 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.clusters import bench_model, cluster
+from bench.clusters import bench_model, cluster, settled_prefill_counters
 from bench.common import format_table, machine_info, write_json
 from cluster.kv_events import EventBatch
-from deploy.local import LocalLauncher
 from engine.kvcache.block_hash import compute_block_hashes
 from engine.kvcache.events import STORED
 from pdserve.aio_client import AsyncClient
@@ -172,37 +170,6 @@ async def _chats(addresses: list[str], system: list[int], users: list[list[list[
     return turns
 
 
-def _prefill_counters(running: LocalLauncher) -> tuple[dict[str, float], float]:
-    """(prompt tokens each prefill worker computed so far, KV bytes they sent)."""
-    computed: dict[str, float] = {}
-    sent = 0.0
-    for worker in running.workers:
-        if not worker.name.startswith("prefill") or worker.ready is None:
-            continue
-        url = f"http://{worker.ready['metrics_address']}/metrics"
-        value = 0.0
-        for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
-            number = line.rsplit(" ", 1)[-1]
-            if line.startswith("vllm:prompt_tokens_total"):
-                value += float(number)
-            elif line.startswith("vllm:prefix_cache_hits_total"):
-                value -= float(number)
-            elif line.startswith("pdserve:kv_transfer_bytes_total") and '"sent"' in line:
-                sent += float(number)
-        computed[worker.name] = value
-    return computed, sent
-
-
-def _settled(running: LocalLauncher) -> tuple[dict[str, float], float]:
-    last = _prefill_counters(running)
-    for _ in range(40):  # the workers refresh their figures as their loops go idle
-        time.sleep(0.1)
-        if (now := _prefill_counters(running)) == last:
-            break
-        last = now
-    return last
-
-
 def run_arm(args: argparse.Namespace, arm: str, routers: int) -> ArmResult:
     system, users = chat_script(args)
     result = ArmResult(arm, routers)
@@ -210,12 +177,12 @@ def run_arm(args: argparse.Namespace, arm: str, routers: int) -> ArmResult:
                  num_routers=routers, router_args=("--prefill-routing", arm),
                  worker_args=("--metrics-port", "0")) as running:
         time.sleep(1.5)  # the routers' KV feeds take their first snapshots
-        before, sent0 = _settled(running)
+        before, sent0 = settled_prefill_counters(running, tries=40, pause_s=0.1)
         start = time.perf_counter()
         result.turns = asyncio.run(_chats(running.router_addresses, system, users,
                                           args.reply_tokens))
         result.wall_s = time.perf_counter() - start
-        after, sent1 = _settled(running)
+        after, sent1 = settled_prefill_counters(running, tries=40, pause_s=0.1)
     result.computed = {w: after[w] - before.get(w, 0.0) for w in after}
     result.kv_bytes = sent1 - sent0
     return result
