@@ -11,7 +11,7 @@ Result types, ``PdserveError`` and the proto mapping are those of ``pdserve.clie
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
 import grpc
@@ -55,8 +55,10 @@ class AsyncGenerationStream:
                  metadata: tuple[tuple[str, str], ...] | None = None, *,
                  turns: RouterTurns | None = None,
                  max_resumes: int = DEFAULT_MAX_RESUMES,
-                 channels: Sequence[grpc.aio.Channel] | None = None) -> None:
+                 channels: Sequence[grpc.aio.Channel] | None = None,
+                 client_closed: Callable[[], bool] = lambda: False) -> None:
         self._stubs = stubs
+        self._client_closed = client_closed  # whether its client closed the channels
         self._channels = channels  # the stubs' channels (None: no wait for one to connect)
         self._turns = turns or RouterTurns(len(stubs))
         self._router = self._turns.first()
@@ -84,7 +86,8 @@ class AsyncGenerationStream:
                 if self._progress.finished:  # the last message arrived: the stream is whole
                     self._finished = True
                     raise StopAsyncIteration from None
-                if self._closed or not self._progress.may_go_on(error):
+                closed = self._closed or self._client_closed()
+                if self._closed or not self._progress.may_go_on(error, closed=closed):
                     self._finished = True
                     raise error_from_rpc(error) from None
                 self._call = None
@@ -171,6 +174,7 @@ class AsyncClient:
         self._stubs = [generate_pb2_grpc.GenerationStub(c) for c in self._channels]
         self._turns = RouterTurns(len(self._stubs))
         self._metadata = auth_metadata(api_key)
+        self.closed = False  # close() was called
 
     def generate(
         self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
@@ -193,7 +197,8 @@ class AsyncClient:
             ignore_eos=ignore_eos, request_id=request_id, model=model, logits=logits)
         return AsyncGenerationStream(self._stubs, request, timeout, self._metadata,
                                      turns=self._turns, max_resumes=self.max_resumes,
-                                     channels=self._channels)
+                                     channels=self._channels,
+                                     client_closed=lambda: self.closed)
 
     async def complete(
         self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
@@ -230,6 +235,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         """Closes the channels; calls still running fail with ``PdserveError(CANCELLED)``."""
+        self.closed = True
         for channel in self._channels:
             await channel.close()
 

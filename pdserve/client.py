@@ -240,6 +240,7 @@ class Client:
         self._stubs = [generate_pb2_grpc.GenerationStub(c) for c in self._channels]
         self._turns = RouterTurns(len(self._stubs))
         self._metadata = auth_metadata(api_key)
+        self.closed = False  # close() was called
 
     def generate(
         self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
@@ -305,6 +306,7 @@ class Client:
 
     def close(self) -> None:
         """Closes the channels; calls still running fail with ``PdserveError(CANCELLED)``."""
+        self.closed = True
         for channel in self._channels:
             channel.close()
 
@@ -330,7 +332,7 @@ class Client:
             except grpc.RpcError as error:
                 if progress.finished:  # the last message arrived: the stream is whole
                     return
-                if not progress.may_go_on(error):
+                if not progress.may_go_on(error, closed=self.closed):
                     raise error_from_rpc(error) from None
                 time.sleep(progress.backoff_s())
             except ValueError as exc:

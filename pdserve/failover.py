@@ -2,7 +2,9 @@
 a cluster's routers, fail over, and resume a broken stream (``GenerateRequest.resume``).
 
 Calls go to the routers in turn. A call that fails with ``UNAVAILABLE`` (the router died
-or was cut off, is shutting down, or its workers failed the stream) is made again on the
+or was cut off, is shutting down, or its workers failed the stream), or with a
+``CANCELLED`` this client did not ask for (a router that stops cancels the calls that
+reached it while it closed its port: grpc/grpc#41785), is made again on the
 next router (once its channel is connected, or after a moment for it to reconnect), at
 most ``max_resumes`` times per call, within the call's one deadline: before
 any token, as it was; after some, as a resume — the same request with every token id
@@ -93,11 +95,14 @@ class StreamProgress:
         if response.HasField("usage"):  # the stream's last message (n > 1: every choice's
             self.finished = True          # ends with a finish_reason; only the last has usage)
 
-    def may_go_on(self, error: grpc.RpcError) -> bool:
+    def may_go_on(self, error: grpc.RpcError, *, closed: bool = False) -> bool:
         """Whether the stream that failed with ``error`` goes on on another call (counts
-        the resume)."""
+        the resume); ``closed``: the client closed the stream or its channels, so a
+        CANCELLED is its own doing, not the router's."""
         code = error.code() if hasattr(error, "code") else None
-        if self.finished or code != grpc.StatusCode.UNAVAILABLE or self.resumes >= self.max_resumes:
+        broken = code is grpc.StatusCode.UNAVAILABLE or (
+            code is grpc.StatusCode.CANCELLED and not closed)
+        if self.finished or not broken or self.resumes >= self.max_resumes:
             return False
         if self.token_ids and not self.resume_token:  # a router that gives no tokens
             return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import pytest
@@ -47,9 +48,11 @@ def fakes(servers: list[grpc.Server]) -> list[FakeGeneration]:
     return fakes
 
 
-def sealed(*, start: int = 0, stop: int = len(OUTPUT), fail: bool = False) -> Handler:
+def sealed(*, start: int = 0, stop: int = len(OUTPUT), fail: bool = False,
+           code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> Handler:
     """Messages ``start:stop`` of ``OUTPUT`` with offsets and resume tokens (``b"after-N"``,
-    N tokens), then the end — or, with ``fail``, UNAVAILABLE as from a dying router."""
+    N tokens), then the end — or, with ``fail``, ``code`` (UNAVAILABLE as from a dying
+    router, CANCELLED as from one that stopped while the call reached it)."""
     def handler(request: generate_pb2.GenerateRequest, context: grpc.ServicerContext
                 ) -> Iterator[generate_pb2.GenerateResponse]:
         offset = sum(len(ids) for ids, _ in OUTPUT[:start])
@@ -64,7 +67,8 @@ def sealed(*, start: int = 0, stop: int = len(OUTPUT), fail: bool = False) -> Ha
                 response.usage.CopyFrom(USAGE)
             yield response
         if fail:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed")
+            context.abort(code, "Stream removed" if code is grpc.StatusCode.UNAVAILABLE
+                          else "CANCELLED")
     return handler
 
 
@@ -109,6 +113,29 @@ def test_before_any_token_the_request_is_sent_again_as_it_was(
     with Client([first.address, second.address]) as client:
         assert client.complete("Hi", timeout=RPC_TIMEOUT_S).text == "Hello world"
     assert second.requests == first.requests  # no resume field: nothing was received
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("stop", [0, 2])
+def test_a_call_the_router_cancelled_goes_on_on_the_next_router(
+        kind: str, stop: int, fakes: list[FakeGeneration]) -> None:
+    """A router that stops cancels the calls that reached it as its port closed
+    (grpc/grpc#41785): not the client's doing, so the stream goes on elsewhere."""
+    first, second = fakes
+    first.handler = sealed(stop=stop, fail=True, code=grpc.StatusCode.CANCELLED)
+    second.handler = sealed(start=stop)
+    addresses = [first.address, second.address]
+    if kind == "sync":
+        with Client(addresses) as client:
+            result = client.complete("Hi", max_tokens=8, timeout=RPC_TIMEOUT_S)
+    else:
+        async def main() -> Any:
+            async with AsyncClient(addresses) as client:
+                return await client.complete("Hi", max_tokens=8, timeout=RPC_TIMEOUT_S)
+        result = asyncio.run(main())
+    assert list(result.token_ids) == [11, 12, 13, 14, 15, 16]
+    assert len(first.requests) == len(second.requests) == 1
+    assert second.requests[0].HasField("resume") == (stop > 0)
 
 
 def test_resumes_are_bounded_and_can_be_turned_off(fakes: list[FakeGeneration]) -> None:
