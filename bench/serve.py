@@ -60,6 +60,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int,
                    help="prompt token ids are drawn below this (default: the model's)")
     p.add_argument("--api-key", help="the router's API key, if it has one")
+    add_workload_args(p)
+    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--plot", type=Path, help="write ttft_cdf.png and tpot_cdf.png here")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="small defaults (for tests): 12 prompts of 32 → 8 tokens at 20/s")
+    if "--quick" in (sys.argv[1:] if argv is None else argv):  # smaller defaults
+        p.set_defaults(num_prompts=12, input_len=32, output_len=8, prefix_len=64,
+                       suffix_len=16, num_prefixes=3, request_rate=20.0)
+    return check_workload_args(p, p.parse_args(argv))
+
+
+def check_workload_args(p: argparse.ArgumentParser, args: argparse.Namespace
+                        ) -> argparse.Namespace:
+    """``add_workload_args``' flags checked (``p.error`` naming what is wrong), with
+    ``slo_ms``, ``percentiles`` and the ``spec`` (``WorkloadSpec``) added."""
+    try:
+        args.slo_ms = parse_goodput(args.goodput)
+        args.percentiles = [float(q) for q in args.metric_percentiles.split(",") if q]
+        args.spec = spec_from_args(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.num_prompts < 1:
+        p.error("--num-prompts must be at least 1")
+    return args
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload, arrival and metric flags ``bench.serve`` and ``bench.simulate`` share."""
     p.add_argument("--dataset-name", choices=WORKLOADS, default="random")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
@@ -71,30 +102,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (default: inf, all at once)")
     p.add_argument("--burstiness", type=float, default=1.0)
-    p.add_argument("--max-concurrency", type=int)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
                    help="SLOs for request_goodput, e.g. ttft:500 tpot:50 (e2el too)")
     p.add_argument("--metric-percentiles", default=",".join(f"{q:g}" for q in DEFAULT_PERCENTILES))
-    p.add_argument("--json", type=Path, help="write the results here")
-    p.add_argument("--plot", type=Path, help="write ttft_cdf.png and tpot_cdf.png here")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--quick", action="store_true",
-                   help="small defaults (for tests): 12 prompts of 32 → 8 tokens at 20/s")
-    if "--quick" in (sys.argv[1:] if argv is None else argv):  # smaller defaults
-        p.set_defaults(num_prompts=12, input_len=32, output_len=8, prefix_len=64,
-                       suffix_len=16, num_prefixes=3, request_rate=20.0)
-    args = p.parse_args(argv)
-    try:
-        args.slo_ms = parse_goodput(args.goodput)
-        args.percentiles = [float(q) for q in args.metric_percentiles.split(",") if q]
-        args.spec = spec_from_args(args)
-    except ValueError as exc:
-        p.error(str(exc))
-    if args.num_prompts < 1:
-        p.error("--num-prompts must be at least 1")
-    return args
 
 
 def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:

@@ -84,10 +84,14 @@ class Admission:
     """One router's budgets, its FIFO turn and its capacity signal (see module doc)."""
 
     def __init__(self, max_inflight: int, max_queued_tokens: int | None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_capacity: Callable[[], None] | None = None) -> None:
         self.max_inflight = max_inflight
         self.max_queued_tokens = max_queued_tokens
         self.clock = clock
+        # what "capacity may have changed" does: wake the waiting head on the event loop
+        # (the simulator, ``sim``, drives the same budgets on its virtual clock instead)
+        self._on_capacity = on_capacity
         self.inflight = 0
         self.queued_tokens = 0
         # client request ids in flight, with how many requests carry each: clients may
@@ -137,6 +141,9 @@ class Admission:
 
     def notify_capacity(self) -> None:
         """Something that holds worker capacity ended: a waiting head should try again."""
+        if self._on_capacity is not None:
+            self._on_capacity()
+            return
         asyncio.get_running_loop().create_task(self._notify())
 
     async def _notify(self) -> None:

@@ -23,7 +23,7 @@ import pytest
 from tests.factories import REPO_ROOT, run_without_torch
 
 PACKAGES = ("engine", "kvtransfer", "cluster", "worker", "prefill_worker", "decode_worker",
-            "router", "deploy", "pdserve", "tools", "bench", "loadtest")
+            "router", "deploy", "pdserve", "sim", "tools", "bench", "loadtest")
 TORCH = ("torch", "flash_attn", "triton")
 
 # What each package may import from the tree (besides itself). Imports point down:
@@ -39,6 +39,8 @@ MAY_IMPORT = {
     "decode_worker": {"worker", "cluster", "kvtransfer", "engine"},
     "router": {"cluster", "engine", "pdserve.v1"},
     "deploy": {"router.options", "worker.options", "engine.testing.tiny_model"},
+    # the simulator runs the router's and the engine's real decision code
+    "sim": {"router", "cluster", "engine"},
 }
 SDK_MODULES = ("pdserve", "pdserve.client", "pdserve.aio_client", "pdserve.failover",
                "pdserve.results", "pdserve.v1")
@@ -56,7 +58,7 @@ TORCH_FREE = ("engine.kvcache", "engine.core.scheduler", "engine.core.request", 
               "engine.sampling_params", "engine.grammar", "engine.tp.sharding", "engine.text.tokenizer",
               "engine.kvcache.layout", "kvtransfer.wire.protocol", "kvtransfer.config",
               "kvtransfer.states", "kvtransfer.plan", "cluster", "router", "worker.server",
-              "worker.loop", "worker.options", "cluster.pause_points", "pdserve.cli", "deploy",
+              "worker.loop", "worker.options", "cluster.pause_points", "pdserve.cli", "deploy", "sim",
               *SDK_MODULES)
 
 

@@ -17,8 +17,9 @@ and the order in which prefill workers are asked.
   tokens it does not hold: ``router.routing.rank_by_cost``); affinity, and kv-aware while
   the KV index cannot be trusted, rendezvous order of the prompt's affinity key with
   bounded load (``router.routing.pick_prefill``); or in turn (``prefill_routing``
-  "round-robin"). Each decision is counted by why its first choice won
-  (``pdserve:router_decisions_total``).
+  "round-robin"). The decision itself is ``router.policy`` (I/O-free: the simulator runs
+  it too); this class feeds it and makes the calls. Each decision is counted by why its
+  first choice won (``pdserve:router_decisions_total``).
 """
 
 from __future__ import annotations
@@ -33,15 +34,8 @@ from router.errors import RouteError
 from router.lifecycle.attempt import Attempt, AttemptIds
 from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import reraise_if_we_are_cancelled
-from router.routing import (
-    DecodeCandidate,
-    affinity_key,
-    pick_prefill,
-    rank_by_cost,
-    rank_decode,
-    round_robin,
-    uncached_tokens,
-)
+from router.policy import choose_prefill, short_tail
+from router.routing import DecodeCandidate, affinity_key, rank_decode, uncached_tokens
 from router.worker_calls import Failure, WorkerCalls
 
 
@@ -111,9 +105,8 @@ class Placement:
         if not limit or ctx.calls.num_resumed or not self._index_trusted():
             return False
         order, held = self._decode_ranking()  # the worker a local attempt would take
-        best = held.get(order[0], 0) if order else 0
-        return best > 0 and uncached_tokens(len(ctx.request.prompt_token_ids), ctx.block_size,
-                                            best) <= limit
+        return bool(order) and short_tail(limit, len(ctx.request.prompt_token_ids),
+                                          ctx.block_size, held.get(order[0], 0))
 
     def _sibling_worker(self) -> str | None:
         """The decode worker holding a later choice's prompt (``SharedDecode``), if it is
@@ -237,21 +230,19 @@ class Placement:
         ctx, mode = self.ctx, self.ctx.config.prefill_routing
         loads = {r.worker_id: ctx.pool.cluster_inflight(r.worker_id)
                  for r in ctx.pool.routable("prefill") if r.worker_id not in ctx.excluded}
-        if mode == "round-robin":
-            if self._turn is None:
-                self._turn = next(self._turns) if self._turns is not None else 0
-            order, reason = round_robin(list(loads), self._turn), "round_robin"
-        elif self._index_trusted():
-            self._prefill_cached = cached = self._cached_blocks(list(loads))
-            costs = {w: ctx.pool.cluster_tokens(w) + self.prefill_tokens(w) for w in loads}
-            order = rank_by_cost(self._affinity_key(), costs)
-            reason = "kv_hit" if order and cached.get(order[0]) else "kv_cost"
-        else:
-            order = pick_prefill(self._affinity_key(), loads, ctx.config.load_epsilon)
-            reason = "affinity" if mode == "affinity" else "index_stale"
-        if order:
-            ctx.metrics.decisions.labels("prefill", reason).inc()
-        return order
+        if mode == "round-robin" and self._turn is None:
+            self._turn = next(self._turns) if self._turns is not None else 0
+        trusted = self._index_trusted()
+        choice = choose_prefill(
+            mode, key=b"" if mode == "round-robin" else self._affinity_key(), loads=loads,
+            queued_tokens={w: ctx.pool.cluster_tokens(w) for w in loads} if trusted else {},
+            num_prompt_tokens=len(ctx.request.prompt_token_ids), block_size=ctx.block_size,
+            cached=self._cached_blocks(list(loads)) if trusted else None,
+            turn=self._turn or 0, epsilon=ctx.config.load_epsilon)
+        self._prefill_cached = dict(choice.cached)
+        if choice.order:
+            ctx.metrics.decisions.labels("prefill", choice.reason).inc()
+        return choice.order
 
     def prefill_tokens(self, prefill_id: str) -> int:
         """The prompt tokens ``prefill_id`` computes for this request, as far as the router

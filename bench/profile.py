@@ -1,0 +1,288 @@
+"""Measure a simulator profile (``sim.profile``) of one model on this machine.
+
+    python -m bench.profile [--model DIR] [--threads 1] --json profile.json [--quick]
+
+Two parts, both on this machine:
+
+1. Step times, in this process: an ``engine.LLM`` on ``--model`` (default ``bench55m``;
+   ``--quick``: the built-in tiny model) with ``--threads`` torch threads (1: a worker of
+   ``bench.disagg``'s, pinned to one core). Prefill steps of each length in
+   ``--prefill-lens`` after a cached prefix of each of ``--contexts`` tokens; decode steps
+   of each batch in ``--batches`` at each context. Each step is timed around
+   ``EngineCore.step()`` with the scheduler's own output recorded, and
+   ``sim.profile.StepModel`` is fitted to them by least squares (coefficients kept >= 0);
+   the fit's error per point is printed and kept under ``points``.
+2. The handoff, through a real cluster (``pdserve up``: one prefill, one decode worker,
+   as ``bench.serve`` starts it): requests of each prompt length in ``--handoff-lens`` at
+   ``--handoff-rate`` per second (Poisson) with the router's trace (``bench.handoff``'s
+   breakdown). The exposed KV transfer against its
+   bytes gives ``transfer`` (latency + bytes / bandwidth); ``router_queue`` is
+   ``router.overhead_s``; reserve, decode admission, relay and delivery together are
+   ``handoff.overhead_s`` (medians). The same requests' time per output token, less the
+   fitted decode step, is what a worker's loop adds to each step (``base_s`` includes it).
+
+The JSON is the profile (``source: measured``), loadable with ``sim.profile.load``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.clusters import bench_model, cluster
+from bench.common import machine_info, write_json
+from bench.handoff import breakdown, send_traced
+from engine.core.scheduler import SchedulerOutput
+from loadtest.workloads import Workload, WorkloadSpec
+from sim.profile import SCHEMA, STEP_TERMS, from_json
+
+HANDOFF_OUTPUT_LEN = 8
+FEATURES = STEP_TERMS  # the fitted coefficients, in ``features`` order
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="checkpoint (default: bench55m; --quick: tiny)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prefill-lens", default="16,64,128,256,512")
+    p.add_argument("--contexts", default="0,256,1024")
+    p.add_argument("--batches", default="1,4,16,32,64")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--handoff-lens", default="64,256,1024")
+    p.add_argument("--handoff-requests", type=int, default=12)
+    p.add_argument("--handoff-rate", type=float, default=4.0,
+                   help="requests per second (Poisson) of the handoff part: a light steady "
+                        "load, as a serving benchmark's, not one request at a time")
+    p.add_argument("--no-handoff", action="store_true",
+                   help="skip the cluster part (transfer and overheads from --quick's "
+                        "defaults, labelled in the description)")
+    p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--quick", action="store_true",
+                   help="the tiny model and a few points (for tests)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prefill_lens, args.contexts, args.batches = "16,64,256", "0,256", "1,8,32"
+        args.repeats, args.handoff_lens, args.handoff_requests = 2, "64,512", 8
+    for name in ("prefill_lens", "contexts", "batches", "handoff_lens"):
+        setattr(args, name, [int(v) for v in getattr(args, name).split(",") if v])
+    return args
+
+
+# ---------------------------------------------------------------- step times
+
+
+class StepRecorder:
+    """Times ``EngineCore.step()`` calls and keeps each one's scheduler output."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.last: SchedulerOutput | None = None
+        schedule = core.scheduler.schedule
+
+        def recorded() -> SchedulerOutput:
+            self.last = schedule()
+            return self.last
+
+        core.scheduler.schedule = recorded
+
+    def step(self) -> tuple[SchedulerOutput, float]:
+        start = time.perf_counter()
+        self.core.step()
+        elapsed = time.perf_counter() - start
+        assert self.last is not None
+        return self.last, elapsed
+
+
+def features(out: SchedulerOutput) -> list[float]:
+    """The step model's quantities of one step (``sim.profile.StepModel.step_s``)."""
+    prefill = attention = 0.0
+    for chunk in out.prefills:
+        n = len(chunk.token_ids)
+        prefill += n
+        attention += n * (chunk.start_position + n / 2)
+    return [1.0, prefill, attention, float(len(out.decodes)),
+            float(sum(c.start_position + 1 for c in out.decodes))]
+
+
+def measure_steps(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    import torch
+
+    from engine import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    max_len = max(args.contexts) + max(args.prefill_lens) + 64
+    llm = LLM(model_dir, max_num_batched_tokens=max(max(args.prefill_lens), max(args.batches)),
+              max_num_seqs=max(args.batches))
+    core, rec = llm.core, StepRecorder(llm.core)
+    vocab = llm.config.model.vocab_size
+    workload = Workload(WorkloadSpec("random", input_len=max_len, output_len=1), vocab, seed=1)
+    points: list[dict[str, Any]] = []
+    ids = iter(range(10**9))
+
+    def drain() -> None:
+        while core.has_unfinished():
+            core.step()
+
+    for context in args.contexts:  # prefill of n tokens after a cached prefix of `context`
+        for n in args.prefill_lens:
+            for rep in range(args.repeats + 1):  # the first of each shape warms up
+                prompt = list(workload.take(1)[0].prompt_token_ids)
+                if context:
+                    core.add_request(f"p{next(ids)}", prompt[:context],
+                                     SamplingParams(max_tokens=1))
+                    drain()
+                core.add_request(f"p{next(ids)}", prompt[:context + n],
+                                 SamplingParams(max_tokens=1))
+                out, seconds = rec.step()
+                drain()
+                if rep:
+                        points.append({"kind": "prefill", "context": context, "tokens": n,
+                                   "features": features(out), "seconds": seconds})
+    for context in args.contexts:  # decode steps of `batch` sequences at `context`
+        for batch in args.batches:
+            prompts = [list(r.prompt_token_ids)[:max(context, 1)]
+                       for r in workload.take(batch)]
+            for prompt in prompts:
+                core.add_request(f"d{next(ids)}", prompt,
+                                 SamplingParams(max_tokens=args.repeats + 3, ignore_eos=True))
+            while any(r.num_computed_tokens < r.num_prompt_tokens
+                      for r in core.scheduler.running + list(core.scheduler.waiting)):
+                core.step()
+            for rep in range(args.repeats + 1):
+                out, seconds = rec.step()
+                if not rep or out.prefills or len(out.decodes) != batch:
+                    continue
+                points.append({"kind": "decode", "context": context, "batch": batch,
+                               "features": features(out), "seconds": seconds})
+            drain()
+    model = llm.config.model
+    layers, kv_heads, head_dim = model.kv_layout
+    facts = {"name": model_dir.name, "num_layers": layers,
+             "kv_bytes_per_token": 2 * layers * kv_heads * head_dim
+             * {"float32": 4, "bfloat16": 2, "float16": 2}[model.dtype],
+             "block_size": llm.config.cache.block_size, "max_model_len": model.max_model_len}
+    return {"points": points, "model": facts,
+            "num_kv_blocks": int(core.executor.num_kv_blocks)}
+
+
+def fit(points: Sequence[dict[str, Any]]) -> tuple[dict[str, float], list[float]]:
+    """Least squares of step seconds on the features, coefficients >= 0 (a negative one
+    is dropped and the rest refitted); the coefficients and each point's relative error."""
+    x = np.array([p["features"] for p in points], dtype=float)
+    y = np.array([p["seconds"] for p in points], dtype=float)
+    # weighted by 1/y: the fit minimises relative error, so fast steps count as much
+    w = 1.0 / y
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    errors = ((x @ coef) - y) / y
+    return dict(zip(FEATURES, (float(c) for c in coef), strict=True)), [float(e) for e in errors]
+
+
+# ---------------------------------------------------------------- the handoff
+
+
+def measure_handoff(args: argparse.Namespace, model_dir: Path, vocab: int,
+                    kv_bytes_per_token: int) -> dict[str, Any]:
+    samples: list[dict[str, Any]] = []
+    with cluster(model_dir, num_prefill=1, num_decode=1) as running:
+        for length in args.handoff_lens:
+            spec = WorkloadSpec("random", input_len=length, output_len=HANDOFF_OUTPUT_LEN)
+            asyncio.run(send_traced(running.router_address,
+                                    Workload(spec, vocab, seed=7 + length).take(1), None))
+            requests = Workload(spec, vocab, seed=length).take(args.handoff_requests)
+            results, _ = asyncio.run(send_traced(running.router_address, requests,
+                                                 args.handoff_rate, seed=length))
+            for r in results:
+                if r["trace"]["prefill_ms"]:
+                    tpot = (r["e2e_ms"] - r["ttft_ms"]) / (HANDOFF_OUTPUT_LEN - 1)
+                    samples.append({"prompt_len": length, "tpot": tpot, **breakdown(r)})
+            print(f"  handoff, {length}-token prompts: {len(results)} traced", flush=True)
+    if not samples:
+        raise SystemExit("bench.profile: no traced request had the prefill timings")
+    nbytes = np.array([s["prompt_len"] * kv_bytes_per_token for s in samples], dtype=float)
+    exposed = np.array([s["exposed_transfer"] / 1000 for s in samples])
+    slope, intercept = np.polyfit(nbytes, exposed, 1)
+    bytes_per_s = 1.0 / slope if slope > 0 else 1e12  # exposed transfer did not grow
+    overhead = [(s["reserve"] + s["decode_admission"] + s["router_relay"] + s["delivery"])
+                / 1000 for s in samples]
+    return {"transfer": {"latency_s": max(0.0, float(intercept)), "bytes_per_s": bytes_per_s},
+            "tpot_s": [(s["prompt_len"], s["tpot"] / 1000) for s in samples],
+            "router": {"overhead_s": statistics.median(s["router_queue"] / 1000
+                                                       for s in samples)},
+            "handoff": {"overhead_s": statistics.median(overhead)},
+            "samples": samples}
+
+
+def loop_overhead(coef: dict[str, float], tpots: Sequence[tuple[int, float]]) -> float:
+    """What a real worker's step costs beyond ``EngineCore.step()`` (its engine loop: the
+    outputs streamed, the KV events, the commands): the cluster's time per output token of
+    one request at a time, less the fitted batch-1 decode step at its context (median,
+    >= 0). It is added to ``base_s``."""
+    gaps = [tpot - (coef["base_s"] + coef["per_decode_seq_s"]
+                    + coef["per_decode_context_s"] * (length + HANDOFF_OUTPUT_LEN / 2))
+            for length, tpot in tpots]
+    return max(0.0, statistics.median(gaps))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    model_dir = args.model or bench_model(args.quick)
+    print(f"profiling {model_dir} on {args.threads} thread(s) ...", flush=True)
+    steps = measure_steps(args, model_dir)
+    coef, errors = fit(steps["points"])
+    for point, error in zip(steps["points"], errors, strict=True):
+        point["fit_error"] = error
+    print("step model: " + ", ".join(f"{k} {v:.3g}" for k, v in coef.items()))
+    print(f"fit: mean |error| {statistics.fmean(abs(e) for e in errors):.1%}, "
+          f"max {max(abs(e) for e in errors):.1%} over {len(errors)} steps")
+    if args.no_handoff:
+        handoff: dict[str, Any] = {"transfer": {"latency_s": 0.0, "bytes_per_s": 1e9},
+                                   "router": {"overhead_s": 0.0},
+                                   "handoff": {"overhead_s": 0.0}, "samples": []}
+        where = "handoff not measured (--no-handoff: zero overheads, 1 GB/s transfer)"
+    else:
+        import json
+
+        vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+        handoff = measure_handoff(args, Path(model_dir), vocab,
+                                  steps["model"]["kv_bytes_per_token"])
+        where = "handoff measured through pdserve up (1 prefill + 1 decode)"
+        coef["base_s"] += loop_overhead(coef, handoff["tpot_s"])
+        print(f"worker loop: {coef['base_s'] * 1000:.3f} ms per step with the loop's own cost")
+        print(f"transfer: {handoff['transfer']['latency_s'] * 1000:.2f} ms + bytes at "
+              f"{handoff['transfer']['bytes_per_s'] / 1e9:.2f} GB/s; router "
+              f"{handoff['router']['overhead_s'] * 1000:.2f} ms, handoff "
+              f"{handoff['handoff']['overhead_s'] * 1000:.2f} ms per request")
+    machine = machine_info()
+    profile = {
+        "schema": SCHEMA, "source": "measured",
+        "description": f"{model_dir.name}, {args.threads} torch thread(s) per worker, "
+                       f"{machine['cpu_model']}; {where}",
+        "model": steps["model"],
+        "steps": {"1": {**coef, "num_kv_blocks": steps["num_kv_blocks"]}},
+        "transfer": handoff["transfer"], "router": handoff["router"],
+        "handoff": handoff["handoff"],
+        "points": {"steps": steps["points"], "handoff": handoff["samples"],
+                   "machine": machine, "threads": args.threads}}
+    from_json(profile)  # what the simulator will read
+    write_json(args.json, profile)
+    print(f"wrote {args.json}")
+    return profile
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""``bench.serve`` on a simulated cluster: the same workloads, arrivals and table, no model.
+
+    python -m bench.simulate --profile profile.json --prefill 2 --decode 2 \\
+        --dataset-name sharegpt-like --num-prompts 1000 --request-rate 8 \\
+        --goodput ttft:2000 tpot:100 --json sim.json
+
+``--profile``: a ``sim.profile`` JSON (``python -m bench.profile`` measures one).
+``--prefill N --decode M`` workers at ``--prefill-tp`` / ``--decode-tp`` (the profile must
+have step models at those sizes); ``--local-prefill``, ``--prefill-routing``,
+``--local-prefill-max-tokens``, ``--max-inflight``, ``--max-queued-tokens``,
+``--max-num-seqs`` and ``--max-num-batched-tokens`` mean what the router's and the
+workers' flags do (they build the same config dataclasses). Prompts are drawn below
+``--vocab-size`` (their ids only feed the block hashes). Prints ``bench.serve``'s table,
+then what the simulation did (virtual duration, events, wall time); ``--json PATH``
+writes ``bench.serve``'s keys (``median_ttft_ms``, ``p90_tpot_ms``, ``request_goodput``,
+…) plus ``simulation`` and the per-request lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import write_json
+from bench.serve import add_workload_args, check_workload_args
+from bench.serving import Outcome, arrival_times, details, metrics, render
+from loadtest.workloads import Request, Workload
+from router.config import LOCAL_PREFILL_MODES, PREFILL_ROUTING, AdmissionConfig, HandoffConfig
+from sim.cluster import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    SimResult,
+    SimSpec,
+    simulate,
+)
+from sim.profile import Profile, ProfileError, load
+from sim.router import SimRequest
+
+DEFAULT_VOCAB = 32000
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", type=Path, required=True)
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--prefill-tp", type=int, default=1)
+    p.add_argument("--decode-tp", type=int, default=1)
+    p.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default=None,
+                   help="default: never, or always without prefill workers")
+    p.add_argument("--prefill-routing", choices=PREFILL_ROUTING, default="kv-aware")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0)
+    p.add_argument("--max-inflight", type=int, default=AdmissionConfig.max_inflight)
+    p.add_argument("--max-queued-tokens", type=int, default=AdmissionConfig.max_queued_tokens)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB)
+    add_workload_args(p)
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = check_workload_args(p, p.parse_args(argv))
+    if args.local_prefill is None:
+        args.local_prefill = "always" if args.prefill == 0 else "never"
+    try:
+        args.sim_spec = spec_from_args(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def spec_from_args(args: argparse.Namespace) -> SimSpec:
+    return SimSpec(
+        num_prefill=args.prefill, num_decode=args.decode, prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        handoff=HandoffConfig(local_prefill=args.local_prefill,
+                              prefill_routing=args.prefill_routing,
+                              local_prefill_max_tokens=args.local_prefill_max_tokens),
+        admission=AdmissionConfig(max_inflight=args.max_inflight,
+                                  max_queued_tokens=args.max_queued_tokens),
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def sim_requests(requests: Sequence[Request], times: Sequence[float]) -> list[SimRequest]:
+    """The workload's requests, arriving at ``times``."""
+    return [SimRequest(f"sim-{i}", t, r.prompt_token_ids, r.max_tokens)
+            for i, (r, t) in enumerate(zip(requests, times, strict=True))]
+
+
+def outcomes(result: SimResult) -> list[Outcome]:
+    """Each simulated request as ``bench.serving`` measures a real one (times from its
+    arrival, one per streamed token)."""
+    out = []
+    for r in result.requests:
+        o = Outcome(r.prompt_len, r.max_tokens, sent_at=r.arrival_s)
+        if r.error or r.first_token_s is None or r.finished_s is None:
+            o.error = r.error or "unfinished"
+        else:
+            o.success = True
+            o.output_len = len(r.token_times_s)
+            o.cached_tokens = r.cached_tokens
+            o.ttft = r.first_token_s - r.arrival_s
+            o.latency = r.finished_s - r.arrival_s
+            o.token_times = [t - r.arrival_s for t in r.token_times_s]
+            o.itl = [b - a for a, b in zip(r.token_times_s, r.token_times_s[1:], strict=False)]
+        out.append(o)
+    return out
+
+
+def run(profile: Profile, spec: SimSpec, requests: Sequence[Request], times: Sequence[float],
+        slo_ms: dict[str, float] | None = None,
+        percentiles: Sequence[float] = (90.0, 99.0)) -> dict[str, Any]:
+    """One simulation: ``bench.serve``'s metrics and ``simulation`` facts."""
+    started = time.perf_counter()
+    result = simulate(profile, spec, sim_requests(requests, times))
+    wall = time.perf_counter() - started
+    result.check()
+    done = outcomes(result)
+    return {**metrics(done, result.duration_s, slo_ms=slo_ms or None, percentiles=percentiles),
+            "simulation": {"wall_s": wall, "events": result.num_events,
+                           "virtual_s": result.duration_s,
+                           "workers": {w.worker_id: {"busy": w.busy_s / result.duration_s
+                                                     if result.duration_s else 0.0,
+                                                     "steps": w.num_steps}
+                                       for w in result.workers}},
+            **details(done)}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    try:
+        profile = load(args.profile)
+        for tp in {args.prefill_tp, args.decode_tp}:
+            profile.step(tp)
+    except ProfileError as exc:
+        raise SystemExit(f"bench.simulate: {exc}") from None
+    requests = Workload(args.spec, args.vocab_size, seed=args.seed).take(args.num_prompts)
+    times = arrival_times(len(requests), args.request_rate, args.seed, args.burstiness)
+    result: dict[str, Any] = {
+        "backend": "simulated", "profile": str(args.profile),
+        "profile_source": profile.source, "dataset_name": args.dataset_name,
+        "num_prompts": args.num_prompts, "request_rate": args.request_rate,
+        "burstiness": args.burstiness, "seed": args.seed, "workload": vars(args.spec),
+        "goodput_slo_ms": args.slo_ms,
+        "cluster": {"num_prefill": args.prefill, "num_decode": args.decode,
+                    "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
+                    "local_prefill": args.local_prefill,
+                    "prefill_routing": args.prefill_routing},
+        **run(profile, args.sim_spec, requests, times, args.slo_ms, args.percentiles)}
+    print(render(result, title=f"Simulated Serving Result ({profile.source} profile)"))
+    sim = result["simulation"]
+    print(f"simulated {sim['virtual_s']:.1f} s of serving ({sim['events']} events) in "
+          f"{sim['wall_s']:.2f} s")
+    if args.json:
+        write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

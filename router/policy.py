@@ -1,0 +1,63 @@
+"""The routing decision of one attempt, apart from the calls that carry it out (I/O-free).
+
+``Placement`` (``router.lifecycle.placement``) feeds it what the router knows — the
+workers' loads, the KV index's word on what each holds — and makes the calls; the cluster
+simulator (``sim``) feeds it the same figures on its virtual clock. One decision code,
+two drivers, so what the simulator predicts is what the router does.
+
+- ``choose_prefill``: the prefill workers to ask, best first, and why the first won
+  (``pdserve:router_decisions_total{kind="prefill"}``): in turn (``round-robin``); the
+  least predicted work (``kv-aware`` with a trusted index: tokens queued there plus the
+  prompt tokens it lacks, ``router.routing.rank_by_cost``); else rendezvous order of the
+  affinity key with bounded load (``affinity``, or ``kv-aware`` while the index cannot be
+  trusted: ``index_stale``).
+- ``short_tail``: conditional disaggregation — prefill on the decode worker that holds
+  all but at most ``limit`` tokens of the prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from router.routing import pick_prefill, rank_by_cost, round_robin, uncached_tokens
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    """The order to ask prefill workers in, why its first won, and (kv-aware) the leading
+    prompt blocks each holds."""
+
+    order: list[str]
+    reason: str
+    cached: Mapping[str, int] = field(default_factory=dict)
+
+
+def choose_prefill(mode: str, *, key: bytes, loads: Mapping[str, int],
+                   queued_tokens: Mapping[str, int], num_prompt_tokens: int,
+                   block_size: int, cached: Mapping[str, int] | None,
+                   turn: int = 0, epsilon: float) -> PrefillChoice:
+    """The prefill decision (see the module doc). ``loads``: requests in flight on each
+    candidate (the whole cluster's, as far as this router knows); ``queued_tokens``:
+    prompt tokens waiting there for their first token; ``cached``: the KV index's leading
+    blocks per worker, or None when it cannot be trusted (or is not kept); ``turn``: the
+    request's round-robin turn."""
+    if mode == "round-robin":
+        return PrefillChoice(round_robin(list(loads), turn), "round_robin")
+    if mode == "kv-aware" and cached is not None:
+        costs = {w: queued_tokens.get(w, 0)
+                 + uncached_tokens(num_prompt_tokens, block_size, cached.get(w, 0))
+                 for w in loads}
+        order = rank_by_cost(key, costs)
+        reason = "kv_hit" if order and cached.get(order[0]) else "kv_cost"
+        return PrefillChoice(order, reason, cached)
+    order = pick_prefill(key, loads, epsilon)
+    return PrefillChoice(order, "affinity" if mode == "affinity" else "index_stale")
+
+
+def short_tail(limit: int, num_prompt_tokens: int, block_size: int, held_blocks: int) -> bool:
+    """Whether the decode worker holding ``held_blocks`` leading blocks of the prompt
+    should compute its tail itself: it holds some and lacks at most ``limit`` tokens
+    (``limit`` 0: never)."""
+    return bool(limit) and held_blocks > 0 and uncached_tokens(
+        num_prompt_tokens, block_size, held_blocks) <= limit

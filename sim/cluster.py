@@ -1,0 +1,113 @@
+"""A simulated cluster: ``SimSpec`` says what to run, ``simulate`` runs a workload on it.
+
+    spec = SimSpec(num_prefill=2, num_decode=2)
+    result = simulate(profile, spec, requests)   # requests: list[SimRequest]
+    result.requests[0].first_token_s, result.check()
+
+One router (``sim.router``) in front of ``num_prefill`` prefill and ``num_decode`` decode
+workers (``sim.worker``) of the profile's step models at ``prefill_tp`` / ``decode_tp``;
+``handoff`` and ``admission`` are the router's own config dataclasses, so a simulated
+flag means what the real one does. Everything is deterministic: the same profile, spec
+and requests give the same result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from router.config import AdmissionConfig, HandoffConfig
+from sim.events import EventQueue
+from sim.profile import Profile
+from sim.router import SimRequest, SimRouter
+from sim.worker import SimWorker
+
+DEFAULT_MAX_NUM_SEQS = 64  # the workers' defaults (worker.options)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+KV_EVENT_INTERVAL_S = 0.02  # the workers' publisher interval (worker.kv_events)
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """The simulated cluster's shape and the router's configuration."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    handoff: HandoffConfig = field(default_factory=HandoffConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    timeout_s: float = 600.0  # each request's deadline (the router's default)
+    kv_event_interval_s: float = KV_EVENT_INTERVAL_S
+
+    def __post_init__(self) -> None:
+        if self.num_decode < 1:
+            raise ValueError(f"a cluster needs at least one decode worker, got {self.num_decode}")
+        if self.num_prefill < 0:
+            raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
+        if self.num_prefill == 0 and self.handoff.local_prefill == "never":
+            raise ValueError("no prefill worker and local_prefill 'never': nothing can "
+                             "prefill (use local_prefill 'always' or 'fallback')")
+
+
+@dataclass
+class SimResult:
+    """What a run did: every request's fate, the workers, the virtual duration."""
+
+    requests: list[SimRequest]
+    workers: list[SimWorker]
+    router: SimRouter
+    duration_s: float  # first arrival to the last event
+    num_events: int
+
+    def check(self) -> None:
+        """Conservation (``AssertionError`` naming what broke): every request ended once
+        (a token stream or an error, never both), every worker is idle with its blocks back
+        in the pool (free or cached), and the router holds nothing."""
+        for r in self.requests:
+            assert r.done, f"{r.request_id} never ended"
+            assert not (r.error and r.finished_s is not None), f"{r.request_id} ended twice"
+            if not r.error:
+                assert len(r.token_times_s) == r.max_tokens, (
+                    f"{r.request_id}: {len(r.token_times_s)} of {r.max_tokens} tokens")
+        for w in self.workers:
+            usage = w.blocks.usage()
+            assert w.idle(), f"{w.worker_id} is not idle: {usage}"
+            assert usage.free + usage.cached == usage.total, f"{w.worker_id}: {usage}"
+            w.blocks.check_integrity()
+        router = self.router
+        assert not router.attempts and not router.queue and router.unfinished == 0
+        assert router.admission.inflight == 0 and router.admission.queued_tokens == 0
+        assert not +router.inflight and not +router.queued_tokens, (router.inflight,
+                                                                    router.queued_tokens)
+
+
+def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest]) -> SimResult:
+    """Runs ``requests`` (each arriving at its ``arrival_s``) on the cluster of ``spec``."""
+    events = EventQueue()
+    workers: list[SimWorker] = []
+    router: SimRouter | None = None
+
+    def on_output(worker: SimWorker, update: object) -> None:
+        assert router is not None
+        router.on_output(worker, update)  # type: ignore[arg-type]
+
+    for role, count, tp in (("prefill", spec.num_prefill, spec.prefill_tp),
+                            ("decode", spec.num_decode, spec.decode_tp)):
+        step = profile.step(tp)
+        workers += [SimWorker(f"{role}-{i}", role, step, block_size=profile.model.block_size,
+                              max_model_len=profile.model.max_model_len,
+                              max_num_seqs=spec.max_num_seqs,
+                              max_num_batched_tokens=spec.max_num_batched_tokens,
+                              events=events, on_output=on_output) for i in range(count)]
+    router = SimRouter(events, profile, workers, handoff=spec.handoff,
+                       admission=spec.admission, timeout_s=spec.timeout_s,
+                       kv_event_interval_s=spec.kv_event_interval_s)
+    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    for request in ordered:
+        events.at(request.arrival_s, router.submit, request)
+    events.run()
+    start = ordered[0].arrival_s if ordered else 0.0
+    return SimResult(list(requests), workers, router, events.now - start, events.num_events)

@@ -1,0 +1,128 @@
+"""One simulated worker: the engine's own ``Scheduler`` and ``BlockManager`` stepping on
+the virtual clock, each step lasting what the profile's ``StepModel`` says.
+
+What runs is the real scheduling: continuous batching, chunked prefill, preemption under
+KV pressure, prefix caching over the real chained block hashes of the prompts' token ids,
+reservations for KV written from outside (``reserve`` / ``admit_with_kv``) and prefill-only
+requests pinned until their KV has travelled. What is not run is the model: a sampled
+token is a made-up id (outputs are fixed-length, ``ignore_eos``, as in ``bench.serve``).
+The pool publishes its KV events into a ``KVEventLog``, as a real worker's does, for the
+router's KV index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
+from engine.kvcache import BlockManager
+from engine.kvcache.events import KVEventLog
+from sim.events import EventQueue
+from sim.profile import StepModel
+
+FIRST_TOKEN_ID = 16  # made-up sampled ids start here (as the workloads' prompt ids do)
+NUM_TOKEN_IDS = 30000
+
+OnOutput = Callable[["SimWorker", StepUpdate], None]
+
+
+class SimWorker:
+    """A worker of ``role`` ("prefill" or "decode") with the step model ``step``."""
+
+    def __init__(self, worker_id: str, role: str, step: StepModel, *, block_size: int,
+                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 events: EventQueue, on_output: OnOutput) -> None:
+        self.worker_id = worker_id
+        self.role = role
+        self.step = step
+        self.blocks = BlockManager(step.num_kv_blocks, block_size)
+        self.kv_events = KVEventLog()
+        self.blocks.publish_events(self.kv_events)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens),
+            CacheConfig(block_size=block_size, num_kv_blocks=step.num_kv_blocks),
+            self.blocks, max_model_len)
+        self._events = events
+        self._on_output = on_output
+        self.busy_s = 0.0  # virtual seconds spent stepping
+        self.num_steps = 0
+        self._stepping = False
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, request: Request) -> None:
+        """Queue a request to compute here (a prefill-only one, or a local attempt)."""
+        self.scheduler.add(request)
+        self.kick()
+
+    def reserve(self, request: Request) -> int | None:
+        """Reserve blocks for ``request``'s prompt KV, written from outside, reusing the
+        leading blocks the prefix cache holds: how many it reused, or None (nothing held)
+        when they do not fit now."""
+        cached = self.scheduler.cached_prefix(request)
+        if self.scheduler.reserve(request, request.num_prompt_tokens, cached) is None:
+            return None
+        return len(cached)
+
+    def admit_with_kv(self, request_id: str, first_token_id: int) -> StepUpdate:
+        """The reserved request's prompt KV arrived and its first token was sampled by the
+        prefill worker: it joins the running batch."""
+        request = self.scheduler.reserved[request_id]
+        update = self.scheduler.admit_with_kv(request_id, request.num_prompt_tokens,
+                                              first_token_id)
+        if update.finished:
+            self.scheduler.forget([request_id])
+        self.kick()
+        return update
+
+    def release_pinned(self, request_id: str) -> None:
+        """A prefill-only request's KV has been received: its blocks stay cached."""
+        self.blocks.unpin(request_id)
+        self.kick()  # freed room may let a waiting request in
+
+    def inflight_tokens(self) -> int:
+        """Prompt tokens queued or running here that have no first token yet."""
+        s = self.scheduler
+        return sum(r.num_prompt_tokens - r.num_computed_tokens for r in s.waiting) + sum(
+            r.num_prompt_tokens - r.num_computed_tokens for r in s.running
+            if not r.output_token_ids)
+
+    # ------------------------------------------------------------------ stepping
+
+    def kick(self) -> None:
+        """Start a step if none is running and there is work."""
+        if self._stepping or not self.scheduler.has_unfinished():
+            return
+        out = self.scheduler.schedule()
+        if not out.chunks:  # waiting for room (blocks held for KV on its way, or pinned)
+            return
+        self._stepping = True
+        duration = self.step.step_s(out)
+        self.busy_s += duration
+        self.num_steps += 1
+        self._events.after(duration, self._done, out)
+
+    def _done(self, out: SchedulerOutput) -> None:
+        sampled = [_token_id(c.request_id, c.start_position + len(c.token_ids))
+                   for c in out.chunks if c.sample]
+        updates = self.scheduler.update(out, sampled)
+        self.scheduler.forget(u.request.request_id for u in updates if u.finished)
+        self._stepping = False
+        for update in updates:
+            self._on_output(self, update)
+        self.kick()
+
+    def idle(self) -> bool:
+        """Nothing queued, running, reserved or pinned here."""
+        usage = self.blocks.usage()
+        return not (self.scheduler.has_unfinished() or self.scheduler.reserved
+                    or usage.pinned or usage.in_use)
+
+
+def _token_id(request_id: str, position: int) -> int:
+    """A made-up sampled token (deterministic: the same run samples the same ids)."""
+    return FIRST_TOKEN_ID + (sum(map(ord, request_id)) * 7919 + position * 104729) \
+        % NUM_TOKEN_IDS

@@ -1,0 +1,45 @@
+"""``router.policy``: the I/O-free prefill decision ``Placement`` and the simulator share."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from router.policy import PrefillChoice, choose_prefill, short_tail
+from router.routing import pick_prefill, rendezvous_order
+
+LOADS = {"p0": 0, "p1": 0, "p2": 0}
+
+
+def choose(mode: str, cached: Mapping[str, int] | None, *,
+           queued: Mapping[str, int] | None = None, loads: Mapping[str, int] = LOADS,
+           turn: int = 0) -> PrefillChoice:
+    """A 100-token prompt of 16-token blocks keyed ``b"k"``."""
+    return choose_prefill(mode, key=b"k", loads=loads, queued_tokens=queued or {},
+                          num_prompt_tokens=100, block_size=16, cached=cached, turn=turn,
+                          epsilon=0.25)
+
+
+def test_kv_aware_goes_where_the_prefix_is_unless_the_queue_there_costs_more() -> None:
+    hit = choose("kv-aware", {"p2": 4})
+    assert hit.order[0] == "p2" and hit.reason == "kv_hit" and hit.cached == {"p2": 4}
+    # 64 cached tokens saved, but 200 queued there: another worker computes less
+    busy = choose("kv-aware", {"p2": 4}, queued={"p2": 200})
+    assert busy.order[-1] == "p2" and busy.reason == "kv_cost"
+    # nothing cached anywhere, nothing queued: ties go in rendezvous order, as affinity
+    assert choose("kv-aware", {}).order == rendezvous_order(b"k", list(LOADS))
+
+
+def test_without_a_trusted_index_it_is_affinity_and_round_robin_takes_turns() -> None:
+    loads = {"p0": 3, "p1": 0, "p2": 0}
+    stale = choose("kv-aware", None, loads=loads)
+    assert stale.reason == "index_stale" and stale.order == pick_prefill(b"k", loads, 0.25)
+    assert choose("affinity", None, loads=loads).reason == "affinity"
+    turns = [choose("round-robin", None, turn=t).order[0] for t in range(4)]
+    assert turns == ["p0", "p1", "p2", "p0"]
+
+
+def test_short_tail_needs_a_holder_and_a_short_rest() -> None:
+    assert short_tail(32, 100, 16, held_blocks=5)  # 100 - 80 = 20 <= 32
+    assert not short_tail(16, 100, 16, held_blocks=5)
+    assert not short_tail(32, 100, 16, held_blocks=0)
+    assert not short_tail(0, 100, 16, held_blocks=6)  # 0: off

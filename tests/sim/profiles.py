@@ -1,0 +1,23 @@
+"""A small hand-written profile for the simulator's unit tests (not a measurement)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sim.profile import SCHEMA, Profile, from_json
+
+
+def profile_json(num_kv_blocks: int = 512) -> dict[str, Any]:
+    step = {"base_s": 0.002, "per_prefill_token_s": 2e-5, "per_prefill_attention_s": 1e-9,
+            "per_decode_seq_s": 1e-4, "per_decode_context_s": 1e-7,
+            "num_kv_blocks": num_kv_blocks}
+    return {"schema": SCHEMA, "source": "derived", "description": "test profile",
+            "model": {"name": "test", "num_layers": 2, "kv_bytes_per_token": 1024,
+                      "block_size": 16, "max_model_len": 4096},
+            "steps": {"1": step, "2": {**step, "base_s": 0.001}},
+            "transfer": {"latency_s": 0.001, "bytes_per_s": 1e9},
+            "router": {"overhead_s": 0.0005}, "handoff": {"overhead_s": 0.002}}
+
+
+def small_profile(num_kv_blocks: int = 512) -> Profile:
+    return from_json(profile_json(num_kv_blocks))

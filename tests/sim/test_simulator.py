@@ -1,0 +1,129 @@
+"""The simulator (``sim``): deterministic, built from the real router and scheduler code,
+conserving requests and blocks, and moving as the real cluster's levers say it should."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+import engine.core.scheduler
+import engine.kvcache.block_manager
+import router.admission
+import router.kv_index
+import router.policy
+from router.config import AdmissionConfig, HandoffConfig
+from sim import router as sim_router
+from sim.cluster import SimSpec, simulate
+from sim.router import SimRequest
+from tests.sim.profiles import small_profile
+
+
+def requests(n: int = 60, *, rate: float = 20.0, prompt: int = 100, output: int = 12,
+             shared: int = 0, seed: int = 0) -> list[SimRequest]:
+    rng = random.Random(seed)
+    prefix = tuple(rng.randrange(16, 30000) for _ in range(shared))
+    out, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        tail = tuple(rng.randrange(16, 30000) for _ in range(prompt - shared))
+        out.append(SimRequest(f"r{i}", t, prefix + tail, output))
+    return out
+
+
+def fates(result: object) -> list[tuple[object, ...]]:
+    return [(r.request_id, r.error, r.first_token_s, tuple(r.token_times_s), r.prefill_worker,
+             r.decode_worker, r.cached_tokens) for r in result.requests]  # type: ignore[attr-defined]
+
+
+def test_the_same_inputs_give_the_same_run() -> None:
+    spec = SimSpec(num_prefill=2, num_decode=2)
+    a = simulate(small_profile(), spec, requests(seed=3))
+    b = simulate(small_profile(), spec, requests(seed=3))
+    assert fates(a) == fates(b) and a.num_events == b.num_events
+    c = simulate(small_profile(), spec, requests(seed=4))
+    assert fates(a) != fates(c)
+
+
+def test_the_simulator_runs_the_real_router_and_scheduler_code() -> None:
+    result = simulate(small_profile(), SimSpec(num_prefill=1, num_decode=1), requests(5))
+    worker = result.workers[0]
+    # the engine's own classes, not copies
+    assert type(worker.scheduler) is engine.core.scheduler.Scheduler
+    assert type(worker.blocks) is engine.kvcache.block_manager.BlockManager
+    assert type(result.router.admission) is router.admission.Admission
+    assert type(result.router.kv_index) is router.kv_index.KVIndex
+    # the router's decisions are the functions Placement calls
+    assert sim_router.choose_prefill is router.policy.choose_prefill
+    assert sim_router.short_tail is router.policy.short_tail
+
+
+@pytest.mark.parametrize("spec", [
+    SimSpec(num_prefill=2, num_decode=2),
+    SimSpec(num_prefill=0, num_decode=2, handoff=HandoffConfig(local_prefill="always")),
+    SimSpec(num_prefill=1, num_decode=1, handoff=HandoffConfig(prefill_routing="round-robin")),
+    SimSpec(num_prefill=2, num_decode=1, handoff=HandoffConfig(prefill_routing="affinity")),
+], ids=["disaggregated", "colocated", "round-robin", "affinity"])
+def test_every_request_ends_once_and_every_block_comes_back(spec: SimSpec) -> None:
+    result = simulate(small_profile(), spec, requests(80, rate=40.0, shared=48))
+    result.check()  # conservation: see SimResult.check
+    assert all(not r.error for r in result.requests)
+    assert all(r.first_token_s is not None and r.first_token_s > r.arrival_s
+               for r in result.requests)
+
+
+def test_kv_pressure_preempts_and_still_conserves() -> None:
+    # 40 blocks of 16 tokens: a handful of 100-token prompts fill the decode worker
+    profile = small_profile(num_kv_blocks=40)
+    result = simulate(profile, SimSpec(num_prefill=1, num_decode=1),
+                      requests(30, rate=200.0, output=40))
+    result.check()
+    assert sum(w.scheduler.stats.num_preemptions for w in result.workers) > 0
+    assert all(not r.error for r in result.requests)
+
+
+def test_admission_refuses_over_its_budget_as_the_router_does() -> None:
+    spec = SimSpec(admission=AdmissionConfig(max_inflight=4, max_queued_tokens=None))
+    result = simulate(small_profile(), spec, requests(20, rate=10_000.0))
+    result.check()
+    refused = [r for r in result.requests if r.error]
+    assert refused and all(r.error.startswith("RESOURCE_EXHAUSTED") for r in refused)
+    assert "--max-inflight 4" in refused[0].error
+
+
+def test_a_queued_deadline_passes_as_deadline_exceeded() -> None:
+    # room for one request at a time: 12 of 40 tokens each cannot all start within 50 ms
+    spec = SimSpec(timeout_s=0.05)
+    result = simulate(small_profile(num_kv_blocks=16), spec, requests(12, rate=10_000.0,
+                                                                      output=40))
+    result.check()
+    errors = [r.error for r in result.requests]
+    assert "" in errors and any(e.startswith("DEADLINE_EXCEEDED") for e in errors)
+    # a request no decode worker could ever hold fails at once, as the router's does
+    small = simulate(small_profile(num_kv_blocks=8), spec, requests(1, output=40))
+    assert small.requests[0].error.startswith("UNAVAILABLE: no decode worker can hold 9")
+
+
+def test_kv_aware_routing_finds_the_shared_prefix_the_workers_cache() -> None:
+    reqs = requests(60, rate=20.0, prompt=160, shared=128)
+    aware = simulate(small_profile(), SimSpec(num_prefill=4, num_decode=1), reqs)
+    rr = simulate(small_profile(), SimSpec(num_prefill=4, num_decode=1, handoff=HandoffConfig(
+        prefill_routing="round-robin")), [replace(r) for r in reqs])
+    cached = [sum(r.cached_tokens for r in res.requests) for res in (aware, rr)]
+    assert cached[0] > cached[1]
+    # the decode worker holds the prefix too: less KV travels than the whole prompts
+    assert sum(r.kv_bytes for r in aware.requests) < sum(
+        (r.prompt_len // 16 + 1) * 16 * 1024 for r in aware.requests)
+
+
+def test_more_decode_workers_lower_the_time_per_output_token_under_load() -> None:
+    def mean_tpot(num_decode: int) -> float:
+        res = simulate(small_profile(), SimSpec(num_prefill=2, num_decode=num_decode),
+                       requests(120, rate=60.0, output=40))
+        res.check()
+        spans = [(r.finished_s - r.first_token_s) / (len(r.token_times_s) - 1)
+                 for r in res.requests]
+        return sum(spans) / len(spans)
+
+    assert mean_tpot(4) < mean_tpot(1)
