@@ -13,7 +13,9 @@ workers' flags do (they build the same config dataclasses). Prompts are drawn be
 ``--vocab-size`` (their ids only feed the block hashes). Prints ``bench.serve``'s table,
 then what the simulation did (virtual duration, events, wall time); ``--json PATH``
 writes ``bench.serve``'s keys (``median_ttft_ms``, ``p90_tpot_ms``, ``request_goodput``,
-…) plus ``simulation`` and the per-request lists.
+…) plus ``simulation`` and the per-request lists. ``--validate`` runs real clusters and
+the simulator on the same requests and reports the error of each metric
+(``bench.sim_validation``).
 """
 
 from __future__ import annotations
@@ -61,7 +63,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB)
     add_workload_args(p)
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--validate", action="store_true",
+                   help="compare with real clusters instead (bench.sim_validation)")
+    p.add_argument("--validate-rates", default="1,2,3", help="request rates to validate at")
+    p.add_argument("--model", type=Path, help="--validate: the profile's checkpoint "
+                                               "(default: bench55m; --quick: the tiny model)")
+    p.add_argument("--quick", action="store_true", help="--validate: one small point")
     args = check_workload_args(p, p.parse_args(argv))
+    try:
+        args.validate_rates = [float(r) for r in args.validate_rates.split(",") if r]
+    except ValueError:
+        p.error(f"--validate-rates takes rates separated by commas, got {args.validate_rates!r}")
     if args.local_prefill is None:
         args.local_prefill = "always" if args.prefill == 0 else "never"
     try:
@@ -136,6 +148,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             profile.step(tp)
     except ProfileError as exc:
         raise SystemExit(f"bench.simulate: {exc}") from None
+    if args.validate:
+        from bench.sim_validation import validate
+
+        report = validate(profile, args.model, quick=args.quick, rates=args.validate_rates,
+                          num_prompts=args.num_prompts, seed=args.seed)
+        print("MAPE below saturation: " + ", ".join(
+            f"{k} {v:.1%}" for k, v in report["mape"].items() if v is not None))
+        print(f"goal ({report['goal']}): {'met' if report['goal_met_below_saturation'] else 'not met'}")
+        if args.json:
+            write_json(args.json, report)
+        return report
     requests = Workload(args.spec, args.vocab_size, seed=args.seed).take(args.num_prompts)
     times = arrival_times(len(requests), args.request_rate, args.seed, args.burstiness)
     result: dict[str, Any] = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,9 +17,15 @@ from tests.sim.profiles import profile_json
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_quick_profile_is_measured_and_loads(tmp_path: Path) -> None:
-    out = tmp_path / "profile.json"
-    written = profile.main(["--quick", "--json", str(out)])
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """``bench.profile --quick``'s profile of the tiny model (measured once)."""
+    out = tmp_path_factory.mktemp("profile") / "profile.json"
+    return out, profile.main(["--quick", "--json", str(out)])
+
+
+def test_quick_profile_is_measured_and_loads(measured: tuple[Path, dict[str, Any]]) -> None:
+    out, written = measured
     loaded = load(out)
     assert loaded.source == "measured" and written["source"] == "measured"
     step = loaded.step(1)
@@ -48,6 +55,22 @@ def test_simulate_writes_bench_serve_keys(tmp_path: Path, capsys: pytest.Capture
         assert saved[key] == result[key] and saved[key] > 0, key
     assert saved["completed"] == 200 and saved["failed"] == 0
     assert simulate.main(args)["median_ttft_ms"] == result["median_ttft_ms"]  # same seed
+
+
+def test_a_quick_validation_point_compares_with_a_real_cluster(
+        measured: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    out = tmp_path / "validation.json"
+    report = simulate.main(["--validate", "--quick", "--profile", str(measured[0]),
+                            "--num-prompts", "12", "--validate-rates", "4",
+                            "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    (point,) = report["points"]
+    assert point["layout"] == "disaggregated" and point["real"]["request_throughput"] > 0
+    # a generous tolerance (the goal is 15%; this is one small point on a shared machine):
+    # the simulator is within a factor of 3 of the real cluster
+    for key in ("median_ttft_ms", "median_tpot_ms"):
+        ratio = point["simulated"][key] / point["real"][key]
+        assert 1 / 3 < ratio < 3, (key, point)
 
 
 def test_simulate_names_what_the_profile_lacks(tmp_path: Path) -> None:
