@@ -22,6 +22,10 @@ Two parts, both on this machine:
    fitted decode step, is what a worker's loop adds to each step (``base_s`` includes it).
 
 The JSON is the profile (``source: measured``), loadable with ``sim.profile.load``.
+
+``--derive GPU --shape MODEL [--tps 1,2,4,8]`` measures nothing: it writes the profile
+``sim.roofline`` derives from datasheet figures (``source: derived``), e.g. ``--derive
+h100 --shape llama-3-8b``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from bench.handoff import breakdown, send_traced
 from engine.core.scheduler import SchedulerOutput
 from loadtest.workloads import Workload, WorkloadSpec
 from sim.profile import SCHEMA, STEP_TERMS, from_json
+from sim.roofline import GPUS, MODELS, derive
 
 HANDOFF_OUTPUT_LEN = 8
 FEATURES = STEP_TERMS  # the fitted coefficients, in ``features`` order
@@ -65,6 +70,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="skip the cluster part (transfer and overheads from --quick's "
                         "defaults, labelled in the description)")
     p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--derive", choices=sorted(GPUS), help="derive, for this GPU, instead")
+    p.add_argument("--shape", choices=sorted(MODELS), default="llama-3-8b",
+                   help="--derive: the model")
+    p.add_argument("--tps", default="1,2,4,8", help="--derive: tensor-parallel sizes")
     p.add_argument("--quick", action="store_true",
                    help="the tiny model and a few points (for tests)")
     args = p.parse_args(argv)
@@ -240,6 +249,12 @@ def loop_overhead(coef: dict[str, float], tpots: Sequence[tuple[int, float]]) ->
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.derive:
+        derived = derive(MODELS[args.shape], GPUS[args.derive],
+                         [int(t) for t in args.tps.split(",") if t]).to_json()
+        write_json(args.json, derived)
+        print(f"{derived['description']}; TP {', '.join(derived['steps'])}: wrote {args.json}")
+        return derived
     model_dir = args.model or bench_model(args.quick)
     print(f"profiling {model_dir} on {args.threads} thread(s) ...", flush=True)
     steps = measure_steps(args, model_dir)

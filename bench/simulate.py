@@ -5,7 +5,7 @@
         --goodput ttft:2000 tpot:100 --json sim.json
 
 ``--profile``: a ``sim.profile`` JSON (``python -m bench.profile`` measures one).
-``--prefill N --decode M`` workers at ``--prefill-tp`` / ``--decode-tp`` (the profile must
+``--prefill N --decode M`` workers behind ``--routers K`` at ``--prefill-tp`` / ``--decode-tp`` (the profile must
 have step models at those sizes); ``--local-prefill``, ``--prefill-routing``,
 ``--local-prefill-max-tokens``, ``--max-inflight``, ``--max-queued-tokens``,
 ``--max-num-seqs`` and ``--max-num-batched-tokens`` mean what the router's and the
@@ -50,6 +50,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, required=True)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--routers", type=int, default=1,
+                   help="router replicas (requests in turn; loads and KV index shared)")
     p.add_argument("--prefill-tp", type=int, default=1)
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default=None,
@@ -85,7 +87,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def spec_from_args(args: argparse.Namespace) -> SimSpec:
     return SimSpec(
-        num_prefill=args.prefill, num_decode=args.decode, prefill_tp=args.prefill_tp,
+        num_prefill=args.prefill, num_decode=args.decode, num_routers=args.routers,
+        prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
         handoff=HandoffConfig(local_prefill=args.local_prefill,
                               prefill_routing=args.prefill_routing,
@@ -169,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "goodput_slo_ms": args.slo_ms,
         "cluster": {"num_prefill": args.prefill, "num_decode": args.decode,
                     "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
+                    "routers": args.routers,
                     "local_prefill": args.local_prefill,
                     "prefill_routing": args.prefill_routing},
         **run(profile, args.sim_spec, requests, times, args.slo_ms, args.percentiles)}

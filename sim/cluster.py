@@ -4,7 +4,8 @@
     result = simulate(profile, spec, requests)   # requests: list[SimRequest]
     result.requests[0].first_token_s, result.check()
 
-One router (``sim.router``) in front of ``num_prefill`` prefill and ``num_decode`` decode
+``num_routers`` routers (``sim.router``; requests in turn, sharing their loads and KV
+index) in front of ``num_prefill`` prefill and ``num_decode`` decode
 workers (``sim.worker``) of the profile's step models at ``prefill_tp`` / ``decode_tp``;
 ``handoff`` and ``admission`` are the router's own config dataclasses, so a simulated
 flag means what the real one does. Everything is deterministic: the same profile, spec
@@ -16,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.core.scheduler import StepUpdate
 from router.config import AdmissionConfig, HandoffConfig
 from sim.events import EventQueue
 from sim.profile import Profile
-from sim.router import SimRequest, SimRouter
+from sim.router import SharedView, SimRequest, SimRouter
 from sim.worker import SimWorker
 
 DEFAULT_MAX_NUM_SEQS = 64  # the workers' defaults (worker.options)
@@ -33,6 +35,7 @@ class SimSpec:
 
     num_prefill: int = 1
     num_decode: int = 1
+    num_routers: int = 1  # requests go to them in turn, as the SDK's calls do
     prefill_tp: int = 1
     decode_tp: int = 1
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
@@ -45,6 +48,8 @@ class SimSpec:
     def __post_init__(self) -> None:
         if self.num_decode < 1:
             raise ValueError(f"a cluster needs at least one decode worker, got {self.num_decode}")
+        if self.num_routers < 1:
+            raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         if self.num_prefill < 0:
             raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
         if self.num_prefill == 0 and self.handoff.local_prefill == "never":
@@ -58,7 +63,7 @@ class SimResult:
 
     requests: list[SimRequest]
     workers: list[SimWorker]
-    router: SimRouter
+    routers: list[SimRouter]
     duration_s: float  # first arrival to the last event
     num_events: int
 
@@ -77,22 +82,23 @@ class SimResult:
             assert w.idle(), f"{w.worker_id} is not idle: {usage}"
             assert usage.free + usage.cached == usage.total, f"{w.worker_id}: {usage}"
             w.blocks.check_integrity()
-        router = self.router
-        assert not router.attempts and not router.queue and router.unfinished == 0
-        assert router.admission.inflight == 0 and router.admission.queued_tokens == 0
-        assert not +router.inflight and not +router.queued_tokens, (router.inflight,
-                                                                    router.queued_tokens)
+        for router in self.routers:
+            assert not router.attempts and not router.queue and router.unfinished == 0
+            assert router.admission.inflight == 0 and router.admission.queued_tokens == 0
+        shared = self.routers[0].shared
+        assert shared.unfinished == 0
+        assert not +shared.inflight and not +shared.queued_tokens, (shared.inflight,
+                                                                    shared.queued_tokens)
 
 
 def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest]) -> SimResult:
     """Runs ``requests`` (each arriving at its ``arrival_s``) on the cluster of ``spec``."""
     events = EventQueue()
     workers: list[SimWorker] = []
-    router: SimRouter | None = None
+    owner: dict[str, SimRouter] = {}  # request id -> the router serving it
 
-    def on_output(worker: SimWorker, update: object) -> None:
-        assert router is not None
-        router.on_output(worker, update)  # type: ignore[arg-type]
+    def on_output(worker: SimWorker, update: StepUpdate) -> None:
+        owner[update.request.request_id].on_output(worker, update)
 
     for role, count, tp in (("prefill", spec.num_prefill, spec.prefill_tp),
                             ("decode", spec.num_decode, spec.decode_tp)):
@@ -102,12 +108,15 @@ def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest]) ->
                               max_num_seqs=spec.max_num_seqs,
                               max_num_batched_tokens=spec.max_num_batched_tokens,
                               events=events, on_output=on_output) for i in range(count)]
-    router = SimRouter(events, profile, workers, handoff=spec.handoff,
-                       admission=spec.admission, timeout_s=spec.timeout_s,
-                       kv_event_interval_s=spec.kv_event_interval_s)
+    shared = SharedView(events, workers, spec.handoff.prefill_routing, spec.kv_event_interval_s)
+    routers = [SimRouter(events, profile, workers, shared, handoff=spec.handoff,
+                         admission=spec.admission, timeout_s=spec.timeout_s)
+               for _ in range(spec.num_routers)]
     ordered = sorted(requests, key=lambda r: r.arrival_s)
-    for request in ordered:
+    for i, request in enumerate(ordered):
+        router = routers[i % len(routers)]
+        owner[request.request_id] = router
         events.at(request.arrival_s, router.submit, request)
     events.run()
     start = ordered[0].arrival_s if ordered else 0.0
-    return SimResult(list(requests), workers, router, events.now - start, events.num_events)
+    return SimResult(list(requests), workers, routers, events.now - start, events.num_events)

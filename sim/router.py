@@ -12,8 +12,10 @@ driven by the simulator's events instead of gRPC calls.
   reservation). Local prefill (``local_prefill`` always, fallback without prefill
   workers, or ``router.policy.short_tail``) puts the whole request on it instead.
 - Prefill: ``router.policy.choose_prefill`` — the function ``Placement`` calls.
-- The KV index: ``router.kv_index.KVIndex`` fed every ``kv_event_interval_s`` with each
-  worker's KV events as ``cluster.kv_events.EventBatch``es (what the stream carries).
+- Shared by every router (``SharedView``): the attempts and queued prompt tokens on each
+  worker (the routers' shared loads, exchanged at once here), and the KV index,
+  ``router.kv_index.KVIndex``, fed every ``interval_s`` with each worker's KV events as
+  ``cluster.kv_events.EventBatch``es (what the stream carries).
 
 Costs outside the workers' steps come from the profile: ``router.overhead_s`` per request
 before admission, ``handoff.overhead_s`` for the attempt's calls (before the prefill
@@ -74,12 +76,55 @@ class SimRequest:
         return bool(self.error) or self.finished_s is not None
 
 
-class SimRouter:
-    """See the module doc; ``workers`` by id, prefill ones and decode ones."""
+class SharedView:
+    """What every router of the cluster knows alike: the attempts in flight and the prompt
+    tokens waiting for a first token on each worker (the routers' shared loads, here
+    exchanged at once: the real routers' exchange at each refresh is not modelled), and
+    the KV index, fed every ``interval_s`` with each worker's KV events."""
 
-    def __init__(self, events: EventQueue, profile: Profile, workers: list[SimWorker], *,
-                 handoff: HandoffConfig, admission: AdmissionConfig, timeout_s: float,
-                 kv_event_interval_s: float) -> None:
+    def __init__(self, events: EventQueue, workers: list[SimWorker], prefill_routing: str,
+                 interval_s: float) -> None:
+        self.events = events
+        self.workers = workers
+        self.inflight: Counter[str] = Counter()  # attempts on each worker
+        self.queued_tokens: Counter[str] = Counter()  # prompt tokens before first token
+        self.unfinished = 0  # requests arrived and not ended, on every router
+        self._interval = interval_s
+        self._seq: Counter[str] = Counter()
+        self.kv_index: KVIndex | None = None
+        if prefill_routing == "kv-aware":
+            self.kv_index = KVIndex(clock=events.clock)
+            self.kv_index.watch(w.worker_id for w in workers)
+            for w in workers:  # a fresh worker's snapshot: empty, before batch 1
+                self.kv_index.load_snapshot(w.worker_id, 1, 0, [])
+            self.kv_index.heard()
+
+    def arrived(self) -> None:
+        self.unfinished += 1
+        if self.unfinished == 1 and self.kv_index is not None:
+            self.events.after(self._interval, self._feed)
+
+    def _feed(self) -> None:
+        """The workers' KV events since the last read, as a router's feed reads them."""
+        assert self.kv_index is not None
+        for worker in self.workers:
+            ops = worker.kv_events.drain()
+            if ops:
+                self._seq[worker.worker_id] += 1
+                self.kv_index.apply(EventBatch(worker.worker_id, 1, self._seq[worker.worker_id],
+                                               tuple(ops)))
+        self.kv_index.heard()
+        if self.unfinished:
+            self.events.after(self._interval, self._feed)
+
+
+class SimRouter:
+    """See the module doc; ``workers`` by id, prefill ones and decode ones; ``shared``:
+    what it knows in common with the other routers."""
+
+    def __init__(self, events: EventQueue, profile: Profile, workers: list[SimWorker],
+                 shared: SharedView, *, handoff: HandoffConfig, admission: AdmissionConfig,
+                 timeout_s: float) -> None:
         self.events = events
         self.profile = profile
         self.handoff = handoff
@@ -91,30 +136,21 @@ class SimRouter:
         self.admission = Admission(admission.max_inflight, admission.max_queued_tokens,
                                    clock=events.clock, on_capacity=self._capacity_changed)
         self.queue: deque[SimRequest] = deque()
-        self.inflight: Counter[str] = Counter()  # attempts on each worker
-        self.queued_tokens: Counter[str] = Counter()  # prompt tokens before first token
+        self.shared = shared
+        self.inflight, self.queued_tokens = shared.inflight, shared.queued_tokens
+        self.kv_index = shared.kv_index
         self.attempts: dict[str, SimRequest] = {}
         self.unfinished = 0
         self._turns = itertools.count()
         self._pump_pending = False
         self._retry_at: float | None = None
-        self._interval = kv_event_interval_s
-        self._seq: Counter[str] = Counter()
-        self.kv_index: KVIndex | None = None
-        if handoff.prefill_routing == "kv-aware":
-            self.kv_index = KVIndex(clock=events.clock)
-            self.kv_index.watch(w.worker_id for w in workers)
-            for w in workers:  # a fresh worker's snapshot: empty, before batch 1
-                self.kv_index.load_snapshot(w.worker_id, 1, 0, [])
-            self.kv_index.heard()
 
     # ------------------------------------------------------------------ arrival
 
     def submit(self, request: SimRequest) -> None:
         """``request`` arrives now."""
         self.unfinished += 1
-        if self.unfinished == 1 and self.kv_index is not None:
-            self.events.after(self._interval, self._feed)
+        self.shared.arrived()
         self.events.after(self.profile.router_overhead_s, self._admit, request)
 
     def _admit(self, request: SimRequest) -> None:
@@ -280,20 +316,6 @@ class SimRouter:
 
     def _end(self, request: SimRequest) -> None:
         self.unfinished -= 1
+        self.shared.unfinished -= 1
         if request.ticket is not None:
             request.ticket.leave()  # capacity changed: the head tries again
-
-    # ------------------------------------------------------------------ KV events
-
-    def _feed(self) -> None:
-        """The workers' KV events since the last read, as the router's feed reads them."""
-        assert self.kv_index is not None
-        for worker in (*self.prefill, *self.decode):
-            ops = worker.kv_events.drain()
-            if ops:
-                self._seq[worker.worker_id] += 1
-                self.kv_index.apply(EventBatch(worker.worker_id, 1, self._seq[worker.worker_id],
-                                               tuple(ops)))
-        self.kv_index.heard()
-        if self.unfinished:
-            self.events.after(self._interval, self._feed)

@@ -52,8 +52,8 @@ def test_the_simulator_runs_the_real_router_and_scheduler_code() -> None:
     # the engine's own classes, not copies
     assert type(worker.scheduler) is engine.core.scheduler.Scheduler
     assert type(worker.blocks) is engine.kvcache.block_manager.BlockManager
-    assert type(result.router.admission) is router.admission.Admission
-    assert type(result.router.kv_index) is router.kv_index.KVIndex
+    assert type(result.routers[0].admission) is router.admission.Admission
+    assert type(result.routers[0].kv_index) is router.kv_index.KVIndex
     # the router's decisions are the functions Placement calls
     assert sim_router.choose_prefill is router.policy.choose_prefill
     assert sim_router.short_tail is router.policy.short_tail
@@ -71,6 +71,18 @@ def test_every_request_ends_once_and_every_block_comes_back(spec: SimSpec) -> No
     assert all(not r.error for r in result.requests)
     assert all(r.first_token_s is not None and r.first_token_s > r.arrival_s
                for r in result.requests)
+
+
+def test_several_routers_each_admit_their_share() -> None:
+    spec = SimSpec(num_prefill=2, num_decode=2, num_routers=3,
+                   admission=AdmissionConfig(max_inflight=2, max_queued_tokens=None))
+    result = simulate(small_profile(), spec, requests(30, rate=10_000.0))
+    result.check()
+    # each router's own budget of 2: more get in than one router alone would take
+    single = simulate(small_profile(), replace(spec, num_routers=1),
+                      requests(30, rate=10_000.0))
+    served = [sum(not r.error for r in res.requests) for res in (result, single)]
+    assert served[0] > served[1] >= 2
 
 
 def test_kv_pressure_preempts_and_still_conserves() -> None:
