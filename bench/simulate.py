@@ -9,7 +9,8 @@
 have step models at those sizes); ``--local-prefill``, ``--prefill-routing``,
 ``--local-prefill-max-tokens``, ``--max-inflight``, ``--max-queued-tokens``,
 ``--max-num-seqs`` and ``--max-num-batched-tokens`` mean what the router's and the
-workers' flags do (they build the same config dataclasses). Prompts are drawn below
+workers' flags do (they build the same config dataclasses); ``--kill decode-0@30`` kills
+a worker at 30 virtual seconds (its requests are retried or migrated, as the router does). Prompts are drawn below
 ``--vocab-size`` (their ids only feed the block hashes). Prints ``bench.serve``'s table,
 then what the simulation did (virtual duration, events, wall time); ``--json PATH``
 writes ``bench.serve``'s keys (``median_ttft_ms``, ``p90_tpot_ms``, ``request_goodput``,
@@ -63,6 +64,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB)
+    p.add_argument("--kill", action="append", default=[], metavar="WORKER@SECONDS",
+                   help="a fault: the worker (prefill-0, decode-1, ...) dies then; repeatable")
     add_workload_args(p)
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--validate", action="store_true",
@@ -72,6 +75,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                                "(default: bench55m; --quick: the tiny model)")
     p.add_argument("--quick", action="store_true", help="--validate: one small point")
     args = check_workload_args(p, p.parse_args(argv))
+    try:
+        args.kills = tuple((w, float(t)) for w, _, t in (k.partition("@") for k in args.kill))
+    except ValueError:
+        p.error(f"--kill takes WORKER@SECONDS, got {args.kill!r}")
     try:
         args.validate_rates = [float(r) for r in args.validate_rates.split(",") if r]
     except ValueError:
@@ -95,7 +102,8 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
                               local_prefill_max_tokens=args.local_prefill_max_tokens),
         admission=AdmissionConfig(max_inflight=args.max_inflight,
                                   max_queued_tokens=args.max_queued_tokens),
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kills=args.kills)
 
 
 def sim_requests(requests: Sequence[Request], times: Sequence[float]) -> list[SimRequest]:

@@ -43,6 +43,8 @@ class SimSpec:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     timeout_s: float = 600.0  # each request's deadline (the router's default)
+    # faults: (worker id, virtual seconds): that worker dies then ("prefill-0", "decode-1")
+    kills: tuple[tuple[str, float], ...] = ()
     kv_event_interval_s: float = KV_EVENT_INTERVAL_S
 
     def __post_init__(self) -> None:
@@ -52,6 +54,12 @@ class SimSpec:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         if self.num_prefill < 0:
             raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
+        names = {f"prefill-{i}" for i in range(self.num_prefill)} | {
+            f"decode-{i}" for i in range(self.num_decode)}
+        for worker_id, at_s in self.kills:
+            if worker_id not in names or at_s < 0:
+                raise ValueError(f"cannot kill {worker_id!r} at {at_s}s: workers are "
+                                 f"{', '.join(sorted(names))}, times >= 0")
         if self.num_prefill == 0 and self.handoff.local_prefill == "never":
             raise ValueError("no prefill worker and local_prefill 'never': nothing can "
                              "prefill (use local_prefill 'always' or 'fallback')")
@@ -74,10 +82,12 @@ class SimResult:
         for r in self.requests:
             assert r.done, f"{r.request_id} never ended"
             assert not (r.error and r.finished_s is not None), f"{r.request_id} ended twice"
-            if not r.error:
+            if not r.error:  # a migrated stream too: every token once
                 assert len(r.token_times_s) == r.max_tokens, (
                     f"{r.request_id}: {len(r.token_times_s)} of {r.max_tokens} tokens")
         for w in self.workers:
+            if w.dead:
+                continue  # a killed worker's memory went with it
             usage = w.blocks.usage()
             assert w.idle(), f"{w.worker_id} is not idle: {usage}"
             assert usage.free + usage.cached == usage.total, f"{w.worker_id}: {usage}"
@@ -95,10 +105,11 @@ def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest]) ->
     """Runs ``requests`` (each arriving at its ``arrival_s``) on the cluster of ``spec``."""
     events = EventQueue()
     workers: list[SimWorker] = []
-    owner: dict[str, SimRouter] = {}  # request id -> the router serving it
+    shared: SharedView | None = None
 
     def on_output(worker: SimWorker, update: StepUpdate) -> None:
-        owner[update.request.request_id].on_output(worker, update)
+        assert shared is not None
+        shared.on_output(worker, update)
 
     for role, count, tp in (("prefill", spec.num_prefill, spec.prefill_tp),
                             ("decode", spec.num_decode, spec.decode_tp)):
@@ -114,9 +125,9 @@ def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest]) ->
                for _ in range(spec.num_routers)]
     ordered = sorted(requests, key=lambda r: r.arrival_s)
     for i, request in enumerate(ordered):
-        router = routers[i % len(routers)]
-        owner[request.request_id] = router
-        events.at(request.arrival_s, router.submit, request)
+        events.at(request.arrival_s, routers[i % len(routers)].submit, request)
+    for worker_id, at_s in spec.kills:
+        events.at(at_s, shared.kill, worker_id)
     events.run()
     start = ordered[0].arrival_s if ordered else 0.0
     return SimResult(list(requests), workers, routers, events.now - start, events.num_events)

@@ -65,7 +65,12 @@ class SimRequest:
     decode_worker: str | None = None
     kv_bytes: int = 0  # KV moved from prefill to decode
     ticket: Ticket | None = None
-    block_hashes: list[bytes] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of the current attempt's prompt
+    attempt: str = ""  # the current attempt's id on the workers
+    num_attempts: int = 0
+    migrations: int = 0  # attempts after its first token (its decode worker died)
+    prefilled: bool = False  # the current attempt's prefill is done
+    output_ids: list[int] = field(default_factory=list)  # streamed so far
 
     @property
     def prompt_len(self) -> int:
@@ -89,6 +94,8 @@ class SharedView:
         self.inflight: Counter[str] = Counter()  # attempts on each worker
         self.queued_tokens: Counter[str] = Counter()  # prompt tokens before first token
         self.unfinished = 0  # requests arrived and not ended, on every router
+        self.routers: list[SimRouter] = []
+        self.owner: dict[str, SimRouter] = {}  # attempt id -> the router that made it
         self._interval = interval_s
         self._seq: Counter[str] = Counter()
         self.kv_index: KVIndex | None = None
@@ -98,6 +105,19 @@ class SharedView:
             for w in workers:  # a fresh worker's snapshot: empty, before batch 1
                 self.kv_index.load_snapshot(w.worker_id, 1, 0, [])
             self.kv_index.heard()
+
+    def kill(self, worker_id: str) -> None:
+        """Fault: ``worker_id`` dies now; every router retries or migrates what it held."""
+        worker = next(w for w in self.workers if w.worker_id == worker_id)
+        worker.kill()
+        for router in self.routers:
+            router.worker_died(worker)
+
+    def on_output(self, worker: SimWorker, update: StepUpdate) -> None:
+        """Every worker's callback: the update goes to the router of its attempt."""
+        router = self.owner.get(update.request.request_id)
+        if router is not None:
+            router.on_output(worker, update)
 
     def arrived(self) -> None:
         self.unfinished += 1
@@ -137,6 +157,7 @@ class SimRouter:
                                    clock=events.clock, on_capacity=self._capacity_changed)
         self.queue: deque[SimRequest] = deque()
         self.shared = shared
+        shared.routers.append(self)
         self.inflight, self.queued_tokens = shared.inflight, shared.queued_tokens
         self.kv_index = shared.kv_index
         self.attempts: dict[str, SimRequest] = {}
@@ -203,48 +224,68 @@ class SimRouter:
                              f"{self._num_blocks(request)} KV blocks")
         h = self.handoff
         local = h.local_prefill == "always" or (h.local_prefill == "fallback"
-                                                and not self.prefill) or (
+                                                and not self._live(self.prefill)) or (
             self.kv_index is not None and self.kv_index.trusted()
             and short_tail(h.local_prefill_max_tokens, request.prompt_len, self.block_size,
                            held.get(order[0], 0)))
-        params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
-                                temperature=0.0)
         if local:
             worker = self._worker(order[0])
             self._start(request, worker)
-            worker.add(Request(request.request_id, list(request.prompt_token_ids), params))
+            worker.add(self._engine_request(request, request.attempt))
             return True
         for decode_id in order:
             worker = self._worker(decode_id)
-            reserved = worker.reserve(Request(request.request_id,
-                                              list(request.prompt_token_ids), params))
+            attempt = f"{request.request_id}#{request.num_attempts}"
+            reserved = worker.reserve(self._engine_request(request, attempt))
             if reserved is None:
                 continue
             self._start(request, worker)
-            full = num_blocks_for(request.prompt_len, self.block_size)
+            full = num_blocks_for(len(self._sequence(request)), self.block_size)
             request.kv_bytes = (full - reserved) * self.profile.block_bytes()
-            self.events.after(self.profile.handoff_overhead_s / 2, self._prefill, request)
+            self.events.after(self.profile.handoff_overhead_s / 2, self._prefill, request,
+                              request.attempt)
             return True
         return False
+
+    def _sequence(self, request: SimRequest) -> tuple[int, ...]:
+        """What the current attempt computes: the prompt, and the tokens streamed before
+        (a migrated stream resumes after them)."""
+        return request.prompt_token_ids + tuple(request.output_ids)
+
+    def _engine_request(self, request: SimRequest, attempt: str) -> Request:
+        return Request(attempt,
+                       list(self._sequence(request)),
+                       SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
+                                      temperature=0.0),
+                       num_resumed_tokens=len(request.output_ids))
 
     def _start(self, request: SimRequest, decode: SimWorker) -> None:
         assert request.ticket is not None
         request.ticket.placed()
+        request.attempt = f"{request.request_id}#{request.num_attempts}"
+        request.num_attempts += 1
+        request.prefilled = False
         request.decode_worker = decode.worker_id
         self.inflight[decode.worker_id] += 1
-        self.attempts[request.request_id] = request
+        self.attempts[request.attempt] = request
+        self.shared.owner[request.attempt] = self
 
     def _decode_order(self, request: SimRequest) -> tuple[list[str], dict[str, int]]:
-        ids = [w.worker_id for w in self.decode]
-        held = self._cached(request, ids)
+        live = self._live(self.decode)
+        held = self._cached(request, [w.worker_id for w in live])
         candidates = [DecodeCandidate(w.worker_id, self.inflight[w.worker_id],
                                       w.blocks.usage().num_allocatable, w.blocks.num_blocks,
-                                      held.get(w.worker_id, 0)) for w in self.decode]
+                                      held.get(w.worker_id, 0)) for w in live]
         return rank_decode(candidates, self._num_blocks(request),
                            self.handoff.load_epsilon), held
 
-    def _prefill(self, request: SimRequest) -> None:
-        loads = {w.worker_id: self.inflight[w.worker_id] for w in self.prefill}
+    def _prefill(self, request: SimRequest, attempt: str) -> None:
+        if request.attempt != attempt:  # the attempt failed meanwhile
+            return
+        loads = {w.worker_id: self.inflight[w.worker_id] for w in self._live(self.prefill)}
+        if not loads:  # every prefill worker died after the reservation
+            self._retry(request)
+            return
         mode = self.handoff.prefill_routing
         trusted = self.kv_index is not None and self.kv_index.trusted()
         choice = choose_prefill(
@@ -258,8 +299,8 @@ class SimRouter:
         worker = self._worker(choice.order[0])
         request.prefill_worker = worker.worker_id
         self.inflight[worker.worker_id] += 1
-        self.queued_tokens[worker.worker_id] += request.prompt_len
-        worker.add(Request(request.request_id, list(request.prompt_token_ids),
+        self.queued_tokens[worker.worker_id] += len(self._sequence(request))
+        worker.add(Request(request.attempt, list(self._sequence(request)),
                            SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True))
 
     def _cached(self, request: SimRequest, worker_ids: list[str]) -> dict[str, int]:
@@ -274,41 +315,92 @@ class SimRouter:
     def _worker(self, worker_id: str) -> SimWorker:
         return self._by_id[worker_id]
 
+    @staticmethod
+    def _live(workers: list[SimWorker]) -> list[SimWorker]:
+        return [w for w in workers if not w.dead]
+
     # ------------------------------------------------------------------ outputs
 
     def on_output(self, worker: SimWorker, update: StepUpdate) -> None:
         """A worker's step produced ``update`` (wired as every ``SimWorker``'s callback)."""
-        request = self.attempts[update.request.request_id]
+        request = self.attempts.get(update.request.request_id)
+        if request is None:
+            return  # an attempt that failed meanwhile
+        assert update.new_token_id is not None
         if worker.role == "prefill":
             self.inflight[worker.worker_id] -= 1
-            self.queued_tokens[worker.worker_id] -= request.prompt_len
-            request.cached_tokens = update.request.num_cached_tokens
-            assert update.new_token_id is not None
+            self.queued_tokens[worker.worker_id] -= update.request.num_prompt_tokens
+            request.prefilled = True
+            if not request.output_ids:
+                request.cached_tokens = update.request.num_cached_tokens
             delay = self.profile.transfer_s(request.kv_bytes) + self.profile.handoff_overhead_s / 2
-            self.events.after(delay, self._kv_arrived, request, worker, update.new_token_id)
+            self.events.after(delay, self._kv_arrived, request, request.attempt, worker,
+                              update.new_token_id)
             return
         if request.first_token_s is None:  # a local attempt's first token
             request.cached_tokens = update.request.num_cached_tokens
-        self._token(request, update.finished)
+        self._token(request, update.new_token_id, update.finished)
 
-    def _kv_arrived(self, request: SimRequest, prefill: SimWorker, first_token: int) -> None:
-        prefill.release_pinned(request.request_id)
+    def _kv_arrived(self, request: SimRequest, attempt: str, prefill: SimWorker,
+                    first_token: int) -> None:
+        if request.attempt != attempt or prefill.dead:
+            return  # the attempt failed meanwhile (and was retried or ended)
+        prefill.release_pinned(attempt)
         decode = self._worker(request.decode_worker or "")
-        update = decode.admit_with_kv(request.request_id, first_token)
-        self._token(request, update.finished)
+        update = decode.admit_with_kv(attempt, first_token)
+        self._token(request, first_token, update.finished)
 
-    def _token(self, request: SimRequest, finished: bool) -> None:
+    def _token(self, request: SimRequest, token_id: int, finished: bool) -> None:
         now = self.events.now
         assert request.ticket is not None
         if request.first_token_s is None:
             request.first_token_s = now
             request.ticket.first_token()
         request.token_times_s.append(now)
+        request.output_ids.append(token_id)
         if finished:
             request.finished_s = now
-            self.inflight[request.decode_worker or ""] -= 1
-            del self.attempts[request.request_id]
+            self._drop_attempt(request)
             self._end(request)
+
+    # ------------------------------------------------------------------ faults
+
+    def worker_died(self, dead: SimWorker) -> None:
+        """``dead`` is gone: each attempt it took part in is retried, or (after its first
+        token) migrated — the prompt and the tokens streamed prefilled again elsewhere —
+        within ``handoff.migration_limit``; what the attempt held on the survivors is freed."""
+        for request in list(self.attempts.values()):
+            if request.decode_worker == dead.worker_id or (
+                    request.prefill_worker == dead.worker_id and not request.prefilled):
+                self._retry(request)
+
+    def _retry(self, request: SimRequest) -> None:
+        for worker_id in (request.prefill_worker, request.decode_worker):
+            if worker_id is not None and not self._worker(worker_id).dead:
+                self._worker(worker_id).abort(request.attempt)
+        self._drop_attempt(request)
+        if request.first_token_s is not None:
+            request.migrations += 1
+            if request.migrations > self.handoff.migration_limit:
+                self._fail(request, grpc.StatusCode.UNAVAILABLE,
+                           f"its decode worker failed after {len(request.output_ids)} "
+                           f"streamed tokens, {request.migrations - 1} migrations already")
+                return
+        request.block_hashes = compute_block_hashes(self._sequence(request), self.block_size)
+        self.queue.appendleft(request)  # it keeps its turn
+        self._capacity_changed()
+
+    def _drop_attempt(self, request: SimRequest) -> None:
+        """The current attempt ends: the loads it counted are given back."""
+        if request.prefill_worker is not None and not request.prefilled:
+            self.inflight[request.prefill_worker] -= 1
+            self.queued_tokens[request.prefill_worker] -= len(self._sequence(request))
+        if request.decode_worker is not None:
+            self.inflight[request.decode_worker] -= 1
+        self.attempts.pop(request.attempt, None)
+        self.shared.owner.pop(request.attempt, None)
+        request.prefill_worker = request.decode_worker = None
+        request.attempt = ""
 
     def _fail(self, request: SimRequest, code: grpc.StatusCode, details: str) -> None:
         request.error = f"{code.name}: {details}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.request import Request
+from engine.core.request import FinishReason, Request
 from engine.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from engine.kvcache import BlockManager
 from engine.kvcache.events import KVEventLog
@@ -50,6 +50,7 @@ class SimWorker:
         self.busy_s = 0.0  # virtual seconds spent stepping
         self.num_steps = 0
         self._stepping = False
+        self.dead = False  # killed (a fault): it does nothing more
 
     # ------------------------------------------------------------------ requests
 
@@ -83,18 +84,24 @@ class SimWorker:
         self.blocks.unpin(request_id)
         self.kick()  # freed room may let a waiting request in
 
-    def inflight_tokens(self) -> int:
-        """Prompt tokens queued or running here that have no first token yet."""
-        s = self.scheduler
-        return sum(r.num_prompt_tokens - r.num_computed_tokens for r in s.waiting) + sum(
-            r.num_prompt_tokens - r.num_computed_tokens for r in s.running
-            if not r.output_token_ids)
+    def abort(self, request_id: str) -> None:
+        """The router gave up the attempt ``request_id``: whatever it holds here is freed
+        (queued, running, reserved or pinned)."""
+        self.scheduler.finish(request_id, FinishReason.ABORT)
+        self.scheduler.forget([request_id])
+        if self.blocks.is_pinned(request_id):
+            self.blocks.unpin(request_id)
+        self.kick()
+
+    def kill(self) -> None:
+        """A fault: the worker dies now (its step in flight never ends)."""
+        self.dead = True
 
     # ------------------------------------------------------------------ stepping
 
     def kick(self) -> None:
         """Start a step if none is running and there is work."""
-        if self._stepping or not self.scheduler.has_unfinished():
+        if self.dead or self._stepping or not self.scheduler.has_unfinished():
             return
         out = self.scheduler.schedule()
         if not out.chunks:  # waiting for room (blocks held for KV on its way, or pinned)
@@ -106,6 +113,8 @@ class SimWorker:
         self._events.after(duration, self._done, out)
 
     def _done(self, out: SchedulerOutput) -> None:
+        if self.dead:
+            return
         sampled = [_token_id(c.request_id, c.start_position + len(c.token_ids))
                    for c in out.chunks if c.sample]
         updates = self.scheduler.update(out, sampled)

@@ -118,10 +118,12 @@ def test_a_queued_deadline_passes_as_deadline_exceeded() -> None:
 
 
 def test_kv_aware_routing_finds_the_shared_prefix_the_workers_cache() -> None:
-    reqs = requests(60, rate=20.0, prompt=160, shared=128)
-    aware = simulate(small_profile(), SimSpec(num_prefill=4, num_decode=1), reqs)
+    def reqs() -> list[SimRequest]:
+        return requests(60, rate=20.0, prompt=160, shared=128)
+
+    aware = simulate(small_profile(), SimSpec(num_prefill=4, num_decode=1), reqs())
     rr = simulate(small_profile(), SimSpec(num_prefill=4, num_decode=1, handoff=HandoffConfig(
-        prefill_routing="round-robin")), [replace(r) for r in reqs])
+        prefill_routing="round-robin")), reqs())
     cached = [sum(r.cached_tokens for r in res.requests) for res in (aware, rr)]
     assert cached[0] > cached[1]
     # the decode worker holds the prefix too: less KV travels than the whole prompts
@@ -139,3 +141,33 @@ def test_more_decode_workers_lower_the_time_per_output_token_under_load() -> Non
         return sum(spans) / len(spans)
 
     assert mean_tpot(4) < mean_tpot(1)
+
+
+@pytest.mark.parametrize("victim", ["decode-0", "prefill-0"])
+def test_a_killed_worker_s_requests_are_retried_or_migrated_and_none_fails(victim: str
+                                                                            ) -> None:
+    spec = SimSpec(num_prefill=2, num_decode=2, kills=((victim, 0.5),))
+    # long prompts at a high rate: the prefill workers have a queue when one dies
+    result = simulate(small_profile(num_kv_blocks=2048), spec,
+                      requests(100, rate=150.0, prompt=600, output=40))
+    result.check()  # every surviving token stream whole: max_tokens tokens, once each
+    assert all(not r.error for r in result.requests)
+    retried = [r for r in result.requests if r.num_attempts > 1]
+    assert retried
+    if victim.startswith("decode"):  # streams it was serving went on elsewhere
+        assert any(r.migrations for r in retried)
+    dead = next(w for w in result.workers if w.worker_id == victim)
+    assert dead.dead
+    served_after = [r for r in result.requests if r.arrival_s > 0.6]
+    assert served_after and all(victim not in (r.prefill_worker, r.decode_worker)
+                                for r in served_after)
+
+
+def test_with_no_decode_worker_left_streams_fail_past_the_migration_limit() -> None:
+    spec = SimSpec(num_prefill=1, num_decode=1, kills=(("decode-0", 0.3),))
+    result = simulate(small_profile(), spec, requests(40, rate=40.0, output=40))
+    result.check()
+    errors = [r.error for r in result.requests if r.error]
+    assert errors and all(e.startswith("UNAVAILABLE") for e in errors)
+    with pytest.raises(ValueError, match="cannot kill 'decode-9'"):
+        SimSpec(kills=(("decode-9", 1.0),))
