@@ -63,9 +63,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--handoff-lens", default="64,256,1024")
     p.add_argument("--handoff-requests", type=int, default=12)
-    p.add_argument("--handoff-rate", type=float, default=4.0,
-                   help="requests per second (Poisson) of the handoff part: a light steady "
-                        "load, as a serving benchmark's, not one request at a time")
+    p.add_argument("--handoff-rate", type=float,
+                   help="requests per second (Poisson) of the handoff part (default: a light "
+                        "steady load, a quarter of what the fitted steps say one prefill "
+                        "worker takes at the mean length, at most 4/s)")
     p.add_argument("--no-handoff", action="store_true",
                    help="skip the cluster part (transfer and overheads from --quick's "
                         "defaults, labelled in the description)")
@@ -204,8 +205,17 @@ def fit(points: Sequence[dict[str, Any]]) -> tuple[dict[str, float], list[float]
 # ---------------------------------------------------------------- the handoff
 
 
+def light_rate(coef: dict[str, float], lengths: Sequence[int]) -> float:
+    """A quarter of one prefill worker's capacity at the mean length, at most 4/s."""
+    n = statistics.fmean(lengths)
+    prefill_s = coef["base_s"] + coef["per_prefill_token_s"] * n \
+        + coef["per_prefill_attention_s"] * n * n / 2
+    return min(4.0, 0.25 / prefill_s)
+
+
 def measure_handoff(args: argparse.Namespace, model_dir: Path, vocab: int,
-                    kv_bytes_per_token: int) -> dict[str, Any]:
+                    kv_bytes_per_token: int, rate: float) -> dict[str, Any]:
+    print(f"handoff at {rate:.2f} requests/s ...", flush=True)
     samples: list[dict[str, Any]] = []
     with cluster(model_dir, num_prefill=1, num_decode=1) as running:
         for length in args.handoff_lens:
@@ -214,7 +224,7 @@ def measure_handoff(args: argparse.Namespace, model_dir: Path, vocab: int,
                                     Workload(spec, vocab, seed=7 + length).take(1), None))
             requests = Workload(spec, vocab, seed=length).take(args.handoff_requests)
             results, _ = asyncio.run(send_traced(running.router_address, requests,
-                                                 args.handoff_rate, seed=length))
+                                                 rate, seed=length))
             for r in results:
                 if r["trace"]["prefill_ms"]:
                     tpot = (r["e2e_ms"] - r["ttft_ms"]) / (HANDOFF_OUTPUT_LEN - 1)
@@ -226,11 +236,12 @@ def measure_handoff(args: argparse.Namespace, model_dir: Path, vocab: int,
     exposed = np.array([s["exposed_transfer"] / 1000 for s in samples])
     slope, intercept = np.polyfit(nbytes, exposed, 1)
     bytes_per_s = 1.0 / slope if slope > 0 else 1e12  # exposed transfer did not grow
-    overhead = [(s["reserve"] + s["decode_admission"] + s["router_relay"] + s["delivery"])
-                / 1000 for s in samples]
+    # each part >= 0: under a queue the two processes' clocks can split a wait oddly
+    overhead = [sum(max(0.0, s[k]) for k in ("reserve", "decode_admission", "router_relay",
+                                              "delivery")) / 1000 for s in samples]
     return {"transfer": {"latency_s": max(0.0, float(intercept)), "bytes_per_s": bytes_per_s},
             "tpot_s": [(s["prompt_len"], s["tpot"] / 1000) for s in samples],
-            "router": {"overhead_s": statistics.median(s["router_queue"] / 1000
+            "router": {"overhead_s": statistics.median(max(0.0, s["router_queue"]) / 1000
                                                        for s in samples)},
             "handoff": {"overhead_s": statistics.median(overhead)},
             "samples": samples}
@@ -273,8 +284,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         import json
 
         vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+        rate = args.handoff_rate or light_rate(coef, args.handoff_lens)
         handoff = measure_handoff(args, Path(model_dir), vocab,
-                                  steps["model"]["kv_bytes_per_token"])
+                                  steps["model"]["kv_bytes_per_token"], rate)
         where = "handoff measured through pdserve up (1 prefill + 1 decode)"
         coef["base_s"] += loop_overhead(coef, handoff["tpot_s"])
         print(f"worker loop: {coef['base_s'] * 1000:.3f} ms per step with the loop's own cost")

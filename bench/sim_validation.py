@@ -4,7 +4,8 @@ For each layout (``disaggregated``: one prefill and one decode worker; ``colocat
 decode workers with ``--local-prefill always``; each worker pinned to its own core with one
 torch thread, as ``bench.disagg`` starts them), each workload (``long-prompt``: 512 → 32
 tokens, ``sharegpt-like``) and each rate of ``--validate-rates``: the same seeded requests
-at the same Poisson send times go through the real cluster (``bench.serving.run``, the
+at the same Poisson send times (new prompts at each point: the real cluster's prefix cache
+would serve the earlier points' again) go through the real cluster (``bench.serving.run``, the
 gRPC backend) and through the simulator on ``--profile`` (the same layout and router
 flags). Each metric's error is ``(simulated − real) ÷ real``; a point is *saturated* when
 the real cluster's request throughput fell below 90% of the rate sent (reported, kept out
@@ -22,6 +23,7 @@ from typing import Any
 
 from bench.clusters import bench_model, cluster, two_cpus
 from bench.serving import GrpcBackend, arrival_times, metrics
+from bench.sim_runs import run as sim_run
 from loadtest.workloads import Request, Workload, WorkloadSpec
 from router.config import HandoffConfig
 from sim.cluster import SimSpec
@@ -66,8 +68,6 @@ def real_run(address: str, requests: Sequence[Request], times: Sequence[float],
 
 def validate(profile: Profile, model_dir: Path | None, *, quick: bool, rates: Sequence[float],
              num_prompts: int, seed: int) -> dict[str, Any]:
-    from bench.simulate import run as sim_run
-
     model = model_dir or bench_model(quick)
     vocab = _vocab(model)
     layouts = ("disaggregated",) if quick else LAYOUTS
@@ -78,11 +78,13 @@ def validate(profile: Profile, model_dir: Path | None, *, quick: bool, rates: Se
         with cluster(model, num_prefill=shape["num_prefill"], num_decode=shape["num_decode"],
                      local_prefill=shape["local_prefill"],
                      cpu_affinity=shape["cpu_affinity"]) as running:
-            for workload, spec in workloads.items():
-                requests = Workload(spec, vocab, seed=seed).take(num_prompts)
-                warm = Workload(spec, vocab, seed=seed + 1).take(2)
+            for w, (workload, spec) in enumerate(workloads.items()):
+                warm = Workload(spec, vocab, seed=seed + 999).take(2)
                 real_run(running.router_address, warm, [0.0, 0.0], float("inf"), seed)
-                for rate in rates:
+                for r, rate in enumerate(rates):
+                    # fresh prompts at every point: the real cluster's prefix cache keeps
+                    # the earlier points' prompts, the simulator starts empty
+                    requests = Workload(spec, vocab, seed=seed + 100 * w + r).take(num_prompts)
                     times = arrival_times(len(requests), rate, seed)
                     real = real_run(running.router_address, requests, times, rate, seed)
                     sim = sim_run(profile, sim_spec(shape), requests, times)

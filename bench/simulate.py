@@ -22,25 +22,18 @@ the simulator on the same requests and reports the error of each metric
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.common import write_json
 from bench.serve import add_workload_args, check_workload_args
-from bench.serving import Outcome, arrival_times, details, metrics, render
-from loadtest.workloads import Request, Workload
+from bench.serving import arrival_times, render
+from bench.sim_runs import run
+from loadtest.workloads import Workload
 from router.config import LOCAL_PREFILL_MODES, PREFILL_ROUTING, AdmissionConfig, HandoffConfig
-from sim.cluster import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    SimResult,
-    SimSpec,
-    simulate,
-)
-from sim.profile import Profile, ProfileError, load
-from sim.router import SimRequest
+from sim.cluster import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, SimSpec
+from sim.profile import ProfileError, load
 
 DEFAULT_VOCAB = 32000
 
@@ -104,51 +97,6 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
                                   max_queued_tokens=args.max_queued_tokens),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kills=args.kills)
-
-
-def sim_requests(requests: Sequence[Request], times: Sequence[float]) -> list[SimRequest]:
-    """The workload's requests, arriving at ``times``."""
-    return [SimRequest(f"sim-{i}", t, r.prompt_token_ids, r.max_tokens)
-            for i, (r, t) in enumerate(zip(requests, times, strict=True))]
-
-
-def outcomes(result: SimResult) -> list[Outcome]:
-    """Each simulated request as ``bench.serving`` measures a real one (times from its
-    arrival, one per streamed token)."""
-    out = []
-    for r in result.requests:
-        o = Outcome(r.prompt_len, r.max_tokens, sent_at=r.arrival_s)
-        if r.error or r.first_token_s is None or r.finished_s is None:
-            o.error = r.error or "unfinished"
-        else:
-            o.success = True
-            o.output_len = len(r.token_times_s)
-            o.cached_tokens = r.cached_tokens
-            o.ttft = r.first_token_s - r.arrival_s
-            o.latency = r.finished_s - r.arrival_s
-            o.token_times = [t - r.arrival_s for t in r.token_times_s]
-            o.itl = [b - a for a, b in zip(r.token_times_s, r.token_times_s[1:], strict=False)]
-        out.append(o)
-    return out
-
-
-def run(profile: Profile, spec: SimSpec, requests: Sequence[Request], times: Sequence[float],
-        slo_ms: dict[str, float] | None = None,
-        percentiles: Sequence[float] = (90.0, 99.0)) -> dict[str, Any]:
-    """One simulation: ``bench.serve``'s metrics and ``simulation`` facts."""
-    started = time.perf_counter()
-    result = simulate(profile, spec, sim_requests(requests, times))
-    wall = time.perf_counter() - started
-    result.check()
-    done = outcomes(result)
-    return {**metrics(done, result.duration_s, slo_ms=slo_ms or None, percentiles=percentiles),
-            "simulation": {"wall_s": wall, "events": result.num_events,
-                           "virtual_s": result.duration_s,
-                           "workers": {w.worker_id: {"busy": w.busy_s / result.duration_s
-                                                     if result.duration_s else 0.0,
-                                                     "steps": w.num_steps}
-                                       for w in result.workers}},
-            **details(done)}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from engine.core.scheduler import StepUpdate
 from router.config import AdmissionConfig, HandoffConfig
 from sim.events import EventQueue
 from sim.profile import Profile
-from sim.router import SharedView, SimRequest, SimRouter
+from sim.router import SimRouter
+from sim.state import SharedView, SimRequest
 from sim.worker import SimWorker
 
 DEFAULT_MAX_NUM_SEQS = 64  # the workers' defaults (worker.options)

@@ -26,116 +26,24 @@ blocks the decode worker lacks).
 from __future__ import annotations
 
 import itertools
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import deque
 
 import grpc
 
-from cluster.kv_events import EventBatch
 from engine.core.request import Request
 from engine.core.scheduler import StepUpdate
 from engine.kvcache.block_hash import compute_block_hashes
 from engine.sampling_params import SamplingParams
 from engine.tp.sharding import num_blocks_for
-from router.admission import RETRY_PLACEMENT_S, Admission, Ticket
+from router.admission import RETRY_PLACEMENT_S, Admission
 from router.config import AdmissionConfig, HandoffConfig
 from router.errors import RouteError
-from router.kv_index import KVIndex
 from router.policy import choose_prefill, short_tail
 from router.routing import DecodeCandidate, affinity_key, rank_decode
 from sim.events import EventQueue
 from sim.profile import Profile
+from sim.state import SharedView, SimRequest, live
 from sim.worker import SimWorker
-
-
-@dataclass
-class SimRequest:
-    """One request of the workload and what became of it (times on the virtual clock)."""
-
-    request_id: str
-    arrival_s: float
-    prompt_token_ids: tuple[int, ...]
-    max_tokens: int
-    error: str = ""  # "CODE: details" when it failed
-    first_token_s: float | None = None
-    token_times_s: list[float] = field(default_factory=list)
-    finished_s: float | None = None
-    cached_tokens: int = 0  # prompt tokens the prefill side's prefix cache served
-    prefill_worker: str | None = None  # None: prefilled on its decode worker
-    decode_worker: str | None = None
-    kv_bytes: int = 0  # KV moved from prefill to decode
-    ticket: Ticket | None = None
-    block_hashes: list[bytes] = field(default_factory=list)  # of the current attempt's prompt
-    attempt: str = ""  # the current attempt's id on the workers
-    num_attempts: int = 0
-    migrations: int = 0  # attempts after its first token (its decode worker died)
-    prefilled: bool = False  # the current attempt's prefill is done
-    output_ids: list[int] = field(default_factory=list)  # streamed so far
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def done(self) -> bool:
-        return bool(self.error) or self.finished_s is not None
-
-
-class SharedView:
-    """What every router of the cluster knows alike: the attempts in flight and the prompt
-    tokens waiting for a first token on each worker (the routers' shared loads, here
-    exchanged at once: the real routers' exchange at each refresh is not modelled), and
-    the KV index, fed every ``interval_s`` with each worker's KV events."""
-
-    def __init__(self, events: EventQueue, workers: list[SimWorker], prefill_routing: str,
-                 interval_s: float) -> None:
-        self.events = events
-        self.workers = workers
-        self.inflight: Counter[str] = Counter()  # attempts on each worker
-        self.queued_tokens: Counter[str] = Counter()  # prompt tokens before first token
-        self.unfinished = 0  # requests arrived and not ended, on every router
-        self.routers: list[SimRouter] = []
-        self.owner: dict[str, SimRouter] = {}  # attempt id -> the router that made it
-        self._interval = interval_s
-        self._seq: Counter[str] = Counter()
-        self.kv_index: KVIndex | None = None
-        if prefill_routing == "kv-aware":
-            self.kv_index = KVIndex(clock=events.clock)
-            self.kv_index.watch(w.worker_id for w in workers)
-            for w in workers:  # a fresh worker's snapshot: empty, before batch 1
-                self.kv_index.load_snapshot(w.worker_id, 1, 0, [])
-            self.kv_index.heard()
-
-    def kill(self, worker_id: str) -> None:
-        """Fault: ``worker_id`` dies now; every router retries or migrates what it held."""
-        worker = next(w for w in self.workers if w.worker_id == worker_id)
-        worker.kill()
-        for router in self.routers:
-            router.worker_died(worker)
-
-    def on_output(self, worker: SimWorker, update: StepUpdate) -> None:
-        """Every worker's callback: the update goes to the router of its attempt."""
-        router = self.owner.get(update.request.request_id)
-        if router is not None:
-            router.on_output(worker, update)
-
-    def arrived(self) -> None:
-        self.unfinished += 1
-        if self.unfinished == 1 and self.kv_index is not None:
-            self.events.after(self._interval, self._feed)
-
-    def _feed(self) -> None:
-        """The workers' KV events since the last read, as a router's feed reads them."""
-        assert self.kv_index is not None
-        for worker in self.workers:
-            ops = worker.kv_events.drain()
-            if ops:
-                self._seq[worker.worker_id] += 1
-                self.kv_index.apply(EventBatch(worker.worker_id, 1, self._seq[worker.worker_id],
-                                               tuple(ops)))
-        self.kv_index.heard()
-        if self.unfinished:
-            self.events.after(self._interval, self._feed)
 
 
 class SimRouter:
@@ -224,40 +132,28 @@ class SimRouter:
                              f"{self._num_blocks(request)} KV blocks")
         h = self.handoff
         local = h.local_prefill == "always" or (h.local_prefill == "fallback"
-                                                and not self._live(self.prefill)) or (
+                                                and not live(self.prefill)) or (
             self.kv_index is not None and self.kv_index.trusted()
             and short_tail(h.local_prefill_max_tokens, request.prompt_len, self.block_size,
                            held.get(order[0], 0)))
         if local:
             worker = self._worker(order[0])
             self._start(request, worker)
-            worker.add(self._engine_request(request, request.attempt))
+            worker.add(request.engine_request(request.attempt))
             return True
         for decode_id in order:
             worker = self._worker(decode_id)
             attempt = f"{request.request_id}#{request.num_attempts}"
-            reserved = worker.reserve(self._engine_request(request, attempt))
+            reserved = worker.reserve(request.engine_request(attempt))
             if reserved is None:
                 continue
             self._start(request, worker)
-            full = num_blocks_for(len(self._sequence(request)), self.block_size)
+            full = num_blocks_for(len(request.sequence()), self.block_size)
             request.kv_bytes = (full - reserved) * self.profile.block_bytes()
             self.events.after(self.profile.handoff_overhead_s / 2, self._prefill, request,
                               request.attempt)
             return True
         return False
-
-    def _sequence(self, request: SimRequest) -> tuple[int, ...]:
-        """What the current attempt computes: the prompt, and the tokens streamed before
-        (a migrated stream resumes after them)."""
-        return request.prompt_token_ids + tuple(request.output_ids)
-
-    def _engine_request(self, request: SimRequest, attempt: str) -> Request:
-        return Request(attempt,
-                       list(self._sequence(request)),
-                       SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
-                                      temperature=0.0),
-                       num_resumed_tokens=len(request.output_ids))
 
     def _start(self, request: SimRequest, decode: SimWorker) -> None:
         assert request.ticket is not None
@@ -271,18 +167,18 @@ class SimRouter:
         self.shared.owner[request.attempt] = self
 
     def _decode_order(self, request: SimRequest) -> tuple[list[str], dict[str, int]]:
-        live = self._live(self.decode)
-        held = self._cached(request, [w.worker_id for w in live])
+        workers = live(self.decode)
+        held = self.shared.cached(request, [w.worker_id for w in workers])
         candidates = [DecodeCandidate(w.worker_id, self.inflight[w.worker_id],
                                       w.blocks.usage().num_allocatable, w.blocks.num_blocks,
-                                      held.get(w.worker_id, 0)) for w in live]
+                                      held.get(w.worker_id, 0)) for w in workers]
         return rank_decode(candidates, self._num_blocks(request),
                            self.handoff.load_epsilon), held
 
     def _prefill(self, request: SimRequest, attempt: str) -> None:
         if request.attempt != attempt:  # the attempt failed meanwhile
             return
-        loads = {w.worker_id: self.inflight[w.worker_id] for w in self._live(self.prefill)}
+        loads = {w.worker_id: self.inflight[w.worker_id] for w in live(self.prefill)}
         if not loads:  # every prefill worker died after the reservation
             self._retry(request)
             return
@@ -293,21 +189,15 @@ class SimRouter:
                                    self.handoff.affinity_blocks),
             loads=loads, queued_tokens=self.queued_tokens if trusted else {},
             num_prompt_tokens=request.prompt_len, block_size=self.block_size,
-            cached=self._cached(request, list(loads)) if trusted else None,
+            cached=self.shared.cached(request, list(loads)) if trusted else None,
             turn=next(self._turns) if mode == "round-robin" else 0,
             epsilon=self.handoff.load_epsilon)
         worker = self._worker(choice.order[0])
         request.prefill_worker = worker.worker_id
         self.inflight[worker.worker_id] += 1
-        self.queued_tokens[worker.worker_id] += len(self._sequence(request))
-        worker.add(Request(request.attempt, list(self._sequence(request)),
+        self.queued_tokens[worker.worker_id] += len(request.sequence())
+        worker.add(Request(request.attempt, list(request.sequence()),
                            SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True))
-
-    def _cached(self, request: SimRequest, worker_ids: list[str]) -> dict[str, int]:
-        index = self.kv_index
-        if index is None or not index.trusted():
-            return {}
-        return index.match(request.block_hashes, worker_ids)
 
     def _num_blocks(self, request: SimRequest) -> int:
         return num_blocks_for(request.prompt_len + request.max_tokens, self.block_size)
@@ -315,9 +205,6 @@ class SimRouter:
     def _worker(self, worker_id: str) -> SimWorker:
         return self._by_id[worker_id]
 
-    @staticmethod
-    def _live(workers: list[SimWorker]) -> list[SimWorker]:
-        return [w for w in workers if not w.dead]
 
     # ------------------------------------------------------------------ outputs
 
@@ -386,21 +273,14 @@ class SimRouter:
                            f"its decode worker failed after {len(request.output_ids)} "
                            f"streamed tokens, {request.migrations - 1} migrations already")
                 return
-        request.block_hashes = compute_block_hashes(self._sequence(request), self.block_size)
+        request.block_hashes = compute_block_hashes(request.sequence(), self.block_size)
         self.queue.appendleft(request)  # it keeps its turn
         self._capacity_changed()
 
     def _drop_attempt(self, request: SimRequest) -> None:
         """The current attempt ends: the loads it counted are given back."""
-        if request.prefill_worker is not None and not request.prefilled:
-            self.inflight[request.prefill_worker] -= 1
-            self.queued_tokens[request.prefill_worker] -= len(self._sequence(request))
-        if request.decode_worker is not None:
-            self.inflight[request.decode_worker] -= 1
         self.attempts.pop(request.attempt, None)
-        self.shared.owner.pop(request.attempt, None)
-        request.prefill_worker = request.decode_worker = None
-        request.attempt = ""
+        self.shared.release(request)
 
     def _fail(self, request: SimRequest, code: grpc.StatusCode, details: str) -> None:
         request.error = f"{code.name}: {details}"

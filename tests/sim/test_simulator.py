@@ -16,7 +16,7 @@ import router.policy
 from router.config import AdmissionConfig, HandoffConfig
 from sim import router as sim_router
 from sim.cluster import SimSpec, simulate
-from sim.router import SimRequest
+from sim.state import SimRequest
 from tests.sim.profiles import small_profile
 
 
