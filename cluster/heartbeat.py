@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import TracebackType
 
 from cluster.records import WorkerLoad, WorkerRecord
@@ -119,6 +120,14 @@ class Heartbeat:
             self.last_error = None
         self._joined()
         return True
+
+    def set_role(self, role: str) -> bool:
+        """The worker serves ``role`` now (a live switch): every later record says so, and
+        one beat goes out at once so routers see it within their next refresh. True when
+        that beat wrote the record."""
+        with self._lock:
+            self._record = replace(self._record, role=role)
+        return self.beat()
 
     def stop(self, *, deregister: bool = True, timeout_s: float = 10.0) -> None:
         """Stop beating; with ``deregister`` delete the key (else it expires after the TTL).

@@ -117,11 +117,18 @@ class DecodeLoop(EngineLoop):
     """Owns ``core`` (built with the KV rank plugin, ``worker.kv.rank``) from ``start``
     until ``stop``; building it starts receiving KV (rank 0's rendezvous store)."""
 
+    ROLE = "decode"
+
     def __init__(self, core: EngineCore, transfer_timeout_s: float,
                  max_requests: int = 1024, metrics: WorkerMetrics | None = None) -> None:
-        super().__init__("pdserve-decode-loop", core, KVPlane(core, transfer_timeout_s),
-                         metrics or WorkerMetrics(Path(core.config.model.model_dir).name,
-                                                  "decode", "-"))
+        EngineLoop.__init__(self, "pdserve-decode-loop", core, KVPlane(core, transfer_timeout_s),
+                            metrics or WorkerMetrics(Path(core.config.model.model_dir).name,
+                                                     "decode", "-"))
+        self.init_decode(transfer_timeout_s, max_requests)
+
+    def init_decode(self, transfer_timeout_s: float, max_requests: int) -> None:
+        """The decode side's own state (a loop serving both roles calls it after
+        ``EngineLoop.__init__``); starts receiving KV."""
         self.receiving = self.kv.start_receiving()
         self.transfer_timeout_s = transfer_timeout_s
         self.max_requests = max_requests
@@ -149,6 +156,8 @@ class DecodeLoop(EngineLoop):
                                num_cached_blocks=self._live[rid].num_cached_blocks)
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {rid!r} is live here with another transfer")
+        if self.role != "decode":
+            return f"busy: this worker serves {self.role} now, it takes no new reservations"
         if self.busy:
             return (f"busy: {len(self._live)} requests held, the worker's limit "
                     "(--max-requests)")
@@ -202,6 +211,7 @@ class DecodeLoop(EngineLoop):
             self._admit(cmd.attempt_id, live)
 
     def _local(self, cmd: Local) -> None:
+        self.refuse_unless("decode", "new requests to prefill here")
         if cmd.attempt_id in self._live:
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {cmd.attempt_id!r} is live here")
@@ -224,7 +234,7 @@ class DecodeLoop(EngineLoop):
         self._failed.pop(attempt_id, None)
         live = self._live.pop(attempt_id, None)
         if live is None:
-            return False
+            return super()._abort(attempt_id, code, reason)
         self.timings.forget(attempt_id)
         if live.stream is not None:  # the caller first: releasing calls into the ranks
             live.stream.fail(code, reason)
@@ -235,21 +245,23 @@ class DecodeLoop(EngineLoop):
         return True
 
     def _live_ids(self) -> list[str]:
-        return list(self._live)
+        return list(self._live) + super()._live_ids()
 
     def _num_unadmitted(self) -> int:
-        return sum(1 for v in self._live.values() if v.phase is not Phase.RUNNING)
+        return sum(1 for v in self._live.values() if v.phase is not Phase.RUNNING) \
+            + super()._num_unadmitted()
 
     # --- the loop -----------------------------------------------------------------
     def _is_polling(self) -> bool:
         """Transfers pending, or arrived KV waiting for its stream (it expires)."""
         return bool(self.receiving.num_pending) or any(
-            v.phase is Phase.ARRIVED for v in self._live.values())
+            v.phase is Phase.ARRIVED for v in self._live.values()) or super()._is_polling()
 
     def _poll(self) -> None:
         for arrival in self.receiving.poll():
             self._arrived(arrival)
         self._expire_unopened()
+        super()._poll()
 
     def _arrived(self, arrival: Arrival) -> None:
         rid = arrival.request_id
@@ -300,7 +312,10 @@ class DecodeLoop(EngineLoop):
 
     def _deliver(self, out: RequestOutput) -> None:
         live = self._live.get(out.request_id)
-        if live is None or live.stream is None:
+        if live is None:
+            super()._deliver(out)
+            return
+        if live.stream is None:
             return
         if live.local and live.trailer is None and out.new_token_ids:  # its first token
             live.trailer = Trailer(out.new_token_ids[0], out.num_cached_tokens)

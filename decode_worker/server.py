@@ -1,16 +1,14 @@
-"""The decode worker process: ``pdserve decode --model DIR [--port P]
-[--tensor-parallel-size r] [--kv-port K] [--ready-file PATH] [--redis-url URL]``.
+"""The decode kind's gRPC edge: ``DecodeServicer``, the thin protobuf adapter of
+``Reserve``, ``Generate`` and ``GenerateLocal`` (``Abort``, ``Info``, ``KVSnapshot`` and
+``SetRole`` are ``worker.servicer``'s).
 
-What is the decode kind's own: ``DecodeServicer`` (the thin protobuf adapter of
-``Reserve``, ``Generate`` and ``GenerateLocal``; ``Abort`` and ``Info`` are
-``worker.servicer``'s) and the ``WorkerKind`` that ``worker.process.run_worker`` starts.
-Building the ``DecodeLoop`` starts rank 0's KV rendezvous store (``--kv-port``); everything
-engine-side happens on its thread.
+Everything engine-side happens on the engine-loop thread (``DecodeLoop``'s side of it,
+which receives KV on rank 0's rendezvous store, ``--kv-port``). The process that serves it
+is ``role_worker.server`` (``pdserve decode`` is ``pdserve worker --role decode``).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import time
@@ -21,14 +19,10 @@ import grpc
 from cluster import pause_points
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
-from decode_worker.engine_loop import DecodeLoop, Local, Open, Reserve
-from engine.core.engine_core import EngineCore, RequestOutput, merge_outputs
+from decode_worker.engine_loop import Local, Open, Reserve
+from engine.core.engine_core import RequestOutput, merge_outputs
 from engine.tp.sharding import num_blocks_for
 from worker.commands import WorkerError
-from worker.loop import EngineLoop
-from worker.metrics import WorkerMetrics
-from worker.process import WorkerKind, run_worker
-from worker.server import Identity
 from worker.servicer import (
     LoopServicerMixin,
     abort_with,
@@ -165,18 +159,3 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
 _NOT_OURS = frozenset({grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION,
                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
                        grpc.StatusCode.NOT_FOUND})
-
-
-def _make_loop(core: EngineCore, args: argparse.Namespace, metrics: WorkerMetrics) -> EngineLoop:
-    return DecodeLoop(core, args.transfer_timeout, max_requests=args.max_requests, metrics=metrics)
-
-
-def _add_servicer(loop: EngineLoop, identity: Identity, server: grpc.aio.Server) -> None:
-    pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(loop, identity), server)
-
-
-DECODE = WorkerKind(role="decode", make_loop=_make_loop, add_servicer=_add_servicer)
-
-
-def main(args: argparse.Namespace) -> int:
-    return run_worker(args, DECODE)

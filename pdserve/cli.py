@@ -26,6 +26,7 @@ _HTTP_MODULES = ("fastapi", "uvicorn", "jinja2")  # the router's HTTP API
 SERVER_MODULES = {
     "make-tiny-model": _ENGINE_MODULES, "demo": _ENGINE_MODULES,
     "prefill": _ENGINE_MODULES + _CLUSTER_MODULES, "decode": _ENGINE_MODULES + _CLUSTER_MODULES,
+    "worker": _ENGINE_MODULES + _CLUSTER_MODULES, "set-role": ("redis",),
     "router": _CLUSTER_MODULES + _HTTP_MODULES,
     "up": _ENGINE_MODULES + _CLUSTER_MODULES + _HTTP_MODULES,
 }
@@ -83,13 +84,20 @@ def _parser() -> argparse.ArgumentParser:
 def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
     from worker.options import add_decode_args, add_worker_args
 
-    prefill = sub.add_parser("prefill", help="run a prefill worker (gRPC, pushes KV)")
-    add_worker_args(prefill)
-    prefill.set_defaults(func=_prefill)
-    decode = sub.add_parser("decode", help="run a decode worker (gRPC, receives KV, streams)")
-    add_worker_args(decode)
-    add_decode_args(decode)
-    decode.set_defaults(func=_decode)
+    worker = sub.add_parser("worker", help="run a worker that serves either role and "
+                            "switches live (pdserve set-role)")
+    worker.add_argument("--role", choices=("prefill", "decode"), required=True,
+                        help="the role it starts with")
+    prefill = sub.add_parser("prefill", help="run a prefill worker (gRPC, pushes KV; "
+                             "pdserve worker --role prefill)")
+    prefill.set_defaults(role="prefill")
+    decode = sub.add_parser("decode", help="run a decode worker (gRPC, receives KV, streams; "
+                            "pdserve worker --role decode)")
+    decode.set_defaults(role="decode")
+    for parser in (worker, prefill, decode):
+        add_worker_args(parser)
+        add_decode_args(parser)
+        parser.set_defaults(func=_worker)
     from router.options import add_router_args
 
     router = sub.add_parser("router", help="run the router (public gRPC API, torch-free)")
@@ -160,6 +168,10 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--timeout", type=float, help="deadline of the whole call, in seconds")
     gen.add_argument("--tls-ca", help="connect with TLS, trusting this CA certificate (PEM)")
     gen.set_defaults(func=_generate)
+
+    from pdserve.set_role import add_set_role_parser
+
+    add_set_role_parser(sub)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -291,20 +303,12 @@ def _router(args: argparse.Namespace) -> int:
     return router_main(args)
 
 
-def _prefill(args: argparse.Namespace) -> int:
+def _worker(args: argparse.Namespace) -> int:
     from cluster.logs import configure_logging
-    from prefill_worker.server import main as prefill_main
+    from role_worker.server import main as worker_main
 
-    configure_logging("prefill")
-    return prefill_main(args)
-
-
-def _decode(args: argparse.Namespace) -> int:
-    from cluster.logs import configure_logging
-    from decode_worker.server import main as decode_main
-
-    configure_logging("decode")
-    return decode_main(args)
+    configure_logging(args.role)
+    return worker_main(args)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:

@@ -98,13 +98,21 @@ class PrefillLoop(EngineLoop):
     until ``stop``; a finished request's blocks stay pinned unacknowledged at most
     ``transfer_timeout_s``."""
 
+    ROLE = "prefill"
+
     def __init__(self, core: EngineCore, transfer_timeout_s: float, max_requests: int = 1024,
                  metrics: WorkerMetrics | None = None) -> None:
-        super().__init__("pdserve-prefill-loop", core, KVPlane(core, transfer_timeout_s),
-                         metrics or WorkerMetrics(Path(core.config.model.model_dir).name,
-                                                  "prefill", "-"))
+        EngineLoop.__init__(self, "pdserve-prefill-loop", core,
+                            KVPlane(core, transfer_timeout_s),
+                            metrics or WorkerMetrics(Path(core.config.model.model_dir).name,
+                                                     "prefill", "-"))
+        self.init_prefill(max_requests)
+
+    def init_prefill(self, max_requests: int) -> None:
+        """The prefill side's own state (a loop serving both roles calls it after
+        ``EngineLoop.__init__``)."""
         self.sending = self.kv.sending
-        self.max_requests = max_requests
+        self.max_prefills = max_requests
         self._held: dict[str, _Held] = {}
 
     def _handle_own(self, command: Command) -> object:
@@ -114,10 +122,11 @@ class PrefillLoop(EngineLoop):
         return super()._handle_own(command)
 
     def _submit(self, cmd: Submit) -> None:
+        self.refuse_unless("prefill", "new prefills")
         if cmd.attempt_id in self._held:
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {cmd.attempt_id!r} is already being prefilled")
-        if len(self._held) >= self.max_requests:
+        if len(self._held) >= self.max_prefills:
             raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"busy: {len(self._held)} requests held, the worker's limit "
                               "(--max-requests)")
@@ -137,10 +146,11 @@ class PrefillLoop(EngineLoop):
         self.timings.forget(attempt_id)
         if held is not None:  # the caller first: releasing calls into the ranks
             held.stream.fail(code, reason)
-        return self.sending.abort(attempt_id) or held is not None
+        sent = self.sending.abort(attempt_id) or held is not None
+        return super()._abort(attempt_id, code, reason) or sent
 
     def _live_ids(self) -> list[str]:
-        return list(self._held)
+        return list(self._held) + super()._live_ids()
 
     def _before_step(self) -> None:
         """Drop the queued requests whose deadline passed before their prefill started."""
@@ -159,6 +169,7 @@ class PrefillLoop(EngineLoop):
                          extra=self.log_extra(rid))
                 self._abort(rid, grpc.StatusCode.DEADLINE_EXCEEDED,
                             "the deadline passed before the prefill started")
+        super()._before_step()
 
     def _started_points(self, also: str | None = None) -> None:
         """``prefill.started`` for each held request whose first chunk was computed since
@@ -181,12 +192,15 @@ class PrefillLoop(EngineLoop):
                 if request is not None and request.num_computed_tokens:
                     pause_points.record("prefill.computed", attempt_id=rid,
                                         num_computed_tokens=request.num_computed_tokens)
+        super()._after_step()
 
     def _is_polling(self) -> bool:
-        return bool(self.sending.num_sending)
+        return bool(self.sending.num_sending) or super()._is_polling()
 
     def _deliver(self, out: RequestOutput) -> None:
-        if out.finished and out.request_id in self._held:  # else: warm-up
+        if out.request_id not in self._held:
+            super()._deliver(out)
+        elif out.finished:
             if out.logprobs:
                 self._held[out.request_id].first_token_logprobs = out.logprobs[0]
             if out.prompt_logprobs:
@@ -203,6 +217,7 @@ class PrefillLoop(EngineLoop):
     def _poll(self) -> None:
         for outcome in self.sending.poll():
             self._report(outcome)
+        super()._poll()
 
     def _report(self, outcome: SendOutcome) -> None:
         held = self._held.pop(outcome.request_id, None)

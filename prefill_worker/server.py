@@ -1,16 +1,13 @@
-"""The prefill worker process: ``pdserve prefill --model DIR [--port P]
-[--tensor-parallel-size p] [--ready-file PATH] [--redis-url URL]``.
+"""The prefill kind's gRPC edge: ``PrefillServicer``, the thin protobuf adapter of
+``Prefill`` (``Abort``, ``Info``, ``KVSnapshot`` and ``SetRole`` are ``worker.servicer``'s).
 
-What is the prefill kind's own: ``PrefillServicer`` (the thin protobuf adapter of
-``Prefill``; ``Abort`` and ``Info`` are ``worker.servicer``'s) and the ``WorkerKind`` that
-``worker.process.run_worker`` starts. Everything engine-side happens on the
-``PrefillLoop`` thread. The prefill worker has no KV endpoint of its own: it connects to
-each decode worker's store on demand.
+Everything engine-side happens on the engine-loop thread (``PrefillLoop``'s side of it).
+The process that serves it is ``role_worker.server`` (``pdserve prefill`` is
+``pdserve worker --role prefill``).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 
@@ -19,14 +16,9 @@ import grpc
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from cluster.kv_target import KVTarget
-from engine.core.engine_core import EngineCore
 from engine.tp.distributed import StoreAddress
-from prefill_worker.engine_loop import PrefillDone, PrefillLoop, Submit
+from prefill_worker.engine_loop import PrefillDone, Submit
 from worker.commands import WorkerError
-from worker.loop import EngineLoop
-from worker.metrics import WorkerMetrics
-from worker.process import WorkerKind, run_worker
-from worker.server import Identity
 from worker.servicer import (
     LoopServicerMixin,
     abort_with,
@@ -100,19 +92,3 @@ def _dest(target: pb.KVTarget) -> StoreAddress:
     except ValueError as exc:
         raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
     return StoreAddress(host, port)
-
-
-def _make_loop(core: EngineCore, args: argparse.Namespace, metrics: WorkerMetrics) -> EngineLoop:
-    return PrefillLoop(core, args.transfer_timeout, max_requests=args.max_requests,
-                       metrics=metrics)
-
-
-def _add_servicer(loop: EngineLoop, identity: Identity, server: grpc.aio.Server) -> None:
-    pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(loop, identity), server)
-
-
-PREFILL = WorkerKind(role="prefill", make_loop=_make_loop, add_servicer=_add_servicer)
-
-
-def main(args: argparse.Namespace) -> int:
-    return run_worker(args, PREFILL)

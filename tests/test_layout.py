@@ -23,12 +23,12 @@ import pytest
 from tests.factories import REPO_ROOT, run_without_torch
 
 PACKAGES = ("engine", "kvtransfer", "cluster", "worker", "prefill_worker", "decode_worker",
-            "router", "deploy", "pdserve", "sim", "tools", "bench", "loadtest")
+            "role_worker", "router", "deploy", "pdserve", "sim", "tools", "bench", "loadtest")
 TORCH = ("torch", "flash_attn", "triton")
 
 # What each package may import from the tree (besides itself). Imports point down:
-# pdserve (SDK, CLI) -> deploy -> router, prefill_worker, decode_worker -> worker -> cluster,
-# kvtransfer, engine. deploy reaches the servers through their option modules only.
+# pdserve (SDK, CLI) -> deploy -> router, role_worker -> prefill_worker, decode_worker ->
+# worker -> cluster, kvtransfer, engine. deploy reaches the servers through their option modules only.
 MAY_IMPORT = {
     "engine": set(),
     "kvtransfer": {"engine"},
@@ -37,6 +37,8 @@ MAY_IMPORT = {
     "worker": {"cluster", "kvtransfer", "engine"},
     "prefill_worker": {"worker", "cluster", "kvtransfer", "engine"},
     "decode_worker": {"worker", "cluster", "kvtransfer", "engine"},
+    # the worker program that serves either role: both kinds' loops and services in one
+    "role_worker": {"prefill_worker", "decode_worker", "worker", "cluster", "kvtransfer", "engine"},
     "router": {"cluster", "engine", "pdserve.v1"},
     "deploy": {"router.options", "worker.options", "engine.testing.tiny_model"},
     # the simulator runs the router's and the engine's real decision code
@@ -50,6 +52,8 @@ ADAPTERS = {
     "router.api", "router.service", "router.worker_calls",  # the router's two edges
     "router.debug",  # the router's introspection service
     "worker.servicer", "prefill_worker.server", "decode_worker.server",  # the workers' edge
+    "role_worker.server",
+    "cluster.worker_control",  # SetRole, for operators (pdserve set-role) and the planner
 }
 GENERATED = ("pdserve.v1.generate_pb2", "pdserve.v1.generate_pb2_grpc",
              "cluster.internal.v1.worker_pb2", "cluster.internal.v1.worker_pb2_grpc")

@@ -41,6 +41,16 @@ class Abort(Command[bool]):
 
 
 @dataclass(frozen=True)
+class SetRole(Command[str]):
+    """Serve ``role`` from now on; the reply is the role served before. New work of the
+    new role is taken at once, new work of the old one refused as busy; what the worker
+    holds of either role goes on to its end. ``WorkerError`` (INVALID_ARGUMENT) names
+    why a role this loop cannot serve is refused."""
+
+    role: str
+
+
+@dataclass(frozen=True)
 class AbortAll(Command[int]):
     reason: str = "the worker is shutting down"
 

@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from cluster import pause_points
-from worker.commands import Abort, AbortAll, Command, Info, LoopInfo, WorkerError
+from worker.commands import Abort, AbortAll, Command, Info, LoopInfo, SetRole, WorkerError
 from worker.figures import LoopFigures
 from worker.leases import LeaseBook
 from worker.metrics import RequestTimings, WorkerMetrics
+from worker.roles import RoleState
 
 if TYPE_CHECKING:
     from engine.core.engine_core import EngineCore, RequestOutput
@@ -50,7 +51,7 @@ class _Queued:
     deadline: float | None  # monotonic: the caller's; a command picked up later never runs
 
 
-class EngineLoop:
+class EngineLoop(RoleState):
     """A thread that owns an engine: runs commands between steps, steps while there is
     work, and sleeps on its command queue otherwise.
 
@@ -63,9 +64,15 @@ class EngineLoop:
     ``IDLE_POLL_S`` and after each round of commands) and ``_num_unadmitted()``. When the
     loop stops (asked to, or dead of an error) every live request is aborted and the
     engine shut down, once, on the loop thread.
+
+    The hooks are cooperative: each kind handles its own requests and passes the rest on
+    (``super()``; the defaults know nothing), so one loop may serve both roles
+    (``role_worker``; ``worker.roles`` keeps the role it takes new work for).
     """
 
-    def __init__(self, name: str, core: EngineCore, kv: KVPlane, metrics: WorkerMetrics) -> None:
+    def __init__(self, name: str, core: EngineCore, kv: KVPlane, metrics: WorkerMetrics,
+                 role: str = "") -> None:
+        RoleState.__init__(self, role)
         self.core = core
         self.kv = kv
         self.metrics = metrics
@@ -159,7 +166,7 @@ class EngineLoop:
             self.error = exc
         finally:
             self._stopped.set()
-            self._fail_queued()
+            _fail_queued(self._commands)
             self._close()
 
     def _serve_commands(self) -> bool:
@@ -196,16 +203,6 @@ class EngineLoop:
             self._poll()
         return True
 
-    def _fail_queued(self) -> None:
-        while True:
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None and item.future.set_running_or_notify_cancel():
-                item.future.set_exception(
-                    WorkerError(grpc.StatusCode.UNAVAILABLE, "the engine loop stopped"))
-
     def _close(self) -> None:
         """Fail every request still held (UNAVAILABLE: the caller may retry elsewhere) and
         shut the engine down. Each abort on its own: when ranks are dead an abort that
@@ -241,6 +238,8 @@ class EngineLoop:
             return len(ids)
         if isinstance(command, Info):
             return self._info()
+        if isinstance(command, SetRole):
+            return self.set_role(command.role)
         return self._handle_own(command)
 
     def named(self, attempt_id: str, client_request_id: str) -> None:
@@ -268,20 +267,20 @@ class EngineLoop:
                                  num_expired_commands=self.num_expired_commands,
                                  queued_commands=self._commands.qsize(), leases=self.leases)
 
-    # --- what each kind implements --------------------------------------------------
+    # --- what each kind implements (cooperatively: the defaults know nothing) ----------
     def _handle_own(self, command: Command[Any]) -> Any:
         raise TypeError(f"unknown command {command!r}")
 
     def _abort(self, attempt_id: str, code: grpc.StatusCode, reason: str) -> bool:
         """Stop one request wherever it is: fail its caller's stream first, then release
-        what it holds (which may call into the ranks and raise)."""
-        raise NotImplementedError
+        what it holds (which may call into the ranks and raise); False if unknown."""
+        return False
 
     def _live_ids(self) -> list[str]:
-        raise NotImplementedError
+        return []
 
     def _deliver(self, out: RequestOutput) -> None:
-        raise NotImplementedError
+        """One step output of a request no kind holds (the warm-up's)."""
 
     def _is_polling(self) -> bool:
         return False
@@ -298,6 +297,18 @@ class EngineLoop:
 
     def _after_step(self) -> None:
         """Runs after each step, once its outputs were delivered."""
+
+
+def _fail_queued(commands: queue.SimpleQueue[_Queued | None]) -> None:
+    """Fail every command still queued: the loop stopped."""
+    while True:
+        try:
+            item = commands.get_nowait()
+        except queue.Empty:
+            return
+        if item is not None and item.future.set_running_or_notify_cancel():
+            item.future.set_exception(
+                WorkerError(grpc.StatusCode.UNAVAILABLE, "the engine loop stopped"))
 
 
 def _log_failure(future: Future[Any]) -> None:

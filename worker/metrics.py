@@ -27,7 +27,7 @@ direction of the transfer, not by the worker's role: any worker may send and rec
 ``pdserve:kv_blocks_reused_total`` (prompt blocks a decode worker's prefix cache held
 at a reservation, so the sender skipped them), ``pdserve:kv_pinned_blocks``,
 ``pdserve:kv_open_channels`` (gauges), and
-``pdserve:worker_info{role, worker_id}`` (1).
+``pdserve:worker_info{role, worker_id}`` (1; the role follows a live switch).
 
 Thread model: the engine-loop thread records events (prometheus-client metrics are
 thread-safe); gauges and the data plane's totals are read from a snapshot the loop
@@ -147,10 +147,19 @@ class WorkerMetrics:
             for outcome in ("ok", "failed"):
                 self.transfers.labels(model_name, direction, outcome)
             self.transfer_seconds.labels(model_name, direction)
-        info = Gauge("pdserve:worker_info", "This worker", [*labels, "role", "worker_id"],
-                     registry=r)
-        info.labels(model_name, role, worker_id).set(1)
+        self._info = Gauge("pdserve:worker_info", "This worker (its role as it serves now)",
+                           [*labels, "role", "worker_id"], registry=r)
+        self.worker_id, self.role = worker_id, role
+        self._info.labels(model_name, role, worker_id).set(1)
         self.registry.register(_Live(self))
+
+    def set_role(self, role: str) -> None:
+        """The worker serves ``role`` now: ``pdserve:worker_info`` follows (one series)."""
+        if role == self.role:
+            return
+        self._info.remove(self.model_name, self.role, self.worker_id)
+        self.role = role
+        self._info.labels(self.model_name, role, self.worker_id).set(1)
 
     def label(self, metric: Any, *extra: str) -> Any:
         return metric.labels(self.model_name, *extra)

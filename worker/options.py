@@ -73,7 +73,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_decode_args(parser: argparse.ArgumentParser) -> None:
-    """What only ``pdserve decode`` takes, besides ``add_worker_args``."""
+    """The KV store's port (every worker receives KV: any may serve decode), besides
+    ``add_worker_args``."""
     parser.add_argument("--kv-port", type=int, default=0,
                         help="KV rendezvous store port (0: the OS picks when the store "
                         "binds; the ready file and registration tell the port it got)")

@@ -173,6 +173,7 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
     except BaseException:
         core.shutdown()
         raise
+    loop.role_listeners.append(metrics.set_role)
     loop.kv_events = kv_event_publisher(args, identity.worker_id, core)
     loop.start()
 

@@ -194,6 +194,7 @@ async def _serve(args: Any, loop: EngineLoop, endpoint: Endpoint, metrics_addres
                                                 metrics_address, refused)
             if heartbeat is None:
                 return 3
+            loop.role_listeners.append(heartbeat.set_role)  # the record follows a switch
             leases = start_lease_watcher(args, loop)
         await health_.set(True)
         watcher = asyncio.create_task(watch_progress(health_, loop, args.stall_timeout))

@@ -9,6 +9,7 @@ the generated internal API. Everything it hands to the loop is a plain dataclass
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, NoReturn
 
 import grpc
@@ -16,7 +17,7 @@ import grpc
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.kv_events import pack_hashes
 from engine.sampling_params import SamplingParams, StructuredOutput, TokenLogprobs
-from worker.commands import CALL_TIMEOUT_S, Abort, Info, LoopInfo, WorkerError
+from worker.commands import CALL_TIMEOUT_S, Abort, Info, LoopInfo, SetRole, WorkerError
 from worker.loop import EngineLoop
 from worker.server import Identity
 
@@ -43,7 +44,8 @@ async def abort_with(context: grpc.aio.ServicerContext, error: WorkerError) -> N
 
 
 class LoopServicerMixin:
-    """``Abort`` and ``Info`` RPCs over an ``EngineLoop``, shared by both worker kinds."""
+    """``Abort``, ``Info``, ``KVSnapshot`` and ``SetRole`` RPCs over an ``EngineLoop``,
+    shared by both worker kinds."""
 
     def __init__(self, loop: EngineLoop, identity: Identity) -> None:
         self.loop = loop
@@ -77,9 +79,23 @@ class LoopServicerMixin:
                    context: grpc.aio.ServicerContext) -> pb.WorkerInfo:
         try:
             return info_to_proto(self.identity,
-                                 await self.loop.acall(Info(), call_timeout(context)))
+                                 await self.loop.acall(Info(), call_timeout(context)),
+                                 role=self.loop.role)
         except WorkerError as exc:
             await abort_with(context, exc)
+
+    async def SetRole(self, request: pb.SetRoleRequest,  # noqa: N802 - gRPC name
+                      context: grpc.aio.ServicerContext) -> pb.SetRoleReply:
+        """The loop switches first (new work of the new role from its next command on);
+        then the role's listeners (registration, metrics) learn of it, off the event loop."""
+        try:
+            previous = await self.loop.acall(SetRole(request.role), call_timeout(context))
+        except WorkerError as exc:
+            await abort_with(context, exc)
+        for listener in self.loop.role_listeners:
+            await asyncio.to_thread(listener, request.role)
+        return pb.SetRoleReply(role=request.role, previous_role=previous,
+                               roles=list(self.loop.roles))
 
     async def KVSnapshot(self, request: pb.KVSnapshotRequest,  # noqa: N802 - gRPC name
                          context: grpc.aio.ServicerContext) -> pb.KVSnapshotReply:
@@ -123,11 +139,12 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
-def info_to_proto(identity: Identity, info: LoopInfo) -> pb.WorkerInfo:
-    """A loop's info snapshot → ``WorkerInfo``."""
+def info_to_proto(identity: Identity, info: LoopInfo, role: str = "") -> pb.WorkerInfo:
+    """A loop's info snapshot → ``WorkerInfo`` (``role``: the one served now; default the
+    identity's)."""
     kv = info.kv
     return pb.WorkerInfo(
-        worker_id=identity.worker_id, role=identity.role,
+        worker_id=identity.worker_id, role=role or identity.role,
         tensor_parallel_size=identity.tensor_parallel_size,
         model_fingerprint=identity.model_fingerprint,
         kv=pb.KVCacheUsage(total_blocks=kv.total, free_blocks=kv.free,

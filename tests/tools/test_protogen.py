@@ -109,12 +109,14 @@ def test_services_have_the_documented_methods() -> None:
         "Abort": ("AbortRequest", "AbortResponse", False),
         "Info": ("InfoRequest", "WorkerInfo", False),
         "KVSnapshot": ("KVSnapshotRequest", "KVSnapshotReply", False),
+        "SetRole": ("SetRoleRequest", "SetRoleReply", False),
     }
     assert shape("PrefillWorker") == {
         "Prefill": ("PrefillRequest", "PrefillResponse", False),
         "Abort": ("AbortRequest", "AbortResponse", False),
         "Info": ("InfoRequest", "WorkerInfo", False),
         "KVSnapshot": ("KVSnapshotRequest", "KVSnapshotReply", False),
+        "SetRole": ("SetRoleRequest", "SetRoleReply", False),
     }
 
 

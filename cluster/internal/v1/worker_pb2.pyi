@@ -336,3 +336,19 @@ class KVSnapshotReply(_message.Message):
     seq: int
     block_hashes: bytes
     def __init__(self, publishing: _Optional[bool] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    def __init__(self, role: _Optional[str] = ...) -> None: ...
+
+class SetRoleReply(_message.Message):
+    __slots__ = ("role", "previous_role", "roles")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    previous_role: str
+    roles: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., previous_role: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ...) -> None: ...

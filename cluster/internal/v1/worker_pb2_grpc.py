@@ -72,6 +72,11 @@ class DecodeWorkerStub:
                 request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotRequest.SerializeToString,
                 response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotReply.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/pdserve.internal.v1.DecodeWorker/SetRole',
+                request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.SetRoleReply.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -174,6 +179,20 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """Switches the role this worker takes new work for (a worker started as
+        `pdserve worker`, which serves either): new work of `role` is accepted at once, new
+        work of the other role is refused as busy (Prefill: RESOURCE_EXHAUSTED; Reserve:
+        `accepted = false`), and everything held of either role goes on to its end here.
+        Registration, fingerprint and leases hold across it; the registry record and the
+        metrics' role label follow. Idempotent. Errors: INVALID_ARGUMENT (an unknown role,
+        or one this worker cannot serve: a `pdserve prefill` or `pdserve decode` worker
+        serves its one role), UNAVAILABLE (the worker is stopping).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -206,6 +225,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.KVSnapshot,
                     request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotRequest.FromString,
                     response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotReply.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.SetRoleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -388,6 +412,33 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.DecodeWorker/SetRole',
+            cluster_dot_internal_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.SetRoleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """A prefill worker: runs prompt forward passes and pushes KV to decode workers.
@@ -418,6 +469,11 @@ class PrefillWorkerStub:
                 '/pdserve.internal.v1.PrefillWorker/KVSnapshot',
                 request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotRequest.SerializeToString,
                 response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotReply.FromString,
+                _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/pdserve.internal.v1.PrefillWorker/SetRole',
+                request_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.SetRoleReply.FromString,
                 _registered_method=True)
 
 
@@ -478,6 +534,20 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """Switches the role this worker takes new work for (a worker started as
+        `pdserve worker`, which serves either): new work of `role` is accepted at once, new
+        work of the other role is refused as busy (Prefill: RESOURCE_EXHAUSTED; Reserve:
+        `accepted = false`), and everything held of either role goes on to its end here.
+        Registration, fingerprint and leases hold across it; the registry record and the
+        metrics' role label follow. Idempotent. Errors: INVALID_ARGUMENT (an unknown role,
+        or one this worker cannot serve: a `pdserve prefill` or `pdserve decode` worker
+        serves its one role), UNAVAILABLE (the worker is stopping).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -500,6 +570,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.KVSnapshot,
                     request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotRequest.FromString,
                     response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotReply.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=cluster_dot_internal_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=cluster_dot_internal_dot_v1_dot_worker__pb2.SetRoleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -611,6 +686,33 @@ class PrefillWorker:
             '/pdserve.internal.v1.PrefillWorker/KVSnapshot',
             cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotRequest.SerializeToString,
             cluster_dot_internal_dot_v1_dot_worker__pb2.KVSnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.PrefillWorker/SetRole',
+            cluster_dot_internal_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            cluster_dot_internal_dot_v1_dot_worker__pb2.SetRoleReply.FromString,
             options,
             channel_credentials,
             insecure,
