@@ -132,6 +132,11 @@ class Keys:
     def kv_events(self) -> str:
         return f"{self.prefix}kv_events"
 
+    def lock(self, name: str) -> str:
+        """A cluster-wide lock's key (``cluster.election``)."""
+        check_name("lock", name)
+        return f"{self.prefix}lock:{name}"
+
     def worker(self, worker_id: str) -> str:
         check_name("worker_id", worker_id)
         return f"{self.prefix}worker:{worker_id}"

@@ -27,6 +27,7 @@ SERVER_MODULES = {
     "make-tiny-model": _ENGINE_MODULES, "demo": _ENGINE_MODULES,
     "prefill": _ENGINE_MODULES + _CLUSTER_MODULES, "decode": _ENGINE_MODULES + _CLUSTER_MODULES,
     "worker": _ENGINE_MODULES + _CLUSTER_MODULES, "set-role": ("redis",),
+    "planner": _CLUSTER_MODULES,
     "router": _CLUSTER_MODULES + _HTTP_MODULES,
     "up": _ENGINE_MODULES + _CLUSTER_MODULES + _HTTP_MODULES,
 }
@@ -169,6 +170,14 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--tls-ca", help="connect with TLS, trusting this CA certificate (PEM)")
     gen.set_defaults(func=_generate)
 
+    from planner.options import add_planner_args
+
+    planner = sub.add_parser("planner", help="run the planner: it decides the prefill/decode "
+                             "split from queue time and the SLO and switches workers' roles "
+                             "(one leads per cluster)")
+    add_planner_args(planner)
+    planner.set_defaults(func=_planner)
+
     from pdserve.set_role import add_set_role_parser
 
     add_set_role_parser(sub)
@@ -295,6 +304,22 @@ def _stream(client: Any, who: str, prompt: str, **params: Any) -> int:
           f"time={time.monotonic() - start:.2f}s ttft={first_s or 0.0:.2f}s]",
           file=sys.stderr, flush=True)
     return 0
+
+
+def _planner(args: argparse.Namespace) -> int:
+    from cluster.logs import configure_logging
+    from planner.service import main as planner_main
+    from sim.profile import ProfileError, load
+
+    configure_logging("planner")
+    try:
+        profile = load(args.profile)
+        costs = profile.step(args.tensor_parallel_size)
+    except (OSError, ProfileError) as exc:
+        print(f"pdserve planner: --profile {args.profile}: {exc}", file=sys.stderr)
+        return 2
+    return planner_main(args, costs, block_size=profile.model.block_size,
+                        handoff_s=profile.handoff_overhead_s + profile.transfer_latency_s)
 
 
 def _router(args: argparse.Namespace) -> int:

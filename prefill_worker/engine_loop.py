@@ -239,8 +239,11 @@ class PrefillLoop(EngineLoop):
                                 transfer_id=held.transfer_id)
             pause_points.pause("prefill.transfer_done", attempt_id=outcome.request_id,
                                transfer_id=held.transfer_id)
+        times = _times(held, outcome)
+        if times is not None:
+            self.metrics.prefill_queue.labels(self.metrics.model_name).observe(times.queue_s)
         stream.put(PrefillDone(outcome.trailer.first_token_id, outcome.trailer.num_cached_tokens,
-                               outcome.num_prompt_tokens, _times(held, outcome),
+                               outcome.num_prompt_tokens, times,
                                held.first_token_logprobs, held.prompt_logprobs))
 
 

@@ -18,8 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.core.scheduler import StepUpdate
+from planner.policy import RoleChange
 from router.config import AdmissionConfig, HandoffConfig
 from sim.events import EventQueue
+from sim.planning import PlannerSettings, SimPlanner
 from sim.profile import Profile
 from sim.router import SimRouter
 from sim.state import SharedView, SimRequest
@@ -47,6 +49,7 @@ class SimSpec:
     # faults: (worker id, virtual seconds): that worker dies then ("prefill-0", "decode-1")
     kills: tuple[tuple[str, float], ...] = ()
     kv_event_interval_s: float = KV_EVENT_INTERVAL_S
+    planner: PlannerSettings | None = None  # the planner switches roles while it runs
 
     def __post_init__(self) -> None:
         if self.num_decode < 1:
@@ -64,6 +67,13 @@ class SimSpec:
         if self.num_prefill == 0 and self.handoff.local_prefill == "never":
             raise ValueError("no prefill worker and local_prefill 'never': nothing can "
                              "prefill (use local_prefill 'always' or 'fallback')")
+        if self.planner is not None:
+            if self.prefill_tp != self.decode_tp:
+                raise ValueError("the planner switches roles between workers of one TP size: "
+                                 f"prefill_tp {self.prefill_tp} != decode_tp {self.decode_tp}")
+            if self.planner.config.min_prefill == 0 and self.handoff.local_prefill == "never":
+                raise ValueError("a planner that may leave no prefill worker (min_prefill 0) "
+                                 "needs local_prefill 'fallback' or 'always'")
 
 
 @dataclass
@@ -75,6 +85,7 @@ class SimResult:
     routers: list[SimRouter]
     duration_s: float  # first arrival to the last event
     num_events: int
+    role_changes: list[RoleChange] = field(default_factory=list)  # the planner's, in order
 
     def check(self) -> None:
         """Conservation (``AssertionError`` naming what broke): every request ended once
@@ -129,6 +140,14 @@ def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest]) ->
         events.at(request.arrival_s, routers[i % len(routers)].submit, request)
     for worker_id, at_s in spec.kills:
         events.at(at_s, shared.kill, worker_id)
+    planner = None
+    if spec.planner is not None:
+        last = ordered[-1].arrival_s if ordered else 0.0
+        planner = SimPlanner(spec.planner, profile, spec.decode_tp, spec.max_num_batched_tokens,
+                             workers, ordered, events, lambda: events.now < last
+                             or any(r.unfinished for r in routers))
+        planner.start()
     events.run()
     start = ordered[0].arrival_s if ordered else 0.0
-    return SimResult(list(requests), workers, routers, events.now - start, events.num_events)
+    return SimResult(list(requests), workers, routers, events.now - start, events.num_events,
+                     planner.changes if planner is not None else [])

@@ -59,8 +59,6 @@ class SimRouter:
         self.timeout_s = timeout_s
         self.block_size = profile.model.block_size
         self._by_id = {w.worker_id: w for w in workers}
-        self.prefill = [w for w in workers if w.role == "prefill"]
-        self.decode = [w for w in workers if w.role == "decode"]
         self.admission = Admission(admission.max_inflight, admission.max_queued_tokens,
                                    clock=events.clock, on_capacity=self._capacity_changed)
         self.queue: deque[SimRequest] = deque()
@@ -73,6 +71,15 @@ class SimRouter:
         self._turns = itertools.count()
         self._pump_pending = False
         self._retry_at: float | None = None
+
+    @property
+    def prefill(self) -> list[SimWorker]:
+        """The workers serving prefill now (a role may change while the run goes on)."""
+        return [w for w in self._by_id.values() if w.role == "prefill"]
+
+    @property
+    def decode(self) -> list[SimWorker]:
+        return [w for w in self._by_id.values() if w.role == "decode"]
 
     # ------------------------------------------------------------------ arrival
 
@@ -214,7 +221,7 @@ class SimRouter:
         if request is None:
             return  # an attempt that failed meanwhile
         assert update.new_token_id is not None
-        if worker.role == "prefill":
+        if update.request.prefill_only:  # by the request: the worker's role may have changed
             self.inflight[worker.worker_id] -= 1
             self.queued_tokens[worker.worker_id] -= update.request.num_prompt_tokens
             request.prefilled = True

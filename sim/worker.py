@@ -29,7 +29,9 @@ OnOutput = Callable[["SimWorker", StepUpdate], None]
 
 
 class SimWorker:
-    """A worker of ``role`` ("prefill" or "decode") with the step model ``step``."""
+    """A worker of ``role`` ("prefill" or "decode"; the planner may change it: what it
+    holds of the old role goes on) with the step model ``step``. ``queue_waits``: when each
+    request queued here had its first chunk computed, and how long it had waited."""
 
     def __init__(self, worker_id: str, role: str, step: StepModel, *, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
@@ -51,12 +53,15 @@ class SimWorker:
         self.num_steps = 0
         self._stepping = False
         self.dead = False  # killed (a fault): it does nothing more
+        self._added_at: dict[str, float] = {}  # queued here, no chunk computed yet
+        self.queue_waits: list[tuple[float, float]] = []  # (started at, waited) per request
 
     # ------------------------------------------------------------------ requests
 
     def add(self, request: Request) -> None:
         """Queue a request to compute here (a prefill-only one, or a local attempt)."""
         self.scheduler.add(request)
+        self._added_at[request.request_id] = self._events.now
         self.kick()
 
     def reserve(self, request: Request) -> int | None:
@@ -87,6 +92,7 @@ class SimWorker:
     def abort(self, request_id: str) -> None:
         """The router gave up the attempt ``request_id``: whatever it holds here is freed
         (queued, running, reserved or pinned)."""
+        self._added_at.pop(request_id, None)
         self.scheduler.finish(request_id, FinishReason.ABORT)
         self.scheduler.forget([request_id])
         if self.blocks.is_pinned(request_id):
@@ -107,6 +113,9 @@ class SimWorker:
         if not out.chunks:  # waiting for room (blocks held for KV on its way, or pinned)
             return
         self._stepping = True
+        for chunk in out.prefills:  # its first chunk: the queue wait ends
+            if (added := self._added_at.pop(chunk.request_id, None)) is not None:
+                self.queue_waits.append((self._events.now, self._events.now - added))
         duration = self.step.step_s(out)
         self.busy_s += duration
         self.num_steps += 1

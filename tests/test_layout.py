@@ -23,7 +23,8 @@ import pytest
 from tests.factories import REPO_ROOT, run_without_torch
 
 PACKAGES = ("engine", "kvtransfer", "cluster", "worker", "prefill_worker", "decode_worker",
-            "role_worker", "router", "deploy", "pdserve", "sim", "tools", "bench", "loadtest")
+            "role_worker", "router", "deploy", "pdserve", "sim", "planner", "tools", "bench",
+            "loadtest")
 TORCH = ("torch", "flash_attn", "triton")
 
 # What each package may import from the tree (besides itself). Imports point down:
@@ -42,7 +43,9 @@ MAY_IMPORT = {
     "router": {"cluster", "engine", "pdserve.v1"},
     "deploy": {"router.options", "worker.options", "engine.testing.tiny_model"},
     # the simulator runs the router's and the engine's real decision code
-    "sim": {"router", "cluster", "engine"},
+    "sim": {"router", "cluster", "engine", "planner"},
+    # the planner's policy is I/O-free; what it acts through is the cluster's
+    "planner": {"cluster"},
 }
 SDK_MODULES = ("pdserve", "pdserve.client", "pdserve.aio_client", "pdserve.failover",
                "pdserve.results", "pdserve.v1")
@@ -62,7 +65,7 @@ TORCH_FREE = ("engine.kvcache", "engine.core.scheduler", "engine.core.request", 
               "engine.sampling_params", "engine.grammar", "engine.tp.sharding", "engine.text.tokenizer",
               "engine.kvcache.layout", "kvtransfer.wire.protocol", "kvtransfer.config",
               "kvtransfer.states", "kvtransfer.plan", "cluster", "router", "worker.server",
-              "worker.loop", "worker.options", "cluster.pause_points", "pdserve.cli", "deploy", "sim",
+              "worker.loop", "worker.options", "cluster.pause_points", "pdserve.cli", "deploy", "sim", "planner",
               *SDK_MODULES)
 
 

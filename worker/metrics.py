@@ -24,6 +24,8 @@ rank acknowledged; received: reservation → KV verified on every rank) — labe
 direction of the transfer, not by the worker's role: any worker may send and receive —
 ``pdserve:kv_checksum_failures_total``,
 ``pdserve:kv_unexpected_acks_total`` (acknowledgements a sender counted and ignored),
+``pdserve:prefill_queue_seconds`` (histogram: a prefill's wait from its arrival to its
+first chunk's step, what the planner watches),
 ``pdserve:kv_blocks_reused_total`` (prompt blocks a decode worker's prefix cache held
 at a reservation, so the sender skipped them), ``pdserve:kv_pinned_blocks``,
 ``pdserve:kv_open_channels`` (gauges), and
@@ -134,12 +136,15 @@ class WorkerMetrics:
                                  ("direction", "outcome"))
         self.transfer_seconds = histogram("pdserve:kv_transfer_seconds", "KV transfer time",
                                           LATENCY_BUCKETS, ("direction",))
+        self.prefill_queue = histogram("pdserve:prefill_queue_seconds",
+                                       "Prefill: received to its first chunk scheduled",
+                                       LATENCY_BUCKETS)
         self.blocks_reused = counter(
             "pdserve:kv_blocks_reused",
             "Prompt KV blocks a decode worker's prefix cache held, so were not transferred")
         for metric in (self.prefix_queries, self.prefix_hits, self.preemptions,
                        self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
-                       self.blocks_reused):
+                       self.blocks_reused, self.prefill_queue):
             metric.labels(model_name)  # exported (at 0) before the first event
         for reason in ("stop", "length", "prefilled"):
             self.success.labels(model_name, reason)

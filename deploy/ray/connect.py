@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from deploy.ray.plan import RaySpec, WorkerPlan
+from deploy.ray.plan import RaySpec, local_ray_cpus
 from deploy.spec import WILDCARDS, ClusterError, is_loopback
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -30,19 +30,38 @@ def ray_init_kwargs(spec: RaySpec) -> tuple[dict[str, str], dict[str, Any]]:
         return {}, {"address": spec.address, **common}
     host = spec.cluster.host
     env = {LOOPBACK_ENV: "0"} if is_loopback(host) else {}
-    local: dict[str, Any] = {"include_dashboard": False, **common}
+    # sized for the plan it is about to place: else on a small machine the router, placed
+    # last, could wait for a CPU the workers took
+    local: dict[str, Any] = {"include_dashboard": False,
+                             "num_cpus": local_ray_cpus(spec, os.cpu_count() or 1), **common}
     if host not in WILDCARDS:
         local["_node_ip_address"] = "127.0.0.1" if host == "localhost" else host
     return env, local
+
+
+def prepare_ray_env(spec: RaySpec) -> dict[str, Any]:
+    """Set the environment ``spec``'s Ray needs (call before Ray is first imported: it
+    reads it then); returns ``ray.init``'s arguments."""
+    env, kwargs = ray_init_kwargs(spec)
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    return kwargs
+
+
+def check_bound(host: str, node_ip: str) -> None:
+    """``ClusterError`` unless the local Ray's node address ``node_ip`` is what ``--host``
+    asked for."""
+    if host in WILDCARDS or (is_loopback(host) and is_loopback(node_ip)) or host == node_ip:
+        return
+    raise ClusterError(f"the local Ray bound {node_ip}, not --host {host} (was Ray "
+                       f"imported before {LOOPBACK_ENV}=0 was set?)")
 
 
 def init_ray(spec: RaySpec) -> Any:
     """Connects to (or starts) the Ray of ``spec``, keeping this process's SIGTERM handler
     (``ray.init`` replaces it with ``sys.exit``; ``pdserve up`` needs its own, which stops
     the cluster). Returns the ``ray`` module; raises what ``ray.init`` raises."""
-    env, kwargs = ray_init_kwargs(spec)
-    for key, value in env.items():
-        os.environ.setdefault(key, value)
+    kwargs = prepare_ray_env(spec)
     import ray
 
     main = threading.current_thread() is threading.main_thread()
@@ -55,28 +74,56 @@ def init_ray(spec: RaySpec) -> Any:
     return ray
 
 
-def place_workers(plans: Sequence[WorkerPlan], name_of: Callable[[str], str], timeout_s: float,
-                  poll_s: float, groups: list[Any]) -> None:
-    """A ``STRICT_PACK`` placement group of one bundle per worker (appended to ``groups``
-    as they are created, so that the caller removes them whatever happens), all placed
-    within ``timeout_s``; else ``ClusterError`` naming what did not fit and what is free."""
+def place_workers(plans: Sequence[tuple[str, dict[str, float]]], name_of: Callable[[str], str],
+                  timeout_s: float, poll_s: float, groups: list[Any]) -> None:
+    """A ``STRICT_PACK`` placement group of one bundle per (name, bundle) — each worker's,
+    the router's — appended to ``groups`` as they are created (so that the caller removes
+    them whatever happens), all placed within ``timeout_s``; else ``ClusterError`` naming
+    what did not fit, what is free and the flags that change what is asked for."""
     import ray
     from ray.util.placement_group import placement_group
 
-    for plan in plans:
-        groups.append(placement_group([plan.bundle], strategy="STRICT_PACK",
-                                      name=name_of(plan.name)))
+    for name, bundle in plans:
+        groups.append(placement_group([bundle], strategy="STRICT_PACK", name=name_of(name)))
     refs = [group.ready() for group in groups[-len(plans):]] if plans else []
     deadline = time.monotonic() + timeout_s
     pending = list(refs)
     while pending and time.monotonic() < deadline:
         _, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
     if pending:
-        names = [plan.name for plan, ref in zip(plans, refs, strict=True) if ref in pending]
-        needs = "; ".join(f"{p.name} needs one node with {bundle_text(p.bundle)}"
-                          for p in plans if p.name in names)
+        names = [name for (name, _), ref in zip(plans, refs, strict=True) if ref in pending]
+        needs = "; ".join(f"{name} needs {_where(bundle)} with {bundle_text(bundle)}"
+                          for name, bundle in plans if name in names)
         raise ClusterError(f"no room for {', '.join(names)} within {timeout_s:g}s: {needs}; "
-                           f"the Ray cluster has {bundle_text(free_resources())} free")
+                           f"the Ray cluster has {bundle_text(free_resources())} free "
+                           "(--ray-cpus-per-rank and --ray-router-cpus set the CPUs asked for; "
+                           "a local Ray is sized for the plan)")
+
+
+def _where(bundle: dict[str, float]) -> str:
+    node = next((k.removeprefix("node:") for k in bundle if k.startswith("node:")), None)
+    return "one node" if node is None else f"this node ({node})"
+
+
+def placed_text(names: Sequence[str], groups: Sequence[Any]) -> str:
+    """The progress line of placed groups: ``placed prefill-0 on 10.0.0.7, ...``."""
+    nodes = node_ips()
+    return "placed " + ", ".join(f"{name} on {nodes.get(bundle_node(group) or '', '?')}"
+                                 for name, group in zip(names, groups, strict=True))
+
+
+def pinned_here() -> Any:
+    """A scheduling strategy: on this process's node (strictly)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def this_node_ip() -> str:
+    import ray
+
+    return str(ray.util.get_node_ip_address())
 
 
 def bundle_text(bundle: dict[str, float]) -> str:

@@ -38,14 +38,16 @@ from deploy.launcher import Launcher
 from deploy.launcher import serve as serve_launcher
 from deploy.ray.actors import RedisActor, SupervisedChild
 from deploy.ray.connect import (
-    LOOPBACK_ENV,
-    bundle_node,
     bundle_text,
+    check_bound,
     gcs_reachable,
     init_ray,
-    node_ips,
+    pinned_here,
     place_workers,
+    placed_text,
+    prepare_ray_env,
     quietly,
+    this_node_ip,
 )
 from deploy.ray.members import Member, first_line, poll, quote
 from deploy.ray.plan import (
@@ -55,10 +57,11 @@ from deploy.ray.plan import (
     WorkerPlan,
     actor_resources,
     plan_workers,
+    router_bundle,
     router_spec,
     worker_spec,
 )
-from deploy.spec import API_KEY_ENV, WILDCARDS, ChildExited, ClusterError, is_loopback, redacted
+from deploy.spec import API_KEY_ENV, WILDCARDS, ChildExited, ClusterError, redacted
 
 _CONCURRENCY = 4  # an actor answers status() while stop() waits for its child
 
@@ -76,6 +79,8 @@ class RayLauncher(Launcher):
         self.router: Member | None = None
         self._redis: Member | None = None
         self._placement_groups: list[Any] = []
+        self._router_group: Any = None  # placed with the workers' groups, on this node
+        self._router_bundle: dict[str, float] = {}
         self._owns_ray = False
         self._connected = False
 
@@ -92,8 +97,8 @@ class RayLauncher(Launcher):
 
     @property
     def placement_groups(self) -> list[Any]:
-        """The placement groups it created (one per worker, in ``workers`` order)."""
-        return list(self._placement_groups)
+        """The workers' placement groups (one per worker, in ``workers`` order)."""
+        return [g for g in self._placement_groups if g is not self._router_group]
 
     def statuses(self) -> dict[str, ChildStatus]:
         """Name → the latest status of every actor started and not yet stopped."""
@@ -119,7 +124,7 @@ class RayLauncher(Launcher):
     def _stop_processes(self) -> None:
         tiers = [[self.router] if self.router else [], self.workers,
                  [self._redis] if self._redis else []]
-        groups, self._placement_groups = self._placement_groups, []
+        groups, self._placement_groups, self._router_group = self._placement_groups, [], None
         self.router, self.workers, self._redis = None, [], None
         if self._connected and not gcs_reachable():
             # Ray went first (e.g. a SIGTERM to the whole process group): its actors, and
@@ -160,6 +165,7 @@ class RayLauncher(Launcher):
         self._connect()
 
     def _connect(self) -> None:
+        prepare_ray_env(self.ray_spec)  # before Ray's first import: it reads it then
         import ray
 
         address = self.ray_spec.address
@@ -176,19 +182,12 @@ class RayLauncher(Launcher):
         self._connected = True
         node_ip = ray.util.get_node_ip_address()
         if self._owns_ray:
-            self._check_bound(node_ip)
+            check_bound(self.spec.host, node_ip)
             self.progress(f"ray: started a local Ray on {node_ip} (dashboard off)")
         elif address is not None:
             alive = len([n for n in ray.nodes() if n["Alive"]])
             self.progress(f"ray: connected to {address} "
                           f"({alive} {'node' if alive == 1 else 'nodes'})")
-
-    def _check_bound(self, node_ip: str) -> None:
-        host = self.spec.host
-        if host in WILDCARDS or (is_loopback(host) and is_loopback(node_ip)) or host == node_ip:
-            return
-        raise ClusterError(f"the local Ray bound {node_ip}, not --host {host} (was Ray "
-                           f"imported before {LOOPBACK_ENV}=0 was set?)")
 
     def _start_redis(self) -> None:
         if self._say_redis():
@@ -196,7 +195,7 @@ class RayLauncher(Launcher):
         self.progress("starting redis-server ...")
         args = (str(self.log_dir), self.spec.stop_grace_s)
         actor = self._actor(RedisActor, "redis", args, num_cpus=0, max_restarts=0,
-                            scheduling_strategy=self._here())
+                            scheduling_strategy=pinned_here())
         self._redis = Member("redis", actor, restartable=False)
         self.redis_url = str(self._get(actor.url.remote(), "redis"))
         self.progress(f"redis ready at {redacted(self.redis_url)}")
@@ -208,7 +207,7 @@ class RayLauncher(Launcher):
 
         assert self.redis_url is not None
         self.progress("starting " + ", ".join(f"{p.name} (TP {p.tp})" for p in plans) + " ...")
-        for plan, group in zip(plans, self._placement_groups, strict=True):
+        for plan, group in zip(plans, self.placement_groups, strict=True):
             spec = worker_spec(self.ray_spec, plan, log_dir=str(self.log_dir),
                                redis_url=self.redis_url, token=self.cluster_token)
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
@@ -221,12 +220,14 @@ class RayLauncher(Launcher):
     def _place(self, plans: Sequence[WorkerPlan]) -> None:
         self.progress("placing " + ", ".join(f"{p.name} ({bundle_text(p.bundle)})"
                                              for p in plans) + " ...")
-        place_workers(plans, self._name, self.ray_spec.placement_timeout_s, self.poll_s,
+        # the router's group (on this node) is placed with the workers': a plan that leaves
+        # it no room fails now, naming it
+        self._router_bundle = router_bundle(self.ray_spec, this_node_ip())
+        place_workers([*((p.name, p.bundle) for p in plans), ("router", self._router_bundle)],
+                      self._name, self.ray_spec.placement_timeout_s, self.poll_s,
                       self._placement_groups)
-        nodes = node_ips()
-        self.progress("placed " + ", ".join(
-            f"{plan.name} on {nodes.get(bundle_node(group) or '', '?')}"
-            for plan, group in zip(plans, self._placement_groups, strict=True)))
+        self._router_group = self._placement_groups[-1]
+        self.progress(placed_text([p.name for p in plans], self.placement_groups))
 
     def _start_router(self) -> None:
         assert self.redis_url is not None
@@ -234,9 +235,13 @@ class RayLauncher(Launcher):
         spec = router_spec(self.ray_spec, log_dir=str(self.log_dir), redis_url=self.redis_url,
                            api_key=os.environ.get(API_KEY_ENV) or None,
                            token=self.cluster_token)
-        actor = self._actor(SupervisedChild, "router", (spec,),
-                            num_cpus=self.ray_spec.router_cpus, max_restarts=0,
-                            scheduling_strategy=self._here())
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        assert self._router_group is not None  # placed with the workers'
+        actor = self._actor(SupervisedChild, "router", (spec,), max_restarts=0,
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                self._router_group, placement_group_bundle_index=0),
+                            **actor_resources(self._router_bundle))
         self.router = Member("router", actor, restartable=False)
         self._wait_ready([self.router])
 
@@ -289,14 +294,6 @@ class RayLauncher(Launcher):
             raise ClusterError(f"{name}: {first_line(exc)} (is another pdserve up --ray "
                                f"with --cluster {self.spec.name} running on this Ray?)"
                                ) from None
-
-    @staticmethod
-    def _here() -> Any:
-        """Pinned to this process's node (strictly)."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
     def _get(self, ref: Any, name: str) -> Any:
         """``ray.get`` in short steps (Ctrl-C stays responsive); a failed actor → ClusterError."""

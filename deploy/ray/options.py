@@ -11,7 +11,7 @@ from typing import Any
 
 RAY_EXTRA = "pip install 'pdserve[server,ray]'"
 _RAY_ONLY = ("ray_address", "device", "ray_gpu_resource", "ray_cpus_per_rank",
-             "ray_max_restarts")
+             "ray_router_cpus", "ray_max_restarts")
 
 
 def add_ray_args(up: argparse.ArgumentParser) -> None:
@@ -31,6 +31,8 @@ def add_ray_args(up: argparse.ArgumentParser) -> None:
                           "--device cuda, none with cpu)")
     ray.add_argument("--ray-cpus-per-rank", type=float, metavar="N",
                      help="CPUs each rank reserves (default: 1)")
+    ray.add_argument("--ray-router-cpus", type=float, metavar="N",
+                     help="CPUs the router reserves on this node (default: 1; 0: none)")
     ray.add_argument("--ray-max-restarts", type=int, metavar="N",
                      help="how often Ray restarts a worker that died (default: 3; -1: always)")
 
@@ -57,5 +59,6 @@ def ray_spec_from_args(args: argparse.Namespace, cluster: Any) -> Any:
     given = {key: value for key, value in (
         ("address", args.ray_address), ("device", args.device),
         ("gpu_resource", args.ray_gpu_resource), ("cpus_per_rank", args.ray_cpus_per_rank),
-        ("max_restarts", args.ray_max_restarts)) if value is not None}
+        ("router_cpus", args.ray_router_cpus), ("max_restarts", args.ray_max_restarts))
+        if value is not None}
     return RaySpec(cluster=dataclasses.replace(cluster, redis_url=redis_url), **given)

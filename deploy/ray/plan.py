@@ -25,6 +25,7 @@ addresses serve only the cluster's router.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,31 @@ def worker_bundle(tp: int, *, cpus_per_rank: float, gpu_resource: str | None
     if gpu_resource is not None:
         bundle[gpu_resource] = float(tp)
     return bundle
+
+
+NODE_SHARE = 0.001
+"""Of a node's own resource (``node:<ip>``, 1 per node): pins a bundle to that node."""
+
+
+def router_bundle(spec: RaySpec, node_ip: str) -> dict[str, float]:
+    """The router's bundle: its CPUs (``router_cpus``), on the node ``pdserve up`` runs on
+    (it binds ``--host`` there)."""
+    bundle = {f"node:{node_ip}": NODE_SHARE}
+    if spec.router_cpus:
+        bundle["CPU"] = spec.router_cpus
+    return bundle
+
+
+def planned_cpus(spec: RaySpec) -> float:
+    """The CPUs the whole plan reserves: every worker's bundle and the router's."""
+    return sum(p.bundle.get("CPU", 0.0) for p in plan_workers(spec)) + spec.router_cpus
+
+
+def local_ray_cpus(spec: RaySpec, host_cpus: int) -> int:
+    """The CPUs a local Ray that pdserve starts declares: the machine's, or what the plan
+    reserves if that is more (Ray's CPUs are logical: a plan larger than the machine
+    shares its cores, as the same processes without Ray would)."""
+    return max(host_cpus, math.ceil(planned_cpus(spec)))
 
 
 def actor_resources(bundle: Mapping[str, float]) -> dict[str, Any]:

@@ -415,3 +415,23 @@ def test_a_layout_that_does_not_fit_fails_and_leaves_nothing(ray_head: Any, llam
         RayLauncher(config, progress=lines.append).start()
     assert "redis ready at" in " ".join(lines) and lines[-1] == "all processes stopped"
     assert_nothing_left(ray_head, [], tmp_path)
+
+
+def test_a_router_without_room_fails_before_any_worker_starts(ray_head: Any, llama_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """The router's CPUs are placed with the workers' groups, on this node: a plan that
+    leaves it none fails at once naming it and the flags (it used to wait in silence)."""
+    from deploy.ray.launcher import RayLauncher
+
+    spec = ClusterSpec(model_dir=llama_dir, num_prefill=1, num_decode=1, port=0, http_port=0,
+                       log_dir=tmp_path)
+    config = RaySpec(cluster=spec, gpu_resource=GPU, cpus_per_rank=0.5,
+                     router_cpus=NUM_CPUS, placement_timeout_s=2.0)
+    lines: list[str] = []
+    with pytest.raises(ClusterError, match=r"no room for router within 2s: router needs this "
+                                           r"node \(127\.0\.0\.1\) with CPU=4; .*"
+                                           r"--ray-router-cpus"):
+        RayLauncher(config, progress=lines.append).start()
+    assert not any("starting prefill-0" in line for line in lines), lines
+    assert lines[-1] == "all processes stopped"
+    assert_nothing_left(ray_head, [], tmp_path)

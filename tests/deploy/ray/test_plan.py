@@ -19,7 +19,10 @@ from deploy.ray.plan import (
     actor_resources,
     child_argv,
     child_env,
+    local_ray_cpus,
     plan_workers,
+    planned_cpus,
+    router_bundle,
     router_spec,
     worker_bundle,
     worker_spec,
@@ -199,6 +202,22 @@ def test_ray_init_arguments() -> None:
     assert env == {} and kwargs["address"] == "auto" and "include_dashboard" not in kwargs
 
 
+def test_a_local_ray_is_sized_for_the_plan_it_places() -> None:
+    # the defect: on 2 cores the default plan (two workers of 1 CPU, a router of 1) left
+    # the router waiting in silence for a third CPU
+    spec = RaySpec(cluster=ClusterSpec(num_prefill=1, num_decode=1))
+    assert planned_cpus(spec) == 3.0
+    assert local_ray_cpus(spec, host_cpus=2) == 3 and local_ray_cpus(spec, host_cpus=16) == 16
+    _, kwargs = ray_init_kwargs(spec)
+    assert kwargs["num_cpus"] >= 3
+    wide = RaySpec(cluster=ClusterSpec(num_prefill=2, num_decode=1, decode_tp=2),
+                   cpus_per_rank=0.5, router_cpus=0.0)
+    assert planned_cpus(wide) == 2.0 and local_ray_cpus(wide, host_cpus=1) == 2
+    assert "num_cpus" not in ray_init_kwargs(RaySpec(address="auto"))[1]  # not ours to size
+    assert router_bundle(spec, "10.0.0.7") == {"node:10.0.0.7": 0.001, "CPU": 1.0}
+    assert router_bundle(wide, "10.0.0.7") == {"node:10.0.0.7": 0.001}
+
+
 def _up_args(*words: str) -> argparse.Namespace:
     return _parser().parse_args(["up", *words])
 
@@ -206,10 +225,11 @@ def _up_args(*words: str) -> argparse.Namespace:
 def test_ray_flags_become_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_REDIS_URL", REDIS_URL)
     args = _up_args("--ray", "--ray-address", "auto", "--device", "cuda",
-                    "--ray-cpus-per-rank", "4", "--ray-max-restarts", "-1")
+                    "--ray-cpus-per-rank", "4", "--ray-router-cpus", "0.5",
+                    "--ray-max-restarts", "-1")
     config = ray_spec_from_args(args, ClusterSpec())
     assert (config.address, config.device, config.rank_gpu_resource) == ("auto", "cuda", "GPU")
-    assert (config.cpus_per_rank, config.max_restarts) == (4.0, -1)
+    assert (config.cpus_per_rank, config.router_cpus, config.max_restarts) == (4.0, 0.5, -1)
     assert config.cluster.redis_url == REDIS_URL  # from the environment, never a flag
     defaults = ray_spec_from_args(_up_args("--ray"), ClusterSpec(redis_url="redis://x"))
     assert defaults.cluster.redis_url == "redis://x" and defaults.cpus_per_rank == 1.0

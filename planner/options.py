@@ -1,0 +1,50 @@
+"""Command-line options of ``pdserve planner`` (standard library only: the ``pdserve``
+parser is built from them even where the server extra is not installed)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from cluster.internal_tls import add_internal_tls_args
+from cluster.token import add_token_arg
+
+REDIS_URL_ENV = "PDSERVE_REDIS_URL"
+
+
+def add_planner_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV),
+                        help=f"the cluster's Redis (default: ${REDIS_URL_ENV})")
+    parser.add_argument("--cluster", default="default", help="Redis key namespace")
+    parser.add_argument("--profile", required=True,
+                        help="the workers' step-time profile (python -m bench.profile --json "
+                             "PATH, or --derive for a GPU): the capacity model's costs")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="the workers' TP size (the profile's step model of that size)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="the workers' --max-num-batched-tokens")
+    parser.add_argument("--ttft-slo-ms", type=float, required=True)
+    parser.add_argument("--tpot-slo-ms", type=float, required=True)
+    parser.add_argument("--interval", type=float, default=5.0,
+                        help="seconds between decisions")
+    parser.add_argument("--window", type=float, default=20.0,
+                        help="seconds of metrics each decision looks at")
+    parser.add_argument("--dwell", type=float, default=30.0,
+                        help="after a role change, none for this many seconds")
+    parser.add_argument("--min-gain", type=float, default=0.05,
+                        help="a split must be predicted this much better (0..1) to move")
+    parser.add_argument("--min-prefill", type=int, default=0,
+                        help="prefill workers to keep (0: the router's --local-prefill "
+                             "fallback prefills on decode workers)")
+    parser.add_argument("--min-decode", type=int, default=1, help="decode workers to keep")
+    parser.add_argument("--lock-ttl", type=float, default=10.0,
+                        help="the leader's lock lapses this long after its last renewal: a "
+                             "waiting planner takes over then")
+    parser.add_argument("--planner-id", help="default: planner-<random>")
+    parser.add_argument("--host", default="127.0.0.1", help="what the metrics endpoint binds")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="/metrics port (0: any free port)")
+    parser.add_argument("--ready-file", help="write the planner's id and metrics address "
+                                             "here as JSON once it runs")
+    add_token_arg(parser)
+    add_internal_tls_args(parser)

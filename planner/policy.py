@@ -1,0 +1,177 @@
+"""The planner's decision, I/O-free on an injectable clock: given one window's
+observation of the cluster, which worker (if any) should switch role now, and why.
+
+    planner = Planner(PlannerConfig(ttft_slo_s=1.0, tpot_slo_s=0.05), model, clock)
+    for change in planner.decide(observation):   # at most one RoleChange
+        ...                                      # SetRole(change.worker_id, change.to_role)
+
+For every split of the workers it can reach (at least ``min_prefill`` prefill and
+``min_decode`` decode workers) it predicts the SLO attainment (``planner.capacity``) and
+takes the best, but only when that beats the current split's prediction by ``min_gain``
+(hysteresis) and no role changed within ``dwell_s`` (no flapping); then it moves one worker
+a step towards it: the worker of the role that shrinks holding the least work. The
+model is corrected by what was measured: the mean prefill queue wait of the window
+implies an effective prefill rate (the one the planner uses when lower than the
+model's: a planner blind to queue time keeps estimating TTFT from compute alone), and the
+measured inter-token latency scales the decode costs. The same object runs in the real
+cluster (``pdserve planner``) and in the simulator (``sim``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from planner.capacity import CapacityModel, Prediction, Traffic, effective_prefill_rate
+
+ROLES = ("prefill", "decode")
+HOLDS = {"no_traffic": "nothing arrived in the window", "bounds": "the split is outside "
+         "min_prefill/min_decode", "gain": "no split is predicted better by min_gain",
+         "dwell": "a role changed less than dwell_s ago"}
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The SLO the split is chosen for and the planner's restraint."""
+
+    ttft_slo_s: float
+    tpot_slo_s: float
+    dwell_s: float = 30.0  # after a role change, none for this long
+    min_gain: float = 0.05  # a split must be predicted this much better to move towards it
+    min_prefill: int = 0  # 0: the decode workers may prefill (the router's local prefill)
+    min_decode: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
+            raise ValueError("the TTFT and TPOT SLOs must be positive")
+        if self.dwell_s < 0 or self.min_gain < 0:
+            raise ValueError("dwell_s and min_gain must not be negative")
+        if self.min_prefill < 0 or self.min_decode < 1:
+            raise ValueError("min_prefill must be >= 0 and min_decode >= 1")
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One worker as the window saw it: its role, the requests it holds, and the mean
+    queue wait of the prompts it started in the window (prefill: before the first chunk;
+    0 when unknown)."""
+
+    worker_id: str
+    role: str
+    held: int = 0
+    queue_wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One window of the cluster: its workers, its traffic and the measured decode step
+    (mean inter-token latency; None when nothing was decoded)."""
+
+    workers: tuple[WorkerState, ...]
+    traffic: Traffic
+    itl_s: float | None = None
+    ttft_s: float | None = None  # the window's mean TTFT, for the reason only
+
+    def of_role(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers if w.role == role]
+
+
+@dataclass(frozen=True)
+class RoleChange:
+    """A decision: ``worker_id`` goes from ``from_role`` to ``to_role`` at ``t``."""
+
+    t: float
+    worker_id: str
+    from_role: str
+    to_role: str
+    reason: str
+    predicted_before: float
+    predicted_after: float
+
+
+@dataclass
+class Planner:
+    """See the module doc. ``decisions`` keeps every change it made."""
+
+    config: PlannerConfig
+    model: CapacityModel
+    clock: Callable[[], float] = time.monotonic
+    decisions: list[RoleChange] = field(default_factory=list)
+    last_change_at: float = -math.inf
+    held: str = ""  # why the last decision moved nothing: HOLDS' keys ("" when it moved)
+    desired: Prediction | None = None  # the best split at the last decision
+
+    def predictions(self, obs: Observation) -> list[Prediction]:
+        """Every reachable split's prediction, fewest prefill workers first."""
+        n = len(obs.workers)
+        prefill, decode = obs.of_role("prefill"), obs.of_role("decode")
+        queueing = prefill or decode  # without prefill workers the decode ones prefill
+        waits = [w.queue_wait_s for w in queueing]
+        measured = effective_prefill_rate(obs.traffic, len(queueing), sum(waits) / len(waits)
+                                          if waits else 0.0)
+        rate = min(self.model.prefill_rate(obs.traffic.prompt_tokens), measured)
+        scale = 1.0
+        if obs.itl_s is not None and decode:
+            predicted = self.model.decode_step(obs.traffic, len(decode))
+            if math.isfinite(predicted) and predicted > 0:
+                scale = min(4.0, max(0.5, obs.itl_s / predicted))
+        c = self.config
+        return [self.model.predict(obs.traffic, p, n - p, ttft_slo_s=c.ttft_slo_s,
+                                   tpot_slo_s=c.tpot_slo_s, prefill_rate=rate,
+                                   decode_scale=scale)
+                for p in range(c.min_prefill, n - c.min_decode + 1)]
+
+    def decide(self, obs: Observation) -> list[RoleChange]:
+        """At most one role change (empty: hold the split; ``held`` says why)."""
+        now = self.clock()
+        if obs.traffic.rate <= 0:
+            return self._hold("no_traffic")
+        options = self.predictions(obs)
+        current_p = len(obs.of_role("prefill"))
+        current = next((o for o in options if o.num_prefill == current_p), None)
+        if current is None or not options:  # outside the bounds: no move is ours to make
+            return self._hold("bounds")
+        best = max(options, key=lambda o: (round(o.attainment, 9),
+                                           -abs(o.num_prefill - current_p)))
+        self.desired = best
+        if best.attainment < current.attainment + self.config.min_gain:
+            return self._hold("gain")
+        if now - self.last_change_at < self.config.dwell_s:
+            return self._hold("dwell")
+        grow = "prefill" if best.num_prefill > current_p else "decode"
+        shrink = "decode" if grow == "prefill" else "prefill"
+        worker = min(obs.of_role(shrink), key=lambda w: (w.held, w.worker_id))
+        step = next(o for o in options if o.num_prefill == current_p + (1 if grow == "prefill"
+                                                                        else -1))
+        change = RoleChange(now, worker.worker_id, shrink, grow,
+                            _reason(obs, current, best, step), current.attainment,
+                            step.attainment)
+        self.decisions.append(change)
+        self.last_change_at, self.held = now, ""
+        return [change]
+
+    def _hold(self, why: str) -> list[RoleChange]:
+        self.held = why
+        return []
+
+
+def _reason(obs: Observation, current: Prediction, best: Prediction, step: Prediction) -> str:
+    t = obs.traffic
+    waits = [w.queue_wait_s for w in obs.workers if w.queue_wait_s > 0]
+    seen = [f"{t.rate:.2f} req/s of {t.prompt_tokens:.0f}+{t.output_tokens:.0f} tokens"]
+    if waits:
+        seen.append(f"prefill queue {max(waits):.2f}s")
+    if obs.ttft_s is not None:
+        seen.append(f"TTFT {obs.ttft_s:.2f}s")
+    if obs.itl_s is not None:
+        seen.append(f"ITL {obs.itl_s * 1000:.0f}ms")
+    return (f"{', '.join(seen)}: predicted attainment {current.attainment:.2f} at "
+            f"{_split(current)}, {step.attainment:.2f} at {_split(step)}"
+            + (f" (best {best.attainment:.2f} at {_split(best)})" if best != step else ""))
+
+
+def _split(p: Prediction) -> str:
+    return f"{p.num_prefill}P+{p.num_decode}D"
+

@@ -1,0 +1,189 @@
+"""The planner process (``pdserve planner``): one per cluster decides, the others wait.
+
+Every ``--interval`` seconds each planner competes for the cluster's lock
+(``cluster.election``); the leader reads the registry (every worker's role and held
+requests), scrapes every worker's ``/metrics``, and once it has a window
+(``--window`` seconds; right after it took over, at least half of that) hands
+``planner.observe.observation`` of it to ``planner.policy.Planner``. A role change the
+policy decides is made with ``SetRole`` on that worker (``cluster.worker_control``),
+logged with its reason and counted (``planner.metrics``). A worker that does not answer
+a scrape is left out of that window; a switch a worker refuses is logged and counted,
+and the policy's dwell time still applies. SIGTERM/SIGINT: resign the lock (the next
+planner takes over at its next tick) and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import prometheus_client
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.election import Election
+from cluster.files import write_json_atomic
+from cluster.internal_tls import InternalTLS, internal_tls
+from cluster.records import WorkerRecord
+from cluster.registry import Registry, RegistryError
+from cluster.token import ClusterToken, load_cluster_token
+from cluster.worker_control import RoleSwitchError, set_role
+from planner.capacity import CapacityModel, StepCosts
+from planner.metrics import PlannerMetrics
+from planner.observe import WorkerSample, observation
+from planner.policy import ROLES, Planner, PlannerConfig, RoleChange
+
+log = logging.getLogger(__name__)
+SCRAPE_TIMEOUT_S = 2.0
+LOCK_NAME = "planner"
+
+
+def scrape(address: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> dict[str, float]:
+    """A ``/metrics`` endpoint's samples: ``name{label=value,...}`` (labels sorted,
+    ``model_name`` left out) → value."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s).read()
+    values = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                              if k != "model_name")
+            values[f"{sample.name}{{{labels}}}"] = sample.value
+    return values
+
+
+class PlannerService:
+    """The leader's loop around one ``Planner`` (see the module doc); ``tick`` is one round."""
+
+    def __init__(self, planner: Planner, registry: Registry, election: Election,
+                 metrics: PlannerMetrics, *, window_s: float,
+                 token: ClusterToken | None = None, tls: InternalTLS | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.planner = planner
+        self.registry = registry
+        self.election = election
+        self.metrics = metrics
+        self.window_s = window_s
+        self._token, self._tls, self._clock = token, tls, clock
+        self._history: deque[tuple[float, list[WorkerSample]]] = deque()
+
+    def tick(self) -> list[RoleChange]:
+        """Lead (or wait), sample, and decide once there is a window; the changes made."""
+        if not self.election.lead():
+            self.metrics.leader.set(0)
+            self._history.clear()  # a leader again later starts a fresh window
+            return []
+        self.metrics.leader.set(1)
+        try:
+            records = self.registry.list_workers()
+        except RegistryError as exc:
+            log.warning("cannot read the registry: %s", exc)
+            return []
+        now, samples = self._clock(), self._sample(records)
+        for role in ROLES:
+            self.metrics.workers.labels(role).set(sum(1 for r in records if r.role == role))
+        self._history.append((now, samples))
+        while len(self._history) > 2 and now - self._history[1][0] >= self.window_s:
+            self._history.popleft()
+        start, first = self._history[0]
+        if now - start < self.window_s / 2 or not samples:  # too short a window to judge
+            return []
+        changes = self.planner.decide(observation(first, samples, now - start))
+        self._record()
+        by_id = {r.worker_id: r for r in records}
+        for change in changes:
+            self._switch(by_id[change.worker_id], change)
+        return changes
+
+    def _sample(self, records: list[WorkerRecord]) -> list[WorkerSample]:
+        samples = []
+        for record in records:
+            try:
+                metrics = scrape(record.metrics_address) if record.metrics_address else {}
+            except OSError as exc:
+                log.info("left %s out of this window: /metrics did not answer: %s",
+                         record.worker_id, exc)
+                continue
+            samples.append(WorkerSample(record.worker_id, record.role,
+                                        record.num_running + record.num_waiting, metrics))
+        return samples
+
+    def _record(self) -> None:
+        planner = self.planner
+        if planner.held:
+            self.metrics.decisions.labels("hold", planner.held).inc()
+        if planner.desired is not None:
+            self.metrics.desired.labels("prefill").set(planner.desired.num_prefill)
+            self.metrics.desired.labels("decode").set(planner.desired.num_decode)
+
+    def _switch(self, record: WorkerRecord, change: RoleChange) -> None:
+        self.metrics.predicted.set(change.predicted_before)
+        try:
+            asyncio.run(set_role(record.grpc_address, change.to_role, token=self._token,
+                                 tls=self._tls))
+        except RoleSwitchError as exc:
+            self.metrics.decisions.labels("failed", "refused" if exc.refused
+                                          else "unreachable").inc()
+            log.warning("%s -> %s not made: %s (%s)", change.worker_id, change.to_role, exc,
+                        change.reason)
+            return
+        self.metrics.decisions.labels("switch", f"to_{change.to_role}").inc()
+        log.info("switched %s: %s -> %s: %s", change.worker_id, change.from_role,
+                 change.to_role, change.reason)
+
+
+def main(args: Any, costs: StepCosts, *, block_size: int, handoff_s: float) -> int:
+    """``pdserve planner`` with the profile's ``costs`` at the workers' TP size; returns
+    the exit code (2: unusable options)."""
+    try:
+        if not args.redis_url:
+            raise ValueError("--redis-url (or $PDSERVE_REDIS_URL) is required")
+        config = PlannerConfig(ttft_slo_s=args.ttft_slo_ms / 1000,
+                               tpot_slo_s=args.tpot_slo_ms / 1000, dwell_s=args.dwell,
+                               min_gain=args.min_gain, min_prefill=args.min_prefill,
+                               min_decode=args.min_decode)
+        token, tls = load_cluster_token(args.cluster_token_file), internal_tls(args)
+        registry = Registry(args.redis_url, cluster=args.cluster)
+        holder = args.planner_id or f"planner-{uuid.uuid4().hex[:8]}"
+        election = Election(args.redis_url, cluster=args.cluster, name=LOCK_NAME,
+                            holder=holder, ttl_s=args.lock_ttl)
+        if not 0 < args.interval < args.lock_ttl:
+            raise ValueError(f"--interval must be positive and shorter than --lock-ttl "
+                             f"({args.lock_ttl:g}s), got {args.interval:g}")
+    except ValueError as exc:
+        print(f"pdserve planner: {exc}", file=sys.stderr)
+        return 2
+    model = CapacityModel(costs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          block_size=block_size, handoff_s=handoff_s)
+    metrics = PlannerMetrics()
+    service = PlannerService(Planner(config, model), registry, election, metrics,
+                             window_s=args.window, token=token, tls=tls)
+    server, _ = prometheus_client.start_http_server(args.metrics_port, args.host,
+                                                    metrics.registry)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.ready_file:
+        write_json_atomic(args.ready_file, {
+            "planner_id": holder, "role": "planner",
+            "metrics_address": f"{args.host}:{server.server_address[1]}"})
+    log.info("planner %s: SLO TTFT %.0f ms, TPOT %.0f ms; deciding every %.1fs over %.1fs",
+             holder, args.ttft_slo_ms, args.tpot_slo_ms, args.interval, args.window)
+    try:
+        while not stop.is_set():
+            service.tick()
+            stop.wait(args.interval)
+    finally:
+        election.close()
+        registry.close()
+        server.shutdown()
+        server.server_close()
+    log.info("planner %s stopped", holder)
+    return 0

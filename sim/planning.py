@@ -1,0 +1,105 @@
+"""The planner on the simulator's virtual clock: every ``interval_s`` the real
+``planner.policy.Planner`` gets one window's observation of the simulated cluster and its
+role changes are applied to the workers at once (what they hold of the old role goes on,
+as a live ``SetRole`` does).
+
+The observation is what the real planner reads from the cluster: arrivals per second and
+mean prompt and output lengths of the window, each worker's held requests and the mean
+queue wait of the prompts it started in the window, the window's mean inter-token latency
+and mean TTFT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from planner.capacity import CapacityModel, Traffic
+from planner.policy import Observation, Planner, PlannerConfig, RoleChange, WorkerState
+from sim.events import EventQueue
+from sim.profile import Profile
+from sim.state import SimRequest
+from sim.worker import SimWorker
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """The planner of a simulated cluster: its config, how often it decides and over how
+    long a window it looks."""
+
+    config: PlannerConfig
+    interval_s: float = 5.0
+    window_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.window_s <= 0:
+            raise ValueError("the planner's interval and window must be positive")
+
+
+class SimPlanner:
+    """Drives ``Planner`` over a run (``start`` once, before ``events.run``)."""
+
+    def __init__(self, settings: PlannerSettings, profile: Profile, tp: int,
+                 max_num_batched_tokens: int, workers: list[SimWorker],
+                 requests: Sequence[SimRequest], events: EventQueue,
+                 running: Callable[[], bool]) -> None:
+        model = CapacityModel(profile.step(tp), max_num_batched_tokens=max_num_batched_tokens,
+                              block_size=profile.model.block_size,
+                              handoff_s=profile.handoff_overhead_s + profile.transfer_latency_s)
+        self.planner = Planner(settings.config, model, clock=events.clock)
+        self.settings = settings
+        self._workers = workers
+        self._requests = sorted(requests, key=lambda r: r.arrival_s)
+        self._events = events
+        self._running = running  # whether requests are still to come or in flight
+
+    @property
+    def changes(self) -> list[RoleChange]:
+        return self.planner.decisions
+
+    def start(self) -> None:
+        if self._requests:
+            self._events.at(self._requests[0].arrival_s + self.settings.interval_s, self._tick)
+
+    def _tick(self) -> None:
+        for change in self.planner.decide(self.observe()):
+            worker = next(w for w in self._workers if w.worker_id == change.worker_id)
+            worker.role = change.to_role
+        if self._running():
+            self._events.after(self.settings.interval_s, self._tick)
+
+    def observe(self) -> Observation:
+        """The window ending now."""
+        now = self._events.now
+        since = now - self.settings.window_s
+        arrived = [r for r in self._requests if since < r.arrival_s <= now]
+        traffic = Traffic(len(arrived) / self.settings.window_s,
+                          _mean([r.prompt_len for r in arrived]),
+                          _mean([r.max_tokens for r in arrived]))
+        workers = tuple(WorkerState(w.worker_id, w.role, _held(w), _mean(
+            [wait for at, wait in w.queue_waits if at > since])) for w in self._workers
+            if not w.dead)
+        gaps: list[float] = []
+        ttfts: list[float] = []
+        for r in self._requests:
+            if r.arrival_s > now:
+                break
+            if r.finished_s is not None and r.finished_s <= since or r.error:
+                continue  # ended before the window
+            if r.first_token_s is not None and since < r.first_token_s <= now:
+                ttfts.append(r.first_token_s - r.arrival_s)
+            times, i = r.token_times_s, len(r.token_times_s) - 1
+            while i >= 1 and times[i] > since:  # the window's gaps, from the end
+                gaps.append(times[i] - times[i - 1])
+                i -= 1
+        return Observation(workers, traffic, itl_s=_mean(gaps) if gaps else None,
+                           ttft_s=_mean(ttfts) if ttfts else None)
+
+
+def _held(worker: SimWorker) -> int:
+    scheduler = worker.scheduler
+    return len(scheduler.requests) + len(scheduler.reserved)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
