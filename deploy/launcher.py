@@ -66,6 +66,8 @@ class Launcher(ABC):
             self._start_workers()
             if self.spec.start_router:
                 self._start_router()
+            if self.spec.planner_args is not None:
+                self._start_planner()
         except BaseException:
             self.stop()
             raise
@@ -136,6 +138,11 @@ class Launcher(ABC):
     @abstractmethod
     def _start_router(self) -> None:
         """The router; returns when it serves."""
+
+    def _start_planner(self) -> None:
+        """The planner (``spec.planner_args``); returns when it runs."""
+        raise ClusterError(f"the planner (--planner) runs without --ray only, for now "
+                           f"({type(self).__name__}); run pdserve planner yourself")
 
     @abstractmethod
     def _stop_processes(self) -> None:

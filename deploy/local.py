@@ -85,6 +85,7 @@ class LocalLauncher(Launcher):
         self._redis: RedisServer | None = None
         self.workers: list[Child] = []
         self.routers: list[Child] = []
+        self.planners: list[Child] = []  # the planner, with --planner
 
     @property
     def router(self) -> Child | None:
@@ -130,14 +131,17 @@ class LocalLauncher(Launcher):
         grace = self.spec.stop_grace_s
         routers, self.routers = self.routers, []
         workers, self.workers = self.workers, []
+        planners, self.planners = self.planners, []
         redis_server, self._redis = self._redis, None
+        if planners:  # first: it must not switch a role while the rest stops
+            terminate_all([p.proc for p in planners], grace)
         if routers:
             terminate_all([r.proc for r in routers], grace)
         if workers:
             terminate_all([w.proc for w in workers], grace)
         if redis_server is not None:
             redis_server.stop()
-        for child in [*workers, *routers]:
+        for child in [*workers, *routers, *planners]:
             child.ready_path.unlink(missing_ok=True)  # it no longer tells the truth
 
     # ------------------------------------------------------------------ restarts
@@ -178,7 +182,7 @@ class LocalLauncher(Launcher):
     # ------------------------------------------------------------------ start steps
 
     def _children(self) -> list[Child]:
-        return [*self.workers, *self.routers]
+        return [*self.workers, *self.routers, *self.planners]
 
     def _prepare(self) -> None:
         self.progress(f"logs in {self._make_log_dir()}")
@@ -229,6 +233,18 @@ class LocalLauncher(Launcher):
         self.routers = [self._spawn(name, [*self._pdserve("router"), *router_options(spec, i)])
                         for i, name in enumerate(spec.router_names)]
         self._wait_ready(self.routers, self._describe_worker)
+
+    def _start_planner(self) -> None:
+        spec = self.spec
+        assert spec.planner_args is not None
+        argv = [sys.executable, "-m", "pdserve", "planner", "--host", spec.host,
+                "--cluster", spec.name, *spec.planner_args]
+        if spec.local_prefill == "never" and "--min-prefill" not in spec.planner_args:
+            argv += ["--min-prefill", "1"]  # the routers cannot serve without one
+        self.progress("starting the planner ...")
+        self.planners = [self._spawn("planner", argv)]
+        self._wait_ready(self.planners, lambda c: f"planner ready (metrics "
+                                                  f"{(c.ready or {}).get('metrics_address')})")
 
     def _pdserve(self, command: str) -> list[str]:
         return [sys.executable, "-m", "pdserve", command, "--model", str(self.model_dir),

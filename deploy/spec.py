@@ -78,6 +78,8 @@ class ClusterSpec:
     cpu_affinity: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     local_prefill: str = "never"  # router's --local-prefill; "always" allows 0 prefill workers
     start_router: bool = True  # False: Redis and workers only (run your own router)
+    # None: no planner; else ``pdserve planner`` runs with these flags (--profile, SLOs)
+    planner_args: tuple[str, ...] | None = None
     start_timeout_s: float = 300.0  # for all workers, then for the router, to be ready
     drain_s: float = 5.0  # workers' --grace: in-flight RPCs finish within it on SIGTERM
     stop_grace_s: float = 15.0  # per tier, from SIGTERM to SIGKILL

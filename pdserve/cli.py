@@ -142,6 +142,14 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
                          "and a rolling restart (SIGHUP) serves on (default 1; local only)")
     up.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",
                     help="the router's --local-prefill (always: colocated, --prefill 0 allowed)")
+    up.add_argument("--planner", metavar="PROFILE",
+                    help="also run the planner (pdserve planner) with this step-time profile: "
+                         "it switches workers' roles for --ttft-slo-ms / --tpot-slo-ms (local "
+                         "only; without --local-prefill it keeps one prefill worker)")
+    up.add_argument("--ttft-slo-ms", type=float, default=1000.0,
+                    help="the planner's TTFT SLO (default 1000)")
+    up.add_argument("--tpot-slo-ms", type=float, default=100.0,
+                    help="the planner's TPOT SLO (default 100)")
     up.add_argument("--no-router", dest="router", action="store_false",
                     help="start Redis and the workers only (run your own router)")
     up.add_argument("--demo", action="store_true",
@@ -200,7 +208,10 @@ def _up(args: argparse.Namespace) -> int:
             log_dir=Path(args.log_dir) if args.log_dir else None,
             num_kv_blocks=args.num_kv_blocks, max_inflight=args.max_inflight,
             local_prefill=args.local_prefill, start_router=args.router,
-            num_routers=args.routers)
+            num_routers=args.routers,
+            planner_args=None if args.planner is None else (
+                "--profile", str(Path(args.planner).resolve()),
+                "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-slo-ms", str(args.tpot_slo_ms)))
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2

@@ -13,9 +13,9 @@ The model, per window of traffic (arrival rate λ, mean prompt P and output O to
 - **decode**: by Little's law each of the ``d`` decode workers runs ``b = λ·O·t / d``
   sequences, ``t`` the step time at that batch, ``t = base + b·(per_seq + per_context·C)``
   with ``C = P + O/2`` the mean context: ``b = λ·O·base / (d - λ·O·(per_seq +
-  per_context·C))``, no fixed point (overload) when that is not positive. Attainment is 1
-  while ``t ≤ tpot_slo`` and falls off smoothly past it; 0 when the batch's KV does not
-  fit in the workers' pools.
+  per_context·C))``, no fixed point (overload) when that is not positive. The requests'
+  TPOTs spread about ``t`` (normal, ``TPOT_SPREAD`` of it): attainment is the share of
+  them within ``tpot_slo``; 0 when the batch's KV does not fit in the workers' pools.
 - without prefill workers (``p = 0``) the decode workers prefill too: the prefill queue
   runs at their rate, and the share of their time it takes (``λ·S / d``) stretches their
   decode steps.
@@ -49,6 +49,10 @@ class StepCosts(Protocol):
     def per_decode_context_s(self) -> float: ...
     @property
     def num_kv_blocks(self) -> int: ...
+
+
+TPOT_SPREAD = 0.25
+"""Requests' TPOTs spread about the mean step time (coefficient of variation, normal)."""
 
 
 @dataclass(frozen=True)
@@ -141,9 +145,13 @@ class CapacityModel:
         if num_prefill == 0 and num_decode > 0:  # the decode workers prefill too: their
             busy = traffic.rate * service / num_decode  # share of time spent prefilling
             step = step / (1 - busy) if busy < 1 else math.inf
-        tpot = 0.0 if not self.kv_fits(traffic, num_decode, step) else (
-            1.0 if step <= tpot_slo_s else math.exp(-4 * (step / tpot_slo_s - 1)))
+        tpot = 0.0 if not self.kv_fits(traffic, num_decode, step) else _normal_cdf(
+            (tpot_slo_s - step) / (TPOT_SPREAD * step))
         return Prediction(num_prefill, num_decode, ttft, tpot, load, step)
+
+
+def _normal_cdf(z: float) -> float:
+    return 0.5 * (1 + math.erf(z / math.sqrt(2)))
 
 
 def effective_prefill_rate(traffic: Traffic, num_prefill: int, queue_wait_s: float) -> float:

@@ -152,9 +152,10 @@ class RayLauncher(Launcher):
                 *([self.router] if self.router else [])]
 
     def _prepare(self) -> None:
-        if self.spec.num_routers > 1:
-            raise ClusterError("several router replicas (--routers) run without --ray only, "
-                               "for now; on Ray, run more routers as your own processes")
+        if self.spec.num_routers > 1 or self.spec.planner_args is not None:
+            raise ClusterError("several router replicas (--routers) and the planner "
+                               "(--planner) run without --ray only, for now; on Ray, run them "
+                               "as your own processes")
         self.progress(f"logs in {self._make_log_dir()} (on each actor's node)")
         if self.spec.model_dir is None:
             self.progress("model: the built-in tiny model (each node builds it on first use)")

@@ -27,7 +27,7 @@ import pytest
 from deploy.local import LocalLauncher
 from deploy.spec import ChildExited, ClusterError, ClusterSpec
 from tests.factories import REPO_ROOT
-from tests.processes import wait_until
+from tests.processes import alive, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -394,3 +394,36 @@ def test_children_run_on_the_cpus_they_are_pinned_to(llama_dir: Path, tmp_path: 
         LocalLauncher(ClusterSpec(model_dir=llama_dir, port=0, http_port=None,
                                         log_dir=tmp_path, cpu_affinity={"router": (4096,)})
                      ).start()
+
+
+def test_up_with_the_planner_runs_it_beside_the_cluster(llama_dir: Path, tmp_path: Path) -> None:
+    # pdserve up --planner PROFILE: the planner leads, keeps the one prefill worker the
+    # routers need (no --local-prefill), and stops first
+    from sim.profile import SCHEMA
+    from tests.e2e.cluster import scrape_metrics
+
+    profile = tmp_path / "profile.json"
+    step = {"base_s": 0.001, "per_prefill_token_s": 1e-5, "per_prefill_attention_s": 0.0,
+            "per_decode_seq_s": 1e-4, "per_decode_context_s": 0.0, "num_kv_blocks": 64}
+    profile.write_text(json.dumps({
+        "schema": SCHEMA, "source": "derived", "model": {
+            "name": "tiny", "num_layers": 2, "kv_bytes_per_token": 1024, "block_size": 16,
+            "max_model_len": 2048}, "steps": {"1": step},
+        "transfer": {"latency_s": 0.001, "bytes_per_s": 1e9}, "router": {"overhead_s": 0.0},
+        "handoff": {"overhead_s": 0.0}}))
+    config = ClusterSpec(model_dir=llama_dir, port=0, http_port=None, num_kv_blocks=NUM_KV_BLOCKS,
+                         log_dir=tmp_path, planner_args=("--profile", str(profile),
+                                                         "--ttft-slo-ms", "500",
+                                                         "--tpot-slo-ms", "50",
+                                                         "--interval", "0.2"))
+    lines: list[str] = []
+    with LocalLauncher(config, progress=lines.append) as cluster:
+        assert set(cluster.pids()) == {"redis", "prefill-0", "decode-0", "router", "planner"}
+        [planner] = cluster.planners
+        assert "--min-prefill" in planner.argv and planner.argv[-1] == "1"
+        address = (planner.ready or {})["metrics_address"]
+        wait_until(lambda: scrape_metrics(address)["pdserve:planner_leader{}"] == 1, 10,
+                   "the planner to lead")
+        pids = list(cluster.pids().values())
+    assert any(line.startswith("planner ready") for line in lines), lines
+    assert not any(alive(pid) for pid in pids)  # every child, the planner included, stopped

@@ -1,0 +1,323 @@
+"""The planner against fixed splits, on the same two cores, under a mix that shifts.
+
+    python -m bench.planner [--json out.json] [--seed S] [--seeds N] [--plot plots/] [--quick]
+
+Three arms, each its own cluster of two workers pinned one per core (``bench.disagg``'s
+layout: ``bench55m``, fp32, one torch thread per worker), one router with
+``--local-prefill fallback`` (a cluster whose only prefill worker became a decode worker
+still serves), on the same seeded arrivals:
+
+- ``disaggregated``: 1 prefill + 1 decode worker, fixed;
+- ``colocated``: 2 decode workers prefilling locally, fixed;
+- ``planner``: starts 1 + 1, with ``pdserve planner`` (``--min-prefill 0``) switching
+  roles live.
+
+The workload: ``long-prompt`` (512 → 64 tokens), then ``sharegpt-like`` (decode-heavy,
+outputs up to 128 tokens), then ``long-prompt`` again, ``--phase-seconds`` each (Poisson
+arrivals). Before the arms, the disaggregated layout serves a few requests of each mix one
+at a time: the unloaded latencies give the SLO (TTFT ≤ ``--ttft-slo-factor`` × the
+long prompts' unloaded TTFT, TPOT ≤ ``--tpot-slo-factor`` × the larger unloaded TPOT;
+``--ttft-slo-ms`` / ``--tpot-slo-ms`` instead) and the capacity ``1 / unloaded TTFT`` of
+one prefill core the rates are fractions of (``--long-fraction``, ``--sharegpt-fraction``;
+the defaults are the rates at which ``bench.disagg`` found the fixed splits furthest
+apart: disaggregation ahead on long prompts, colocation ahead on ShareGPT-like ones; the
+JSON says per phase how far apart the static arms came out). The planner's capacity model
+is a ``bench.profile`` of the same model measured first (``--profile`` to reuse one).
+
+A request meets the SLO when it completes within both targets; attainment is the share of
+the requests sent that did (one unfinished ``--cut-off-factor`` times the longest it could
+take and meet the SLO is cancelled and misses it). ``failed`` counts the requests that
+ended in an error other than that cut-off. Goal: the planner's attainment ≥ the better
+static arm's + 0.10, with 0 failed and no role change undone within the planner's dwell.
+
+``--json PATH``: ``arms.{disaggregated,colocated,planner}.slo_attainment`` (``overall``,
+``by_phase``), ``.failed``, ``arms.planner.role_changes`` (``{t, worker, from, to,
+reason}``, ``t`` in seconds from the first arrival), the SLO and rates used; ``--seeds N``
+repeats the run on seeds S.. and reports the spread; ``--plot DIR`` writes attainment over
+time (10 s bins) with the role changes marked. About 11 minutes by default; ``--quick``
+(the tiny model, 8 s phases) is what the tests run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from bench.clusters import bench_model, cluster, describe, one_by_one, send, two_cpus
+from bench.common import format_table, machine_info, model_facts, write_json
+from bench.serving import CUT_OFF, Outcome
+from loadtest.workloads import Request, Workload, WorkloadSpec
+
+ARMS = ("disaggregated", "colocated", "planner")
+PHASES = ("long-prompt", "sharegpt-like", "long-prompt")
+GAIN_GOAL = 0.10
+SWITCHED = re.compile(r"^(\S+ \S+) .*switched (\S+): (\w+) -> (\w+): (.*)$")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.planner", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1, help="runs, on seeds --seed, --seed + 1, ...")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--profile", type=Path, help="reuse this bench.profile JSON")
+    p.add_argument("--phase-seconds", type=float)
+    p.add_argument("--long-fraction", type=float, default=0.75)
+    p.add_argument("--sharegpt-fraction", type=float, default=0.45)
+    p.add_argument("--ttft-slo-factor", type=float, default=5.0)
+    p.add_argument("--tpot-slo-factor", type=float, default=1.5)
+    p.add_argument("--ttft-slo-ms", type=float)
+    p.add_argument("--tpot-slo-ms", type=float)
+    p.add_argument("--cut-off-factor", type=float, default=3.0)
+    p.add_argument("--num-kv-blocks", type=int, default=512, help="per worker")
+    p.add_argument("--interval", type=float, default=2.0, help="the planner's --interval")
+    p.add_argument("--window", type=float, default=10.0, help="the planner's --window")
+    p.add_argument("--dwell", type=float, default=20.0, help="the planner's --dwell")
+    args = p.parse_args(argv)
+    if args.phase_seconds is None:
+        args.phase_seconds = 8.0 if args.quick else 60.0
+    return args
+
+
+def workload_spec(name: str, quick: bool) -> WorkloadSpec:
+    if name == "long-prompt":
+        return WorkloadSpec("random", input_len=128 if quick else 512,
+                            output_len=16 if quick else 64)
+    return WorkloadSpec("sharegpt-like", max_input_len=256 if quick else 1024,
+                        max_output_len=32 if quick else 128)
+
+
+def arm_layout(arm: str, cpus: tuple[int, int]) -> dict[str, Any]:
+    first, last = cpus
+    if arm == "colocated":
+        return {"num_prefill": 0, "num_decode": 2, "local_prefill": "always",
+                "cpu_affinity": {"decode-0": (first,), "decode-1": (last,)}}
+    return {"num_prefill": 1, "num_decode": 1, "local_prefill": "fallback",
+            "cpu_affinity": {"prefill-0": (first,), "decode-0": (last,)}}
+
+
+def measure_profile(args: argparse.Namespace, model_dir: Path, out: Path) -> Path:
+    """A ``bench.profile`` of the model (step times only: the planner's model needs no
+    handoff figures), in a process of its own, pinned like a worker."""
+    cmd = [sys.executable, "-m", "bench.profile", "--model", str(model_dir), "--threads", "1",
+           "--no-handoff", "--json", str(out), *(["--quick"] if args.quick else [])]
+    print(f"measuring the planner's profile: {' '.join(cmd[1:])}", flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def calibrate(args: argparse.Namespace, model_dir: Path, vocab: int, cpus: tuple[int, int]
+              ) -> dict[str, Any]:
+    """Unloaded latencies of both mixes on the disaggregated layout: the SLO and rates."""
+    alone: dict[str, dict[str, float]] = {}
+    with cluster(model_dir, num_kv_blocks=args.num_kv_blocks,
+                 **arm_layout("disaggregated", cpus)) as running:
+        for name in ("long-prompt", "sharegpt-like"):
+            spec = workload_spec(name, args.quick)
+            one_by_one(running.router_address, Workload(spec, vocab, seed=99).take(2))
+            done = [o for o in one_by_one(running.router_address,
+                                          Workload(spec, vocab, seed=1).take(6)) if o.success]
+            if not done:
+                raise SystemExit(f"bench.planner: unloaded {name} requests failed")
+            alone[name] = {"ttft_ms": 1000 * statistics.median(o.ttft for o in done),
+                           "tpot_ms": 1000 * statistics.median(o.tpot or 0.0 for o in done)}
+    slo = {"ttft": args.ttft_slo_ms or args.ttft_slo_factor * alone["long-prompt"]["ttft_ms"],
+           "tpot": args.tpot_slo_ms or args.tpot_slo_factor * max(
+               a["tpot_ms"] for a in alone.values())}
+    capacity = 1000.0 / alone["long-prompt"]["ttft_ms"]
+    rates = {"long-prompt": round(args.long_fraction * capacity, 2),
+             "sharegpt-like": round(args.sharegpt_fraction * capacity, 2)}
+    return {"unloaded": alone, "slo_ms": slo, "capacity_req_s": capacity, "rates": rates}
+
+
+def phased_requests(args: argparse.Namespace, vocab: int, rates: dict[str, float],
+                    seed: int) -> list[list[Request]]:
+    return [Workload(workload_spec(name, args.quick), vocab, seed=seed * 100 + i).take(
+        max(1, round(rates[name] * args.phase_seconds))) for i, name in enumerate(PHASES)]
+
+
+def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, cpus: tuple[int, int],
+            plan: dict[str, Any], profile: Path, seed: int) -> dict[str, Any]:
+    """One arm: its cluster, then the three phases, each sent from its start time."""
+    slo = plan["slo_ms"]
+    planner_args = None if arm != "planner" else (
+        "--profile", str(profile), "--ttft-slo-ms", f"{slo['ttft']:.1f}",
+        "--tpot-slo-ms", f"{slo['tpot']:.2f}", "--interval", str(args.interval),
+        "--window", str(args.window), "--dwell", str(args.dwell), "--min-prefill", "0")
+    limit = (args.cut_off_factor * slo["ttft"] / 1000, args.cut_off_factor * slo["tpot"] / 1000)
+    phases = phased_requests(args, plan["vocab_size"], plan["rates"], seed)
+    results: list[tuple[list[Outcome], float] | None] = [None] * len(phases)
+    with cluster(model_dir, num_kv_blocks=args.num_kv_blocks, planner_args=planner_args,
+                 **arm_layout(arm, cpus)) as running:
+        configuration = describe(running)
+        one_by_one(running.router_address, phases[0][:1] + phases[1][:1])  # warm both paths
+        start_wall, start = time.time(), time.monotonic()
+
+        def phase(i: int) -> None:
+            time.sleep(max(0.0, start + i * args.phase_seconds - time.monotonic()))
+            name = PHASES[i]
+            results[i] = send(running.router_address, phases[i], request_rate=plan["rates"][name],
+                              seed=seed * 10 + i, limit_s=lambda r: limit[0] + limit[1] * max(
+                                  1, r.max_tokens - 1))
+
+        threads = [threading.Thread(target=phase, args=(i,)) for i in range(len(phases))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        log = running.planners[0].log_path.read_text() if running.planners else ""
+    outcomes = [(i, o) for i, r in enumerate(results) if r is not None for o in r[0]]
+    for i, o in outcomes:
+        o.sent_at += i * args.phase_seconds  # from the first arrival
+    return summarize_arm(arm, outcomes, slo, configuration, role_changes(log, start_wall))
+
+
+def role_changes(log: str, start_wall: float) -> list[dict[str, Any]]:
+    """The planner's switches from its log: ``{t, worker, from, to, reason}``."""
+    found = []
+    for line in log.splitlines():
+        if (m := SWITCHED.match(line)) is not None:
+            at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            found.append({"t": round(at - start_wall, 1), "worker": m.group(2),
+                          "from": m.group(3), "to": m.group(4), "reason": m.group(5)})
+    return found
+
+
+def summarize_arm(arm: str, outcomes: Sequence[tuple[int, Outcome]], slo: dict[str, float],
+                  configuration: dict[str, Any], changes: list[dict[str, Any]]
+                  ) -> dict[str, Any]:
+    def attain(items: Sequence[Outcome]) -> float:
+        return sum(o.meets(slo) for o in items) / len(items) if items else 0.0
+
+    everything = [o for _, o in outcomes]
+    out: dict[str, Any] = {
+        "configuration": configuration,
+        "slo_attainment": {"overall": attain(everything), "by_phase": [
+            attain([o for i, o in outcomes if i == k]) for k in range(len(PHASES))]},
+        "requests": len(everything),
+        "failed": sum(not o.success and not o.error.startswith(CUT_OFF) for o in everything),
+        "cut_off": sum(o.error.startswith(CUT_OFF) for o in everything),
+        "over_time": over_time(everything, slo)}
+    if arm == "planner":
+        out["role_changes"] = changes
+    return out
+
+
+def over_time(outcomes: Sequence[Outcome], slo: dict[str, float], bin_s: float = 10.0
+              ) -> list[tuple[float, float]]:
+    """(bin start, attainment of the requests sent in it)."""
+    bins: dict[int, list[Outcome]] = {}
+    for o in outcomes:
+        bins.setdefault(int(o.sent_at // bin_s), []).append(o)
+    return [(k * bin_s, sum(o.meets(slo) for o in v) / len(v)) for k, v in sorted(bins.items())]
+
+
+def undone_within(changes: Sequence[dict[str, Any]], dwell_s: float) -> list[str]:
+    """Changes reversed (the same worker back) sooner than ``dwell_s`` after them."""
+    bad = []
+    for a, b in zip(changes, changes[1:]):
+        if b["worker"] == a["worker"] and b["to"] == a["from"] and b["t"] - a["t"] < dwell_s:
+            bad.append(f"{a['worker']} at {a['t']}s and {b['t']}s")
+    return bad
+
+
+def verdict(run: dict[str, Any], dwell_s: float) -> dict[str, Any]:
+    arms = run["arms"]
+    static = max(arms[a]["slo_attainment"]["overall"] for a in ("disaggregated", "colocated"))
+    planner = arms["planner"]["slo_attainment"]["overall"]
+    apart = [abs(d - c) for d, c in zip(arms["disaggregated"]["slo_attainment"]["by_phase"],
+                                        arms["colocated"]["slo_attainment"]["by_phase"],
+                                        strict=True)]
+    undone = undone_within(arms["planner"]["role_changes"], dwell_s)
+    return {"planner_minus_best_static": planner - static,
+            "static_arms_apart_by_phase": apart, "undone_within_dwell": undone,
+            "goal_met": planner >= static + GAIN_GOAL and not undone and all(
+                arms[a]["failed"] == 0 for a in ARMS)}
+
+
+def render(run: dict[str, Any]) -> str:
+    rows = [[arm, f"{a['slo_attainment']['overall']:.2f}",
+             *(f"{x:.2f}" for x in a["slo_attainment"]["by_phase"]), a["failed"], a["cut_off"]]
+            for arm, a in run["arms"].items()]
+    table = format_table(rows, ["arm", "attainment", *(f"{i + 1}: {p}" for i, p in
+                                                       enumerate(PHASES)), "failed", "cut off"])
+    changes = "\n".join(f"  {c['t']:7.1f}s {c['worker']}: {c['from']} -> {c['to']}: {c['reason']}"
+                        for c in run["arms"]["planner"]["role_changes"]) or "  (none)"
+    v = run["verdict"]
+    return (f"{table}\nrole changes:\n{changes}\nplanner - best static: "
+            f"{v['planner_minus_best_static']:+.2f} (goal +{GAIN_GOAL:.2f}); static arms apart "
+            f"by phase: {', '.join(f'{x:.2f}' for x in v['static_arms_apart_by_phase'])}; "
+            f"goal {'met' if v['goal_met'] else 'NOT met'}")
+
+
+def plot(path: Path, run: dict[str, Any]) -> Path:
+    from bench.plots import _pyplot
+
+    plt = _pyplot()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for arm, a in run["arms"].items():
+        ax.plot([t for t, _ in a["over_time"]], [x for _, x in a["over_time"]], marker=".",
+                label=arm)
+    for change in run["arms"]["planner"]["role_changes"]:
+        ax.axvline(change["t"], color="grey", linestyle=":")
+    ax.set_xlabel("seconds from the first arrival (dotted: the planner's role changes)")
+    ax.set_ylabel("SLO attainment (10 s bins)")
+    ax.set_ylim(0, 1.02)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    model_dir, cpus = bench_model(args.quick), two_cpus()
+    facts = model_facts(model_dir)
+    out_dir = (args.json.parent if args.json else Path.cwd())
+    profile = args.profile or measure_profile(args, model_dir, out_dir / "planner-profile.json")
+    plan = {"vocab_size": facts["vocab_size"], **calibrate(args, model_dir, facts["vocab_size"],
+                                                           cpus)}
+    print(f"SLO: TTFT <= {plan['slo_ms']['ttft']:.0f} ms, TPOT <= {plan['slo_ms']['tpot']:.1f} ms;"
+          f" rates {plan['rates']} (capacity {plan['capacity_req_s']:.2f} req/s)", flush=True)
+    runs = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        run: dict[str, Any] = {"seed": seed, "arms": {}}
+        for arm in ARMS:
+            print(f"seed {seed}: {arm} ...", flush=True)
+            run["arms"][arm] = run_arm(args, arm, model_dir, cpus, plan, profile, seed)
+        run["verdict"] = verdict(run, args.dwell)
+        print(render(run), flush=True)
+        runs.append(run)
+    result = {"machine": machine_info(), "model": facts, "plan": plan,
+              "phases": list(PHASES), "phase_seconds": args.phase_seconds,
+              "planner": {"interval_s": args.interval, "window_s": args.window,
+                          "dwell_s": args.dwell, "profile": str(profile)},
+              "arms": runs[0]["arms"], "verdict": runs[0]["verdict"], "runs": runs}
+    if len(runs) > 1:
+        gains = [r["verdict"]["planner_minus_best_static"] for r in runs]
+        result["spread"] = {"planner_minus_best_static": {"min": min(gains), "max": max(gains),
+                                                          "mean": statistics.mean(gains)}}
+        print(f"over {len(runs)} seeds: planner - best static {min(gains):+.2f} .. "
+              f"{max(gains):+.2f}", flush=True)
+    if args.json:
+        write_json(args.json, result)
+    if args.plot:
+        print(f"wrote {plot(args.plot / 'planner-attainment.png', runs[0])}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
