@@ -36,20 +36,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import grpc
 
 from cluster import pause_points
 from cluster.kv_target import KVTarget
-from engine.core.engine_core import EngineCore, RequestOutput
+from engine.core.engine_core import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.wire.protocol import Trailer
 from worker.commands import Command, WorkerError
-from worker.kv.plane import KVPlane
 from worker.kv.receiving import Arrival
 from worker.loop import EngineLoop
-from worker.metrics import WorkerMetrics
 from worker.streams import OutputStream
 
 log = logging.getLogger(__name__)
@@ -114,21 +111,15 @@ class _Live:
 
 
 class DecodeLoop(EngineLoop):
-    """Owns ``core`` (built with the KV rank plugin, ``worker.kv.rank``) from ``start``
-    until ``stop``; building it starts receiving KV (rank 0's rendezvous store)."""
+    """The decode side of a worker's engine loop (``role_worker.engine_loop.WorkerLoop``
+    combines it with the prefill side); ``init_decode`` starts receiving KV (rank 0's
+    rendezvous store)."""
 
     ROLE = "decode"
 
-    def __init__(self, core: EngineCore, transfer_timeout_s: float,
-                 max_requests: int = 1024, metrics: WorkerMetrics | None = None) -> None:
-        EngineLoop.__init__(self, "pdserve-decode-loop", core, KVPlane(core, transfer_timeout_s),
-                            metrics or WorkerMetrics(Path(core.config.model.model_dir).name,
-                                                     "decode", "-"))
-        self.init_decode(transfer_timeout_s, max_requests)
-
     def init_decode(self, transfer_timeout_s: float, max_requests: int) -> None:
-        """The decode side's own state (a loop serving both roles calls it after
-        ``EngineLoop.__init__``); starts receiving KV."""
+        """The decode side's own state (the worker's loop, ``role_worker``, calls it
+        after ``EngineLoop.__init__``); starts receiving KV."""
         self.receiving = self.kv.start_receiving()
         self.transfer_timeout_s = transfer_timeout_s
         self.max_requests = max_requests

@@ -102,6 +102,7 @@ class Planner:
     last_change_at: float = -math.inf
     held: str = ""  # why the last decision moved nothing: HOLDS' keys ("" when it moved)
     desired: Prediction | None = None  # the best split at the last decision
+    current: Prediction | None = None  # the split as it was at the last decision
 
     def predictions(self, obs: Observation) -> list[Prediction]:
         """Every reachable split's prediction, fewest prefill workers first."""
@@ -135,7 +136,7 @@ class Planner:
             return self._hold("bounds")
         best = max(options, key=lambda o: (round(o.attainment, 9),
                                            -abs(o.num_prefill - current_p)))
-        self.desired = best
+        self.desired, self.current = best, current
         if best.attainment < current.attainment + self.config.min_gain:
             return self._hold("gain")
         if now - self.last_change_at < self.config.dwell_s:

@@ -119,12 +119,13 @@ class PlannerService:
         planner = self.planner
         if planner.held:
             self.metrics.decisions.labels("hold", planner.held).inc()
+        if planner.current is not None:
+            self.metrics.predicted.set(planner.current.attainment)
         if planner.desired is not None:
             self.metrics.desired.labels("prefill").set(planner.desired.num_prefill)
             self.metrics.desired.labels("decode").set(planner.desired.num_decode)
 
     def _switch(self, record: WorkerRecord, change: RoleChange) -> None:
-        self.metrics.predicted.set(change.predicted_before)
         try:
             asyncio.run(set_role(record.grpc_address, change.to_role, token=self._token,
                                  tls=self._tls))

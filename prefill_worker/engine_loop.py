@@ -24,20 +24,17 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
 from cluster import pause_points
-from engine.core.engine_core import EngineCore, RequestOutput
+from engine.core.engine_core import RequestOutput
 from engine.core.request import RequestStatus
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.tp.distributed import StoreAddress
 from worker.commands import Command, WorkerError
-from worker.kv.plane import KVPlane
 from worker.kv.sending import SendOutcome
 from worker.loop import EngineLoop
-from worker.metrics import WorkerMetrics
 from worker.streams import OutputStream
 
 log = logging.getLogger(__name__)
@@ -94,23 +91,15 @@ class _Held:
 
 
 class PrefillLoop(EngineLoop):
-    """Owns ``core`` (built with the KV rank plugin, ``worker.kv.rank``) from ``start``
-    until ``stop``; a finished request's blocks stay pinned unacknowledged at most
-    ``transfer_timeout_s``."""
+    """The prefill side of a worker's engine loop (``role_worker.engine_loop.WorkerLoop``
+    combines it with the decode side); a finished request's blocks stay pinned
+    unacknowledged at most the transfer timeout."""
 
     ROLE = "prefill"
 
-    def __init__(self, core: EngineCore, transfer_timeout_s: float, max_requests: int = 1024,
-                 metrics: WorkerMetrics | None = None) -> None:
-        EngineLoop.__init__(self, "pdserve-prefill-loop", core,
-                            KVPlane(core, transfer_timeout_s),
-                            metrics or WorkerMetrics(Path(core.config.model.model_dir).name,
-                                                     "prefill", "-"))
-        self.init_prefill(max_requests)
-
     def init_prefill(self, max_requests: int) -> None:
-        """The prefill side's own state (a loop serving both roles calls it after
-        ``EngineLoop.__init__``)."""
+        """The prefill side's own state (the worker's loop, ``role_worker``, calls it
+        after ``EngineLoop.__init__``)."""
         self.sending = self.kv.sending
         self.max_prefills = max_requests
         self._held: dict[str, _Held] = {}
