@@ -62,10 +62,11 @@ from bench.common import (
     timed,
     torch_threads,
 )
-from engine.config import LINEAR_KERNELS
+from engine.config import LINEAR_KERNELS, QUANTIZATIONS
 from engine.core.runner import ModelRunner
 from engine.kernels.cpu import native
 from engine.models.decoder_stack import CompiledDecoderStack
+from engine.models.layers import linear_layers
 from engine.testing.tiny_model import (
     _generator_fingerprint,
     default_model_cache_dir,
@@ -111,6 +112,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face generate()")
     p.add_argument("--linear-kernel", default="auto", choices=list(LINEAR_KERNELS),
                    help="pdserve's linear kernel (auto: chosen by measurement, cached)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="pdserve's weights: int8 (weight-only, quantised at load; its kernels "
+                        "are int8_*); default: as loaded")
     p.add_argument("--batch1-steps", type=int, default=48,
                    help="timed batch-1 decode steps (split into 3 blocks between bandwidth passes)")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="bandwidth buffer size (MiB)")
@@ -219,14 +223,17 @@ def time_batch1_block(llm: engine.LLM, prompt: list[int], num_steps: int,
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(parameter count, all weight bytes, bytes a decode step reads): every parameter
-    once, minus the input embedding unless it doubles as the (tied) output head."""
+    """(parameter count, all weight bytes as loaded, bytes a decode step reads): every
+    parameter once, the input embedding only where it doubles as the (tied) output head,
+    and each linear's weight as its kernel reads it (int8 and scales where quantised)."""
     params = {id(p): p for p in model.parameters()}.values()
     total = sum(p.numel() * p.element_size() for p in params)
     count = sum(p.numel() for p in params)
     embedding = model.get_parameter("embed_tokens.weight")
-    lm_head = model.get_parameter("lm_head.weight")
-    read = total if embedding is lm_head else total - embedding.numel() * embedding.element_size()
+    linears = linear_layers(model)
+    skip = {id(embedding), *(id(layer.weight) for layer in linears)}
+    read = sum(p.numel() * p.element_size() for p in params if id(p) not in skip)
+    read += sum(layer.weight_read_bytes for layer in linears)
     return count, total, read
 
 
@@ -286,7 +293,8 @@ def measure(args: argparse.Namespace, model_dir: Path, probe: BandwidthProbe
     """Throughput runs of both sides, then batch-1 decode blocks; bandwidth passes in
     between. Returns the measurements and the (still running) engine."""
     results = Results()
-    llm = engine.LLM(model_dir, dtype=args.dtype, linear_kernel=args.linear_kernel)
+    llm = engine.LLM(model_dir, dtype=args.dtype, linear_kernel=args.linear_kernel,
+                     quantization=args.quantization)
     prompts = PromptSource(args.seed, llm.tokenizer.vocab_size, args.prompt_len)
     hf = None if args.skip_hf else load_hf(model_dir, args.dtype)
     measure_throughput(args, llm, hf, prompts, probe, results)
@@ -379,6 +387,7 @@ def summarize_run(args: argparse.Namespace, model_dir: Path, results: Results, l
         "weight_bytes_per_step": read_bytes,
         "kv_bytes_per_step": kv_bytes,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "threads": torch.get_num_threads(),
         "num_requests": args.num_requests,
         "prompt_len": args.prompt_len,
@@ -394,7 +403,8 @@ def render(out: dict[str, Any]) -> str:
     head = [
         f"model     {out['model_dir']}",
         f"          {out['model_params'] / 1e6:.1f}M params, {out['weight_bytes'] / 1e6:.1f} MB, "
-        f"{out['dtype']}; {out['weight_bytes_per_step'] / 1e6:.1f} MB read per decode step",
+        f"{out['dtype']}{', int8 weights' if out.get('quantization') else ''}; "
+        f"{out['weight_bytes_per_step'] / 1e6:.1f} MB read per decode step",
         f"machine   {machine['cpu_model']}, {machine['cpu_count']} CPUs, torch threads "
         f"{out['threads']}, load avg at start {machine['load_avg_1m_5m_15m']}, "
         f"at end {out['load_avg_end']}",

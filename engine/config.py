@@ -24,7 +24,10 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 
 _DTYPES = ("float32", "float16", "bfloat16")
 # engine.kernels.linear.KERNELS' names (kept here, torch-free, to validate configs).
-LINEAR_KERNELS = ("auto", "onednn", "torch", "mm_t", "onednn_gemv", "packed")
+LINEAR_KERNELS = ("auto", "onednn", "torch", "mm_t", "onednn_gemv", "packed", "int8_torch",
+                  "int8_packed")
+# weight quantisations EngineConfig.quantization takes besides None (engine.kernels.quant)
+QUANTIZATIONS = ("int8",)
 
 
 class ConfigError(ValueError):
@@ -158,6 +161,10 @@ class EngineConfig:
     # "auto": chosen by measurement per weight shape (engine.kernels.choice; the
     # PDSERVE_LINEAR_KERNEL environment variable can force one), or force one here.
     linear_kernel: str = "auto"
+    # None: the linear weights as loaded; "int8": quantised at load to int8 with a scale
+    # per output feature (weight-only; engine.kernels.quant), multiplied by the int8_*
+    # kernels (linear_kernel "auto" chooses among them by measurement)
+    quantization: str | None = None
     # "package.module:factory" built on every rank (see engine.tp.rank_plugin), or None,
     # and an opaque string handed to it (e.g. JSON of the plugin's own config dataclass).
     rank_plugin: str | None = None
@@ -166,6 +173,15 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ConfigError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be None or one of {QUANTIZATIONS}, "
+                              f"got {self.quantization!r}")
+        forced_int8 = self.linear_kernel.startswith("int8_")
+        if self.linear_kernel != "auto" and forced_int8 != (self.quantization == "int8"):
+            raise ConfigError(f"linear_kernel={self.linear_kernel!r} does not multiply "
+                              f"{'int8' if self.quantization else 'unquantised'} weights "
+                              f"(quantization={self.quantization!r}); int8 weights take "
+                              "int8_packed or int8_torch, the others the rest")
         tp = self.parallel.tensor_parallel_size
         m = self.model
         for name, value in (("num_attention_heads", m.num_heads), ("intermediate_size", m.intermediate_size)):

@@ -55,7 +55,8 @@ class LLM:
                  tensor_parallel_size: int = 1, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 device: str = "cpu", linear_kernel: str = "auto") -> None:
+                 device: str = "cpu", linear_kernel: str = "auto",
+                 quantization: str | None = None) -> None:
         self.config = EngineConfig(
             model=load_model_config(model_dir, dtype=dtype),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -65,6 +66,7 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens),
             device=device,
             linear_kernel=linear_kernel,
+            quantization=quantization,
         )
         self.tokenizer = load_tokenizer(model_dir)
         self.core = EngineCore(self.config, self.tokenizer)

@@ -11,9 +11,10 @@ import os
 
 from cluster.internal_tls import add_internal_tls_args  # standard library only too
 from cluster.token import CLUSTER_TOKEN_ENV, add_token_arg
-from engine.config import RANK_GPUS_ENV
+from engine.config import QUANTIZATIONS, RANK_GPUS_ENV
 
-__all__ = ["CLUSTER_TOKEN_ENV", "RANK_GPUS_ENV", "REDIS_URL_ENV", "WILDCARDS", "add_decode_args",
+__all__ = ["CLUSTER_TOKEN_ENV", "QUANTIZATIONS", "RANK_GPUS_ENV", "REDIS_URL_ENV", "WILDCARDS",
+           "add_decode_args",
            "add_worker_args", "advertise_host", "dtype"]
 
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
@@ -36,6 +37,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="where the model and its KV cache live (cuda: one GPU per rank)")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
                         help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS,
+                        help="int8: the linear weights quantised at load to int8 with a scale "
+                             "per output feature (weight-only; a quarter of the bytes a decode "
+                             "step reads); default: as loaded. Each worker's own: workers of "
+                             "one cluster may differ")
     parser.add_argument("--ready-file", help="write the addresses here as JSON once ready")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on this port's /metrics (0: any free "

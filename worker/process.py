@@ -105,7 +105,8 @@ def engine_config(args: argparse.Namespace, rank_plugin: str = "",
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
-        rank_plugin=rank_plugin, rank_plugin_config=plugin_config)
+        quantization=args.quantization, rank_plugin=rank_plugin,
+        rank_plugin_config=plugin_config)
 
 
 def build_engine(args: argparse.Namespace, fingerprint: str,

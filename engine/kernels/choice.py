@@ -144,13 +144,13 @@ def choose_kernel_plan(config: EngineConfig, threads: int, *,
     dtype = _dtype(config)
     shapes = linear_shapes(config)
     pairs = [(s.out_features, s.in_features) for s in shapes]
-    candidates = available_kernels(device, dtype)
+    candidates = available_kernels(device, dtype, config.quantization)
     for source, wanted in (("config", config.linear_kernel), ("env", os.environ.get(KERNEL_ENV))):
         if wanted not in (None, "", "auto"):
-            _check_forced(wanted, candidates, source)
+            _check_forced(wanted, candidates, source, config.quantization)
             return KernelPlan.uniform(pairs, str(wanted), source)
-    if device.type != "cpu" or len(candidates) == 1:
-        return KernelPlan.uniform(pairs, "torch", "default")
+    if device.type != "cpu" or len(candidates) == 1:  # torch's (int8_torch's) own
+        return KernelPlan.uniform(pairs, candidates[0], "default")
     cache = KernelCache(cache_path or default_cache_path(), machine_key(dtype, threads, candidates))
     chosen = {s: cache.get(s, candidates) for s in shapes}
     missing = [s for s, kernel in chosen.items() if kernel is None]
@@ -172,11 +172,16 @@ def _dtype(config: EngineConfig) -> torch.dtype:
     return dtype
 
 
-def _check_forced(wanted: str, candidates: Sequence[str], source: str) -> None:
+def _check_forced(wanted: str, candidates: Sequence[str], source: str,
+                  quantization: str | None) -> None:
     where = "linear_kernel" if source == "config" else KERNEL_ENV
     if wanted not in KERNELS:
         raise ValueError(f"{where}={wanted!r} is not a linear kernel; known: "
                          f"{sorted(KERNELS)} or 'auto'")
+    if KERNELS[wanted].quantization != quantization:
+        raise ValueError(f"{where}={wanted!r} does not multiply the weights of "
+                         f"quantization={quantization!r}; these do: "
+                         f"{[k for k, v in KERNELS.items() if v.quantization == quantization]}")
     if wanted not in candidates:
         raise ValueError(f"{where}={wanted!r} cannot run here (available: {list(candidates)}); "
                          "onednn needs a CPU, float32 and a oneDNN-enabled torch; "

@@ -17,6 +17,16 @@ from a copy of ``W`` it prepared once after loading (or ``W`` itself):
   keeps a block of up to 14 rows' sums (6 without AVX-512) in registers per panel; CPU
   fp32, where the compiled kernels could be built (no oneDNN needed).
 
+With ``quantization="int8"`` (``engine.kernels.quant``) a layer multiplies by its
+weight quantised to int8 with a scale per output feature, by one of two kernels of their
+own (``LinearKernel.quantization``), ``y = (x q^T) * scale + b``:
+
+- ``int8_torch``: ``F.linear`` on the int8 weight widened to ``x``'s dtype, then the
+  scales; any device (a fallback: it widens the whole weight every call).
+- ``int8_packed``: ``packed`` over the int8 weight: the GEMV on ``q`` itself, the GEMM on
+  ``q`` packed in int8 panels, the weights widened to fp32 in registers (a quarter of
+  the bytes from memory); CPU fp32, where the compiled kernels could be built.
+
 Which is fastest depends on the CPU (MKL is slow on AMD, tuned on Intel), the shape
 and the batch size, so ``engine.kernels.choice`` times them and writes a
 ``KernelPlan``; every tensor-parallel rank applies the leader's plan.
@@ -33,6 +43,7 @@ import torch.nn.functional as F
 
 from engine.kernels.cpu import ENV as CPU_KERNELS_ENV
 from engine.kernels.cpu import NativeKernels, native
+from engine.kernels.quant import Int8Weight, quantize_int8
 
 # Batch size oneDNN tunes the packed layout for; any batch size works.
 _ONEDNN_BATCH_HINT = 32
@@ -40,14 +51,17 @@ _ONEDNN_BATCH_HINT = 32
 
 @dataclass(frozen=True)
 class LinearKernel:
-    """``prepare(W [out, in]) -> prepared`` once (a tensor, or what the kernel needs);
+    """``prepare(W [out, in]) -> prepared`` once (a tensor, or what the kernel needs; a
+    quantising kernel also takes ``W`` already quantised, an ``Int8Weight``);
     ``apply(x [..., in], prepared, bias)``."""
 
     name: str
-    prepare: Callable[[torch.Tensor], Any]
+    prepare: Callable[[Any], Any]
     apply: Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
     available: Callable[[torch.device, torch.dtype], bool]
     uses_native: bool = False  # runs pdserve's compiled kernels (engine.kernels.cpu)
+    # the weights it multiplies by: None, the weight as loaded, or a QUANTIZATIONS name
+    quantization: str | None = None
 
 
 def _onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -80,15 +94,21 @@ def _onednn_gemv_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _onednn_available(device, dtype) and native() is not None
 
 
-def _native_weight(kernel: str, weight: torch.Tensor) -> tuple[NativeKernels, torch.Tensor]:
-    """The compiled kernels and ``weight`` (contiguous) for a kernel that needs both;
-    ``RuntimeError`` where the kernels are unavailable, ``ValueError`` for a weight that
-    is not a 2-d fp32 CPU tensor."""
+def _native_kernels(kernel: str) -> NativeKernels:
+    """The compiled kernels for ``kernel``; ``RuntimeError`` where they are unavailable."""
     kernels = native()
     if kernels is None:
         raise RuntimeError(f"linear kernel {kernel} needs pdserve's compiled CPU kernels, "
                            f"which are unavailable here ({CPU_KERNELS_ENV}=0, or the build "
                            "failed: see the log)")
+    return kernels
+
+
+def _native_weight(kernel: str, weight: torch.Tensor) -> tuple[NativeKernels, torch.Tensor]:
+    """The compiled kernels and ``weight`` (contiguous) for a kernel that needs both;
+    ``RuntimeError`` where the kernels are unavailable, ``ValueError`` for a weight that
+    is not a 2-d fp32 CPU tensor."""
+    kernels = _native_kernels(kernel)
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
         raise ValueError(f"linear kernel {kernel} takes a 2-d fp32 CPU weight, got "
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
@@ -139,6 +159,50 @@ def _packed_apply(x: torch.Tensor, prepared: _PackedPrepared,
     return F.linear(x, prepared.weight, bias)  # a strided x, or another dtype of bias
 
 
+def _int8_torch_apply(x: torch.Tensor, weight: Int8Weight,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    y = F.linear(x, weight.q.to(x.dtype)) * weight.scales.to(x.dtype)
+    return y if bias is None else y + bias
+
+
+@dataclass(frozen=True)
+class _Int8Prepared:
+    """``int8_packed``'s copies: the int8 weight and scales for the GEMV, its int8
+    panels for the GEMM."""
+
+    weight: Int8Weight
+    panels: torch.Tensor
+    kernels: NativeKernels
+
+
+def _as_int8(weight: torch.Tensor | Int8Weight) -> Int8Weight:
+    """What a quantising kernel prepares from: the weight as loaded, or already quantised
+    (``_Linear.set_kernel`` quantises a row-parallel shard with its whole rows' scales)."""
+    return weight if isinstance(weight, Int8Weight) else quantize_int8(weight)
+
+
+def _int8_packed_prepare(weight: torch.Tensor | Int8Weight) -> _Int8Prepared:
+    kernels = _native_kernels("int8_packed")
+    quantized = _as_int8(weight)
+    if quantized.q.device.type != "cpu":
+        raise ValueError(f"linear kernel int8_packed takes a CPU weight, got one on "
+                         f"{quantized.q.device}")
+    return _Int8Prepared(quantized, kernels.pack_panels(quantized.q), kernels)
+
+
+def _int8_packed_apply(x: torch.Tensor, prepared: _Int8Prepared,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is None or (bias.is_contiguous() and bias.dtype == torch.float32):
+        kernels, weight = prepared.kernels, prepared.weight
+        y = kernels.gemv_i8_checked(x, weight.q, weight.scales, bias)
+        if y is None:
+            y = kernels.gemm_packed_i8_checked(x, prepared.panels, weight.scales,
+                                               weight.q.shape[0], bias)
+        if y is not None:
+            return y
+    return _int8_torch_apply(x, prepared.weight, bias)  # a strided x, or another dtype of bias
+
+
 def _mm_t_apply(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     y = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
@@ -155,12 +219,19 @@ KERNELS: dict[str, LinearKernel] = {
                                 _onednn_gemv_available, uses_native=True),
     "packed": LinearKernel("packed", _packed_prepare, _packed_apply, _packed_available,
                            uses_native=True),
+    "int8_torch": LinearKernel("int8_torch", _as_int8, _int8_torch_apply,
+                               lambda device, dtype: True, quantization="int8"),
+    "int8_packed": LinearKernel("int8_packed", _int8_packed_prepare, _int8_packed_apply,
+                                _packed_available, uses_native=True, quantization="int8"),
 }
 
 
-def available_kernels(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Names of the kernels that run on ``device`` in ``dtype``, in ``KERNELS`` order."""
-    return [name for name, k in KERNELS.items() if k.available(device, dtype)]
+def available_kernels(device: torch.device, dtype: torch.dtype,
+                      quantization: str | None = None) -> list[str]:
+    """Names of the kernels that run on ``device`` in ``dtype`` over weights quantised
+    as ``quantization`` (``None``: as loaded), in ``KERNELS`` order."""
+    return [name for name, k in KERNELS.items()
+            if k.quantization == quantization and k.available(device, dtype)]
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ weights through the caches, each torch call the interpreter makes runs cold.
 
 Used only where the per-layer forward would run exactly those kernels: fp32 on the CPU,
 one rank (no all-reduce between the layers), the compiled attention backend, every
-decoder linear on the ``onednn_gemv`` or ``packed`` kernel (the measured choice,
-``engine.kernels.choice``; both hand up to 3 rows to the GEMV), a decode-only step of at
-most ``GEMV_MAX_ROWS`` tokens, or ``STACK_MAX_ROWS`` where every one is on ``packed`` (whose
-GEMM the compiled code can call too), and no layer hook (the prefill
+decoder linear on the ``onednn_gemv``, ``packed`` or ``int8_packed`` kernel (the measured
+choice, ``engine.kernels.choice``; all hand up to 3 rows to the GEMV), a decode-only step
+of at most ``GEMV_MAX_ROWS`` tokens, or ``STACK_MAX_ROWS`` where every one is on ``packed``
+or ``int8_packed`` (whose GEMMs the compiled code can call too), and no layer hook (the prefill
 worker's layer-wise KV sending needs the forward to stop after each layer).
 ``PDSERVE_CPU_DECODER_STACK=0`` keeps the per-layer forward (read whenever the stack is
 built: at the first small step, and after any linear layer in the process is given a
@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 LlamaForCausalLM = Any
 DecoderLayer = Any
 
-GEMV_KERNELS = ("onednn_gemv", "packed")  # the linear kernels whose rows <= 3 go to the GEMV
+# the linear kernels whose rows <= 3 go to the GEMV (int8_packed's over int8 weights)
+GEMV_KERNELS = ("onednn_gemv", "packed", "int8_packed")
 ENV = "PDSERVE_CPU_DECODER_STACK"  # "0": always the per-layer forward (to compare the two)
 
 
@@ -126,14 +127,27 @@ def _linears(layer: DecoderLayer) -> list[_Linear]:
 
 
 def _weight(linear: _Linear) -> torch.Tensor:
-    """The weight the GEMV reads: ``onednn_gemv``'s or ``packed``'s (``W``, contiguous)."""
+    """The weight the GEMV reads: ``onednn_gemv``'s or ``packed``'s (``W``, contiguous),
+    ``int8_packed``'s int8 ``q``."""
+    if linear.kernel_name == "int8_packed":
+        q: torch.Tensor = linear._prepared.weight.q
+        return q
     weight: torch.Tensor = linear._prepared.weight
     return weight
 
 
+def _scales(linear: _Linear) -> torch.Tensor | None:
+    """``int8_packed``'s scales (the stack's sign that the weight is int8), else none."""
+    if linear.kernel_name != "int8_packed":
+        return None
+    scales: torch.Tensor = linear._prepared.weight.scales
+    return scales
+
+
 def _panels(linear: _Linear) -> torch.Tensor | None:
-    """The packed copy the compiled GEMM reads: ``packed``'s panels, else none."""
-    if linear.kernel_name != "packed":
+    """The packed copy the compiled GEMM reads: ``packed``'s or ``int8_packed``'s panels,
+    else none."""
+    if linear.kernel_name not in ("packed", "int8_packed"):
         return None
     panels: torch.Tensor = linear._prepared.panels
     return panels
@@ -144,6 +158,7 @@ def _weights(layer: DecoderLayer) -> DecoderLayerWeights:
     panels = [_panels(linear) for linear in _linears(layer)]
     if any(p is None for p in panels):  # all four or none: the stack stops at the GEMV's rows
         panels = [None] * 4
+    scales = [_scales(linear) for linear in _linears(layer)]
     return DecoderLayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
         post_norm=layer.post_attention_layernorm.weight.detach(),
@@ -153,7 +168,8 @@ def _weights(layer: DecoderLayer) -> DecoderLayerWeights:
         o_w=_weight(attn.o_proj), o_b=_detached(attn.o_proj.bias),
         gate_up_w=_weight(mlp.gate_up_proj), down_w=_weight(mlp.down_proj),
         down_b=_detached(mlp.down_proj.bias), kv_cache=attn.kv_cache,
-        qkv_p=panels[0], o_p=panels[1], gate_up_p=panels[2], down_p=panels[3])
+        qkv_p=panels[0], o_p=panels[1], gate_up_p=panels[2], down_p=panels[3],
+        qkv_s=scales[0], o_s=scales[1], gate_up_s=scales[2], down_s=scales[3])
 
 
 def _ends(model: LlamaForCausalLM) -> DecoderEnds:

@@ -24,6 +24,7 @@ from torch import nn
 
 from engine.kernels.cpu import native
 from engine.kernels.linear import KERNELS, KernelPlan, LinearKernel
+from engine.kernels.quant import Int8Weight, quantize_int8
 from engine.tp.distributed import Group
 from engine.tp.sharding import kv_head_range, shard_range
 
@@ -59,6 +60,9 @@ class _Linear(nn.Module):
     def _init_kernel(self) -> None:
         self._kernel: LinearKernel = KERNELS["torch"]
         self._prepared: Any = None
+        # a shard's rows' largest magnitudes over the whole rows, where the shard holds
+        # part rows (row-parallel): what a quantising kernel scales by (engine.kernels.quant)
+        self.row_amax: torch.Tensor | None = None
 
     @property
     def kernel_name(self) -> str:
@@ -69,9 +73,23 @@ class _Linear(nn.Module):
         call after loading, and again if the weight changes."""
         kernel = KERNELS[name]
         global _kernel_generation
-        self._prepared = kernel.prepare(self.weight.detach())
+        weight = self.weight.detach()
+        if kernel.quantization == "int8":
+            self._prepared = kernel.prepare(quantize_int8(weight, self.row_amax))
+        else:
+            self._prepared = kernel.prepare(weight)
         self._kernel = kernel
         _kernel_generation = next(_kernel_changes)
+
+    @property
+    def weight_read_bytes(self) -> int:
+        """Bytes of weight one multiply reads: the int8 weight and its scales where the
+        kernel quantised it (``engine.kernels.quant``), else the weight as loaded."""
+        prepared = self._prepared
+        int8 = prepared if isinstance(prepared, Int8Weight) else getattr(prepared, "weight", None)
+        if isinstance(int8, Int8Weight):
+            return int8.q.numel() + int8.scales.numel() * int8.scales.element_size()
+        return self.weight.numel() * self.weight.element_size()
 
     def _apply_weight(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._prepared is None:
@@ -188,6 +206,8 @@ class RowParallelLinear(_Linear):
             self.bias.data.copy_(loaded)
         else:
             self.weight.data.copy_(loaded[:, self.in_start : self.in_end])
+            if self.tp.size > 1:  # part rows: int8 scales come from the whole ones
+                self.row_amax = loaded.detach().abs().amax(dim=1).to(torch.float32)
 
 
 class VocabParallelEmbedding(nn.Module):

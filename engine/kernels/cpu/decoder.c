@@ -4,20 +4,27 @@
 
 /* ------------------------------------------------------ decoder stack, decode step */
 
-/* One Llama-family decoder layer's weights (checkpoint layout, contiguous fp32), its KV
- * cache, and the packed copies of its weights where it has them. The biases and the
- * per-head q/k norms are NULL where the model has none. */
+/* One Llama-family decoder layer's weights (checkpoint layout, contiguous fp32, or int8
+ * where their scales are given), its KV cache, and the packed copies of its weights
+ * where it has them. The biases and the per-head q/k norms are NULL where the model has
+ * none. */
 typedef struct {
     const float *input_norm, *post_norm;    /* [hidden] each */
-    const float *qkv_w, *qkv_b;             /* [(Hq + 2 Hk) D, hidden]: q | k | v heads */
+    const void *qkv_w;                      /* [(Hq + 2 Hk) D, hidden]: q | k | v heads */
+    const float *qkv_b;
     const float *q_norm, *k_norm;           /* [D] each (Qwen3), or NULL */
-    const float *o_w, *o_b;                 /* [hidden, Hq D] */
-    const float *gate_up_w;                 /* [2 I, hidden]: gate | up */
-    const float *down_w, *down_b;           /* [hidden, I] */
+    const void *o_w;                        /* [hidden, Hq D] */
+    const float *o_b;
+    const void *gate_up_w;                  /* [2 I, hidden]: gate | up */
+    const void *down_w;                     /* [hidden, I] */
+    const float *down_b;
     float *k_cache, *v_cache;               /* [num_cache_blocks * block_size, Hk, D] */
-    /* the four weights packed for pd_gemm_packed_f32 (pd_gemm_panel_floats each), or
-     * NULL: a stack without them takes at most GEMV_MAX_X_ROWS rows */
-    const float *qkv_p, *o_p, *gate_up_p, *down_p;
+    /* the four weights packed for pd_gemm_packed_f32 / _i8 (pd_gemm_panel_floats
+     * elements each), or NULL: a stack without them takes at most GEMV_MAX_X_ROWS rows */
+    const void *qkv_p, *o_p, *gate_up_p, *down_p;
+    /* each weight's scales (one per output feature) where it is int8 (its *_w and *_p
+     * then int8 too), NULL where it is fp32 */
+    const float *qkv_s, *o_s, *gate_up_s, *down_s;
 } pd_decoder_layer;
 
 typedef struct {
@@ -61,7 +68,7 @@ static void add_residual(float *restrict h, const float *restrict y, const float
  * call: the same kernels, in the same order, as the model's per-layer forward runs them
  * (RMSNorm, the qkv projection, the q/k norms, RoPE, the KV write, paged attention, the
  * o projection and residual, RMSNorm, the gate/up projection, SwiGLU, the down
- * projection and residual; each projection by pd_linear_f32: the GEMV up to
+ * projection and residual; each projection by pd_linear_any: the GEMV up to
  * GEMV_MAX_X_ROWS rows, the packed GEMM beyond, which every layer then needs), so
  * the result is the same to the bit; what it saves is the interpreter and dispatch
  * between them. h [rows, hidden] is updated in place (the embeddings in, the last
@@ -100,8 +107,8 @@ int pd_decoder_stack_f32(const pd_decoder_layer *layers, int64_t num_layers,
     for (int64_t l = 0; l < num_layers; l++) {
         const pd_decoder_layer *L = layers + l;
         int rc = pd_rms_norm_f32(h, rows, hidden, L->input_norm, s->rms_eps, xn, num_threads);
-        rc |= pd_linear_f32(xn, rows, hidden, L->qkv_w, L->qkv_p, qkv_width, L->qkv_b, qkv,
-                             num_threads);
+        rc |= pd_linear_any(xn, rows, hidden, L->qkv_w, L->qkv_p, L->qkv_s, qkv_width,
+                            L->qkv_b, qkv, num_threads);
         const float *qk = qkv;
         int64_t qk_stride = qkv_width;
         if (L->q_norm && L->k_norm) { /* each head RMS-normalised, as Qwen3 does */
@@ -122,13 +129,15 @@ int pd_decoder_stack_f32(const pd_decoder_layer *layers, int64_t num_layers,
                                             s->num_cache_blocks, s->block_size, hk, d, hq / hk,
                                             tables, max_blocks, context_lens, rows, s->scale,
                                             att, num_threads);
-        rc |= pd_linear_f32(att, rows, hq * d, L->o_w, L->o_p, hidden, NULL, y, num_threads);
+        rc |= pd_linear_any(att, rows, hq * d, L->o_w, L->o_p, L->o_s, hidden, NULL, y,
+                            num_threads);
         add_residual(h, y, L->o_b, rows, hidden);
         rc |= pd_rms_norm_f32(h, rows, hidden, L->post_norm, s->rms_eps, xn, num_threads);
-        rc |= pd_linear_f32(xn, rows, hidden, L->gate_up_w, L->gate_up_p, 2 * inter, NULL,
-                             gate_up, num_threads);
+        rc |= pd_linear_any(xn, rows, hidden, L->gate_up_w, L->gate_up_p, L->gate_up_s,
+                            2 * inter, NULL, gate_up, num_threads);
         rc |= pd_silu_mul_f32(gate_up, rows, inter, act, num_threads);
-        rc |= pd_linear_f32(act, rows, inter, L->down_w, L->down_p, hidden, NULL, y, num_threads);
+        rc |= pd_linear_any(act, rows, inter, L->down_w, L->down_p, L->down_s, hidden, NULL, y,
+                            num_threads);
         add_residual(h, y, L->down_b, rows, hidden);
         if (rc) return -1; /* a kernel refused its shape: checked by the caller beforehand */
     }

@@ -23,6 +23,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #else
@@ -52,6 +55,32 @@ static inline fv loadv(const float *p) {
 }
 
 static inline void storev(float *p, fv v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* The linears' weights are fp32, or int8 with an fp32 scale per output feature (weight-
+ * only quantisation: x, the sums and y stay fp32). These read LANES weights, or one,
+ * from element j of a run of either type, as fp32 (int8 widened in registers); inlined
+ * with int8 a constant, the test vanishes. The widening is written with intrinsics on
+ * x86: GCC 12 turns __builtin_convertvector of int8 lanes into one scalar conversion per
+ * lane, which made the int8 GEMV 3-4x slower than the fp32 one. */
+static inline __attribute__((always_inline)) fv widen_int8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (fv)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (fv)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    fv v;
+    for (int i = 0; i < LANES; i++) v[i] = (float)p[i];
+    return v;
+#endif
+}
+
+static inline __attribute__((always_inline)) fv load_weights(const void *run, int64_t j, int int8) {
+    return int8 ? widen_int8((const int8_t *)run + j) : loadv((const float *)run + j);
+}
+
+static inline __attribute__((always_inline)) float weight_at(const void *run, int64_t j, int int8) {
+    return int8 ? (float)((const int8_t *)run)[j] : ((const float *)run)[j];
+}
 
 /* where mask lanes are set, a; elsewhere b */
 static inline fv selectv(iv mask, fv a, fv b) {
@@ -125,13 +154,21 @@ int pd_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t row_s
 /* gemv.c */
 int pd_gemv_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
                 const float *bias, float *y, int num_threads);
+int pd_gemv_i8(const float *x, int64_t m, int64_t k, const int8_t *q, const float *scales,
+               int64_t n, const float *bias, float *y, int num_threads);
 /* gemm.c */
 int64_t pd_gemm_panel_width(void);
 int64_t pd_gemm_panel_floats(int64_t n, int64_t k);
 int pd_gemm_packed_f32(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
                        const float *bias, float *y, int num_threads);
+int pd_gemm_packed_i8(const float *x, int64_t m, int64_t k, const int8_t *panels,
+                      const float *scales, int64_t n, const float *bias, float *y,
+                      int num_threads);
 int pd_linear_f32(const float *x, int64_t m, int64_t k, const float *w, const float *panels,
                   int64_t n, const float *bias, float *y, int num_threads);
+int pd_linear_any(const float *x, int64_t m, int64_t k, const void *w, const void *panels,
+                  const float *scales, int64_t n, const float *bias, float *y,
+                  int num_threads);
 /* attention.c */
 int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                                   const float *v_cache, int64_t num_cache_blocks,

@@ -26,11 +26,13 @@ class DecoderShape(ctypes.Structure):
 
 _LAYER_FIELDS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b",
                  "gate_up_w", "down_w", "down_b", "k_cache", "v_cache")
+_WEIGHT_FIELDS = ("qkv_w", "o_w", "gate_up_w", "down_w")
 _PANEL_FIELDS = ("qkv_p", "o_p", "gate_up_p", "down_p")  # packed copies of qkv_w .. down_w
+_SCALE_FIELDS = ("qkv_s", "o_s", "gate_up_s", "down_s")  # their scales, where int8
 
 
 class _LayerPointers(ctypes.Structure):
-    _fields_ = [(name, ptr) for name in _LAYER_FIELDS + _PANEL_FIELDS]
+    _fields_ = [(name, ptr) for name in _LAYER_FIELDS + _PANEL_FIELDS + _SCALE_FIELDS]
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,8 @@ class DecoderLayerWeights:
     (q | k | v heads fused, gate | up fused), the optional biases and per-head q/k norms,
     the layer's KV cache ``[2, num_blocks, block_size, Hk, D]``, and optionally the four
     weights packed by ``NativeKernels.pack_panels`` (all four or none: with them the
-    stack takes batches past the GEMV's rows)."""
+    stack takes batches past the GEMV's rows). A weight given with its scales
+    (``*_s [out]`` fp32, ``engine.kernels.quant``) is int8, and so are its panels."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -57,6 +60,10 @@ class DecoderLayerWeights:
     o_p: torch.Tensor | None = None
     gate_up_p: torch.Tensor | None = None
     down_p: torch.Tensor | None = None
+    qkv_s: torch.Tensor | None = None
+    o_s: torch.Tensor | None = None
+    gate_up_s: torch.Tensor | None = None
+    down_s: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -118,15 +125,25 @@ class DecoderLayers:
         for i, layer in enumerate(layers):
             if (layer.q_norm is None) != (layer.k_norm is None):
                 raise ValueError(f"layer {i}: q_norm and k_norm come together")
+            int8 = {w: getattr(layer, f) is not None
+                    for w, f in zip(_WEIGHT_FIELDS, _SCALE_FIELDS, strict=True)}
             for name, size in want.items():
                 t = getattr(layer, name)
                 if t is None and name in ("qkv_b", "q_norm", "k_norm", "o_b", "down_b"):
                     continue
-                if not (t.shape == size and t.dtype == torch.float32 and t.is_contiguous()
+                dtype = torch.int8 if int8.get(name) else torch.float32
+                if not (t.shape == size and t.dtype == dtype and t.is_contiguous()
                         and t.device.type == "cpu"):
-                    raise ValueError(f"layer {i}: {name} must be a contiguous fp32 CPU "
+                    raise ValueError(f"layer {i}: {name} must be a contiguous {dtype} CPU "
                                      f"tensor {size}, got {tuple(t.shape)} {t.dtype}")
             entry = self.table[i]
+            for weight, name in zip(_WEIGHT_FIELDS, _SCALE_FIELDS, strict=True):
+                t, rows = getattr(layer, name), want[weight][0]
+                if t is not None and not (t.shape == (rows,) and t.dtype == torch.float32
+                                          and t.is_contiguous() and t.device.type == "cpu"):
+                    raise ValueError(f"layer {i}: {name} must be a contiguous fp32 CPU "
+                                     f"tensor ({rows},), got {tuple(t.shape)} {t.dtype}")
+                setattr(entry, name, ptr_of(t))
             for name in _LAYER_FIELDS[:-2]:
                 setattr(entry, name, ptr_of(getattr(layer, name)))
             entry.k_cache = layer.kv_cache[0].data_ptr()
@@ -134,14 +151,14 @@ class DecoderLayers:
             if self.max_rows == GEMV_MAX_ROWS:
                 continue
             assert panel_floats is not None
-            for name, weight in zip(_PANEL_FIELDS, ("qkv_w", "o_w", "gate_up_w", "down_w"),
-                                    strict=True):
+            for name, weight in zip(_PANEL_FIELDS, _WEIGHT_FIELDS, strict=True):
                 t, size = getattr(layer, name), want[weight]
+                dtype = torch.int8 if int8[weight] else torch.float32
                 if not (t.dim() == 1 and t.numel() == panel_floats(*size)
-                        and t.dtype == torch.float32 and t.is_contiguous()
+                        and t.dtype == dtype and t.is_contiguous()
                         and t.device.type == "cpu"):
                     raise ValueError(f"layer {i}: {name} must be {weight} packed by pack_panels "
-                                     f"({panel_floats(*size)} contiguous fp32 CPU floats), "
+                                     f"({panel_floats(*size)} contiguous {dtype} CPU values), "
                                      f"got {tuple(t.shape)} {t.dtype}")
                 setattr(entry, name, t.data_ptr())
 

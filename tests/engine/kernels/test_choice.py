@@ -24,6 +24,7 @@ from engine.kernels.choice import (
     pick_kernel,
 )
 from engine.kernels.linear import KERNELS, KernelPlan
+from engine.kernels.quant import quantize_int8
 from engine.models.layers import linear_layers
 from tests.factories import PROMPTS
 
@@ -184,12 +185,15 @@ def test_real_measurement_times_every_kernel_at_every_batch_size() -> None:
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_every_kernel_computes_the_same_linear(kernel: str) -> None:
     """At 2 rows (the GEMV's, where a kernel has it) and 5, and on what its fast paths do
-    not take: a strided x, a strided bias, no rows."""
+    not take: a strided x, a strided bias, no rows; a quantising kernel (int8_*) the
+    product by the weight it quantised."""
     k = KERNELS[kernel]
     if not k.available(torch.device("cpu"), torch.float32):
         pytest.skip(f"{kernel} cannot run here")
-    weight, bias = torch.randn(48, 32), torch.randn(48)
-    prepared = k.prepare(weight)
+    loaded, bias = torch.randn(48, 32), torch.randn(48)
+    prepared = k.prepare(loaded)
+    # what the kernel multiplies by: the weight, or (int8_*) its int8 rounding
+    weight = loaded if k.quantization is None else quantize_int8(loaded).dequantize()
     for rows in (2, 5):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(k.apply(x, prepared, bias), x @ weight.T + bias)
@@ -231,10 +235,14 @@ def test_forced_kernels_generate_the_same_tokens(llama_dir: Path) -> None:
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     tokens = {}
     for kernel in sorted(KERNELS):
-        with LLM(llama_dir, num_kv_blocks=64, linear_kernel=kernel) as llm:
+        quantization = KERNELS[kernel].quantization
+        with LLM(llama_dir, num_kv_blocks=64, linear_kernel=kernel,
+                 quantization=quantization) as llm:
             assert llm.core.executor.runner.linear_kernel == kernel
             tokens[kernel] = [r.token_ids for r in llm.generate(PROMPTS[:3], greedy)]
-    assert all(t == tokens["torch"] for t in tokens.values()), tokens
+    # the same weights give the same tokens: as loaded (torch's), or int8 (int8_torch's)
+    for kernel, got in tokens.items():
+        assert got == tokens["int8_torch" if KERNELS[kernel].quantization else "torch"], kernel
 
 
 def test_a_plan_without_a_shape_is_refused() -> None:

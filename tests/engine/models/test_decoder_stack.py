@@ -160,6 +160,19 @@ def test_on_the_packed_kernel_the_stack_takes_every_decode_batch_to_the_bit(
     assert step_rows == MANY
 
 
+@pytest.mark.parametrize("case", ["llama", "odd-widths"])
+def test_on_int8_weights_the_stack_takes_every_decode_batch_to_the_bit(
+        model_factory: Callable[..., Path], case: str, step_rows: list[int], threads: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``int8_packed`` (``quantization="int8"``): the stack's int8 GEMV and GEMM are the
+    per-layer forward's, at every batch."""
+    arch, overrides = ARCHS[case]
+    config = _config(model_factory(arch, **overrides))
+    _assert_stack_matches_per_layer(config, lambda: _many_steps(config.model.vocab_size),
+                                    monkeypatch, step_rows, "int8_packed", 4 * MANY[0])
+    assert step_rows == MANY
+
+
 def test_growing_batches_grow_the_stacks_work_space_and_stop_at_its_most_rows(
         model_factory: Callable[..., Path], step_rows: list[int],
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -430,6 +443,26 @@ def test_packed_weights_come_all_four_and_of_their_size(llama_dir: Path,
     assert without.max_rows == GEMV_MAX_ROWS
     with pytest.raises(ValueError, match="does not take"):  # past the GEMV without panels
         kernels.decoder_stack(without, **_rows(runner, GEMV_MAX_ROWS + 1))
+
+
+def test_int8_weights_come_with_their_scales_and_int8_panels(llama_dir: Path,
+                                                            kernels: NativeKernels) -> None:
+    runner = _runner(_config(llama_dir), "int8_packed")
+    stack = decoder_stack.CompiledDecoderStack.build(runner.model)
+    assert stack is not None and stack._layers.max_rows == STACK_MAX_ROWS
+    good, shape = stack._layers.layers[0], stack._layers.shape
+    assert good.qkv_w.dtype == torch.int8 and good.qkv_s is not None
+    fp32 = _runner(_config(llama_dir), "packed")
+    stack32 = decoder_stack.CompiledDecoderStack.build(fp32.model)
+    assert stack32 is not None
+    fp32_layer = stack32._layers.layers[0]
+    for change, name in (({"o_s": None}, "o_w"),  # int8 without its scales
+                         ({"o_s": good.o_s[:-1]}, "o_s"),
+                         ({"gate_up_s": good.gate_up_s.double()}, "gate_up_s"),  # type: ignore[union-attr]
+                         ({"qkv_w": fp32_layer.qkv_w}, "qkv_w"),  # fp32 with int8 scales
+                         ({"down_p": fp32_layer.down_p}, "down_p")):  # fp32 panels
+        with pytest.raises(ValueError, match=f"layer 0: {name}"):
+            DecoderLayers(shape, [replace(good, **change)], kernels.panel_floats)
 
 
 def test_a_model_off_the_compiled_backend_never_loads_the_kernels_for_it(
