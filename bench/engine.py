@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 import engine
+from bench import quality
 from bench.common import (
     MIB,
     BandwidthProbe,
@@ -115,6 +116,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="pdserve's weights: int8 (weight-only, quantised at load; its kernels "
                         "are int8_*); default: as loaded")
+    p.add_argument("--skip-quality", action="store_true",
+                   help="with --quantization: skip its quality against fp32 on the trained "
+                        "model (bench.quality; the model trains for a few minutes once)")
     p.add_argument("--batch1-steps", type=int, default=48,
                    help="timed batch-1 decode steps (split into 3 blocks between bandwidth passes)")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="bandwidth buffer size (MiB)")
@@ -433,6 +437,13 @@ def render(out: dict[str, Any]) -> str:
          "by block " + str([round(x, 2) for x in out["roofline_fraction_by_block"]]) + " at "
          + str([round(x) for x in out["bandwidth_by_block_gbps"]]) + " GB/s"],
     ]
+    if out.get("quality"):
+        q = out["quality"]
+        rows += [[f"{q['quantization']} top-1 agreement with fp32", "", round(q["top1_agreement"], 4),
+                  f">= {q['target_top1_agreement']}",
+                  f"trained model, {q['positions']} held-out tokens, teacher-forced"],
+                 [f"{q['quantization']} mean KL from fp32", "nats", f"{q['mean_kl']:.1e}", "",
+                  f"max {q['max_kl']:.4f}"]]
     table = format_table(rows, ["metric", "unit", "value", "target", "runs / notes"])
     warnings = [f"WARNING: {w}" for w in out["noise_warnings"]]
     return "\n".join(head) + "\n\n" + table + "".join("\n" + w for w in warnings)
@@ -468,6 +479,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         finally:
             llm.shutdown()
             probe.release()
+        if args.quantization and not args.skip_quality:  # on the trained model (bench.quality)
+            out["quality"] = quality.measure(args.quantization)
     out["machine"] = machine
     out["load_avg_end"] = [round(x, 2) for x in load_average()]
     out["elapsed_s"] = time.perf_counter() - started

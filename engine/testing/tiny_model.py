@@ -11,8 +11,12 @@ near-ties that flip greedy choices under float noise). The tokenizer is a byte-l
 trained on an embedded multilingual corpus, so some tokens are partial UTF-8 sequences.
 Everything is deterministic: the same arguments give byte-identical files.
 
-Depends on torch, tokenizers and the stdlib only (the safetensors files are written
-directly, streaming one tensor at a time).
+The ``trained`` preset is the exception to "random": a 5M-parameter Llama trained for a
+few minutes on the Python standard library's own sources (``engine.testing.training``),
+its tokenizer trained on the same text; deterministic on a given machine and torch build.
+
+Depends on torch, tokenizers, safetensors (trained weights) and the stdlib only (random
+weights are written directly, streaming one tensor at a time).
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.testing import training
 from engine.testing.tokenizer_corpus import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
@@ -33,7 +38,7 @@ from engine.testing.tokenizer_corpus import (
     tokenizer_config,
     train_tokenizer,
 )
-from engine.testing.weights import weight_specs, write_weights
+from engine.testing.weights import weight_specs, write_tensors, write_weights
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -62,6 +67,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": None,
         "tokenizer_vocab_size": 700,
     },
+    # trained (engine.testing.training) for TRAIN_STEPS steps, about 4-5 minutes on 2 cores
+    "trained": {
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "vocab_size": None,
+        "tokenizer_vocab_size": 4096,
+    },
     "bench55m": {
         "hidden_size": 512,
         "intermediate_size": 1408,
@@ -74,6 +90,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+TRAIN_STEPS = {"trained": 720}  # the presets whose weights are trained, and for how long
 # Architecture-specific config.json keys (model_type is the arch name itself).
 _ARCH_CLASS = {
     "llama": "LlamaForCausalLM",
@@ -173,6 +190,8 @@ def make_tiny_model(
     seed: int = 0,
     overrides: Mapping[str, Any] | None = None,
     num_shards: int = 1,
+    train_steps: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Writes a random-weight HF checkpoint with a trained BPE tokenizer into `out_dir`.
 
@@ -183,16 +202,27 @@ def make_tiny_model(
     tokenizer.json, tokenizer_config.json (with a ChatML-like chat template),
     generation_config.json. Existing weight files in
     `out_dir` are replaced. Deterministic: the same arguments give byte-identical files.
+    A preset of TRAIN_STEPS (llama only, one weight file) is trained instead, for
+    `train_steps` steps (default its own), `progress` getting a line now and then.
     Returns `out_dir` as a Path.
     """
     _check_choice(arch, ARCHS, "arch")
     _check_choice(preset, PRESETS, "preset")
     out = Path(out_dir)
-    tokenizer = train_tokenizer(arch, PRESETS[preset]["tokenizer_vocab_size"])
+    trained = preset in TRAIN_STEPS
+    if trained and (arch != "llama" or num_shards != 1):
+        raise ValueError(f"the {preset} preset is a llama in one weight file")
+    text = training.training_text() if trained else None
+    tokenizer = train_tokenizer(arch, PRESETS[preset]["tokenizer_vocab_size"], text)
     config = _build_config(arch, preset, overrides or {}, tokenizer.get_vocab_size())
-    specs = weight_specs(config, arch)
     out.mkdir(parents=True, exist_ok=True)
-    write_weights(out, specs, seed, num_shards)
+    if text is not None:
+        steps = TRAIN_STEPS[preset] if train_steps is None else train_steps
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        write_tensors(out, training.train_weights(config, ids, seed=seed, steps=steps,
+                                                  progress=progress))
+    else:
+        write_weights(out, weight_specs(config, arch), seed, num_shards)
     _write_json(out / "config.json", config)
     tokenizer.save(str(out / "tokenizer.json"))
     chat_template = _BOS_CHAT_TEMPLATE if arch in ("llama", "mistral") else _CHAT_TEMPLATE
@@ -220,12 +250,13 @@ def _generator_fingerprint() -> str:
     """Hash of this generator's sources: a changed generator gets a fresh cache entry."""
     digest = hashlib.sha256()
     here = Path(__file__)
-    for module_file in (here, here.with_name("tokenizer_corpus.py"), here.with_name("weights.py")):
-        digest.update(module_file.read_bytes())
+    for name in (here.name, "tokenizer_corpus.py", "weights.py", "training.py"):
+        digest.update(here.with_name(name).read_bytes())
     return digest.hexdigest()[:12]
 
 
-def ensure_cached_model(*, arch: str = "llama", preset: str = "tiny", seed: int = 0) -> Path:
+def ensure_cached_model(*, arch: str = "llama", preset: str = "tiny", seed: int = 0,
+                        progress: Callable[[str], None] | None = None) -> Path:
     """Returns a generated model under `default_model_cache_dir()`, building it on first use.
 
     The directory is named `{preset}-{arch}-seed{seed}-{source hash}`, so editing the
@@ -236,13 +267,14 @@ def ensure_cached_model(*, arch: str = "llama", preset: str = "tiny", seed: int 
     _check_choice(arch, ARCHS, "arch")
     _check_choice(preset, PRESETS, "preset")
     cache_dir = default_model_cache_dir()
-    final = cache_dir / f"{preset}-{arch}-seed{seed}-{_generator_fingerprint()}"
+    text = f"-{training.text_identity()}" if preset in TRAIN_STEPS else ""  # what it learnt
+    final = cache_dir / f"{preset}-{arch}-seed{seed}{text}-{_generator_fingerprint()}"
     if final.is_dir():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
     try:
-        make_tiny_model(tmp, arch=arch, preset=preset, seed=seed)
+        make_tiny_model(tmp, arch=arch, preset=preset, seed=seed, progress=progress)
         os.rename(tmp, final)
     except OSError:
         if not final.is_dir():

@@ -55,8 +55,9 @@ def _new_tokenizer(arch: str) -> Tokenizer:
     return tokenizer
 
 
-def train_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
-    """A BPE of at most `vocab_size` tokens trained on CORPUS_TEXT, with arch's pipeline.
+def train_tokenizer(arch: str, vocab_size: int, text: str | None = None) -> Tokenizer:
+    """A BPE of at most `vocab_size` tokens trained on `text` (default CORPUS_TEXT), with
+    arch's pipeline.
 
     Specials: <pad> = 0, <s> = 1 (bos), </s> = 2 (eos). llama/mistral prepend <s> at
     encode time; qwen2/qwen3 add nothing. The corpus may support fewer merges than asked.
@@ -69,7 +70,7 @@ def train_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator([CORPUS_TEXT], trainer=trainer)
+    tokenizer.train_from_iterator([CORPUS_TEXT if text is None else text], trainer=trainer)
     ids = [tokenizer.token_to_id(t) for t in (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)]
     assert ids == [PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID], ids
     _set_post_processor(tokenizer, arch)

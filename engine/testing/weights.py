@@ -194,3 +194,14 @@ def write_weights(out_dir: Path, specs: list[_TensorSpec], seed: int, num_shards
 
 
 # ---------------------------------------------------------------- public API
+
+
+def write_tensors(out_dir: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Writes ``tensors`` (fp32) as model.safetensors (one file; names sorted), replacing
+    any weight files there (a trained checkpoint: ``engine.testing.training``)."""
+    from safetensors.torch import save_file
+
+    for stale in [*out_dir.glob("model*.safetensors"), out_dir / _INDEX_FILE]:
+        stale.unlink(missing_ok=True)
+    save_file({name: tensors[name].to(torch.float32).contiguous() for name in sorted(tensors)},
+              str(out_dir / _WEIGHT_FILE), metadata={"format": "pt"})
