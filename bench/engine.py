@@ -36,6 +36,7 @@ Targets: ``ratio_vs_hf >= 2.0`` and ``roofline_fraction >= 0.6``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import shutil
@@ -227,14 +228,16 @@ def time_batch1_block(llm: engine.LLM, prompt: list[int], num_steps: int,
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(parameter count, all weight bytes as loaded, bytes a decode step reads): every
+    """(parameter count, weight bytes held, bytes a decode step reads): every
     parameter once, the input embedding only where it doubles as the (tied) output head,
     and each linear's weight as its kernel reads it (int8 and scales where quantised)."""
     params = {id(p): p for p in model.parameters()}.values()
     total = sum(p.numel() * p.element_size() for p in params)
-    count = sum(p.numel() for p in params)
-    embedding = model.get_parameter("embed_tokens.weight")
     linears = linear_layers(model)
+    released = [layer for layer in linears if layer.weight.numel() == 0]  # int8: freed
+    count = sum(p.numel() for p in params) + sum(math.prod(layer.weight_shape) for layer in released)
+    total += sum(layer.weight_read_bytes for layer in released)
+    embedding = model.get_parameter("embed_tokens.weight")
     skip = {id(embedding), *(id(layer.weight) for layer in linears)}
     read = sum(p.numel() * p.element_size() for p in params if id(p) not in skip)
     read += sum(layer.weight_read_bytes for layer in linears)

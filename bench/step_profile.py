@@ -171,9 +171,9 @@ def linear_figures(llm: engine.LLM, batch: int) -> dict[str, dict[str, float]]:
     for name, layer in model.named_modules():
         if id(layer) not in linears:
             continue
-        out_features, in_features = layer.weight.shape
+        out_features, in_features = layer.weight_shape
         f = figures.setdefault(name.rsplit(".", 1)[-1], {"bytes": 0.0, "flops": 0.0})
-        f["bytes"] += layer.weight.numel() * layer.weight.element_size()
+        f["bytes"] += layer.weight_read_bytes
         f["flops"] += 2.0 * batch * out_features * in_features
     layers = [f for role, f in figures.items() if role != "lm_head"]
     figures[STACK] = {key: sum(f[key] for f in layers) for key in ("bytes", "flops")}

@@ -63,31 +63,60 @@ class _Linear(nn.Module):
         # a shard's rows' largest magnitudes over the whole rows, where the shard holds
         # part rows (row-parallel): what a quantising kernel scales by (engine.kernels.quant)
         self.row_amax: torch.Tensor | None = None
+        self._released_shape: tuple[int, int] | None = None  # see release_weight
 
     @property
     def kernel_name(self) -> str:
         return self._kernel.name if self._prepared is not None else "torch"
 
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        """``[out, in]`` of this rank's weight (also once ``release_weight`` freed it)."""
+        if self._released_shape is not None:
+            return self._released_shape
+        out_features, in_features = self.weight.shape
+        return int(out_features), int(in_features)
+
     def set_kernel(self, name: str) -> None:
         """Multiply with kernel ``name`` from now on, (re)preparing its copy of the weight;
-        call after loading, and again if the weight changes."""
+        call after loading, and again if the weight changes. Once the weight was released
+        only a quantising kernel can be set (from the int8 weight kept); another raises
+        ``RuntimeError``."""
         kernel = KERNELS[name]
         global _kernel_generation
-        weight = self.weight.detach()
         if kernel.quantization == "int8":
-            self._prepared = kernel.prepare(quantize_int8(weight, self.row_amax))
+            int8 = self._int8_weight()
+            self._prepared = kernel.prepare(int8 if int8 is not None else
+                                            quantize_int8(self.weight.detach(), self.row_amax))
+        elif self._released_shape is not None:
+            raise RuntimeError(f"linear kernel {name} needs the weight as loaded, which was "
+                               "released after int8 quantisation")
         else:
-            self._prepared = kernel.prepare(weight)
+            self._prepared = kernel.prepare(self.weight.detach())
         self._kernel = kernel
         _kernel_generation = next(_kernel_changes)
+
+    def _int8_weight(self) -> Int8Weight | None:
+        prepared = self._prepared
+        int8 = prepared if isinstance(prepared, Int8Weight) else getattr(prepared, "weight", None)
+        return int8 if isinstance(int8, Int8Weight) else None
+
+    def release_weight(self) -> bool:
+        """Free the weight as loaded where the kernel multiplies by its int8 copy (the
+        memory a quantised model saves); ``False`` where it does not. The caller keeps a
+        weight another module shares (a tied embedding)."""
+        if self._int8_weight() is None or self._released_shape is not None:
+            return False
+        self._released_shape = self.weight_shape
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        return True
 
     @property
     def weight_read_bytes(self) -> int:
         """Bytes of weight one multiply reads: the int8 weight and its scales where the
         kernel quantised it (``engine.kernels.quant``), else the weight as loaded."""
-        prepared = self._prepared
-        int8 = prepared if isinstance(prepared, Int8Weight) else getattr(prepared, "weight", None)
-        if isinstance(int8, Int8Weight):
+        int8 = self._int8_weight()
+        if int8 is not None:
             return int8.q.numel() + int8.scales.numel() * int8.scales.element_size()
         return self.weight.numel() * self.weight.element_size()
 
@@ -104,10 +133,16 @@ def linear_layers(model: nn.Module) -> list[_Linear]:
 
 def apply_kernel_plan(model: nn.Module, plan: KernelPlan) -> int:
     """Give each linear layer the kernel ``plan`` names for its weight shape; returns how
-    many layers were set. Raises ``KeyError`` for a shape the plan lacks."""
+    many layers were set. A layer on a quantising kernel frees its weight as loaded
+    (``release_weight``) unless another module shares it (a tied embedding, which
+    keeps it). Raises ``KeyError`` for a shape the plan lacks."""
     layers = linear_layers(model)
+    shared = {id(p) for m in model.modules() if not isinstance(m, _Linear)
+              for p in m.parameters(recurse=False)}
     for layer in layers:
-        layer.set_kernel(plan.kernel_for(*layer.weight.shape))
+        layer.set_kernel(plan.kernel_for(*layer.weight_shape))
+        if id(layer.weight) not in shared:
+            layer.release_weight()
     return len(layers)
 
 

@@ -6,6 +6,7 @@ tests/engine/models/test_decoder_stack.py; through the cluster: tests/e2e/test_i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -183,10 +184,32 @@ def test_llm_with_int8_weights_reads_a_quarter_of_the_bytes_and_generates(llama_
         executor = llm.core.executor
         plan = executor.kernel_plan  # type: ignore[attr-defined]
         assert {k for _, _, k in plan.kernels} <= {"int8_torch", "int8_packed"}, plan
-        layers = linear_layers(executor.runner.model)  # type: ignore[attr-defined]
-        fp32 = sum(layer.weight.numel() * 4 for layer in layers)
+        model = executor.runner.model  # type: ignore[attr-defined]
+        layers = linear_layers(model)
+        fp32 = sum(4 * math.prod(layer.weight_shape) for layer in layers)
         assert sum(layer.weight_read_bytes for layer in layers) < 0.3 * fp32
+        # the weights as loaded are freed (the tied-free tiny llama: every linear's)
+        assert all(layer.weight.numel() == 0 for layer in layers)
+        with pytest.raises(RuntimeError, match="released after int8 quantisation"):
+            layers[0].set_kernel("torch")
+        layers[0].set_kernel("int8_torch")  # another int8 kernel: from the int8 weight kept
         first, again = (llm.generate(["the int8 path", "a second prompt"], greedy)
                         for _ in range(2))
     assert [r.token_ids for r in first] == [r.token_ids for r in again]
     assert all(len(r.token_ids) == 12 for r in first)
+
+
+def test_a_tied_head_keeps_the_embedding_it_shares(model_factory: Callable[..., Path]) -> None:
+    """qwen2's LM head is its input embedding: quantising the head frees nothing the
+    embedding still gathers from; every other linear's weight as loaded is freed."""
+    config = EngineConfig(model=load_model_config(model_factory("qwen2")), quantization="int8")
+    shapes = [(s.out_features, s.in_features) for s in linear_shapes(config)]
+    runner = ModelRunner(config, Group.single(), 24, KernelPlan.uniform(shapes, "int8_torch",
+                                                                        "config"))
+    model = runner.model
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert model.embed_tokens.weight.numel() > 0
+    assert all(layer.weight.numel() == 0 for layer in linear_layers(model)
+               if layer is not model.lm_head)
+    logits = torch.cat(_run(runner, _steps(config.model.vocab_size)))
+    assert bool(torch.isfinite(logits).all())
