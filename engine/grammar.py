@@ -59,6 +59,7 @@ class Grammars:
         self.cache_size = cache_size
         self.compile_limit_s = compile_limit_s
         self._compiled: OrderedDict[StructuredOutput, str] = OrderedDict()
+        self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # by grammar
         self._lock = threading.Lock()
 
     def grammar(self, structured: StructuredOutput) -> str:
@@ -87,8 +88,21 @@ class Grammars:
         return grammar
 
     def matcher(self, structured: StructuredOutput) -> llguidance.LLMatcher:
-        """A fresh matcher of ``structured`` at the start of the output."""
-        return llguidance.LLMatcher(self.tokenizer, self.grammar(structured), log_level=0)
+        """A fresh matcher of ``structured`` at the start of the output: a copy of one kept
+        per grammar (LRU, as the grammars are; a copy costs a microsecond, a new matcher
+        hundreds of times that)."""
+        grammar = self.grammar(structured)
+        with self._lock:
+            template = self._templates.get(grammar)
+            if template is not None:
+                self._templates.move_to_end(grammar)
+        if template is None:
+            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            with self._lock:
+                self._templates[grammar] = template
+                if len(self._templates) > self.cache_size:
+                    self._templates.popitem(last=False)
+        return template.deep_copy()
 
 
 def advance(matcher: llguidance.LLMatcher, token_ids: Sequence[int]) -> bool:

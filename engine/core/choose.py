@@ -6,6 +6,7 @@ for, of the raw logits (``engine.core.logprobs``). The engine core calls it once
 from __future__ import annotations
 
 import weakref
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ from engine.core.request import Request
 from engine.core.sampler import sample
 from engine.sampling_params import TokenLogprobs
 
-PromptCache = weakref.WeakKeyDictionary[Request, torch.Tensor]
+HistoryCache = weakref.WeakKeyDictionary[Request, "_Tracked"]
 
 
 @dataclass
@@ -30,18 +31,20 @@ class Choice:
 
 
 def choose_tokens(logits: torch.Tensor, requests: Sequence[Request], positions: Sequence[int],
-                  prompts: PromptCache, constraints: Constraints) -> Choice:
+                  histories: HistoryCache, constraints: Constraints) -> Choice:
     """Row ``i`` of ``logits`` is ``requests[i]``'s next token, at ``positions[i]``; the
     constrained requests' matchers follow the tokens chosen."""
     params = [r.params for r in requests]
     raw = logits
-    if any(p.penalized for p in params):  # the raw logits kept only for logprobs
+    in_place = all(p.logprobs is None for p in params)  # the raw logits kept for logprobs
+    if any(p.penalized for p in params):
         logits = process_logits(logits, params,
-                                [_history(r, prompts) if p.penalized else _NO_HISTORY
+                                [_history(r, histories) if p.penalized else _NO_HISTORY
                                  for r, p in zip(requests, params, strict=True)],
-                                in_place=all(p.logprobs is None for p in params))
+                                in_place=in_place)
+        in_place = True  # a copy already, or the raw logits are not needed
     ids = [r.request_id for r in requests]
-    logits = constraints.mask(logits, ids)
+    logits = constraints.mask(logits, ids, in_place=in_place)
     sampled = sample(logits, params, positions)
     constraints.follow_step(ids, sampled)
     choice = Choice(sampled)
@@ -57,19 +60,34 @@ def choose_tokens(logits: torch.Tensor, requests: Sequence[Request], positions: 
 _NO_HISTORY = History((), ())  # an unpenalized row's: never read
 
 
-def _history(request: Request, prompts: PromptCache) -> History:
+class _Tracked:
+    """What the logits processors read of one request, kept as C int arrays (the compiled
+    penalties read them where they lie) and grown by the new output tokens each step."""
+
+    def __init__(self, request: Request) -> None:
+        prompt = request.prompt_token_ids
+        split = len(prompt) - request.num_resumed_tokens
+        # the distinct ids of the client's prompt (the repetition penalty's only)
+        self.prompt_ids = (array("i", sorted(set(prompt[:split])))
+                           if request.params.repetition_penalty != 1.0 else array("i"))
+        self.resumed = array("i", prompt[split:])  # the resumed tokens are output too
+        self.output_ids = array("i", self.resumed)
+        self.seen = 0  # output tokens copied so far
+
+    def output(self, request: Request) -> array[int]:
+        produced = request.output_token_ids
+        if len(produced) < self.seen:  # never expected: start the copy again
+            self.output_ids, self.seen = array("i", self.resumed), 0
+        self.output_ids.extend(produced[self.seen:])
+        self.seen = len(produced)
+        return self.output_ids
+
+
+def _history(request: Request, histories: HistoryCache) -> History:
     """The tokens the logits processors (``engine.core.logits``) read of ``request``;
-    ``prompts`` keeps each request's distinct prompt ids (made once, gone with it)."""
-    prompt = request.prompt_token_ids
-    split = len(prompt) - request.num_resumed_tokens
+    ``histories`` keeps each request's copy (made once, grown each step, gone with it)."""
+    tracked = histories.get(request)
+    if tracked is None:
+        tracked = histories[request] = _Tracked(request)
     eos = () if request.params.ignore_eos else request.eos_token_ids
-    prompt_ids: Sequence[int] | torch.Tensor = ()
-    if request.params.repetition_penalty != 1.0:
-        prompt_ids = prompts.get(request)  # type: ignore[assignment]
-        if prompt_ids is None:
-            prompt_ids = prompts[request] = torch.unique(torch.tensor(prompt[:split]))
-    output = request.output_token_ids  # the resumed tokens are output too
-    return History(prompt_ids, [*prompt[split:], *output] if split < len(prompt) else output,
-                   eos)
-
-
+    return History(tracked.prompt_ids, tracked.output(request), eos)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from engine.attention.metadata import LayerHook
 from engine.config import EngineConfig
-from engine.core.choose import PromptCache, choose_tokens
+from engine.core.choose import HistoryCache, choose_tokens
 from engine.core.constrain import Constraints
 from engine.core.logprobs import delivered_prompt_logprobs, prompt_logprobs
 from engine.core.request import FinishReason, Request
@@ -128,7 +128,7 @@ class EngineCore:
         # Builds the payload every rank's plugin step_hook receives with a step (or None).
         self.step_payload: Callable[[SchedulerOutput], bytes] | None = None
         self._streams: dict[str, TextStream] = {}
-        self._prompts: PromptCache = weakref.WeakKeyDictionary()  # engine.core.choose
+        self._histories: HistoryCache = weakref.WeakKeyDictionary()  # engine.core.choose
         self._step_logprobs: dict[str, TokenLogprobs] = {}  # this step's, by request id
         self.constraints = Constraints(_grammars(config, tokenizer))  # structured outputs
         self._ids = itertools.count()
@@ -234,7 +234,7 @@ class EngineCore:
         sampling = [c for c in out.chunks if c.sample]
         choice = choose_tokens(logits, [self.scheduler.requests[c.request_id] for c in sampling],
                                [c.start_position + len(c.token_ids) for c in sampling],
-                               self._prompts, self.constraints)
+                               self._histories, self.constraints)
         self._step_logprobs = choice.logprobs
         return choice.token_ids
 
@@ -348,4 +348,5 @@ class EngineCore:
         self.block_manager.check_integrity()
 
     def shutdown(self) -> None:
+        self.constraints.shutdown()
         self.executor.shutdown()

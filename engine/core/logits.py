@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.cpu import native
 from engine.sampling_params import SamplingParams
 
 
@@ -33,7 +34,7 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     penalties applied (a copy in fp32 — ``logits`` itself, changed, with ``in_place`` and
     fp32 logits —; ``logits`` unchanged when no row has any). Only the penalized rows'
     ``histories`` are read. Sparse: the work grows with the rows' histories, not with the
-    vocabulary."""
+    vocabulary (on the CPU the compiled kernel reads the histories where they lie)."""
     rows = [i for i, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
@@ -52,9 +53,30 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
             for t in (*histories[r].eos_token_ids, *params[r].stop_token_ids) if t < vocab_size]
     if ends:
         flat[torch.tensor(ends, device=device)] = float("-inf")
-    _repetition(flat, rows, params, histories, vocab_size)
-    _presence_frequency(flat, rows, params, histories, vocab_size)
+    if not _compiled_penalties(logits, rows, params, histories):
+        _repetition(flat, rows, params, histories, vocab_size)
+        _presence_frequency(flat, rows, params, histories, vocab_size)
     return logits
+
+
+def _compiled_penalties(logits: torch.Tensor, all_rows: Sequence[int],
+                        params: Sequence[SamplingParams], histories: Sequence[History]) -> bool:
+    """The repetition, presence and frequency penalties by the compiled CPU kernel, in
+    place (one pass over each row's history, no tensor built from it); False where it
+    does not run (not the CPU, no compiled kernels), nothing then changed."""
+    kernels = native() if logits.device.type == "cpu" else None
+    if kernels is None:
+        return False
+    rows = [r for r in all_rows if params[r].repetition_penalty != 1.0
+            or params[r].presence_penalty or params[r].frequency_penalty]
+    return kernels.penalties(
+        logits, rows,
+        [histories[r].prompt_token_ids if params[r].repetition_penalty != 1.0 else ()
+         for r in rows],
+        [histories[r].output_token_ids for r in rows],
+        [params[r].repetition_penalty for r in rows],
+        [params[r].presence_penalty for r in rows],
+        [params[r].frequency_penalty for r in rows])
 
 
 def _flat_ids(rows: Sequence[int], lists: Sequence[Sequence[int] | torch.Tensor],

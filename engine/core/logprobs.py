@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.kernels.cpu import native
 from engine.sampling_params import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -31,22 +32,22 @@ if TYPE_CHECKING:
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
                    num_top: Sequence[int]) -> list[TokenLogprobs]:
     """Row ``i`` of ``logits`` (``[rows, vocab]``, raw) sampled ``token_ids[i]``; report
-    it and its ``num_top[i]`` likeliest alternatives. Computed in fp32."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = torch.tensor(list(token_ids), device=logprobs.device).unsqueeze(1)
-    chosen_lp = logprobs.gather(1, chosen)  # [rows, 1]
-    ranks = (logprobs > chosen_lp).sum(dim=-1).add_(1).tolist()
+    it and its ``num_top[i]`` likeliest alternatives. Computed in fp32 (on the CPU by the
+    compiled kernel where it runs: one call, no log-softmax of the whole batch kept)."""
+    kernels = native() if logits.device.type == "cpu" else None
     k = max(num_top, default=0)
-    top_lp, top_ids = (logprobs.topk(k, dim=-1) if k else (None, None))
-    out: list[TokenLogprobs] = []
-    values = chosen_lp.squeeze(1).tolist()
-    for i, (token_id, n) in enumerate(zip(token_ids, num_top, strict=True)):
-        top: tuple[tuple[int, float], ...] = ()
-        if n:
-            assert top_ids is not None and top_lp is not None
-            top = tuple(zip(top_ids[i, :n].tolist(), top_lp[i, :n].tolist(), strict=True))
-        out.append(TokenLogprobs(int(token_id), values[i], int(ranks[i]), top))
-    return out
+    found = kernels.token_logprobs(logits.float(), token_ids, k) if kernels is not None else None
+    if found is None:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = torch.tensor(list(token_ids), device=logprobs.device).unsqueeze(1)
+        chosen_lp = logprobs.gather(1, chosen)  # [rows, 1]
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        found = (chosen_lp.squeeze(1), (logprobs > chosen_lp).sum(dim=-1).add_(1), top_ids,
+                 top_lp)
+    values, ranks, ids, tops = (t.tolist() for t in found)
+    return [TokenLogprobs(int(token_id), values[i], int(ranks[i]),
+                          tuple(zip(ids[i][:n], tops[i][:n], strict=True)))
+            for i, (token_id, n) in enumerate(zip(token_ids, num_top, strict=True))]
 
 
 def prompt_logprobs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk],

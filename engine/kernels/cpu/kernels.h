@@ -176,5 +176,17 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
                                   int64_t group, const int64_t *tables, int64_t max_blocks,
                                   const int64_t *context_lens, int64_t num_seqs, float scale,
                                   float *out, int num_threads);
+/* sampling.c */
+int pd_apply_token_bitmask_f32(float *logits, int64_t rows, int64_t cols, int64_t row_stride,
+                               const int32_t *mask, int64_t words, const int64_t *row_index,
+                               int64_t num_masks);
+int pd_token_logprobs_f32(const float *x, int64_t rows, int64_t cols, int64_t row_stride,
+                          const int64_t *chosen, int64_t k, float *chosen_lp, int64_t *rank,
+                          int64_t *top_ids, float *top_lp, int num_threads);
+int pd_penalties_f32(float *logits, int64_t rows, int64_t cols, int64_t row_stride,
+                     const int64_t *row_index, int64_t num_rows, const int64_t *prompts,
+                     const int64_t *prompt_lens, const int64_t *outputs,
+                     const int64_t *output_lens, const float *repetition,
+                     const float *presence, const float *frequency, int num_threads);
 
 #endif

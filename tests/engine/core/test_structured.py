@@ -131,3 +131,47 @@ def test_a_refused_resume_holds_nothing_and_an_unusable_tokenizer_refuses_only_t
     with pytest.raises(ValueError, match="structured outputs are unavailable"):
         broken.check(request)
     broken.check(Request("r3", [5, 6], SamplingParams()))  # the others are untouched
+
+
+def test_masks_made_ahead_are_the_masks_of_the_matchers_as_they_are_when_used(
+        llama_dir: Path) -> None:
+    """A step's masks made ahead (on the mask thread, once the previous step's tokens are
+    followed) equal masks made in the step, also after a token followed between steps (as
+    ``admit_with_kv`` does), for a request opened between steps, and with a request gone."""
+    import torch
+
+    from engine.core.constrain import Constraints
+    from engine.core.request import Request
+    from engine.grammar import Grammars
+
+    tokenizer_json = (llama_dir / "tokenizer.json").read_text()
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    ahead = Constraints(lambda: Grammars(tokenizer_json, vocab, [2]), masks_ahead=True)
+    in_step = Constraints(lambda: Grammars(tokenizer_json, vocab, [2]), masks_ahead=False)
+    structured = StructuredOutput("json", json.dumps(SCHEMAS["nested"]))
+    requests = {f"r{i}": Request(f"r{i}", [5, 6], SamplingParams(structured=structured))
+                for i in range(4)}
+    live = ["r0", "r1", "r2"]
+    for engine in (ahead, in_step):
+        for rid in live:
+            engine.open(requests[rid])
+    generator = torch.Generator().manual_seed(0)
+    for step in range(12):
+        logits = torch.randn(len(live), vocab, generator=generator)
+        masked = ahead.mask(logits, live)
+        assert torch.equal(masked, in_step.mask(logits, live)), step
+        tokens = masked.argmax(dim=-1).tolist()
+        for engine in (ahead, in_step):
+            engine.follow_step(live, tokens)
+        if step == 3:  # a token that came from elsewhere, between two steps
+            extra = in_step.mask(torch.zeros(1, vocab), ["r1"]).argmax().item()
+            for engine in (ahead, in_step):
+                engine.follow("r1", [extra])
+        if step == 5:  # one more request, and one gone
+            for engine in (ahead, in_step):
+                engine.open(requests["r3"])
+                engine.close("r0")
+            live = ["r1", "r2", "r3"]
+    assert ahead._pending is not None and in_step._pending is None  # made ahead
+    ahead.shutdown()
+    in_step.shutdown()

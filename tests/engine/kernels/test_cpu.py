@@ -337,15 +337,16 @@ def _has_avx2() -> bool:
 def test_the_kernels_built_for_avx2_compute_the_same(tmp_path: Path,
                                                      kernels: NativeKernels) -> None:
     """The same source for an AVX2 machine (8-float vectors, the GEMM's 16-wide panels):
-    this module's kernel tests, the int8 ones and the decoder stack's (to the bit against
-    the per-layer forward) again, on a library built with -march=x86-64-v3."""
+    this module's kernel tests, the int8 and sampling ones and the decoder stack's (to the
+    bit against the per-layer forward) again, on a library built with -march=x86-64-v3."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("PDSERVE_CPU_KERNELS", "PDSERVE_CPU_DECODER_STACK", "PDSERVE_LINEAR_KERNEL")}
     env.update(PDSERVE_CPU_KERNELS_MARCH="x86-64-v3", XDG_CACHE_HOME=str(tmp_path / "cache"))
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
          str(Path(__file__).parents[1] / "models" / "test_decoder_stack.py"),
-         str(Path(__file__).with_name("test_int8.py")), "-k", "not avx2",
+         str(Path(__file__).with_name("test_int8.py")),
+         str(Path(__file__).with_name("test_sampling_kernels.py")), "-k", "not avx2",
          "--basetemp", str(tmp_path / "t")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
