@@ -2,15 +2,16 @@
 batch ``--batch`` with each parameter on against the same requests without.
 
     python -m bench.sampling [--quick] [--batch 32] [--prompt-len 128] [--max-tokens 128]
-                             [--repeats 7] [--threads N] [--json out.json]
+                             [--repeats 9] [--threads N] [--json out.json]
 
 On ``bench55m`` (``--quick``: the built-in tiny model), with the engine's torch threads
-(one per core; ``--threads`` sets them: a worker of ``pdserve up`` on two cores runs one).
+(one per core; ``--threads 1`` leaves a core to the structured outputs' mask thread).
 Each arm runs ``--batch`` requests of fresh random prompts, greedy, ``ignore_eos``, for
 ``--max-tokens`` tokens, timed from the step after every request has its first token
-(the prefills are the same in every arm) to the last. A round runs every arm once, back
-to back; an arm's cost is the median over ``--repeats`` rounds of its round's
-``1 - tok/s ÷ plain's tok/s`` (paired: the machine's drift between rounds cancels).
+(the prefills are the same in every arm) to the last, the garbage collector paused. A
+round runs every arm once, back to back, in a new order each round; an arm's cost is
+the median over ``--repeats`` rounds of its round's ``1 - tok/s ÷ plain's tok/s``
+(paired: the machine's drift between rounds cancels).
 The arms: ``penalties`` (presence 0.5, frequency 0.5, repetition 1.2), ``logit_bias`` (16
 biased ids), ``min_tokens`` (all of them), ``logprobs`` (5 alternatives per token) and
 structured outputs (``json_schema``, an array of at least 32 objects, and ``regex``: both
@@ -25,6 +26,7 @@ at most 15 %; on the tiny model the masks at most 10 % of a decode step.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -80,7 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=7, help="rounds of every arm")
+    p.add_argument("--repeats", type=int, default=9, help="rounds of every arm")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of the engine (default: the engine's, one per core)")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -106,11 +108,16 @@ def run_arm(llm: LLM, rng: random.Random, args: argparse.Namespace, arm: str) ->
     tokens = steps = 0
     constraints = core.constraints
     masks, follows = constraints.mask_seconds, constraints.follow_seconds
-    start = time.perf_counter()
-    while core.has_unfinished():
-        tokens += sum(len(o.new_token_ids) for o in core.step())
-        steps += 1
-    seconds = time.perf_counter() - start
+    gc.collect()
+    gc.disable()  # as timeit does: a collection's pause lands in whichever arm it hits
+    try:
+        start = time.perf_counter()
+        while core.has_unfinished():
+            tokens += sum(len(o.new_token_ids) for o in core.step())
+            steps += 1
+        seconds = time.perf_counter() - start
+    finally:
+        gc.enable()
     return ArmRun(tokens / seconds, steps, seconds, constraints.mask_seconds - masks,
                   constraints.follow_seconds - follows)
 
@@ -128,8 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for arm in ARMS:  # warm-up
             run_arm(llm, rng, argparse.Namespace(**{**vars(args), "max_tokens": 4}), arm)
         runs: dict[str, list[ArmRun]] = {arm: [] for arm in ARMS}
+        order = list(ARMS)
         for _ in range(args.repeats):
-            for arm in ARMS:
+            rng.shuffle(order)  # no arm always runs after the same one
+            for arm in order:
                 runs[arm].append(run_arm(llm, rng, args, arm))
     report = summarize(runs)
     rows = [[arm, f"{report['tok_s'][arm]:.0f}", f"{report['cost_vs_plain'][arm] * 100:+.1f} %",

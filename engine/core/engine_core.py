@@ -336,9 +336,8 @@ class EngineCore:
         needed = self.block_manager.num_blocks_needed(num_tokens)
         if needed > self.block_manager.num_blocks:
             what = "prompt" if prefill_only else "prompt + max_tokens"
-            raise ValueError(
-                f"{what} needs {needed} KV blocks but the pool has only "
-                f"{self.block_manager.num_blocks}")
+            raise ValueError(f"{what} needs {needed} KV blocks but the pool has only "
+                             f"{self.block_manager.num_blocks}")
 
     # --- introspection ------------------------------------------------------------
     def kv_usage(self) -> KVCacheUsage:
