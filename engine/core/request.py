@@ -93,12 +93,15 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def full_block_hashes(self, num_blocks: int, block_size: int, seed: int) -> list[BlockHash]:
-        """Chained hashes of the first ``num_blocks`` full blocks (extended incrementally)."""
+        """Chained hashes of the first ``num_blocks`` full blocks (extended incrementally;
+        the request's own list when it is exactly that long: read it, do not keep it)."""
         while len(self.block_hashes) < num_blocks:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if i else root_hash(seed)
             tokens = self.all_token_ids[i * block_size : (i + 1) * block_size]
             self.block_hashes.append(hash_block_tokens(parent, tokens))
+        if len(self.block_hashes) == num_blocks:
+            return self.block_hashes
         return self.block_hashes[:num_blocks]
 
     def check_token_stop(self, max_model_len: int) -> FinishReason | None:
@@ -108,6 +111,7 @@ class Request:
             return FinishReason.STOP
         if not self.params.ignore_eos and last in self.eos_token_ids:
             return FinishReason.STOP
-        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        outputs = self.num_resumed_tokens + len(self.output_token_ids)  # num_output_tokens
+        if outputs >= self.params.max_tokens or len(self.all_token_ids) >= max_model_len:
             return FinishReason.LENGTH
         return None

@@ -213,7 +213,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start : start + num_new]),
             start_position=start,
-            block_ids=tuple(self.blocks.block_ids(request.request_id)),
+            block_ids=self.blocks.block_table(request.request_id),
             sample=start + num_new == request.num_tokens,
             all_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1,
         )
@@ -261,6 +261,8 @@ class Scheduler:
         if not self.cache.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.blocks.block_size
+        if num_full <= self.blocks.num_keyed_blocks(request.request_id):
+            return  # no block filled up since the last call (most decode steps)
         hashes = request.full_block_hashes(num_full, self.blocks.block_size, self.cache.hash_seed)
         self.blocks.cache_full_blocks(request.request_id, hashes)
 

@@ -5,7 +5,6 @@ Torch-free: the schedulers and tests use it with integer ids and counts only.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,9 +97,18 @@ class BlockManager:
         """A copy of the request's block table (``KeyError`` if unknown)."""
         return list(self._tables[request_id])
 
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table, as a tuple (``KeyError`` if unknown)."""
+        return tuple(self._tables[request_id])
+
     def pinned_block_ids(self, request_id: str) -> list[int]:
         """A copy of the blocks pinned under ``request_id`` (``KeyError`` if none)."""
         return list(self._pins[request_id])
+
+    def num_keyed_blocks(self, request_id: str) -> int:
+        """How many of the request's leading blocks ``cache_full_blocks`` has keyed (0 for
+        an unknown id)."""
+        return self._num_hashed_blocks.get(request_id, 0)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._tables
@@ -131,6 +139,9 @@ class BlockManager:
         nothing changed, and a new request is not registered.
         """
         table = self._tables.get(request_id)
+        if (table is not None and not cached_block_ids and num_tokens >= 0
+                and num_tokens <= len(table) * self.block_size):
+            return []  # the usual decode step: its blocks already hold it (never pinned)
         self._check_allocate_args(request_id, table, num_tokens, cached_block_ids)
         num_held = len(table) if table is not None else len(cached_block_ids)
         num_new = max(0, self.num_blocks_needed(num_tokens) - num_held)
@@ -226,15 +237,21 @@ class BlockManager:
                 len(set(block_ids)) == len(block_ids),
                 f"{owner_id!r} holds a block twice: {block_ids}",
             )
-        refs = Counter(b for table in self._tables.values() for b in table)
-        pins = Counter(b for block_ids in self._pins.values() for b in block_ids)
-        for block_id in range(self.num_blocks):
-            ref_count, pin_count = self._pool.ref_count(block_id), self._pool.pin_count(block_id)
-            _require(
-                ref_count == refs[block_id] and pin_count == pins[block_id],
-                f"block {block_id}: ref {ref_count} / pin {pin_count}, but held by "
-                f"{refs[block_id]} requests / {pins[block_id]} pins",
-            )
+        refs, pins = [0] * self.num_blocks, [0] * self.num_blocks
+        for table in self._tables.values():
+            for b in table:
+                refs[b] += 1
+        for block_ids in self._pins.values():
+            for b in block_ids:
+                pins[b] += 1
+        ref_counts, pin_counts = self._pool.counts_by_block()
+        if refs == ref_counts and pins == pin_counts:
+            return
+        block_id = next(b for b in range(self.num_blocks)
+                        if refs[b] != ref_counts[b] or pins[b] != pin_counts[b])
+        raise KVCacheIntegrityError(
+            f"block {block_id}: ref {ref_counts[block_id]} / pin {pin_counts[block_id]}, but "
+            f"held by {refs[block_id]} requests / {pins[block_id]} pins")
 
     # ----------------------------------------------------------------- internals
     def _check_allocate_args(

@@ -242,30 +242,37 @@ class BlockPool:
     def check_integrity(self) -> None:
         """Recount every category from the per-block state and compare with the tracked
         counters, the free queue and the hash map. Raises ``KVCacheIntegrityError``."""
-        states = list(zip(self._ref_counts, self._pin_counts, self._block_hashes, strict=True))
-        counts = Counter(_category(block_id, *state) for block_id, state in enumerate(states))
-        idle = {b for b, (ref, pin, _) in enumerate(states) if ref == 0 and pin == 0}
+        refs, pins, hashes = self._ref_counts, self._pin_counts, self._block_hashes
+        if min(refs, default=0) < 0 or min(pins, default=0) < 0:
+            for block_id, (ref, pin) in enumerate(zip(refs, pins, strict=True)):
+                _category(block_id, ref, pin, None)  # raises at the first, naming it
+        idle = {b for b, (ref, pin) in enumerate(zip(refs, pins, strict=True))
+                if ref == 0 and pin == 0}
+        hashed = {b: h for b, h in enumerate(hashes) if h is not None}
+        counts = {"pinned": self.num_blocks - pins.count(0),
+                  "cached": sum(1 for b in idle if b in hashed)}
+        counts["free"] = len(idle) - counts["cached"]
+        counts["in_use"] = self.num_blocks - counts["pinned"] - len(idle)
         _require(
             set(self._free_queue) == idle,
             f"free queue {sorted(self._free_queue)} != blocks with ref == pin == 0 {sorted(idle)}",
-        )
-        _require(
-            counts["free"] + counts["cached"] + counts["pinned"] + counts["in_use"]
-            == self.num_blocks,
-            f"categories {dict(counts)} do not add up to {self.num_blocks}",
         )
         _require(
             counts["cached"] == self._num_cached and counts["pinned"] == self._num_pinned,
             f"tracked cached={self._num_cached} pinned={self._num_pinned}, "
             f"recounted {dict(counts)}",
         )
-        hashed = {b: h for b, h in enumerate(self._block_hashes) if h is not None}
         _require(
             {h: b for b, h in hashed.items()} == self._hash_to_block
             and len(self._hash_to_block) == len(hashed),
             f"hash map ({len(self._hash_to_block)} entries) disagrees with per-block "
             f"hashes ({len(hashed)} hashed blocks)",
         )
+
+    def counts_by_block(self) -> tuple[list[int], list[int]]:
+        """Copies of every block's reference and pin counts (for ``BlockManager``'s
+        integrity check)."""
+        return list(self._ref_counts), list(self._pin_counts)
 
 
 def _category(block_id: int, ref_count: int, pin_count: int,
