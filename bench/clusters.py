@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.serving import GrpcBackend, Outcome, run
+from bench.serving import GrpcBackend, run
 from deploy.local import LocalLauncher
 from deploy.spec import ClusterSpec
 from loadtest.workloads import Request
+from sim.metrics import Outcome
 
 
 def bench_model(quick: bool) -> Path:

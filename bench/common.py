@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from engine.kernels.choice import cpu_model
+from sim.metrics import percentile, write_json  # one copy of each, shared with the simulator
 
 GB = 1e9
 MIB = 1 << 20
@@ -124,17 +125,6 @@ def model_facts(model_dir: str | Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- statistics
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100), linear interpolation (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of an empty sequence")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 def summarize(values: Sequence[float], prefix: str = "", unit: str = "") -> dict[str, float]:
     """mean / median / p90 / p99 keys named the vLLM way, e.g. ``mean_ttft_ms`` for
     ``prefix="ttft", unit="ms"``."""
@@ -185,25 +175,6 @@ def format_table(rows: Sequence[Sequence[Any]], headers: Sequence[str] | None = 
         if n == 0 and headers is not None:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
-        return None
-    if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value
-
-
-def write_json(path: str | Path, obj: Mapping[str, Any]) -> None:
-    """Write ``obj`` as indented JSON (NaN/inf become null), creating parent folders."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(_json_safe(obj), indent=2) + "\n", encoding="utf-8")
 
 
 def publish(table: str, json_path: str | Path | None, obj: Mapping[str, Any]) -> None:

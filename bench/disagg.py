@@ -56,8 +56,8 @@ from typing import Any
 
 from bench.clusters import bench_model, cluster, describe, one_by_one, send, two_cpus
 from bench.common import BandwidthProbe, format_table, machine_info, model_facts, write_json
-from bench.serving import CUT_OFF, Outcome, metrics
 from loadtest.workloads import Request, Workload, WorkloadSpec
+from sim.metrics import CUT_OFF, Outcome, metrics
 
 ARMS = ("disaggregated", "colocated")
 ATTAINMENT_TARGET = 0.9

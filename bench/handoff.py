@@ -72,9 +72,9 @@ from bench.common import (
     percentile,
     write_json,
 )
-from bench.serving import arrival_times
 from loadtest.workloads import Request, Workload, WorkloadSpec, oracle_cached_tokens
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
+from sim.metrics import arrival_times
 
 PARTS = ("router_queue", "reserve", "prefill_queue", "prefill_compute", "exposed_transfer",
          "decode_admission", "router_relay", "delivery")

@@ -55,8 +55,8 @@ from typing import Any
 
 from bench.clusters import bench_model, cluster, describe, one_by_one, send, two_cpus
 from bench.common import format_table, machine_info, model_facts, write_json
-from bench.serving import CUT_OFF, Outcome
 from loadtest.workloads import Request, Workload, WorkloadSpec
+from sim.metrics import CUT_OFF, Outcome
 
 ARMS = ("disaggregated", "colocated", "planner")
 PHASES = ("long-prompt", "sharegpt-like", "long-prompt")

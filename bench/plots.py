@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from bench.serving import Outcome
+from sim.metrics import Outcome
 
 
 def _pyplot():  # type: ignore[no-untyped-def]

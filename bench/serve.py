@@ -34,19 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import BandwidthProbe, machine_info, model_facts, write_json
-from bench.serving import (
-    DEFAULT_PERCENTILES,
-    Backend,
-    GrpcBackend,
-    HttpBackend,
-    Outcome,
-    details,
-    metrics,
-    parse_goodput,
-    render,
-    run,
-)
-from loadtest.workloads import WORKLOADS, Request, Workload, WorkloadSpec
+from bench.serving import Backend, GrpcBackend, HttpBackend, run
+from loadtest.workloads import Request, Workload
+from sim.cli import add_workload_args, check_workload_args
+from sim.metrics import Outcome, details, metrics, render
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -72,46 +63,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.set_defaults(num_prompts=12, input_len=32, output_len=8, prefix_len=64,
                        suffix_len=16, num_prefixes=3, request_rate=20.0)
     return check_workload_args(p, p.parse_args(argv))
-
-
-def check_workload_args(p: argparse.ArgumentParser, args: argparse.Namespace
-                        ) -> argparse.Namespace:
-    """``add_workload_args``' flags checked (``p.error`` naming what is wrong), with
-    ``slo_ms``, ``percentiles`` and the ``spec`` (``WorkloadSpec``) added."""
-    try:
-        args.slo_ms = parse_goodput(args.goodput)
-        args.percentiles = [float(q) for q in args.metric_percentiles.split(",") if q]
-        args.spec = spec_from_args(args)
-    except ValueError as exc:
-        p.error(str(exc))
-    if args.num_prompts < 1:
-        p.error("--num-prompts must be at least 1")
-    return args
-
-
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """The workload, arrival and metric flags ``bench.serve`` and ``bench.simulate`` share."""
-    p.add_argument("--dataset-name", choices=WORKLOADS, default="random")
-    p.add_argument("--input-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--range-ratio", type=float, default=0.0)
-    p.add_argument("--prefix-len", type=int, default=256)
-    p.add_argument("--suffix-len", type=int, default=256)
-    p.add_argument("--num-prefixes", type=int, default=10)
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second, Poisson arrivals (default: inf, all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
-                   help="SLOs for request_goodput, e.g. ttft:500 tpot:50 (e2el too)")
-    p.add_argument("--metric-percentiles", default=",".join(f"{q:g}" for q in DEFAULT_PERCENTILES))
-
-
-def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
-    return WorkloadSpec(args.dataset_name, input_len=args.input_len, output_len=args.output_len,
-                        range_ratio=args.range_ratio, prefix_len=args.prefix_len,
-                        suffix_len=args.suffix_len, num_prefixes=args.num_prefixes)
 
 
 @contextlib.contextmanager

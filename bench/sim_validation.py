@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.clusters import bench_model, cluster, two_cpus
-from bench.serving import GrpcBackend, arrival_times, metrics
-from bench.sim_runs import run as sim_run
+from bench.serving import GrpcBackend
 from loadtest.workloads import Request, Workload, WorkloadSpec
 from router.config import HandoffConfig
 from sim.cluster import SimSpec
+from sim.metrics import arrival_times, metrics
 from sim.profile import Profile
+from sim.runs import run as sim_run
 
 METRIC_KEYS = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms")
 WORKLOADS = {"long-prompt": WorkloadSpec("random", input_len=512, output_len=32),

@@ -27,7 +27,7 @@ SERVER_MODULES = {
     "make-tiny-model": _ENGINE_MODULES, "demo": _ENGINE_MODULES,
     "prefill": _ENGINE_MODULES + _CLUSTER_MODULES, "decode": _ENGINE_MODULES + _CLUSTER_MODULES,
     "worker": _ENGINE_MODULES + _CLUSTER_MODULES, "set-role": ("redis",),
-    "planner": _CLUSTER_MODULES,
+    "planner": _CLUSTER_MODULES, "simulate": ("xxhash",),  # the simulator: block hashes
     "router": _CLUSTER_MODULES + _HTTP_MODULES,
     "up": _ENGINE_MODULES + _CLUSTER_MODULES + _HTTP_MODULES,
 }
@@ -193,13 +193,13 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     planner.set_defaults(func=_planner)
 
     from pdserve.set_role import add_set_role_parser
+    from sim.cli import add_simulate_parser
 
     add_set_role_parser(sub)
+    add_simulate_parser(sub)
 
 
 def _up(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from deploy.ray.options import ray_only_flags_given
     from deploy.spec import ClusterSpec
 

@@ -10,8 +10,15 @@ from a measured (or roofline-derived) profile. Torch-free.
   stepping on that clock;
 - ``sim.router``: one router — ``router.admission``'s budgets, ``router.policy`` and
   ``router.routing``'s choices, ``router.kv_index`` fed by the workers' own KV events;
-- ``sim.cluster``: a whole cluster built from a ``SimSpec``, run over a list of requests.
+- ``sim.cluster``: a whole cluster built from a ``SimSpec``, run over a list of requests;
+- ``sim.planning``: the planner's policy switching the simulated workers' roles;
+- ``sim.metrics``: the serving metrics, as ``vllm bench serve`` computes them
+  (``bench.serve`` computes a real cluster's with them too);
+- ``sim.runs``: one simulation of a ``loadtest.workloads`` workload, measured with them;
+- ``sim.cli``: the ``pdserve simulate`` command — ``bench.serve``'s workloads, arrivals and
+  table on a simulated cluster (its parser builders are standard library only).
 
-``python -m bench.simulate`` drives it with ``bench.serve``'s workloads and prints
-``bench.serve``'s table; ``python -m bench.profile`` measures a profile.
+``pdserve simulate`` is the shipped command; ``python -m bench.simulate`` is the same with
+``--validate`` (real clusters against the simulator), and ``python -m bench.profile``
+measures a profile.
 """

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.config import SchedulerConfig
 from engine.core.scheduler import StepUpdate
 from planner.policy import RoleChange
 from router.config import AdmissionConfig, HandoffConfig
@@ -27,8 +28,8 @@ from sim.router import SimRouter
 from sim.state import SharedView, SimRequest
 from sim.worker import SimWorker
 
-DEFAULT_MAX_NUM_SEQS = 64  # the workers' defaults (worker.options)
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_MAX_NUM_SEQS = SchedulerConfig.max_num_seqs  # the workers' defaults
+DEFAULT_MAX_NUM_BATCHED_TOKENS = SchedulerConfig.max_num_batched_tokens
 KV_EVENT_INTERVAL_S = 0.02  # the workers' publisher interval (worker.kv_events)
 
 

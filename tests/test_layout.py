@@ -42,8 +42,9 @@ MAY_IMPORT = {
     "role_worker": {"prefill_worker", "decode_worker", "worker", "cluster", "kvtransfer", "engine"},
     "router": {"cluster", "engine", "pdserve.v1"},
     "deploy": {"router.options", "worker.options", "engine.testing.tiny_model"},
-    # the simulator runs the router's and the engine's real decision code
-    "sim": {"router", "cluster", "engine", "planner"},
+    # the simulator runs the router's and the engine's real decision code, on the
+    # workloads bench.serve draws
+    "sim": {"router", "cluster", "engine", "planner", "loadtest.workloads"},
     # the planner's policy is I/O-free; what it acts through is the cluster's
     "planner": {"cluster"},
 }

@@ -249,19 +249,14 @@ class BlockPool:
         idle = {b for b, (ref, pin) in enumerate(zip(refs, pins, strict=True))
                 if ref == 0 and pin == 0}
         hashed = {b: h for b, h in enumerate(hashes) if h is not None}
-        counts = {"pinned": self.num_blocks - pins.count(0),
-                  "cached": sum(1 for b in idle if b in hashed)}
-        counts["free"] = len(idle) - counts["cached"]
-        counts["in_use"] = self.num_blocks - counts["pinned"] - len(idle)
+        pinned, cached = self.num_blocks - pins.count(0), sum(1 for b in idle if b in hashed)
         _require(
             set(self._free_queue) == idle,
             f"free queue {sorted(self._free_queue)} != blocks with ref == pin == 0 {sorted(idle)}",
         )
-        _require(
-            counts["cached"] == self._num_cached and counts["pinned"] == self._num_pinned,
-            f"tracked cached={self._num_cached} pinned={self._num_pinned}, "
-            f"recounted {dict(counts)}",
-        )
+        _require(cached == self._num_cached and pinned == self._num_pinned,
+                 f"tracked cached={self._num_cached} pinned={self._num_pinned}, recounted "
+                 f"cached={cached} pinned={pinned}")
         _require(
             {h: b for b, h in hashed.items()} == self._hash_to_block
             and len(self._hash_to_block) == len(hashed),
@@ -270,8 +265,7 @@ class BlockPool:
         )
 
     def counts_by_block(self) -> tuple[list[int], list[int]]:
-        """Copies of every block's reference and pin counts (for ``BlockManager``'s
-        integrity check)."""
+        """Copies of every block's reference and pin counts."""
         return list(self._ref_counts), list(self._pin_counts)
 
 

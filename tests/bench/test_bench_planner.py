@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from bench import planner as bench
-from bench.serving import Outcome
+from sim.metrics import Outcome
 
 LOG = """2026-12-03 13:14:58,113 INFO role=planner planner.service request_id=- planner a: SLO
 2026-12-03 13:15:20,600 INFO role=planner rank=0 pid=1 planner.service request_id=- switched \

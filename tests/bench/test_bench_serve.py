@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from bench import serve
-from bench.serving import Outcome, arrival_times, metrics, parse_goodput, sse_lines
+from bench.serving import sse_lines
 from deploy.local import LocalLauncher
+from sim.metrics import CUT_OFF, Outcome, arrival_times, metrics, parse_goodput
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -120,7 +121,7 @@ def test_arrivals_are_poisson_at_the_rate() -> None:
 def test_a_request_past_its_limit_is_cut_off() -> None:
     import asyncio
 
-    from bench.serving import CUT_OFF, run
+    from bench.serving import run
     from loadtest.workloads import Request
 
     class Slow:

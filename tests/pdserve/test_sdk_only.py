@@ -104,7 +104,8 @@ def test_the_sdk_imports_and_its_tests_pass_without_the_server_extra(sdk_env: Pa
 
 
 @pytest.mark.parametrize("command", [["up", "--demo"], ["router", "--redis-url", "redis://x"],
-                                     ["decode", "--model", "m"], ["make-tiny-model", "d"]])
+                                     ["decode", "--model", "m"], ["make-tiny-model", "d"],
+                                     ["simulate", "--profile", "p.json"]])
 def test_server_commands_name_the_extra_to_install(sdk_env: Path, command: list[str]) -> None:
     result = _python(sdk_env, "-m", "pdserve", *command)
     assert result.returncode == 2, result.stderr

@@ -1,5 +1,6 @@
 """One simulation of a ``bench.serve`` workload, measured as ``bench.serve`` measures a real
-run: ``run`` (``bench.simulate`` and ``bench.sim_validation`` call it)."""
+run (``sim.metrics``): ``run`` (``pdserve simulate``, ``sim.cli``, and
+``bench.sim_validation`` call it)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench.serving import Outcome, details, metrics
 from loadtest.workloads import Request
 from sim.cluster import SimResult, SimSpec, simulate
+from sim.metrics import DEFAULT_PERCENTILES, Outcome, details, metrics
 from sim.profile import Profile
 from sim.state import SimRequest
 
@@ -42,8 +43,10 @@ def outcomes(result: SimResult) -> list[Outcome]:
 
 def run(profile: Profile, spec: SimSpec, requests: Sequence[Request], times: Sequence[float],
         slo_ms: dict[str, float] | None = None,
-        percentiles: Sequence[float] = (90.0, 99.0)) -> dict[str, Any]:
-    """One simulation: ``bench.serve``'s metrics and ``simulation`` facts."""
+        percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, Any]:
+    """One simulation of ``requests`` arriving at ``times``: ``bench.serve``'s metrics
+    (``sim.metrics``), the per-request lists and ``simulation`` (wall and virtual seconds,
+    events, each worker's busy share and steps)."""
     started = time.perf_counter()
     result = simulate(profile, spec, sim_requests(requests, times))
     wall = time.perf_counter() - started

@@ -1,0 +1,62 @@
+"""``pdserve simulate`` as a user runs it: a real ``python -m pdserve`` process on a
+small hand-written profile, its table on stdout, its JSON, and a one-line error for a
+profile it cannot read."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.factories import REPO_ROOT
+from tests.sim.profiles import profile_json
+
+NUM_PROMPTS = 50
+
+
+def pdserve_simulate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pdserve", "simulate", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def profile_path(tmp_path: Path) -> Path:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_json()))
+    return path
+
+
+def test_simulate_prints_the_table_and_writes_the_json(profile_path: Path, tmp_path: Path
+                                                       ) -> None:
+    out = tmp_path / "sim.json"
+    result = pdserve_simulate("--profile", str(profile_path), "--prefill", "1", "--decode", "2",
+                              "--dataset-name", "sharegpt-like",
+                              "--num-prompts", str(NUM_PROMPTS), "--request-rate", "20",
+                              "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "Simulated Serving Result (derived profile)" in result.stdout
+    assert "Median TTFT (ms):" in result.stdout
+    assert "s of serving" in result.stdout
+    saved = json.loads(out.read_text())
+    assert saved["completed"] == NUM_PROMPTS and saved["failed"] == 0
+    assert saved["median_ttft_ms"] > 0
+    assert saved["backend"] == "simulated" and saved["cluster"]["num_decode"] == 2
+
+
+def test_a_missing_profile_is_one_line_naming_it(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-profile.json"
+    result = pdserve_simulate("--profile", str(missing), "--num-prompts", "2")
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("pdserve simulate: ") and str(missing) in line
+
+
+def test_the_help_describes_the_command() -> None:
+    result = pdserve_simulate("--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage: pdserve simulate" in result.stdout and "--profile" in result.stdout
+    assert "--dataset-name" in result.stdout and "--kill" in result.stdout
