@@ -80,7 +80,10 @@ def swapped_back(cluster: Cluster) -> Iterator[None]:
 def test_a_swap_under_load_fails_nothing_and_old_work_finishes_in_place(
         cluster: Cluster, llm: LLM, swapped_back: None) -> None:
     old_prompts = [f"{PROMPTS[i % 4]} (long stream {i})" for i in range(4)]
-    new_prompts = [f"{PROMPTS[i % 4]} (after the swap {i})" for i in range(4)]
+    # nothing of a new prompt is cached anywhere: kv-aware routing then sends it to the
+    # least loaded decode worker, prefill-0 (a prefix decode-0 held from an old stream beside
+    # it would draw it there while decode-0 is within the load bound: one old stream or two)
+    new_prompts = [f"After the swap, request {i}: {PROMPTS[i % 4]}" for i in range(4)]
     greedy = {"temperature": 0.0, "ignore_eos": True}
     expected_old = llm.generate(old_prompts, SamplingParams(max_tokens=OLD_TOKENS, **greedy))
     expected_new = llm.generate(new_prompts, SamplingParams(max_tokens=NEW_TOKENS, **greedy))
