@@ -64,7 +64,7 @@ from bench.common import (
     timed,
     torch_threads,
 )
-from engine.config import LINEAR_KERNELS, QUANTIZATIONS
+from engine.config import KV_CACHE_DTYPES, LINEAR_KERNELS, QUANTIZATIONS
 from engine.core.runner import ModelRunner
 from engine.kernels.cpu import native
 from engine.models.decoder_stack import CompiledDecoderStack
@@ -117,6 +117,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="pdserve's weights: int8 (weight-only, quantised at load; its kernels "
                         "are int8_*); default: as loaded")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="pdserve's KV cache: int8 (values and a scale per token and head); "
+                        "auto: the model's dtype")
     p.add_argument("--skip-quality", action="store_true",
                    help="with --quantization: skip its quality against fp32 on the trained "
                         "model (bench.quality; the model trains for a few minutes once)")
@@ -301,7 +304,7 @@ def measure(args: argparse.Namespace, model_dir: Path, probe: BandwidthProbe
     between. Returns the measurements and the (still running) engine."""
     results = Results()
     llm = engine.LLM(model_dir, dtype=args.dtype, linear_kernel=args.linear_kernel,
-                     quantization=args.quantization)
+                     quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     prompts = PromptSource(args.seed, llm.tokenizer.vocab_size, args.prompt_len)
     hf = None if args.skip_hf else load_hf(model_dir, args.dtype)
     measure_throughput(args, llm, hf, prompts, probe, results)
@@ -395,6 +398,7 @@ def summarize_run(args: argparse.Namespace, model_dir: Path, results: Results, l
         "kv_bytes_per_step": kv_bytes,
         "dtype": args.dtype,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "threads": torch.get_num_threads(),
         "num_requests": args.num_requests,
         "prompt_len": args.prompt_len,
@@ -410,7 +414,8 @@ def render(out: dict[str, Any]) -> str:
     head = [
         f"model     {out['model_dir']}",
         f"          {out['model_params'] / 1e6:.1f}M params, {out['weight_bytes'] / 1e6:.1f} MB, "
-        f"{out['dtype']}{', int8 weights' if out.get('quantization') else ''}; "
+        f"{out['dtype']}{', int8 weights' if out.get('quantization') else ''}"
+        f"{', int8 KV cache' if out.get('kv_cache_dtype') == 'int8' else ''}; "
         f"{out['weight_bytes_per_step'] / 1e6:.1f} MB read per decode step",
         f"machine   {machine['cpu_model']}, {machine['cpu_count']} CPUs, torch threads "
         f"{out['threads']}, load avg at start {machine['load_avg_1m_5m_15m']}, "
@@ -442,10 +447,10 @@ def render(out: dict[str, Any]) -> str:
     ]
     if out.get("quality"):
         q = out["quality"]
-        rows += [[f"{q['quantization']} top-1 agreement with fp32", "", round(q["top1_agreement"], 4),
+        rows += [[f"{q.get('what') or q['quantization']} top-1 agreement with fp32", "", round(q["top1_agreement"], 4),
                   f">= {q['target_top1_agreement']}",
                   f"trained model, {q['positions']} held-out tokens, teacher-forced"],
-                 [f"{q['quantization']} mean KL from fp32", "nats", f"{q['mean_kl']:.1e}", "",
+                 [f"{q.get('what') or q['quantization']} mean KL from fp32", "nats", f"{q['mean_kl']:.1e}", "",
                   f"max {q['max_kl']:.4f}"]]
     table = format_table(rows, ["metric", "unit", "value", "target", "runs / notes"])
     warnings = [f"WARNING: {w}" for w in out["noise_warnings"]]
@@ -482,8 +487,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         finally:
             llm.shutdown()
             probe.release()
-        if args.quantization and not args.skip_quality:  # on the trained model (bench.quality)
-            out["quality"] = quality.measure(args.quantization)
+        if (args.quantization or args.kv_cache_dtype != "auto") and not args.skip_quality:
+            out["quality"] = quality.measure(  # on the trained model (bench.quality)
+                args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     out["machine"] = machine
     out["load_avg_end"] = [round(x, 2) for x in load_average()]
     out["elapsed_s"] = time.perf_counter() - started

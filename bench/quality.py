@@ -5,7 +5,8 @@ that any rounding flips, so they say nothing here).
 
 What is measured (defaults in brackets): [8] windows of [256] tokens of the held-out
 standard-library text (never trained on), each run as one prefill with every position's
-logits; per position, whether the quantised engine's most likely next token is fp32's
+logits (with ``--kv-cache-dtype int8``: a token at a time, every earlier position read
+from the int8 cache); per position, whether the quantised engine's most likely next token is fp32's
 (``top1_agreement``) and the KL divergence of its distribution from fp32's
 (``mean_kl``, nats; ``max_kl``). ``bench.engine --quantization int8`` reports the same
 beside its speed figures. Building the trained model takes a few minutes once (cached).
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from engine.config import (
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
@@ -58,22 +60,27 @@ def held_out_windows(model_dir: Path, count: int, length: int) -> list[list[int]
 
 
 def teacher_forced_logits(model_dir: Path, windows: Sequence[Sequence[int]],
-                          quantization: str | None = None) -> torch.Tensor:
+                          quantization: str | None = None, kv_cache_dtype: str = "auto",
+                          step: int | None = None) -> torch.Tensor:
     """``[windows, length, vocab]``: the engine's logits at every position of each
-    window (one prefill per window, the measured kernel plan of this configuration)."""
+    window (the measured kernel plan of this configuration): one prefill per window, or
+    (``step``) chunks of ``step`` tokens, each attending to the earlier ones through the
+    KV cache — ``step`` 1 reads every earlier position from the cache, as decoding does."""
     length = max(len(w) for w in windows)
     config = EngineConfig(model=load_model_config(model_dir), quantization=quantization,
-                          cache=CacheConfig(block_size=BLOCK),
+                          cache=CacheConfig(block_size=BLOCK, kv_cache_dtype=kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_batched_tokens=length))
     blocks = -(-length // BLOCK)
     runner = ModelRunner(config, Group.single(), blocks,
                          choose_kernel_plan(config, torch.get_num_threads()))
     out = []
+    step = step or length
     with torch.inference_mode():
         for i, window in enumerate(windows):
-            chunk = ScheduledChunk(f"w{i}", tuple(window), 0, tuple(range(blocks)), True,
-                                   all_logits=True)
-            out.append(runner.execute([chunk]))
+            out.append(torch.cat([
+                runner.execute([ScheduledChunk(f"w{i}", tuple(window[s:s + step]), s,
+                                               tuple(range(blocks)), True, all_logits=True)])
+                for s in range(0, len(window), step)]))
     return torch.stack(out)
 
 
@@ -87,22 +94,29 @@ def compare(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
             "max_kl": float(kl.max()), "positions": int(kl.numel())}
 
 
-def measure(quantization: str, windows: int = 8, length: int = 256,
-            model_dir: Path | None = None) -> dict[str, Any]:
-    """``compare`` of ``quantization`` against fp32 on ``model_dir`` (default: the
-    trained preset), plus what was measured on."""
+def measure(quantization: str | None, windows: int = 8, length: int = 256,
+            model_dir: Path | None = None, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    """``compare`` of ``quantization`` (weights) and ``kv_cache_dtype`` against fp32 on
+    ``model_dir`` (default: the trained preset), plus what was measured on. With an int8
+    KV cache both sides run a token at a time (every earlier position read from the
+    cache, as decoding reads it); otherwise one prefill per window."""
     model_dir = model_dir or trained_model()
     tokens = held_out_windows(model_dir, windows, length)
-    fp32 = teacher_forced_logits(model_dir, tokens)
-    quantised = teacher_forced_logits(model_dir, tokens, quantization)
+    step = 1 if kv_cache_dtype != "auto" else None
+    fp32 = teacher_forced_logits(model_dir, tokens, step=step)
+    quantised = teacher_forced_logits(model_dir, tokens, quantization, kv_cache_dtype, step)
+    what = " + ".join([*([f"{quantization} weights"] if quantization else []),
+                       *([f"{kv_cache_dtype} KV cache"] if kv_cache_dtype != "auto" else [])])
     return {**compare(fp32, quantised), "quantization": quantization,
+            "kv_cache_dtype": kv_cache_dtype, "what": what,
             "model_dir": str(model_dir), "windows": windows, "window_tokens": length,
             "target_top1_agreement": TARGET_TOP1_AGREEMENT}
 
 
 def render(result: dict[str, Any]) -> str:
     met = "met" if result["top1_agreement"] >= TARGET_TOP1_AGREEMENT else "NOT met"
-    return (f"{result['quantization']} vs fp32, teacher-forced on {result['positions']} held-out "
+    what = result.get("what") or result["quantization"]
+    return (f"{what} vs fp32, teacher-forced on {result['positions']} held-out "
             f"tokens of the trained model: top-1 agreement {result['top1_agreement']:.4f} "
             f"(target >= {TARGET_TOP1_AGREEMENT}: {met}), mean KL {result['mean_kl']:.5f} "
             f"nats, max {result['max_kl']:.4f}")
@@ -111,7 +125,9 @@ def render(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quantization", default="int8", choices=QUANTIZATIONS)
+    p.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="the weights (default: int8 unless --kv-cache-dtype int8 is given)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     p.add_argument("--model", type=Path, help="checkpoint dir (default: the trained preset)")
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--window-tokens", type=int, default=256)
@@ -119,7 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.windows < 1 or args.window_tokens < 2:
         p.error("--windows must be >= 1 and --window-tokens >= 2")
-    result = measure(args.quantization, args.windows, args.window_tokens, args.model)
+    quantization = args.quantization or (None if args.kv_cache_dtype != "auto" else "int8")
+    result = measure(quantization, args.windows, args.window_tokens, args.model,
+                     args.kv_cache_dtype)
     print(render(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -28,6 +28,8 @@ LINEAR_KERNELS = ("auto", "onednn", "torch", "mm_t", "onednn_gemv", "packed", "i
                   "int8_packed")
 # weight quantisations EngineConfig.quantization takes besides None (engine.kernels.quant)
 QUANTIZATIONS = ("int8",)
+# CacheConfig.kv_cache_dtype: "auto" (the model's dtype) or int8 (engine.attention.kv_quant)
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 class ConfigError(ValueError):
@@ -91,8 +93,13 @@ class CacheConfig:
     # Fraction of free memory the KV pool may take when num_kv_blocks is None.
     memory_fraction: float = 0.25
     max_kv_bytes: int = 512 << 20  # CPU only: cap of the KV pool when num_kv_blocks is None
+    # "auto": the model's dtype; "int8": int8 values and an fp32 scale per token and head
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

@@ -56,11 +56,12 @@ class LLM:
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  device: str = "cpu", linear_kernel: str = "auto",
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, kv_cache_dtype: str = "auto") -> None:
         self.config = EngineConfig(
             model=load_model_config(model_dir, dtype=dtype),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_dtype=kv_cache_dtype),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),

@@ -112,7 +112,7 @@ def _add_worker_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     from router.options import DEFAULT_HTTP_PORT, DEFAULT_PORT, LOCAL_PREFILL_MODES
-    from worker.options import CLUSTER_TOKEN_ENV, QUANTIZATIONS, REDIS_URL_ENV
+    from worker.options import CLUSTER_TOKEN_ENV, REDIS_URL_ENV, add_engine_choice_args
 
     up = sub.add_parser("up", help="run a whole cluster locally (Redis, workers, router)")
     up.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
@@ -140,8 +140,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--log-dir", help="children's logs (default: a fresh temp dir)")
     up.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (default: fit)")
     up.add_argument("--max-inflight", type=int, help="the router's in-flight request limit")
-    up.add_argument("--quantization", choices=QUANTIZATIONS,
-                    help="every worker's --quantization (int8: weight-only int8)")
+    add_engine_choice_args(up)  # --quantization, --kv-cache-dtype
     up.add_argument("--routers", type=int, default=1,
                     help="router replicas: router i listens on --port + i and --http-port + i; "
                          "clients given them all fail over and resume streams between them, "
@@ -202,6 +201,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
 def _up(args: argparse.Namespace) -> int:
     from deploy.ray.options import ray_only_flags_given
     from deploy.spec import ClusterSpec
+    from worker.options import engine_choice_args
 
     try:
         spec = ClusterSpec(
@@ -215,7 +215,7 @@ def _up(args: argparse.Namespace) -> int:
             num_kv_blocks=args.num_kv_blocks, max_inflight=args.max_inflight,
             local_prefill=args.local_prefill, start_router=args.router,
             num_routers=args.routers,
-            worker_args=() if args.quantization is None else ("--quantization", args.quantization),
+            worker_args=engine_choice_args(args),
             planner_args=None if args.planner is None else (
                 "--profile", str(Path(args.planner).resolve()),
                 "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-slo-ms", str(args.tpot_slo_ms)))

@@ -11,9 +11,10 @@ import os
 
 from cluster.internal_tls import add_internal_tls_args  # standard library only too
 from cluster.token import CLUSTER_TOKEN_ENV, add_token_arg
-from engine.config import QUANTIZATIONS, RANK_GPUS_ENV
+from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, RANK_GPUS_ENV
 
-__all__ = ["CLUSTER_TOKEN_ENV", "QUANTIZATIONS", "RANK_GPUS_ENV", "REDIS_URL_ENV", "WILDCARDS",
+__all__ = ["CLUSTER_TOKEN_ENV", "KV_CACHE_DTYPES", "QUANTIZATIONS", "RANK_GPUS_ENV",
+           "REDIS_URL_ENV", "WILDCARDS", "add_engine_choice_args", "engine_choice_args",
            "add_decode_args",
            "add_worker_args", "advertise_host", "dtype"]
 
@@ -42,6 +43,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                              "per output feature (weight-only; a quarter of the bytes a decode "
                              "step reads); default: as loaded. Each worker's own: workers of "
                              "one cluster may differ")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="int8: each token's K/V per head stored as int8 values and their "
+                             "fp32 scale (about a quarter of fp32's bytes; blocks travel so "
+                             "between workers); auto: --dtype. Part of the cluster's KV "
+                             "layout: every worker of a cluster must use the same")
     parser.add_argument("--ready-file", help="write the addresses here as JSON once ready")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on this port's /metrics (0: any free "
@@ -98,3 +104,22 @@ def advertise_host(args: argparse.Namespace) -> str:
 
 def dtype(args: argparse.Namespace) -> str:
     return str(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+
+
+def add_engine_choice_args(parser: argparse.ArgumentParser) -> None:
+    """The engine choices ``pdserve up`` passes on to every worker it starts."""
+    parser.add_argument("--quantization", choices=QUANTIZATIONS,
+                        help="every worker's --quantization (int8: weight-only int8)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="every worker's --kv-cache-dtype (int8: values and a scale per "
+                             "token and head)")
+
+
+def engine_choice_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The worker arguments ``add_engine_choice_args``' flags stand for."""
+    out: tuple[str, ...] = ()
+    if args.quantization is not None:
+        out += ("--quantization", args.quantization)
+    if args.kv_cache_dtype != "auto":
+        out += ("--kv-cache-dtype", args.kv_cache_dtype)
+    return out

@@ -1,6 +1,8 @@
 """Attention over the paged KV cache with torch SDPA (CPU, and CUDA without flash-attn).
 
-KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
+KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V),
+or an int8 cache's ``[..., head_dim + 4]`` uint8 slots (``engine.attention.kv_quant``):
+written quantised, read dequantised.
 """
 
 from __future__ import annotations
@@ -8,15 +10,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention.kv_quant import dequantize, is_quantized, quantize
 from engine.attention.metadata import AttentionMetadata, PrefillSpan
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter the step's K/V ``[T, Hk, D]`` into their slots."""
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    """Scatter the step's K/V ``[T, Hk, D]`` into their slots (quantised, into an int8
+    cache)."""
+    if is_quantized(kv_cache):
+        k, v = quantize(k), quantize(v)
+    num_kv_heads, width = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, v)
+
+
+def _read(cached: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache slots as values of ``dtype`` (dequantised from an int8 cache)."""
+    return dequantize(cached, dtype) if is_quantized(cached) else cached
 
 
 def fresh_runs(spans: list[PrefillSpan]) -> list[list[PrefillSpan]]:
@@ -91,8 +102,10 @@ class TorchAttentionBackend:
         flat_tables = meta.decode_block_tables.reshape(-1)
         length = meta.decode_block_tables.shape[1] * block_size
         # [B * blocks, block_size, Hk, D] -> [B, L, Hk, D], used as [B, Hk, L, D]
-        keys = kv_cache[0].index_select(0, flat_tables).view(num_seqs, length, num_kv_heads, head_dim)
-        values = kv_cache[1].index_select(0, flat_tables).view(num_seqs, length, num_kv_heads, head_dim)
+        keys = _read(kv_cache[0].index_select(0, flat_tables), q.dtype).view(
+            num_seqs, length, num_kv_heads, head_dim)
+        values = _read(kv_cache[1].index_select(0, flat_tables), q.dtype).view(
+            num_seqs, length, num_kv_heads, head_dim)
         group = num_q_heads // num_kv_heads
         out = F.scaled_dot_product_attention(
             q.view(num_seqs, num_kv_heads, group, head_dim),
@@ -114,8 +127,8 @@ class TorchAttentionBackend:
         else:
             block_size = kv_cache.shape[2]
             blocks = span.block_table[: -(-ctx // block_size)]
-            keys = kv_cache[0][blocks].flatten(0, 1)[:ctx].transpose(0, 1)  # [Hk, ctx, D]
-            values = kv_cache[1][blocks].flatten(0, 1)[:ctx].transpose(0, 1)
+            keys = _read(kv_cache[0][blocks].flatten(0, 1)[:ctx], q.dtype).transpose(0, 1)
+            values = _read(kv_cache[1][blocks].flatten(0, 1)[:ctx], q.dtype).transpose(0, 1)
             # query i sits at position ctx - n + i and sees keys 0..that position
             q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos

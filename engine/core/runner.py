@@ -4,6 +4,8 @@ KV-cache layout (per rank), one contiguous tensor::
 
     kv_cache[layer, 0 = K | 1 = V, block_id, offset_in_block, local_kv_head, head_dim]
 
+(an int8 cache: uint8, the last axis ``head_dim + 4`` bytes, ``engine.attention.kv_quant``)
+
 A token at sequence position p lives in block ``block_ids[p // block_size]`` at offset
 ``p % block_size``; its slot is ``block_id * block_size + offset``. A KV transfer copies
 whole blocks of this layout (all layers, or one layer at a time).
@@ -22,6 +24,7 @@ from engine.attention import (
     forward_context,
     select_backend,
 )
+from engine.attention.kv_quant import slot_bytes
 from engine.attention.metadata import LayerHook
 from engine.config import EngineConfig
 from engine.core.scheduler import ScheduledChunk
@@ -42,8 +45,15 @@ def kv_bytes_per_block(config: EngineConfig, tp_rank: int = 0) -> int:
     """Bytes one block takes on one rank (all layers, K and V)."""
     m = config.model
     start, end = kv_head_range(m.num_kv_heads, tp_rank, config.parallel.tensor_parallel_size)
-    elem = torch.tensor([], dtype=torch_dtype(m.dtype)).element_size()
-    return m.num_layers * 2 * config.cache.block_size * (end - start) * m.head_dim * elem
+    return m.num_layers * 2 * config.cache.block_size * (end - start) * kv_slot_bytes(config)
+
+
+def kv_slot_bytes(config: EngineConfig) -> int:
+    """Bytes of one token's K (or V) of one KV head in the cache."""
+    m = config.model
+    if config.cache.kv_cache_dtype == "int8":
+        return slot_bytes(m.head_dim)
+    return m.head_dim * torch.tensor([], dtype=torch_dtype(m.dtype)).element_size()
 
 
 def resolve_num_kv_blocks(config: EngineConfig) -> int:
@@ -115,7 +125,8 @@ class ModelRunner:
         self.dtype = torch_dtype(config.model.dtype)
         self.block_size = config.cache.block_size
         self.num_kv_blocks = num_kv_blocks
-        self.backend = select_backend(self.device, self.block_size, self.dtype)
+        self.backend = select_backend(self.device, self.block_size, self.dtype,
+                                      config.cache.kv_cache_dtype)
         with torch.device(self.device):
             self.model = build_model(config.model, tp, self.backend).to(self.dtype)
         self.model.load_weights(iter_weights(config.model.model_dir, self.dtype))
@@ -125,10 +136,13 @@ class ModelRunner:
             apply_kernel_plan(self.model, kernel_plan)
         local_kv_heads = self.model.num_local_kv_heads
         m = config.model
-        # zero-filled: masked-out slots are multiplied by 0 and must not hold NaNs
+        # zero-filled: masked-out slots are multiplied by 0 and must not hold NaNs (an
+        # int8 cache: uint8 slots of values and a scale, engine.attention.kv_quant)
+        int8 = config.cache.kv_cache_dtype == "int8"
         self.kv_cache = torch.zeros(
-            m.num_layers, 2, num_kv_blocks, self.block_size, local_kv_heads, m.head_dim,
-            dtype=self.dtype, device=self.device)
+            m.num_layers, 2, num_kv_blocks, self.block_size, local_kv_heads,
+            slot_bytes(m.head_dim) if int8 else m.head_dim,
+            dtype=torch.uint8 if int8 else self.dtype, device=self.device)
         self.model.set_kv_cache(self.kv_cache)
 
     @property

@@ -23,8 +23,11 @@ if TYPE_CHECKING:
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 """Bytes per element of the KV dtypes the engine supports."""
+KV_SCALE_BYTES = 4
+"""An int8 cache's slot: ``head_dim`` int8 values, then their fp32 scale
+(``engine.attention.kv_quant``)."""
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Version of what workers and the router exchange: the internal gRPC API
 (``proto/cluster/internal/v1``), the KV wire protocol (``kvtransfer.wire.protocol``) and the
 cluster records. Bump it with any change an older process would misread: it is part of
@@ -36,7 +39,8 @@ GenerateLocal carry ``num_resumed_tokens`` (a migrated stream's output so far, w
 older worker would take for prompt), and ``SamplingParams`` the penalties, ``min_p``,
 ``min_tokens`` and ``logit_bias`` (which an older worker would ignore). 6: ``KVTarget``
 carries ``num_cached_blocks`` (blocks the decode worker holds; an older sender would send
-them anyway and fail the transfer), ``SamplingParams`` ``prompt_logprobs``."""
+them anyway and fail the transfer), ``SamplingParams`` ``prompt_logprobs``. 7: the layout
+names the KV cache's dtype (``kv_cache_dtype``: an int8 cache's blocks carry their scales)."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,10 @@ class KVLayout:
 
     ``model_fingerprint`` names the model files (``cluster.fingerprint.fingerprint_model_dir``);
     ``hash_algorithm`` and ``hash_seed`` are the prefix-cache block-hash settings;
-    ``protocol_version`` is ``PROTOCOL_VERSION`` of the process that made it.
+    ``kv_cache_dtype`` is ``CacheConfig.kv_cache_dtype`` ("auto": KV in ``dtype``; "int8":
+    each token's K/V per head as int8 values and their fp32 scale, so workers of one cluster
+    hold the same bytes and a block moves as it lies); ``protocol_version`` is
+    ``PROTOCOL_VERSION`` of the process that made it.
     """
 
     model_fingerprint: str
@@ -56,11 +63,14 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    kv_cache_dtype: str = "auto"
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -68,13 +78,25 @@ class KVLayout:
             raise ValueError(f"protocol_version must be >= 0, got {self.protocol_version}")
 
     @property
+    def cache_dtype(self) -> str:
+        """The KV cache tensor's dtype (torch's name): ``dtype``, or uint8 (int8 slots)."""
+        return "uint8" if self.kv_cache_dtype == "int8" else self.dtype
+
+    @property
     def element_size(self) -> int:
-        return DTYPE_SIZES[self.dtype]
+        """Bytes of one element of the cache tensor."""
+        return 1 if self.kv_cache_dtype == "int8" else DTYPE_SIZES[self.dtype]
+
+    @property
+    def slot_width(self) -> int:
+        """Elements of one token's K (or V) of one head: ``head_dim``, or (int8) the
+        values' bytes and their scale's."""
+        return self.head_dim + KV_SCALE_BYTES if self.kv_cache_dtype == "int8" else self.head_dim
 
     def row_bytes(self, num_heads: int) -> int:
         """Bytes of one row of a transfer (``kvtransfer.wire.packing``): one block's
-        ``[block_size, num_heads, head_dim]`` slab of K or V of one layer."""
-        return self.block_size * num_heads * self.head_dim * self.element_size
+        ``[block_size, num_heads, slot_width]`` slab of K or V of one layer."""
+        return self.block_size * num_heads * self.slot_width * self.element_size
 
     def diff(self, other: KVLayout) -> str | None:
         """``None`` when equal, else ``"field: mine != theirs"`` for the first differing
@@ -100,11 +122,11 @@ class KVLayout:
             model_fingerprint=model_fingerprint, dtype=config.model.dtype,
             block_size=config.cache.block_size, hash_algorithm=HASH_ALGORITHM,
             hash_seed=config.cache.hash_seed, num_layers=layers, num_kv_heads=kv_heads,
-            head_dim=head_dim,
+            head_dim=head_dim, kv_cache_dtype=config.cache.kv_cache_dtype,
         )
 
 
-_STR_FIELDS = frozenset({"model_fingerprint", "dtype", "hash_algorithm"})
+_STR_FIELDS = frozenset({"model_fingerprint", "dtype", "hash_algorithm", "kv_cache_dtype"})
 
 
 def encode_layout(layout: KVLayout) -> bytes:

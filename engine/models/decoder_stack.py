@@ -81,7 +81,8 @@ class CompiledDecoderStack:
         if kernels is None or layers[0].input_layernorm.weight.dtype != torch.float32:
             return None
         first = layers[0].self_attn
-        if first.o_proj.tp.size != 1 or first.kv_cache.numel() == 0:
+        if (first.o_proj.tp.size != 1 or first.kv_cache.numel() == 0
+                or first.kv_cache.dtype != torch.float32):  # an int8 KV cache: per layer
             return None
         cfg = model.cfg
         shape = DecoderShape(

@@ -133,7 +133,7 @@ class Incoming:
                                 header.head_start, header.head_end)
             rows = (header.row_start, header.row_end)
             src = rows_view(payload, self.kv_cache.dtype, rows[1] - rows[0], lay.block_size,
-                            header.head_end - header.head_start, lay.head_dim)
+                            header.head_end - header.head_start, lay.slot_width)
             scatter(self.kv_cache, self.block_ids, heads, header.layer_start, self.num_blocks,
                     rows, src)
             self.seen.add(key)

@@ -269,7 +269,7 @@ class SendLane:
             cancelled = record.error is not None
             if not cancelled:
                 out = rows_view(payload, record.kv_cache.dtype, rows[1] - rows[0],
-                                lay.block_size, route.num_heads, lay.head_dim)
+                                lay.block_size, route.num_heads, lay.slot_width)
                 gather(record.kv_cache, record.block_ids, heads, job.layer_start,
                        record.num_blocks, rows, out)
                 if payload.is_cuda:

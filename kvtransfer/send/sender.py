@@ -296,13 +296,13 @@ def check_cache(layout: KVLayout, tp_rank: int, tp_size: int, kv_cache: torch.Te
     """``ValueError`` unless ``kv_cache`` is rank ``tp_rank``'s shard of ``layout``'s cache
     ``[layers, 2, blocks, block_size, local heads, head_dim]``, contiguous, of its dtype."""
     start, end = kv_head_range(layout.num_kv_heads, tp_rank, tp_size)
-    want = (layout.num_layers, 2, layout.block_size, end - start, layout.head_dim)
+    want = (layout.num_layers, 2, layout.block_size, end - start, layout.slot_width)
     got = tuple(kv_cache.shape[:2]) + tuple(kv_cache.shape[3:])
     if kv_cache.dim() != 6 or got != want or not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache of shape {tuple(kv_cache.shape)} does not match the "
                          f"layout [layers, 2, blocks, block_size, heads, head_dim] = {want}")
-    if str(kv_cache.dtype).removeprefix("torch.") != layout.dtype:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} != layout dtype {layout.dtype}")
+    if str(kv_cache.dtype).removeprefix("torch.") != layout.cache_dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} != layout dtype {layout.cache_dtype}")
 
 
 def read_peer(dest: StoreAddress, layout: KVLayout, config: TransferConfig

@@ -2,7 +2,8 @@
 
 A message carries, for layers ``[layer_start, layer_end)`` and a range of KV heads, the
 request's first ``num_blocks`` blocks. Its *rows* are ``(layer, K|V, block)`` triples,
-layer-major; one row is a block's ``[block_size, heads, head_dim]`` slab::
+layer-major; one row is a block's ``[block_size, heads, slot_width]`` slab (``head_dim``
+values, or an int8 cache's values and scale: ``KVLayout.slot_width``)::
 
     row r -> plane = r // num_blocks   layer = layer_start + plane // 2   K|V = plane % 2
              block index = r % num_blocks   (block id = block_ids[block index])

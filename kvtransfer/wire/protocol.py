@@ -34,7 +34,7 @@ from engine.kvcache.layout import KVLayout, decode_layout, encode_layout
 MAGIC = 0x7064_6B76_0003  # "pdkv", protocol version 3 (authenticated channels)
 MAX_SEQ = (1 << 31) - 3  # tags fit a non-negative int32 below engine's ABORT_TAG
 HEADER_BYTES = 256  # room for the header words; keeps the payload 256-byte aligned
-DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "uint8": 4}  # uint8: int8 slots
 
 
 class Kind(enum.IntEnum):
@@ -189,7 +189,7 @@ class PartHeader:
     def check_layout(self, layout: KVLayout) -> str | None:
         """``None`` when this header matches ``layout``, else the first differing field."""
         expected = (layout.digest(), layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                    DTYPE_CODES[layout.dtype], layout.block_size)
+                    DTYPE_CODES[layout.cache_dtype], layout.block_size)
         got = (self.layout_digest, self.num_layers, self.num_kv_heads, self.head_dim,
                self.dtype_code, self.block_size)
         names = ("fingerprint", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
@@ -203,7 +203,7 @@ def _layout_fields(layout: KVLayout) -> dict[str, int]:
     """The header fields that name the KV layout (checked by ``PartHeader.check_layout``)."""
     return dict(layout_digest=layout.digest(), num_layers=layout.num_layers,
                 num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                dtype_code=DTYPE_CODES[layout.dtype], block_size=layout.block_size)
+                dtype_code=DTYPE_CODES[layout.cache_dtype], block_size=layout.block_size)
 
 
 assert len(fields(PartHeader)) + 1 == PartHeader.WORDS and 8 * PartHeader.WORDS <= HEADER_BYTES

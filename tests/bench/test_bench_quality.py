@@ -34,3 +34,13 @@ def test_a_run_on_a_given_model_reports_int8_against_fp32(llama_dir: Path, tmp_p
     result = json.loads(out.read_text())
     assert result["positions"] == 128 and result["quantization"] == "int8"
     assert 0.5 < result["top1_agreement"] <= 1.0 and 0 < result["mean_kl"] <= result["max_kl"]
+
+
+def test_an_int8_kv_cache_is_measured_a_token_at_a_time(llama_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "quality.json"
+    assert quality.main(["--model", str(llama_dir), "--kv-cache-dtype", "int8", "--windows", "1",
+                         "--window-tokens", "48", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["kv_cache_dtype"] == "int8" and result["quantization"] is None
+    assert result["positions"] == 48 and result["what"] == "int8 KV cache"
+    assert 0.5 < result["top1_agreement"] <= 1.0 and 0 < result["mean_kl"] <= result["max_kl"]

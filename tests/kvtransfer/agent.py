@@ -73,8 +73,11 @@ class RemoteError(RuntimeError):
 
 
 def global_kv(layout: KVLayout, num_tokens: int, seed: int) -> torch.Tensor:
+    """Every token's KV of ``layout`` (an int8 cache's: random bytes of values and scales)."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
+    shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.slot_width)
+    if layout.kv_cache_dtype == "int8":
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
     return torch.randn(shape, generator=gen).to(getattr(torch, layout.dtype))
 
 
@@ -87,7 +90,7 @@ def unpack(raw: tuple[bytes, tuple[int, ...]], dtype: str) -> torch.Tensor:
 
 def cache_shape(layout: KVLayout, tp_rank: int, tp_size: int, num_blocks: int) -> tuple[int, ...]:
     start, end = kv_head_range(layout.num_kv_heads, tp_rank, tp_size)
-    return (layout.num_layers, 2, num_blocks, layout.block_size, end - start, layout.head_dim)
+    return (layout.num_layers, 2, num_blocks, layout.block_size, end - start, layout.slot_width)
 
 
 def token_slots(block_ids: Sequence[int], num_tokens: int, block_size: int
@@ -317,7 +320,7 @@ class AgentState:
         self.layout, self.tp = layout, (tp_rank, tp_size)
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
-        dtype = getattr(torch, layout.dtype)
+        dtype = getattr(torch, layout.cache_dtype)
         self.cache = torch.zeros(cache_shape(layout, tp_rank, tp_size, num_blocks), dtype=dtype,
                                  device=device)
 
@@ -335,6 +338,8 @@ def _fault_hook(kind: str, transfer_id: int, part: int, abort: Any) -> Any:
             return
         if kind == "corrupt":
             payload[payload.numel() // 2] ^= 0x10  # one flipped bit, after the checksum
+        elif kind.startswith("corrupt-at:"):  # one flipped bit of byte N of the payload
+            payload[int(kind.partition(":")[2])] ^= 0x10
         elif kind == "forge":  # what an injected part looks like: valid checksum, no MAC
             payload[payload.numel() // 2] ^= 0x10
             _forge_next_part()

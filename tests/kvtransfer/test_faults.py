@@ -124,6 +124,21 @@ def test_corrupted_payload_is_detected_and_not_used(agents: AgentsFactory) -> No
     assert sender.call("report")["stats"]["channels_opened"] == 1
 
 
+def test_a_corrupted_scale_of_an_int8_cache_is_detected(agents: AgentsFactory) -> None:
+    """The checksum covers an int8 cache's scales: one flipped bit of the first slot's
+    scale (the bytes after its head_dim values) fails the transfer."""
+    layout = make_layout(kv_cache_dtype="int8")
+    sender, receiver = agents(2)
+    decode = make_decode([receiver], layout)
+    prefill = make_prefill([sender], layout, fault=(f"corrupt-at:{layout.head_dim + 3}", 73, 0))
+    req = make_request(73, 40)
+    expect(decode, req)
+    send(prefill, decode, req)
+    _raises(receiver, "recv_wait", 73, "ChecksumMismatch")
+    _raises(sender, "send_wait", 73, "ChecksumMismatch")
+    assert receiver.call("written_blocks") == []
+
+
 def test_sender_abort_mid_transfer_fails_the_receiver(agents: AgentsFactory) -> None:
     """After abort() the sender reads no block: later parts go out marked cancelled."""
     sender, receiver = agents(2)
@@ -142,7 +157,7 @@ def test_sender_abort_mid_transfer_fails_the_receiver(agents: AgentsFactory) -> 
 
 @pytest.mark.parametrize(("field", "value"), [
     ("block_size", 32), ("model_fingerprint", "another-model"), ("hash_seed", 7),
-    ("num_kv_heads", 4), ("dtype", "float16"),
+    ("num_kv_heads", 4), ("dtype", "float16"), ("kv_cache_dtype", "int8"),
 ])
 def test_mismatched_layout_is_refused(agents: AgentsFactory, field: str, value: object) -> None:
     sender, receiver = agents(2)

@@ -53,6 +53,22 @@ def test_half_precision(agents: AgentsFactory, dtype: str) -> None:
     assert_received(decode, req)
 
 
+def test_an_int8_cache_moves_its_scales_with_its_values_and_reshards(
+        agents: AgentsFactory) -> None:
+    """An int8 cache's slots (head_dim values, then their scale) travel as they lie: a
+    quarter of fp32's bytes and then some, re-sharded by heads (1 sender, 2 receivers)."""
+    layout = make_layout(kv_cache_dtype="int8")
+    assert layout.row_bytes(2) == (layout.head_dim + 4) * 2 * layout.block_size
+    a, b, c = agents(3)
+    prefill, decode = make_prefill([a], layout), make_decode([b, c], layout)
+    req = make_request(23, 70)
+    transfer(prefill, decode, req)
+    assert_received(decode, req)
+    sent = reports([a])[0]["stats"]["bytes_sent"]  # type: ignore[index]
+    fp32 = make_layout().row_bytes(2) * 2 * layout.num_layers * 5  # 5 blocks, K and V
+    assert sent == layout.row_bytes(2) * 2 * layout.num_layers * 5 < 0.3 * fp32
+
+
 def test_layer_by_layer(agents: AgentsFactory) -> None:
     a, b, c = agents(3)
     prefill, decode = make_prefill([a]), make_decode([b, c])

@@ -113,7 +113,8 @@ def assert_received(decode: Decode, req: Request) -> None:
     r = len(decode.ranks)
     for j, agent in enumerate(decode.ranks):
         start, end = kv_head_range(decode.layout.num_kv_heads, j, r)
-        got = unpack(agent.call("read", req.dst_blocks, req.num_tokens), decode.layout.dtype)
+        got = unpack(agent.call("read", req.dst_blocks, req.num_tokens),
+                     decode.layout.cache_dtype)
         assert got.shape == expected[:, :, :, start:end].shape, (j, got.shape)
         assert torch.equal(got, expected[:, :, :, start:end]), f"decode rank {j} differs"
 

@@ -37,25 +37,47 @@ static inline fv lane_sums(fv v[LANES]) {
            + __builtin_shuffle(quads[0], quads[1], odd_quarters);
 }
 
+/* The fp32 scale of an int8 slot whose values start at element (byte) slot of kb: it
+ * follows its head_dim values */
+static inline float slot_scale(const void *kb, int64_t slot, int64_t head_dim) {
+    float scale;
+    memcpy(&scale, (const char *)kb + slot + head_dim, sizeof scale);
+    return scale;
+}
+
+/* LANES keys' (or values') elements from element index j of a run: fp32, or int8 widened
+ * in registers (inlined with int8 a constant, the test vanishes) */
+static inline __attribute__((always_inline)) fv load_kv(const void *run, int64_t j, int int8) {
+    return int8 ? widen_int8((const int8_t *)run + j) : loadv((const float *)run + j);
+}
+
 /* The dot products of query qg [chunks * LANES] with n <= LANES keys, token t's at
- * kb + t * stride, as one vector (lanes past n are 0). A full run keeps its LANES
- * partial sums in registers (the loops have constant bounds). */
-static inline fv score_run(const float *qg, const float *kb, int64_t stride, int64_t chunks,
-                           int64_t n) {
+ * kb + t * stride (elements: floats, or int8 values each scaled by the fp32 that follows
+ * the slot's chunks * LANES of them), as one vector (lanes past n are 0). A full run keeps
+ * its LANES partial sums in registers (the loops have constant bounds). */
+static inline __attribute__((always_inline)) fv score_run(const float *qg, const void *kb,
+                                                          int64_t stride, int64_t chunks,
+                                                          int64_t n, int int8) {
     fv dots[LANES];
     for (int t = 0; t < LANES; t++) dots[t] = (fv){0};
     if (n == LANES) {
         for (int64_t c = 0; c < chunks; c++) {
             const fv qc = loadv(qg + c * LANES);
 #pragma GCC unroll 16
-            for (int t = 0; t < LANES; t++) dots[t] += qc * loadv(kb + t * stride + c * LANES);
+            for (int t = 0; t < LANES; t++) dots[t] += qc * load_kv(kb, t * stride + c * LANES, int8);
         }
     } else {
         for (int t = 0; t < n; t++)
             for (int64_t c = 0; c < chunks; c++)
-                dots[t] += loadv(qg + c * LANES) * loadv(kb + t * stride + c * LANES);
+                dots[t] += loadv(qg + c * LANES) * load_kv(kb, t * stride + c * LANES, int8);
     }
-    return lane_sums(dots);
+    fv sums = lane_sums(dots);
+    if (int8) {
+        float scales[LANES] = {0};
+        for (int t = 0; t < n; t++) scales[t] = slot_scale(kb, t * stride, chunks * LANES);
+        sums *= loadv(scales);
+    }
+    return sums;
 }
 
 /* Positions in the run from pos: up to LANES, fewer where its block or the context ends
@@ -67,18 +89,18 @@ static inline int64_t run_length(int64_t pos, int64_t block_size, int64_t ctx) {
 }
 
 /* Prefetch (into L2) the keys and values of the run of up to LANES positions from pos,
- * heads_width floats of each token from head_offset: a run starts in a block anywhere in
+ * heads_bytes of each token from head_offset (bytes): a run starts in a block anywhere in
  * the cache, where the hardware prefetcher cannot guess it. */
-static inline void prefetch_run(const float *k_cache, const float *v_cache, const int64_t *table,
-                                int64_t block_size, int64_t token_stride, int64_t head_offset,
-                                int64_t heads_width, int64_t pos, int64_t ctx) {
+static inline void prefetch_run(const char *k_cache, const char *v_cache, const int64_t *table,
+                                int64_t block_size, int64_t token_bytes, int64_t head_offset,
+                                int64_t heads_bytes, int64_t pos, int64_t ctx) {
     const int64_t blk = pos / block_size, off = pos % block_size;
     const int64_t n = run_length(pos, block_size, ctx);
-    const int64_t first = (table[blk] * block_size + off) * token_stride + head_offset;
+    const int64_t first = (table[blk] * block_size + off) * token_bytes + head_offset;
     for (int64_t t = 0; t < n; t++)
-        for (int64_t d = 0; d < heads_width; d += 64 / sizeof(float)) {
-            __builtin_prefetch(k_cache + first + t * token_stride + d, 0, 2);
-            __builtin_prefetch(v_cache + first + t * token_stride + d, 0, 2);
+        for (int64_t d = 0; d < heads_bytes; d += 64) {
+            __builtin_prefetch(k_cache + first + t * token_bytes + d, 0, 2);
+            __builtin_prefetch(v_cache + first + t * token_bytes + d, 0, 2);
         }
 }
 
@@ -91,15 +113,17 @@ static inline void prefetch_run(const float *k_cache, const float *v_cache, cons
  * accumulator rescaled when the max grows). head_dim must be a multiple of 16.
  *
  * q        [B, Hk * G, D], token i's heads at q + i * q_stride   out [B, Hk * G, D]
- * k_cache, v_cache: token t of block b, KV head h at ((b * S + t) * Hk + h) * D
+ * k_cache, v_cache: token t of block b, KV head h's slot at ((b * S + t) * Hk + h) * W
+ *          elements: fp32 (W = D), or int8 (W = D + 4 bytes: D int8 values, then their fp32
+ *          scale; engine/attention/kv_quant.py), the int8 values widened in registers and
+ *          each key's dot product and each value's weight multiplied by its scale
  * tables   [B, max_blocks] int64    context_lens [B] int64 (>= 1, <= max_blocks * S)
  */
-int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
-                                  const float *v_cache, int64_t num_cache_blocks,
-                                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                                  int64_t group, const int64_t *tables, int64_t max_blocks,
-                                  const int64_t *context_lens, int64_t num_seqs, float scale,
-                                  float *out, int num_threads) {
+static inline __attribute__((always_inline)) int paged_decode_attention(
+        const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+        int64_t num_cache_blocks, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+        int64_t group, const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
+        int64_t num_seqs, float scale, float *out, int num_threads, int int8) {
     if (group < 1 || group > ATTN_MAX_ROWS || head_dim < ATTN_HEAD_MULTIPLE
         || head_dim % ATTN_HEAD_MULTIPLE
         || group * head_dim > ATTN_MAX_ACC || block_size < 1 || num_kv_heads < 1
@@ -122,7 +146,9 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
     int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
     heads_per_task = heads_per_task < fit ? heads_per_task : fit;
     const int64_t tasks_per_seq = (num_kv_heads + heads_per_task - 1) / heads_per_task;
-    const int64_t hq = num_kv_heads * group, token_stride = num_kv_heads * head_dim;
+    const int64_t slot = int8 ? head_dim + 4 : head_dim; /* elements of one token-head */
+    const int64_t elem = int8 ? 1 : (int64_t)sizeof(float);
+    const int64_t hq = num_kv_heads * group, token_stride = num_kv_heads * slot;
     const int64_t chunks = head_dim / LANES;
 #if LANES == 16
     const iv lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -149,11 +175,14 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
             const int64_t first = (tables[s * max_blocks + blk] * block_size + off) * token_stride;
             const iv valid = lane_index < (iv){0} + (int32_t)n;
             if (pos + n < ctx) /* the next run's keys and values start on their way */
-                prefetch_run(k_cache, v_cache, tables + s * max_blocks, block_size, token_stride,
-                             h0 * head_dim, (h1 - h0) * head_dim, pos + n, ctx);
+                prefetch_run((const char *)k_cache, (const char *)v_cache,
+                             tables + s * max_blocks, block_size, token_stride * elem,
+                             h0 * slot * elem, (h1 - h0) * slot * elem, pos + n, ctx);
             for (int64_t r = 0; r < rows; r++) {
-                const float *kb = k_cache + first + (h0 + r / group) * head_dim;
-                fv sc = score_run(q_rows + r * head_dim, kb, token_stride, chunks, n) * scale;
+                const int64_t at = first + (h0 + r / group) * slot;
+                const void *kb = int8 ? (const void *)((const int8_t *)k_cache + at)
+                                      : (const void *)((const float *)k_cache + at);
+                fv sc = score_run(q_rows + r * head_dim, kb, token_stride, chunks, n, int8) * scale;
                 sc = selectv(valid, sc, (fv){0} - INFINITY);
                 const float new_max = max_lanes(sc) > run_max[r] ? max_lanes(sc) : run_max[r];
                 const fv p = selectv(valid, exp_nonpositive(sc - new_max), (fv){0});
@@ -170,21 +199,26 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
                 storev(weights + r * LANES, p);
             }
             for (int64_t r = 0; r < rows; r++) {
-                const float *wr = weights + r * LANES;
-                const float *vb = v_cache + first + (h0 + r / group) * head_dim;
+                const int64_t at = first + (h0 + r / group) * slot;
+                const void *vb = int8 ? (const void *)((const int8_t *)v_cache + at)
+                                      : (const void *)((const float *)v_cache + at);
+                float wr[LANES]; /* each value's weight (times its scale: int8) */
+                for (int t = 0; t < LANES; t++)
+                    wr[t] = weights[r * LANES + t]
+                            * (int8 && t < n ? slot_scale(vb, t * token_stride, head_dim) : 1.f);
                 for (int64_t c = 0; c < chunks; c++) {
                     float *ar = acc + r * head_dim + c * LANES;
-                    const float *vc = vb + c * LANES;
+                    const int64_t vc = c * LANES;
                     /* four sums: one FMA chain would wait on its own latency */
                     fv a0 = loadv(ar), a1 = {0}, a2 = {0}, a3 = {0};
                     int t = 0;
                     for (; t + 4 <= n; t += 4) {
-                        a0 += wr[t] * loadv(vc + t * token_stride);
-                        a1 += wr[t + 1] * loadv(vc + (t + 1) * token_stride);
-                        a2 += wr[t + 2] * loadv(vc + (t + 2) * token_stride);
-                        a3 += wr[t + 3] * loadv(vc + (t + 3) * token_stride);
+                        a0 += wr[t] * load_kv(vb, vc + t * token_stride, int8);
+                        a1 += wr[t + 1] * load_kv(vb, vc + (t + 1) * token_stride, int8);
+                        a2 += wr[t + 2] * load_kv(vb, vc + (t + 2) * token_stride, int8);
+                        a3 += wr[t + 3] * load_kv(vb, vc + (t + 3) * token_stride, int8);
                     }
-                    for (; t < n; t++) a0 += wr[t] * loadv(vc + t * token_stride);
+                    for (; t < n; t++) a0 += wr[t] * load_kv(vb, vc + t * token_stride, int8);
                     storev(ar, (a0 + a1) + (a2 + a3));
                 }
             }
@@ -198,4 +232,27 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
         }
     }
     return 0;
+}
+
+int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                                  const float *v_cache, int64_t num_cache_blocks,
+                                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+                                  int64_t group, const int64_t *tables, int64_t max_blocks,
+                                  const int64_t *context_lens, int64_t num_seqs, float scale,
+                                  float *out, int num_threads) {
+    return paged_decode_attention(q, q_stride, k_cache, v_cache, num_cache_blocks, block_size,
+                                  num_kv_heads, head_dim, group, tables, max_blocks,
+                                  context_lens, num_seqs, scale, out, num_threads, 0);
+}
+
+/* The same over an int8 cache (k_cache, v_cache: uint8 slots of head_dim + 4 bytes) */
+int pd_paged_decode_attention_i8(const float *q, int64_t q_stride, const uint8_t *k_cache,
+                                 const uint8_t *v_cache, int64_t num_cache_blocks,
+                                 int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+                                 int64_t group, const int64_t *tables, int64_t max_blocks,
+                                 const int64_t *context_lens, int64_t num_seqs, float scale,
+                                 float *out, int num_threads) {
+    return paged_decode_attention(q, q_stride, k_cache, v_cache, num_cache_blocks, block_size,
+                                  num_kv_heads, head_dim, group, tables, max_blocks,
+                                  context_lens, num_seqs, scale, out, num_threads, 1);
 }

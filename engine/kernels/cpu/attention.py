@@ -14,9 +14,9 @@ class AttentionKernels:
     """``NativeKernels``' KV write and paged decode attention."""
 
     def _bind_attention(self, library: ctypes.CDLL) -> None:
-        self._attn = bind(library, "pd_paged_decode_attention_f32",
-                          [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64,
-                           f32, ptr, cint])
+        args = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, f32, ptr, cint]
+        self._attn = bind(library, "pd_paged_decode_attention_f32", args)
+        self._attn_i8 = bind(library, "pd_paged_decode_attention_i8", args)
         self._write_kv = bind(library, "pd_write_kv_f32",
                               [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr])
 
@@ -49,12 +49,16 @@ class AttentionKernels:
 
     @staticmethod
     def supports_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """Whether ``paged_decode_attention`` takes q ``[B, Hq, D]`` over this cache."""
+        """Whether ``paged_decode_attention`` takes q ``[B, Hq, D]`` over this cache (fp32,
+        or int8: uint8 slots of ``D + 4`` bytes, ``engine.attention.kv_quant``)."""
         if q.dim() != 3 or kv_cache.dim() != 5 or q.numel() == 0:
             return False
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        _, _, block_size, num_kv_heads, width = kv_cache.shape
+        int8 = kv_cache.dtype == torch.uint8
+        head_dim = width - 4 if int8 else width
         num_q_heads = q.shape[1]
-        return (q.dtype == kv_cache.dtype == torch.float32 and q.device.type == "cpu"
+        return (q.dtype == torch.float32 and (int8 or kv_cache.dtype == torch.float32)
+                and q.device.type == "cpu"
                 and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
                 and q.shape[2] == head_dim and num_q_heads % num_kv_heads == 0
                 and q.stride(2) == 1 and q.stride(1) == head_dim
@@ -67,8 +71,9 @@ class AttentionKernels:
                                scale: float) -> torch.Tensor:
         """Softmax attention of each sequence's one query token ``q [B, Hq, D]`` over the
         first ``context_lens[i]`` slots of its blocks ``block_tables [B, max_blocks]`` in
-        ``kv_cache [2, num_blocks, block_size, Hk, D]`` → ``[B, Hq, D]``. Query heads
-        ``h * Hq/Hk .. (h+1) * Hq/Hk - 1`` share KV head ``h`` (GQA/MQA)."""
+        ``kv_cache [2, num_blocks, block_size, Hk, D]`` (or an int8 cache's ``D + 4``-byte
+        slots) → ``[B, Hq, D]``. Query heads ``h * Hq/Hk .. (h+1) * Hq/Hk - 1`` share KV head
+        ``h`` (GQA/MQA)."""
         if not self.supports_decode_attention(q, kv_cache):
             raise ValueError(f"paged_decode_attention does not take q {tuple(q.shape)} "
                              f"{q.dtype} over a cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
@@ -81,7 +86,8 @@ class AttentionKernels:
                              f"{tuple(lens.shape)} do not match {num_seqs} sequences")
         out = torch.empty(num_seqs, num_q_heads, head_dim, dtype=q.dtype)
         q_stride = q.stride(0) if num_seqs > 1 else num_q_heads * head_dim
-        rc = self._attn(q.data_ptr(), q_stride, kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        attend = self._attn_i8 if kv_cache.dtype == torch.uint8 else self._attn
+        rc = attend(q.data_ptr(), q_stride, kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
                         num_blocks, block_size, num_kv_heads, head_dim,
                         num_q_heads // num_kv_heads, tables.data_ptr(), tables.shape[1],
                         lens.data_ptr(), num_seqs, scale, out.data_ptr(), torch.get_num_threads())

@@ -176,6 +176,12 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
                                   int64_t group, const int64_t *tables, int64_t max_blocks,
                                   const int64_t *context_lens, int64_t num_seqs, float scale,
                                   float *out, int num_threads);
+int pd_paged_decode_attention_i8(const float *q, int64_t q_stride, const uint8_t *k_cache,
+                                 const uint8_t *v_cache, int64_t num_cache_blocks,
+                                 int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+                                 int64_t group, const int64_t *tables, int64_t max_blocks,
+                                 const int64_t *context_lens, int64_t num_seqs, float scale,
+                                 float *out, int num_threads);
 /* sampling.c */
 int pd_apply_token_bitmask_f32(float *logits, int64_t rows, int64_t cols, int64_t row_stride,
                                const int32_t *mask, int64_t words, const int64_t *row_index,

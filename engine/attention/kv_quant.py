@@ -1,0 +1,52 @@
+"""The int8 KV cache (``CacheConfig.kv_cache_dtype="int8"``): each token's K (and V) of
+each KV head is stored as ``head_dim`` int8 values followed by their fp32 scale (the
+largest magnitude ÷ 127, symmetric), in one slot of ``head_dim + 4`` bytes — where fp32
+takes ``4 × head_dim``. The cache is then a uint8 tensor ``[layers, 2, blocks,
+block_size, local KV heads, head_dim + 4]``: the scales live beside the values they
+scale, so whatever copies whole slots (a block's KV for a transfer, re-sharded by heads)
+carries them without knowing they are there, and a checksum over the bytes covers both.
+
+A scale per token and head, not per block: a block fills one decode token at a time, so
+a per-block scale would have to re-quantise what the block already holds whenever a new
+token is larger; per token, nothing once written is touched again. Attention reads the
+cache dequantised (``dequantize``); the current chunk's own K/V are used as computed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_BYTES = 4  # one fp32 scale after each slot's int8 values
+_LEVELS = 127.0
+
+
+def slot_bytes(head_dim: int) -> int:
+    """Bytes of one token's K (or V) of one KV head in the int8 cache."""
+    return head_dim + SCALE_BYTES
+
+
+def is_quantized(kv_cache: torch.Tensor) -> bool:
+    """Whether ``kv_cache`` is an int8 cache (slots of values and a scale, as uint8)."""
+    return kv_cache.dtype == torch.uint8
+
+
+def quantize(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., head_dim]`` (any float dtype) as int8 slots ``[..., head_dim + 4]`` (uint8):
+    round-to-nearest of ``x / scale``, ``scale = max |x| / 127`` over the last dim."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
+    scale = scale / _LEVELS
+    values = torch.round(x / scale).clamp_(-_LEVELS, _LEVELS).to(torch.int8)
+    head_dim = x.shape[-1]
+    out = torch.empty(*x.shape[:-1], slot_bytes(head_dim), dtype=torch.uint8, device=x.device)
+    out[..., :head_dim] = values.view(torch.uint8)
+    out[..., head_dim:] = scale.contiguous().view(torch.uint8)
+    return out
+
+
+def dequantize(slots: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Int8 slots ``[..., head_dim + 4]`` back to ``[..., head_dim]`` values of ``dtype``."""
+    head_dim = slots.shape[-1] - SCALE_BYTES
+    values = slots[..., :head_dim].view(torch.int8).to(torch.float32)
+    scale = slots[..., head_dim:].contiguous().view(torch.float32)
+    return (values * scale).to(dtype)
