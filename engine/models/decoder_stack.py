@@ -81,15 +81,15 @@ class CompiledDecoderStack:
         if kernels is None or layers[0].input_layernorm.weight.dtype != torch.float32:
             return None
         first = layers[0].self_attn
-        if (first.o_proj.tp.size != 1 or first.kv_cache.numel() == 0
-                or first.kv_cache.dtype != torch.float32):  # an int8 KV cache: per layer
+        if first.o_proj.tp.size != 1 or first.kv_cache.numel() == 0:
             return None
         cfg = model.cfg
         shape = DecoderShape(
             hidden=cfg.hidden_size, num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, intermediate=cfg.intermediate_size,
             num_cache_blocks=first.kv_cache.shape[1], block_size=first.kv_cache.shape[2],
-            rms_eps=cfg.rms_norm_eps, scale=first.scale)
+            rms_eps=cfg.rms_norm_eps, scale=first.scale,
+            kv_int8=int(first.kv_cache.dtype == torch.uint8))
         if not kernels.supports_decoder_stack(shape):
             return None
         if any(linear.kernel_name not in GEMV_KERNELS for layer in layers for linear in _linears(layer)):

@@ -19,30 +19,44 @@ class AttentionKernels:
         self._attn_i8 = bind(library, "pd_paged_decode_attention_i8", args)
         self._write_kv = bind(library, "pd_write_kv_f32",
                               [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr])
+        self._write_kv_i8 = bind(library, "pd_write_kv_i8",
+                                 [ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr])
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> bool:
         """Write ``k``, ``v [T, Hk, D]`` into slots ``slot_mapping [T]`` of ``kv_cache
-        [2, num_blocks, block_size, Hk, D]``; ``False`` (nothing written) unless all are
-        fp32 CPU tensors with each token's heads contiguous and a contiguous cache, and
-        ``slot_mapping`` a 1-d int32/int64 CPU tensor. Raises ``IndexError`` (as
-        ``index_copy_`` does) for a slot outside the cache, before writing anything."""
+        [2, num_blocks, block_size, Hk, D]`` (or, quantised as ``kv_quant.quantize`` does,
+        of an int8 cache's ``D + 4``-byte slots); ``False`` (nothing written) unless ``k``
+        and ``v`` are fp32 CPU tensors with each token's heads contiguous, the cache
+        contiguous, and ``slot_mapping`` a 1-d int32/int64 CPU tensor. Raises
+        ``IndexError`` (as ``index_copy_`` does) for a slot outside the cache, before
+        writing anything."""
+        int8 = kv_cache.dtype == torch.uint8
         if not (k.dim() == v.dim() == 3 and kv_cache.dim() == 5 and kv_cache.shape[0] == 2
-                and k.dtype == v.dtype == kv_cache.dtype == torch.float32
+                and k.dtype == v.dtype == torch.float32
+                and (int8 or kv_cache.dtype == torch.float32)
                 and k.device.type == v.device.type == kv_cache.device.type == "cpu"
                 and slot_mapping.dim() == 1 and slot_mapping.device.type == "cpu"
                 and slot_mapping.dtype in (torch.int32, torch.int64)
                 and kv_cache.is_contiguous() and k.shape == v.shape
-                and k.shape[1:] == kv_cache.shape[3:] and k.shape[0] == slot_mapping.shape[0]
+                and k.shape[1] == kv_cache.shape[3]
+                and k.shape[2] + (4 if int8 else 0) == kv_cache.shape[4]
+                and k.shape[0] == slot_mapping.shape[0]
                 and k.stride(2) == v.stride(2) == 1
                 and k.stride(1) == v.stride(1) == k.shape[2]):
             return False
         tokens, width = k.shape[0], k.shape[1] * k.shape[2]
         slots = slot_mapping.to(torch.int64).contiguous()
-        rc = self._write_kv(k.data_ptr(), k.stride(0) if tokens > 1 else width, v.data_ptr(),
-                            v.stride(0) if tokens > 1 else width, tokens, width,
-                            slots.data_ptr(), kv_cache.shape[1] * kv_cache.shape[2],
-                            kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
+        strides = (k.stride(0) if tokens > 1 else width, v.stride(0) if tokens > 1 else width)
+        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        if int8:
+            rc = self._write_kv_i8(k.data_ptr(), strides[0], v.data_ptr(), strides[1], tokens,
+                                   k.shape[1], k.shape[2], slots.data_ptr(), num_slots,
+                                   kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
+        else:
+            rc = self._write_kv(k.data_ptr(), strides[0], v.data_ptr(), strides[1], tokens,
+                                width, slots.data_ptr(), num_slots, kv_cache[0].data_ptr(),
+                                kv_cache[1].data_ptr())
         if rc == -3:
             raise IndexError("write_kv: a slot outside the cache")
         return rc == 0

@@ -18,7 +18,8 @@ typedef struct {
     const void *gate_up_w;                  /* [2 I, hidden]: gate | up */
     const void *down_w;                     /* [hidden, I] */
     const float *down_b;
-    float *k_cache, *v_cache;               /* [num_cache_blocks * block_size, Hk, D] */
+    void *k_cache, *v_cache; /* [num_cache_blocks * block_size, Hk, D] fp32, or int8 slots
+                              * of D + 4 bytes (kv_int8; engine/attention/kv_quant.py) */
     /* the four weights packed for pd_gemm_packed_f32 / _i8 (pd_gemm_panel_floats
      * elements each), or NULL: a stack without them takes at most GEMV_MAX_X_ROWS rows */
     const void *qkv_p, *o_p, *gate_up_p, *down_p;
@@ -31,6 +32,7 @@ typedef struct {
     int64_t hidden, num_q_heads, num_kv_heads, head_dim, intermediate;
     int64_t num_cache_blocks, block_size;
     float rms_eps, scale;
+    int64_t kv_int8; /* the caches are int8 (pd_write_kv_i8, pd_paged_decode_attention_i8) */
 } pd_decoder_shape;
 
 /* whether every kernel of the stack takes these sizes (the attention's limits) */
@@ -123,12 +125,21 @@ int pd_decoder_stack_f32(const pd_decoder_layer *layers, int64_t num_layers,
             qk_stride = qk_width;
         }
         rc |= pd_rope_f32(qk, rows, hq + hk, d, qk_stride, cos, sin, rot, num_threads);
-        rc |= pd_write_kv_f32(rot + hq * d, qk_width, qkv + qk_width, qkv_width, rows, hk * d,
-                              slots, num_slots, L->k_cache, L->v_cache);
-        rc |= pd_paged_decode_attention_f32(rot, qk_width, L->k_cache, L->v_cache,
-                                            s->num_cache_blocks, s->block_size, hk, d, hq / hk,
-                                            tables, max_blocks, context_lens, rows, s->scale,
-                                            att, num_threads);
+        if (s->kv_int8) {
+            rc |= pd_write_kv_i8(rot + hq * d, qk_width, qkv + qk_width, qkv_width, rows, hk, d,
+                                 slots, num_slots, L->k_cache, L->v_cache);
+            rc |= pd_paged_decode_attention_i8(rot, qk_width, L->k_cache, L->v_cache,
+                                               s->num_cache_blocks, s->block_size, hk, d,
+                                               hq / hk, tables, max_blocks, context_lens, rows,
+                                               s->scale, att, num_threads);
+        } else {
+            rc |= pd_write_kv_f32(rot + hq * d, qk_width, qkv + qk_width, qkv_width, rows,
+                                  hk * d, slots, num_slots, L->k_cache, L->v_cache);
+            rc |= pd_paged_decode_attention_f32(rot, qk_width, L->k_cache, L->v_cache,
+                                                s->num_cache_blocks, s->block_size, hk, d,
+                                                hq / hk, tables, max_blocks, context_lens, rows,
+                                                s->scale, att, num_threads);
+        }
         rc |= pd_linear_any(att, rows, hq * d, L->o_w, L->o_p, L->o_s, hidden, NULL, y,
                             num_threads);
         add_residual(h, y, L->o_b, rows, hidden);

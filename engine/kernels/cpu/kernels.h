@@ -149,6 +149,9 @@ int pd_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t dim,
 int pd_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                     int64_t tokens, int64_t width, const int64_t *slots, int64_t num_slots,
                     float *k_cache, float *v_cache);
+int pd_write_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                   int64_t tokens, int64_t heads, int64_t head_dim, const int64_t *slots,
+                   int64_t num_slots, uint8_t *k_cache, uint8_t *v_cache);
 int pd_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t row_stride,
                        int64_t *out, int num_threads);
 /* gemv.c */

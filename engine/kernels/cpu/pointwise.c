@@ -1,5 +1,7 @@
 /* Pointwise kernels: RMSNorm, SwiGLU, RoPE, the KV write and greedy argmax, each in one
  * pass (torch runs several small kernels for some of them). See kernels.h. */
+#include <float.h>
+
 #include "kernels.h"
 
 /* ---------------------------------------------------------------------- RMSNorm */
@@ -98,6 +100,40 @@ int pd_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_
         __builtin_memcpy(k_cache + slots[t] * width, k + t * k_stride, width * sizeof(float));
         __builtin_memcpy(v_cache + slots[t] * width, v + t * v_stride, width * sizeof(float));
     }
+    return 0;
+}
+
+/* The same into an int8 cache (engine/attention/kv_quant.py): each token's heads (head_dim
+ * floats each, contiguous) quantised one head at a time to head_dim int8 values, round half
+ * to even of x / scale with scale = max |x| / 127 (at least FLT_MIN / 127), followed by that
+ * fp32 scale: a slot of head_dim + 4 bytes, heads * (head_dim + 4) bytes per cache slot.
+ * The same arithmetic as kv_quant.quantize, so both write the same bytes. */
+int pd_write_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                   int64_t tokens, int64_t heads, int64_t head_dim, const int64_t *slots,
+                   int64_t num_slots, uint8_t *k_cache, uint8_t *v_cache) {
+    const int64_t width = heads * head_dim, slot = head_dim + 4;
+    if (tokens < 0 || heads < 1 || head_dim < 1 || k_stride < width || v_stride < width)
+        return -1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -3;
+    for (int64_t t = 0; t < tokens; t++)
+        for (int kv = 0; kv < 2; kv++) {
+            const float *x = kv ? v + t * v_stride : k + t * k_stride;
+            uint8_t *out = (kv ? v_cache : k_cache) + slots[t] * heads * slot;
+            for (int64_t h = 0; h < heads; h++) {
+                const float *xh = x + h * head_dim;
+                uint8_t *o = out + h * slot;
+                float amax = 0.f;
+                for (int64_t d = 0; d < head_dim; d++) amax = fmaxf(amax, fabsf(xh[d]));
+                const float scale = (amax > FLT_MIN ? amax : FLT_MIN) / 127.f;
+                for (int64_t d = 0; d < head_dim; d++) {
+                    float q = nearbyintf(xh[d] / scale);
+                    q = q > 127.f ? 127.f : q < -127.f ? -127.f : q;
+                    o[d] = (uint8_t)(int8_t)q;
+                }
+                memcpy(o + head_dim, &scale, sizeof scale);
+            }
+        }
     return 0;
 }
 

@@ -17,11 +17,11 @@ from engine.kernels.cpu._ffi import GEMV_MAX_ROWS, f32, i64, ptr, ptr_of
 class DecoderShape(ctypes.Structure):
     """A decoder stack's sizes (``pd_decoder_shape``): hidden, query heads, KV heads,
     head dim, MLP width, the cache's blocks and block size, RMSNorm's eps, the attention
-    scale."""
+    scale, and whether the caches are int8 (``engine.attention.kv_quant``)."""
 
     _fields_ = [("hidden", i64), ("num_q_heads", i64), ("num_kv_heads", i64),
                 ("head_dim", i64), ("intermediate", i64), ("num_cache_blocks", i64),
-                ("block_size", i64), ("rms_eps", f32), ("scale", f32)]
+                ("block_size", i64), ("rms_eps", f32), ("scale", f32), ("kv_int8", i64)]
 
 
 _LAYER_FIELDS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b",
@@ -39,7 +39,8 @@ class _LayerPointers(ctypes.Structure):
 class DecoderLayerWeights:
     """One Llama-family layer for ``decoder_stack``: weights in the checkpoint layout
     (q | k | v heads fused, gate | up fused), the optional biases and per-head q/k norms,
-    the layer's KV cache ``[2, num_blocks, block_size, Hk, D]``, and optionally the four
+    the layer's KV cache ``[2, num_blocks, block_size, Hk, D]`` (an int8 cache's last axis
+    ``D + 4`` uint8: ``DecoderShape.kv_int8``), and optionally the four
     weights packed by ``NativeKernels.pack_panels`` (all four or none: with them the
     stack takes batches past the GEMV's rows). A weight given with its scales
     (``*_s [out]`` fp32, ``engine.kernels.quant``) is int8, and so are its panels."""
@@ -103,7 +104,7 @@ class DecoderLayers:
         if not layers or min(hidden, d, inter, hq, hk) < 1 or hq % hk:
             raise ValueError(f"decoder stack of {len(layers)} layers with sizes {hidden=} "
                              f"{d=} {inter=} {hq=} {hk=}")
-        cache = (2, shape.num_cache_blocks, shape.block_size, hk, d)
+        cache = (2, shape.num_cache_blocks, shape.block_size, hk, d + 4 if shape.kv_int8 else d)
         want = {"input_norm": (hidden,), "post_norm": (hidden,),
                 "qkv_w": ((hq + 2 * hk) * d, hidden), "qkv_b": ((hq + 2 * hk) * d,),
                 "q_norm": (d,), "k_norm": (d,), "o_w": (hidden, hq * d), "o_b": (hidden,),
@@ -132,6 +133,8 @@ class DecoderLayers:
                 if t is None and name in ("qkv_b", "q_norm", "k_norm", "o_b", "down_b"):
                     continue
                 dtype = torch.int8 if int8.get(name) else torch.float32
+                if name == "kv_cache" and shape.kv_int8:
+                    dtype = torch.uint8
                 if not (t.shape == size and t.dtype == dtype and t.is_contiguous()
                         and t.device.type == "cpu"):
                     raise ValueError(f"layer {i}: {name} must be a contiguous {dtype} CPU "

@@ -108,3 +108,19 @@ def test_a_block_takes_a_quarter_of_the_bytes_and_tp_2_gives_tp_1s_tokens(
         expected = [r.token_ids for r in one.generate(prompts, greedy)]
     with LLM(llama_dir, kv_cache_dtype="int8", tensor_parallel_size=2) as two:
         assert [r.token_ids for r in two.generate(prompts, greedy)] == expected
+
+
+def test_the_compiled_kv_write_quantises_to_the_bytes_torch_writes(kernels: NativeKernels) -> None:
+    torch.manual_seed(3)
+    cache = torch.zeros(2, 6, 4, 3, 36, dtype=torch.uint8)
+    expected = cache.clone()
+    k, v = torch.randn(5, 3, 32) * 3, torch.randn(5, 3, 32)
+    k[1, 2] = 0.0  # an all-zero head
+    v[2, 0, 5] = 1e-30  # tiny values
+    slots = torch.tensor([0, 7, 23, 11, 4])
+    assert kernels.write_kv(cache, k, v, slots)
+    expected[0].view(-1, 3, 36)[slots] = quantize(k)
+    expected[1].view(-1, 3, 36)[slots] = quantize(v)
+    assert torch.equal(cache, expected)
+    with pytest.raises(IndexError):
+        kernels.write_kv(cache, k, v, torch.tensor([0, 1, 2, 3, 24]))

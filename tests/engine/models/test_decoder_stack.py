@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.attention import ForwardContext, forward_context
-from engine.config import EngineConfig, load_model_config
+from engine.config import CacheConfig, EngineConfig, load_model_config
 from engine.core.runner import ModelRunner
 from engine.core.scheduler import ScheduledChunk
 from engine.kernels.choice import linear_shapes
@@ -170,6 +170,20 @@ def test_on_int8_weights_the_stack_takes_every_decode_batch_to_the_bit(
     config = _config(model_factory(arch, **overrides))
     _assert_stack_matches_per_layer(config, lambda: _many_steps(config.model.vocab_size),
                                     monkeypatch, step_rows, "int8_packed", 4 * MANY[0])
+    assert step_rows == MANY
+
+
+@pytest.mark.parametrize("case", ["llama", "wide-heads"])
+def test_over_an_int8_kv_cache_the_stack_takes_every_decode_batch_to_the_bit(
+        model_factory: Callable[..., Path], case: str, step_rows: list[int], threads: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kv_cache_dtype="int8"``: the stack's quantising KV write and int8 attention are
+    the per-layer forward's (the same bytes in the cache, the same logits), at every batch."""
+    arch, overrides = ARCHS[case]
+    config = replace(_config(model_factory(arch, **overrides)),
+                     cache=CacheConfig(kv_cache_dtype="int8"))
+    _assert_stack_matches_per_layer(config, lambda: _many_steps(config.model.vocab_size),
+                                    monkeypatch, step_rows, "packed", 4 * MANY[0])
     assert step_rows == MANY
 
 
