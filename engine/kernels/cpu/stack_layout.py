@@ -132,9 +132,7 @@ class DecoderLayers:
                 t = getattr(layer, name)
                 if t is None and name in ("qkv_b", "q_norm", "k_norm", "o_b", "down_b"):
                     continue
-                dtype = torch.int8 if int8.get(name) else torch.float32
-                if name == "kv_cache" and shape.kv_int8:
-                    dtype = torch.uint8
+                dtype = _dtype(name, int8.get(name, False), bool(shape.kv_int8))
                 if not (t.shape == size and t.dtype == dtype and t.is_contiguous()
                         and t.device.type == "cpu"):
                     raise ValueError(f"layer {i}: {name} must be a contiguous {dtype} CPU "
@@ -164,6 +162,14 @@ class DecoderLayers:
                                      f"({panel_floats(*size)} contiguous {dtype} CPU values), "
                                      f"got {tuple(t.shape)} {t.dtype}")
                 setattr(entry, name, t.data_ptr())
+
+
+def _dtype(name: str, int8_weight: bool, kv_int8: bool) -> torch.dtype:
+    """What a layer's tensor ``name`` must hold: int8 weights, an int8 cache's uint8 slots,
+    else fp32."""
+    if name == "kv_cache":
+        return torch.uint8 if kv_int8 else torch.float32
+    return torch.int8 if int8_weight else torch.float32
 
 
 def _ends_pointers(shape: DecoderShape, ends: DecoderEnds) -> _EndsPointers:
