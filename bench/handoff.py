@@ -100,6 +100,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.add_argument("--quick", action="store_true", help="the tiny model, a few requests")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                   help="the breakdown's workers' KV cache (int8: its blocks travel as int8 "
+                        "values and scales)")
+    p.add_argument("--breakdown-only", action="store_true",
+                   help="the TTFT breakdown alone (no router-overhead or affinity run)")
     if "--quick" in (sys.argv[1:] if argv is None else argv):
         p.set_defaults(prompt_lens="64,256", requests=4, overhead_seconds=0.5, prefix_len=64,
                        prefixes=3, affinity_requests=9, affinity_rate=0.0)
@@ -186,7 +191,9 @@ def measure_breakdowns(args: argparse.Namespace, model_dir: Path, vocab: int
     first, last = two_cpus()
     pins = {"prefill-0": (first,), "decode-0": (last,)}
     found = {}
-    with cluster(model_dir, num_prefill=1, num_decode=1, cpu_affinity=pins) as running:
+    kv = () if args.kv_cache_dtype == "auto" else ("--kv-cache-dtype", args.kv_cache_dtype)
+    with cluster(model_dir, num_prefill=1, num_decode=1, cpu_affinity=pins,
+                 worker_args=kv) as running:
         for length in args.lengths:
             spec = WorkloadSpec("random", input_len=length, output_len=OUTPUT_LEN)
             warm = Workload(spec, vocab, seed=args.seed + 7).take(2)
@@ -214,13 +221,15 @@ def measure_breakdowns(args: argparse.Namespace, model_dir: Path, vocab: int
     return found
 
 
-def one_layer_transfer_ms(model: dict[str, Any], lengths: Sequence[int], repeats: int = 5
-                          ) -> dict[int, float]:
-    """Median time of one pdserve KV transfer of one layer's bytes, per prompt length."""
+def one_layer_transfer_ms(model: dict[str, Any], lengths: Sequence[int], repeats: int = 5,
+                          kv_cache_dtype: str = "auto") -> dict[int, float]:
+    """Median time of one pdserve KV transfer of one layer's bytes, per prompt length (an
+    int8 cache's: ``head_dim + 4`` bytes per token, head and K/V)."""
     from bench import kvtransfer as kv
 
     head_dim = model["hidden_size"] // model["num_attention_heads"]
-    layer_bytes = {n: 2 * n * model["num_key_value_heads"] * head_dim * 4 for n in lengths}
+    slot = head_dim + 4 if kv_cache_dtype == "int8" else head_dim * 4
+    layer_bytes = {n: 2 * n * model["num_key_value_heads"] * slot for n in lengths}
     tokens = {n: -(-b // kv.TOKEN_BYTES) for n, b in layer_bytes.items()}
     num_blocks = 2 * max(tokens.values()) // kv.LAYOUT.block_size + 16
     shared = {"pin": True, "timeout_s": 60.0, "part_mib": 4.0, "num_blocks": num_blocks,
@@ -355,20 +364,23 @@ def render(report: dict[str, Any]) -> str:
         rows.append([key, *(report["by_prompt_len"][n][key] for n in lengths)])
     for key in ("router_overhead_p50_ms", "router_overhead_p99_ms"):
         for sub in ("to_first_worker_call", "to_first_worker_call_unqueued", "token_to_client"):
-            rows.append([f"{key} {sub}", *(report["by_prompt_len"][n][key][sub]
-                                          for n in lengths)])
-    a = report["prefix_affinity"]
-    affinity = format_table(
-        [[name, a[name]["cached_fraction"], a["oracle_cached_fraction"], a[name]["median_ttft_ms"],
-          a[name]["p90_ttft_ms"]] for name in ("affinity", "round_robin")],
-        ["prefill routing", "cached fraction", "oracle", "TTFT p50 ms", "TTFT p90 ms"])
-    return "\n".join([
+            if key in report["by_prompt_len"][lengths[0]]:  # not with --breakdown-only
+                rows.append([f"{key} {sub}", *(report["by_prompt_len"][n][key][sub]
+                                              for n in lengths)])
+    lines = [
         "TTFT breakdown (p50 of each part, ms; parts of one request add up to its TTFT, "
-        "the p50s need not) and router overhead",
+        f"the p50s need not) and router overhead; KV cache {report['kv_cache_dtype']}",
         format_table(rows, ["", *(f"{n} tokens" for n in lengths)]),
         f"goals: orchestration <= 5 ms at p50; exposed transfer <= one layer's transfer; "
-        f"router overhead <= 1 ms (p50) / 5 ms (p99) at {report['overhead_rate']:g} req/s",
-        "prefix affinity (two prefill workers)", affinity])
+        f"router overhead <= 1 ms (p50) / 5 ms (p99) at {report['overhead_rate']:g} req/s"]
+    a = report.get("prefix_affinity")
+    if a:
+        lines += ["prefix affinity (two prefill workers)", format_table(
+            [[name, a[name]["cached_fraction"], a["oracle_cached_fraction"],
+              a[name]["median_ttft_ms"], a[name]["p90_ttft_ms"]]
+             for name in ("affinity", "round_robin")],
+            ["prefill routing", "cached fraction", "oracle", "TTFT p50 ms", "TTFT p90 ms"])]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -380,18 +392,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     probe.release()
     print(f"TTFT breakdown on {model_dir.name} ...", flush=True)
     by_len = measure_breakdowns(args, model_dir, facts["vocab_size"])
-    for length, layer_ms in one_layer_transfer_ms(facts, args.lengths).items():
+    for length, layer_ms in one_layer_transfer_ms(facts, args.lengths,
+                                                  kv_cache_dtype=args.kv_cache_dtype).items():
         by_len[length]["one_layer_transfer_ms"] = layer_ms
-    print(f"router overhead at {args.overhead_rate:g} req/s (tiny model) ...", flush=True)
-    for length, found in measure_overhead(args).items():
-        by_len[length].update(found)
-    print("prefix affinity vs round-robin ...", flush=True)
-    affinity = measure_affinity(args, model_dir, facts["vocab_size"])
+    affinity: dict[str, Any] = {}
+    if not args.breakdown_only:
+        print(f"router overhead at {args.overhead_rate:g} req/s (tiny model) ...", flush=True)
+        for length, found in measure_overhead(args).items():
+            by_len[length].update(found)
+        print("prefix affinity vs round-robin ...", flush=True)
+        affinity = measure_affinity(args, model_dir, facts["vocab_size"])
     top = by_len[max(args.lengths)]
     report: dict[str, Any] = {
         "prompt_len": max(args.lengths), **top,
         "by_prompt_len": {str(n): v for n, v in by_len.items()},
         "prefix_affinity": affinity, "overhead_rate": args.overhead_rate,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "machine": {**machine_info(), "bandwidth_gbps_1_thread": bandwidth},
         "model": {**facts, "dtype": "float32", "torch_threads_per_worker": 1},
         "settings": {k: v for k, v in vars(args).items() if k != "json"}}

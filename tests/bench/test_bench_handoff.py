@@ -75,3 +75,17 @@ def test_the_parts_add_up_to_the_ttft() -> None:
     assert parts["reserve"] == pytest.approx(1.0) and parts["delivery"] == 4.5
     # the first chunk 43 ms after the Prefill was sent, 36 of them on the prefill worker
     assert parts["decode_admission"] == pytest.approx(7.0) and parts["router_relay"] == 0.5
+
+
+def test_the_breakdown_alone_over_an_int8_kv_cache(tmp_path: Path) -> None:
+    """``--kv-cache-dtype int8 --breakdown-only``: the breakdown's workers hold int8 KV (a
+    layer's transfer then moves ``head_dim + 4`` bytes per token and head, not ``4 head_dim``);
+    no router-overhead or affinity run."""
+    out = tmp_path / "handoff.json"
+    handoff.main(["--quick", "--kv-cache-dtype", "int8", "--breakdown-only", "--prompt-lens",
+                  "64", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["kv_cache_dtype"] == "int8" and data["prefix_affinity"] == {}
+    entry = data["by_prompt_len"]["64"]
+    assert entry["ttft_breakdown_ms"]["exposed_transfer"] >= -0.5
+    assert entry["one_layer_transfer_ms"] > 0 and "router_overhead_p50_ms" not in entry
