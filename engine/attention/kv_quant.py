@@ -9,7 +9,8 @@ carries them without knowing they are there, and a checksum over the bytes cover
 A scale per token and head, not per block: a block fills one decode token at a time, so
 a per-block scale would have to re-quantise what the block already holds whenever a new
 token is larger; per token, nothing once written is touched again. Attention reads the
-cache dequantised (``dequantize``); the current chunk's own K/V are used as computed.
+cache dequantised (``dequantize``), the step's own K/V included (written first); only a
+prefill chunk with nothing cached before it attends to its K/V as computed.
 """
 
 from __future__ import annotations

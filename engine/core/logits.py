@@ -8,6 +8,7 @@ so does a stream continued elsewhere after a migration (its resumed tokens are o
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,6 +85,8 @@ def _flat_ids(rows: Sequence[int], lists: Sequence[Sequence[int] | torch.Tensor]
     """Each row's tokens as indices into the flattened ``[rows, vocab]`` logits, in no
     particular order (the callers count and deduplicate them). A handful of tensor ops
     whatever the number of rows: the lists are joined in Python, the tensors concatenated."""
+    lists = [torch.frombuffer(t, dtype=torch.int32) if isinstance(t, array) and t.typecode == "i"
+             and len(t) else t for t in lists]  # the engine's histories: read where they lie
     tensors = [(r, t.to("cpu", torch.long)) for r, t in zip(rows, lists, strict=True)
                if isinstance(t, torch.Tensor)]
     plain = [(r, t) for r, t in zip(rows, lists, strict=True) if not isinstance(t, torch.Tensor)]

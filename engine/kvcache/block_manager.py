@@ -238,12 +238,12 @@ class BlockManager:
                 f"{owner_id!r} holds a block twice: {block_ids}",
             )
         refs, pins = [0] * self.num_blocks, [0] * self.num_blocks
-        for table in self._tables.values():
-            for b in table:
-                refs[b] += 1
-        for block_ids in self._pins.values():
-            for b in block_ids:
-                pins[b] += 1
+        for counts, holders in ((refs, self._tables), (pins, self._pins)):
+            for owner_id, block_ids in holders.items():
+                for b in block_ids:
+                    _require(0 <= b < self.num_blocks, f"{owner_id!r} holds block {b}, "
+                             f"outside the pool of {self.num_blocks}")
+                    counts[b] += 1
         ref_counts, pin_counts = self._pool.counts_by_block()
         if refs == ref_counts and pins == pin_counts:
             return

@@ -84,6 +84,14 @@ def test_record_round_trips_through_versioned_json() -> None:
     assert older.layout.protocol_version == 0
     diff = record.layout.diff(older.layout)
     assert diff is not None and diff.startswith(f"protocol_version: {PROTOCOL_VERSION} != 0"), diff
+    # a layout a protocol-6 process wrote (no kv_cache_dtype) reads as "auto": the protocol
+    # version is what differs, and is named
+    old = json.loads(text)
+    del old["layout"]["kv_cache_dtype"]
+    old["layout"]["protocol_version"] = 6
+    six = WorkerRecord.from_json(json.dumps(old)).layout
+    assert six.kv_cache_dtype == "auto"
+    assert record.layout.diff(six) == f"protocol_version: {PROTOCOL_VERSION} != 6"
     assert record.with_load(WorkerLoad(1, 12, 5, 6)).load == WorkerLoad(1, 12, 5, 6)
 
 

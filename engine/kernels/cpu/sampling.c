@@ -143,7 +143,7 @@ int pd_token_logprobs_f32(const float *x, int64_t rows, int64_t cols, int64_t ro
  * where not; then each distinct output token less frequency[i] * its count + presence[i].
  * Ids outside [0, cols) are skipped. The per-token work is a count in a scratch array of
  * cols entries per thread (cleared again token by token), so a row costs its history's
- * length, not the vocabulary. -3 when the scratch cannot be had. */
+ * length, not the vocabulary. -3 (nothing changed) when the scratch cannot be had. */
 int pd_penalties_f32(float *logits, int64_t rows, int64_t cols, int64_t row_stride,
                      const int64_t *row_index, int64_t num_rows, const int64_t *prompts,
                      const int64_t *prompt_lens, const int64_t *outputs,
@@ -157,14 +157,14 @@ int pd_penalties_f32(float *logits, int64_t rows, int64_t cols, int64_t row_stri
         work += prompt_lens[i] + output_lens[i];
     }
     const int threads = work >= 65536 && num_rows > 1 ? num_threads : 1;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+    /* every thread's scratch, had before anything is changed (0 between rows) */
+    int32_t *scratch = num_rows ? calloc((size_t)threads * (size_t)cols, sizeof *scratch) : NULL;
+    if (num_rows && !scratch) return -3;
+#pragma omp parallel num_threads(threads)
     {
-        int32_t *counts = calloc((size_t)cols, sizeof *counts); /* 0 between rows */
-        if (!counts) failed = 1;
+        int32_t *counts = scratch + (size_t)omp_get_thread_num() * (size_t)cols;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_rows; i++) {
-            if (!counts) continue;
             float *row = logits + row_index[i] * row_stride;
             const int32_t *prompt = (const int32_t *)(intptr_t)prompts[i];
             const int32_t *output = (const int32_t *)(intptr_t)outputs[i];
@@ -198,7 +198,7 @@ int pd_penalties_f32(float *logits, int64_t rows, int64_t cols, int64_t row_stri
                 }
             }
         }
-        free(counts);
     }
-    return failed ? -3 : 0;
+    free(scratch);
+    return 0;
 }

@@ -220,6 +220,17 @@ def test_check_integrity_catches_a_lost_reference() -> None:
         manager.check_integrity()
 
 
+@pytest.mark.parametrize("past_the_end", [False, True])
+def test_check_integrity_catches_a_table_holding_a_block_outside_the_pool(
+        past_the_end: bool) -> None:
+    manager = make_block_manager()
+    manager.allocate("a", 8)
+    block_id = manager.num_blocks if past_the_end else -1
+    manager._tables["a"].append(block_id)
+    with pytest.raises(KVCacheIntegrityError, match=f"holds block {block_id}, outside"):
+        manager.check_integrity()
+
+
 def test_cached_prefix_stops_at_first_miss_even_if_later_keys_are_cached() -> None:
     manager = make_block_manager(num_blocks=5, block_size=4)
     prompt = make_prompt(12)
