@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-SCALE_BYTES = 4  # one fp32 scale after each slot's int8 values
+from engine.kvcache.layout import KV_SCALE_BYTES
+
+SCALE_BYTES = KV_SCALE_BYTES  # one fp32 scale after each slot's int8 values
 _LEVELS = 127.0
 
 

@@ -20,6 +20,7 @@ from engine.config import CacheConfig, ConfigError, EngineConfig, load_model_con
 from engine.core.runner import ModelRunner, kv_bytes_per_block
 from engine.kernels.cpu import NativeKernels
 from engine.tp.distributed import Group
+from tests.engine.kernels.test_int8 import ARCHS
 from tests.engine.models.test_decoder_stack import _plan, _run, _steps
 
 pytestmark = pytest.mark.timeout(120)
@@ -71,7 +72,6 @@ def test_the_compiled_int8_decode_attention_is_the_fp32_one_over_the_dequantised
     torch.testing.assert_close(torched, fp32, rtol=1e-5, atol=1e-5)
 
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 MAX_RELATIVE_ERROR = 0.10
 MEAN_RELATIVE_ERROR = 0.01
 
