@@ -36,7 +36,8 @@ LONG_PREFIX = " ".join(PROMPTS[3:5] + PROMPTS[3:4])  # > 4 blocks of 16 tokens
 NO_EOS = {"ignore_eos": True}
 
 
-CLUSTER = {"num_prefill": 1, "num_decode": 1, "decode_tp": 1}
+# room on the decode worker for the 2,000 tokens a request given up on asks for
+CLUSTER = {"num_prefill": 1, "num_decode": 1, "decode_tp": 1, "decode_kv_blocks": 160}
 
 
 def http_url(router: Proc, scheme: str = "http") -> str:
@@ -193,9 +194,10 @@ def test_a_client_that_disconnects_frees_every_worker(oai: openai.OpenAI,
     cluster.assert_no_leaks()  # every worker idle
     wait_until(lambda: requests_by_status(cluster.router).get("CANCELLED", 0) == before + 1,
                15.0, "the router to count the request cancelled")
-    with pytest.raises(openai.APITimeoutError):  # a non-streamed request given up on
-        oai.with_options(timeout=1.0).completions.create(
-            model="", prompt="give up " * 4, max_tokens=900, extra_body=NO_EOS)
+    with pytest.raises(openai.APITimeoutError):  # a non-streamed request given up on (900
+        # tokens took under the 1 s given once: 2,000 take twice 0.5 s on a fast machine)
+        oai.with_options(timeout=0.5).completions.create(
+            model="", prompt="give up " * 4, max_tokens=2000, extra_body=NO_EOS)
     cluster.assert_no_leaks()
     wait_until(lambda: requests_by_status(cluster.router).get("CANCELLED", 0) == before + 2,
                15.0, "the router to count the second request cancelled")
