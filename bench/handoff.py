@@ -103,6 +103,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
                    help="the breakdown's workers' KV cache (int8: its blocks travel as int8 "
                         "values and scales)")
+    p.add_argument("--kv-transfer-dtype", choices=("auto", "int8"), default="auto",
+                   help="the breakdown's workers' KV transfer (int8: fp32 KV quantised for "
+                        "the wire only, dequantised on arrival)")
     p.add_argument("--breakdown-only", action="store_true",
                    help="the TTFT breakdown alone (no router-overhead or affinity run)")
     if "--quick" in (sys.argv[1:] if argv is None else argv):
@@ -191,7 +194,10 @@ def measure_breakdowns(args: argparse.Namespace, model_dir: Path, vocab: int
     first, last = two_cpus()
     pins = {"prefill-0": (first,), "decode-0": (last,)}
     found = {}
-    kv = () if args.kv_cache_dtype == "auto" else ("--kv-cache-dtype", args.kv_cache_dtype)
+    kv: tuple[str, ...] = () if args.kv_cache_dtype == "auto" else (
+        "--kv-cache-dtype", args.kv_cache_dtype)
+    if args.kv_transfer_dtype != "auto":
+        kv += ("--kv-transfer-dtype", args.kv_transfer_dtype)
     with cluster(model_dir, num_prefill=1, num_decode=1, cpu_affinity=pins,
                  worker_args=kv) as running:
         for length in args.lengths:
@@ -222,9 +228,11 @@ def measure_breakdowns(args: argparse.Namespace, model_dir: Path, vocab: int
 
 
 def one_layer_transfer_ms(model: dict[str, Any], lengths: Sequence[int], repeats: int = 5,
-                          kv_cache_dtype: str = "auto") -> dict[int, float]:
+                          kv_cache_dtype: str = "auto", kv_transfer_dtype: str = "auto"
+                          ) -> dict[int, float]:
     """Median time of one pdserve KV transfer of one layer's bytes, per prompt length (an
-    int8 cache's: ``head_dim + 4`` bytes per token, head and K/V)."""
+    int8 cache's: ``head_dim + 4`` bytes per token, head and K/V; with ``kv_transfer_dtype``
+    int8, fp32 bytes quantised for the wire, the quantising and dequantising included)."""
     from bench import kvtransfer as kv
 
     head_dim = model["hidden_size"] // model["num_attention_heads"]
@@ -233,7 +241,7 @@ def one_layer_transfer_ms(model: dict[str, Any], lengths: Sequence[int], repeats
     tokens = {n: -(-b // kv.TOKEN_BYTES) for n, b in layer_bytes.items()}
     num_blocks = 2 * max(tokens.values()) // kv.LAYOUT.block_size + 16
     shared = {"pin": True, "timeout_s": 60.0, "part_mib": 4.0, "num_blocks": num_blocks,
-              "sizes_mib": [1], "auth": False}
+              "sizes_mib": [1], "auth": False, "kv_transfer_dtype": kv_transfer_dtype}
     rx, tx = kv.Remote("receiver", shared), kv.Remote("sender", shared)
     times: dict[int, list[float]] = {n: [] for n in lengths}
     try:
@@ -369,7 +377,8 @@ def render(report: dict[str, Any]) -> str:
                                               for n in lengths)])
     lines = [
         "TTFT breakdown (p50 of each part, ms; parts of one request add up to its TTFT, "
-        f"the p50s need not) and router overhead; KV cache {report['kv_cache_dtype']}",
+        f"the p50s need not) and router overhead; KV cache {report['kv_cache_dtype']}, "
+        f"transfer {report.get('kv_transfer_dtype', 'auto')}",
         format_table(rows, ["", *(f"{n} tokens" for n in lengths)]),
         f"goals: orchestration <= 5 ms at p50; exposed transfer <= one layer's transfer; "
         f"router overhead <= 1 ms (p50) / 5 ms (p99) at {report['overhead_rate']:g} req/s"]
@@ -392,8 +401,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     probe.release()
     print(f"TTFT breakdown on {model_dir.name} ...", flush=True)
     by_len = measure_breakdowns(args, model_dir, facts["vocab_size"])
-    for length, layer_ms in one_layer_transfer_ms(facts, args.lengths,
-                                                  kv_cache_dtype=args.kv_cache_dtype).items():
+    for length, layer_ms in one_layer_transfer_ms(
+            facts, args.lengths, kv_cache_dtype=args.kv_cache_dtype,
+            kv_transfer_dtype=args.kv_transfer_dtype).items():
         by_len[length]["one_layer_transfer_ms"] = layer_ms
     affinity: dict[str, Any] = {}
     if not args.breakdown_only:
@@ -407,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "prompt_len": max(args.lengths), **top,
         "by_prompt_len": {str(n): v for n, v in by_len.items()},
         "prefix_affinity": affinity, "overhead_rate": args.overhead_rate,
-        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtype": args.kv_cache_dtype, "kv_transfer_dtype": args.kv_transfer_dtype,
         "machine": {**machine_info(), "bandwidth_gbps_1_thread": bandwidth},
         "model": {**facts, "dtype": "float32", "torch_threads_per_worker": 1},
         "settings": {k: v for k, v in vars(args).items() if k != "json"}}

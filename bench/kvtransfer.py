@@ -27,6 +27,7 @@ Target: ratio >= 0.8 at 16 MiB and above.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import multiprocessing as mp
 import os
@@ -99,11 +100,14 @@ class Side:
         self.part_bytes = config.part_bytes
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
+        # "int8": fp32 caches, the KV quantised for the wire (bench.handoff's one layer)
+        layout = dataclasses.replace(LAYOUT, kv_transfer_dtype=args.get("kv_transfer_dtype",
+                                                                        "auto"))
         if role == "receiver":
-            self.receiver = KVReceiver(LAYOUT, StoreAddress(LOOPBACK, 0), config=config)
+            self.receiver = KVReceiver(layout, StoreAddress(LOOPBACK, 0), config=config)
             self.address = self.receiver.address
         else:
-            self.sender = KVSender(LAYOUT, name="bench", config=config)
+            self.sender = KVSender(layout, name="bench", config=config)
         self._tag = 0
 
     def join_raw(self, address: StoreAddress, timeout_s: float) -> None:

@@ -6,7 +6,9 @@ that any rounding flips, so they say nothing here).
 What is measured (defaults in brackets): [8] windows of [256] tokens of the held-out
 standard-library text (never trained on), each run as one prefill with every position's
 logits (with ``--kv-cache-dtype int8``: a token at a time, every earlier position read
-from the int8 cache); per position, whether the quantised engine's most likely next token is fp32's
+from the int8 cache; with ``--kv-transfer-dtype int8``: the window's first half prefilled in
+fp32, its KV quantised and dequantised as the wire does, the second half decoded a token at
+a time in fp32, against the same without the wire, on the second half only); per position, whether the quantised engine's most likely next token is fp32's
 (``top1_agreement``) and the KL divergence of its distribution from fp32's
 (``mean_kl``, nats; ``max_kl``). ``bench.engine --quantization int8`` reports the same
 beside its speed figures. Building the trained model takes a few minutes once (cached).
@@ -22,8 +24,10 @@ from typing import Any
 
 import torch
 
+from engine.attention.kv_quant import dequantize, quantize
 from engine.config import (
     KV_CACHE_DTYPES,
+    KV_TRANSFER_DTYPES,
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
@@ -61,11 +65,15 @@ def held_out_windows(model_dir: Path, count: int, length: int) -> list[list[int]
 
 def teacher_forced_logits(model_dir: Path, windows: Sequence[Sequence[int]],
                           quantization: str | None = None, kv_cache_dtype: str = "auto",
-                          step: int | None = None) -> torch.Tensor:
+                          step: int | None = None, wire: tuple[int, bool] | None = None
+                          ) -> torch.Tensor:
     """``[windows, length, vocab]``: the engine's logits at every position of each
     window (the measured kernel plan of this configuration): one prefill per window, or
     (``step``) chunks of ``step`` tokens, each attending to the earlier ones through the
-    KV cache — ``step`` 1 reads every earlier position from the cache, as decoding does."""
+    KV cache — ``step`` 1 reads every earlier position from the cache, as decoding does.
+    ``wire`` (prompt tokens, lossy): a handoff — the first ``prompt`` tokens prefilled at
+    once, their KV quantised and dequantised as ``kv_transfer_dtype="int8"`` moves it when
+    ``lossy``, the rest a token at a time."""
     length = max(len(w) for w in windows)
     config = EngineConfig(model=load_model_config(model_dir), quantization=quantization,
                           cache=CacheConfig(block_size=BLOCK, kv_cache_dtype=kv_cache_dtype),
@@ -75,12 +83,23 @@ def teacher_forced_logits(model_dir: Path, windows: Sequence[Sequence[int]],
                          choose_kernel_plan(config, torch.get_num_threads()))
     out = []
     step = step or length
+
+    def run(name: str, window: Sequence[int], start: int, end: int) -> torch.Tensor:
+        return runner.execute([ScheduledChunk(name, tuple(window[start:end]), start,
+                                              tuple(range(blocks)), True, all_logits=True)])
+
     with torch.inference_mode():
         for i, window in enumerate(windows):
-            out.append(torch.cat([
-                runner.execute([ScheduledChunk(f"w{i}", tuple(window[s:s + step]), s,
-                                               tuple(range(blocks)), True, all_logits=True)])
-                for s in range(0, len(window), step)]))
+            if wire is None:
+                out.append(torch.cat([run(f"w{i}", window, s, s + step)
+                                      for s in range(0, len(window), step)]))
+                continue
+            prompt, lossy = wire
+            parts = [run(f"w{i}", window, 0, prompt)]
+            if lossy:
+                runner.kv_cache.copy_(dequantize(quantize(runner.kv_cache)))
+            parts += [run(f"w{i}", window, s, s + 1) for s in range(prompt, len(window))]
+            out.append(torch.cat(parts))
     return torch.stack(out)
 
 
@@ -95,22 +114,33 @@ def compare(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
 
 
 def measure(quantization: str | None, windows: int = 8, length: int = 256,
-            model_dir: Path | None = None, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+            model_dir: Path | None = None, kv_cache_dtype: str = "auto",
+            kv_transfer_dtype: str = "auto") -> dict[str, Any]:
     """``compare`` of ``quantization`` (weights) and ``kv_cache_dtype`` against fp32 on
     ``model_dir`` (default: the trained preset), plus what was measured on. With an int8
     KV cache both sides run a token at a time (every earlier position read from the
-    cache, as decoding reads it); otherwise one prefill per window."""
+    cache, as decoding reads it); otherwise one prefill per window. With
+    ``kv_transfer_dtype`` int8 both sides hand off after the window's first half (see
+    ``teacher_forced_logits``), only the lossy one through the wire's quantiser, and the
+    second half's positions are compared."""
     model_dir = model_dir or trained_model()
     tokens = held_out_windows(model_dir, windows, length)
     step = 1 if kv_cache_dtype != "auto" else None
-    fp32 = teacher_forced_logits(model_dir, tokens, step=step)
-    quantised = teacher_forced_logits(model_dir, tokens, quantization, kv_cache_dtype, step)
+    prompt = length // 2 if kv_transfer_dtype != "auto" else None
+    fp32 = teacher_forced_logits(model_dir, tokens, step=step,
+                                 wire=None if prompt is None else (prompt, False))
+    quantised = teacher_forced_logits(model_dir, tokens, quantization, kv_cache_dtype, step,
+                                      wire=None if prompt is None else (prompt, True))
+    if prompt is not None:  # the prompt's own logits come from the prefill: unchanged
+        fp32, quantised = fp32[:, prompt:], quantised[:, prompt:]
     what = " + ".join([*([f"{quantization} weights"] if quantization else []),
-                       *([f"{kv_cache_dtype} KV cache"] if kv_cache_dtype != "auto" else [])])
+                       *([f"{kv_cache_dtype} KV cache"] if kv_cache_dtype != "auto" else []),
+                       *([f"{kv_transfer_dtype} KV transfer"]
+                         if kv_transfer_dtype != "auto" else [])])
     return {**compare(fp32, quantised), "quantization": quantization,
-            "kv_cache_dtype": kv_cache_dtype, "what": what,
-            "model_dir": str(model_dir), "windows": windows, "window_tokens": length,
-            "target_top1_agreement": TARGET_TOP1_AGREEMENT}
+            "kv_cache_dtype": kv_cache_dtype, "kv_transfer_dtype": kv_transfer_dtype,
+            "what": what, "model_dir": str(model_dir), "windows": windows,
+            "window_tokens": length, "target_top1_agreement": TARGET_TOP1_AGREEMENT}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -118,16 +148,19 @@ def render(result: dict[str, Any]) -> str:
     what = result.get("what") or result["quantization"]
     return (f"{what} vs fp32, teacher-forced on {result['positions']} held-out "
             f"tokens of the trained model: top-1 agreement {result['top1_agreement']:.4f} "
-            f"(target >= {TARGET_TOP1_AGREEMENT}: {met}), mean KL {result['mean_kl']:.5f} "
-            f"nats, max {result['max_kl']:.4f}")
+            f"(target >= {TARGET_TOP1_AGREEMENT}: {met}), mean KL {result['mean_kl']:.2g} "
+            f"nats, max {result['max_kl']:.2g}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quantization", choices=QUANTIZATIONS,
-                   help="the weights (default: int8 unless --kv-cache-dtype int8 is given)")
+                   help="the weights (default: int8 unless a KV dtype is given)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    p.add_argument("--kv-transfer-dtype", choices=KV_TRANSFER_DTYPES, default="auto",
+                   help="int8: the KV of each window's first half through the wire's "
+                        "quantiser, the second half decoded from it")
     p.add_argument("--model", type=Path, help="checkpoint dir (default: the trained preset)")
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--window-tokens", type=int, default=256)
@@ -135,9 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.windows < 1 or args.window_tokens < 2:
         p.error("--windows must be >= 1 and --window-tokens >= 2")
-    quantization = args.quantization or (None if args.kv_cache_dtype != "auto" else "int8")
+    kv_dtypes = (args.kv_cache_dtype, args.kv_transfer_dtype)
+    quantization = args.quantization or (None if kv_dtypes != ("auto", "auto") else "int8")
     result = measure(quantization, args.windows, args.window_tokens, args.model,
-                     args.kv_cache_dtype)
+                     args.kv_cache_dtype, args.kv_transfer_dtype)
     print(render(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -124,14 +124,15 @@ def layout_from_json(text: str | bytes) -> KVLayout:
 
 def layout_from_dict(data: object, version: int = RECORD_VERSION) -> KVLayout:
     """A layout as a record of ``version`` holds it (before 3: no protocol version; one
-    written before protocol 7 has no ``kv_cache_dtype``: "auto", so the protocol version
-    is what differs, and is named)."""
+    written before protocol 7 has no ``kv_cache_dtype``, before 8 no ``kv_transfer_dtype``:
+    "auto", so the protocol version is what differs, and is named)."""
     if not isinstance(data, dict):
         raise RecordFormatError(f"layout must be a JSON object, got {type(data).__name__}")
     if version < 3 and "protocol_version" not in data:
         data = {**data, "protocol_version": 0}
-    if "kv_cache_dtype" not in data:
-        data = {**data, "kv_cache_dtype": "auto"}
+    for name in ("kv_cache_dtype", "kv_transfer_dtype"):
+        if name not in data:
+            data = {**data, name: "auto"}
     try:
         return KVLayout(**_typed_fields(KVLayout, data, "layout"))
     except ValueError as exc:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.kvcache.block_hash import LOSSY_WIRE_SALT
+
 # Hugging Face architectures this engine implements, and the family each belongs to.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -30,6 +32,8 @@ LINEAR_KERNELS = ("auto", "onednn", "torch", "mm_t", "onednn_gemv", "packed", "i
 QUANTIZATIONS = ("int8",)
 # CacheConfig.kv_cache_dtype: "auto" (the model's dtype) or int8 (engine.attention.kv_quant)
 KV_CACHE_DTYPES = ("auto", "int8")
+# CacheConfig.kv_transfer_dtype: "auto" (as the cache holds it) or int8 for the wire only
+KV_TRANSFER_DTYPES = ("auto", "int8")
 
 
 class ConfigError(ValueError):
@@ -95,15 +99,29 @@ class CacheConfig:
     max_kv_bytes: int = 512 << 20  # CPU only: cap of the KV pool when num_kv_blocks is None
     # "auto": the model's dtype; "int8": int8 values and an fp32 scale per token and head
     kv_cache_dtype: str = "auto"
+    # "auto": blocks travel as the cache holds them; "int8": quantised for the wire only, and
+    # the blocks a request received so are keyed apart in the prefix cache (lossy)
+    kv_transfer_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                               f"got {self.kv_cache_dtype!r}")
+        if self.kv_transfer_dtype not in KV_TRANSFER_DTYPES:
+            raise ConfigError(f"kv_transfer_dtype must be one of {KV_TRANSFER_DTYPES}, "
+                              f"got {self.kv_transfer_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ConfigError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+
+    @property
+    def received_kv_salt(self) -> str:
+        """The prefix-cache salt of a request whose KV another worker sends
+        (``EngineCore.reserve_for_kv``): ``LOSSY_WIRE_SALT`` when it arrives quantised
+        for the wire only, else none (it is exactly what this engine would compute)."""
+        lossy = self.kv_transfer_dtype == "int8" and self.kv_cache_dtype != "int8"
+        return LOSSY_WIRE_SALT if lossy else ""
 
 
 @dataclass(frozen=True)

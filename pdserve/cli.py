@@ -140,7 +140,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--log-dir", help="children's logs (default: a fresh temp dir)")
     up.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (default: fit)")
     up.add_argument("--max-inflight", type=int, help="the router's in-flight request limit")
-    add_engine_choice_args(up)  # --quantization, --kv-cache-dtype
+    add_engine_choice_args(up)  # --quantization, --kv-cache-dtype, --kv-transfer-dtype
     up.add_argument("--routers", type=int, default=1,
                     help="router replicas: router i listens on --port + i and --http-port + i; "
                          "clients given them all fail over and resume streams between them, "

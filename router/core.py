@@ -35,6 +35,7 @@ import tokenizers
 
 from cluster.leases import LeaseKeeper, new_router_id
 from engine.grammar import Grammars
+from engine.kvcache.block_hash import LOSSY_WIRE_SALT
 from engine.tp.sharding import num_blocks_for
 from router.admission import Admission, Ticket
 from router.config import AdmissionConfig, HandoffConfig
@@ -243,7 +244,8 @@ class RouterCore:
                              self.leases, WorkerCalls(self.pool, request, self.leases.ttl_ms),
                              self._keep, trace or Trace(time.monotonic()), layout.block_size,
                              layout.hash_seed, shared_decode=shared, choice=choice,
-                             kv_index=self.kv_index)
+                             kv_index=self.kv_index,
+                             received_kv_salt=LOSSY_WIRE_SALT if layout.wire_quantized else "")
         placement = Placement(ctx, self.attempt_ids, self._transfer_ids, self._prefill_turns)
         return Handoff(ctx, placement, resumed=request.resumed)
 

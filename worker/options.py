@@ -11,12 +11,11 @@ import os
 
 from cluster.internal_tls import add_internal_tls_args  # standard library only too
 from cluster.token import CLUSTER_TOKEN_ENV, add_token_arg
-from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, RANK_GPUS_ENV
+from engine.config import KV_CACHE_DTYPES, KV_TRANSFER_DTYPES, QUANTIZATIONS, RANK_GPUS_ENV
 
-__all__ = ["CLUSTER_TOKEN_ENV", "KV_CACHE_DTYPES", "QUANTIZATIONS", "RANK_GPUS_ENV",
-           "REDIS_URL_ENV", "WILDCARDS", "add_engine_choice_args", "engine_choice_args",
-           "add_decode_args",
-           "add_worker_args", "advertise_host", "dtype"]
+__all__ = ["CLUSTER_TOKEN_ENV", "KV_CACHE_DTYPES", "KV_TRANSFER_DTYPES", "QUANTIZATIONS",
+           "RANK_GPUS_ENV", "REDIS_URL_ENV", "WILDCARDS", "add_engine_choice_args",
+           "engine_choice_args", "add_decode_args", "add_worker_args", "advertise_host", "dtype"]
 
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
 """Where ``--redis-url`` defaults from (so a password never has to be on a command line)."""
@@ -48,6 +47,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                              "fp32 scale (about a quarter of fp32's bytes; blocks travel so "
                              "between workers); auto: --dtype. Part of the cluster's KV "
                              "layout: every worker of a cluster must use the same")
+    parser.add_argument("--kv-transfer-dtype", choices=KV_TRANSFER_DTYPES, default="auto",
+                        help="int8: blocks cross the wire as int8 values and a scale per "
+                             "token and head (about a quarter of fp32's bytes), dequantised "
+                             "into the receiver's cache; lossy, so the prefix cache keys such "
+                             "blocks apart. auto: as the cache holds them. Part of the "
+                             "cluster's KV layout: every worker of a cluster must use the same")
     parser.add_argument("--ready-file", help="write the addresses here as JSON once ready")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on this port's /metrics (0: any free "
@@ -113,6 +118,9 @@ def add_engine_choice_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="every worker's --kv-cache-dtype (int8: values and a scale per "
                              "token and head)")
+    parser.add_argument("--kv-transfer-dtype", choices=KV_TRANSFER_DTYPES, default="auto",
+                        help="every worker's --kv-transfer-dtype (int8: KV quantised for the "
+                             "wire only)")
 
 
 def engine_choice_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -122,4 +130,6 @@ def engine_choice_args(args: argparse.Namespace) -> tuple[str, ...]:
         out += ("--quantization", args.quantization)
     if args.kv_cache_dtype != "auto":
         out += ("--kv-cache-dtype", args.kv_cache_dtype)
+    if args.kv_transfer_dtype != "auto":
+        out += ("--kv-transfer-dtype", args.kv_transfer_dtype)
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.cpu import native
 from engine.kvcache.layout import KV_SCALE_BYTES
 
 SCALE_BYTES = KV_SCALE_BYTES  # one fp32 scale after each slot's int8 values
@@ -35,7 +36,28 @@ def is_quantized(kv_cache: torch.Tensor) -> bool:
 
 def quantize(x: torch.Tensor) -> torch.Tensor:
     """``x [..., head_dim]`` (any float dtype) as int8 slots ``[..., head_dim + 4]`` (uint8):
-    round-to-nearest of ``x / scale``, ``scale = max |x| / 127`` over the last dim."""
+    round-to-nearest of ``x / scale``, ``scale = max |x| / 127`` over the last dim. The
+    compiled kernel where it takes ``x`` (fp32, contiguous, CPU), else ``quantize_torch``:
+    the same bytes either way."""
+    kernels = native()
+    if kernels is not None and (out := kernels.quantize_kv(x)) is not None:
+        return out
+    return quantize_torch(x)
+
+
+def dequantize(slots: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Int8 slots ``[..., head_dim + 4]`` back to ``[..., head_dim]`` values of ``dtype``:
+    the compiled kernel where it takes them (fp32 out, contiguous CPU slots), else
+    ``dequantize_torch``: the same values either way."""
+    kernels = native()
+    if dtype == torch.float32 and kernels is not None and (
+            out := kernels.dequantize_kv(slots)) is not None:
+        return out
+    return dequantize_torch(slots, dtype)
+
+
+def quantize_torch(x: torch.Tensor) -> torch.Tensor:
+    """``quantize`` in torch ops (any device; the reference the compiled kernels match)."""
     x = x.float()
     scale = x.abs().amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
     scale = scale / _LEVELS
@@ -47,8 +69,8 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def dequantize(slots: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Int8 slots ``[..., head_dim + 4]`` back to ``[..., head_dim]`` values of ``dtype``."""
+def dequantize_torch(slots: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``dequantize`` in torch ops (any device)."""
     head_dim = slots.shape[-1] - SCALE_BYTES
     values = slots[..., :head_dim].view(torch.int8).to(torch.float32)
     scale = slots[..., head_dim:].contiguous().view(torch.float32)

@@ -156,13 +156,14 @@ class EngineCore:
     def reserve_for_kv(self, request_id: str, prompt_token_ids: Sequence[int],
                        params: SamplingParams, *, num_resumed_tokens: int = 0,
                        reuse_prefix: bool = False) -> KVReservation | None:
-        """Reserve blocks for a prompt whose KV will be written from outside, or None when
-        they do not fit now — then nothing is held. With ``reuse_prefix`` the leading
-        blocks the prefix cache holds for the prompt (never its last token's) are taken
-        as they are, and the caller writes only the blocks after them.
-        ``num_resumed_tokens``: as for ``add_request``."""
+        """Reserve blocks for a prompt whose KV will be written from outside (lossy KV
+        keyed apart: ``CacheConfig.received_kv_salt``), or None when they do not fit now —
+        then nothing is held. With ``reuse_prefix`` the leading blocks the prefix cache
+        holds for the prompt (never its last token's) are taken as they are, and the caller
+        writes only the blocks after them. ``num_resumed_tokens``: as for ``add_request``."""
         request = self._make_request(request_id, prompt_token_ids, params, False,
                                      num_resumed_tokens)
+        request.cache_salt = self.config.cache.received_kv_salt
         self.constraints.open(request)  # before anything is held: it may refuse
         cached = self.scheduler.cached_prefix(request) if reuse_prefix else []
         block_ids = self.scheduler.reserve(request, request.num_prompt_tokens, cached)
@@ -318,8 +319,7 @@ class EngineCore:
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                          prefill_only: bool, num_resumed_tokens: int = 0) -> None:
-        m = self.config.model
-        n = len(prompt_token_ids)
+        m, n = self.config.model, len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty")
         bad = [t for t in prompt_token_ids if not 0 <= t < m.vocab_size]

@@ -44,6 +44,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     prefill_only: bool = False
     num_resumed_tokens: int = 0  # output streamed before, at the end of prompt_token_ids
+    # keys its blocks apart in the prefix cache (``engine.kvcache.block_hash.root_hash``)
+    cache_salt: str = ""
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -97,7 +99,7 @@ class Request:
         the request's own list when it is exactly that long: read it, do not keep it)."""
         while len(self.block_hashes) < num_blocks:
             i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if i else root_hash(seed)
+            parent = self.block_hashes[-1] if i else root_hash(seed, self.cache_salt)
             tokens = self.all_token_ids[i * block_size : (i + 1) * block_size]
             self.block_hashes.append(hash_block_tokens(parent, tokens))
         if len(self.block_hashes) == num_blocks:

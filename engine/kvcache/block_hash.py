@@ -37,13 +37,24 @@ _INT_TAG = b"i"
 _STR_TAG = b"s"
 
 
-def root_hash(seed: int = 0) -> BlockHash:
+LOSSY_WIRE_SALT = "kv-wire:int8"
+"""The salt of a sequence whose KV crossed the wire quantised
+(``CacheConfig.kv_transfer_dtype="int8"``): its blocks are not the ones computed here in
+full precision, so they never share a key with them."""
+
+
+def root_hash(seed: int = 0, salt: str = "") -> BlockHash:
     """The parent hash of a sequence's first block.
 
     Different seeds give disjoint key spaces (a cluster can isolate itself by seed).
-    ``seed`` may be any Python int, negative or wider than 64 bits.
+    ``seed`` may be any Python int, negative or wider than 64 bits. A non-empty ``salt``
+    gives a key space of its own within the seed's: blocks whose KV was made otherwise
+    (``LOSSY_WIRE_SALT``) are kept apart from the plain ones, and from their descendants.
     """
-    return xxhash.xxh3_128_digest(_ROOT_DOMAIN + _encode_int(seed))
+    data = _ROOT_DOMAIN + _encode_int(seed)
+    if salt:
+        data += _encode_extra_keys((salt,))
+    return xxhash.xxh3_128_digest(data)
 
 
 def hash_block_tokens(
@@ -72,13 +83,16 @@ def compute_block_hashes(
     *,
     seed: int = 0,
     extra_keys: ExtraKeys = (),
+    salt: str = "",
 ) -> list[BlockHash]:
     """Keys of the full blocks of ``token_ids`` (``len(token_ids) // block_size`` of them).
 
-    The trailing partial block, if any, has no key. ``extra_keys`` applies to every block.
+    The trailing partial block, if any, has no key. ``extra_keys`` applies to every block;
+    ``salt`` is the root's (``root_hash``).
     """
     block_hashes: list[BlockHash] = []
-    extend_block_hashes(block_hashes, token_ids, block_size, seed=seed, extra_keys=extra_keys)
+    extend_block_hashes(block_hashes, token_ids, block_size, seed=seed, extra_keys=extra_keys,
+                        salt=salt)
     return block_hashes
 
 
@@ -89,11 +103,12 @@ def extend_block_hashes(
     *,
     seed: int = 0,
     extra_keys: ExtraKeys = (),
+    salt: str = "",
 ) -> list[BlockHash]:
     """Append to ``block_hashes`` the keys of blocks of ``token_ids`` completed since.
 
     ``block_hashes`` must hold the keys of the first ``len(block_hashes)`` blocks of this
-    same sequence (with the same ``seed`` and ``extra_keys``); ``token_ids`` is the whole
+    same sequence (with the same ``seed``, ``extra_keys`` and ``salt``); ``token_ids`` is the whole
     sequence so far, e.g. prompt + generated tokens during decode. Mutates
     ``block_hashes`` in place and returns only the newly appended keys.
     """
@@ -106,7 +121,7 @@ def extend_block_hashes(
             f"{num_known} block hashes given but {len(token_ids)} tokens make only "
             f"{num_full_blocks} full blocks of {block_size}"
         )
-    parent = block_hashes[-1] if block_hashes else root_hash(seed)
+    parent = block_hashes[-1] if block_hashes else root_hash(seed, salt)
     new_hashes: list[BlockHash] = []
     # token range of block i: [i * block_size, (i + 1) * block_size)
     for block_index in range(num_known, num_full_blocks):

@@ -27,7 +27,7 @@ KV_SCALE_BYTES = 4
 """An int8 cache's slot: ``head_dim`` int8 values, then their fp32 scale
 (``engine.attention.kv_quant``)."""
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Version of what workers and the router exchange: the internal gRPC API
 (``proto/cluster/internal/v1``), the KV wire protocol (``kvtransfer.wire.protocol``) and the
 cluster records. Bump it with any change an older process would misread: it is part of
@@ -40,7 +40,8 @@ older worker would take for prompt), and ``SamplingParams`` the penalties, ``min
 ``min_tokens`` and ``logit_bias`` (which an older worker would ignore). 6: ``KVTarget``
 carries ``num_cached_blocks`` (blocks the decode worker holds; an older sender would send
 them anyway and fail the transfer), ``SamplingParams`` ``prompt_logprobs``. 7: the layout
-names the KV cache's dtype (``kv_cache_dtype``: an int8 cache's blocks carry their scales)."""
+names the KV cache's dtype (``kv_cache_dtype``: an int8 cache's blocks carry their scales).
+8: the layout names the transfer's dtype (``kv_transfer_dtype``: int8 parts on the wire)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,11 @@ class KVLayout:
     ``hash_algorithm`` and ``hash_seed`` are the prefix-cache block-hash settings;
     ``kv_cache_dtype`` is ``CacheConfig.kv_cache_dtype`` ("auto": KV in ``dtype``; "int8":
     each token's K/V per head as int8 values and their fp32 scale, so workers of one cluster
-    hold the same bytes and a block moves as it lies); ``protocol_version`` is
+    hold the same bytes and a block moves as it lies); ``kv_transfer_dtype`` is
+    ``CacheConfig.kv_transfer_dtype`` ("auto": blocks travel as the cache holds them;
+    "int8": as int8 slots whatever the cache holds, an fp32/bf16 cache's quantised by the
+    sender and dequantised into the receiver's cache, so lossy: such blocks are keyed apart,
+    ``engine.kvcache.block_hash.LOSSY_WIRE_SALT``); ``protocol_version`` is
     ``PROTOCOL_VERSION`` of the process that made it.
     """
 
@@ -64,6 +69,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     kv_cache_dtype: str = "auto"
+    kv_transfer_dtype: str = "auto"
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -71,6 +77,9 @@ class KVLayout:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
+        if self.kv_transfer_dtype not in ("auto", "int8"):
+            raise ValueError("kv_transfer_dtype must be 'auto' or 'int8', "
+                             f"got {self.kv_transfer_dtype!r}")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -93,10 +102,32 @@ class KVLayout:
         values' bytes and their scale's."""
         return self.head_dim + KV_SCALE_BYTES if self.kv_cache_dtype == "int8" else self.head_dim
 
+    @property
+    def wire_int8(self) -> bool:
+        """Whether blocks travel as int8 slots (an int8 cache's, or quantised for the wire)."""
+        return self.kv_cache_dtype == "int8" or self.kv_transfer_dtype == "int8"
+
+    @property
+    def wire_quantized(self) -> bool:
+        """Whether a transfer quantises (sender) and dequantises (receiver) the cache's
+        values: int8 on the wire over a cache that is not int8. Such blocks are lossy."""
+        return self.kv_transfer_dtype == "int8" and self.kv_cache_dtype != "int8"
+
+    @property
+    def wire_dtype(self) -> str:
+        """The dtype (torch's name) of a transfer's payload elements."""
+        return "uint8" if self.wire_int8 else self.dtype
+
+    @property
+    def wire_slot_width(self) -> int:
+        """Elements of one token's K (or V) of one head in a transfer's payload."""
+        return self.head_dim + KV_SCALE_BYTES if self.wire_int8 else self.head_dim
+
     def row_bytes(self, num_heads: int) -> int:
         """Bytes of one row of a transfer (``kvtransfer.wire.packing``): one block's
-        ``[block_size, num_heads, slot_width]`` slab of K or V of one layer."""
-        return self.block_size * num_heads * self.slot_width * self.element_size
+        ``[block_size, num_heads, wire_slot_width]`` slab of K or V of one layer."""
+        element = 1 if self.wire_int8 else DTYPE_SIZES[self.dtype]
+        return self.block_size * num_heads * self.wire_slot_width * element
 
     def diff(self, other: KVLayout) -> str | None:
         """``None`` when equal, else ``"field: mine != theirs"`` for the first differing
@@ -123,10 +154,12 @@ class KVLayout:
             block_size=config.cache.block_size, hash_algorithm=HASH_ALGORITHM,
             hash_seed=config.cache.hash_seed, num_layers=layers, num_kv_heads=kv_heads,
             head_dim=head_dim, kv_cache_dtype=config.cache.kv_cache_dtype,
+            kv_transfer_dtype=config.cache.kv_transfer_dtype,
         )
 
 
-_STR_FIELDS = frozenset({"model_fingerprint", "dtype", "hash_algorithm", "kv_cache_dtype"})
+_STR_FIELDS = frozenset({"model_fingerprint", "dtype", "hash_algorithm", "kv_cache_dtype",
+                         "kv_transfer_dtype"})
 
 
 def encode_layout(layout: KVLayout) -> bytes:

@@ -27,7 +27,7 @@ from kvtransfer.plan import local_heads
 from kvtransfer.states import TransferState
 from kvtransfer.stats import ReceiverStats
 from kvtransfer.wire.checksum import checksum
-from kvtransfer.wire.packing import rows_view, scatter, segments
+from kvtransfer.wire.packing import scatter_from_wire, segments
 from kvtransfer.wire.protocol import ChecksumAlgo, Flag, Kind, PartHeader, Status, Trailer
 
 
@@ -132,10 +132,8 @@ class Incoming:
             heads = local_heads(lay.num_kv_heads, shard.tp_rank, shard.tp_size,
                                 header.head_start, header.head_end)
             rows = (header.row_start, header.row_end)
-            src = rows_view(payload, self.kv_cache.dtype, rows[1] - rows[0], lay.block_size,
-                            header.head_end - header.head_start, lay.slot_width)
-            scatter(self.kv_cache, self.block_ids, heads, header.layer_start, self.num_blocks,
-                    rows, src)
+            scatter_from_wire(self.kv_cache, self.block_ids, heads, header.layer_start,
+                              self.num_blocks, rows, payload, lay)
             self.seen.add(key)
             self.channels.add(channel_id)
             completed = []

@@ -45,7 +45,7 @@ from kvtransfer.transport.buffers import BufferPool
 from kvtransfer.transport.channel import Channel, Pending, open_channel
 from kvtransfer.transport.pool import ChannelPool
 from kvtransfer.wire.checksum import algo_for, checksum
-from kvtransfer.wire.packing import gather, rows_view, split_rows
+from kvtransfer.wire.packing import gather_for_wire, split_rows
 from kvtransfer.wire.protocol import HEADER_BYTES, Ack, Flag, OpenRequest, PartHeader, Status
 
 log = logging.getLogger(__name__)
@@ -268,10 +268,8 @@ class SendLane:
         with record.lock:  # the blocks are read only while the transfer is live
             cancelled = record.error is not None
             if not cancelled:
-                out = rows_view(payload, record.kv_cache.dtype, rows[1] - rows[0],
-                                lay.block_size, route.num_heads, lay.slot_width)
-                gather(record.kv_cache, record.block_ids, heads, job.layer_start,
-                       record.num_blocks, rows, out)
+                gather_for_wire(record.kv_cache, record.block_ids, heads, job.layer_start,
+                                record.num_blocks, rows, payload, lay)
                 if payload.is_cuda:
                     torch.cuda.current_stream(payload.device).synchronize()
         header = PartHeader.data(

@@ -2,8 +2,8 @@
 
 A message carries, for layers ``[layer_start, layer_end)`` and a range of KV heads, the
 request's first ``num_blocks`` blocks. Its *rows* are ``(layer, K|V, block)`` triples,
-layer-major; one row is a block's ``[block_size, heads, slot_width]`` slab (``head_dim``
-values, or an int8 cache's values and scale: ``KVLayout.slot_width``)::
+layer-major; one row is a block's ``[block_size, heads, wire_slot_width]`` slab (``head_dim``
+values, or int8 values and their scale: ``KVLayout.wire_slot_width``)::
 
     row r -> plane = r // num_blocks   layer = layer_start + plane // 2   K|V = plane % 2
              block index = r % num_blocks   (block id = block_ids[block index])
@@ -13,6 +13,11 @@ contiguous segments, so the payload bytes are exactly
 ``kv_cache[layer, kv, block_ids[b], :, heads, :]`` for each row in order. Whole blocks
 travel: the slots of the last block past ``num_tokens`` carry whatever the sender had
 there (they are written on the receiver, which never reads them).
+
+With ``kv_transfer_dtype="int8"`` over a cache that is not int8 (``KVLayout.wire_quantized``)
+the sender quantises the rows it gathers into the int8 cache's slot format
+(``engine.attention.kv_quant``) and the receiver dequantises them into its own cache:
+``gather_for_wire`` / ``scatter_from_wire``; otherwise both copy the bytes as they lie.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.kv_quant import dequantize, quantize
+from engine.kvcache.layout import KVLayout
 from engine.tp.sharding import num_blocks_for
 
 
@@ -95,6 +102,39 @@ def _scatter_numpy(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: tuple
         n = seg.block_end - seg.block_start
         dst = cache[seg.layer, seg.kv, :, :, heads[0] : heads[1]]  # a view: writes land in cache
         dst[ids[seg.block_start : seg.block_end]] = rows_np[seg.offset : seg.offset + n]
+
+
+def wire_rows(payload: torch.Tensor, layout: KVLayout, num_rows: int, num_heads: int
+              ) -> torch.Tensor:
+    """``payload`` seen as ``num_rows`` rows of ``num_heads`` heads in the wire's format."""
+    return rows_view(payload, getattr(torch, layout.wire_dtype), num_rows, layout.block_size,
+                     num_heads, layout.wire_slot_width)
+
+
+def gather_for_wire(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: tuple[int, int],
+                    layer_start: int, num_blocks: int, rows: tuple[int, int],
+                    payload: torch.Tensor, layout: KVLayout) -> None:
+    """``gather`` into ``payload`` (uint8, exactly the rows' bytes) in the wire's format:
+    quantised when ``layout.wire_quantized``."""
+    out = wire_rows(payload, layout, rows[1] - rows[0], heads[1] - heads[0])
+    if not layout.wire_quantized:
+        gather(kv_cache, block_ids, heads, layer_start, num_blocks, rows, out)
+        return
+    values = torch.empty(*out.shape[:-1], layout.head_dim, dtype=kv_cache.dtype,
+                         device=kv_cache.device)
+    gather(kv_cache, block_ids, heads, layer_start, num_blocks, rows, values)
+    out.copy_(quantize(values))
+
+
+def scatter_from_wire(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: tuple[int, int],
+                      layer_start: int, num_blocks: int, rows: tuple[int, int],
+                      payload: torch.Tensor, layout: KVLayout) -> None:
+    """The inverse of ``gather_for_wire``: ``payload``'s rows into the paged blocks,
+    dequantised into the cache's dtype when ``layout.wire_quantized``."""
+    src = wire_rows(payload, layout, rows[1] - rows[0], heads[1] - heads[0])
+    if layout.wire_quantized:
+        src = dequantize(src, kv_cache.dtype)
+    scatter(kv_cache, block_ids, heads, layer_start, num_blocks, rows, src)
 
 
 def transfer_blocks(num_tokens: int, block_ids: list[int] | tuple[int, ...], block_size: int,

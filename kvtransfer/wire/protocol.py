@@ -189,7 +189,7 @@ class PartHeader:
     def check_layout(self, layout: KVLayout) -> str | None:
         """``None`` when this header matches ``layout``, else the first differing field."""
         expected = (layout.digest(), layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                    DTYPE_CODES[layout.cache_dtype], layout.block_size)
+                    DTYPE_CODES[layout.wire_dtype], layout.block_size)
         got = (self.layout_digest, self.num_layers, self.num_kv_heads, self.head_dim,
                self.dtype_code, self.block_size)
         names = ("fingerprint", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
@@ -203,7 +203,7 @@ def _layout_fields(layout: KVLayout) -> dict[str, int]:
     """The header fields that name the KV layout (checked by ``PartHeader.check_layout``)."""
     return dict(layout_digest=layout.digest(), num_layers=layout.num_layers,
                 num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                dtype_code=DTYPE_CODES[layout.cache_dtype], block_size=layout.block_size)
+                dtype_code=DTYPE_CODES[layout.wire_dtype], block_size=layout.block_size)
 
 
 assert len(fields(PartHeader)) + 1 == PartHeader.WORDS and 8 * PartHeader.WORDS <= HEADER_BYTES

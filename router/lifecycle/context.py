@@ -63,6 +63,8 @@ class RequestContext:
     shared_decode: SharedDecode | None = None
     choice: int = 0
     kv_index: KVIndex | None = None  # where the workers' KV is (kv-aware routing)
+    # the prefix-cache salt of KV a decode worker receives (lossy wire: keyed apart there)
+    received_kv_salt: str = ""
     log: logging.LoggerAdapter = field(init=False)
 
     def __post_init__(self) -> None:

@@ -50,14 +50,17 @@ class Placement:
         self._transfer_ids = transfer_ids
         self._turns = turns
         self._turn: int | None = None  # this request's round-robin turn, once drawn
-        self._hashes: list[bytes] | None = None  # the prompt's block hashes, on first use
+        self._hashes: dict[str, list[bytes]] = {}  # the prompt's block hashes by salt, once used
         self._prefill_cached: dict[str, int] = {}  # blocks each prefill worker holds
 
     # ----------------------------------------------------------------- decode
 
-    def decode_order(self) -> list[str]:
+    def decode_order(self, received: bool = True) -> list[str]:
+        """The decode workers to ask, best first; ``received``: the attempt's KV arrives
+        from a prefill worker (else it is computed there: a lossy wire's blocks, keyed
+        apart on the worker, are no use to it)."""
         ctx = self.ctx
-        order, cached = self._decode_ranking()
+        order, cached = self._decode_ranking(ctx.received_kv_salt if received else "")
         if not order:
             need = ctx.request.num_blocks(ctx.block_size)
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
@@ -72,12 +75,12 @@ class Placement:
         ctx.metrics.decisions.labels("decode", reason).inc()
         return order
 
-    def _decode_ranking(self) -> tuple[list[str], dict[str, int]]:
+    def _decode_ranking(self, salt: str = "") -> tuple[list[str], dict[str, int]]:
         """(``rank_decode``'s order of the decode workers that may take this attempt, the
-        leading prompt blocks each holds)."""
+        leading prompt blocks each holds under ``salt``'s keys)."""
         ctx = self.ctx
         records = [r for r in ctx.pool.routable("decode") if r.worker_id not in ctx.excluded]
-        cached = self._cached_blocks([r.worker_id for r in records])
+        cached = self._cached_blocks([r.worker_id for r in records], salt)
         candidates = [DecodeCandidate(r.worker_id, ctx.pool.cluster_inflight(r.worker_id),
                                       r.free_kv_blocks, r.total_kv_blocks,
                                       cached.get(r.worker_id, 0)) for r in records]
@@ -126,7 +129,7 @@ class Placement:
 
     def _local_attempt(self) -> Attempt:
         ctx = self.ctx
-        decode_id = self.decode_order()[0]
+        decode_id = self.decode_order(received=False)[0]
         ctx.metrics.routed.labels("decode", decode_id).inc()
         attempt = Attempt(ctx, self._ids.new(), decode_id, local=True)
         self._share(decode_id)
@@ -255,27 +258,28 @@ class Placement:
         return self.ctx.config.prefill_routing == "kv-aware" and index is not None \
             and index.trusted()
 
-    def _cached_blocks(self, worker_ids: list[str]) -> dict[str, int]:
-        """Leading prompt blocks each worker holds (kv-aware with a trusted index; else
-        none known)."""
+    def _cached_blocks(self, worker_ids: list[str], salt: str = "") -> dict[str, int]:
+        """Leading prompt blocks each worker holds, under ``salt``'s keys (kv-aware with a
+        trusted index; else none known)."""
         if not self._index_trusted():
             return {}
         assert self.ctx.kv_index is not None
-        return self.ctx.kv_index.match(self._block_hashes(), worker_ids)
+        return self.ctx.kv_index.match(self._block_hashes(salt), worker_ids)
 
-    def _block_hashes(self) -> list[bytes]:
-        if self._hashes is None:
+    def _block_hashes(self, salt: str = "") -> list[bytes]:
+        if salt not in self._hashes:
             ctx = self.ctx
-            self._hashes = compute_block_hashes(ctx.request.prompt_token_ids, ctx.block_size,
-                                                seed=ctx.hash_seed)
-        return self._hashes
+            self._hashes[salt] = compute_block_hashes(ctx.request.prompt_token_ids,
+                                                      ctx.block_size, seed=ctx.hash_seed,
+                                                      salt=salt)
+        return self._hashes[salt]
 
     def _affinity_key(self) -> bytes:
         """The prompt's prefill affinity key (hashing only the blocks it needs, unless
         they are all hashed already)."""
         ctx = self.ctx
         prompt = ctx.request.prompt_token_ids
-        hashes = self._hashes if self._hashes is not None else compute_block_hashes(
+        hashes = self._hashes[""] if "" in self._hashes else compute_block_hashes(
             prompt[:ctx.config.affinity_blocks * ctx.block_size], ctx.block_size,
             seed=ctx.hash_seed)
         return affinity_key(hashes, prompt, ctx.config.affinity_blocks)

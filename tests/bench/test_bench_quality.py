@@ -44,3 +44,16 @@ def test_an_int8_kv_cache_is_measured_a_token_at_a_time(llama_dir: Path, tmp_pat
     assert result["kv_cache_dtype"] == "int8" and result["quantization"] is None
     assert result["positions"] == 48 and result["what"] == "int8 KV cache"
     assert 0.5 < result["top1_agreement"] <= 1.0 and 0 < result["mean_kl"] <= result["max_kl"]
+
+
+def test_kv_quantised_for_the_wire_is_measured_on_what_is_decoded_after_it(
+        llama_dir: Path, tmp_path: Path) -> None:
+    """The second half of each window, decoded from the first half's KV as the wire's
+    quantiser leaves it, against the same handoff in fp32: lossy, so the KL is positive."""
+    out = tmp_path / "quality.json"
+    assert quality.main(["--model", str(llama_dir), "--kv-transfer-dtype", "int8", "--windows",
+                         "1", "--window-tokens", "48", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["kv_transfer_dtype"] == "int8" and result["quantization"] is None
+    assert result["positions"] == 24 and result["what"] == "int8 KV transfer"
+    assert 0.5 < result["top1_agreement"] <= 1.0 and 0 < result["mean_kl"] <= result["max_kl"]

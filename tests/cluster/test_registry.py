@@ -84,14 +84,17 @@ def test_record_round_trips_through_versioned_json() -> None:
     assert older.layout.protocol_version == 0
     diff = record.layout.diff(older.layout)
     assert diff is not None and diff.startswith(f"protocol_version: {PROTOCOL_VERSION} != 0"), diff
-    # a layout a protocol-6 process wrote (no kv_cache_dtype) reads as "auto": the protocol
-    # version is what differs, and is named
-    old = json.loads(text)
-    del old["layout"]["kv_cache_dtype"]
-    old["layout"]["protocol_version"] = 6
-    six = WorkerRecord.from_json(json.dumps(old)).layout
-    assert six.kv_cache_dtype == "auto"
-    assert record.layout.diff(six) == f"protocol_version: {PROTOCOL_VERSION} != 6"
+    # a layout a protocol-6 process wrote (no kv_cache_dtype, nor a protocol-7 one's
+    # kv_transfer_dtype) reads as "auto": the protocol version is what differs, and is named
+    for version, missing in ((6, ("kv_cache_dtype", "kv_transfer_dtype")),
+                             (7, ("kv_transfer_dtype",))):
+        old = json.loads(text)
+        for name in missing:
+            del old["layout"][name]
+        old["layout"]["protocol_version"] = version
+        layout = WorkerRecord.from_json(json.dumps(old)).layout
+        assert all(getattr(layout, name) == "auto" for name in missing)
+        assert record.layout.diff(layout) == f"protocol_version: {PROTOCOL_VERSION} != {version}"
     assert record.with_load(WorkerLoad(1, 12, 5, 6)).load == WorkerLoad(1, 12, 5, 6)
 
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
+from engine.attention.kv_quant import dequantize, quantize
+from engine.tp.sharding import kv_head_range
 from kvtransfer.wire.protocol import Trailer
-from tests.kvtransfer.agent import RemoteError
+from tests.kvtransfer.agent import RemoteError, global_kv, unpack
 from tests.kvtransfer.conftest import AgentsFactory
 from tests.kvtransfer.topology import (
     assert_received,
@@ -67,6 +70,31 @@ def test_an_int8_cache_moves_its_scales_with_its_values_and_reshards(
     sent = reports([a])[0]["stats"]["bytes_sent"]  # type: ignore[index]
     fp32 = make_layout().row_bytes(2) * 2 * layout.num_layers * 5  # 5 blocks, K and V
     assert sent == layout.row_bytes(2) * 2 * layout.num_layers * 5 < 0.3 * fp32
+
+
+def test_kv_quantised_for_the_wire_only_arrives_dequantised_and_reshards(
+        agents: AgentsFactory) -> None:
+    """``kv_transfer_dtype="int8"`` over fp32 caches: the sender quantises (int8 slots, as
+    an int8 cache holds them: a quarter of fp32's bytes and then some), each receiver
+    dequantises into its fp32 cache exactly what ``kv_quant`` gives, re-sharded by heads."""
+    layout = make_layout(kv_transfer_dtype="int8")
+    assert layout.wire_quantized and layout.cache_dtype == "float32"
+    a, b, c = agents(3)
+    prefill, decode = make_prefill([a], layout), make_decode([b, c], layout)
+    req = make_request(27, 70)
+    transfer(prefill, decode, req)
+    expected = dequantize(quantize(global_kv(layout, req.num_tokens, req.seed)))
+    for j, agent in enumerate(decode.ranks):
+        start, end = kv_head_range(layout.num_kv_heads, j, 2)
+        got = unpack(agent.call("read", req.dst_blocks, req.num_tokens), "float32")
+        assert torch.equal(got, expected[:, :, :, start:end]), f"decode rank {j} differs"
+        plain = global_kv(layout, req.num_tokens, req.seed)[:, :, :, start:end]
+        assert not torch.equal(got, plain)  # lossy, and within int8's rounding of it
+        assert torch.allclose(got, plain, atol=float(plain.abs().max()) / 127)
+    sent = reports([a])[0]["stats"]["bytes_sent"]  # type: ignore[index]
+    fp32 = make_layout().row_bytes(2) * 2 * layout.num_layers * 5  # 5 blocks, K and V
+    assert sent == make_layout(kv_cache_dtype="int8").row_bytes(2) * 2 * layout.num_layers * 5
+    assert sent < 0.3 * fp32
 
 
 def test_layer_by_layer(agents: AgentsFactory) -> None:

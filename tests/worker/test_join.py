@@ -37,16 +37,17 @@ def changes(layout: KVLayout) -> dict[str, object]:
             "dtype": "bfloat16", "block_size": 32, "hash_algorithm": "sha256",
             "hash_seed": layout.hash_seed + 1, "num_layers": layout.num_layers + 1,
             "num_kv_heads": layout.num_kv_heads * 2, "head_dim": layout.head_dim * 2,
-            "kv_cache_dtype": "int8"}
+            "kv_cache_dtype": "int8", "kv_transfer_dtype": "int8"}
 
 
-# the protocol version, the model, one only a flag could change, and the KV cache's dtype
-# (workers holding int8 and fp32 KV are refused, never converted)
-QUICK_FIELDS = ("protocol_version", "model_fingerprint", "hash_seed", "kv_cache_dtype")
+# the protocol version, the model, one only a flag could change, the KV cache's dtype
+# (workers holding int8 and fp32 KV are refused, never converted) and the transfer's
+QUICK_FIELDS = ("protocol_version", "model_fingerprint", "hash_seed", "kv_cache_dtype",
+                "kv_transfer_dtype")
 
 
 def test_a_differing_field_keeps_a_worker_out(llama_dir: Path, tmp_path: Path) -> None:
-    # four fields here (QUICK_FIELDS); every field in the slow test below
+    # five fields here (QUICK_FIELDS); every field in the slow test below
     _assert_each_refused(llama_dir, tmp_path, QUICK_FIELDS)
 
 

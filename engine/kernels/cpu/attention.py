@@ -21,6 +21,31 @@ class AttentionKernels:
                               [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr])
         self._write_kv_i8 = bind(library, "pd_write_kv_i8",
                                  [ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr])
+        self._quantize_kv = bind(library, "pd_quantize_kv_slots", [ptr, i64, i64, ptr])
+        self._dequantize_kv = bind(library, "pd_dequantize_kv_slots", [ptr, i64, i64, ptr])
+
+    def quantize_kv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``kv_quant.quantize`` of ``x [..., head_dim]`` (the same bytes), on one thread;
+        ``None`` unless ``x`` is a contiguous fp32 CPU tensor."""
+        if not (x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+                and x.dim() >= 1 and x.shape[-1] >= 1):
+            return None
+        head_dim = x.shape[-1]
+        out = torch.empty(*x.shape[:-1], head_dim + 4, dtype=torch.uint8)
+        self._quantize_kv(x.data_ptr(), x.numel() // head_dim, head_dim, out.data_ptr())
+        return out
+
+    def dequantize_kv(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """``kv_quant.dequantize`` of int8 slots ``[..., head_dim + 4]`` to fp32 (the same
+        values), on one thread; ``None`` unless ``slots`` is a contiguous uint8 CPU tensor."""
+        if not (slots.dtype == torch.uint8 and slots.device.type == "cpu"
+                and slots.is_contiguous() and slots.dim() >= 1 and slots.shape[-1] > 4):
+            return None
+        head_dim = slots.shape[-1] - 4
+        out = torch.empty(*slots.shape[:-1], head_dim, dtype=torch.float32)
+        self._dequantize_kv(slots.data_ptr(), slots.numel() // (head_dim + 4), head_dim,
+                            out.data_ptr())
+        return out
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> bool:

@@ -152,6 +152,8 @@ int pd_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_
 int pd_write_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                    int64_t tokens, int64_t heads, int64_t head_dim, const int64_t *slots,
                    int64_t num_slots, uint8_t *k_cache, uint8_t *v_cache);
+int pd_quantize_kv_slots(const float *x, int64_t rows, int64_t head_dim, uint8_t *out);
+int pd_dequantize_kv_slots(const uint8_t *slots, int64_t rows, int64_t head_dim, float *out);
 int pd_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t row_stride,
                        int64_t *out, int num_threads);
 /* gemv.c */

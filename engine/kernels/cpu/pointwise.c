@@ -103,11 +103,49 @@ int pd_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_
     return 0;
 }
 
-/* The same into an int8 cache (engine/attention/kv_quant.py): each token's heads (head_dim
- * floats each, contiguous) quantised one head at a time to head_dim int8 values, round half
- * to even of x / scale with scale = max |x| / 127 (at least FLT_MIN / 127), followed by that
- * fp32 scale: a slot of head_dim + 4 bytes, heads * (head_dim + 4) bytes per cache slot.
- * The same arithmetic as kv_quant.quantize, so both write the same bytes. */
+/* One head's head_dim floats as an int8 slot (engine/attention/kv_quant.py): round half to
+ * even of x / scale with scale = max |x| / 127 (at least FLT_MIN / 127), then that fp32
+ * scale: head_dim + 4 bytes. The same arithmetic as kv_quant.quantize, so both write the
+ * same bytes. */
+static inline void quantize_slot(const float *x, int64_t head_dim, uint8_t *o) {
+    const iv magnitude = (iv){0} + 0x7fffffff;
+    float amax = 0.f;
+    int64_t d = 0;
+    if (head_dim >= LANES) {
+        fv m = {0};
+        for (; d + LANES <= head_dim; d += LANES) {
+            fv v;
+            memcpy(&v, x + d, sizeof v);
+            const fv a = (fv)((iv)v & magnitude);
+            const iv larger = a > m;
+            m = (fv)(((iv)a & larger) | ((iv)m & ~larger));
+        }
+        for (int i = 0; i < LANES; i++) amax = fmaxf(amax, m[i]);
+    }
+    for (; d < head_dim; d++) amax = fmaxf(amax, fabsf(x[d]));
+    const float scale = (amax > FLT_MIN ? amax : FLT_MIN) / 127.f;
+    /* |x / scale| <= 127 (and a hair): adding and taking away 1.5 * 2^23 rounds it half to
+     * even, as nearbyintf does in the default rounding mode */
+    const fv shift = (fv){0} + 0x1.8p23f, top = (fv){0} + 127.f;
+    for (d = 0; d + LANES <= head_dim; d += LANES) {
+        fv v;
+        memcpy(&v, x + d, sizeof v);
+        fv q = (v / scale + shift) - shift;
+        const iv over = q > top, under = q < -top;
+        q = (fv)(((iv)q & ~(over | under)) | ((iv)top & over) | ((iv)(-top) & under));
+        const iv n = __builtin_convertvector(q, iv);
+        for (int i = 0; i < LANES; i++) o[d + i] = (uint8_t)(int8_t)n[i];
+    }
+    for (; d < head_dim; d++) {
+        float q = nearbyintf(x[d] / scale);
+        q = q > 127.f ? 127.f : q < -127.f ? -127.f : q;
+        o[d] = (uint8_t)(int8_t)q;
+    }
+    memcpy(o + head_dim, &scale, sizeof scale);
+}
+
+/* The same into an int8 cache: each token's heads (head_dim floats each, contiguous)
+ * quantised one head at a time (quantize_slot), heads * (head_dim + 4) bytes per slot. */
 int pd_write_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                    int64_t tokens, int64_t heads, int64_t head_dim, const int64_t *slots,
                    int64_t num_slots, uint8_t *k_cache, uint8_t *v_cache) {
@@ -120,20 +158,38 @@ int pd_write_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t v_s
         for (int kv = 0; kv < 2; kv++) {
             const float *x = kv ? v + t * v_stride : k + t * k_stride;
             uint8_t *out = (kv ? v_cache : k_cache) + slots[t] * heads * slot;
-            for (int64_t h = 0; h < heads; h++) {
-                const float *xh = x + h * head_dim;
-                uint8_t *o = out + h * slot;
-                float amax = 0.f;
-                for (int64_t d = 0; d < head_dim; d++) amax = fmaxf(amax, fabsf(xh[d]));
-                const float scale = (amax > FLT_MIN ? amax : FLT_MIN) / 127.f;
-                for (int64_t d = 0; d < head_dim; d++) {
-                    float q = nearbyintf(xh[d] / scale);
-                    q = q > 127.f ? 127.f : q < -127.f ? -127.f : q;
-                    o[d] = (uint8_t)(int8_t)q;
-                }
-                memcpy(o + head_dim, &scale, sizeof scale);
-            }
+            for (int64_t h = 0; h < heads; h++)
+                quantize_slot(x + h * head_dim, head_dim, out + h * slot);
         }
+    return 0;
+}
+
+/* rows contiguous heads of head_dim floats as int8 slots (quantize_slot), and back: each
+ * slot's int8 values times its scale, one fp32 multiply as kv_quant.dequantize does. One
+ * thread: the KV transfer's send and receive lanes call them beside the engine's step. */
+int pd_quantize_kv_slots(const float *x, int64_t rows, int64_t head_dim, uint8_t *out) {
+    if (rows < 0 || head_dim < 1) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        quantize_slot(x + r * head_dim, head_dim, out + r * (head_dim + 4));
+    return 0;
+}
+
+int pd_dequantize_kv_slots(const uint8_t *slots, int64_t rows, int64_t head_dim, float *out) {
+    if (rows < 0 || head_dim < 1) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *s = slots + r * (head_dim + 4);
+        float scale;
+        memcpy(&scale, s + head_dim, sizeof scale);
+        float *o = out + r * head_dim;
+        int64_t d = 0;
+        for (; d + LANES <= head_dim; d += LANES) {
+            iv n;
+            for (int i = 0; i < LANES; i++) n[i] = (int8_t)s[d + i];
+            const fv v = __builtin_convertvector(n, fv) * scale;
+            memcpy(o + d, &v, sizeof v);
+        }
+        for (; d < head_dim; d++) o[d] = (float)(int8_t)s[d] * scale;
+    }
     return 0;
 }
 

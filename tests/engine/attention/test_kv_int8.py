@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention.kv_quant import SCALE_BYTES, dequantize, quantize, slot_bytes
+from engine.attention.kv_quant import (
+    SCALE_BYTES,
+    dequantize,
+    dequantize_torch,
+    quantize,
+    quantize_torch,
+    slot_bytes,
+)
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, ConfigError, EngineConfig, load_model_config
@@ -119,8 +126,30 @@ def test_the_compiled_kv_write_quantises_to_the_bytes_torch_writes(kernels: Nati
     v[2, 0, 5] = 1e-30  # tiny values
     slots = torch.tensor([0, 7, 23, 11, 4])
     assert kernels.write_kv(cache, k, v, slots)
-    expected[0].view(-1, 3, 36)[slots] = quantize(k)
-    expected[1].view(-1, 3, 36)[slots] = quantize(v)
+    expected[0].view(-1, 3, 36)[slots] = quantize_torch(k)
+    expected[1].view(-1, 3, 36)[slots] = quantize_torch(v)
     assert torch.equal(cache, expected)
     with pytest.raises(IndexError):
         kernels.write_kv(cache, k, v, torch.tensor([0, 1, 2, 3, 24]))
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 5])
+def test_the_compiled_quantiser_and_dequantiser_are_torchs(kernels: NativeKernels,
+                                                            head_dim: int) -> None:
+    """``kv_quant.quantize``/``dequantize``'s compiled paths (what the KV transfer's wire
+    quantisation runs) give torch's bytes and values: vector lanes and a scalar tail,
+    all-zero heads, tiny and huge magnitudes, ties rounded half to even."""
+    torch.manual_seed(5)
+    x = torch.randn(7, 3, 4, head_dim)
+    x[0, 0, 0] = 0.0
+    x[1] *= 1e-30
+    x[2] *= 1e30
+    x[3, 0, 0, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale 1: ties at .5
+    slots = kernels.quantize_kv(x)
+    assert slots is not None and torch.equal(slots, quantize_torch(x))
+    assert torch.equal(quantize(x), slots)
+    assert slots[3, 0, 0, :4].view(torch.int8).tolist() == [127, 0, 2, -2]
+    back = kernels.dequantize_kv(slots)
+    assert back is not None and torch.equal(back, dequantize_torch(slots))
+    assert torch.equal(dequantize(slots), back)
+    assert kernels.quantize_kv(x.double()) is None and kernels.dequantize_kv(back) is None

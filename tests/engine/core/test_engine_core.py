@@ -3,12 +3,14 @@ prefill-only requests with pinned blocks, KV written from outside, layer hooks."
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.attention.kv_quant import dequantize, quantize
 from engine.core.engine_core import EngineCore
 from tests.factories import PROMPTS
 
@@ -141,6 +143,49 @@ def test_reservation_reuses_the_prefix_cache(llama_dir: Path) -> None:
         for engine in (prefill, decode):
             engine.core.check_integrity()
             assert engine.core.kv_usage().in_use == 0
+
+
+def test_kv_received_quantised_is_keyed_apart_from_kv_computed_here(llama_dir: Path) -> None:
+    """With ``kv_transfer_dtype="int8"`` a reserved prompt's KV arrives lossy: its blocks
+    are cached under their own keys, so a later reservation of the prompt reuses them, while
+    a request computed here never reads them (it computes in full precision, equal to a
+    plain engine's output), and its own blocks never serve a reservation."""
+    with LLM(llama_dir, num_kv_blocks=64) as prefill:
+        cache = dataclasses.replace(prefill.config.cache, kv_transfer_dtype="int8")
+        decode = EngineCore(dataclasses.replace(prefill.config, cache=cache), prefill.tokenizer)
+        try:
+            prompt = list(range(3, 3 + 40))  # 2 full blocks + 8 tokens
+            expected = prefill.generate([prompt], GREEDY)[0].token_ids
+            prefill.core.add_request("a", prompt, GREEDY, prefill_only=True)
+            (out,) = _step_all(prefill.core)
+            reserved = decode.reserve_for_kv("a", prompt, GREEDY, reuse_prefix=True)
+            assert reserved is not None and reserved.num_cached_blocks == 0
+            src = prefill.core.executor.runner.kv_cache[:, :, list(out.block_ids)]
+            decode.executor.runner.kv_cache[:, :, reserved.block_ids] = dequantize(quantize(src))
+            assert prefill.core.release_pinned("a")
+            decode.admit_with_kv("a", out.new_token_ids[0])
+            _drain(decode)
+            # a reservation of the same prompt reuses the lossy blocks ...
+            again = decode.reserve_for_kv("b", prompt, GREEDY, reuse_prefix=True)
+            assert again is not None and again.num_cached_blocks == 2
+            assert decode.abort_request("b")
+            # ... a request computed here does not, and gives the plain engine's tokens
+            local = decode._make_request("c", prompt, GREEDY, False, 0)
+            assert decode.scheduler.cached_prefix(local) == []
+            decode.add_request("c", prompt, GREEDY)
+            assert _drain(decode)["c"] == expected
+            # and the full-precision blocks it cached never serve a lossy reservation
+            other = prompt[:32] + [7] * 9
+            decode.add_request("d", other, GREEDY)
+            _drain(decode)
+            lossy = decode.reserve_for_kv("e", other, GREEDY, reuse_prefix=True)
+            assert lossy is not None and lossy.num_cached_blocks == 2  # "a"'s, not "d"'s
+            assert lossy.block_ids[:2] == again.block_ids[:2]
+            assert decode.abort_request("e")
+            decode.check_integrity()
+            assert decode.kv_usage().in_use == 0
+        finally:
+            decode.shutdown()
 
 
 def test_reservation_refused_when_pool_is_full(llama_dir: Path) -> None:

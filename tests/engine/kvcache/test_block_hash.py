@@ -13,6 +13,7 @@ from engine.kvcache import (
     hash_block_tokens,
     root_hash,
 )
+from engine.kvcache.block_hash import LOSSY_WIRE_SALT
 
 TOKENS = list(range(1000, 1010))  # 2 full blocks of 4 + a partial block of 2
 
@@ -38,6 +39,21 @@ def test_seed_changes_every_hash() -> None:
     seeded = compute_block_hashes(TOKENS, 4, seed=1)
     assert set(seeded).isdisjoint(compute_block_hashes(TOKENS, 4, seed=0))
     assert root_hash(-1) != root_hash(2**64 - 1) != root_hash(0)
+
+
+def test_a_salt_gives_a_key_space_of_its_own_within_the_seed() -> None:
+    """``root_hash(seed, salt)``: no salt is the plain root (what the router computes);
+    a salt (``LOSSY_WIRE_SALT``) changes the root and so every chained key after it."""
+    assert root_hash(3, "") == root_hash(3)
+    salted = root_hash(3, LOSSY_WIRE_SALT)
+    assert len({salted, root_hash(3), root_hash(4, LOSSY_WIRE_SALT), root_hash(3, "x")}) == 4
+    plain, lossy = [], []
+    extend_block_hashes(plain, TOKENS, 4, seed=3)
+    parent = salted
+    for i in range(2):
+        parent = hash_block_tokens(parent, TOKENS[4 * i : 4 * i + 4])
+        lossy.append(parent)
+    assert set(lossy).isdisjoint(plain)
 
 
 def test_extra_keys_change_hashes_unambiguously() -> None:

@@ -12,7 +12,7 @@ from tests.kvtransfer.topology import LAYOUT
 
 CHANGES = {"model_fingerprint": "other", "dtype": "bfloat16", "block_size": 32,
            "hash_algorithm": "sha256", "hash_seed": 1, "num_layers": 4, "num_kv_heads": 8,
-           "head_dim": 64}
+           "head_dim": 64, "kv_cache_dtype": "int8", "kv_transfer_dtype": "int8"}
 
 
 def test_equal_layouts_have_no_diff() -> None:
@@ -43,6 +43,24 @@ def test_encoding_round_trips_and_rejects_garbage() -> None:
 def test_invalid_layouts_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         dataclasses.replace(LAYOUT, **bad)
+
+
+def test_the_wire_format_of_each_kv_dtype() -> None:
+    """What a transfer's rows hold: the cache's elements, or int8 slots (values, then an
+    fp32 scale) when the cache or the transfer is int8; only the latter over an fp32 cache
+    quantises."""
+    slot = LAYOUT.head_dim + 4
+    cases = {("auto", "auto"): ("float32", LAYOUT.head_dim * 4, False),
+             ("int8", "auto"): ("uint8", slot, False),
+             ("auto", "int8"): ("uint8", slot, True),
+             ("int8", "int8"): ("uint8", slot, False)}
+    for (cache, transfer), (wire, row_slot_bytes, quantized) in cases.items():
+        layout = dataclasses.replace(LAYOUT, kv_cache_dtype=cache, kv_transfer_dtype=transfer)
+        assert (layout.wire_dtype, layout.wire_quantized) == (wire, quantized), (cache, transfer)
+        assert layout.row_bytes(3) == LAYOUT.block_size * 3 * row_slot_bytes
+        assert layout.cache_dtype == ("uint8" if cache == "int8" else "float32")
+    with pytest.raises(ValueError, match="kv_transfer_dtype"):
+        dataclasses.replace(LAYOUT, kv_transfer_dtype="fp4")
 
 
 def test_from_engine_config() -> None:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from cluster.kv_events import EventBatch
-from engine.kvcache.block_hash import compute_block_hashes
+from engine.kvcache.block_hash import LOSSY_WIRE_SALT, compute_block_hashes
 from engine.kvcache.events import STORED
 from router.config import HandoffConfig
 from router.kv_index import KVIndex
@@ -26,9 +26,10 @@ class Pool:
     """What Placement reads of a ``WorkerPool``."""
 
     tokens: dict[str, int] = field(default_factory=dict)  # every router's, per worker
+    decode: tuple[str, ...] = ("d-0",)
 
     def routable(self, role: str) -> list[Any]:
-        names = ["p-0", "p-1"] if role == "prefill" else ["d-0"]
+        names = ["p-0", "p-1"] if role == "prefill" else list(self.decode)
         return [SimpleNamespace(worker_id=n, free_kv_blocks=64, total_kv_blocks=64)
                 for n in names]
 
@@ -39,7 +40,7 @@ class Pool:
         return self.tokens.get(worker_id, 0)
 
 
-def _placement(prompt: list[int], index: KVIndex | None, pool: Pool,
+def _placement(prompt: list[int], index: KVIndex | None, pool: Pool, salt: str = "",
                **config: Any) -> tuple[Placement, RouterMetrics]:
     metrics = RouterMetrics()
     request = SimpleNamespace(prompt_token_ids=prompt,
@@ -47,13 +48,14 @@ def _placement(prompt: list[int], index: KVIndex | None, pool: Pool,
     ctx = SimpleNamespace(pool=pool, request=request,
                           config=HandoffConfig(**config), kv_index=index, metrics=metrics,
                           excluded=set(), block_size=BLOCK, hash_seed=0, shared_decode=None,
-                          choice=0, calls=SimpleNamespace(num_resumed=0))
+                          choice=0, calls=SimpleNamespace(num_resumed=0),
+                          received_kv_salt=salt)
     return Placement(ctx, None, itertools.count()), metrics  # type: ignore[arg-type]
 
 
 def _index(holdings: dict[str, list[bytes]]) -> KVIndex:
     index = KVIndex()
-    index.watch([*holdings, "p-0", "p-1", "d-0"])
+    index.watch([*holdings, "p-0", "p-1", "d-0", "d-1"])
     for worker, hashes in holdings.items():
         index.apply(EventBatch(worker, 1, 1, tuple((STORED, h) for h in hashes)))
     index.heard()
@@ -118,3 +120,24 @@ def test_a_short_tail_on_a_decode_worker_is_prefilled_there() -> None:
     assert not _placement(prompt, index, Pool())[0].prefills_locally()  # off by default
     placement, _ = _placement(prompt, index, Pool(), local_prefill_max_tokens=32)
     assert placement.decode_order() == ["d-0"]
+
+
+def test_over_a_lossy_wire_decode_workers_are_matched_on_the_blocks_they_received() -> None:
+    """``--kv-transfer-dtype int8``: a decode worker keys the blocks it received apart
+    (salted); an attempt whose KV comes over the wire goes where its salted blocks are, a
+    local prefill (which never reads them) where its plain ones are, and only those count
+    towards a short tail."""
+    prompt = _prompt_by_affinity("p-0")
+    plain = compute_block_hashes(prompt, BLOCK)
+    lossy = compute_block_hashes(prompt, BLOCK, salt=LOSSY_WIRE_SALT)
+    index = _index({"d-0": plain[:2], "d-1": lossy[:5]})
+    pool = Pool(decode=("d-0", "d-1"))
+    placement, metrics = _placement(prompt, index, pool, LOSSY_WIRE_SALT)
+    assert placement.decode_order() == ["d-1", "d-0"]
+    assert _decisions(metrics, "decode", "kv_hit") == 1
+    assert placement.decode_order(received=False) == ["d-0", "d-1"]
+    assert not _placement(prompt, index, pool, LOSSY_WIRE_SALT,
+                          local_prefill_max_tokens=32)[0].prefills_locally()
+    # the same holdings without the salt in play: the plain blocks decide
+    placement, _ = _placement(prompt, index, pool)
+    assert placement.decode_order() == ["d-0", "d-1"]
