@@ -164,6 +164,13 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # speculative decoding (engine.core.speculative; from vLLM's speculative_config by
+    # speculative_fields): "" (none) or "ngram", up to num_speculative_tokens drafts a
+    # step from a suffix of prompt_lookup_min..prompt_lookup_max tokens seen before
+    speculative_method: str = ""
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 0
+    prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -172,6 +179,52 @@ class SchedulerConfig:
             raise ConfigError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.speculative_method not in ("", *SPECULATIVE_METHODS):
+            raise ConfigError(f"speculative method must be one of {SPECULATIVE_METHODS}, "
+                              f"got {self.speculative_method!r}")
+        if self.speculative_method and not (
+                1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
+                and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+            raise ConfigError(
+                f"ngram speculation needs 1 <= num_speculative_tokens <= "
+                f"{MAX_SPECULATIVE_TOKENS} (got {self.num_speculative_tokens}) and 1 <= "
+                f"prompt_lookup_min <= prompt_lookup_max (got {self.prompt_lookup_min} and "
+                f"{self.prompt_lookup_max})")
+
+
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max",
+                     "prompt_lookup_min")
+
+
+def speculative_fields(config: Mapping[str, Any] | str | None) -> dict[str, Any]:
+    """``SchedulerConfig``'s speculative fields from vLLM's ``speculative_config`` (a dict,
+    or its JSON text; None: none): ``{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": a, "prompt_lookup_min": b}`` (``prompt_lookup_min`` defaults to
+    1, ``prompt_lookup_max`` to ``k``). ``ConfigError`` names what is wrong."""
+    if config is None:
+        return {}
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError as exc:
+            raise ConfigError(f"speculative_config is not JSON: {exc}") from None
+    if not isinstance(config, Mapping):
+        raise ConfigError("speculative_config must be an object")
+    unknown = sorted(set(config) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise ConfigError(f"speculative_config: unknown keys {unknown} (this engine takes "
+                          f"{list(_SPECULATIVE_KEYS)}; method: {list(SPECULATIVE_METHODS)})")
+    values = {key: config.get(key) for key in _SPECULATIVE_KEYS[1:]}
+    if any(v is not None and (isinstance(v, bool) or not isinstance(v, int))
+           for v in values.values()):
+        raise ConfigError(f"speculative_config: {', '.join(_SPECULATIVE_KEYS[1:])} must be "
+                          "integers")
+    k = values["num_speculative_tokens"] or 0
+    return {"speculative_method": config.get("method"), "num_speculative_tokens": k,
+            "prompt_lookup_max": values["prompt_lookup_max"] or k,
+            "prompt_lookup_min": values["prompt_lookup_min"] or 1}
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,11 @@ sampling parameters → same tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from engine.config import (
     CacheConfig,
@@ -17,6 +18,7 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
     load_model_config,
+    speculative_fields,
 )
 from engine.core.engine_core import EngineCore
 from engine.core.scheduler import SchedulerStats
@@ -49,6 +51,9 @@ class LLM:
     ``tensor_parallel_size > 1`` starts ranks 1..t-1 as processes of their own
     (``python -m engine.tp.rank_main``; they never re-run the caller's main module, and die
     with this process). Call ``shutdown()`` or use the object as a context manager.
+    ``speculative_config``: vLLM's, n-gram lookup only (``engine.core.speculative``):
+    ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": a,
+    "prompt_lookup_min": b}``.
     """
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32",
@@ -56,7 +61,8 @@ class LLM:
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  device: str = "cpu", linear_kernel: str = "auto",
-                 quantization: str | None = None, kv_cache_dtype: str = "auto") -> None:
+                 quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 speculative_config: Mapping[str, Any] | str | None = None) -> None:
         self.config = EngineConfig(
             model=load_model_config(model_dir, dtype=dtype),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -64,7 +70,8 @@ class LLM:
                               kv_cache_dtype=kv_cache_dtype),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens),
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      **speculative_fields(speculative_config)),
             device=device,
             linear_kernel=linear_kernel,
             quantization=quantization,

@@ -28,7 +28,7 @@ class LoopFigures:
         self.core, self.kv, self.metrics = core, kv, metrics
         self._snapshot_at = self._totals_at = 0.0
         self._totals: RankTotals | None = None
-        self._preemptions_seen = 0
+        self._counted: dict[str, int] = {}  # the scheduler's totals already counted
         # the last snapshot was taken idle, with the ranks' totals, and nothing ran since
         self.settled = False
 
@@ -40,7 +40,8 @@ class LoopFigures:
 
     def refresh(self, num_unadmitted: int, idle: bool = False) -> None:
         """The gauges' snapshot (the ranks' totals every ``TOTALS_S``, and whenever
-        ``idle``) and the preemption counter; ``num_unadmitted``: requests held that the
+        ``idle``) and the scheduler's counters (preemptions, speculative decoding's guesses
+        and those kept); ``num_unadmitted``: requests held that the
         scheduler does not count yet."""
         now = self._snapshot_at = time.monotonic()
         self.settled = idle
@@ -53,10 +54,14 @@ class LoopFigures:
             pinned_blocks=kv.pinned, open_channels=totals.open_channels,
             bytes_sent=totals.bytes_sent, bytes_received=totals.bytes_received,
             checksum_failures=totals.checksum_failures, unexpected_acks=totals.unexpected_acks)
-        preemptions = sched.stats.num_preemptions
-        if preemptions > self._preemptions_seen:
-            self.metrics.label(self.metrics.preemptions).inc(preemptions - self._preemptions_seen)
-            self._preemptions_seen = preemptions
+        m, stats = self.metrics, sched.stats
+        for name, counter in (("num_preemptions", m.preemptions),
+                              ("num_draft_tokens", m.draft_tokens),
+                              ("num_accepted_tokens", m.accepted_tokens)):
+            total, seen = getattr(stats, name), self._counted.get(name, 0)
+            if total > seen:
+                m.label(counter).inc(total - seen)
+                self._counted[name] = total
 
     def info(self, *, live_ids: Sequence[str], num_unadmitted: int, num_expired: int,
              num_expired_commands: int, queued_commands: int, leases: LeaseBook) -> LoopInfo:

@@ -10,6 +10,8 @@ and llm-d's scheduler built for vLLM read them unchanged — every one labelled
 - ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``: prompt tokens
   looked up in the prefix cache, and found, where prompts are computed;
 - ``vllm:num_preemptions_total``;
+- ``vllm:spec_decode_num_draft_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_total``:
+  tokens guessed by speculative decoding (``--speculative-config``), and of those kept;
 - ``vllm:prompt_tokens_total`` (prompt tokens computed here), ``vllm:generation_tokens_total``
   (tokens generated here: a prefill worker's first tokens, a decode worker's stream);
 - ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
@@ -122,6 +124,10 @@ class WorkerMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found cached")
         self.preemptions = counter("vllm:num_preemptions", "Requests preempted")
+        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                    "Tokens guessed by speculative decoding")
+        self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                       "Tokens guessed by speculative decoding and kept")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens computed")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
         self.success = counter("vllm:request_success", "Requests finished",
@@ -143,7 +149,7 @@ class WorkerMetrics:
             "pdserve:kv_blocks_reused",
             "Prompt KV blocks a decode worker's prefix cache held, so were not transferred")
         for metric in (self.prefix_queries, self.prefix_hits, self.preemptions,
-                       self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.draft_tokens, self.accepted_tokens, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
                        self.blocks_reused, self.prefill_queue):
             metric.labels(model_name)  # exported (at 0) before the first event
         for reason in ("stop", "length", "prefilled"):

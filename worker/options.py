@@ -47,6 +47,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                              "fp32 scale (about a quarter of fp32's bytes; blocks travel so "
                              "between workers); auto: --dtype. Part of the cluster's KV "
                              "layout: every worker of a cluster must use the same")
+    parser.add_argument("--speculative-config", metavar="JSON",
+                        help="vLLM's speculative_config, n-gram lookup only: "
+                             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                             "\"prompt_lookup_max\": 4}' (a decode worker's decoding "
+                             "requests guess their next tokens from their own history; greedy "
+                             "and seeded output unchanged). Each worker's own")
     parser.add_argument("--kv-transfer-dtype", choices=KV_TRANSFER_DTYPES, default="auto",
                         help="int8: blocks cross the wire as int8 values and a scale per "
                              "token and head (about a quarter of fp32's bytes), dequantised "
@@ -118,6 +124,8 @@ def add_engine_choice_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="every worker's --kv-cache-dtype (int8: values and a scale per "
                              "token and head)")
+    parser.add_argument("--speculative-config", metavar="JSON",
+                        help="every worker's --speculative-config (n-gram lookup)")
     parser.add_argument("--kv-transfer-dtype", choices=KV_TRANSFER_DTYPES, default="auto",
                         help="every worker's --kv-transfer-dtype (int8: KV quantised for the "
                              "wire only)")
@@ -132,4 +140,6 @@ def engine_choice_args(args: argparse.Namespace) -> tuple[str, ...]:
         out += ("--kv-cache-dtype", args.kv_cache_dtype)
     if args.kv_transfer_dtype != "auto":
         out += ("--kv-transfer-dtype", args.kv_transfer_dtype)
+    if args.speculative_config is not None:
+        out += ("--speculative-config", args.speculative_config)
     return out

@@ -32,6 +32,7 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
     load_model_config,
+    speculative_fields,
 )
 from engine.core.engine_core import EngineCore
 from engine.kvcache.events import KVEventLog
@@ -106,7 +107,8 @@ def engine_config(args: argparse.Namespace, rank_plugin: str = "",
                           kv_transfer_dtype=args.kv_transfer_dtype),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  **speculative_fields(args.speculative_config)),
         quantization=args.quantization, rank_plugin=rank_plugin,
         rank_plugin_config=plugin_config)
 
@@ -158,11 +160,12 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
         options.advertise_host(args)
         token = load_cluster_token(args.cluster_token_file)
         tls = internal_tls(args)
+        config = engine_config(args)  # e.g. a --speculative-config it cannot run
     except ValueError as exc:
         print(f"pdserve {kind.role}: {exc}", file=sys.stderr)
         return 2
     fingerprint = fingerprint_model_dir(args.model)
-    layout = KVLayout.from_engine_config(engine_config(args), fingerprint)
+    layout = KVLayout.from_engine_config(config, fingerprint)
     if (refused := refusal(args, layout, token)) is not None:
         print(f"pdserve {kind.role}: not joining the cluster: {refused}", file=sys.stderr)
         return 3

@@ -27,6 +27,7 @@ from engine.core.logprobs import delivered_prompt_logprobs, prompt_logprobs
 from engine.core.request import FinishReason, Request
 from engine.core.runner import resolve_num_kv_blocks
 from engine.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
+from engine.core.speculative import per_chunk, sampling_rows
 from engine.grammar import Grammars
 from engine.kvcache import BlockManager, KVCacheUsage
 from engine.sampling_params import SamplingParams, TokenLogprobs
@@ -227,17 +228,15 @@ class EngineCore:
         self.scheduler.forget(o.request_id for o in outputs if o.finished)
         return outputs
 
-    def _execute(self, out: SchedulerOutput) -> list[int]:
+    def _execute(self, out: SchedulerOutput) -> list[int | tuple[int, ...]]:
         payload = self.step_payload(out) if self.step_payload is not None else b""
         logits = self.executor.execute(out.chunks, self.layer_hook, payload)
         if any(c.all_logits for c in out.chunks):
             logits = prompt_logprobs(logits, out.chunks, self.scheduler.requests)
-        sampling = [c for c in out.chunks if c.sample]
-        choice = choose_tokens(logits, [self.scheduler.requests[c.request_id] for c in sampling],
-                               [c.start_position + len(c.token_ids) for c in sampling],
-                               self._histories, self.constraints)
+        rows, positions = sampling_rows(out.chunks, self.scheduler.requests)
+        choice = choose_tokens(logits, rows, positions, self._histories, self.constraints)
         self._step_logprobs = choice.logprobs
-        return choice.token_ids
+        return per_chunk(choice.token_ids, out.chunks)
 
     def _output(self, update: StepUpdate) -> RequestOutput:
         request = update.request

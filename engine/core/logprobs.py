@@ -55,11 +55,12 @@ def prompt_logprobs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
     """Record on each request of an ``all_logits`` chunk the logprobs its rows give of
     its prompt's next tokens (``Request.prompt_logprobs``, in prompt order: positions
     already recorded, e.g. before a preemption, are not recorded twice); returns the
-    sampling rows of ``logits``, one per chunk with ``sample``, in chunk order."""
+    sampling rows of ``logits``, one per chunk with ``sample`` (a speculated chunk's
+    ``1 + num_draft_tokens``), in chunk order."""
     keep: list[int] = []
     row = 0
     for chunk in chunks:
-        num_rows = len(chunk.token_ids) if chunk.all_logits else int(chunk.sample)
+        num_rows = chunk.num_logit_rows
         if chunk.all_logits:
             request = requests[chunk.request_id]
             prompt, start = request.prompt_token_ids, chunk.start_position
@@ -69,8 +70,8 @@ def prompt_logprobs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
                 request.prompt_logprobs.extend(token_logprobs(
                     logits[row:row + num], prompt[start + 1:start + 1 + num],
                     [request.params.prompt_logprobs or 0] * num))
-        if chunk.sample:
-            keep.append(row + num_rows - 1)
+        if chunk.sample:  # a speculated chunk samples from each of its rows
+            keep.extend(range(row + num_rows - 1 - chunk.num_draft_tokens, row + num_rows))
         row += num_rows
     return logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
 

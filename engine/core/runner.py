@@ -160,8 +160,9 @@ class ModelRunner:
                 layer_hook: LayerHook | None = None) -> torch.Tensor:
         """Run one forward over ``chunks`` (decodes first, then prefills); returns logits
         ``[rows, vocab]``: in chunk order, one row per token of a chunk with ``all_logits``
-        (its last one the sampling row when it has ``sample``), else one for the last token
-        of a chunk with ``sample``.
+        or drafts (its last one the sampling row when it has ``sample``; a speculated
+        chunk samples from each), else one for the last token of a chunk with ``sample``
+        (``ScheduledChunk.num_logit_rows``).
 
         An exception from ``layer_hook`` does not interrupt the forward (other ranks are
         in its collectives); the first one is re-raised once the step is complete."""
@@ -186,7 +187,9 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        decodes = [c for c in chunks if c.is_decode]
+        # decode rows: (position, block table); a speculated chunk's tokens are decode rows
+        # of their own, each attending up to itself (every row's K/V is written first)
+        decodes: list[tuple[int, tuple[int, ...]]] = []
         prefills: list[tuple[int, ScheduledChunk]] = []  # (first row, chunk)
         for c in chunks:
             start = len(token_ids)
@@ -194,17 +197,16 @@ class ModelRunner:
             pos = range(c.start_position, c.start_position + len(c.token_ids))
             positions.extend(pos)
             slots.extend(c.block_ids[p // bs] * bs + p % bs for p in pos)
-            if c.all_logits:
-                sample_rows.extend(range(start, len(token_ids)))
-            elif c.sample:
-                sample_rows.append(len(token_ids) - 1)
-            if not c.is_decode:
+            sample_rows.extend(range(len(token_ids) - c.num_logit_rows, len(token_ids)))
+            if c.is_decode or c.num_draft_tokens:
+                decodes.extend((p, c.block_ids) for p in pos)
+            else:
                 prefills.append((start, c))
-        context_lens = [c.start_position + 1 for c in decodes]
+        context_lens = [p + 1 for p, _ in decodes]
         max_context = max(context_lens, default=0)
         width = -(-max_context // bs)  # blocks that hold any decode key
-        tables = [b for c in decodes
-                  for b in (*c.block_ids[:width], *[0] * (width - len(c.block_ids)))]
+        tables = [b for _, table in decodes
+                  for b in (*table[:width], *[0] * (width - len(table)))]
         parts = [token_ids, positions, slots, sample_rows, context_lens, tables,
                  *(c.block_ids for _, c in prefills)]
         flat = self._tensor([v for part in parts for v in part])

@@ -6,7 +6,9 @@ Torch-free; works on request state, integer block ids and counts. Each step:
    freed and it is recomputed later);
 2. waiting requests are admitted (reusing prefix-cached blocks) while the token budget,
    ``max_num_seqs`` and the free blocks allow — also while others are mid-decode.
-A long prompt is prefilled in chunks of at most the remaining token budget.
+A long prompt is prefilled in chunks of at most the remaining token budget. With
+speculative decoding (``SchedulerConfig.speculative_method``) a decoding request may
+compute its last token and guessed next ones in one chunk (``engine.core.speculative``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.speculative import accepted, drafts_for
 from engine.kvcache import BlockManager
 
 
@@ -26,7 +29,9 @@ class ScheduledChunk:
     this step into ``block_ids`` (the request's whole block table). ``sample``: the chunk
     reaches the end of the sequence, so the next token is sampled. ``all_logits``: the
     logits of every token of the chunk are wanted (its prompt's logprobs), not only the
-    last one's."""
+    last one's. ``num_draft_tokens``: the last that many tokens are guesses of a decoding
+    request (speculative decoding): every token's logits are sampled from, and
+    ``Scheduler.update`` keeps the guesses the model agrees with."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -34,10 +39,18 @@ class ScheduledChunk:
     block_ids: tuple[int, ...]
     sample: bool
     all_logits: bool = False
+    num_draft_tokens: int = 0
 
     @property
     def is_decode(self) -> bool:
         return self.sample and len(self.token_ids) == 1
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of logits the forward returns for it (``ModelRunner.execute``)."""
+        if self.all_logits or self.num_draft_tokens:
+            return len(self.token_ids)
+        return int(self.sample)
 
 
 @dataclass
@@ -64,6 +77,8 @@ class SchedulerStats:
     # admissions of a waiting request in a step where another request was mid-decode
     num_admissions_during_decode: int = 0
     num_started: int = 0  # requests admitted from waiting for the first time
+    num_draft_tokens: int = 0  # guessed tokens computed (speculative decoding)
+    num_accepted_tokens: int = 0  # of those, kept
 
 
 @dataclass
@@ -164,6 +179,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = drafts_for(request, self.config, budget, self.max_model_len) \
+                if num_new == 1 and self.config.speculative_method else []
+            if drafts and self.blocks.allocate(
+                    request.request_id, request.num_computed_tokens + 1 + len(drafts)) is None:
+                drafts = []  # no room to guess: decode one token as usual
+            num_new += len(drafts)
             while self.blocks.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -171,7 +192,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self._emit(out, request, num_new)
+                self._emit(out, request, num_new - len(drafts), drafts)
                 budget -= num_new
                 i += 1
         return budget
@@ -207,17 +228,19 @@ class Scheduler:
         hashes = request.full_block_hashes(num_blocks, self.blocks.block_size, self.cache.hash_seed)
         return self.blocks.get_cached_prefix(hashes)
 
-    def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _emit(self, out: SchedulerOutput, request: Request, num_new: int,
+              drafts: Sequence[int] = ()) -> None:
         start = request.num_computed_tokens
         chunk = ScheduledChunk(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            token_ids=(*request.all_token_ids[start : start + num_new], *drafts),
             start_position=start,
             block_ids=self.blocks.block_table(request.request_id),
             sample=start + num_new == request.num_tokens,
             all_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1,
+            num_draft_tokens=len(drafts),
         )
-        if chunk.is_decode:
+        if chunk.is_decode or drafts:  # a speculated chunk's tokens are decode rows
             out.decodes.append(chunk)
         else:
             request.num_prefill_chunks += 1
@@ -234,9 +257,12 @@ class Scheduler:
         self.stats.num_preemptions += 1
 
     # --- after the step -------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[StepUpdate]:
+    def update(self, out: SchedulerOutput, sampled: Sequence[int | Sequence[int]]
+               ) -> list[StepUpdate]:
         """Advance every scheduled request; ``sampled`` holds one token per sampling chunk,
-        in ``out.chunks`` order. Finished requests release (or pin) their blocks."""
+        in ``out.chunks`` order (a speculated chunk's: the ``1 + num_draft_tokens`` drawn
+        after each of its tokens, ``engine.core.speculative.per_chunk``). Finished requests
+        release (or pin) their blocks. A speculated request may have several updates."""
         samples = iter(sampled)
         updates: list[StepUpdate] = []
         for chunk in out.chunks:
@@ -244,6 +270,11 @@ class Scheduler:
             token = next(samples) if chunk.sample else None
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished (e.g. aborted) while the step ran
+            if chunk.num_draft_tokens:
+                assert isinstance(token, Sequence)
+                updates += self._update_speculated(request, chunk, token)
+                continue
+            assert not isinstance(token, Sequence)
             request.num_computed_tokens += len(chunk.token_ids)
             self._cache_blocks(request)
             if token is None:
@@ -255,6 +286,26 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, reason)
             updates.append(StepUpdate(request, token, reason is not None))
+        return updates
+
+    def _update_speculated(self, request: Request, chunk: ScheduledChunk,
+                           drawn: Sequence[int]) -> list[StepUpdate]:
+        """A speculated chunk's tokens: the drafts kept and the token after them, each
+        checked for the request's end (``engine.core.speculative``)."""
+        emitted = accepted(chunk.token_ids[1:], drawn)
+        self.stats.num_draft_tokens += chunk.num_draft_tokens
+        self.stats.num_accepted_tokens += len(emitted) - 1
+        request.num_computed_tokens += len(emitted)  # its last token and the drafts kept
+        updates = []
+        for token in emitted:
+            request.append_output(token)
+            reason = request.check_token_stop(self.max_model_len)
+            updates.append(StepUpdate(request, token, reason is not None))
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+                return updates
+        self._cache_blocks(request)
         return updates
 
     def _cache_blocks(self, request: Request) -> None:

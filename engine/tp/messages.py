@@ -37,7 +37,7 @@ class StepMessage:
     def encode(self) -> bytes:
         words = array("q", [int(self.op), len(self.chunks)])
         for c in self.chunks:
-            flags = int(c.sample) | int(c.all_logits) << 1
+            flags = int(c.sample) | int(c.all_logits) << 1 | c.num_draft_tokens << 2
             words.extend((c.start_position, len(c.token_ids), len(c.block_ids), flags))
             words.extend(c.token_ids)
             words.extend(c.block_ids)
@@ -58,7 +58,7 @@ class StepMessage:
             tokens = tuple(reader.take(num_tokens))
             blocks = tuple(reader.take(num_blocks))
             chunks.append(ScheduledChunk("", tokens, start, blocks, bool(flags & 1),
-                                         bool(flags & 2)))
+                                         bool(flags & 2), flags >> 2))
         num_payload_bytes = reader.count()
         payload = reader.take(-(-num_payload_bytes // words.itemsize)).tobytes()[:num_payload_bytes]
         if reader.pos != len(words):

@@ -1,0 +1,184 @@
+"""Speculative decoding by n-gram lookup (``engine.core.speculative``): the proposer and
+the acceptance rule by hand; through the real engine, greedy and seeded output equal to
+decoding without it on every architecture, in mixed batches (requests that cannot
+speculate, a prompt being prefilled in chunks, stop tokens, ``max_tokens`` cut short,
+a pool small enough to leave no room to guess), at TP 2; rejected guesses never reach
+the prefix cache; an abort mid-speculation frees every block; the verification keeps
+the sampler's distribution (chi-square at temperature 1)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import ConfigError
+from engine.core.engine_core import EngineCore
+from engine.core.sampler import sample
+from engine.core.speculative import accepted, propose_ngram
+from tests.engine.kernels.test_int8 import ARCHS
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+GREEDY = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+
+
+def test_the_proposal_follows_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 3, 2, 1) == [3, 4, 1]
+    assert propose_ngram([5, 1, 9, 1, 7, 1], 2, 1, 1) == [7, 1]  # the latest occurrence
+    # [2, 3] occurred twice, [9, 2, 3] once: the longest suffix wins
+    assert propose_ngram([9, 2, 3, 5, 2, 3, 6, 9, 2, 3], 2, 3, 1) == [5, 2]
+    assert propose_ngram([1, 2, 3], 4, 3, 1) == []  # nothing repeats
+    assert propose_ngram([1, 2, 1], 4, 3, 2) == []  # shorter than prompt_lookup_min
+    assert propose_ngram([4, 4], 3, 2, 1) == [4]  # what follows, however little
+    # token 1's bytes lie inside token 256's, one byte along: not an occurrence
+    assert propose_ngram([256, 0, 5, 1], 2, 1, 1) == []
+    assert propose_ngram([2**40, 3, 2**40], 1, 1, 1) == [3]
+
+
+def test_drafts_are_kept_while_they_equal_what_the_sampler_drew() -> None:
+    assert accepted([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all kept, and one more
+    assert accepted([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the first differing draw ends it
+    assert accepted([5, 6], [4, 6, 7]) == [4]
+
+
+def test_a_speculative_config_it_cannot_run_is_refused(llama_dir: Path) -> None:
+    for bad, match in (({"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
+                        "unknown keys"),
+                       ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+                       ({"method": "ngram"}, "num_speculative_tokens"),
+                       ({"method": "ngram", "num_speculative_tokens": 99}, "<= 16"),
+                       ("{not json", "not JSON")):
+        with pytest.raises(ConfigError, match=match):
+            LLM(llama_dir, speculative_config=bad)
+
+
+def _mixed(engine: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts and parameters of a mixed batch: a repeated text (its output soon repeats
+    too), seeded sampling, a penalised request (never speculates), stop tokens, a long
+    prompt prefilled in chunks meanwhile, a short ``max_tokens``."""
+    base = engine.encode("the cat sat on the mat and the cat sat on the mat again")
+    prompts = [base * 2, base + [7, 8, 9] * 6, base, base[::-1] * 2, list(range(3, 300)),
+               base * 3]
+    params = [GREEDY,
+              SamplingParams(max_tokens=80, temperature=0.9, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=64, temperature=0.0, presence_penalty=0.5,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True,
+                             stop_token_ids=(base[3],)),
+              GREEDY,
+              SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculation_changes_no_greedy_or_seeded_token(model_factory: Callable[..., Path],
+                                                       arch: str) -> None:
+    model_dir = model_factory(arch)
+    kwargs = {"num_kv_blocks": 96, "max_num_seqs": 8, "max_num_batched_tokens": 48}
+    with LLM(model_dir, **kwargs) as plain:  # type: ignore[arg-type]
+        prompts, params = _mixed(plain)
+        expected = [r.token_ids for r in plain.generate(prompts, params)]
+    with LLM(model_dir, speculative_config=NGRAM, **kwargs) as spec:  # type: ignore[arg-type]
+        got = [r.token_ids for r in spec.generate(prompts, params)]
+        stats = spec.stats
+        spec.core.check_integrity()
+        assert spec.core.kv_usage().in_use == 0
+    assert got == expected
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
+
+
+def test_a_pool_with_no_room_to_guess_decodes_as_before(llama_dir: Path) -> None:
+    """16 blocks of 16 for two 120-token sequences: guesses that would need a block
+    more are not made (the request decodes one token), and preemption still works."""
+    prompts = [list(range(3, 40)) * 2, list(range(50, 80)) * 2]
+    kwargs = {"num_kv_blocks": 16, "max_num_batched_tokens": 32}
+    params = SamplingParams(max_tokens=110, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir, **kwargs) as plain:  # type: ignore[arg-type]
+        expected = [r.token_ids for r in plain.generate(prompts, params)]
+    with LLM(llama_dir, speculative_config=NGRAM, **kwargs) as spec:  # type: ignore[arg-type]
+        assert [r.token_ids for r in spec.generate(prompts, params)] == expected
+        assert spec.stats.num_preemptions > 0 and spec.stats.num_accepted_tokens > 0
+
+
+def test_tp_2_speculates_as_tp_1_decodes(llama_dir: Path) -> None:
+    prompts = [[5, 6, 7, 8] * 12, list(range(3, 60)) * 2]
+    with LLM(llama_dir) as plain:
+        expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    with LLM(llama_dir, tensor_parallel_size=2, speculative_config=NGRAM) as spec:
+        assert [r.token_ids for r in spec.generate(prompts, GREEDY)] == expected
+        assert spec.stats.num_accepted_tokens > 0
+
+
+def test_over_int8_weights_and_an_int8_kv_cache_speculation_changes_no_token(
+        llama_dir: Path) -> None:
+    """The guesses are decode rows of the step (each attends to the K/V written before it
+    in the same step): so too over an int8 cache, read dequantised."""
+    prompts = [[5, 6, 7, 8] * 12, list(range(3, 60)) * 2]
+    kwargs = {"quantization": "int8", "kv_cache_dtype": "int8"}
+    with LLM(llama_dir, **kwargs) as plain:  # type: ignore[arg-type]
+        expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    with LLM(llama_dir, speculative_config=NGRAM, **kwargs) as spec:  # type: ignore[arg-type]
+        assert [r.token_ids for r in spec.generate(prompts, GREEDY)] == expected
+        assert spec.stats.num_accepted_tokens > 0
+
+
+def test_rejected_guesses_never_reach_the_prefix_cache(llama_dir: Path) -> None:
+    """A continuation of a speculated stream reuses the blocks its decoding cached
+    (guesses were rejected along the way) and gives what a fresh engine gives."""
+    prompt = [9, 10, 11, 12, 13] * 8
+    follow = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir, speculative_config=NGRAM) as spec:
+        first = spec.generate([prompt], GREEDY)[0].token_ids
+        assert spec.stats.num_draft_tokens > spec.stats.num_accepted_tokens  # some rejected
+        longer = prompt + first[:80]
+        again = spec.generate([longer], follow)[0]
+    assert again.num_cached_tokens >= len(prompt) + 64  # decoded blocks served it
+    with LLM(llama_dir) as fresh:
+        assert fresh.generate([longer], follow)[0].token_ids == again.token_ids
+
+
+def test_an_abort_mid_speculation_frees_every_block(llama_dir: Path) -> None:
+    with LLM(llama_dir) as engine:
+        config = dataclasses.replace(
+            engine.config, scheduler=dataclasses.replace(
+                engine.config.scheduler, speculative_method="ngram", num_speculative_tokens=4,
+                prompt_lookup_max=3))
+        core = EngineCore(config, engine.tokenizer)
+        try:
+            for i in range(3):
+                core.add_request(f"r{i}", [20 + i, 21, 22, 23] * 10, GREEDY)
+            for _ in range(200):  # steps until one guesses; it is aborted in flight
+                out = core.scheduler.schedule()
+                if any(c.num_draft_tokens for c in out.chunks):
+                    break
+                core.scheduler.update(out, core._execute(out))
+            assert any(c.num_draft_tokens for c in out.chunks)
+            for i in range(3):
+                assert core.abort_request(f"r{i}")
+            core.scheduler.update(out, [(1,) * (c.num_draft_tokens + 1) if c.num_draft_tokens
+                                        else 1 for c in out.chunks if c.sample])
+            core.check_integrity()
+            assert core.kv_usage().in_use == 0 and not core.has_unfinished()
+        finally:
+            core.shutdown()
+
+
+def test_verification_keeps_the_samplers_distribution_at_temperature_1() -> None:
+    """The token emitted in a guess's place, unseeded at temperature 1, against the
+    model's distribution: chi-square over 8 tokens (7 degrees of freedom; 24.3 is the
+    0.1 % critical value), with the guess one of the likelier tokens."""
+    torch.manual_seed(0)
+    probs = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.10, 0.07, 0.05, 0.03])
+    logits = probs.log().repeat(4000, 1)
+    params = [SamplingParams(temperature=1.0, max_tokens=8)] * 4000
+    draws = sample(logits, params, list(range(4000)))
+    emitted = [accepted([1], [d])[0] for d in draws]  # the guess is token 1
+    counts = torch.bincount(torch.tensor(emitted), minlength=8).double()
+    expected = probs.double() * len(emitted)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 24.3, (chi2, counts.tolist())
+    assert abs(float(counts[1]) / len(emitted) - 0.20) < 0.03  # kept with p(guess)
