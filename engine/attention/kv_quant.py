@@ -39,7 +39,7 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     round-to-nearest of ``x / scale``, ``scale = max |x| / 127`` over the last dim. The
     compiled kernel where it takes ``x`` (fp32, contiguous, CPU), else ``quantize_torch``:
     the same bytes either way."""
-    kernels = native()
+    kernels = native() if x.device.type == "cpu" else None
     if kernels is not None and (out := kernels.quantize_kv(x)) is not None:
         return out
     return quantize_torch(x)
@@ -49,9 +49,8 @@ def dequantize(slots: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch
     """Int8 slots ``[..., head_dim + 4]`` back to ``[..., head_dim]`` values of ``dtype``:
     the compiled kernel where it takes them (fp32 out, contiguous CPU slots), else
     ``dequantize_torch``: the same values either way."""
-    kernels = native()
-    if dtype == torch.float32 and kernels is not None and (
-            out := kernels.dequantize_kv(slots)) is not None:
+    kernels = native() if slots.device.type == "cpu" and dtype == torch.float32 else None
+    if kernels is not None and (out := kernels.dequantize_kv(slots)) is not None:
         return out
     return dequantize_torch(slots, dtype)
 

@@ -179,11 +179,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts = drafts_for(request, self.config, budget, self.max_model_len) \
-                if num_new == 1 and self.config.speculative_method else []
-            if drafts and self.blocks.allocate(
-                    request.request_id, request.num_computed_tokens + 1 + len(drafts)) is None:
-                drafts = []  # no room to guess: decode one token as usual
+            drafts = drafts_for(request, self.config, self.blocks, budget, self.max_model_len,
+                                len(self.running) - i - 1) if num_new == 1 else []
             num_new += len(drafts)
             while self.blocks.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
                 victim = self.running[-1]
@@ -292,12 +289,12 @@ class Scheduler:
                            drawn: Sequence[int]) -> list[StepUpdate]:
         """A speculated chunk's tokens: the drafts kept and the token after them, each
         checked for the request's end (``engine.core.speculative``)."""
-        emitted = accepted(chunk.token_ids[1:], drawn)
-        self.stats.num_draft_tokens += chunk.num_draft_tokens
-        self.stats.num_accepted_tokens += len(emitted) - 1
-        request.num_computed_tokens += len(emitted)  # its last token and the drafts kept
+        drafts = chunk.token_ids[1:]
+        self.stats.num_draft_tokens += len(drafts)
         updates = []
-        for token in emitted:
+        for j, token in enumerate(accepted(drafts, drawn)):
+            request.num_computed_tokens += 1  # the token before it: the last, or a kept draft
+            self.stats.num_accepted_tokens += j < len(drafts) and token == drafts[j]
             request.append_output(token)
             reason = request.check_token_stop(self.max_model_len)
             updates.append(StepUpdate(request, token, reason is not None))

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from engine.config import SchedulerConfig
     from engine.core.request import Request
+    from engine.kvcache import BlockManager
     from engine.sampling_params import SamplingParams
 
 
@@ -78,14 +79,23 @@ def propose_ngram(tokens: Sequence[int], k: int, n_max: int, n_min: int) -> list
     return []
 
 
-def drafts_for(request: Request, config: SchedulerConfig, budget: int, max_model_len: int
-               ) -> list[int]:
-    """The guesses a decoding request computes this step: as many as ``config`` asks,
-    the step's token ``budget`` (its last token included), its ``max_tokens`` and the
-    context leave room to keep; none for a request that does not speculate."""
-    if not config.speculative_method or request.prefill_only or not speculates(request.params):
+def drafts_for(request: Request, config: SchedulerConfig, blocks: BlockManager, budget: int,
+               max_model_len: int, later: int) -> list[int]:
+    """The guesses a decoding request computes this step: as many as ``config`` asks and
+    the rest of the step leaves room for — the token ``budget`` and the free blocks less
+    one token and one block for each of the ``later`` running requests still to be
+    scheduled (a guess never preempts or starves another request), its ``max_tokens``
+    and the context. None for a request that does not speculate, or whose last token is
+    still its prompt's (the first output token is the prefill's, alone)."""
+    if (not config.speculative_method or request.prefill_only
+            or request.num_computed_tokens < request.num_prompt_tokens
+            or not speculates(request.params)):
         return []
-    room = min(config.num_speculative_tokens, budget - 1,
+    held = len(blocks.block_table(request.request_id)) if blocks.has_request(
+        request.request_id) else 0
+    spare = (held + max(0, blocks.num_free_blocks - later)) * blocks.block_size
+    room = min(config.num_speculative_tokens, budget - later - 1,
+               spare - request.num_tokens,
                request.params.max_tokens - request.num_output_tokens - 1,
                max_model_len - request.num_tokens - 1)
     if room < 1:

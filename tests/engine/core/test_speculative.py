@@ -92,16 +92,43 @@ def test_speculation_changes_no_greedy_or_seeded_token(model_factory: Callable[.
 
 
 def test_a_pool_with_no_room_to_guess_decodes_as_before(llama_dir: Path) -> None:
-    """16 blocks of 16 for two 120-token sequences: guesses that would need a block
-    more are not made (the request decodes one token), and preemption still works."""
+    """16 blocks of 16 for two 150-token sequences: a guess is made only where it leaves a
+    block for each request still to be scheduled, so guessing preempts no more than
+    decoding does (preemption itself still works)."""
     prompts = [list(range(3, 40)) * 2, list(range(50, 80)) * 2]
     kwargs = {"num_kv_blocks": 16, "max_num_batched_tokens": 32}
     params = SamplingParams(max_tokens=110, temperature=0.0, ignore_eos=True)
     with LLM(llama_dir, **kwargs) as plain:  # type: ignore[arg-type]
         expected = [r.token_ids for r in plain.generate(prompts, params)]
+        preempted = plain.stats.num_preemptions
     with LLM(llama_dir, speculative_config=NGRAM, **kwargs) as spec:  # type: ignore[arg-type]
         assert [r.token_ids for r in spec.generate(prompts, params)] == expected
-        assert spec.stats.num_preemptions > 0 and spec.stats.num_accepted_tokens > 0
+        assert spec.stats.num_accepted_tokens > 0
+        # guesses never take the block another running request needs next
+        assert 0 < spec.stats.num_preemptions <= preempted
+
+
+def test_a_prompts_last_token_is_never_speculated_from(llama_dir: Path) -> None:
+    """A prompt whose last chunk is one token (49 tokens, a budget of 48) samples its first
+    token alone (an output read after several tokens of one step would lose the prompt
+    logprobs that come with the first); the steps after it guess."""
+    prompt = [5, 6, 7, 8] * 12 + [5]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    with LLM(llama_dir, max_num_batched_tokens=48) as plain:
+        expected = plain.generate([prompt], params)[0]
+    with LLM(llama_dir, max_num_batched_tokens=48, speculative_config=NGRAM) as llm:
+        core = llm.core
+        core.add_request("x", prompt, params)
+        steps = []
+        while core.has_unfinished():
+            out = core.scheduler.schedule()
+            steps.append([(c.start_position, c.num_draft_tokens) for c in out.chunks])
+            core.scheduler.update(out, core._execute(out))
+        assert steps[:2] == [[(0, 0)], [(48, 0)]]  # the prompt, then its last token alone
+        assert any(n for step in steps[2:] for _, n in step)  # then guesses
+        got = llm.generate([prompt], params)[0]
+    assert got.token_ids == expected.token_ids and got.prompt_logprobs is not None
+    assert got.prompt_logprobs == expected.prompt_logprobs
 
 
 def test_tp_2_speculates_as_tp_1_decodes(llama_dir: Path) -> None:
@@ -167,18 +194,36 @@ def test_an_abort_mid_speculation_frees_every_block(llama_dir: Path) -> None:
             core.shutdown()
 
 
-def test_verification_keeps_the_samplers_distribution_at_temperature_1() -> None:
-    """The token emitted in a guess's place, unseeded at temperature 1, against the
-    model's distribution: chi-square over 8 tokens (7 degrees of freedom; 24.3 is the
-    0.1 % critical value), with the guess one of the likelier tokens."""
+def test_the_token_kept_in_a_guesss_place_follows_the_model_at_temperature_1() -> None:
+    """What verification keeps where a guess stood is the sampler's draw there, so it
+    follows the model's distribution whatever was guessed — for a one-token guess, the
+    rejection-sampling rule (kept with probability ``p(guess)``, else drawn from ``p``
+    without it). Chi-square over 8 tokens (7 degrees of freedom; 24.3 is the 0.1 %
+    critical value) for each of two guesses; the guess is kept with ``p(guess)``."""
     torch.manual_seed(0)
     probs = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.10, 0.07, 0.05, 0.03])
     logits = probs.log().repeat(4000, 1)
     params = [SamplingParams(temperature=1.0, max_tokens=8)] * 4000
-    draws = sample(logits, params, list(range(4000)))
-    emitted = [accepted([1], [d])[0] for d in draws]  # the guess is token 1
-    counts = torch.bincount(torch.tensor(emitted), minlength=8).double()
-    expected = probs.double() * len(emitted)
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < 24.3, (chi2, counts.tolist())
-    assert abs(float(counts[1]) / len(emitted) - 0.20) < 0.03  # kept with p(guess)
+    for guess in (1, 6):
+        draws = sample(logits, params, list(range(4000)))
+        emitted = [accepted([guess, 0], [d, 0])[0] for d in draws]
+        counts = torch.bincount(torch.tensor(emitted), minlength=8).double()
+        expected = probs.double() * len(emitted)
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 24.3, (guess, chi2, counts.tolist())
+        kept = sum(len(accepted([guess, 0], [d, 0])) > 1 for d in draws) / len(draws)
+        assert abs(kept - float(probs[guess])) < 0.03
+
+
+def test_seeded_sampling_at_temperature_1_is_unchanged_for_every_seed(llama_dir: Path) -> None:
+    """The stronger property, through the engine: at temperature 1, for 24 seeds, the
+    speculative stream is the plain one token for token (with guesses kept and rejected
+    along the way), so its tokens follow the model as the plain stream's do."""
+    prompt = [5, 6, 7, 8] * 12
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, ignore_eos=True)
+              for s in range(24)]
+    with LLM(llama_dir) as plain:
+        expected = [r.token_ids for r in plain.generate([prompt] * 24, params)]
+    with LLM(llama_dir, speculative_config=NGRAM) as spec:
+        assert [r.token_ids for r in spec.generate([prompt] * 24, params)] == expected
+        assert spec.stats.num_draft_tokens > spec.stats.num_accepted_tokens > 0

@@ -20,6 +20,8 @@ chunks_strategy = st.builds(
     start_position=st.integers(0, 1 << 20),
     block_ids=st.lists(st.integers(0, INT64_MAX), max_size=20).map(tuple),
     sample=st.booleans(),
+    all_logits=st.booleans(),
+    num_draft_tokens=st.integers(0, 16),
 )
 
 
@@ -56,6 +58,10 @@ def test_encoding_layout() -> None:
     wants = ScheduledChunk("", (7, 8), 0, (2,), True, all_logits=True)
     assert step_message([wants]).encode() == words(int(Op.STEP), 1, 0, 2, 1, 3, 7, 8, 2, 0)
     assert StepMessage.decode(step_message([wants]).encode()).chunks == (wants,)
+    # a speculated chunk's guesses (speculative decoding): their count from flag bit 2 up
+    guessed = ScheduledChunk("", (7, 8, 9), 5, (2,), True, num_draft_tokens=2)
+    assert step_message([guessed]).encode() == words(int(Op.STEP), 1, 5, 3, 1, 9, 7, 8, 9, 2, 0)
+    assert StepMessage.decode(step_message([guessed]).encode()).chunks == (guessed,)
 
 
 @pytest.mark.parametrize("payload", [b"", b"x", b"12345678", b"123456789", bytes(range(256))])
