@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.kvcache.block_hash import LOSSY_WIRE_SALT
-
 # Hugging Face architectures this engine implements, and the family each belongs to.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -120,6 +118,8 @@ class CacheConfig:
         """The prefix-cache salt of a request whose KV another worker sends
         (``EngineCore.reserve_for_kv``): ``LOSSY_WIRE_SALT`` when it arrives quantised
         for the wire only, else none (it is exactly what this engine would compute)."""
+        from engine.kvcache.block_hash import LOSSY_WIRE_SALT  # xxhash: not in the SDK
+
         lossy = self.kv_transfer_dtype == "int8" and self.kv_cache_dtype != "int8"
         return LOSSY_WIRE_SALT if lossy else ""
 
