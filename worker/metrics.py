@@ -149,7 +149,8 @@ class WorkerMetrics:
             "pdserve:kv_blocks_reused",
             "Prompt KV blocks a decode worker's prefix cache held, so were not transferred")
         for metric in (self.prefix_queries, self.prefix_hits, self.preemptions,
-                       self.draft_tokens, self.accepted_tokens, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.draft_tokens, self.accepted_tokens, self.prompt_tokens,
+                       self.generation_tokens, self.ttft, self.itl, self.e2e,
                        self.blocks_reused, self.prefill_queue):
             metric.labels(model_name)  # exported (at 0) before the first event
         for reason in ("stop", "length", "prefilled"):

@@ -90,6 +90,16 @@ def merge_outputs(first: RequestOutput, later: Sequence[RequestOutput]) -> Reque
                    logprobs=logprobs, prompt_logprobs=prompt)
 
 
+def one_per_request(outputs: Sequence[RequestOutput]) -> list[RequestOutput]:
+    """A step's outputs with a request's several (a speculated request's kept tokens)
+    merged into one (``merge_outputs``), in the order each request first appears: one
+    output a step per request, as its inter-token latency counts steps."""
+    by_request: dict[str, list[RequestOutput]] = {}
+    for out in outputs:
+        by_request.setdefault(out.request_id, []).append(out)
+    return [merge_outputs(outs[0], outs[1:]) for outs in by_request.values()]
+
+
 def _grammars(config: EngineConfig, tokenizer: TokenizerInfo | None
               ) -> Callable[[], Grammars] | None:
     """How the engine makes its structured-output compiler, on first use (None without a
@@ -223,7 +233,7 @@ class EngineCore:
         out = self.scheduler.schedule()
         sampled = self._execute(out) if out.chunks else []
         updates = self.scheduler.update(out, sampled)
-        outputs = [self._output(u) for u in updates]
+        outputs = one_per_request([self._output(u) for u in updates])
         self._step_logprobs.clear()
         self.scheduler.forget(o.request_id for o in outputs if o.finished)
         return outputs

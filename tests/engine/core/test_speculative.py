@@ -168,6 +168,21 @@ def test_rejected_guesses_never_reach_the_prefix_cache(llama_dir: Path) -> None:
         assert fresh.generate([longer], follow)[0].token_ids == again.token_ids
 
 
+def test_a_step_gives_each_request_one_output_with_every_token_it_kept(llama_dir: Path) -> None:
+    """A speculated request's kept tokens come as one output of the step (its text with
+    them), so a stream's inter-token latency counts steps, not tokens of one step."""
+    with LLM(llama_dir, speculative_config=NGRAM) as llm:
+        core = llm.core
+        core.add_request("a", [5, 6, 7, 8] * 12, GREEDY)
+        core.add_request("b", [9, 10, 11] * 12, GREEDY)
+        sizes: list[int] = []
+        while core.has_unfinished():
+            outputs = core.step()
+            assert len({o.request_id for o in outputs}) == len(outputs)
+            sizes += [len(o.new_token_ids) for o in outputs]
+        assert max(sizes) > 1 and sum(sizes) == 2 * GREEDY.max_tokens
+
+
 def test_an_abort_mid_speculation_frees_every_block(llama_dir: Path) -> None:
     with LLM(llama_dir) as engine:
         config = dataclasses.replace(
