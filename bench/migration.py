@@ -1,18 +1,28 @@
-"""What a decode worker's death costs a stream: the stall of a migration against an unloaded
-time to first token of the same prompt length (the goal: stall p50 <= 2x TTFT p50).
+"""What losing its decode worker costs a stream: the stall of a migration against an
+unloaded time to first token of the same prompt length (the goal: stall p50 <= 2x TTFT
+p50), for a death and for a drain — the KV moved, against replayed.
 
-    python -m bench.migration [--quick] [--lengths 128 512] [--trials 5] [--json out.json]
+    python -m bench.migration [--quick] [--lengths 128 512] [--trials 5]
+                              [--faults kill move replay] [--json out.json]
 
 Starts ``pdserve up`` as a library (``deploy.local.LocalLauncher``): one prefill and two
 decode workers, the router with its defaults (``--migration-limit 3``), on ``bench55m``
 (``--quick``: the built-in tiny model). For each prompt length: ``--trials`` unloaded
 requests of fresh random prompts (one token each) give the TTFT; then ``--trials``
 streams, one at a time, each of ``--max-tokens`` greedy tokens: once it has
-``--kill-after`` tokens, the decode worker holding it is SIGKILLed, and the stream's
-stall is the longest gap, as its client saw it, between chunks from the death on (the
-router moved it: the prompt, cached on the prefill worker, and the tokens so far
-prefilled, then decoding on the other worker). The dead worker is restarted before the
-next trial. Every stream must come out whole (``--max-tokens`` tokens, the greedy
+``--kill-after`` tokens, the decode worker holding it loses it, and the stream's stall
+is the longest gap, as its client saw it, between chunks from the fault on. Faults
+(``--faults``, one cluster each):
+
+- ``kill``: the worker is SIGKILLed; the router replays the stream elsewhere (the prompt,
+  cached on the prefill worker, and the tokens so far prefilled, then decoding on the
+  other decode worker);
+- ``move``: the worker is drained (SIGTERM): it parks the stream and its KV moves to the
+  other decode worker (``cluster.moves``), nothing recomputed;
+- ``replay``: the same drain with ``--no-drain-moves --grace 0``: the stream is cut at
+  once and replayed as after a death.
+
+The worker is restarted before the next trial. Every stream must come out whole (``--max-tokens`` tokens, the greedy
 output of the same prompt unfaulted). Prints a table and the machine facts; ``--json``
 writes them.
 """
@@ -38,6 +48,8 @@ from deploy.spec import ClusterSpec
 from pdserve import Client
 
 SETTLE_S = 6.0  # after a restart: past the router's 5 s of not routing to a failed worker
+FAULTS = ("kill", "move", "replay")
+WORKER_ARGS = {"kill": (), "move": (), "replay": ("--no-drain-moves", "--grace", "0")}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -48,6 +60,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--kill-after", type=int, default=32)
+    p.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS),
+                   help="how the decode worker loses the stream (one cluster each)")
     p.add_argument("--settle-s", type=float, default=SETTLE_S,
                    help="wait after restarting the dead worker (the router does not route "
                         "to a failed worker for 5 s)")
@@ -81,10 +95,10 @@ def ttft_s(client: Client, prompt: list[int]) -> float:
 
 
 def migrated_stall_s(launcher: LocalLauncher, client: Client, prompt: list[int],
-                     max_tokens: int, kill_after: int, settle_s: float
+                     max_tokens: int, kill_after: int, settle_s: float, fault: str = "kill"
                      ) -> tuple[float, list[int]]:
-    """One stream whose decode worker dies after ``kill_after`` tokens: the gap around
-    the death and every token; the dead worker is restarted afterwards."""
+    """One stream whose decode worker loses it (``fault``) after ``kill_after`` tokens:
+    the gap around the fault and every token; the worker is restarted afterwards."""
     tokens: list[int] = []
     victim: Child | None = None
     stall = 0.0
@@ -98,7 +112,10 @@ def migrated_stall_s(launcher: LocalLauncher, client: Client, prompt: list[int],
         last = now
         if victim is None and len(tokens) >= kill_after:
             victim = _holder(launcher)
-            victim.proc.kill()
+            if fault == "kill":
+                victim.proc.kill()
+            else:
+                victim.proc.terminate()
             last = time.monotonic()  # the gap counts from the death
     if victim is None:
         raise RuntimeError("the stream ended before the kill")
@@ -110,14 +127,18 @@ def migrated_stall_s(launcher: LocalLauncher, client: Client, prompt: list[int],
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     model = bench_model(args.quick)
-    spec = ClusterSpec(model_dir=model, num_prefill=1, num_decode=2, port=0, http_port=None,
-                       num_kv_blocks=512)
     rng = random.Random(0)
-    rows, results = [], {}
+    rows: list[list[object]] = []
+    results: dict[str, dict[str, dict[str, object]]] = {}
     print(f"migration stall on {model.name}: 1 prefill + 2 decode workers, "
-          f"{args.trials} trials per prompt length ...", flush=True)
-    with LocalLauncher(spec, progress=lambda line: None) as launcher:
-        with Client(launcher.router_address, max_resumes=0) as client:
+          f"{args.trials} trials per prompt length and fault ...", flush=True)
+    for fault in args.faults:
+        spec = ClusterSpec(model_dir=model, num_prefill=1, num_decode=2, port=0,
+                           http_port=None, num_kv_blocks=512, worker_args=WORKER_ARGS[fault])
+        by_length: dict[str, dict[str, object]] = {}
+        results[fault] = by_length
+        with LocalLauncher(spec, progress=lambda line: None) as launcher, \
+                Client(launcher.router_address, max_resumes=0) as client:
             vocab = client.model_info(timeout=30).vocab_size
             ttft_s(client, _prompt(rng, 8, vocab))  # warm-up
             for length in args.lengths:
@@ -128,33 +149,34 @@ def main(argv: Sequence[str] | None = None) -> int:
                     prompt = _prompt(rng, length, vocab)
                     stall, tokens = migrated_stall_s(launcher, client, prompt,
                                                      args.max_tokens, args.kill_after,
-                                                     args.settle_s)
+                                                     args.settle_s, fault)
                     whole = list(client.complete(prompt_token_ids=prompt,
                                                  max_tokens=args.max_tokens, temperature=0.0,
                                                  ignore_eos=True, timeout=300).token_ids)
                     if tokens != whole:
-                        print(f"stream of {length}-token prompt came out wrong", file=sys.stderr)
+                        print(f"{fault}: stream of {length}-token prompt came out wrong",
+                              file=sys.stderr)
                         return 1
                     stalls.append(stall)
                 ttft, stall = statistics.median(ttfts), statistics.median(stalls)
-                results[str(length)] = {"ttft_p50_ms": ttft * 1e3, "stall_p50_ms": stall * 1e3,
-                                        "stall_p90_ms": percentile(stalls, 90) * 1e3,
-                                        "stall_over_ttft": stall / ttft,
-                                        "goal_met": stall <= 2 * ttft}
-                rows.append([length, f"{ttft * 1e3:.1f}", f"{stall * 1e3:.1f}",
+                by_length[str(length)] = {"ttft_p50_ms": ttft * 1e3, "stall_p50_ms": stall * 1e3,
+                                          "stall_p90_ms": percentile(stalls, 90) * 1e3,
+                                          "stall_over_ttft": stall / ttft,
+                                          "goal_met": stall <= 2 * ttft}
+                rows.append([fault, length, f"{ttft * 1e3:.1f}", f"{stall * 1e3:.1f}",
                              f"{percentile(stalls, 90) * 1e3:.1f}", f"{stall / ttft:.2f}",
                              "yes" if stall <= 2 * ttft else "NO"])
-                print(f"  {length}-token prompts: TTFT p50 {ttft * 1e3:.1f} ms, stall p50 "
-                      f"{stall * 1e3:.1f} ms", flush=True)
-    print(format_table(rows, ["prompt", "TTFT p50 ms", "stall p50 ms", "stall p90 ms",
-                              "stall/TTFT", "<= 2x"]))
+                print(f"  {fault}, {length}-token prompts: TTFT p50 {ttft * 1e3:.1f} ms, "
+                      f"stall p50 {stall * 1e3:.1f} ms", flush=True)
+    print(format_table(rows, ["fault", "prompt", "TTFT p50 ms", "stall p50 ms",
+                              "stall p90 ms", "stall/TTFT", "<= 2x"]))
     facts = machine_info()
     print(f"machine: {facts.get('cpu_model', '?')}, {facts.get('cpu_count', '?')} CPUs, load "
           f"{facts.get('load_avg_1m_5m_15m', '?')}")
     if args.json:
         write_json(args.json, {"model": model.name, "trials": args.trials,
                                "max_tokens": args.max_tokens, "kill_after": args.kill_after,
-                               "by_prompt_len": results, "machine": facts})
+                               "by_fault": results, "machine": facts})
     return 0
 
 

@@ -84,6 +84,11 @@ class Heartbeat:
         self.stop()
 
     @property
+    def registry(self) -> Registry:
+        """The registry it beats into."""
+        return self._registry
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -147,8 +147,9 @@ class DecodeLoop(EngineLoop):
                                num_cached_blocks=self._live[rid].num_cached_blocks)
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {rid!r} is live here with another transfer")
-        if self.role != "decode":
-            return f"busy: this worker serves {self.role} now, it takes no new reservations"
+        if self.role != "decode" or self.draining:
+            return (f"busy: this worker {'is draining' if self.draining else 'serves ' + self.role}"
+                    " now, it takes no new reservations")
         if self.busy:
             return (f"busy: {len(self._live)} requests held, the worker's limit "
                     "(--max-requests)")

@@ -77,6 +77,9 @@ class Submit(Command[None]):
     client_request_id: str = ""  # for logs
     num_resumed_tokens: int = 0  # output already streamed, ending the prompt (a migration)
     num_skipped_blocks: int = 0  # leading prompt blocks the receiver holds: not sent
+    # a planned move: the parked request (attempt id) whose KV goes, not a prefill
+    # (``role_worker.moves``); the prompt must be its tokens
+    moved_from: str = ""
 
 
 @dataclass
@@ -126,9 +129,13 @@ class PrefillLoop(EngineLoop):
         except ValueError as exc:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self.named(cmd.attempt_id, cmd.client_request_id)
-        self._held[cmd.attempt_id] = _Held(cmd.stream, cmd.deadline, cmd.transfer_id,
-                                           time.monotonic())
-        self.timings.received(cmd.attempt_id)
+        self.hold(cmd.attempt_id, cmd.stream, cmd.transfer_id, cmd.deadline)
+
+    def hold(self, request_id: str, stream: OutputStream[PrefillDone], transfer_id: int,
+             deadline: float | None = None) -> None:
+        """``stream`` gets the ``PrefillDone`` of ``request_id``, submitted to ``sending``."""
+        self._held[request_id] = _Held(stream, deadline, transfer_id, time.monotonic())
+        self.timings.received(request_id)
 
     def _abort(self, attempt_id: str, code: grpc.StatusCode, reason: str) -> bool:
         held = self._held.pop(attempt_id, None)

@@ -5,22 +5,22 @@ and passes the rest on, so the combined loop only builds both sides' state. Whic
 work it takes is its ``role`` (``SetRole``): a prefill worker refuses ``Reserve`` and
 ``Local`` as busy, a decode worker refuses ``Submit`` as busy; a request admitted under
 either role runs to its end whatever the role becomes meanwhile (the engine batches a
-prefill-only request with decoding ones like any other).
+prefill-only request with decoding ones like any other). At drain, its decoding requests
+may move their KV to another decode worker (``role_worker.moves``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from decode_worker.engine_loop import DecodeLoop
 from engine.core.engine_core import EngineCore
-from prefill_worker.engine_loop import PrefillLoop
+from role_worker.moves import MovingLoop
 from worker.kv.plane import KVPlane
 from worker.loop import EngineLoop
 from worker.metrics import WorkerMetrics
 
 
-class WorkerLoop(PrefillLoop, DecodeLoop):
+class WorkerLoop(MovingLoop):
     """Owns ``core`` (built with the KV rank plugin) from ``start`` until ``stop``; takes
     new work of ``role``; receives KV from the start (its store is registered once, so a
     switch to decode changes no address). ``max_requests`` bounds each role's held
@@ -33,3 +33,4 @@ class WorkerLoop(PrefillLoop, DecodeLoop):
                                                      role, "-"), role)
         self.init_prefill(max_requests)
         self.init_decode(transfer_timeout_s, max_requests)
+        self.init_moves()

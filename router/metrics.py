@@ -24,6 +24,9 @@ streamed chunks, end-to-end, and the time a request waited in the router's queue
   theirs failed mid-stream (cause: ``died`` — the call failed —, ``health``, ``draining``,
   ``ended`` — the stream ended without a finish reason); ``pdserve:migration_stall_seconds``
   (histogram): the gap a migration left between the tokens around it, as the router saw it;
+- ``pdserve:kv_moves_total{outcome}``: migrations a draining decode worker offered to move
+  with their KV (``cluster.moves``): ``moved`` (its KV went to the next decode worker, no
+  token recomputed) or ``replayed`` (the move failed or was not possible: replayed);
 - ``pdserve:router_resumed_streams_total``: broken streams their clients resumed here
   (``GenerateRequest.resume``, ``router.resume``);
 - ``pdserve:router_decisions_total{kind, reason}``: routing decisions (kind ``prefill`` or
@@ -95,6 +98,8 @@ class RouterMetrics:
                                   ["cause"], registry=r)
         self.resumes = Counter(p + "resumed_streams",
                                "Broken streams resumed here by their clients", registry=r)
+        self.kv_moves = Counter("pdserve:kv_moves", "Migrations offered a planned move by a "
+                                "draining decode worker, by outcome", ["outcome"], registry=r)
         self.migration_stall = Histogram("pdserve:migration_stall_seconds",
                                          "Gap between the tokens around a migration",
                                          registry=r, buckets=LATENCY_BUCKETS)

@@ -159,7 +159,9 @@ class WorkerCalls:
             t.transfer_id, t.kv_address, t.tensor_parallel_size, t.num_cached_blocks))
 
     def start_prefill(self, prefill_id: str, attempt_id: str, lease: Lease, target: KVTarget,
-                      timeout_s: float) -> grpc.aio.UnaryUnaryCall:
+                      timeout_s: float, moved_from: str = "") -> grpc.aio.UnaryUnaryCall:
+        """The attempt's Prefill (``moved_from``: a planned move of that parked attempt's
+        KV, ``cluster.moves``)."""
         stub = pb_grpc.PrefillWorkerStub(self._pool.channel(prefill_id))
         return stub.Prefill(pb.PrefillRequest(
             client_request_id=self._req.request_id, prompt_token_ids=self._prompt,
@@ -167,7 +169,7 @@ class WorkerCalls:
             sampling=self._sampling, target=pb.KVTarget(
                 kv_address=target.kv_address, tensor_parallel_size=target.tensor_parallel_size,
                 transfer_id=target.transfer_id, num_cached_blocks=target.num_cached_blocks),
-            attempt_id=attempt_id,
+            attempt_id=attempt_id, moved_from=moved_from,
             lease=self._lease(lease)), timeout=timeout_s)
 
     @staticmethod

@@ -51,6 +51,20 @@ class SetRole(Command[str]):
 
 
 @dataclass(frozen=True)
+class OfferMoves(Command[int]):
+    """Drain: take no new work; park every decoding request whose stream is open and end
+    that stream with the move offer (``cluster.moves``), each parked at most ``wait_s``
+    for the router's move. Returns how many were offered (``role_worker.moves``)."""
+
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class MovesPending(Command[int]):
+    """Requests parked for a move, or moving (their KV not yet acknowledged)."""
+
+
+@dataclass(frozen=True)
 class AbortAll(Command[int]):
     reason: str = "the worker is shutting down"
 

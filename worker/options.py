@@ -84,6 +84,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a KV transfer may take")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight RPCs get on SIGTERM before they are aborted")
+    parser.add_argument("--drain-moves", action=argparse.BooleanOptionalAction, default=True,
+                        help="on SIGTERM, with another decode worker registered, park the "
+                             "decoding requests and let the routers move them there with "
+                             "their KV (at most --grace seconds for the offer); "
+                             "--no-drain-moves: they finish here within --grace, then are "
+                             "replayed elsewhere")
     parser.add_argument("--max-requests", type=int, default=1024,
                         help="requests held at once (queued, prefilling, reserved or "
                              "streaming); more are refused as busy (RESOURCE_EXHAUSTED, or a "

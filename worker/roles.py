@@ -26,6 +26,7 @@ class RoleState:
         if self.role not in self.roles:
             raise ValueError(f"this loop serves {' or '.join(self.roles)}, not {self.role!r}")
         self.role_listeners: list[Callable[[str], object]] = []
+        self.draining = False  # set once at drain: no new work of any role
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -49,7 +50,10 @@ class RoleState:
 
     def refuse_unless(self, role: str, what: str) -> None:
         """``WorkerError`` (RESOURCE_EXHAUSTED: busy, so the router goes elsewhere) unless
-        the loop serves ``role`` now; ``what`` names the refused work."""
+        the loop serves ``role`` now and is not draining; ``what`` names the refused work."""
+        if self.draining:
+            raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"busy: this worker is draining, it takes no {what}")
         if self.role != role:
             raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"busy: this worker serves {self.role} now, it takes no {what}")

@@ -39,6 +39,7 @@ from cluster.records import WorkerLoad, WorkerRecord
 from cluster.registry import FingerprintMismatch, Registry
 from cluster.token import ClusterToken
 from engine.kvcache.layout import KVLayout
+from worker.drain import move_out
 from worker.leases import LeaseWatcher
 from worker.loop import Abort, EngineLoop
 from worker.metrics import WorkerMetrics
@@ -149,7 +150,8 @@ def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
     naming the field — at once, or when a later heartbeat keeps finding one, after
     draining — as do invalid ``--heartbeat-interval``/``--registration-ttl``; Redis down:
     the heartbeat waits to join) →
-    SERVING → ready file → wait. Stop: NOT_SERVING, deregister, refuse new RPCs and give
+    SERVING → ready file → wait. Stop: NOT_SERVING, with Redis the planned moves of its
+    decoding requests' KV to other decode workers (``worker.drain``), deregister, refuse new RPCs and give
     in-flight ones ``args.grace`` seconds, cancel the rest (their cancellation aborts
     their requests), then stop the loop (aborts what is left, shuts the engine and its
     ranks down). Returns the exit code.
@@ -208,6 +210,9 @@ async def _serve(args: Any, loop: EngineLoop, endpoint: Endpoint, metrics_addres
         if watcher is not None:
             watcher.cancel()
         await health_.set(False)
+        if heartbeat is not None and heartbeat.refused is None \
+                and getattr(args, "drain_moves", True):  # its decoding requests move
+            await move_out(loop, heartbeat.registry, identity.worker_id, args.grace)
         if heartbeat is not None:
             await asyncio.to_thread(run_guarded, "deregistering", heartbeat.stop)
         start = time.monotonic()

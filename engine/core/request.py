@@ -14,6 +14,7 @@ class RequestStatus(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; KV is written from outside
     KV_READY = "kv_ready"  # that KV is in its blocks; joins the running batch at the next step
     RUNNING = "running"
+    PARKED = "parked"  # out of the batch, its blocks kept: its KV may move (engine.core.parking)
     FINISHED = "finished"
 
 

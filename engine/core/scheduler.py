@@ -104,6 +104,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.kv_ready: deque[Request] = deque()  # KV_READY: written from outside, not yet running
         self.reserved: dict[str, Request] = {}  # WAITING_FOR_KV
+        self.parked: dict[str, Request] = {}  # PARKED (engine.core.parking)
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
 
@@ -154,6 +155,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self.reserved.pop(request_id, None)
+        self.parked.pop(request_id, None)
         self._finish(request, reason)
         return request
 

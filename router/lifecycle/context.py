@@ -17,6 +17,7 @@ from router.admission import Ticket
 from router.config import HandoffConfig
 from router.errors import RouteError
 from router.kv_index import KVIndex
+from router.lifecycle.outcomes import MoveOffer
 from router.metrics import RouterMetrics
 from router.trace import Trace
 from router.validation import ValidRequest
@@ -65,6 +66,8 @@ class RequestContext:
     kv_index: KVIndex | None = None  # where the workers' KV is (kv-aware routing)
     # the prefix-cache salt of KV a decode worker receives (lossy wire: keyed apart there)
     received_kv_salt: str = ""
+    # a draining decode worker's offer, for the next attempt's Prefill (router.lifecycle.prefill)
+    pending_move: MoveOffer | None = None
     log: logging.LoggerAdapter = field(init=False)
 
     def __post_init__(self) -> None:

@@ -22,7 +22,10 @@ prefill worker's cache holds the prompt) and count it as output — ``max_tokens
 usage, the text stream (text withheld for a possible stop string is rebuilt, neither
 lost nor sent twice) — and sampling continues at the next position, which for seeded
 sampling is the token the failed worker would have drawn. The client sees one stream;
-past the limit, UNAVAILABLE naming how many tokens were streamed. The client's deadline is handed to every worker call; a passed deadline is
+past the limit, UNAVAILABLE naming how many tokens were streamed. A draining decode
+worker may offer to move the stream with its KV (``Migrate.move``, ``cluster.moves``):
+the next attempt's Prefill then goes to that worker, which sends the KV it holds, and to
+the prefill workers (replay) only when the move fails. The client's deadline is handed to every worker call; a passed deadline is
 DEADLINE_EXCEEDED. A failure the loop does not expect (a bug, a value no code path
 checked) ends the request with INTERNAL — never a hang — and, like every other end, the
 attempt's ``end()`` releases everything it held. Every attempt is ended exactly once,
@@ -99,8 +102,11 @@ class Handoff:
                 return
             except Migrate as migrate:
                 failures.clear()  # the next attempt starts afresh, after the tokens sent
+                if migrate.move is not None:  # parked for the move: no Abort goes there
+                    attempt.decode_holds_nothing()
                 self._migrate(attempt.id, migrate)
                 self._migrating = str(migrate)
+                ctx.pending_move = migrate.move
             except Busy as busy:  # not the worker's fault: wait, then place again
                 ctx.metrics.retries.labels("busy").inc()
                 ctx.log.info("attempt %s: %s; waiting for capacity", attempt.id, busy)

@@ -7,6 +7,7 @@ may continue on another one). A failure the client sees is a ``router.errors.Rou
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 
 class Retry(Exception):
@@ -26,13 +27,26 @@ class Busy(Exception):
 class Migrate(Exception):
     """The decode worker failed this attempt after ``num_streamed`` of its tokens reached
     the client; the stream may continue elsewhere. ``cause``: died, health, draining or
-    ended (metrics); ``detail`` names the worker (for logs, never the client)."""
+    ended (metrics); ``detail`` names the worker (for logs, never the client). ``move``:
+    the draining worker parked the request with its KV and offers to move it
+    (``cluster.moves``)."""
 
-    def __init__(self, message: str, cause: str, num_streamed: int, detail: str) -> None:
+    def __init__(self, message: str, cause: str, num_streamed: int, detail: str,
+                 move: MoveOffer | None = None) -> None:
         super().__init__(message)
         self.cause = cause
         self.num_streamed = num_streamed
         self.detail = detail
+        self.move = move
+
+
+@dataclass(frozen=True)
+class MoveOffer:
+    """A draining decode worker's offer: ``worker_id`` holds the KV of ``attempt_id``'s
+    request, parked, for the next attempt's Prefill to move (``cluster.moves``)."""
+
+    worker_id: str
+    attempt_id: str
 
 
 def reraise_if_we_are_cancelled() -> None:

@@ -6,6 +6,12 @@ acknowledged the KV and the first token (``Prefilled``).
 Failures: a worker that failed is excluded and the attempt is retried (``Retry``); one
 that refused what the router sent is INTERNAL (a router bug); no prefill worker left is
 UNAVAILABLE, or (``local_prefill`` "fallback") a retry that prefills locally.
+
+A planned move pending (``RequestContext.pending_move``, ``cluster.moves``) goes first:
+the Prefill goes to the draining decode worker, naming the parked attempt, and that
+worker sends the KV it holds. A move refused before anything was sent (the offer
+expired, the tokens differ) falls back to the prefill workers within the attempt; one
+that failed after (the KV transfer) is retried as a new attempt, which replays.
 """
 
 from __future__ import annotations
@@ -16,18 +22,27 @@ import grpc
 
 from router.errors import RouteError
 from router.lifecycle.attempt import Attempt
-from router.lifecycle.outcomes import Retry, reraise_if_we_are_cancelled
+from router.lifecycle.outcomes import MoveOffer, Retry, reraise_if_we_are_cancelled
 from router.lifecycle.placement import Placement
 from router.worker_calls import Failure, Prefilled, WorkerCalls
 
 # how long a Generate stream that failed before its first chunk waits for the Prefill's
 # own failure, which says whose fault a failed transfer was
 PREFILL_VERDICT_S = 2.0
+# what a refused move answers: the draining worker sent nothing (replay within the attempt)
+MOVE_REFUSALS = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+                           grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS,
+                           grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED})
 
 
 async def prefill(attempt: Attempt, placement: Placement) -> Prefilled:
     """The attempt's Prefill (see the module docstring)."""
     ctx = attempt.ctx
+    move, ctx.pending_move = ctx.pending_move, None
+    if move is not None:
+        moved = await _move(attempt, move)
+        if moved is not None:
+            return moved
     while True:
         order = placement.prefill_order()
         if not order:
@@ -89,6 +104,51 @@ async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int) -> Prefill
     ctx.log.info("prefilled on %s (%d of %d prompt tokens cached)", prefill_id,
                  reply.num_cached_tokens, reply.num_prompt_tokens)
     return reply
+
+
+async def _move(attempt: Attempt, move: MoveOffer) -> Prefilled | None:
+    """The planned move's Prefill on the draining worker: its reply, or None when the
+    worker refused it having sent nothing (see the module docstring)."""
+    ctx = attempt.ctx
+    assert attempt.target is not None
+    try:
+        call = ctx.calls.start_prefill(move.worker_id, attempt.id, attempt.lease, attempt.target,
+                                       ctx.timeout(), moved_from=move.attempt_id)
+    except KeyError:
+        _replayed(attempt, move, "it left the registry")
+        return None
+    ctx.trace.mark("prefill_started")
+    attempt.prefill_started(move.worker_id)
+    attempt.track(call)
+    try:
+        with ctx.pool.watched(move.worker_id, call):
+            reply = WorkerCalls.prefilled(await call)
+    except asyncio.CancelledError:
+        reraise_if_we_are_cancelled()
+        ctx.metrics.kv_moves.labels("replayed").inc()
+        raise Retry(f"the move from {move.worker_id} stopped answering health checks",
+                    "health") from None
+    except grpc.aio.AioRpcError as exc:
+        failure = ctx.failure(exc)
+        ctx.check_deadline(failure)
+        if exc.code() in MOVE_REFUSALS:
+            attempt.prefill_released()  # it holds nothing of this attempt
+            _replayed(attempt, move, str(failure))
+            return None
+        ctx.metrics.kv_moves.labels("replayed").inc()
+        raise Retry(f"the move from {move.worker_id} failed: {failure}", "prefill") from None
+    attempt.prefill_released()
+    ctx.trace.mark("prefill_returned")
+    ctx.trace.prefill = reply.times
+    ctx.metrics.kv_moves.labels("moved").inc()
+    ctx.log.info("moved from %s with its KV (%d tokens)", move.worker_id,
+                 len(ctx.request.prompt_token_ids) + ctx.calls.num_resumed)
+    return reply
+
+
+def _replayed(attempt: Attempt, move: MoveOffer, why: str) -> None:
+    attempt.ctx.metrics.kv_moves.labels("replayed").inc()
+    attempt.ctx.log.warning("the move from %s was refused (%s): replaying", move.worker_id, why)
 
 
 async def prefill_verdict(task: asyncio.Future[Prefilled]) -> Retry | RouteError | None:

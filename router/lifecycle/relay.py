@@ -22,9 +22,10 @@ from dataclasses import replace
 import grpc
 
 from cluster import pause_points
+from cluster.moves import is_move_offer
 from router.errors import RouteError
 from router.lifecycle.attempt import Attempt
-from router.lifecycle.outcomes import Busy, Migrate, Retry, reraise_if_we_are_cancelled
+from router.lifecycle.outcomes import Busy, Migrate, MoveOffer, Retry, reraise_if_we_are_cancelled
 from router.lifecycle.placement import Placement
 from router.lifecycle.prefill import prefill, prefill_verdict
 from router.outputs import OutputChunk
@@ -97,8 +98,9 @@ async def relay(attempt: Attempt, call: grpc.aio.UnaryStreamCall
                              "streamed tokens", detail=f"{decode_id}: {failure}") from None
         ctx.worker_failed(decode_id, failure)
         cause = "draining" if "shutting down" in failure.details else "died"
+        move = MoveOffer(decode_id, attempt.id) if is_move_offer(failure.details) else None
         raise Migrate("the decode worker failed", cause, num_streamed,
-                      f"{decode_id}: {failure}") from None
+                      f"{decode_id}: {failure}", move) from None
     if not attempt.is_finished:
         ctx.excluded.add(decode_id)
         if num_streamed == 0:

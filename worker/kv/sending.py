@@ -9,6 +9,11 @@ cached-token count — behind the layers) → ``poll`` until every rank reports 
 transfer acknowledged (or failed, or the deadline passed) → the blocks are unpinned and
 ``poll`` returns the ``SendOutcome``. ``abort`` at any point instead.
 
+A planned move (``move``) sends a parked decoding request's KV the same way
+(``engine.core.parking``): its next step computes its last token and samples the one after
+it, the "first token" of the trailer; from there on it is a submitted request like any
+other.
+
 Block ownership: pinned from the request's last step until its outcome or ``abort``;
 unpinned (left in the prefix cache) only once no rank reads them any more.
 """
@@ -20,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.core.engine_core import EngineCore, RequestOutput
+from engine.core.parking import unpark_to_send
 from engine.core.scheduler import SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.tp.distributed import StoreAddress
@@ -90,6 +96,20 @@ class KVSendLeader:
                              "to send")
         self.core.add_request(request_id, prompt_ids, params, prefill_only=True,
                               num_resumed_tokens=num_resumed_tokens)
+        self._orders[request_id] = _Order(transfer_id, dest, num_skipped_blocks)
+
+    def move(self, request_id: str, transfer_id: int, dest: StoreAddress, *,
+             num_skipped_blocks: int = 0) -> None:
+        """Send the KV of the parked request ``request_id`` (all but its first
+        ``num_skipped_blocks`` blocks) to ``dest`` with its next token as the trailer, then
+        end it (see the module docstring). ``KeyError`` if it is not parked, ``ValueError``
+        (it stays parked) when the skipped blocks leave nothing to send."""
+        request = self.core.scheduler.parked[request_id]
+        block_size = self.core.config.cache.block_size
+        if not 0 <= num_skipped_blocks * block_size < request.num_tokens:
+            raise ValueError(f"{num_skipped_blocks} cached blocks of {block_size} tokens on "
+                             f"the receiver leave nothing of {request.num_tokens} tokens to send")
+        unpark_to_send(self.core.scheduler, request_id)
         self._orders[request_id] = _Order(transfer_id, dest, num_skipped_blocks)
 
     def step_payload(self, out: SchedulerOutput) -> bytes:

@@ -49,7 +49,7 @@ def _placement(prompt: list[int], index: KVIndex | None, pool: Pool, salt: str =
                           config=HandoffConfig(**config), kv_index=index, metrics=metrics,
                           excluded=set(), block_size=BLOCK, hash_seed=0, shared_decode=None,
                           choice=0, calls=SimpleNamespace(num_resumed=0),
-                          received_kv_salt=salt)
+                          received_kv_salt=salt, pending_move=None)
     return Placement(ctx, None, itertools.count()), metrics  # type: ignore[arg-type]
 
 

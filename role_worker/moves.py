@@ -1,0 +1,118 @@
+"""Planned moves on a worker's engine loop: a draining decode worker hands its decoding
+requests' KV to other decode workers instead of their streams being replayed (the words
+and the router's part: ``cluster.moves``).
+
+``OfferMoves`` (at drain) stops the loop taking new work, parks every decoding request
+whose stream is open (``engine.core.parking``: out of the batch, blocks kept) and ends
+its Generate stream with the move offer, after every token it produced. A parked request
+waits at most ``wait_s`` for the router's ``Submit`` naming it (``moved_from``); then it
+is freed. That Submit must carry exactly the request's tokens; its KV is then sent like a
+prefill's (``worker.kv.sending.KVSendLeader.move``) and the Submit's stream gets the
+``PrefillDone`` — from here on it is a held prefill under the parked request's engine id,
+which the Submit's attempt id names too (an Abort or a lease of the new attempt reaches
+it). An Abort of the old attempt (the router ends it when it takes the offer; the ended
+stream's handler aborts it too) leaves a parked request alone: only its wait ends it.
+``MovesPending`` counts what is parked or still sending, for the drain to wait on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from cluster.moves import MOVE_OFFER
+from decode_worker.engine_loop import DecodeLoop, Phase
+from engine.core.parking import park
+from prefill_worker.engine_loop import PrefillLoop, Submit
+from worker.commands import Command, MovesPending, OfferMoves, WorkerError
+
+log = logging.getLogger(__name__)
+
+
+class MovingLoop(PrefillLoop, DecodeLoop):
+    """The prefill and decode sides with planned moves between them (module docstring)."""
+
+    def init_moves(self) -> None:
+        self._parked: dict[str, float] = {}  # engine request id -> monotonic deadline
+        self._moving: dict[str, str] = {}  # the move's attempt id -> the engine request id
+
+    def _handle_own(self, command: Command) -> object:
+        if isinstance(command, Submit) and command.moved_from:
+            self._move(command)
+            return None
+        if isinstance(command, OfferMoves):
+            return self._offer(command.wait_s)
+        if isinstance(command, MovesPending):
+            return len(self._parked) + sum(1 for rid in self._moving.values() if rid in self._held)
+        return super()._handle_own(command)
+
+    def _offer(self, wait_s: float) -> int:
+        self.draining = True
+        deadline = time.monotonic() + wait_s
+        offered = 0
+        for rid, live in list(self._live.items()):
+            if live.phase is not Phase.RUNNING or live.stream is None \
+                    or not park(self.core.scheduler, rid):
+                continue
+            del self._live[rid]
+            self.timings.forget(rid)
+            live.stream.fail(grpc.StatusCode.UNAVAILABLE, MOVE_OFFER)
+            self._parked[rid] = deadline
+            offered += 1
+        if offered:
+            log.info("draining: %d decoding requests parked, their KV offered to move", offered)
+        return offered
+
+    def _move(self, cmd: Submit) -> None:
+        rid = cmd.moved_from
+        if rid not in self._parked:
+            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"no request {rid!r} is parked here to move")
+        if cmd.attempt_id in self._moving or cmd.attempt_id in self._held:
+            raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
+                              f"request {cmd.attempt_id!r} is already being moved")
+        request = self.core.scheduler.parked[rid]
+        if request.all_token_ids != list(cmd.prompt_token_ids):
+            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"the parked request {rid!r} has {request.num_tokens} tokens, "
+                              f"not the {len(cmd.prompt_token_ids)} asked to move")
+        try:
+            self.sending.move(rid, cmd.transfer_id, cmd.dest,
+                              num_skipped_blocks=cmd.num_skipped_blocks)
+        except ValueError as exc:
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        del self._parked[rid]
+        self._moving[cmd.attempt_id] = rid
+        self.named(rid, cmd.client_request_id)
+        self.hold(rid, cmd.stream, cmd.transfer_id)
+        log.info("moving its KV as attempt %s", cmd.attempt_id, extra=self.log_extra(rid))
+
+    def _abort(self, attempt_id: str, code: grpc.StatusCode, reason: str) -> bool:
+        old = attempt_id in self._parked or attempt_id in self._moving.values()
+        if old and code is grpc.StatusCode.ABORTED:
+            return False  # the old attempt's end (an Abort): the offer, or the move, stands
+        if attempt_id in self._parked:
+            del self._parked[attempt_id]
+            return self.core.abort_request(attempt_id)
+        rid = self._moving.pop(attempt_id, None)
+        return super()._abort(attempt_id if rid is None else rid, code, reason)
+
+    def _live_ids(self) -> list[str]:
+        return list(self._parked) + super()._live_ids()
+
+    def _is_polling(self) -> bool:
+        return bool(self._parked) or super()._is_polling()
+
+    def _poll(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, deadline in self._parked.items() if deadline < now]:
+            log.warning("a parked request's move was not asked for in time: freed",
+                        extra=self.log_extra(rid))
+            del self._parked[rid]
+            self.core.abort_request(rid)
+        super()._poll()
+        for attempt_id, rid in list(self._moving.items()):
+            if rid not in self._held:  # reported (or aborted): the move is over
+                del self._moving[attempt_id]

@@ -1,0 +1,109 @@
+"""Planned moves keep the KV: a decode worker drained (SIGTERM) under 8 concurrent streams
+while another decode worker serves. Its decoding requests park with their KV and the
+router moves each to the other decode worker, where the draining worker sends the KV it
+holds (``cluster.moves``): every stream comes out whole and right — greedy, penalised
+and seeded tokens, and text with a stop string, equal to ``engine.LLM``'s unfaulted run —
+each move counted, none replayed (the prefill worker computes nothing for them), the
+drained worker exits cleanly, and nothing is held afterwards (the module's leak check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from pdserve import AsyncClient
+from tests.e2e.cluster import Cluster
+from tests.factories import PROMPTS
+
+pytestmark = pytest.mark.timeout(300)
+
+TIMEOUT_S = 120.0
+MAX_TOKENS = 160
+DRAIN_AFTER = 16  # every stream has this many tokens when the worker drains
+CLUSTER = {"num_prefill": 1, "num_decode": 2, "decode_tp": 1, "decode_kv_blocks": 400,
+           "router_args": ("--metrics-port", "0"), "decode_args": ("--grace", "20")}
+
+
+def _metrics(cluster: Cluster) -> dict[str, float]:
+    assert cluster.router is not None
+    address = cluster.router.ready["metrics_address"]
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_a_draining_decode_worker_moves_its_streams_with_their_kv(cluster: Cluster,
+                                                                  llama_dir: Path) -> None:
+    prompts = [f"{PROMPTS[i % 4]} (moving {i})" for i in range(8)]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+              if i < 6 else SamplingParams(max_tokens=MAX_TOKENS, temperature=0.75, seed=i,
+                                           ignore_eos=True) for i in range(8)]
+    for i in (2, 3, 7):  # penalties count the output before the move as output
+        params[i] = replace(params[i], presence_penalty=0.5, frequency_penalty=0.25,
+                            repetition_penalty=1.25)
+    with LLM(llama_dir) as llm:
+        free = llm.generate(prompts[4:5], params[4:5])[0]
+        params[4] = replace(params[4], stop=(free.text[len(free.text) * 3 // 4:][:6],))
+        expected = llm.generate(prompts, params)
+    victim = cluster.decode[0]
+    received: list[list[int]] = [[] for _ in prompts]
+    texts = ["" for _ in prompts]
+    ends: list[str | None] = [None for _ in prompts]
+    held: list[int] = []
+    prefilled: list[int] = []
+
+    async def one(client: AsyncClient, i: int) -> None:
+        p = params[i]
+        async for chunk in client.generate(
+                prompts[i], max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed,
+                stop=list(p.stop), ignore_eos=True, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+                timeout=TIMEOUT_S):
+            received[i] += chunk.token_ids
+            texts[i] += chunk.text
+            ends[i] = chunk.finish_reason or ends[i]
+
+    async def drain_when_all_have_streamed() -> None:
+        while any(len(r) < DRAIN_AFTER and ends[i] is None for i, r in enumerate(received)):
+            await asyncio.sleep(0.005)
+        held.append(len((await asyncio.to_thread(cluster.info, victim)).attempt_ids))
+        prefilled.append((await asyncio.to_thread(cluster.info, cluster.prefill[0])
+                          ).num_started_requests)
+        victim.proc.send_signal(signal.SIGTERM)
+
+    async def run() -> None:
+        async with AsyncClient(cluster.address) as client:
+            drainer = asyncio.ensure_future(drain_when_all_have_streamed())
+            try:
+                await asyncio.gather(*(one(client, i) for i in range(8)))
+            finally:
+                drainer.cancel()
+
+    before = _metrics(cluster)
+    asyncio.run(run())
+    assert victim.proc.wait(60) == 0, victim.log_tail()
+    for i, result in enumerate(expected):
+        assert received[i] == result.token_ids, i  # nothing twice, nothing missing
+        assert texts[i] == result.text, i
+        assert ends[i] == result.finish_reason, i
+    assert ends[4] == "stop"
+    after = _metrics(cluster)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    moved = delta('pdserve:kv_moves_total{outcome="moved"}')
+    assert held and 1 <= moved == held[0], (moved, held, victim.log_tail(3000))
+    assert delta('pdserve:kv_moves_total{outcome="replayed"}') == 0
+    assert delta('pdserve:migrations_total{cause="draining"}') == moved
+    # none recomputed: the prefill worker started no request after the drain began
+    assert cluster.info(cluster.prefill[0]).num_started_requests == prefilled[0]
+    assert "requests offered to move, 0 still pending" in victim.log_tail(20_000)
+    cluster.decode.remove(victim)
