@@ -134,6 +134,14 @@ class Heartbeat:
             self._record = replace(self._record, role=role)
         return self.beat()
 
+    def set_draining(self) -> bool:
+        """The worker is shutting down: every later record says so (routers stop routing
+        to it, draining peers do not move work to it), one beat at once. True when that
+        beat wrote the record."""
+        with self._lock:
+            self._record = replace(self._record, draining=True)
+        return self.beat()
+
     def stop(self, *, deregister: bool = True, timeout_s: float = 10.0) -> None:
         """Stop beating; with ``deregister`` delete the key (else it expires after the TTL).
 

@@ -1,6 +1,7 @@
 """The words of a planned move, shared by the router and the workers, torch-free.
 
-A draining decode worker (SIGTERM with another decode worker in the cluster) parks each
+A draining decode worker (SIGTERM with another decode worker in the cluster; or one
+switched to prefill with ``SetRoleRequest.move_decoding``) parks each
 decoding request with its KV and ends the request's Generate stream with UNAVAILABLE
 and ``MOVE_OFFER`` in the details, after every token it produced. The router then
 reserves the continuation on another decode worker and asks the draining worker for it
@@ -11,8 +12,9 @@ worker recomputing it. A move refused or failed falls back to the replay migrati
 
 from __future__ import annotations
 
-# the Generate stream's status details: "shutting down" keeps the router's "draining" cause
-MOVE_OFFER = "shutting down: the request is parked with its KV, which can move"
+# the Generate stream's status details
+MOVE_OFFER = ("moving: its decode worker stops decoding (draining, or switched to prefill); "
+              "the request is parked with its KV, which can move")
 
 
 def is_move_offer(details: str | None) -> bool:

@@ -45,7 +45,9 @@ class WorkerRecord:
     """What the router learns about a worker. ``started_at`` is wall-clock seconds (epoch).
 
     ``grpc_address`` serves the worker's control API; ``kv_address`` is the rendezvous store
-    of its KV endpoint. Both are ``host:port``.
+    of its KV endpoint. Both are ``host:port``. ``draining``: it is shutting down (takes no
+    new work, and no planned move: ``cluster.moves``); written only when set, so that a
+    reader without the field skips only the records of workers on their way out.
     """
 
     worker_id: str
@@ -60,6 +62,7 @@ class WorkerRecord:
     num_waiting: int
     started_at: float
     metrics_address: str = ""
+    draining: bool = False
 
     def __post_init__(self) -> None:
         check_name("worker_id", self.worker_id)
@@ -92,6 +95,8 @@ class WorkerRecord:
         body: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         body["layout"] = dataclasses.asdict(self.layout)
         body["version"] = RECORD_VERSION
+        if not self.draining:
+            del body["draining"]
         return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -102,6 +107,7 @@ class WorkerRecord:
         version = data.pop("_version")
         if version == 1:
             data.setdefault("metrics_address", "")
+        data.setdefault("draining", False)
         values = _typed_fields(cls, data, "worker record", skip=("layout",))
         try:
             return cls(layout=layout_from_dict(data["layout"], version), **values)

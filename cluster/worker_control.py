@@ -39,10 +39,12 @@ class RoleSwitchError(Exception):
 
 
 async def set_role(address: str, role: str, *, token: ClusterToken | None = None,
-                   tls: InternalTLS | None = None,
-                   timeout_s: float = SET_ROLE_TIMEOUT_S) -> RoleSwitch:
+                   tls: InternalTLS | None = None, timeout_s: float = SET_ROLE_TIMEOUT_S,
+                   move_decoding: bool = False) -> RoleSwitch:
     """Switch the worker at ``address`` (``host:port``) to ``role``; ``RoleSwitchError``
-    when it refuses (the message is the worker's) or does not answer within ``timeout_s``."""
+    when it refuses (the message is the worker's) or does not answer within ``timeout_s``.
+    ``move_decoding``: switching to prefill, its decoding requests move with their KV to
+    other decode workers (``cluster.moves``) instead of finishing there."""
     interceptors = token_call_interceptors(token)
     channel = (grpc.aio.insecure_channel(address, interceptors=interceptors) if tls is None
                else grpc.aio.secure_channel(address, tls.channel_credentials(),
@@ -50,7 +52,7 @@ async def set_role(address: str, role: str, *, token: ClusterToken | None = None
     async with channel:
         try:  # either service answers SetRole the same: the decode one is asked
             reply = await pb_grpc.DecodeWorkerStub(channel).SetRole(
-                pb.SetRoleRequest(role=role), timeout=timeout_s)
+                pb.SetRoleRequest(role=role, move_decoding=move_decoding), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             refused = exc.code() == grpc.StatusCode.INVALID_ARGUMENT
             raise RoleSwitchError(f"{exc.code().name}: {exc.details()}" if not refused

@@ -144,7 +144,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--routers", type=int, default=1,
                     help="router replicas: router i listens on --port + i and --http-port + i; "
                          "clients given them all fail over and resume streams between them, "
-                         "and a rolling restart (SIGHUP) serves on (default 1; local only)")
+                         "and a rolling restart (SIGHUP) serves on (default 1)")
     up.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",
                     help="the router's --local-prefill (always: colocated, --prefill 0 allowed)")
     up.add_argument("--planner", metavar="PROFILE",

@@ -28,6 +28,9 @@ def add_set_role_parser(sub: Any) -> None:
                         help=f"the cluster's Redis, to find a worker by id (default: "
                              f"${REDIS_URL_ENV})")
     switch.add_argument("--cluster", default="default", help="Redis key namespace")
+    switch.add_argument("--move", action="store_true",
+                        help="to prefill: its decoding requests move with their KV to the "
+                             "other decode workers at once (default: they finish there)")
     add_token_arg(switch)
     add_internal_tls_args(switch)
     switch.set_defaults(func=run)
@@ -58,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve set-role: {exc}", file=sys.stderr)
         return 1
     try:
-        switch = asyncio.run(set_role(address, args.role, token=token, tls=tls))
+        switch = asyncio.run(set_role(address, args.role, token=token, tls=tls,
+                                      move_decoding=args.move))
     except RoleSwitchError as exc:
         print(f"pdserve set-role: {args.worker} {'refused' if exc.refused else 'failed'}: "
               f"{exc}", file=sys.stderr)

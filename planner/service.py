@@ -128,7 +128,7 @@ class PlannerService:
     def _switch(self, record: WorkerRecord, change: RoleChange) -> None:
         try:
             asyncio.run(set_role(record.grpc_address, change.to_role, token=self._token,
-                                 tls=self._tls))
+                                 tls=self._tls, move_decoding=True))  # its streams move
         except RoleSwitchError as exc:
             self.metrics.decisions.labels("failed", "refused" if exc.refused
                                           else "unreachable").inc()

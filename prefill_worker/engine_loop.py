@@ -203,12 +203,17 @@ class PrefillLoop(EngineLoop):
                 self._held[out.request_id].prompt_logprobs = tuple(out.prompt_logprobs)
             if pause_points.enabled():
                 self._started_points(also=out.request_id)
-            self.timings.prompt(out.num_prompt_tokens + out.num_resumed_tokens,
-                                out.num_cached_tokens)
+            if self._computed_prompt(out.request_id):
+                self.timings.prompt(out.num_prompt_tokens + out.num_resumed_tokens,
+                                    out.num_cached_tokens)
             self.timings.output(out.request_id, len(out.new_token_ids), None)
             outcome = self.sending.finish(out)
             if outcome is not None:
                 self._report(outcome)
+
+    def _computed_prompt(self, request_id: str) -> bool:
+        """Whether the held request's prompt was computed here (counted as prompt tokens)."""
+        return True
 
     def _poll(self) -> None:
         for outcome in self.sending.poll():

@@ -2,16 +2,19 @@
 requests' KV to other decode workers instead of their streams being replayed (the words
 and the router's part: ``cluster.moves``).
 
-``OfferMoves`` (at drain) stops the loop taking new work, parks every decoding request
-whose stream is open (``engine.core.parking``: out of the batch, blocks kept) and ends
+``OfferMoves`` (at drain, or at a switch away from decode that asks for it) parks every
+decoding request
+whose stream is open (``engine.core.parking``: out of the batch, blocks kept; a drain also
+stops the loop taking new work) and ends
 its Generate stream with the move offer, after every token it produced. A parked request
 waits at most ``wait_s`` for the router's ``Submit`` naming it (``moved_from``); then it
 is freed. That Submit must carry exactly the request's tokens; its KV is then sent like a
 prefill's (``worker.kv.sending.KVSendLeader.move``) and the Submit's stream gets the
 ``PrefillDone`` — from here on it is a held prefill under the parked request's engine id,
-which the Submit's attempt id names too (an Abort or a lease of the new attempt reaches
-it). An Abort of the old attempt (the router ends it when it takes the offer; the ended
-stream's handler aborts it too) leaves a parked request alone: only its wait ends it.
+which the Submit's attempt id names too (an Abort of the new attempt reaches it). The
+Abort that the old attempt's ended stream posts (``Abort.call_ended``) leaves a parked or
+moving request alone; any other Abort of the old attempt (the router's, when it does not
+take the offer) frees it, as does the end of its wait.
 ``MovesPending`` counts what is parked or still sending, for the drain to wait on.
 """
 
@@ -26,7 +29,7 @@ from cluster.moves import MOVE_OFFER
 from decode_worker.engine_loop import DecodeLoop, Phase
 from engine.core.parking import park
 from prefill_worker.engine_loop import PrefillLoop, Submit
-from worker.commands import Command, MovesPending, OfferMoves, WorkerError
+from worker.commands import Abort, Command, MovesPending, OfferMoves, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +41,24 @@ class MovingLoop(PrefillLoop, DecodeLoop):
         self._parked: dict[str, float] = {}  # engine request id -> monotonic deadline
         self._moving: dict[str, str] = {}  # the move's attempt id -> the engine request id
 
+    def _handle(self, command: Command) -> object:
+        if isinstance(command, Abort) and command.call_ended and (
+                command.attempt_id in self._parked or command.attempt_id in self._moving.values()):
+            return False  # its stream's call ended; the offer, or the move, stands
+        return super()._handle(command)
+
     def _handle_own(self, command: Command) -> object:
         if isinstance(command, Submit) and command.moved_from:
             self._move(command)
             return None
         if isinstance(command, OfferMoves):
-            return self._offer(command.wait_s)
+            return self._offer(command.wait_s, command.draining)
         if isinstance(command, MovesPending):
             return len(self._parked) + sum(1 for rid in self._moving.values() if rid in self._held)
         return super()._handle_own(command)
 
-    def _offer(self, wait_s: float) -> int:
-        self.draining = True
+    def _offer(self, wait_s: float, draining: bool) -> int:
+        self.draining = self.draining or draining
         deadline = time.monotonic() + wait_s
         offered = 0
         for rid, live in list(self._live.items()):
@@ -62,7 +71,8 @@ class MovingLoop(PrefillLoop, DecodeLoop):
             self._parked[rid] = deadline
             offered += 1
         if offered:
-            log.info("draining: %d decoding requests parked, their KV offered to move", offered)
+            log.info("%s: %d decoding requests parked, their KV offered to move",
+                     "draining" if draining else f"switched to {self.role}", offered)
         return offered
 
     def _move(self, cmd: Submit) -> None:
@@ -74,7 +84,9 @@ class MovingLoop(PrefillLoop, DecodeLoop):
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {cmd.attempt_id!r} is already being moved")
         request = self.core.scheduler.parked[rid]
-        if request.all_token_ids != list(cmd.prompt_token_ids):
+        if request.all_token_ids != list(cmd.prompt_token_ids):  # the router replays it
+            del self._parked[rid]
+            self.core.abort_request(rid)
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"the parked request {rid!r} has {request.num_tokens} tokens, "
                               f"not the {len(cmd.prompt_token_ids)} asked to move")
@@ -90,9 +102,6 @@ class MovingLoop(PrefillLoop, DecodeLoop):
         log.info("moving its KV as attempt %s", cmd.attempt_id, extra=self.log_extra(rid))
 
     def _abort(self, attempt_id: str, code: grpc.StatusCode, reason: str) -> bool:
-        old = attempt_id in self._parked or attempt_id in self._moving.values()
-        if old and code is grpc.StatusCode.ABORTED:
-            return False  # the old attempt's end (an Abort): the offer, or the move, stands
         if attempt_id in self._parked:
             del self._parked[attempt_id]
             return self.core.abort_request(attempt_id)
@@ -101,6 +110,9 @@ class MovingLoop(PrefillLoop, DecodeLoop):
 
     def _live_ids(self) -> list[str]:
         return list(self._parked) + super()._live_ids()
+
+    def _computed_prompt(self, request_id: str) -> bool:
+        return request_id not in self._moving.values()  # a move computes no prompt
 
     def _is_polling(self) -> bool:
         return bool(self._parked) or super()._is_polling()

@@ -214,7 +214,7 @@ class WorkerPool:
     def routable(self, role: str) -> list[WorkerRecord]:
         now = self._clock()
         return [k.record for w, k in sorted(self._known.items())
-                if k.record.role == role and k.serving and not k.gone
+                if k.record.role == role and k.serving and not k.gone and not k.record.draining
                 and self._suspect_until.get(w, 0.0) <= now]
 
     def records(self) -> list[WorkerRecord]:

@@ -34,10 +34,13 @@ class Command(Generic[T]):
 
 @dataclass(frozen=True)
 class Abort(Command[bool]):
-    """Stop a request wherever it is and release what it holds; False if unknown."""
+    """Stop a request wherever it is and release what it holds; False if unknown.
+    ``call_ended``: posted because a call that held the attempt ended (a planned move's
+    parked request outlives its stream's call: ``role_worker.moves``)."""
 
     attempt_id: str
     reason: str = "aborted"
+    call_ended: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,13 @@ class SetRole(Command[str]):
 
 @dataclass(frozen=True)
 class OfferMoves(Command[int]):
-    """Drain: take no new work; park every decoding request whose stream is open and end
-    that stream with the move offer (``cluster.moves``), each parked at most ``wait_s``
-    for the router's move. Returns how many were offered (``role_worker.moves``)."""
+    """Park every decoding request whose stream is open and end that stream with the move
+    offer (``cluster.moves``), each parked at most ``wait_s`` for the router's move; with
+    ``draining`` (a drain), take no new work from now on (else: a switch away from
+    decode). Returns how many were offered (``role_worker.moves``)."""
 
     wait_s: float
+    draining: bool = True
 
 
 @dataclass(frozen=True)

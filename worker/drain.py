@@ -1,9 +1,12 @@
 """A draining worker's planned moves (``cluster.moves``), from its gRPC side: once it is
 NOT_SERVING and before its server stops taking calls, the engine loop parks its decoding
 requests and offers their moves (``OfferMoves``), and the drain waits, bounded, until
-every offer was taken and its KV acknowledged, or expired (``MovesPending``). Offered
-only when the registry lists another decode worker: with none, a move has nowhere to go
-and the streams finish in place within the grace period instead, as before moves.
+every offer was taken and its KV acknowledged, or expired (``MovesPending``). First its
+record says it is draining (``Heartbeat.set_draining``: routers stop routing to it, and
+draining peers do not move work to it); then moves are offered only when the registry
+lists another decode worker that is not draining: with none (the whole cluster stopping,
+the last decode worker), a move has nowhere to go and the streams finish in place within
+the grace period instead, as before moves.
 """
 
 from __future__ import annotations
@@ -12,31 +15,40 @@ import asyncio
 import logging
 import time
 
-from cluster.registry import Registry
+from cluster.heartbeat import Heartbeat
 from worker.commands import CALL_TIMEOUT_S, MovesPending, OfferMoves, WorkerError
 from worker.loop import EngineLoop
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # how often the drain asks whether moves are pending
+OFFER_TIMEOUT_S = 2.0  # an engine loop that does not take the offer by then (held, hung): none
 
 
-async def move_out(loop: EngineLoop, registry: Registry, worker_id: str, wait_s: float) -> int:
+async def move_out(loop: EngineLoop, heartbeat: Heartbeat, worker_id: str, wait_s: float
+                   ) -> int:
     """Offer the moves of ``loop``'s decoding requests (each parked at most ``wait_s``)
-    and wait until none is pending, at most ``wait_s`` plus the time a started move's KV
-    needs to be acknowledged (the loop's own bound). Returns how many were offered; 0
+    and wait until none is pending, at most ``wait_s`` (the drain's grace: what is left of
+    it then goes to the server's stop, so a drain takes the grace at most, as without
+    moves; a move still sending then is cut, and replayed). Returns how many were offered; 0
     when no other decode worker is registered, or the loop cannot move (it is not a
-    ``role_worker`` loop) — never raises for that."""
+    ``role_worker`` loop) — never raises for that. Only a worker serving decode offers:
+    one switched to prefill keeps what it still decodes (it moved it at the switch, if
+    asked to)."""
+    if getattr(loop, "role", "decode") != "decode":
+        return 0
     try:
-        others = await asyncio.to_thread(registry.list_workers, "decode")
+        if not await asyncio.to_thread(heartbeat.set_draining):
+            raise RuntimeError("its record was not written")
+        others = await asyncio.to_thread(heartbeat.registry.list_workers, "decode")
     except Exception as exc:  # noqa: BLE001 - Redis down: nowhere known to move to
         log.warning("draining: the registry did not answer (%s); streams finish in place", exc)
         return 0
-    if not any(r.worker_id != worker_id for r in others):
-        log.info("draining: no other decode worker is registered; streams finish here")
+    if not any(r.worker_id != worker_id and not r.draining for r in others):
+        log.info("draining: no other decode worker is serving; streams finish here")
         return 0
     try:
-        offered = await loop.acall(OfferMoves(wait_s), CALL_TIMEOUT_S)
+        offered = await loop.acall(OfferMoves(wait_s), OFFER_TIMEOUT_S)
     except (WorkerError, TypeError) as exc:
         log.warning("draining: no planned moves: %s", exc)
         return 0
@@ -44,11 +56,15 @@ async def move_out(loop: EngineLoop, registry: Registry, worker_id: str, wait_s:
         log.info("draining: no decoding request to move")
         return 0
     started = time.monotonic()
-    deadline = started + wait_s + getattr(loop, "transfer_timeout_s", 0.0)
+    deadline = started + wait_s
     pending = offered
     while pending and time.monotonic() < deadline:
         await asyncio.sleep(POLL_S)
-        pending = await loop.acall(MovesPending(), CALL_TIMEOUT_S)
+        try:
+            pending = await loop.acall(MovesPending(), CALL_TIMEOUT_S)
+        except WorkerError as exc:  # the loop died or hangs: the drain goes on without it
+            log.warning("draining: the engine loop did not answer: %s", exc)
+            break
     log.info("draining: %d requests offered to move, %d still pending after %.2fs",
              offered, pending, time.monotonic() - started)
     return offered

@@ -151,9 +151,9 @@ def serve_until_signal(args: Any, loop: EngineLoop, endpoint: Endpoint) -> int:
     draining — as do invalid ``--heartbeat-interval``/``--registration-ttl``; Redis down:
     the heartbeat waits to join) →
     SERVING → ready file → wait. Stop: NOT_SERVING, with Redis the planned moves of its
-    decoding requests' KV to other decode workers (``worker.drain``), deregister, refuse new RPCs and give
-    in-flight ones ``args.grace`` seconds, cancel the rest (their cancellation aborts
-    their requests), then stop the loop (aborts what is left, shuts the engine and its
+    decoding requests' KV to other decode workers (``worker.drain``), deregister, refuse
+    new RPCs and give in-flight ones what is left of ``args.grace`` seconds, cancel the
+    rest (their cancellation aborts their requests), then stop the loop (aborts what is left, shuts the engine and its
     ranks down). Returns the exit code.
     """
     metrics_server, _ = prometheus_client.start_http_server(
@@ -210,13 +210,14 @@ async def _serve(args: Any, loop: EngineLoop, endpoint: Endpoint, metrics_addres
         if watcher is not None:
             watcher.cancel()
         await health_.set(False)
+        draining_at = time.monotonic()
         if heartbeat is not None and heartbeat.refused is None \
                 and getattr(args, "drain_moves", True):  # its decoding requests move
-            await move_out(loop, heartbeat.registry, identity.worker_id, args.grace)
+            await move_out(loop, heartbeat, identity.worker_id, args.grace)
         if heartbeat is not None:
             await asyncio.to_thread(run_guarded, "deregistering", heartbeat.stop)
         start = time.monotonic()
-        await server.stop(args.grace)
+        await server.stop(max(0.0, args.grace - (start - draining_at)))
         log.info("gRPC server stopped in %.2fs", time.monotonic() - start)
         if leases is not None:  # only now: a dead router's attempt is freed during the grace
             await asyncio.to_thread(run_guarded, "stopping the lease watcher", leases.stop)

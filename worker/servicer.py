@@ -17,7 +17,15 @@ import grpc
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.kv_events import pack_hashes
 from engine.sampling_params import SamplingParams, StructuredOutput, TokenLogprobs
-from worker.commands import CALL_TIMEOUT_S, Abort, Info, LoopInfo, SetRole, WorkerError
+from worker.commands import (
+    CALL_TIMEOUT_S,
+    Abort,
+    Info,
+    LoopInfo,
+    OfferMoves,
+    SetRole,
+    WorkerError,
+)
 from worker.loop import EngineLoop
 from worker.server import Identity
 
@@ -43,6 +51,9 @@ async def abort_with(context: grpc.aio.ServicerContext, error: WorkerError) -> N
     raise AssertionError("unreachable: context.abort raises")
 
 
+# how long a request a switch away from decode parks waits for its move (then it is freed)
+SWITCH_MOVE_WAIT_S = 10.0
+
 class LoopServicerMixin:
     """``Abort``, ``Info``, ``KVSnapshot`` and ``SetRole`` RPCs over an ``EngineLoop``,
     shared by both worker kinds."""
@@ -58,7 +69,7 @@ class LoopServicerMixin:
         awaited: it runs even while the handler is being cancelled, and aborting a
         finished attempt is a no-op."""
         self.loop.leases.forget(attempt_id)
-        self.loop.post(Abort(attempt_id, reason))
+        self.loop.post(Abort(attempt_id, reason, call_ended=True))
 
     def watch_lease(self, attempt_id: str, lease: pb.Lease) -> None:
         """Free the attempt if its router's lease goes (``worker.leases``); call once the
@@ -94,6 +105,14 @@ class LoopServicerMixin:
             await abort_with(context, exc)
         for listener in self.loop.role_listeners:
             await asyncio.to_thread(listener, request.role)
+        if request.move_decoding and request.role != "decode":  # after the record says so
+            try:
+                await self.loop.acall(OfferMoves(SWITCH_MOVE_WAIT_S, draining=False),
+                                      call_timeout(context))
+            except (WorkerError, TypeError) as exc:  # TypeError: a loop that cannot move
+                await abort_with(context, WorkerError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"switched to {request.role}, but its decoding requests cannot move: {exc}"))
         return pb.SetRoleReply(role=request.role, previous_role=previous,
                                roles=list(self.loop.roles))
 

@@ -49,9 +49,17 @@ from deploy.ray.connect import (
     quietly,
     this_node_ip,
 )
-from deploy.ray.members import Member, first_line, poll, quote
+from deploy.ray.members import (
+    Member,
+    first_line,
+    get_within,
+    new_actor,
+    poll,
+    retry_while_taken,
+    stop_tier,
+    wait_ready,
+)
 from deploy.ray.plan import (
-    NAMESPACE,
     ChildStatus,
     RaySpec,
     WorkerPlan,
@@ -61,9 +69,10 @@ from deploy.ray.plan import (
     router_spec,
     worker_spec,
 )
-from deploy.spec import API_KEY_ENV, WILDCARDS, ChildExited, ClusterError, redacted
+from deploy.spec import API_KEY_ENV, WILDCARDS, ClusterError, redacted
 
 _CONCURRENCY = 4  # an actor answers status() while stop() waits for its child
+RESTART_SETTLE_S = 2.0  # after each restart: the routers see the process back
 
 
 class RayLauncher(Launcher):
@@ -76,10 +85,10 @@ class RayLauncher(Launcher):
         super().__init__(ray_spec.cluster, progress)
         self.ray_spec = ray_spec
         self.workers: list[Member] = []
-        self.router: Member | None = None
+        self.routers: list[Member] = []  # the replicas, in ``spec.router_names`` order
         self._redis: Member | None = None
-        self._placement_groups: list[Any] = []
-        self._router_group: Any = None  # placed with the workers' groups, on this node
+        self._placement_groups: list[Any] = []  # the workers', then the routers'
+        self._router_groups: list[Any] = []  # placed with the workers' groups, on this node
         self._router_bundle: dict[str, float] = {}
         self._owns_ray = False
         self._connected = False
@@ -96,9 +105,15 @@ class RayLauncher(Launcher):
         return bool(self._members()) or bool(self._placement_groups) or self._connected
 
     @property
+    def router(self) -> Member | None:
+        """The first router replica (None when none runs)."""
+        return self.routers[0] if self.routers else None
+
+    @property
     def placement_groups(self) -> list[Any]:
         """The workers' placement groups (one per worker, in ``workers`` order)."""
-        return [g for g in self._placement_groups if g is not self._router_group]
+        return [g for g in self._placement_groups
+                if not any(g is r for r in self._router_groups)]
 
     def statuses(self) -> dict[str, ChildStatus]:
         """Name → the latest status of every actor started and not yet stopped."""
@@ -111,9 +126,12 @@ class RayLauncher(Launcher):
             member.follow(status, self.progress)
 
     def _router_ready(self) -> dict[str, Any]:
-        if self.router is None or self.router.ready is None or self.router.status is None:
+        return self._routers_ready()[0]
+
+    def _routers_ready(self) -> list[dict[str, Any]]:
+        if not self.routers or any(r.ready is None or r.status is None for r in self.routers):
             raise RuntimeError("the router is not running")
-        return self.router.ready
+        return [r.ready for r in self.routers if r.ready is not None]
 
     def _reachable(self, address: str) -> str:
         """The node's IP when the router binds a wildcard."""
@@ -122,10 +140,9 @@ class RayLauncher(Launcher):
         return f"{self.router.status.node_ip if host in WILDCARDS else host}:{port}"
 
     def _stop_processes(self) -> None:
-        tiers = [[self.router] if self.router else [], self.workers,
-                 [self._redis] if self._redis else []]
-        groups, self._placement_groups, self._router_group = self._placement_groups, [], None
-        self.router, self.workers, self._redis = None, [], None
+        tiers = [self.routers, self.workers, [self._redis] if self._redis else []]
+        groups, self._placement_groups, self._router_groups = self._placement_groups, [], []
+        self.routers, self.workers, self._redis = [], [], None
         if self._connected and not gcs_reachable():
             # Ray went first (e.g. a SIGTERM to the whole process group): its actors, and
             # with them their children, are gone; calls into it would only hang
@@ -134,7 +151,7 @@ class RayLauncher(Launcher):
             from ray.util.placement_group import remove_placement_group
 
             for tier in tiers:
-                self._stop_tier(tier)
+                stop_tier(tier, self.spec.stop_grace_s)
             for group in groups:
                 quietly(remove_placement_group, group)
         if self._owns_ray:
@@ -148,14 +165,12 @@ class RayLauncher(Launcher):
     # ------------------------------------------------------------------ start steps
 
     def _members(self) -> list[Member]:
-        return [*([self._redis] if self._redis else []), *self.workers,
-                *([self.router] if self.router else [])]
+        return [*([self._redis] if self._redis else []), *self.workers, *self.routers]
 
     def _prepare(self) -> None:
-        if self.spec.num_routers > 1 or self.spec.planner_args is not None:
-            raise ClusterError("several router replicas (--routers) and the planner "
-                               "(--planner) run without --ray only, for now; on Ray, run them "
-                               "as your own processes")
+        if self.spec.planner_args is not None:
+            raise ClusterError("the planner (--planner) runs without --ray only, for now; "
+                               "on Ray, run it as a process of your own")
         self.progress(f"logs in {self._make_log_dir()} (on each actor's node)")
         if self.spec.model_dir is None:
             self.progress("model: the built-in tiny model (each node builds it on first use)")
@@ -204,113 +219,110 @@ class RayLauncher(Launcher):
     def _start_workers(self) -> None:
         plans = plan_workers(self.ray_spec)
         self._place(plans)
+        assert self.redis_url is not None
+        self.progress("starting " + ", ".join(f"{p.name} (TP {p.tp})" for p in plans) + " ...")
+        self.workers = [self._spawn_worker(plan, group)
+                        for plan, group in zip(plans, self.placement_groups, strict=True)]
+        self._wait_ready(self.workers)
+
+    def _spawn_worker(self, plan: WorkerPlan, group: Any) -> Member:
+        """The actor of worker ``plan``, in its placement group ``group``."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         assert self.redis_url is not None
-        self.progress("starting " + ", ".join(f"{p.name} (TP {p.tp})" for p in plans) + " ...")
-        for plan, group in zip(plans, self.placement_groups, strict=True):
-            spec = worker_spec(self.ray_spec, plan, log_dir=str(self.log_dir),
-                               redis_url=self.redis_url, token=self.cluster_token)
-            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-            actor = self._actor(SupervisedChild, plan.name, (spec,),
-                                max_restarts=self.ray_spec.max_restarts,
-                                scheduling_strategy=strategy, **actor_resources(plan.bundle))
-            self.workers.append(Member(plan.name, actor, restartable=True))
-        self._wait_ready(self.workers)
+        spec = worker_spec(self.ray_spec, plan, log_dir=str(self.log_dir),
+                           redis_url=self.redis_url, token=self.cluster_token)
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+        actor = self._actor(SupervisedChild, plan.name, (spec,),
+                            max_restarts=self.ray_spec.max_restarts,
+                            scheduling_strategy=strategy, **actor_resources(plan.bundle))
+        return Member(plan.name, actor, restartable=True)
 
     def _place(self, plans: Sequence[WorkerPlan]) -> None:
         self.progress("placing " + ", ".join(f"{p.name} ({bundle_text(p.bundle)})"
                                              for p in plans) + " ...")
-        # the router's group (on this node) is placed with the workers': a plan that leaves
-        # it no room fails now, naming it
+        # the routers' groups (on this node) are placed with the workers': a plan that
+        # leaves them no room fails now, naming them
         self._router_bundle = router_bundle(self.ray_spec, this_node_ip())
-        place_workers([*((p.name, p.bundle) for p in plans), ("router", self._router_bundle)],
-                      self._name, self.ray_spec.placement_timeout_s, self.poll_s,
+        routers = self.spec.router_names
+        place_workers([*((p.name, p.bundle) for p in plans),
+                       *((name, self._router_bundle) for name in routers)],
+                      lambda name: f"pdserve-{self.spec.name}-{name}",
+                      self.ray_spec.placement_timeout_s, self.poll_s,
                       self._placement_groups)
-        self._router_group = self._placement_groups[-1]
+        self._router_groups = self._placement_groups[len(plans):]
         self.progress(placed_text([p.name for p in plans], self.placement_groups))
 
     def _start_router(self) -> None:
+        ports = ", ".join(str(self.spec.router_ports(i)[0]) for i in range(self.spec.num_routers))
+        self.progress(f"starting {'router' if self.spec.num_routers == 1 else 'routers'} on "
+                      f"{self.spec.host}:{ports} ...")
+        self.routers = [self._spawn_router(i) for i in range(self.spec.num_routers)]
+        self._wait_ready(self.routers)
+
+    def _spawn_router(self, index: int, extra: Sequence[str] = ()) -> Member:
+        """Router replica ``index``'s actor, in its placement group (``extra``: more
+        options)."""
         assert self.redis_url is not None
-        self.progress(f"starting router on {self.spec.host}:{self.spec.port} ...")
         spec = router_spec(self.ray_spec, log_dir=str(self.log_dir), redis_url=self.redis_url,
                            api_key=os.environ.get(API_KEY_ENV) or None,
-                           token=self.cluster_token)
+                           token=self.cluster_token, index=index, extra=extra)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        assert self._router_group is not None  # placed with the workers'
-        actor = self._actor(SupervisedChild, "router", (spec,), max_restarts=0,
+        actor = self._actor(SupervisedChild, spec.name, (spec,), max_restarts=0,
                             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                self._router_group, placement_group_bundle_index=0),
+                                self._router_groups[index], placement_group_bundle_index=0),
                             **actor_resources(self._router_bundle))
-        self.router = Member("router", actor, restartable=False)
-        self._wait_ready([self.router])
+        return Member(spec.name, actor, restartable=False)
+
+    # ------------------------------------------------------------------ restarts
+
+    can_restart = True
+
+    def rolling_restart(self, settle_s: float = RESTART_SETTLE_S) -> None:
+        """Restarts every router, then every prefill, then every decode worker, one at a
+        time (``restart``), waiting ``settle_s`` after each."""
+        for name in [*self.spec.router_names, *self.spec.worker_names]:
+            self.restart(name)
+            time.sleep(settle_s)
+
+    def restart(self, name: str) -> Member:
+        """Replaces process ``name`` in place: its child drains (SIGTERM: a router's
+        streams resume on the other routers, a decode worker's move), its actor is
+        removed, and a new one starts in the same placement group — a router on the ports
+        it had — until ready."""
+        import ray
+
+        members = {m.name: m for m in [*self.routers, *self.workers]}
+        if name not in members:
+            raise ClusterError(f"no process named {name!r} (there are "
+                               f"{', '.join(sorted(members))})")
+        old = members[name]
+        self.progress(f"restarting {name} ...")
+        quietly(ray.get, old.actor.stop.remote(self.spec.stop_grace_s),
+                timeout=self.spec.stop_grace_s + 10.0)
+        quietly(ray.kill, old.actor, no_restart=True)
+        if old in self.routers:
+            index = self.routers.index(old)
+            self.routers[index] = new = retry_while_taken(lambda: self._spawn_router(
+                index, _ports_of(old.ready)), self.spec.start_timeout_s, self.poll_s)
+        else:
+            index = self.workers.index(old)
+            self.workers[index] = new = retry_while_taken(lambda: self._spawn_worker(
+                plan_workers(self.ray_spec)[index], self.placement_groups[index]),
+                self.spec.start_timeout_s, self.poll_s)
+        self._wait_ready([new])
+        return new
 
     def _wait_ready(self, members: Sequence[Member]) -> None:
-        deadline = time.monotonic() + self.spec.start_timeout_s
-        pending = list(members)
-        while pending:
-            for member, status in zip(list(pending), poll(pending), strict=True):
-                if status is not None and status.exit is not None:
-                    raise ChildExited(member.name, f"{member.name} exited before it was "
-                                                   f"ready ({status.exit}); {quote(status)}")
-                if status is not None and status.ready is not None:
-                    member.ready = status.ready
-                    pending.remove(member)
-                    self.progress(member.describe_ready())
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(m.name for m in pending)
-                raise ClusterError(f"not ready within {self.spec.start_timeout_s:.0f}s: "
-                                   f"{names}; {quote(pending[0].status)}")
-            if pending:
-                time.sleep(self.poll_s)
-
-    def _stop_tier(self, members: Sequence[Member]) -> None:
-        if not members:
-            return
-        import ray
-
-        grace = self.spec.stop_grace_s
-        refs = [m.actor.stop.remote(grace) for m in members]
-        quietly(ray.wait, refs, num_returns=len(refs), timeout=grace + 10.0)
-        for member in members:
-            quietly(ray.kill, member.actor, no_restart=True)
-
-    # ------------------------------------------------------------------ Ray helpers
-
-    def _name(self, name: str) -> str:
-        return f"pdserve-{self.spec.name}-{name}"
+        wait_ready(members, self.spec.start_timeout_s, self.poll_s, self.progress)
 
     def _actor(self, cls: type, name: str, args: tuple[Any, ...], **options: Any) -> Any:
-        """A new named actor of ``cls(*args)`` (its handle); ``ClusterError`` when the name
-        is taken."""
-        import ray
-
-        remote: Any = ray.remote(cls).options(name=self._name(name), namespace=NAMESPACE,
-                                              max_task_retries=0, max_concurrency=_CONCURRENCY,
-                                              **options)
-        try:
-            return remote.remote(*args)
-        except ValueError as exc:  # the name is taken
-            raise ClusterError(f"{name}: {first_line(exc)} (is another pdserve up --ray "
-                               f"with --cluster {self.spec.name} running on this Ray?)"
-                               ) from None
+        return new_actor(self.spec.name, cls, name, args, max_concurrency=_CONCURRENCY,
+                         **options)
 
     def _get(self, ref: Any, name: str) -> Any:
-        """``ray.get`` in short steps (Ctrl-C stays responsive); a failed actor → ClusterError."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        deadline = time.monotonic() + self.spec.start_timeout_s
-        while True:
-            try:
-                return ray.get(ref, timeout=self.poll_s)
-            except GetTimeoutError:
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"{name} did not start within "
-                                       f"{self.spec.start_timeout_s:.0f}s") from None
-            except RayActorError as exc:
-                raise ClusterError(f"{name} could not start: {first_line(exc)}") from None
+        return get_within(ref, name, self.spec.start_timeout_s, self.poll_s)
 
 
 def launch(ray_spec: RaySpec, progress: Callable[[str], None] | None = None) -> RayLauncher:
@@ -325,3 +337,13 @@ def serve(ray_spec: RaySpec, *, on_ready: Callable[[Any], int | None] | None = N
     """``pdserve up --ray``: ``deploy.launcher.serve`` with the processes run by Ray."""
     say = progress or (lambda line: print(line, flush=True))
     return serve_launcher(RayLauncher(ray_spec, progress=say), on_ready=on_ready)
+
+
+def _ports_of(ready: dict[str, Any] | None) -> list[str]:
+    """The options that keep a restarted router on the ports it had (none if unknown)."""
+    if ready is None:
+        return []
+    ports = ["--port", str(ready["grpc_address"]).rpartition(":")[2]]
+    if "http_address" in ready:
+        ports += ["--http-port", str(ready["http_address"]).rpartition(":")[2]]
+    return ports

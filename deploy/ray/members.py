@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from deploy.children import quote_log
-from deploy.ray.plan import ChildStatus
-from deploy.spec import ChildExited
+from deploy.ray.connect import quietly
+from deploy.ray.plan import NAMESPACE, ChildStatus
+from deploy.spec import ChildExited, ClusterError
 
 STATUS_TIMEOUT_S = 5.0
 
@@ -112,3 +113,83 @@ def quote(status: ChildStatus | None) -> str:
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def wait_ready(members: Sequence[Member], timeout_s: float, poll_s: float,
+               progress: Callable[[str], None]) -> None:
+    """Until every member's child is ready (each reported through ``progress``);
+    ``ChildExited`` when one exits first, ``ClusterError`` past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(members)
+    while pending:
+        for member, status in zip(list(pending), poll(pending), strict=True):
+            if status is not None and status.exit is not None:
+                raise ChildExited(member.name, f"{member.name} exited before it was "
+                                               f"ready ({status.exit}); {quote(status)}")
+            if status is not None and status.ready is not None:
+                member.ready = status.ready
+                pending.remove(member)
+                progress(member.describe_ready())
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(m.name for m in pending)
+            raise ClusterError(f"not ready within {timeout_s:.0f}s: {names}; "
+                               f"{quote(pending[0].status)}")
+        if pending:
+            time.sleep(poll_s)
+
+
+def stop_tier(members: Sequence[Member], grace_s: float) -> None:
+    """Stop every member's child at once (SIGTERM, SIGKILL after ``grace_s``), then kill
+    the actors (never restarted)."""
+    if not members:
+        return
+    import ray
+
+    refs = [m.actor.stop.remote(grace_s) for m in members]
+    quietly(ray.wait, refs, num_returns=len(refs), timeout=grace_s + 10.0)
+    for member in members:
+        quietly(ray.kill, member.actor, no_restart=True)
+
+
+def new_actor(cluster_name: str, cls: type, name: str, args: tuple[Any, ...],
+              **options: Any) -> Any:
+    """A new actor of ``cls(*args)`` named for cluster ``cluster_name`` (its handle);
+    ``ClusterError`` when the name is taken."""
+    import ray
+
+    remote: Any = ray.remote(cls).options(name=f"pdserve-{cluster_name}-{name}",
+                                          namespace=NAMESPACE, max_task_retries=0, **options)
+    try:
+        return remote.remote(*args)
+    except ValueError as exc:  # the name is taken
+        raise ClusterError(f"{name}: {first_line(exc)} (is another pdserve up --ray "
+                           f"with --cluster {cluster_name} running on this Ray?)") from None
+
+
+def retry_while_taken(spawn: Callable[[], Member], timeout_s: float, poll_s: float) -> Member:
+    """``spawn()``, again while a removed actor's name is still taken (for ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return spawn()
+        except ClusterError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(poll_s)
+
+
+def get_within(ref: Any, name: str, timeout_s: float, poll_s: float) -> Any:
+    """``ray.get`` in short steps (Ctrl-C stays responsive); a failed actor, or none
+    within ``timeout_s`` → ``ClusterError``."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(ref, timeout=poll_s)
+        except GetTimeoutError:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{name} did not start within {timeout_s:.0f}s") from None
+        except RayActorError as exc:
+            raise ClusterError(f"{name} could not start: {first_line(exc)}") from None

@@ -120,8 +120,9 @@ def router_bundle(spec: RaySpec, node_ip: str) -> dict[str, float]:
 
 
 def planned_cpus(spec: RaySpec) -> float:
-    """The CPUs the whole plan reserves: every worker's bundle and the router's."""
-    return sum(p.bundle.get("CPU", 0.0) for p in plan_workers(spec)) + spec.router_cpus
+    """The CPUs the whole plan reserves: every worker's bundle and each router's."""
+    return sum(p.bundle.get("CPU", 0.0) for p in plan_workers(spec)) \
+        + spec.router_cpus * spec.cluster.num_routers
 
 
 def local_ray_cpus(spec: RaySpec, host_cpus: int) -> int:
@@ -198,10 +199,14 @@ def worker_spec(spec: RaySpec, plan: WorkerPlan, *, log_dir: str, redis_url: str
 
 
 def router_spec(spec: RaySpec, *, log_dir: str, redis_url: str, api_key: str | None,
-                token: str | None = None) -> ChildSpec:
+                token: str | None = None, index: int = 0, extra: Sequence[str] = ()
+                ) -> ChildSpec:
+    """Router replica ``index`` (``extra``: options after the launcher's, e.g. the ports a
+    restarted replica had)."""
     secrets = [(REDIS_URL_ENV, redis_url)] + ([(API_KEY_ENV, api_key)] if api_key else [])
     secrets += [(CLUSTER_TOKEN_ENV, token)] if token else []
-    return ChildSpec("router", "router", tuple(router_options(spec.cluster)), _model(spec.cluster),
+    return ChildSpec(spec.cluster.router_names[index], "router",
+                     (*router_options(spec.cluster, index), *extra), _model(spec.cluster),
                      log_dir, spec.cluster.host, threads=max(1, int(spec.router_cpus)),
                      restart=False, secrets=tuple(secrets))
 

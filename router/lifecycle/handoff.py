@@ -49,6 +49,7 @@ from router.lifecycle.attempt import Attempt
 from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import Busy, Migrate, Retry
 from router.lifecycle.placement import Placement
+from router.lifecycle.prefill import release_move
 from router.lifecycle.relay import prefill_and_relay, relay, start_generate
 from router.outputs import OutputChunk
 
@@ -89,6 +90,8 @@ class Handoff:
             raise RouteError(grpc.StatusCode.INTERNAL,
                              f"the router failed to serve the request: {type(exc).__name__}"
                              ) from exc
+        finally:
+            release_move(self.ctx)  # a move offered and never asked for (cancel, deadline)
 
     async def _attempts(self) -> AsyncGenerator[OutputChunk, None]:
         ctx, failures = self.ctx, list[str]()
@@ -102,9 +105,9 @@ class Handoff:
                 return
             except Migrate as migrate:
                 failures.clear()  # the next attempt starts afresh, after the tokens sent
+                self._migrate(attempt.id, migrate)  # past the limit, the Abort frees a move
                 if migrate.move is not None:  # parked for the move: no Abort goes there
                     attempt.decode_holds_nothing()
-                self._migrate(attempt.id, migrate)
                 self._migrating = str(migrate)
                 ctx.pending_move = migrate.move
             except Busy as busy:  # not the worker's fault: wait, then place again

@@ -88,12 +88,12 @@ class Placement:
                            ctx.config.load_epsilon), cached
 
     def prefills_locally(self) -> bool:
-        """Colocated this attempt (never while a planned move is pending, but in colocated
-        mode): always, (fallback) when no prefill worker is left, a
+        """Colocated this attempt (never while a planned move is pending: its KV goes to a
+        reservation): always, (fallback) when no prefill worker is left, a
         later choice that its first choice's decode worker can take, or a prompt whose
         part no decode worker holds is short (``local_prefill_max_tokens``)."""
         mode = self.ctx.config.local_prefill
-        if self.ctx.pending_move is not None and mode != "always":
+        if self.ctx.pending_move is not None:
             return False  # the KV moves to a reservation (router.lifecycle.prefill)
         return mode == "always" or self._sibling_worker() is not None or (
             mode == "fallback" and not any(r.worker_id not in self.ctx.excluded

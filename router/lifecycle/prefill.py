@@ -5,7 +5,8 @@ acknowledged the KV and the first token (``Prefilled``).
 
 Failures: a worker that failed is excluded and the attempt is retried (``Retry``); one
 that refused what the router sent is INTERNAL (a router bug); no prefill worker left is
-UNAVAILABLE, or (``local_prefill`` "fallback") a retry that prefills locally.
+UNAVAILABLE, or (``local_prefill`` "fallback", or "always" after a failed move) a retry
+that prefills locally.
 
 A planned move pending (``RequestContext.pending_move``, ``cluster.moves``) goes first:
 the Prefill goes to the draining decode worker, naming the parked attempt, and that
@@ -22,6 +23,7 @@ import grpc
 
 from router.errors import RouteError
 from router.lifecycle.attempt import Attempt
+from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import MoveOffer, Retry, reraise_if_we_are_cancelled
 from router.lifecycle.placement import Placement
 from router.worker_calls import Failure, Prefilled, WorkerCalls
@@ -46,7 +48,7 @@ async def prefill(attempt: Attempt, placement: Placement) -> Prefilled:
     while True:
         order = placement.prefill_order()
         if not order:
-            if ctx.config.local_prefill == "fallback":  # the next attempt prefills locally
+            if ctx.config.local_prefill != "never":  # the next attempt prefills locally
                 raise Retry("no prefill worker left", "no_prefill")
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         for prefill_id in order:
@@ -144,6 +146,24 @@ async def _move(attempt: Attempt, move: MoveOffer) -> Prefilled | None:
     ctx.log.info("moved from %s with its KV (%d tokens)", move.worker_id,
                  len(ctx.request.prompt_token_ids) + ctx.calls.num_resumed)
     return reply
+
+
+def release_move(ctx: RequestContext) -> None:
+    """A move offered and never asked for (the request ended first: cancelled, past its
+    deadline): an Abort of the parked attempt frees its KV now, not at the offer's end."""
+    move, ctx.pending_move = ctx.pending_move, None
+    if move is None:
+        return
+    call = ctx.calls.start_abort(move.worker_id, "decode", move.attempt_id)
+    if call is not None:
+        ctx.background(asyncio.ensure_future(_quietly(call)))
+
+
+async def _quietly(call: grpc.aio.UnaryUnaryCall) -> None:
+    try:
+        await call
+    except grpc.aio.AioRpcError:
+        pass  # the worker frees it at the offer's end anyway
 
 
 def _replayed(attempt: Attempt, move: MoveOffer, why: str) -> None:

@@ -97,8 +97,8 @@ async def relay(attempt: Attempt, call: grpc.aio.UnaryStreamCall
                              f"the decode worker refused the stream after {num_streamed} "
                              "streamed tokens", detail=f"{decode_id}: {failure}") from None
         ctx.worker_failed(decode_id, failure)
-        cause = "draining" if "shutting down" in failure.details else "died"
         move = MoveOffer(decode_id, attempt.id) if is_move_offer(failure.details) else None
+        cause = "draining" if "shutting down" in failure.details or move else "died"
         raise Migrate("the decode worker failed", cause, num_streamed,
                       f"{decode_id}: {failure}", move) from None
     if not attempt.is_finished:

@@ -98,6 +98,16 @@ def test_record_round_trips_through_versioned_json() -> None:
     assert record.with_load(WorkerLoad(1, 12, 5, 6)).load == WorkerLoad(1, 12, 5, 6)
 
 
+def test_draining_is_written_only_when_set() -> None:
+    # a reader without the field skips only the records of workers on their way out
+    record = make_record()
+    assert "draining" not in json.loads(record.to_json())
+    assert WorkerRecord.from_json(record.to_json()).draining is False
+    draining = dataclasses.replace(record, draining=True)
+    assert json.loads(draining.to_json())["draining"] is True
+    assert WorkerRecord.from_json(draining.to_json()) == draining
+
+
 def _mutated(change: Any) -> str:
     body = json.loads(make_record().to_json())
     change(body)
@@ -162,6 +172,14 @@ def test_heartbeat_refreshes_the_load(registry: Registry) -> None:
         assert registry.list_workers()[0].load == WorkerLoad(10, 12, 1, 0)
         load[0] = WorkerLoad(2, 12, 7, 3)
         wait_until(lambda: registry.list_workers()[0].load == load[0], 3.0, "the new load")
+
+
+def test_set_draining_writes_the_record_at_once_and_keeps_it(registry: Registry) -> None:
+    with Heartbeat(registry, make_record(), lambda: WorkerLoad(10, 12, 1, 0)) as heartbeat:
+        assert registry.list_workers()[0].draining is False
+        assert heartbeat.set_draining()
+        assert registry.list_workers()[0].draining is True  # no wait for the next beat
+        assert heartbeat.beat() and registry.list_workers()[0].draining is True
 
 
 def test_graceful_stop_deletes_the_key(registry: Registry, raw_redis: redis.Redis) -> None:

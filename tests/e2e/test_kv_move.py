@@ -1,5 +1,6 @@
 """Planned moves keep the KV: a decode worker drained (SIGTERM) under 8 concurrent streams
-while another decode worker serves. Its decoding requests park with their KV and the
+while another decode worker serves (then again through a colocated router, between
+decode workers of TP 1 and TP 2: the KV re-sharded on its way). Its decoding requests park with their KV and the
 router moves each to the other decode worker, where the draining worker sends the KV it
 holds (``cluster.moves``): every stream comes out whole and right — greedy, penalised
 and seeded tokens, and text with a stop string, equal to ``engine.LLM``'s unfaulted run —
@@ -21,6 +22,7 @@ from engine import LLM, SamplingParams
 from pdserve import AsyncClient
 from tests.e2e.cluster import Cluster
 from tests.factories import PROMPTS
+from tests.processes import Proc
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,9 +33,10 @@ CLUSTER = {"num_prefill": 1, "num_decode": 2, "decode_tp": 1, "decode_kv_blocks"
            "router_args": ("--metrics-port", "0"), "decode_args": ("--grace", "20")}
 
 
-def _metrics(cluster: Cluster) -> dict[str, float]:
-    assert cluster.router is not None
-    address = cluster.router.ready["metrics_address"]
+def _metrics(cluster: Cluster, router: Proc | None = None) -> dict[str, float]:
+    router = router or cluster.router
+    assert router is not None
+    address = router.ready["metrics_address"]
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line and not line.startswith("#")}
@@ -107,3 +110,102 @@ def test_a_draining_decode_worker_moves_its_streams_with_their_kv(cluster: Clust
     assert cluster.info(cluster.prefill[0]).num_started_requests == prefilled[0]
     assert "requests offered to move, 0 still pending" in victim.log_tail(20_000)
     cluster.decode.remove(victim)
+
+
+def test_in_colocated_mode_a_drained_worker_s_streams_move_too(cluster: Cluster,
+                                                              llama_dir: Path) -> None:
+    # a router that prefills on the decode workers (--local-prefill always) takes the
+    # offer too: the continuation is reserved on the other decode worker (no prefill
+    # worker), whose TP size differs: the KV is re-sharded in transit, TP 1 <-> TP 2
+    cluster.start_worker("decode", 2, "--num-kv-blocks", "400", "--grace", "20",
+                         "--tensor-parallel-size", "2").wait_ready()
+    router = cluster.start_router("--metrics-port", "0", "--local-prefill", "always",
+                                  name="router-colocated")
+    cluster.wait_serving()
+    prompts = [f"{PROMPTS[i % 4]} (colocated {i})" for i in range(6)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir) as llm:
+        expected = [r.token_ids for r in llm.generate(prompts, params)]
+    received: list[list[int]] = [[] for _ in prompts]
+    held: dict[str, int] = {}
+
+    async def one(client: AsyncClient, i: int) -> None:
+        async for chunk in client.generate(prompts[i], max_tokens=MAX_TOKENS, temperature=0.0,
+                                           ignore_eos=True, timeout=TIMEOUT_S):
+            received[i] += chunk.token_ids
+
+    async def drain() -> None:
+        while any(len(r) < DRAIN_AFTER for r in received):
+            await asyncio.sleep(0.005)
+        for worker in cluster.decode:
+            held[worker.name] = len((await asyncio.to_thread(cluster.info, worker)).attempt_ids)
+        victim = max(cluster.decode, key=lambda w: held[w.name])
+        held["victim"] = held[victim.name]
+        victim.proc.send_signal(signal.SIGTERM)
+        cluster.decode.remove(victim)
+        assert victim.proc.wait(60) == 0, victim.log_tail()
+
+    async def run() -> None:
+        async with AsyncClient(router.address) as client:
+            drainer = asyncio.ensure_future(drain())
+            await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
+            await drainer
+
+    before = _metrics(cluster, router)
+    asyncio.run(run())
+    assert received == expected
+    moved = _metrics(cluster, router).get('pdserve:kv_moves_total{outcome="moved"}', 0.0) \
+        - before.get('pdserve:kv_moves_total{outcome="moved"}', 0.0)
+    assert held["victim"] >= 1 and moved == held["victim"], (moved, held)
+
+
+def test_a_switch_to_prefill_can_move_the_worker_s_streams_with_their_kv(
+        cluster: Cluster, llama_dir: Path) -> None:
+    # SetRole(prefill, move_decoding): the worker's decoding streams move to the other
+    # decode worker at once, instead of finishing there (what the planner asks for)
+    from cluster.internal.v1 import worker_pb2 as wpb
+
+    cluster.start_worker("decode", 3, "--num-kv-blocks", "400").wait_ready()
+    cluster.wait_serving()
+    prompts = [f"{PROMPTS[i % 4]} (switched {i})" for i in range(6)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir) as llm:
+        expected = [r.token_ids for r in llm.generate(prompts, params)]
+    received: list[list[int]] = [[] for _ in prompts]
+    held: dict[str, int] = {}
+    switched: list[Proc] = []
+
+    async def one(client: AsyncClient, i: int) -> None:
+        async for chunk in client.generate(prompts[i], max_tokens=MAX_TOKENS, temperature=0.0,
+                                           ignore_eos=True, timeout=TIMEOUT_S):
+            received[i] += chunk.token_ids
+
+    def switch() -> None:
+        counts = {w.name: len(cluster.info(w).attempt_ids) for w in cluster.decode}
+        worker = max(cluster.decode, key=lambda w: counts[w.name])
+        held.update(counts)
+        reply = cluster.stub(worker).SetRole(
+            wpb.SetRoleRequest(role="prefill", move_decoding=True), timeout=30)
+        assert (reply.previous_role, reply.role) == ("decode", "prefill")
+        switched.append(worker)
+
+    async def run() -> None:
+        async with AsyncClient(cluster.address) as client:
+            async def switch_when_all_have_streamed() -> None:
+                while any(len(r) < DRAIN_AFTER for r in received):
+                    await asyncio.sleep(0.005)
+                await asyncio.to_thread(switch)
+            switcher = asyncio.ensure_future(switch_when_all_have_streamed())
+            await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
+            await switcher
+
+    before = _metrics(cluster)
+    asyncio.run(run())
+    assert received == expected
+    worker = switched[0]
+    moved = _metrics(cluster).get('pdserve:kv_moves_total{outcome="moved"}', 0.0) \
+        - before.get('pdserve:kv_moves_total{outcome="moved"}', 0.0)
+    assert held[worker.name] >= 1 and moved == held[worker.name], (moved, held)
+    assert not cluster.info(worker).attempt_ids  # nothing of the old role is left there
+    assert "switched to prefill: " in worker.log_tail(20_000)
+    cluster.stub(worker).SetRole(wpb.SetRoleRequest(role="decode"), timeout=30)

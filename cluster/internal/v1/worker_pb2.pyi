@@ -340,10 +340,12 @@ class KVSnapshotReply(_message.Message):
     def __init__(self, publishing: _Optional[bool] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
 
 class SetRoleRequest(_message.Message):
-    __slots__ = ("role",)
+    __slots__ = ("role", "move_decoding")
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    MOVE_DECODING_FIELD_NUMBER: _ClassVar[int]
     role: str
-    def __init__(self, role: _Optional[str] = ...) -> None: ...
+    move_decoding: bool
+    def __init__(self, role: _Optional[str] = ..., move_decoding: _Optional[bool] = ...) -> None: ...
 
 class SetRoleReply(_message.Message):
     __slots__ = ("role", "previous_role", "roles")

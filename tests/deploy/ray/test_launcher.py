@@ -435,3 +435,67 @@ def test_a_router_without_room_fails_before_any_worker_starts(ray_head: Any, lla
     assert not any("starting prefill-0" in line for line in lines), lines
     assert lines[-1] == "all processes stopped"
     assert_nothing_left(ray_head, [], tmp_path)
+
+
+def test_two_routers_serve_and_a_rolling_restart_fails_no_request(
+        ray_head: Any, llama_dir: Path, tmp_path: Path, llm: Any) -> None:
+    """``--routers 2`` on Ray (and two of each worker kind, all 4 GPUs): both replicas serve
+    the same greedy output; a rolling
+    restart (SIGHUP's) replaces every process in its placement group — routers on their
+    ports — while a client given both routers keeps streaming: none fails, every one
+    right; then stopping leaves nothing."""
+    import threading
+
+    from deploy.ray.launcher import launch
+    from pdserve.client import Client
+
+    spec = ClusterSpec(model_dir=llama_dir, num_prefill=2, num_decode=2, num_routers=2,
+                       port=0, http_port=None, num_kv_blocks=NUM_KV_BLOCKS * 4,
+                       stop_grace_s=5.0, log_dir=tmp_path, start_timeout_s=120)
+    lines: list[str] = []
+    cluster = launch(RaySpec(cluster=spec, gpu_resource=GPU, cpus_per_rank=0.5,
+                             router_cpus=0.5), progress=lines.append)
+    try:
+        addresses = cluster.router_addresses
+        assert len(set(addresses)) == 2 and [m.name for m in cluster.routers] == \
+            ["router", "router-1"]
+        prompts = [f"rolling {i} " + PROMPTS[i % len(PROMPTS)] for i in range(6)]
+        expected = _greedy(prompts, llm, max_tokens=12)
+        for address in addresses:
+            assert _complete_all(address, prompts, max_tokens=12) == expected
+        before = cluster.statuses()
+        done, results, failures = threading.Event(), [], []
+
+        def load() -> None:
+            with Client(addresses) as client:
+                n = 0
+                while not done.is_set():
+                    i, n = n % len(prompts), n + 1
+                    try:
+                        tokens = list(client.complete(prompts[i], max_tokens=12, temperature=0,
+                                                      ignore_eos=True, timeout=TIMEOUT_S).token_ids)
+                    except Exception as exc:  # noqa: BLE001 - reported below
+                        failures.append(repr(exc))
+                        continue
+                    results.append(tokens == expected[i])
+
+        thread = threading.Thread(target=load, daemon=True)
+        thread.start()
+        try:
+            cluster.rolling_restart(settle_s=1.0)
+        finally:
+            done.set()
+            thread.join(TIMEOUT_S)
+        assert not failures, failures[:3]
+        assert len(results) >= 10 and all(results)
+        after = cluster.statuses()
+        names = ["router", "router-1", "prefill-0", "prefill-1", "decode-0", "decode-1"]
+        assert all(after[n].actor_pid != before[n].actor_pid for n in names), (before, after)
+        assert [f"restarting {n} ..." for n in names] == \
+            [line for line in lines if line.startswith("restarting ")]
+        assert cluster.router_addresses == addresses  # the routers kept their ports
+        pids = _our_processes(after)
+    finally:
+        cluster.stop()
+    assert lines[-1] == "all processes stopped"
+    assert_nothing_left(ray_head, pids, tmp_path)
