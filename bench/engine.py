@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 import engine
-from bench import quality
+from bench import quality, speculative
 from bench.common import (
     MIB,
     BandwidthProbe,
@@ -103,6 +103,10 @@ class Results:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--speculative", metavar="CONFIG", nargs="?", const="",
+                   help="measure speculative decoding instead (bench.speculative: acceptance "
+                        "and speedup per workload) with CONFIG, vLLM's speculative_config as "
+                        "JSON (default: n-gram, 4 tokens); bench.speculative's flags follow")
     p.add_argument("--model", type=Path, default=None,
                    help="checkpoint dir (default: the bench55m Llama, built once into the cache)")
     p.add_argument("--num-requests", type=int, default=32)
@@ -474,7 +478,14 @@ def noise_warnings(out: dict[str, Any]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark, print the table, write ``--json``; returns the results dict."""
+    """Run the benchmark, print the table, write ``--json``; returns the results dict.
+    ``--speculative [CONFIG]`` runs ``bench.speculative`` instead, with the flags after it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--speculative" in argv:
+        i = argv.index("--speculative")
+        given = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        config = ["--speculative-config", argv[i + 1]] if given else []
+        return speculative.main([*config, *argv[:i], *argv[i + (2 if given else 1):]])
     args = parse_args(argv)
     started = time.perf_counter()
     machine = machine_info()

@@ -23,3 +23,17 @@ def test_a_small_run_reports_each_workload_and_batch(llama_dir: Path, tmp_path: 
         assert 0 <= r["kept"] <= r["drafted"] and 0.0 <= r["acceptance_rate"] <= 1.0
         assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0
         assert abs(r["speedup"] - r["spec_tok_s"] / r["plain_tok_s"]) < 1e-9
+
+
+def test_bench_engine_speculative_runs_it_with_its_flags(llama_dir: Path, tmp_path: Path) -> None:
+    from bench import engine as bench_engine
+
+    config = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    out = tmp_path / "engine-spec.json"
+    report = bench_engine.main(["--speculative", json.dumps(config), "--model", str(llama_dir),
+                                "--batch", "2", "--passage-len", "40", "--repeat-len", "24",
+                                "--output-len", "16", "--repeats", "1", "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert written["speculative_config"] == config
+    assert [(r["workload"], r["batch"]) for r in report["rows"]] == [
+        ("input-grounded", 1), ("free-text", 1), ("input-grounded", 2), ("free-text", 2)]
