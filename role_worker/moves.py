@@ -1,12 +1,10 @@
-"""Planned moves on a worker's engine loop: a draining decode worker hands its decoding
-requests' KV to other decode workers instead of their streams being replayed (the words
-and the router's part: ``cluster.moves``).
+"""Planned moves on a worker's engine loop: a decode worker that drains (or is switched to
+prefill and asked to) hands its decoding requests' KV to other decode workers instead of
+their streams being replayed (the words and the router's part: ``cluster.moves``).
 
-``OfferMoves`` (at drain, or at a switch away from decode that asks for it) parks every
-decoding request
-whose stream is open (``engine.core.parking``: out of the batch, blocks kept; a drain also
-stops the loop taking new work) and ends
-its Generate stream with the move offer, after every token it produced. A parked request
+``OfferMoves`` parks every decoding request whose stream is open (``engine.core.parking``:
+out of the batch, blocks kept; a drain also stops the loop taking new work) and ends its
+Generate stream with the move offer, after every token it produced. A parked request
 waits at most ``wait_s`` for the router's ``Submit`` naming it (``moved_from``); then it
 is freed. That Submit must carry exactly the request's tokens; its KV is then sent like a
 prefill's (``worker.kv.sending.KVSendLeader.move``) and the Submit's stream gets the
@@ -14,8 +12,8 @@ prefill's (``worker.kv.sending.KVSendLeader.move``) and the Submit's stream gets
 which the Submit's attempt id names too (an Abort of the new attempt reaches it). The
 Abort that the old attempt's ended stream posts (``Abort.call_ended``) leaves a parked or
 moving request alone; any other Abort of the old attempt (the router's, when it does not
-take the offer) frees it, as does the end of its wait.
-``MovesPending`` counts what is parked or still sending, for the drain to wait on.
+take the offer) frees it, as does the end of its wait. ``MovesPending`` counts what is
+parked or still sending, for the drain to wait on.
 """
 
 from __future__ import annotations

@@ -209,3 +209,56 @@ def test_a_switch_to_prefill_can_move_the_worker_s_streams_with_their_kv(
     assert not cluster.info(worker).attempt_ids  # nothing of the old role is left there
     assert "switched to prefill: " in worker.log_tail(20_000)
     cluster.stub(worker).SetRole(wpb.SetRoleRequest(role="decode"), timeout=30)
+
+
+def test_a_move_that_cannot_happen_is_replayed(cluster: Cluster, llama_dir: Path) -> None:
+    # --grace 0: the parked requests' offers end at once, so each move the router asks
+    # for is refused or fails, and the stream is replayed (through the prefill worker)
+    from cluster.internal.v1 import worker_pb2 as wpb
+
+    old = list(cluster.decode)
+    for worker in old:  # every stream goes to the two new decode workers
+        cluster.stub(worker).SetRole(wpb.SetRoleRequest(role="prefill"), timeout=30)
+    victim = cluster.start_worker("decode", 4, "--num-kv-blocks", "400", "--grace", "0")
+    cluster.start_worker("decode", 5, "--num-kv-blocks", "400").wait_ready()
+    victim.wait_ready()
+    cluster.wait_serving()
+    prompts = [f"{PROMPTS[i % 4]} (replayed {i})" for i in range(6)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir) as llm:
+        expected = [r.token_ids for r in llm.generate(prompts, params)]
+    received: list[list[int]] = [[] for _ in prompts]
+    held: list[int] = []
+
+    async def one(client: AsyncClient, i: int) -> None:
+        async for chunk in client.generate(prompts[i], max_tokens=MAX_TOKENS, temperature=0.0,
+                                           ignore_eos=True, timeout=TIMEOUT_S):
+            received[i] += chunk.token_ids
+
+    async def drain() -> None:
+        while any(len(r) < DRAIN_AFTER for r in received):
+            await asyncio.sleep(0.005)
+        held.append(len((await asyncio.to_thread(cluster.info, victim)).attempt_ids))
+        victim.proc.send_signal(signal.SIGTERM)
+
+    async def run() -> None:
+        async with AsyncClient(cluster.address) as client:
+            drainer = asyncio.ensure_future(drain())
+            await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
+            await drainer
+
+    before = _metrics(cluster)
+    asyncio.run(run())
+    assert victim.proc.wait(60) == 0, victim.log_tail()
+    cluster.decode.remove(victim)
+    assert received == expected
+    after = _metrics(cluster)
+
+    def delta(outcome: str) -> float:
+        key = f'pdserve:kv_moves_total{{outcome="{outcome}"}}'
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert held[0] >= 1 and delta("replayed") == held[0] and delta("moved") == 0, (
+        held, delta("replayed"), delta("moved"))
+    for worker in old:
+        cluster.stub(worker).SetRole(wpb.SetRoleRequest(role="decode"), timeout=30)
