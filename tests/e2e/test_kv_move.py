@@ -27,7 +27,7 @@ from tests.processes import Proc
 pytestmark = pytest.mark.timeout(300)
 
 TIMEOUT_S = 120.0
-MAX_TOKENS = 160
+MAX_TOKENS = 600  # long enough that no stream ends before the drain or switch acts
 DRAIN_AFTER = 16  # every stream has this many tokens when the worker drains
 CLUSTER = {"num_prefill": 1, "num_decode": 2, "decode_tp": 1, "decode_kv_blocks": 400,
            "router_args": ("--metrics-port", "0"), "decode_args": ("--grace", "20")}
