@@ -223,7 +223,8 @@ def test_a_move_that_cannot_happen_is_replayed(cluster: Cluster, llama_dir: Path
     cluster.start_worker("decode", 5, "--num-kv-blocks", "400").wait_ready()
     victim.wait_ready()
     cluster.wait_serving()
-    prompts = [f"{PROMPTS[i % 4]} (replayed {i})" for i in range(6)]
+    # no two prompts share a first block: the router spreads them by load alone
+    prompts = [f"replayed stream {i}: {PROMPTS[i % 4]}" for i in range(6)]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(llama_dir) as llm:
         expected = [r.token_ids for r in llm.generate(prompts, params)]
