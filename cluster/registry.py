@@ -23,6 +23,9 @@ Key schema — built only by ``Keys``; everything lives under ``pdserve:{cluster
     load:{router_id}    one router's load on each worker, short TTL (``cluster.router_loads``).
     kv_events           Redis stream, ``MAXLEN ~``: every worker's KV events, one entry per
                         batch (``cluster.kv_events``); every router reads all of it.
+    scale_target        ``cluster.scale.ScaleTarget`` JSON, no TTL: the workers the leading
+                        planner wants; written by it at each scale step, read by the launcher
+                        that adds and removes workers (``pdserve up --ray``).
     token_required      "1", no TTL: set by every router and worker started with a cluster
                         token (``cluster.token``); one started without refuses to join a
                         cluster that has it (``ClusterTokenRequired``). Delete it by hand to
@@ -131,6 +134,10 @@ class Keys:
     @property
     def kv_events(self) -> str:
         return f"{self.prefix}kv_events"
+
+    @property
+    def scale_target(self) -> str:
+        return f"{self.prefix}scale_target"
 
     def lock(self, name: str) -> str:
         """A cluster-wide lock's key (``cluster.election``)."""
@@ -292,6 +299,17 @@ class Registry:
                 if record is not None and role in (None, record.role):
                     records.append(record)
         return sorted(records, key=lambda r: r.worker_id)
+
+    def set_scale_target(self, text: str) -> None:
+        """Write the planner's scale target (``cluster.scale``), replacing the last."""
+        with self._errors("writing the scale target"):
+            self._client.set(self.keys.scale_target, text)
+
+    def scale_target(self) -> bytes | None:
+        """The latest scale target's JSON (None: the planner never wrote one)."""
+        with self._errors("reading the scale target"):
+            raw: bytes | str | None = self._client.get(self.keys.scale_target)
+        return raw.encode() if isinstance(raw, str) else raw
 
     def publish_kv_events(self, fields: Mapping[str, bytes], maxlen: int) -> None:
         """Append one KV event entry (``cluster.kv_events``) to the cluster's stream,

@@ -3,10 +3,13 @@
 - ``pdserve:planner_decisions_total{action, reason}``: every decision of the leading
   planner — ``action="switch"`` with ``reason="to_prefill"`` or ``"to_decode"``,
   ``action="hold"`` with the reason it moved nothing (``planner.policy.HOLDS``:
-  ``no_traffic``, ``bounds``, ``gain``, ``dwell``), ``action="failed"`` when a worker
-  refused or did not answer a switch (``reason="refused"`` / ``"unreachable"``);
+  ``no_traffic``, ``bounds``, ``gain``, ``dwell``), ``action="add"`` / ``"remove"`` with
+  the worker's role (a scale step, ``--max-workers``), ``action="failed"`` when a worker
+  refused or did not answer a switch, or Redis did not take a scale target
+  (``reason="refused"`` / ``"unreachable"``);
 - ``pdserve:planner_workers{role}`` and ``pdserve:planner_desired_workers{role}``
-  (gauges): the workers serving each role now, and the split the planner predicts best;
+  (gauges): the workers serving each role now, and the split the planner wants (with
+  ``--max-workers``, their sum is the cluster size it wants: an autoscaler's input);
 - ``pdserve:planner_predicted_attainment`` (gauge, 0..1): the current split's predicted SLO
   attainment at the last decision;
 - ``pdserve:planner_leader`` (gauge): 1 while this planner leads, 0 while it waits.
@@ -35,6 +38,8 @@ class PlannerMetrics:
         self.leader = Gauge("pdserve:planner_leader", "1 while this planner leads", registry=r)
         for role in ROLES:
             self.decisions.labels("switch", f"to_{role}")
+            self.decisions.labels("add", role)
+            self.decisions.labels("remove", role)
             self.workers.labels(role)
             self.desired.labels(role)
         for why in HOLDS:

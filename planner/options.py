@@ -37,6 +37,13 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
                         help="prefill workers to keep (0: the router's --local-prefill "
                              "fallback prefills on decode workers)")
     parser.add_argument("--min-decode", type=int, default=1, help="decode workers to keep")
+    parser.add_argument("--min-workers", type=int,
+                        help="the fewest workers the cluster may shrink to (default: "
+                             "--min-prefill + --min-decode); with --max-workers")
+    parser.add_argument("--max-workers", type=int,
+                        help="let the planner size the cluster up to this many workers: it "
+                             "writes the scale target that pdserve up --ray acts on (default: "
+                             "it only switches roles)")
     parser.add_argument("--lock-ttl", type=float, default=10.0,
                         help="the leader's lock lapses this long after its last renewal: a "
                              "waiting planner takes over then")

@@ -15,6 +15,10 @@ implies an effective prefill rate (the one the planner uses when lower than the
 model's: a planner blind to queue time keeps estimating TTFT from compute alone), and the
 measured inter-token latency scales the decode costs. The same object runs in the real
 cluster (``pdserve planner``) and in the simulator (``sim``).
+
+With ``max_workers`` set it also sizes the cluster, one worker at a time within
+``min_workers``..``max_workers`` (``planner.scaling``): it adds a worker when that is
+predicted to gain more than switching roles can, and removes one that is not needed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner.capacity import CapacityModel, Prediction, Traffic, effective_prefill_rate
+from planner.scaling import ADD, REMOVE, ScaleChange, scale_choice, step_role
 
 ROLES = ("prefill", "decode")
 HOLDS = {"no_traffic": "nothing arrived in the window", "bounds": "the split is outside "
@@ -42,6 +47,10 @@ class PlannerConfig:
     min_gain: float = 0.05  # a split must be predicted this much better to move towards it
     min_prefill: int = 0  # 0: the decode workers may prefill (the router's local prefill)
     min_decode: int = 1
+    # the cluster's size bounds (``planner.scaling``); max_workers None: never add or remove
+    min_workers: int | None = None  # default: min_prefill + min_decode
+    max_workers: int | None = None
+    scale_down_slack: float = 0.01  # a worker goes when one fewer loses no more than this
 
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
@@ -50,6 +59,24 @@ class PlannerConfig:
             raise ValueError("dwell_s and min_gain must not be negative")
         if self.min_prefill < 0 or self.min_decode < 1:
             raise ValueError("min_prefill must be >= 0 and min_decode >= 1")
+        floor = self.min_prefill + self.min_decode
+        if self.min_workers is not None and self.max_workers is None:
+            raise ValueError("min_workers needs max_workers (the planner then sizes the "
+                             "cluster)")
+        if self.min_workers is not None and self.min_workers < floor:
+            raise ValueError(f"min_workers must be at least min_prefill + min_decode ({floor})")
+        if self.max_workers is not None and self.max_workers < (self.min_workers or floor):
+            raise ValueError(f"max_workers ({self.max_workers}) must be at least min_workers "
+                             f"({self.min_workers or floor})")
+        if self.scale_down_slack < 0 or (self.max_workers is not None
+                                         and self.scale_down_slack >= self.min_gain):
+            raise ValueError("scale_down_slack must be >= 0 and below min_gain (hysteresis)")
+
+    def size_bounds(self, num_workers: int) -> tuple[int, int]:
+        """The sizes the cluster may take (``num_workers`` only, when it does not scale)."""
+        if self.max_workers is None:
+            return num_workers, num_workers
+        return self.min_workers or self.min_prefill + self.min_decode, self.max_workers
 
 
 @dataclass(frozen=True)
@@ -91,6 +118,9 @@ class RoleChange:
     predicted_after: float
 
 
+Decision = RoleChange | ScaleChange
+
+
 @dataclass
 class Planner:
     """See the module doc. ``decisions`` keeps every change it made."""
@@ -98,15 +128,16 @@ class Planner:
     config: PlannerConfig
     model: CapacityModel
     clock: Callable[[], float] = time.monotonic
-    decisions: list[RoleChange] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
     last_change_at: float = -math.inf
     held: str = ""  # why the last decision moved nothing: HOLDS' keys ("" when it moved)
-    desired: Prediction | None = None  # the best split at the last decision
+    desired: Prediction | None = None  # the split it wants at the last decision
     current: Prediction | None = None  # the split as it was at the last decision
 
-    def predictions(self, obs: Observation) -> list[Prediction]:
-        """Every reachable split's prediction, fewest prefill workers first."""
-        n = len(obs.workers)
+    def predictions(self, obs: Observation, size: int | None = None) -> list[Prediction]:
+        """Every reachable split of ``size`` workers (default: those observed), fewest
+        prefill workers first."""
+        n = len(obs.workers) if size is None else size
         prefill, decode = obs.of_role("prefill"), obs.of_role("decode")
         queueing = prefill or decode  # without prefill workers the decode ones prefill
         waits = [w.queue_wait_s for w in queueing]
@@ -124,38 +155,97 @@ class Planner:
                                    decode_scale=scale)
                 for p in range(c.min_prefill, n - c.min_decode + 1)]
 
-    def decide(self, obs: Observation) -> list[RoleChange]:
-        """At most one role change (empty: hold the split; ``held`` says why)."""
+    def decide(self, obs: Observation) -> list[Decision]:
+        """At most one role change or scale step (empty: hold; ``held`` says why)."""
         now = self.clock()
         if obs.traffic.rate <= 0:
-            return self._hold("no_traffic")
+            return self._idle(obs, now)
         options = self.predictions(obs)
         current_p = len(obs.of_role("prefill"))
         current = next((o for o in options if o.num_prefill == current_p), None)
         if current is None or not options:  # outside the bounds: no move is ours to make
             return self._hold("bounds")
-        best = max(options, key=lambda o: (round(o.attainment, 9),
-                                           -abs(o.num_prefill - current_p)))
+        best = _best(options, current_p)
         self.desired, self.current = best, current
+        if self.config.max_workers is not None:
+            scaled = self._scale(obs, now, current, best)
+            if scaled is not None:
+                return scaled
         if best.attainment < current.attainment + self.config.min_gain:
             return self._hold("gain")
         if now - self.last_change_at < self.config.dwell_s:
             return self._hold("dwell")
         grow = "prefill" if best.num_prefill > current_p else "decode"
         shrink = "decode" if grow == "prefill" else "prefill"
-        worker = min(obs.of_role(shrink), key=lambda w: (w.held, w.worker_id))
+        worker = _least_held(obs, shrink)
         step = next(o for o in options if o.num_prefill == current_p + (1 if grow == "prefill"
                                                                         else -1))
-        change = RoleChange(now, worker.worker_id, shrink, grow,
-                            _reason(obs, current, best, step), current.attainment,
-                            step.attainment)
-        self.decisions.append(change)
-        self.last_change_at, self.held = now, ""
-        return [change]
+        return self._made(RoleChange(now, worker.worker_id, shrink, grow,
+                                     _reason(obs, current, best, step), current.attainment,
+                                     step.attainment), now)
 
-    def _hold(self, why: str) -> list[RoleChange]:
+    def _scale(self, obs: Observation, now: float, current: Prediction, best: Prediction
+               ) -> list[Decision] | None:
+        """A scale step (or a hold for its dwell), or None: no step is due (a role switch
+        may be)."""
+        n, p = len(obs.workers), current.num_prefill
+        low, high = self.config.size_bounds(n)
+        ups = [_best(self.predictions(obs, k), p) for k in range(n + 1, high + 1)]
+        up = max(ups, key=lambda o: round(o.attainment, 9), default=None)  # smallest of equals
+        down = _best(self.predictions(obs, n - 1), p) if n > low else None
+        choice = scale_choice(current, best, up, down, min_gain=self.config.min_gain,
+                              slack=self.config.scale_down_slack)
+        if choice is None or choice[0] == REMOVE and (
+                best.attainment >= current.attainment + self.config.min_gain):
+            return None  # nothing to add or remove, or a switch comes first
+        action, target = choice
+        self.desired = target
+        if now - self.last_change_at < self.config.dwell_s:
+            return self._hold("dwell")
+        role = step_role(action, p, target)
+        delta = 1 if action == ADD else -1
+        split = (p + delta, n - p) if role == "prefill" else (p, n - p + delta)
+        step = next(o for o in self.predictions(obs, n + delta) if o.num_prefill == split[0])
+        worker = None if action == ADD else _least_held(obs, role).worker_id
+        return self._made(ScaleChange(now, action, role, worker,
+                                      _reason(obs, current, target, step), current.attainment,
+                                      step.attainment, *split), now)
+
+    def _idle(self, obs: Observation, now: float) -> list[Decision]:
+        """No traffic: a worker that holds nothing goes while the cluster is above its
+        minimum size (``max_workers`` set), else hold."""
+        c = self.config
+        low, _ = c.size_bounds(len(obs.workers))
+        spare = {"prefill": len(obs.of_role("prefill")) - c.min_prefill,
+                 "decode": len(obs.of_role("decode")) - c.min_decode}
+        role = max(("prefill", "decode"), key=lambda r: spare[r])
+        if len(obs.workers) <= low or spare[role] <= 0 or now - self.last_change_at < c.dwell_s:
+            return self._hold("no_traffic")
+        worker = _least_held(obs, role)
+        if worker.held:
+            return self._hold("no_traffic")
+        num_p = len(obs.of_role("prefill")) - (role == "prefill")
+        return self._made(ScaleChange(now, REMOVE, role, worker.worker_id, "no traffic in the "
+                                      "window", 1.0, 1.0, num_p, len(obs.workers) - 1 - num_p),
+                          now)
+
+    def _made(self, decision: Decision, now: float) -> list[Decision]:
+        self.decisions.append(decision)
+        self.last_change_at, self.held = now, ""
+        return [decision]
+
+    def _hold(self, why: str) -> list[Decision]:
         self.held = why
         return []
+
+
+def _best(options: list[Prediction], current_p: int) -> Prediction:
+    """The best split; of equals, the one nearest ``current_p`` prefill workers."""
+    return max(options, key=lambda o: (round(o.attainment, 9), -abs(o.num_prefill - current_p)))
+
+
+def _least_held(obs: Observation, role: str) -> WorkerState:
+    return min(obs.of_role(role), key=lambda w: (w.held, w.worker_id))
 
 
 def _reason(obs: Observation, current: Prediction, best: Prediction, step: Prediction) -> str:

@@ -6,7 +6,9 @@ requests), scrapes every worker's ``/metrics``, and once it has a window
 (``--window`` seconds; right after it took over, at least half of that) hands
 ``planner.observe.observation`` of it to ``planner.policy.Planner``. A role change the
 policy decides is made with ``SetRole`` on that worker (``cluster.worker_control``),
-logged with its reason and counted (``planner.metrics``). A worker that does not answer
+logged with its reason and counted (``planner.metrics``). A scale step (``--max-workers``)
+is written as the cluster's scale target (``cluster.scale``) for the launcher that adds and
+removes workers to act on. A worker that does not answer
 a scrape is left out of that window; a switch a worker refuses is logged and counted,
 and the policy's dwell time still applies. SIGTERM/SIGINT: resign the lock (the next
 planner takes over at its next tick) and exit 0.
@@ -34,12 +36,14 @@ from cluster.files import write_json_atomic
 from cluster.internal_tls import InternalTLS, internal_tls
 from cluster.records import WorkerRecord
 from cluster.registry import Registry, RegistryError
+from cluster.scale import ScaleTarget
 from cluster.token import ClusterToken, load_cluster_token
 from cluster.worker_control import RoleSwitchError, set_role
 from planner.capacity import CapacityModel, StepCosts
 from planner.metrics import PlannerMetrics
 from planner.observe import WorkerSample, observation
-from planner.policy import ROLES, Planner, PlannerConfig, RoleChange
+from planner.policy import ROLES, Decision, Planner, PlannerConfig, RoleChange
+from planner.scaling import ADD, ScaleChange
 
 log = logging.getLogger(__name__)
 SCRAPE_TIMEOUT_S = 2.0
@@ -74,7 +78,7 @@ class PlannerService:
         self._token, self._tls, self._clock = token, tls, clock
         self._history: deque[tuple[float, list[WorkerSample]]] = deque()
 
-    def tick(self) -> list[RoleChange]:
+    def tick(self) -> list[Decision]:
         """Lead (or wait), sample, and decide once there is a window; the changes made."""
         if not self.election.lead():
             self.metrics.leader.set(0)
@@ -99,7 +103,10 @@ class PlannerService:
         self._record()
         by_id = {r.worker_id: r for r in records}
         for change in changes:
-            self._switch(by_id[change.worker_id], change)
+            if isinstance(change, RoleChange):
+                self._switch(by_id[change.worker_id], change)
+            else:
+                self._scale(change)
         return changes
 
     def _sample(self, records: list[WorkerRecord]) -> list[WorkerSample]:
@@ -139,6 +146,25 @@ class PlannerService:
         log.info("switched %s: %s -> %s: %s", change.worker_id, change.from_role,
                  change.to_role, change.reason)
 
+    def _scale(self, change: ScaleChange) -> None:
+        target = ScaleTarget(change.num_prefill, change.num_decode,
+                             add_role=change.role if change.action == ADD else "decode",
+                             remove=change.worker_id or "", reason=change.reason,
+                             written_at=time.time())
+        try:
+            self.registry.set_scale_target(target.to_json())
+        except RegistryError as exc:
+            self.metrics.decisions.labels("failed", "unreachable").inc()
+            log.warning("scale target %dP+%dD not written: %s", target.num_prefill,
+                        target.num_decode, exc)
+            return
+        self.metrics.desired.labels("prefill").set(change.num_prefill)
+        self.metrics.desired.labels("decode").set(change.num_decode)
+        self.metrics.decisions.labels(change.action, change.role).inc()
+        what = f"a {change.role} worker" if change.action == ADD else change.worker_id
+        log.info("scale: %s %s (now %dP+%dD wanted): %s", change.action, what,
+                 change.num_prefill, change.num_decode, change.reason)
+
 
 def main(args: Any, costs: StepCosts, *, block_size: int, handoff_s: float) -> int:
     """``pdserve planner`` with the profile's ``costs`` at the workers' TP size; returns
@@ -149,7 +175,8 @@ def main(args: Any, costs: StepCosts, *, block_size: int, handoff_s: float) -> i
         config = PlannerConfig(ttft_slo_s=args.ttft_slo_ms / 1000,
                                tpot_slo_s=args.tpot_slo_ms / 1000, dwell_s=args.dwell,
                                min_gain=args.min_gain, min_prefill=args.min_prefill,
-                               min_decode=args.min_decode)
+                               min_decode=args.min_decode, min_workers=args.min_workers,
+                               max_workers=args.max_workers)
         token, tls = load_cluster_token(args.cluster_token_file), internal_tls(args)
         registry = Registry(args.redis_url, cluster=args.cluster)
         holder = args.planner_id or f"planner-{uuid.uuid4().hex[:8]}"

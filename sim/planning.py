@@ -34,6 +34,9 @@ class PlannerSettings:
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.window_s <= 0:
             raise ValueError("the planner's interval and window must be positive")
+        if self.config.max_workers is not None:
+            raise ValueError("the simulator switches roles only; it does not size the "
+                             "cluster (max_workers)")
 
 
 class SimPlanner:
@@ -55,7 +58,7 @@ class SimPlanner:
 
     @property
     def changes(self) -> list[RoleChange]:
-        return self.planner.decisions
+        return [d for d in self.planner.decisions if isinstance(d, RoleChange)]
 
     def start(self) -> None:
         if self._requests:
@@ -63,6 +66,7 @@ class SimPlanner:
 
     def _tick(self) -> None:
         for change in self.planner.decide(self.observe()):
+            assert isinstance(change, RoleChange)  # the settings refuse scale steps
             worker = next(w for w in self._workers if w.worker_id == change.worker_id)
             worker.role = change.to_role
         if self._running():

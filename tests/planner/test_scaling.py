@@ -1,0 +1,91 @@
+"""``planner.scaling`` through ``Planner.decide``: with ``max_workers`` the planner adds a
+worker when that gains more than switching roles can, removes one that is not needed, and
+does neither beyond its bounds, within its dwell, or back and forth (I/O-free, fake clock)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planner.capacity import Traffic
+from planner.policy import Planner, PlannerConfig, RoleChange
+from planner.scaling import ScaleChange
+from tests.planner.test_policy import CHAT, LONG, _Clock, _model, _observe
+
+SCALING = PlannerConfig(ttft_slo_s=0.5, tpot_slo_s=0.01, dwell_s=30, min_prefill=1,
+                        min_workers=2, max_workers=6)
+LIGHT = Traffic(rate=2, prompt_tokens=200, output_tokens=100)  # any split of 2+ serves it
+
+
+def _one(decisions: list[object]) -> ScaleChange:
+    [change] = decisions
+    assert isinstance(change, ScaleChange)
+    return change
+
+
+def test_a_worker_is_added_where_no_switch_can_serve_the_load() -> None:
+    planner = Planner(SCALING, _model(), _Clock())
+    # 1P+1D under prefill-heavy traffic: the bounds leave nothing to switch; a second
+    # prefill worker is predicted to serve it
+    add = _one(planner.decide(_observe(1, LONG, n=2)))
+    assert (add.action, add.role, add.worker_id) == ("add", "prefill", None)
+    assert (add.num_prefill, add.num_decode) == (2, 1)
+    assert add.predicted_after > add.predicted_before + SCALING.min_gain
+    assert "1P+1D" in add.reason and "2P+1D" in add.reason
+    # decode-heavy on 1P+2D: every split of 3 fails; a third decode worker serves it
+    grow = _one(Planner(SCALING, _model(), _Clock()).decide(_observe(1, CHAT, n=3)))
+    assert (grow.action, grow.role, grow.num_prefill, grow.num_decode) == ("add", "decode", 1, 3)
+
+
+def test_a_switch_comes_before_a_removal_and_an_idle_worker_goes() -> None:
+    # 1P+3D under prefill-heavy traffic: 2P+1D would do, but first the split moves
+    [switch] = Planner(SCALING, _model(), _Clock()).decide(_observe(1, LONG, n=4))
+    assert isinstance(switch, RoleChange) and switch.to_role == "prefill"
+    # light traffic on 2P+3D: one worker fewer loses nothing; the least-held decode goes
+    planner = Planner(SCALING, _model(), _Clock())
+    remove = _one(planner.decide(_observe(2, LIGHT, n=5, held={"w2": 3, "w3": 0, "w4": 1})))
+    assert (remove.action, remove.role, remove.worker_id) == ("remove", "decode", "w3")
+    assert (remove.num_prefill, remove.num_decode) == (2, 2)
+    # no traffic at all: a worker holding nothing goes, down to min_workers, not below
+    idle = Traffic(0.0, 0, 0)
+    clock = _Clock()
+    planner = Planner(SCALING, _model(), clock)
+    gone = _one(planner.decide(_observe(1, idle, n=3)))
+    assert (gone.action, gone.role, gone.worker_id) == ("remove", "decode", "w1")
+    clock.t = 100.0
+    assert planner.decide(_observe(1, idle, n=2)) == [] and planner.held == "no_traffic"
+    busy = Planner(SCALING, _model(), _Clock())  # a decode worker still streams: it stays
+    assert busy.decide(_observe(1, idle, n=3, held={"w1": 1, "w2": 2})) == []
+
+
+def test_an_added_worker_is_not_removed_while_the_load_stays_and_steps_wait_the_dwell() -> None:
+    clock = _Clock()
+    planner = Planner(SCALING, _model(), clock)
+    assert _one(planner.decide(_observe(1, LONG, n=2))).action == "add"
+    clock.t = SCALING.dwell_s + 1
+    for i in range(10):  # 2P+1D serves it; fewer would not and more gains < min_gain
+        assert planner.decide(_observe(2, LONG, n=3)) == [], i
+    assert planner.held == "gain"
+    planner = Planner(SCALING, _model(), clock)  # a fresh planner: its own dwell
+    clock.t = 200.0
+    assert _one(planner.decide(_observe(1, CHAT, n=3))).action == "add"
+    clock.t = 210.0  # still short of the third decode worker it asked for: it waits
+    assert planner.decide(_observe(1, CHAT, n=3)) == [] and planner.held == "dwell"
+    assert planner.desired is not None and planner.desired.num_decode == 3
+
+
+def test_bounds_hold_and_bad_bounds_are_refused() -> None:
+    capped = dataclasses.replace(SCALING, max_workers=2)
+    assert Planner(capped, _model(), _Clock()).decide(_observe(1, LONG, n=2)) == []
+    fixed = dataclasses.replace(SCALING, min_workers=None, max_workers=None)
+    assert Planner(fixed, _model(), _Clock()).decide(_observe(2, LIGHT, n=5)) == []
+    with pytest.raises(ValueError, match="min_workers needs max_workers"):
+        PlannerConfig(ttft_slo_s=1, tpot_slo_s=0.1, min_workers=2)
+    with pytest.raises(ValueError, match="max_workers \\(1\\) must be at least"):
+        PlannerConfig(ttft_slo_s=1, tpot_slo_s=0.1, min_prefill=1, max_workers=1)
+    with pytest.raises(ValueError, match="at least min_prefill"):
+        PlannerConfig(ttft_slo_s=1, tpot_slo_s=0.1, min_prefill=1, min_workers=1,
+                      max_workers=3)
+    with pytest.raises(ValueError, match="below min_gain"):
+        PlannerConfig(ttft_slo_s=1, tpot_slo_s=0.1, max_workers=3, scale_down_slack=0.05)
