@@ -1,20 +1,23 @@
-"""The cluster's scale target: how many workers the planner wants, torch-free.
+"""The planner's latest scale step, torch-free.
 
-The leading planner (``pdserve planner --max-workers N``) writes it at each scale step
-(``planner.scaling``); whoever can start and stop workers acts on the latest one:
-``pdserve up --ray`` adds or drains worker actors within its ``--min-workers`` /
-``--max-workers`` (``deploy.ray.scaling``). On Kubernetes the same counts reach a
-HorizontalPodAutoscaler as ``pdserve:planner_desired_workers``.
+The leading planner (``pdserve planner --max-workers N``) writes one at each scale
+decision (``planner.scaling``); whoever can start and stop workers applies each new one
+once: ``pdserve up --ray`` adds or drains one worker actor, within its own
+``--min-workers`` / ``--max-workers`` (``deploy.ray.scaling``). On Kubernetes the counts
+reach a HorizontalPodAutoscaler as ``pdserve:planner_desired_workers`` instead.
 
-    target = ScaleTarget(num_prefill=1, num_decode=3, add_role="decode", remove="",
-                         reason="...", written_at=time.time())
-    registry.set_scale_target(target.to_json())
+    step = ScaleTarget(action="add", role="decode", worker_id="", num_prefill=1,
+                       num_decode=3, reason="...", written_at=time.time())
+    registry.set_scale_target(step.to_json())
     ScaleTarget.from_json(registry.scale_target())
 
-``add_role``: the role a worker added now should start in; ``remove``: the worker the
-planner chose to drain (the one holding least of the role that shrinks; "" when it
-added). ``written_at`` (Unix seconds) lets a launcher ignore a target written before it
-started (a Redis shared with an earlier cluster).
+``action`` "add": one more worker, started in ``role``; "remove": drain ``worker_id``
+(the one holding least of the role that shrinks). ``num_prefill`` / ``num_decode``: the
+split the planner wants after the step (for the operator; a step, not the counts, is
+what is applied: a planner that missed a worker in its window cannot shrink the cluster
+by more than it decided). ``written_at`` (Unix seconds) tells a new step from one already
+applied, and lets a launcher ignore steps written before it started (a Redis an earlier
+cluster used).
 """
 
 from __future__ import annotations
@@ -26,29 +29,31 @@ from cluster.records import RecordFormatError
 
 SCALE_VERSION = 1
 ROLES = ("prefill", "decode")
+ACTIONS = ("add", "remove")
 
 
 @dataclass(frozen=True)
 class ScaleTarget:
     """See the module doc."""
 
+    action: str  # ACTIONS
+    role: str  # of the worker added or removed
+    worker_id: str  # the worker to remove ("" for "add")
     num_prefill: int
     num_decode: int
-    add_role: str
-    remove: str
     reason: str
     written_at: float
 
     def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(f"action must be one of {ACTIONS}, got {self.action!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if (self.action == "remove") != bool(self.worker_id):
+            raise ValueError("a removal names its worker_id, an addition none")
         if self.num_prefill < 0 or self.num_decode < 1:
-            raise ValueError(f"a scale target needs num_prefill >= 0 and num_decode >= 1, "
+            raise ValueError(f"a split needs num_prefill >= 0 and num_decode >= 1, "
                              f"got {self.num_prefill} and {self.num_decode}")
-        if self.add_role not in ROLES:
-            raise ValueError(f"add_role must be one of {ROLES}, got {self.add_role!r}")
-
-    @property
-    def total(self) -> int:
-        return self.num_prefill + self.num_decode
 
     def to_json(self) -> str:
         return json.dumps({"version": SCALE_VERSION, **asdict(self)}, sort_keys=True,

@@ -40,6 +40,7 @@ from deploy.spec import (
     ClusterError,
     ClusterSpec,
     check_cpus,
+    planner_options,
     redacted,
     router_options,
     worker_options,
@@ -236,11 +237,8 @@ class LocalLauncher(Launcher):
 
     def _start_planner(self) -> None:
         spec = self.spec
-        assert spec.planner_args is not None
         argv = [sys.executable, "-m", "pdserve", "planner", "--host", spec.host,
-                "--cluster", spec.name, *spec.planner_args]
-        if spec.local_prefill == "never" and "--min-prefill" not in spec.planner_args:
-            argv += ["--min-prefill", "1"]  # the routers cannot serve without one
+                *planner_options(spec)]
         self.progress("starting the planner ...")
         self.planners = [self._spawn("planner", argv)]
         self._wait_ready(self.planners, lambda c: f"planner ready (metrics "

@@ -207,6 +207,16 @@ def router_options(spec: ClusterSpec, index: int = 0) -> list[str]:
     return options + list(spec.router_args)
 
 
+def planner_options(spec: ClusterSpec) -> list[str]:
+    """``pdserve planner`` options every launcher gives the planner (``planner_args``, and
+    one prefill worker kept where the routers cannot prefill themselves)."""
+    assert spec.planner_args is not None
+    options = ["--cluster", spec.name, *spec.planner_args]
+    if spec.local_prefill == "never" and "--min-prefill" not in options:
+        options += ["--min-prefill", "1"]  # the routers cannot serve without one
+    return options
+
+
 # ------------------------------------------------------------------ checks
 
 def check_cpus(affinity: Mapping[str, Sequence[int]]) -> None:

@@ -148,9 +148,8 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",
                     help="the router's --local-prefill (always: colocated, --prefill 0 allowed)")
     up.add_argument("--planner", metavar="PROFILE",
-                    help="also run the planner (pdserve planner) with this step-time profile: "
-                         "it switches workers' roles for --ttft-slo-ms / --tpot-slo-ms (local "
-                         "only; without --local-prefill it keeps one prefill worker)")
+                    help="also run the planner with this step-time profile: it switches roles, "
+                         "and sizes a --ray --max-workers cluster, for the SLOs below")
     up.add_argument("--ttft-slo-ms", type=float, default=1000.0,
                     help="the planner's TTFT SLO (default 1000)")
     up.add_argument("--tpot-slo-ms", type=float, default=100.0,
@@ -199,7 +198,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from deploy.ray.options import ray_only_flags_given
+    from deploy.ray.options import planner_scale_args, ray_only_flags_given
     from deploy.spec import ClusterSpec
     from worker.options import engine_choice_args
 
@@ -217,7 +216,7 @@ def _up(args: argparse.Namespace) -> int:
             num_routers=args.routers,
             worker_args=engine_choice_args(args),
             planner_args=None if args.planner is None else (
-                "--profile", str(Path(args.planner).resolve()),
+                "--profile", str(Path(args.planner).resolve()), *planner_scale_args(args),
                 "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-slo-ms", str(args.tpot_slo_ms)))
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)

@@ -147,9 +147,8 @@ class PlannerService:
                  change.to_role, change.reason)
 
     def _scale(self, change: ScaleChange) -> None:
-        target = ScaleTarget(change.num_prefill, change.num_decode,
-                             add_role=change.role if change.action == ADD else "decode",
-                             remove=change.worker_id or "", reason=change.reason,
+        target = ScaleTarget(change.action, change.role, change.worker_id or "",
+                             change.num_prefill, change.num_decode, change.reason,
                              written_at=time.time())
         try:
             self.registry.set_scale_target(target.to_json())

@@ -41,7 +41,10 @@ MAY_IMPORT = {
     # the worker program that serves either role: both kinds' loops and services in one
     "role_worker": {"prefill_worker", "decode_worker", "worker", "cluster", "kvtransfer", "engine"},
     "router": {"cluster", "engine", "pdserve.v1"},
-    "deploy": {"router.options", "worker.options", "engine.testing.tiny_model"},
+    # ... and the cluster's state in Redis where a launcher acts on it (the planner's
+    # scale steps: deploy.ray.scaling)
+    "deploy": {"router.options", "worker.options", "engine.testing.tiny_model",
+               "cluster.scale", "cluster.registry", "cluster.records"},
     # the simulator runs the router's and the engine's real decision code, on the
     # workloads bench.serve draws
     "sim": {"router", "cluster", "engine", "planner", "loadtest.workloads"},

@@ -1,8 +1,8 @@
 """The bodies of the Ray actors of ``pdserve up --ray`` (plain classes; ``deploy.ray.launcher``
 makes them actors with ``ray.remote``).
 
-- ``SupervisedChild`` runs one ``ChildSpec`` (a prefill or decode worker, or the router) as a
-  child process on its node, its output appended to ``LOG_DIR/NAME.log``.
+- ``SupervisedChild`` runs one ``ChildSpec`` (a prefill or decode worker, a router, the
+  planner) as a child process on its node, its output appended to ``LOG_DIR/NAME.log``.
 - ``RedisActor`` runs a private ``redis-server`` bound to its node's IP, with a generated
   password (other nodes reach it).
 
@@ -51,7 +51,8 @@ class SupervisedChild:
         self._ready: dict[str, Any] | None = None
         self._stopping = False
         self._lock = threading.Lock()
-        argv = child_argv(spec, node_ip=self._node_ip, model_dir=spec.model_dir or _builtin_model(),
+        model = "" if spec.command == "planner" else spec.model_dir or _builtin_model()
+        argv = child_argv(spec, node_ip=self._node_ip, model_dir=model,
                           ready_path=str(self._ready_path))
         env = child_env(spec, base=os.environ, node_ip=self._node_ip,
                         gpu_ids=[str(g) for g in ray.get_gpu_ids()])

@@ -48,6 +48,35 @@ def prepare_ray_env(spec: RaySpec) -> dict[str, Any]:
     return kwargs
 
 
+def connect(spec: RaySpec, progress: Callable[[str], None]) -> bool:
+    """Connects this process to ``spec``'s Ray (or starts a local one, bound to ``--host``,
+    dashboard off); whether it started it (its owner shuts it down). ``ClusterError`` when
+    it cannot."""
+    prepare_ray_env(spec)  # before Ray's first import: it reads it then
+    import ray
+
+    address, owns = spec.address, False
+    if ray.is_initialized():
+        progress("ray: using this process's Ray connection")
+    else:
+        try:
+            init_ray(spec)
+        except Exception as exc:  # noqa: BLE001 - Ray raises many kinds here
+            what = "connect to" if address else "start"
+            text = str(exc).strip().splitlines()
+            raise ClusterError(f"cannot {what} Ray {address or ''}: "
+                               f"{text[0] if text else type(exc).__name__}") from None
+        owns = address is None
+    node_ip = ray.util.get_node_ip_address()
+    if owns:
+        check_bound(spec.cluster.host, node_ip)
+        progress(f"ray: started a local Ray on {node_ip} (dashboard off)")
+    elif address is not None:
+        alive = len([n for n in ray.nodes() if n["Alive"]])
+        progress(f"ray: connected to {address} ({alive} {'node' if alive == 1 else 'nodes'})")
+    return owns
+
+
 def check_bound(host: str, node_ip: str) -> None:
     """``ClusterError`` unless the local Ray's node address ``node_ip`` is what ``--host``
     asked for."""

@@ -29,7 +29,6 @@ groups are the driver's (not detached): Ray removes them when this process dies,
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,23 +38,19 @@ from deploy.launcher import serve as serve_launcher
 from deploy.ray.actors import RedisActor, SupervisedChild
 from deploy.ray.connect import (
     bundle_text,
-    check_bound,
+    connect,
     gcs_reachable,
-    init_ray,
     pinned_here,
     place_workers,
     placed_text,
-    prepare_ray_env,
     quietly,
     this_node_ip,
 )
 from deploy.ray.members import (
     Member,
-    first_line,
     get_within,
     new_actor,
     poll,
-    retry_while_taken,
     stop_tier,
     wait_ready,
 )
@@ -65,17 +60,19 @@ from deploy.ray.plan import (
     WorkerPlan,
     actor_resources,
     plan_workers,
+    planner_spec,
     router_bundle,
     router_spec,
     worker_spec,
 )
+from deploy.ray.restarts import RayRestarts
+from deploy.ray.scaling import Scaler
 from deploy.spec import API_KEY_ENV, WILDCARDS, ClusterError, redacted
 
 _CONCURRENCY = 4  # an actor answers status() while stop() waits for its child
-RESTART_SETTLE_S = 2.0  # after each restart: the routers see the process back
 
 
-class RayLauncher(Launcher):
+class RayLauncher(RayRestarts, Launcher):
     """Starts and stops ``ray_spec`` on Ray (a context manager; see the module docstring).
     ``stop()`` removes every actor and placement group it created (idempotent)."""
 
@@ -87,6 +84,8 @@ class RayLauncher(Launcher):
         self.workers: list[Member] = []
         self.routers: list[Member] = []  # the replicas, in ``spec.router_names`` order
         self._redis: Member | None = None
+        self.planner: Member | None = None  # with --planner, on this node
+        self.scaler: Scaler | None = None  # with max_workers: applies the planner's steps
         self._placement_groups: list[Any] = []  # the workers', then the routers'
         self._router_groups: list[Any] = []  # placed with the workers' groups, on this node
         self._router_bundle: dict[str, float] = {}
@@ -124,6 +123,8 @@ class RayLauncher(Launcher):
         members = self._members()
         for member, status in zip(members, poll(members), strict=True):
             member.follow(status, self.progress)
+        if self.scaler is not None:
+            self.scaler.step()
 
     def _router_ready(self) -> dict[str, Any]:
         return self._routers_ready()[0]
@@ -140,9 +141,14 @@ class RayLauncher(Launcher):
         return f"{self.router.status.node_ip if host in WILDCARDS else host}:{port}"
 
     def _stop_processes(self) -> None:
-        tiers = [self.routers, self.workers, [self._redis] if self._redis else []]
+        # the planner first: it must not switch a role or scale while the rest stops
+        tiers = [[self.planner] if self.planner else [], self.routers, self.workers,
+                 [self._redis] if self._redis else []]
         groups, self._placement_groups, self._router_groups = self._placement_groups, [], []
-        self.routers, self.workers, self._redis = [], [], None
+        self.routers, self.workers, self._redis, self.planner = [], [], None, None
+        if self.scaler is not None:
+            self.scaler.close()
+            self.scaler = None
         if self._connected and not gcs_reachable():
             # Ray went first (e.g. a SIGTERM to the whole process group): its actors, and
             # with them their children, are gone; calls into it would only hang
@@ -165,12 +171,10 @@ class RayLauncher(Launcher):
     # ------------------------------------------------------------------ start steps
 
     def _members(self) -> list[Member]:
-        return [*([self._redis] if self._redis else []), *self.workers, *self.routers]
+        return [*([self._redis] if self._redis else []), *self.workers, *self.routers,
+                *([self.planner] if self.planner else [])]
 
     def _prepare(self) -> None:
-        if self.spec.planner_args is not None:
-            raise ClusterError("the planner (--planner) runs without --ray only, for now; "
-                               "on Ray, run it as a process of your own")
         self.progress(f"logs in {self._make_log_dir()} (on each actor's node)")
         if self.spec.model_dir is None:
             self.progress("model: the built-in tiny model (each node builds it on first use)")
@@ -178,32 +182,12 @@ class RayLauncher(Launcher):
             raise ClusterError(f"{self.spec.model_dir} is not a model directory (no config.json)")
         else:
             self.progress(f"model: {self.spec.model_dir} (the same path on every node)")
-        self._connect()
+        try:
+            self._owns_ray = connect(self.ray_spec, self.progress)
+        finally:
+            import ray
 
-    def _connect(self) -> None:
-        prepare_ray_env(self.ray_spec)  # before Ray's first import: it reads it then
-        import ray
-
-        address = self.ray_spec.address
-        if ray.is_initialized():
-            self.progress("ray: using this process's Ray connection")
-        else:
-            try:
-                init_ray(self.ray_spec)
-            except Exception as exc:  # noqa: BLE001 - Ray raises many kinds here
-                what = "connect to" if address else "start"
-                raise ClusterError(f"cannot {what} Ray {address or ''}: "
-                                   f"{first_line(exc)}") from None
-            self._owns_ray = address is None
-        self._connected = True
-        node_ip = ray.util.get_node_ip_address()
-        if self._owns_ray:
-            check_bound(self.spec.host, node_ip)
-            self.progress(f"ray: started a local Ray on {node_ip} (dashboard off)")
-        elif address is not None:
-            alive = len([n for n in ray.nodes() if n["Alive"]])
-            self.progress(f"ray: connected to {address} "
-                          f"({alive} {'node' if alive == 1 else 'nodes'})")
+            self._connected = ray.is_initialized()
 
     def _start_redis(self) -> None:
         if self._say_redis():
@@ -224,6 +208,8 @@ class RayLauncher(Launcher):
         self.workers = [self._spawn_worker(plan, group)
                         for plan, group in zip(plans, self.placement_groups, strict=True)]
         self._wait_ready(self.workers)
+        if self.ray_spec.max_workers is not None:
+            self.scaler = Scaler(self, self.redis_url)
 
     def _spawn_worker(self, plan: WorkerPlan, group: Any) -> Member:
         """The actor of worker ``plan``, in its placement group ``group``."""
@@ -236,7 +222,37 @@ class RayLauncher(Launcher):
         actor = self._actor(SupervisedChild, plan.name, (spec,),
                             max_restarts=self.ray_spec.max_restarts,
                             scheduling_strategy=strategy, **actor_resources(plan.bundle))
-        return Member(plan.name, actor, restartable=True)
+        return Member(plan.name, actor, restartable=True, plan=plan)
+
+    def add_worker(self, plan: WorkerPlan) -> Member:
+        """One more worker (``deploy.ray.scaling``), placed and ready; else ``ClusterError``
+        or ``ChildExited`` with what it held removed."""
+        groups: list[Any] = []
+        member = None
+        try:
+            place_workers([(plan.name, plan.bundle)], self._group_name,
+                          self.ray_spec.placement_timeout_s, self.poll_s, groups)
+            member = self._spawn_worker(plan, groups[0])
+            self._wait_ready([member])
+        except BaseException:
+            stop_tier([member] if member else [], self.spec.stop_grace_s)
+            _remove_groups(groups)
+            raise
+        self.workers.append(member)
+        self._placement_groups += groups
+        return member
+
+    def retire_worker(self, member: Member) -> None:
+        """Drains ``member`` (SIGTERM: a decode worker moves its streams), then removes its
+        actor and placement group."""
+        group = self.placement_groups[self.workers.index(member)]
+        self.workers.remove(member)
+        self._placement_groups = [g for g in self._placement_groups if g is not group]
+        stop_tier([member], self.spec.stop_grace_s)
+        _remove_groups([group])
+
+    def _group_name(self, name: str) -> str:
+        return f"pdserve-{self.spec.name}-{name}"
 
     def _place(self, plans: Sequence[WorkerPlan]) -> None:
         self.progress("placing " + ", ".join(f"{p.name} ({bundle_text(p.bundle)})"
@@ -247,7 +263,7 @@ class RayLauncher(Launcher):
         routers = self.spec.router_names
         place_workers([*((p.name, p.bundle) for p in plans),
                        *((name, self._router_bundle) for name in routers)],
-                      lambda name: f"pdserve-{self.spec.name}-{name}",
+                      self._group_name,
                       self.ray_spec.placement_timeout_s, self.poll_s,
                       self._placement_groups)
         self._router_groups = self._placement_groups[len(plans):]
@@ -275,44 +291,17 @@ class RayLauncher(Launcher):
                             **actor_resources(self._router_bundle))
         return Member(spec.name, actor, restartable=False)
 
+    def _start_planner(self) -> None:
+        assert self.redis_url is not None
+        self.progress("starting the planner ...")
+        spec = planner_spec(self.ray_spec, log_dir=str(self.log_dir), redis_url=self.redis_url,
+                            token=self.cluster_token)
+        actor = self._actor(SupervisedChild, "planner", (spec,), num_cpus=0, max_restarts=0,
+                            scheduling_strategy=pinned_here())
+        self.planner = Member("planner", actor, restartable=False)
+        self._wait_ready([self.planner])
+
     # ------------------------------------------------------------------ restarts
-
-    can_restart = True
-
-    def rolling_restart(self, settle_s: float = RESTART_SETTLE_S) -> None:
-        """Restarts every router, then every prefill, then every decode worker, one at a
-        time (``restart``), waiting ``settle_s`` after each."""
-        for name in [*self.spec.router_names, *self.spec.worker_names]:
-            self.restart(name)
-            time.sleep(settle_s)
-
-    def restart(self, name: str) -> Member:
-        """Replaces process ``name`` in place: its child drains (SIGTERM: a router's
-        streams resume on the other routers, a decode worker's move), its actor is
-        removed, and a new one starts in the same placement group — a router on the ports
-        it had — until ready."""
-        import ray
-
-        members = {m.name: m for m in [*self.routers, *self.workers]}
-        if name not in members:
-            raise ClusterError(f"no process named {name!r} (there are "
-                               f"{', '.join(sorted(members))})")
-        old = members[name]
-        self.progress(f"restarting {name} ...")
-        quietly(ray.get, old.actor.stop.remote(self.spec.stop_grace_s),
-                timeout=self.spec.stop_grace_s + 10.0)
-        quietly(ray.kill, old.actor, no_restart=True)
-        if old in self.routers:
-            index = self.routers.index(old)
-            self.routers[index] = new = retry_while_taken(lambda: self._spawn_router(
-                index, _ports_of(old.ready)), self.spec.start_timeout_s, self.poll_s)
-        else:
-            index = self.workers.index(old)
-            self.workers[index] = new = retry_while_taken(lambda: self._spawn_worker(
-                plan_workers(self.ray_spec)[index], self.placement_groups[index]),
-                self.spec.start_timeout_s, self.poll_s)
-        self._wait_ready([new])
-        return new
 
     def _wait_ready(self, members: Sequence[Member]) -> None:
         wait_ready(members, self.spec.start_timeout_s, self.poll_s, self.progress)
@@ -339,11 +328,8 @@ def serve(ray_spec: RaySpec, *, on_ready: Callable[[Any], int | None] | None = N
     return serve_launcher(RayLauncher(ray_spec, progress=say), on_ready=on_ready)
 
 
-def _ports_of(ready: dict[str, Any] | None) -> list[str]:
-    """The options that keep a restarted router on the ports it had (none if unknown)."""
-    if ready is None:
-        return []
-    ports = ["--port", str(ready["grpc_address"]).rpartition(":")[2]]
-    if "http_address" in ready:
-        ports += ["--http-port", str(ready["http_address"]).rpartition(":")[2]]
-    return ports
+def _remove_groups(groups: Sequence[Any]) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    for group in groups:
+        quietly(remove_placement_group, group)

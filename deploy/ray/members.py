@@ -39,6 +39,7 @@ class Member:
     ready: dict[str, Any] | None = None
     restarts: int = 0
     down: bool = False  # reported down, not yet ready again
+    plan: Any = None  # a worker's ``WorkerPlan`` (what a restart or a new actor starts)
 
     def learn(self, ref: Any, deadline: float) -> ChildStatus | None:
         """The status ``ref`` (a ``status()`` call) brings; None while the actor is

@@ -11,7 +11,7 @@ from typing import Any
 
 RAY_EXTRA = "pip install 'pdserve[server,ray]'"
 _RAY_ONLY = ("ray_address", "device", "ray_gpu_resource", "ray_cpus_per_rank",
-             "ray_router_cpus", "ray_max_restarts")
+             "ray_router_cpus", "ray_max_restarts", "min_workers", "max_workers")
 
 
 def add_ray_args(up: argparse.ArgumentParser) -> None:
@@ -35,11 +35,26 @@ def add_ray_args(up: argparse.ArgumentParser) -> None:
                      help="CPUs the router reserves on this node (default: 1; 0: none)")
     ray.add_argument("--ray-max-restarts", type=int, metavar="N",
                      help="how often Ray restarts a worker that died (default: 3; -1: always)")
+    ray.add_argument("--max-workers", type=int, metavar="N",
+                     help="let the planner grow the cluster to N workers: the driver adds a "
+                          "worker actor, or drains one (its streams move), at each of the "
+                          "planner's scale steps (with --planner, the planner gets it too)")
+    ray.add_argument("--min-workers", type=int, metavar="N",
+                     help="the fewest workers the planner may shrink the cluster to "
+                          "(default: 1; the planner keeps its --min-prefill + --min-decode)")
 
 
 def ray_only_flags_given(args: argparse.Namespace) -> list[str]:
     """The options given that need ``--ray`` (as typed: ``--ray-address``, ...)."""
     return [f"--{name.replace('_', '-')}" for name in _RAY_ONLY if getattr(args, name) is not None]
+
+
+def planner_scale_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The planner's share of ``--min-workers`` / ``--max-workers``: it decides the steps
+    within the bounds the launcher applies them in."""
+    return tuple(word for flag, value in (("--min-workers", args.min_workers),
+                                          ("--max-workers", args.max_workers))
+                 if value is not None for word in (flag, str(value)))
 
 
 def ray_missing() -> bool:
@@ -59,6 +74,7 @@ def ray_spec_from_args(args: argparse.Namespace, cluster: Any) -> Any:
     given = {key: value for key, value in (
         ("address", args.ray_address), ("device", args.device),
         ("gpu_resource", args.ray_gpu_resource), ("cpus_per_rank", args.ray_cpus_per_rank),
-        ("router_cpus", args.ray_router_cpus), ("max_restarts", args.ray_max_restarts))
+        ("router_cpus", args.ray_router_cpus), ("max_restarts", args.ray_max_restarts),
+        ("min_workers", args.min_workers), ("max_workers", args.max_workers))
         if value is not None}
     return RaySpec(cluster=dataclasses.replace(cluster, redis_url=redis_url), **given)

@@ -39,6 +39,7 @@ from deploy.spec import (
     WILDCARDS,
     ClusterSpec,
     WorkerSlot,
+    planner_options,
     router_options,
     worker_options,
 )
@@ -69,6 +70,10 @@ class RaySpec:
     router_cpus: float = 1.0
     max_restarts: int = 3
     placement_timeout_s: float = 120.0  # for every placement group to be placed
+    # the launcher adds and drains workers for the planner's scale target within these
+    # (``deploy.ray.scaling``); max_workers None: it never does
+    min_workers: int | None = None  # default 1
+    max_workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -82,6 +87,15 @@ class RaySpec:
             raise ValueError(f"max_restarts must be -1 (no limit) or more, got {self.max_restarts}")
         if self.address == "":
             raise ValueError("address must be None (a local Ray), 'auto' or HOST:PORT")
+        if self.min_workers is not None and self.max_workers is None:
+            raise ValueError("min_workers needs max_workers (the launcher then adds and "
+                             "removes workers)")
+        if self.max_workers is not None and not (
+                1 <= (self.min_workers or 1) <= self.max_workers
+                and len(self.cluster.workers) <= self.max_workers):
+            raise ValueError(f"need 1 <= min_workers <= max_workers and the workers started "
+                             f"({len(self.cluster.workers)}) <= max_workers, got "
+                             f"{self.min_workers} and {self.max_workers}")
         if self.cluster.cpu_affinity:
             raise ValueError("cpu_affinity pins LocalLauncher's children; under Ray each rank "
                              "gets the CPUs its placement-group bundle reserves")
@@ -120,8 +134,14 @@ def router_bundle(spec: RaySpec, node_ip: str) -> dict[str, float]:
 
 
 def planned_cpus(spec: RaySpec) -> float:
-    """The CPUs the whole plan reserves: every worker's bundle and each router's."""
-    return sum(p.bundle.get("CPU", 0.0) for p in plan_workers(spec)) \
+    """The CPUs the whole plan reserves: every worker's bundle and each router's, and
+    with ``max_workers`` the workers the launcher may add (of the larger TP)."""
+    plans = plan_workers(spec)
+    added = 0.0
+    if spec.max_workers is not None:
+        tp = max(spec.cluster.prefill_tp, spec.cluster.decode_tp)
+        added = (spec.max_workers - len(plans)) * spec.cpus_per_rank * tp
+    return sum(p.bundle.get("CPU", 0.0) for p in plans) + added \
         + spec.router_cpus * spec.cluster.num_routers
 
 
@@ -152,7 +172,7 @@ class ChildSpec:
     """
 
     name: str  # "prefill-0", "decode-1", "router": names the log and ready files too
-    command: str  # "prefill", "decode" or "router"
+    command: str  # "prefill", "decode", "router" or "planner"
     options: tuple[str, ...]
     model_dir: str | None  # None: the built-in tiny model, built on the node on first use
     log_dir: str  # on the actor's node (created there)
@@ -211,14 +231,26 @@ def router_spec(spec: RaySpec, *, log_dir: str, redis_url: str, api_key: str | N
                      restart=False, secrets=tuple(secrets))
 
 
+def planner_spec(spec: RaySpec, *, log_dir: str, redis_url: str, token: str | None = None
+                 ) -> ChildSpec:
+    """The planner (``pdserve planner``, ``cluster.planner_args``), on the driver's node
+    (its ``--profile`` is a path there)."""
+    secrets = [(REDIS_URL_ENV, redis_url)] + ([(CLUSTER_TOKEN_ENV, token)] if token else [])
+    return ChildSpec("planner", "planner", tuple(planner_options(spec.cluster)), None, log_dir,
+                     spec.cluster.host,
+                     threads=1, restart=False, secrets=tuple(secrets))
+
+
 def _model(cluster: ClusterSpec) -> str | None:
     return None if cluster.model_dir is None else str(cluster.model_dir)
 
 
 def child_argv(spec: ChildSpec, *, node_ip: str, model_dir: str, ready_path: str,
                python: str = sys.executable) -> list[str]:
-    """The child's command line on a node whose IP is ``node_ip``."""
-    argv = [python, "-m", "pdserve", spec.command, "--model", model_dir]
+    """The child's command line on a node whose IP is ``node_ip`` (the planner has no
+    model: ``model_dir`` "")."""
+    argv = [python, "-m", "pdserve", spec.command, *(["--model", model_dir] if model_dir
+                                                     else [])]
     if spec.is_worker:
         bind = spec.host if spec.host in WILDCARDS else node_ip
         argv += ["--host", bind, "--advertise-host", node_ip]

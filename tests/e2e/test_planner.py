@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -30,10 +29,10 @@ from cluster.registry import Registry
 from cluster.worker_control import set_role
 from engine import LLM, SamplingParams
 from pdserve import Client
-from sim.profile import SCHEMA
 from tests.e2e.cluster import Cluster, scrape_metrics
 from tests.factories import PROMPTS
 from tests.processes import Proc, spawn, wait_until
+from tests.sim.profiles import write_slow_prefill_profile
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,9 +40,6 @@ CLUSTER = {"num_prefill": 1, "num_decode": 1, "decode_tp": 1,
            "router_args": ("--local-prefill", "fallback")}
 LOCK_TTL_S = 2.0
 MAX_TOKENS = 8
-# 5 ms a prompt token: a ~30-token prompt takes ~0.15 s, one worker finishes ~6.6 a second
-STEP = {"base_s": 0.001, "per_prefill_token_s": 0.005, "per_prefill_attention_s": 0.0,
-        "per_decode_seq_s": 1e-5, "per_decode_context_s": 0.0, "num_kv_blocks": 64}
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +50,7 @@ def llm(llama_dir: Path) -> Iterator[LLM]:
 
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("planner") / "profile.json"
-    path.write_text(json.dumps({
-        "schema": SCHEMA, "source": "derived", "description": "a slow-prefill test profile",
-        "model": {"name": "tiny", "num_layers": 2, "kv_bytes_per_token": 1024,
-                  "block_size": 16, "max_model_len": 2048},
-        "steps": {"1": STEP}, "transfer": {"latency_s": 0.001, "bytes_per_s": 1e9},
-        "router": {"overhead_s": 0.0005}, "handoff": {"overhead_s": 0.002}}))
-    return path
+    return write_slow_prefill_profile(tmp_path_factory.mktemp("planner") / "profile.json")
 
 
 def _planner(cluster: Cluster, profile: Path, name: str, *extra: str) -> Proc:

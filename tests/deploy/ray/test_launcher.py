@@ -16,6 +16,7 @@ import json
 import os
 import re
 import signal
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -499,3 +500,110 @@ def test_two_routers_serve_and_a_rolling_restart_fails_no_request(
         cluster.stop()
     assert lines[-1] == "all processes stopped"
     assert_nothing_left(ray_head, pids, tmp_path)
+
+
+# ------------------------------------------------------------------------ the planner scales
+
+class _Load:
+    """Two clients sending unique prompts (the prefix cache hides nothing), 4 a second
+    each at most, while in the ``with`` block: ``done`` prompt → tokens, ``failures``."""
+
+    def __init__(self, address: str) -> None:
+        import threading
+
+        self.address = address
+        self.done: dict[str, list[int]] = {}
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                         for i in range(2)]
+
+    def __enter__(self) -> _Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(TIMEOUT_S)
+
+    def _run(self, index: int) -> None:
+        from pdserve.client import Client
+
+        with Client(self.address) as client:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                prompt = f"{PROMPTS[0]} request {n} of client {index}"
+                try:
+                    self.done[prompt] = list(client.complete(
+                        prompt, max_tokens=6, temperature=0, timeout=TIMEOUT_S).token_ids)
+                except Exception as exc:  # noqa: BLE001 - reported by the test
+                    self.failures.append(repr(exc))
+                self._stop.wait(0.25)
+
+
+def test_the_planner_on_ray_adds_a_worker_under_load_and_drains_one_when_idle(
+        ray_head: Any, llama_dir: Path, tmp_path: Path, llm: Any) -> None:
+    """``pdserve up --ray --planner PROFILE --min-workers 2 --max-workers 3``: the planner
+    runs as an actor on this node. Under a load its profile says one prefill worker cannot
+    serve (and the bounds leave nothing to switch), it asks for a worker; the launcher
+    places and starts ``prefill-1``, which registers and serves. When the load stops the
+    planner asks for one fewer: the launcher drains it and removes its actor and placement
+    group. No request fails, outputs equal ``engine.LLM``'s, and stopping leaves nothing."""
+    from cluster.registry import Registry
+    from deploy.ray.launcher import launch
+    from tests.sim.profiles import write_slow_prefill_profile
+
+    profile = write_slow_prefill_profile(tmp_path / "profile.json")
+    planner = ("--profile", str(profile), "--ttft-slo-ms", "450", "--tpot-slo-ms", "1000",
+               "--interval", "0.5", "--window", "3", "--dwell", "4", "--min-workers", "2",
+               "--max-workers", "3")
+    spec = ClusterSpec(model_dir=llama_dir, port=0, http_port=None, stop_grace_s=5.0,
+                       num_kv_blocks=NUM_KV_BLOCKS, log_dir=tmp_path / "logs",
+                       start_timeout_s=120, planner_args=planner)
+    lines: list[str] = []
+    cluster = launch(RaySpec(cluster=spec, gpu_resource=GPU, cpus_per_rank=0.5,
+                             min_workers=2, max_workers=3), progress=lines.append)
+    def names() -> list[str]:
+        return [m.name for m in cluster.workers]
+
+    def wait_for(condition: Any, what: str, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():  # the launcher's wait loop applies the planner's steps
+            assert time.monotonic() < deadline, f"{what}: {lines[-5:]}"
+            cluster.wait(0.5)
+
+    try:
+        assert cluster.planner is not None and names() == ["prefill-0", "decode-0"]
+        with _Load(cluster.router_address) as load:
+            wait_for(lambda: names() == ["prefill-0", "decode-0", "prefill-1"],
+                     "the planner to add a prefill worker")
+            with Registry(cluster.redis_url, cluster=spec.name) as registry:
+                roles = {w.worker_id: w.role for w in registry.list_workers()}
+            assert roles == {"prefill-0": "prefill", "decode-0": "decode",
+                             "prefill-1": "prefill"}
+            served_before = len(load.done)
+            wait_for(lambda: len(load.done) >= served_before + 6, "requests after the add")
+        added = cluster.statuses()["prefill-1"]
+        wait_for(lambda: len(names()) == 2, "the planner to drain a worker when idle")
+        assert not load.failures, load.failures[:3]
+        [removed] = {"prefill-0", "prefill-1"} - set(names())
+        assert any(line.startswith(f"scale: draining {removed} for the planner: ")
+                   for line in lines), lines
+        assert any(line.startswith("scale: adding prefill-1 (TP 1) for the planner: ")
+                   for line in lines), lines
+        with Registry(cluster.redis_url, cluster=spec.name) as registry:
+            wait_until(lambda: removed not in {w.worker_id for w in registry.list_workers()},
+                       10, f"{removed} to deregister")
+        assert len(cluster.placement_groups) == 2
+        planner_log = (tmp_path / "logs" / "planner.log").read_text()
+        assert "scale: add a prefill worker" in planner_log, planner_log[-2000:]
+        sample = sorted(load.done)[::max(1, len(load.done) // 8)]
+        assert [load.done[p] for p in sample] == _greedy(sample, llm, max_tokens=6)
+        pids = _our_processes(cluster.statuses()) + [added.actor_pid]
+    finally:
+        cluster.stop()
+    assert lines[-1] == "all processes stopped"
+    assert_nothing_left(ray_head, pids, tmp_path / "logs")

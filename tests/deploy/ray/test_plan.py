@@ -5,6 +5,7 @@ environment (secrets only in the environment), ``ray.init``'s arguments, the CLI
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from deploy.ray.plan import (
     local_ray_cpus,
     plan_workers,
     planned_cpus,
+    planner_spec,
     router_bundle,
     router_spec,
     worker_bundle,
@@ -86,6 +88,12 @@ def test_config_checks_and_the_default_gpu_resource() -> None:
         RaySpec(cluster=spec, max_restarts=-2)
     with pytest.raises(ValueError, match="cpu_affinity"):
         RaySpec(cluster=ClusterSpec(cpu_affinity={"decode-0": (1,)}))
+    with pytest.raises(ValueError, match="min_workers needs max_workers"):
+        RaySpec(cluster=spec, min_workers=2)
+    with pytest.raises(ValueError, match="the workers started \\(2\\) <= max_workers"):
+        RaySpec(cluster=spec, max_workers=1)
+    with pytest.raises(ValueError, match="min_workers <= max_workers"):
+        RaySpec(cluster=spec, min_workers=4, max_workers=3)
 
 
 # ------------------------------------------------------------------------ command lines
@@ -133,6 +141,21 @@ def test_the_router_binds_host_and_gets_its_secrets_in_the_environment() -> None
     env = child_env(spec, base={"PATH": "/bin"}, node_ip="10.0.0.7", gpu_ids=[])
     assert env["PDSERVE_REDIS_URL"] == REDIS_URL and env["PDSERVE_API_KEY"] == "k3y"
     assert _parses(argv[3:])
+
+
+def test_the_planner_runs_without_a_model_and_keeps_a_prefill_worker() -> None:
+    config = _config(planner_args=("--profile", "/p.json", "--max-workers", "4"))
+    spec = planner_spec(config, log_dir="/l", redis_url=REDIS_URL, token="t0k")
+    argv = child_argv(spec, node_ip="10.0.0.7", model_dir="", ready_path="/r")
+    assert argv[3] == "planner" and "--model" not in argv and REDIS_URL not in argv
+    assert _option(argv, "--profile") == "/p.json" and _option(argv, "--max-workers") == "4"
+    assert _option(argv, "--min-prefill") == "1"  # the routers do not prefill (never)
+    assert _option(argv, "--cluster") == config.cluster.name
+    assert _option(argv, "--ready-file") == "/r"
+    env = child_env(spec, base={"PATH": "/bin"}, node_ip="10.0.0.7", gpu_ids=[])
+    assert env["PDSERVE_REDIS_URL"] == REDIS_URL and env["PDSERVE_CLUSTER_TOKEN"] == "t0k"
+    local = _config(planner_args=("--profile", "/p.json"), local_prefill="fallback")
+    assert "--min-prefill" not in planner_spec(local, log_dir="/l", redis_url=REDIS_URL).options
 
 
 def test_the_router_gets_the_http_api_settings_and_extra_flags() -> None:
@@ -216,6 +239,9 @@ def test_a_local_ray_is_sized_for_the_plan_it_places() -> None:
     assert "num_cpus" not in ray_init_kwargs(RaySpec(address="auto"))[1]  # not ours to size
     assert router_bundle(spec, "10.0.0.7") == {"node:10.0.0.7": 0.001, "CPU": 1.0}
     assert router_bundle(wide, "10.0.0.7") == {"node:10.0.0.7": 0.001}
+    # room for the workers the planner may add: 3 more of the larger TP (2 ranks of 0.5)
+    growing = dataclasses.replace(wide, max_workers=6)
+    assert planned_cpus(growing) == 2.0 + 3 * 1.0
 
 
 def _up_args(*words: str) -> argparse.Namespace:
@@ -233,11 +259,17 @@ def test_ray_flags_become_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.cluster.redis_url == REDIS_URL  # from the environment, never a flag
     defaults = ray_spec_from_args(_up_args("--ray"), ClusterSpec(redis_url="redis://x"))
     assert defaults.cluster.redis_url == "redis://x" and defaults.cpus_per_rank == 1.0
+    assert defaults.max_workers is None
+    bounds = ray_spec_from_args(_up_args("--ray", "--min-workers", "2", "--max-workers", "5"),
+                                ClusterSpec())
+    assert (bounds.min_workers, bounds.max_workers) == (2, 5)
 
 
 @pytest.mark.parametrize(("words", "message"), [
     (["--ray-address", "auto"], "--ray-address needs --ray"),
     (["--device", "cuda"], "--device needs --ray"),
+    (["--max-workers", "3"], "--max-workers needs --ray"),
+    (["--ray", "--max-workers", "1"], "the workers started (2) <= max_workers"),
     (["--ray", "--ray-cpus-per-rank", "0"], "must reserve something"),
 ])
 def test_bad_ray_flags_exit_2_before_starting_anything(words: list[str], message: str,

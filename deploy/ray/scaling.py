@@ -1,0 +1,136 @@
+"""``pdserve up --ray --max-workers N``: the driver adds and drains worker actors for the
+planner's scale steps (``cluster.scale``, written by ``pdserve planner --max-workers``),
+within ``RaySpec.min_workers`` .. ``max_workers``.
+
+Once a second (``Scaler.step``, from the launcher's ``check``) it reads the latest step
+and applies a new one once:
+
+- **add**: a worker of the step's role (named ``ROLE-N``, a name not used before in this
+  cluster, that role's TP size), in a placement group of its own wherever Ray finds room;
+  the step returns once it registered. A worker that cannot be placed or started is
+  reported and what it held removed; the planner's next step may ask again.
+- **remove**: the worker the step names (else the one holding the fewest requests in the
+  registry); it drains as on SIGTERM (a decode worker moves its streams to the others:
+  in-flight requests are never killed), then its actor and placement group go.
+
+A step beyond the bounds is reported and skipped, as is a step written before the
+launcher started (a Redis an earlier cluster used) or a malformed one. Steps block the
+launcher's wait loop (the others' health checks) while they run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from cluster.records import RecordFormatError
+from cluster.registry import Registry, RegistryError
+from cluster.scale import ScaleTarget
+from deploy.ray.members import Member
+from deploy.ray.plan import RaySpec, WorkerPlan, worker_bundle
+from deploy.spec import ChildExited, ClusterError, WorkerSlot
+
+INTERVAL_S = 1.0  # between reads of the latest step
+
+
+class WorkerPool(Protocol):
+    """What the scaler needs of the launcher (``RayLauncher`` has it)."""
+
+    ray_spec: RaySpec
+    workers: list[Member]
+    progress: Callable[[str], None]
+
+    def add_worker(self, plan: WorkerPlan) -> Member: ...
+
+    def retire_worker(self, member: Member) -> None: ...
+
+
+class Scaler:
+    """Moves ``pool`` towards the scale target in ``redis_url`` (see the module doc)."""
+
+    def __init__(self, pool: WorkerPool, redis_url: str, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        spec = pool.ray_spec
+        assert spec.max_workers is not None
+        self.pool = pool
+        self.min_workers, self.max_workers = spec.min_workers or 1, spec.max_workers
+        self._registry = Registry(redis_url, cluster=spec.cluster.name)
+        self._clock = clock
+        self._applied_at = time.time()  # steps written before this launcher are not its own
+        self._next_at = 0.0
+        self._used = {m.name for m in pool.workers}
+        self._complained = ""
+
+    def close(self) -> None:
+        self._registry.close()
+
+    def step(self) -> str | None:
+        """Applies the latest step if it is new: the worker added or removed (None: none)."""
+        if self._clock() < self._next_at:
+            return None
+        self._next_at = self._clock() + INTERVAL_S
+        step = self._latest()
+        if step is None or step.written_at <= self._applied_at:
+            return None
+        self._applied_at = step.written_at
+        have = len(self.pool.workers)
+        if step.action == "add" and have >= self.max_workers:
+            self.pool.progress(f"scale: not adding a {step.role} worker: {have} run, the most "
+                               f"--max-workers allows")
+            return None
+        if step.action == "remove" and have <= self.min_workers:
+            self.pool.progress(f"scale: not removing {step.worker_id}: {have} run, the "
+                               f"fewest --min-workers allows")
+            return None
+        return self._add(step) if step.action == "add" else self._remove(step)
+
+    def _latest(self) -> ScaleTarget | None:
+        try:
+            raw = self._registry.scale_target()
+            return None if raw is None else ScaleTarget.from_json(raw)
+        except (RegistryError, RecordFormatError) as exc:
+            self._complain(f"scale: cannot read the planner's step: {exc}")
+            return None
+
+    def _add(self, step: ScaleTarget) -> str | None:
+        spec = self.pool.ray_spec
+        index = next(i for i in range(len(self._used) + 1)
+                     if f"{step.role}-{i}" not in self._used)
+        tp = spec.cluster.prefill_tp if step.role == "prefill" else spec.cluster.decode_tp
+        slot = WorkerSlot(step.role, index, tp)
+        self._used.add(slot.name)
+        plan = WorkerPlan(slot, worker_bundle(tp, cpus_per_rank=spec.cpus_per_rank,
+                                              gpu_resource=spec.rank_gpu_resource))
+        self.pool.progress(f"scale: adding {slot.name} (TP {tp}) for the planner: "
+                           f"{step.reason}")
+        try:
+            self.pool.add_worker(plan)
+        except (ClusterError, ChildExited) as exc:
+            self.pool.progress(f"scale: {slot.name} not added: {exc}")
+            return None
+        self.pool.progress(f"scale: {len(self.pool.workers)} workers (at most "
+                           f"{self.max_workers})")
+        return slot.name
+
+    def _remove(self, step: ScaleTarget) -> str:
+        workers = {m.name: m for m in self.pool.workers}
+        name = step.worker_id if step.worker_id in workers else self._least_held(workers)
+        self.pool.progress(f"scale: draining {name} for the planner: {step.reason}")
+        self.pool.retire_worker(workers[name])
+        self.pool.progress(f"scale: {name} removed; {len(self.pool.workers)} workers (at "
+                           f"least {self.min_workers})")
+        return name
+
+    def _least_held(self, workers: dict[str, Any]) -> str:
+        try:
+            held = {r.worker_id: r.num_running + r.num_waiting
+                    for r in self._registry.list_workers()}
+        except RegistryError:
+            held = {}
+        return min(workers, key=lambda name: (held.get(name, 0), name))
+
+    def _complain(self, line: str) -> None:
+        if line != self._complained:
+            self.pool.progress(line)
+            self._complained = line

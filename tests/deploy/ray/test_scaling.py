@@ -1,0 +1,107 @@
+"""``deploy.ray.scaling.Scaler`` against a real Redis and a recording pool (the launcher's
+side is ``test_launcher``'s planner test, on real Ray): each new step is applied once,
+within the bounds; steps from before the launcher, and malformed ones, are not."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import pytest
+
+from cluster.registry import Registry
+from cluster.scale import ScaleTarget
+from deploy.ray.members import Member
+from deploy.ray.plan import RaySpec, WorkerPlan
+from deploy.ray.scaling import INTERVAL_S, Scaler
+from deploy.redis_server import RedisServer
+from deploy.spec import ClusterError, ClusterSpec
+
+
+@pytest.fixture
+def redis_url() -> Any:
+    with RedisServer(start_timeout_s=10.0) as server:
+        yield server.url
+
+
+@dataclasses.dataclass
+class _Pool:
+    ray_spec: RaySpec
+    workers: list[Member]
+    lines: list[str] = dataclasses.field(default_factory=list)
+    added: list[WorkerPlan] = dataclasses.field(default_factory=list)
+    retired: list[str] = dataclasses.field(default_factory=list)
+    fail: bool = False
+
+    def progress(self, line: str) -> None:
+        self.lines.append(line)
+
+    def add_worker(self, plan: WorkerPlan) -> Member:
+        if self.fail:
+            raise ClusterError(f"no room for {plan.name}")
+        self.added.append(plan)
+        member = Member(plan.name, actor=None, restartable=True, plan=plan)
+        self.workers.append(member)
+        return member
+
+    def retire_worker(self, member: Member) -> None:
+        self.workers.remove(member)
+        self.retired.append(member.name)
+
+
+def _step(action: str, role: str = "decode", worker_id: str = "") -> ScaleTarget:
+    return ScaleTarget(action, role, worker_id, 1, 2, reason=f"test {action}",
+                       written_at=time.time())
+
+
+def test_each_new_step_is_applied_once_within_the_bounds(redis_url: str) -> None:
+    spec = RaySpec(cluster=ClusterSpec(decode_tp=2), min_workers=2, max_workers=3)
+    pool = _Pool(spec, [Member(n, None, True) for n in ("prefill-0", "decode-0")])
+    t = [0.0]
+    registry = Registry(redis_url)
+    registry.set_scale_target(_step("add").to_json())  # an earlier cluster's: not ours
+    time.sleep(0.01)
+    scaler = Scaler(pool, redis_url, clock=lambda: t[0])
+
+    def tick() -> str | None:  # the next read is due
+        t[0] += INTERVAL_S
+        return scaler.step()
+
+    try:
+        assert tick() is None and pool.added == []
+        registry.set_scale_target(_step("add").to_json())
+        assert scaler.step() is None  # within the interval: not read yet
+        assert tick() == "decode-1" and tick() is None  # applied once
+        assert [(p.name, p.tp) for p in pool.added] == [("decode-1", 2)]
+        registry.set_scale_target(_step("add", "prefill").to_json())
+        assert tick() is None and len(pool.added) == 1  # 3 run: the most allowed
+        assert "not adding a prefill worker: 3 run" in pool.lines[-1]
+        registry.set_scale_target(_step("remove", "decode", "decode-0").to_json())
+        assert tick() == "decode-0" and pool.retired == ["decode-0"]
+        registry.set_scale_target(_step("remove", "prefill", "gone-7").to_json())
+        assert tick() is None and pool.retired == ["decode-0"]  # 2 run: the fewest
+        assert "not removing gone-7: 2 run" in pool.lines[-1]
+        pool.fail = True
+        registry.set_scale_target(_step("add", "prefill").to_json())
+        assert tick() is None
+        assert pool.lines[-1].startswith("scale: prefill-1 not added: no room for prefill-1")
+        registry.set_scale_target("{not json")
+        assert tick() is None and tick() is None
+        assert sum("cannot read the planner's step" in line for line in pool.lines) == 1
+    finally:
+        scaler.close()
+        registry.close()
+
+
+def test_a_removal_of_a_worker_the_launcher_does_not_have_takes_the_least_held(
+        redis_url: str) -> None:
+    spec = RaySpec(cluster=ClusterSpec(num_decode=2), max_workers=4)
+    pool = _Pool(spec, [Member(n, None, True) for n in ("prefill-0", "decode-0", "decode-1")])
+    scaler = Scaler(pool, redis_url)
+    try:
+        with Registry(redis_url) as registry:
+            registry.set_scale_target(_step("remove", "decode", "elsewhere-0").to_json())
+        assert scaler.step() == "decode-0"  # none holds anything: the first by name
+    finally:
+        scaler.close()
