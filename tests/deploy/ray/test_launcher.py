@@ -19,15 +19,26 @@ import signal
 import time
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from deploy.ray.plan import NAMESPACE, RaySpec
+from deploy.ray.plan import RaySpec
 from deploy.spec import ClusterError, ClusterSpec
+from tests.deploy.ray.raytools import (
+    GPU,
+    TIMEOUT_S,
+    Load,
+    assert_nothing_left,
+    cmdline,
+    complete_all,
+    descendants,
+    greedy,
+    our_processes,
+    processes_left,
+)
 from tests.factories import PROMPTS
 from tests.processes import alive, wait_until
 
@@ -38,11 +49,9 @@ pytestmark = [
                               "(make setup installs it)"),
 ]
 
-GPU = "pdserve_gpu"
 NUM_GPUS = 4
 NUM_CPUS = 4
 NUM_KV_BLOCKS = 32
-TIMEOUT_S = 60.0
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray keeps 127.0.0.1 as is
 
 
@@ -70,65 +79,6 @@ def ray_head() -> Iterator[Any]:
         ray.shutdown()
         wait_until(lambda: not set(children(os.getpid())) - before, 30.0,
                    "Ray's processes to exit")
-
-
-def _descendants(pid: int) -> list[int]:
-    from tests.processes import children
-
-    found, todo = [], [pid]
-    while todo:
-        kids = children(todo.pop())
-        found += kids
-        todo += kids
-    return found
-
-
-def _our_processes(statuses: dict[str, Any]) -> list[int]:
-    """Every actor of the cluster and every process below it (children, ranks)."""
-    pids = [s.actor_pid for s in statuses.values()]
-    return sorted({p for pid in pids for p in [pid, *_descendants(pid)]})
-
-
-def assert_nothing_left(ray: Any, pids: list[int], log_dir: Path) -> None:
-    """No actor of ours, no placement group still placed, every resource free again; none
-    of ``pids`` alive, no actor process left under Ray, no process naming ``log_dir``."""
-    def named() -> list[dict[str, str]]:
-        return [a for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["namespace"] == NAMESPACE]
-
-    wait_until(lambda: not named(), 30.0, "every actor to go")
-    states = {pg["name"]: pg["state"] for pg in ray.util.placement_group_table().values()}
-    wait_until(lambda: set(_group_states(ray).values()) <= {"REMOVED"}, 30.0,
-               f"every placement group to be removed: {states}")
-    wait_until(lambda: _free(ray) == _total(ray), 30.0, "every resource to be free")
-    wait_until(lambda: not _left(pids, log_dir), 30.0, "every process to exit")
-
-
-def _group_states(ray: Any) -> dict[str, str]:
-    return {pg["name"]: pg["state"] for pg in ray.util.placement_group_table().values()}
-
-
-def _left(pids: list[int], log_dir: Path) -> list[str]:
-    """Processes of ours still alive: of ``pids``; actor processes under this test's Ray;
-    any process whose command line names ``log_dir`` (the children's ready files)."""
-    from tests.processes import children
-
-    left = [f"{p} {_cmdline(p)!r}" for p in pids if alive(p)]
-    actors = (b"ray::SupervisedChild", b"ray::RedisActor")
-    left += [f"{p} {_cmdline(p)!r}" for p in _descendants(os.getpid())
-             if _cmdline(p).startswith(actors) and alive(p)]
-    marker = str(log_dir).encode()
-    left += [f"{p} {_cmdline(p)!r}" for p in map(int, filter(str.isdigit, os.listdir("/proc")))
-             if marker in _cmdline(p) and alive(p) and p not in children(os.getpid())]
-    return left
-
-
-def _free(ray: Any) -> dict[str, float]:
-    return {k: ray.available_resources().get(k, 0.0) for k in ("CPU", GPU)}
-
-
-def _total(ray: Any) -> dict[str, float]:
-    return {k: ray.cluster_resources()[k] for k in ("CPU", GPU)}
 
 
 # ------------------------------------------------------------------------ the cluster
@@ -161,22 +111,6 @@ def llm(llama_dir: Path) -> Iterator[Any]:
         yield engine
 
 
-def _greedy(prompts: list[str], llm: Any, max_tokens: int = 6) -> list[list[int]]:
-    from engine import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [r.token_ids for r in llm.generate(prompts, params)]
-
-
-def _complete_all(address: str, prompts: list[str], max_tokens: int = 6) -> list[list[int]]:
-    from pdserve.client import Client
-
-    with Client(address) as client, ThreadPoolExecutor(8) as pool:
-        return list(pool.map(lambda p: list(client.complete(
-            p, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=TIMEOUT_S
-        ).token_ids), prompts))
-
-
 def _stub(address: str, role: str = "prefill", token: str | None = None) -> Any:
     """A channel to a worker and its stub, the calls carrying the cluster's ``token``."""
     from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
@@ -199,7 +133,7 @@ def test_greedy_output_through_the_router_matches_llm(served: Any, llm: Any) -> 
     from tests.worker.procs import assert_idle
 
     prompts = [PROMPTS[i % len(PROMPTS)] + " #" * (i // len(PROMPTS)) for i in range(12)]
-    assert _complete_all(served.router_address, prompts) == _greedy(prompts, llm)
+    assert complete_all(served.router_address, prompts) == greedy(prompts, llm)
     body = json.dumps({"prompt": prompts[0], "max_tokens": 8, "temperature": 0}).encode()
     request = urllib.request.Request(f"{served.http_url}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
@@ -236,14 +170,7 @@ def test_each_tp_group_is_one_strict_pack_placement_group(served: Any, ray_head:
 
 def _followers(worker_pid: int) -> list[int]:
     """The rank processes a worker started (``python -m engine.tp.rank_main``)."""
-    return [p for p in _descendants(worker_pid) if b"engine.tp.rank_main" in _cmdline(p)]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
+    return [p for p in descendants(worker_pid) if b"engine.tp.rank_main" in cmdline(p)]
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -262,14 +189,14 @@ def test_workers_advertise_their_node_and_get_secrets_from_the_environment(serve
     for name, record in records.items():
         assert record.grpc_address == statuses[name].ready["grpc_address"]
         assert record.grpc_address.startswith("127.0.0.1:")  # the node's IP (loopback here)
-        argv = _cmdline(statuses[name].child_pid).split(b"\0")
+        argv = cmdline(statuses[name].child_pid).split(b"\0")
         assert argv[argv.index(b"--advertise-host") + 1] == b"127.0.0.1"
         assert b"redis" not in b" ".join(argv)  # no URL (nor its password) on a command line
         env = _environ(statuses[name].child_pid)
         assert env["PDSERVE_REDIS_URL"] == served.redis_url
         assert env["OMP_NUM_THREADS"] == "1" and env["GLOO_SOCKET_IFNAME"] == "lo"
     router = statuses["router"]
-    assert b"redis" not in _cmdline(router.child_pid)
+    assert b"redis" not in cmdline(router.child_pid)
     assert _environ(router.child_pid)["PDSERVE_REDIS_URL"] == served.redis_url
 
 
@@ -294,11 +221,11 @@ def test_a_dead_worker_is_restarted_and_reregisters(served: Any, llm: Any) -> No
     from cluster.registry import Registry
 
     prompts = [f"topic {i * 7919} " + PROMPTS[i % len(PROMPTS)] * 2 for i in range(8)]
-    expected = _greedy(prompts, llm, max_tokens=4)
+    expected = greedy(prompts, llm, max_tokens=4)
     # 1. prefill-1's worker process dies: traffic goes on through prefill-0 meanwhile
     old = served.statuses()["prefill-1"]
     os.kill(old.child_pid, signal.SIGKILL)
-    assert _complete_all(served.router_address, prompts, max_tokens=4) == expected
+    assert complete_all(served.router_address, prompts, max_tokens=4) == expected
     new = _follow_until(served, "prefill-1", old.actor_pid)
     assert new.child_pid != old.child_pid and not alive(old.child_pid)
     assert any(line.startswith("prefill-1 is down (") and line.endswith("Ray restarts it")
@@ -322,20 +249,20 @@ def test_a_dead_worker_is_restarted_and_reregisters(served: Any, llm: Any) -> No
     # the router sees the new decode worker within a refresh of its view
     from pdserve.client import PdserveError
 
-    wait_until(lambda: _complete_all(served.router_address, prompts[:4], max_tokens=4)
+    wait_until(lambda: complete_all(served.router_address, prompts[:4], max_tokens=4)
                == expected[:4], 30.0, "requests to succeed again", period_s=0.5,
                ignore=(PdserveError,))
 
 
 def _prefill_gets_traffic(cluster: Any, address: str, prompts: list[str]) -> bool:
     before = _info(address, cluster.cluster_token).kv.cached_blocks
-    _complete_all(cluster.router_address, [f"again {p}" for p in prompts], max_tokens=1)
+    complete_all(cluster.router_address, [f"again {p}" for p in prompts], max_tokens=1)
     return bool(_info(address, cluster.cluster_token).kv.cached_blocks > before)
 
 
 def test_stop_removes_every_actor_placement_group_and_process(served: Any, ray_head: Any
                                                               ) -> None:
-    pids = _our_processes(served.statuses())
+    pids = our_processes(served.statuses())
     assert len(pids) >= 2 * 5  # 5 actors, each with its child (and the ranks below)
     served.stop()
     assert served.lines[-1] == "all processes stopped"
@@ -394,7 +321,7 @@ def test_sigkill_of_pdserve_up_ray_leaves_nothing(ray_head: Any, llama_dir: Path
     up = _up_on(ray_head, llama_dir, tmp_path)
     try:
         up.wait_for(READY_LINE, timeout_s=150.0)
-        assert _left([], tmp_path), "the workers and the router name the log dir"
+        assert processes_left([], tmp_path), "the workers and the router name the log dir"
         up.proc.kill()
         up.exit_code()
         assert_nothing_left(ray_head, [], tmp_path)
@@ -461,9 +388,9 @@ def test_two_routers_serve_and_a_rolling_restart_fails_no_request(
         assert len(set(addresses)) == 2 and [m.name for m in cluster.routers] == \
             ["router", "router-1"]
         prompts = [f"rolling {i} " + PROMPTS[i % len(PROMPTS)] for i in range(6)]
-        expected = _greedy(prompts, llm, max_tokens=12)
+        expected = greedy(prompts, llm, max_tokens=12)
         for address in addresses:
-            assert _complete_all(address, prompts, max_tokens=12) == expected
+            assert complete_all(address, prompts, max_tokens=12) == expected
         before = cluster.statuses()
         done, results, failures = threading.Event(), [], []
 
@@ -495,7 +422,7 @@ def test_two_routers_serve_and_a_rolling_restart_fails_no_request(
         assert [f"restarting {n} ..." for n in names] == \
             [line for line in lines if line.startswith("restarting ")]
         assert cluster.router_addresses == addresses  # the routers kept their ports
-        pids = _our_processes(after)
+        pids = our_processes(after)
     finally:
         cluster.stop()
     assert lines[-1] == "all processes stopped"
@@ -503,46 +430,6 @@ def test_two_routers_serve_and_a_rolling_restart_fails_no_request(
 
 
 # ------------------------------------------------------------------------ the planner scales
-
-class _Load:
-    """Two clients sending unique prompts (the prefix cache hides nothing), 4 a second
-    each at most, while in the ``with`` block: ``done`` prompt → tokens, ``failures``."""
-
-    def __init__(self, address: str) -> None:
-        import threading
-
-        self.address = address
-        self.done: dict[str, list[int]] = {}
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                         for i in range(2)]
-
-    def __enter__(self) -> _Load:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(TIMEOUT_S)
-
-    def _run(self, index: int) -> None:
-        from pdserve.client import Client
-
-        with Client(self.address) as client:
-            n = 0
-            while not self._stop.is_set():
-                n += 1
-                prompt = f"{PROMPTS[0]} request {n} of client {index}"
-                try:
-                    self.done[prompt] = list(client.complete(
-                        prompt, max_tokens=6, temperature=0, timeout=TIMEOUT_S).token_ids)
-                except Exception as exc:  # noqa: BLE001 - reported by the test
-                    self.failures.append(repr(exc))
-                self._stop.wait(0.25)
-
 
 def test_the_planner_on_ray_adds_a_worker_under_load_and_drains_one_when_idle(
         ray_head: Any, llama_dir: Path, tmp_path: Path, llm: Any) -> None:
@@ -577,7 +464,7 @@ def test_the_planner_on_ray_adds_a_worker_under_load_and_drains_one_when_idle(
 
     try:
         assert cluster.planner is not None and names() == ["prefill-0", "decode-0"]
-        with _Load(cluster.router_address) as load:
+        with Load(cluster.router_address) as load:
             wait_for(lambda: names() == ["prefill-0", "decode-0", "prefill-1"],
                      "the planner to add a prefill worker")
             with Registry(cluster.redis_url, cluster=spec.name) as registry:
@@ -601,8 +488,8 @@ def test_the_planner_on_ray_adds_a_worker_under_load_and_drains_one_when_idle(
         planner_log = (tmp_path / "logs" / "planner.log").read_text()
         assert "scale: add a prefill worker" in planner_log, planner_log[-2000:]
         sample = sorted(load.done)[::max(1, len(load.done) // 8)]
-        assert [load.done[p] for p in sample] == _greedy(sample, llm, max_tokens=6)
-        pids = _our_processes(cluster.statuses()) + [added.actor_pid]
+        assert [load.done[p] for p in sample] == greedy(sample, llm, max_tokens=6)
+        pids = our_processes(cluster.statuses()) + [added.actor_pid]
     finally:
         cluster.stop()
     assert lines[-1] == "all processes stopped"
