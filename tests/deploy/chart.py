@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import base64
+import json
+import os
 import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,10 +32,18 @@ CASES: dict[str, str | None] = {
     "tls-apikey": "tls-apikey-values.yaml",
     "extras": "extras-values.yaml",
     "minimal": "minimal-values.yaml",
+    "pooled": "pooled-values.yaml",
 }
+POOLED_CASES = ("pooled",)  # workers.layout=pooled; the others are split
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
-PDSERVE_COMPONENTS = ("router", "prefill", "decode")  # the workloads that run pdserve
+# The workloads that run pdserve, per layout (split: roles pinned; pooled: roles switched live)
+PDSERVE_COMPONENTS = ("router", "prefill", "decode")
+POOLED_COMPONENTS = ("router", "pool", "planner")
+WORKER_COMPONENTS = ("prefill", "decode", "pool")
+# the pdserve subcommand each component runs
+SUBCOMMANDS = {"router": "router", "prefill": "prefill", "decode": "decode", "pool": "worker",
+               "planner": "planner"}
 CLUSTER_TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
 CLUSTER_TOKEN_SECRET = f"{FULLNAME}-cluster-token"  # the Secret the chart generates
 
@@ -85,6 +97,19 @@ def workload(docs: list[dict], component: str) -> dict:
     return found[0]
 
 
+def components(docs: list[dict]) -> list[str]:
+    """The components of the workloads that run pdserve (all but Redis), in the order of
+    ``SUBCOMMANDS``."""
+    found = {w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+             for w in workloads(docs)} - {"redis"}
+    assert found <= set(SUBCOMMANDS), found
+    return [c for c in SUBCOMMANDS if c in found]
+
+
+def worker_components(docs: list[dict]) -> list[str]:
+    return [c for c in components(docs) if c in WORKER_COMPONENTS]
+
+
 def pod_spec(obj: dict) -> dict:
     return obj["spec"]["template"]["spec"]
 
@@ -106,6 +131,36 @@ def env_of(container: dict) -> dict[str, dict]:
 def container_ports(obj: dict) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for c in containers(obj, init=False)
             for p in c.get("ports", []) if "name" in p}
+
+
+def run_entrypoint(container: dict, pod_name: str,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Runs a container's shell ``command`` + ``args`` as the kubelet would start it, with
+    ``POD_NAME=pod_name``, the container's literal env values (then ``env``), and a
+    stand-in ``pdserve`` first on PATH that prints its arguments as a JSON list."""
+    values = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    with tempfile.TemporaryDirectory() as bin_dir:
+        stub = os.path.join(bin_dir, "pdserve")
+        with open(stub, "w") as out:
+            out.write(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+        os.chmod(stub, 0o755)
+        return subprocess.run(
+            [*container["command"], *container["args"]], capture_output=True, text=True,
+            timeout=HELM_TIMEOUT_S,
+            env={**values, "POD_NAME": pod_name, **(env or {}), "PATH": f"{bin_dir}:/usr/bin:/bin"})
+
+
+def pdserve_argv(container: dict, pod_name: str = f"{FULLNAME}-pool-0") -> list[str]:
+    """The ``pdserve`` command line a container runs (after the word ``pdserve``): its args
+    under the image's ``ENTRYPOINT ["pdserve"]``, or, for a shell ``command``, what that shell
+    execs when started in the pod ``pod_name`` (``run_entrypoint``)."""
+    if "command" not in container:
+        return list(container["args"])
+    done = run_entrypoint(container, pod_name)
+    assert done.returncode == 0, done.stderr
+    argv = json.loads(done.stdout)
+    assert isinstance(argv, list) and all(isinstance(a, str) for a in argv)
+    return argv
 
 
 def flag_value(args: list[str], flag: str) -> str | None:

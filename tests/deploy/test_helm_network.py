@@ -76,9 +76,12 @@ def test_services_select_pods_and_name_their_ports(rendered: Rendered, case: str
             assert ports[port["targetPort"]] == port["port"], service["metadata"]["name"]
     api = chart.one(docs, "Service", f"{chart.FULLNAME}-router")
     assert {p["name"]: p["port"] for p in api["spec"]["ports"]} == {"grpc": 50051, "http": 8000}
-    decode = chart.workload(docs, "decode")
-    headless = chart.one(docs, "Service", decode["spec"]["serviceName"])
-    assert headless["spec"]["clusterIP"] == "None"
+    stateful = chart.find(docs, "StatefulSet")  # decode, or the pool
+    assert [s["metadata"]["name"] for s in stateful] == [
+        f"{chart.FULLNAME}-{c}" for c in chart.worker_components(docs) if c != "prefill"]
+    for obj in stateful:
+        headless = chart.one(docs, "Service", obj["spec"]["serviceName"])
+        assert headless["spec"]["clusterIP"] == "None"
 
 
 @pytest.mark.parametrize("case", ["defaults", "decode-tp4"])

@@ -16,7 +16,6 @@ from tests.deploy import chart
 
 Rendered = Callable[[str], list[dict]]
 GPU = "nvidia.com/gpu"
-PDSERVE = ("router", "prefill", "decode")
 GPU_CASES = [c for c in chart.CASES if c != "cpu"]
 
 # Flags and environment the chart relies on that the pdserve command line does not have yet
@@ -38,10 +37,13 @@ def _subparser(command: str) -> argparse.ArgumentParser:
 
 @pytest.mark.parametrize("case", chart.CASES)
 def test_command_lines_parse_with_the_pdserve_cli(rendered: Rendered, case: str) -> None:
-    for component in PDSERVE:
-        container = chart.main_container(chart.workload(rendered(case), component))
-        command, *args = container["args"]
-        assert command == component and "command" not in container  # ENTRYPOINT pdserve
+    docs = rendered(case)
+    for component in chart.components(docs):
+        container = chart.main_container(chart.workload(docs, component))
+        # ENTRYPOINT pdserve, or the pool's shell, which execs pdserve (run here with sh)
+        assert ("command" in container) == (component == "pool")
+        command, *args = chart.pdserve_argv(container)
+        assert command == chart.SUBCOMMANDS[component]
         parser = _subparser(command)
         known = {o for a in parser._actions for o in a.option_strings}
         unknown = {a for a in args if a.startswith("--")} - known
@@ -58,11 +60,13 @@ def test_command_lines_parse_with_the_pdserve_cli(rendered: Rendered, case: str)
 def test_workers_bind_all_and_advertise_the_pod_ip(rendered: Rendered, case: str) -> None:
     docs = rendered(case)
     namespaces = set()
-    for component in PDSERVE:
+    for component in chart.components(docs):
         obj = chart.workload(docs, component)
-        args = chart.main_container(obj)["args"]
+        args = chart.pdserve_argv(chart.main_container(obj))
         assert chart.flag_value(args, "--host") == "0.0.0.0"
         namespaces.add(chart.flag_value(args, "--cluster"))
+        if component == "planner":  # no --grace: it resigns its lock at once on SIGTERM
+            continue
         grace = float(chart.flag_value(args, "--grace"))
         assert chart.pod_spec(obj)["terminationGracePeriodSeconds"] > grace
         if component == "router":
@@ -72,15 +76,15 @@ def test_workers_bind_all_and_advertise_the_pod_ip(rendered: Rendered, case: str
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert chart.flag_value(args, "--worker-id") == "$(POD_NAME)"
         assert chart.flag_value(args, "--port") == str(chart.container_ports(obj)["grpc"])
-        if component == "decode":
+        if component in ("decode", "pool"):  # any pool pod may become a decode worker
             assert chart.flag_value(args, "--kv-port") == str(chart.container_ports(obj)["kv"])
-    assert len(namespaces) == 1, "router and workers must share one Redis key namespace"
+    assert len(namespaces) == 1, "router, workers and planner must share one Redis key namespace"
 
 
 @pytest.mark.parametrize("case", chart.CASES)
 def test_probes_ask_grpc_health_on_the_right_ports(rendered: Rendered, case: str) -> None:
     docs = rendered(case)
-    for component in ("prefill", "decode"):
+    for component in chart.worker_components(docs):
         obj = chart.workload(docs, component)
         grpc_port = chart.container_ports(obj)["grpc"]
         container = chart.main_container(obj)
@@ -101,7 +105,7 @@ def test_probes_ask_grpc_health_on_the_right_ports(rendered: Rendered, case: str
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_gpu_requests_equal_tensor_parallel_size(rendered: Rendered, case: str) -> None:
     docs = rendered(case)
-    for component in ("prefill", "decode"):
+    for component in chart.worker_components(docs):
         container = chart.main_container(chart.workload(docs, component))
         tp = int(chart.flag_value(container["args"], "--tensor-parallel-size"))
         assert container["resources"]["requests"][GPU] == tp, component
@@ -109,7 +113,7 @@ def test_gpu_requests_equal_tensor_parallel_size(rendered: Rendered, case: str) 
         assert chart.flag_value(container["args"], "--device") == "cuda"
         assert "OMP_NUM_THREADS" not in chart.env_of(container)
     for obj in chart.workloads(docs):
-        if obj["metadata"]["name"].endswith(("-router", "-redis")):
+        if obj["metadata"]["name"].endswith(("-router", "-redis", "-planner")):
             assert GPU not in str(chart.pod_spec(obj)), obj["metadata"]["name"]
 
 
@@ -145,7 +149,7 @@ def test_cpu_mode_has_no_gpus_and_sets_omp_threads(rendered: Rendered) -> None:
 @pytest.mark.parametrize("case", chart.CASES)
 def test_router_redis_url_points_at_the_redis_service(rendered: Rendered, case: str) -> None:
     docs = rendered(case)
-    for component in PDSERVE:
+    for component in chart.components(docs):
         env_list = chart.main_container(chart.workload(docs, component))["env"]
         names = [e["name"] for e in env_list]
         url = urlsplit(chart.env_of({"env": env_list})["PDSERVE_REDIS_URL"]["value"])
@@ -276,10 +280,10 @@ def test_images_are_pinned(rendered: Rendered, case: str) -> None:
     redis = chart.workload(docs, "redis") if case != "external-redis" else None
     if redis is not None:
         assert chart.main_container(redis)["image"] == "redis:7.2.5-alpine"
-    router_image = chart.main_container(chart.workload(docs, "router"))["image"]
-    worker_image = chart.main_container(chart.workload(docs, "decode"))["image"]
-    assert router_image == "pdserve:0.1.0-cpu"
-    assert worker_image == ("pdserve:0.1.0-cpu" if case == "cpu" else "pdserve:0.1.0-cuda")
+    for component in chart.components(docs):  # torch never runs in the router or planner
+        image = chart.main_container(chart.workload(docs, component))["image"]
+        gpu = component in chart.WORKER_COMPONENTS and case != "cpu"
+        assert image == ("pdserve:0.1.0-cuda" if gpu else "pdserve:0.1.0-cpu"), component
 
 
 def _model_volume(obj: dict) -> dict:
@@ -290,7 +294,7 @@ def test_model_sources(rendered: Rendered) -> None:
     default = rendered("defaults")
     pvc = chart.one(default, "PersistentVolumeClaim", f"{chart.FULLNAME}-model")
     assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    for component in PDSERVE:
+    for component in chart.PDSERVE_COMPONENTS:
         obj = chart.workload(default, component)
         claim = _model_volume(obj)["persistentVolumeClaim"]
         assert claim == {"claimName": pvc["metadata"]["name"], "readOnly": True}
@@ -306,7 +310,7 @@ def test_model_sources(rendered: Rendered) -> None:
 
 
 def test_init_container_writes_the_model_dir(rendered: Rendered) -> None:
-    for component in PDSERVE:
+    for component in chart.PDSERVE_COMPONENTS:
         obj = chart.workload(rendered("cpu"), component)
         (init,) = chart.pod_spec(obj)["initContainers"]
         model_dir = chart.flag_value(chart.main_container(obj)["args"], "--model")

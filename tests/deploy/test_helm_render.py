@@ -54,6 +54,14 @@ def test_objects_valid_against_kubernetes_schemas(
                         f"{chart.KUBE_VERSION} (a removed or misspelt API version?)")
 
 
+@pytest.mark.parametrize("case", chart.CASES)
+def test_each_case_runs_the_components_of_its_layout(
+        rendered: Callable[[str], list[dict]], case: str) -> None:
+    """The tests that walk ``chart.components`` see every component of the layout."""
+    expected = chart.POOLED_COMPONENTS if case in chart.POOLED_CASES else chart.PDSERVE_COMPONENTS
+    assert tuple(chart.components(rendered(case))) == expected
+
+
 def test_the_schema_check_rejects_unknown_fields(rendered: Callable[[str], list[dict]]) -> None:
     """The validation above is strict: a misspelt probe field is an error."""
     decode = copy.deepcopy(chart.workload(rendered("defaults"), "decode"))
@@ -165,7 +173,7 @@ def test_every_pdserve_container_reads_the_token_from_the_secret(
         rendered: Callable[[str], list[dict]], case: str) -> None:
     docs = rendered(case)
     name, key = _expected_ref(case)
-    for component in chart.PDSERVE_COMPONENTS:
+    for component in chart.components(docs):  # the planner too: it calls SetRole
         entry = _token_ref(chart.main_container(chart.workload(docs, component)))
         assert entry == {"name": chart.CLUSTER_TOKEN_ENV,
                          "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}, component
@@ -205,7 +213,7 @@ def test_an_existing_secret_is_referenced_not_created(helm: Path) -> None:
     docs = chart.render(helm, None, "clusterToken.existingSecret=mine", "clusterToken.secretKey=k")
     assert not [s for s in chart.find(docs, "Secret") if "cluster-token" in s["metadata"]["name"]
                 or s["metadata"]["name"] == "mine"]
-    for component in chart.PDSERVE_COMPONENTS:
+    for component in chart.components(docs):
         entry = _token_ref(chart.main_container(chart.workload(docs, component)))
         assert entry["valueFrom"] == {"secretKeyRef": {"name": "mine", "key": "k"}}
     generated = chart.render(helm, None, "clusterToken.secretKey=k")  # a generated one, key k
@@ -222,6 +230,6 @@ def test_disabled_means_no_token_and_no_secret(
             else rendered("minimal"))
     assert not [s for s in chart.find(docs, "Secret") if "cluster-token" in s["metadata"]["name"]]
     assert chart.CLUSTER_TOKEN_ENV not in str(docs)
-    for component in chart.PDSERVE_COMPONENTS:  # the rest of the environment is unchanged
+    for component in chart.components(docs):  # the rest of the environment is unchanged
         env = chart.env_of(chart.main_container(chart.workload(docs, component)))
         assert "PDSERVE_REDIS_URL" in env and "HOME" in env

@@ -53,8 +53,9 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end -}}
 
 {{/* The pdserve image of one component: (dict "root" $ "component" "router").
-An explicit image.tag (or digest) is used by every component; otherwise the router (torch
-never runs there) takes APPVERSION-cpu and the workers APPVERSION-cuda when gpu.enabled. */}}
+An explicit image.tag (or digest) is used by every component; otherwise the router and the
+planner (torch never runs there) take APPVERSION-cpu and the workers APPVERSION-cuda when
+gpu.enabled. */}}
 {{- define "pdserve.image" -}}
 {{- $image := .root.Values.image -}}
 {{- if $image.digest -}}
@@ -62,9 +63,26 @@ never runs there) takes APPVERSION-cpu and the workers APPVERSION-cuda when gpu.
 {{- else if $image.tag -}}
 {{- printf "%s:%s" $image.repository $image.tag -}}
 {{- else -}}
-{{- $variant := ternary "cuda" "cpu" (and .root.Values.gpu.enabled (ne .component "router")) -}}
+{{- $variant := ternary "cuda" "cpu" (and .root.Values.gpu.enabled (not (has .component (list "router" "planner")))) -}}
 {{- printf "%s:%s-%s" $image.repository .root.Chart.AppVersion $variant -}}
 {{- end -}}
+{{- end -}}
+
+{{/* "true" in the pooled layout (workers.layout=pooled), else "": one worker StatefulSet
+whose roles are runtime state, in place of the prefill Deployment and decode StatefulSet. */}}
+{{- define "pdserve.pooled" -}}
+{{- if eq .Values.workers.layout "pooled" -}}true{{- end -}}
+{{- end -}}
+
+{{/* "true" when the planner runs: the pooled layout with planner.enabled, else "". */}}
+{{- define "pdserve.plannerEnabled" -}}
+{{- if and (include "pdserve.pooled" .) .Values.planner.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The worker components of the layout, space-separated: "prefill decode" or "pool"
+(each is also its values key); `splitList " "` makes them a list. */}}
+{{- define "pdserve.workerComponents" -}}
+{{- ternary "pool" "prefill decode" (eq .Values.workers.layout "pooled") -}}
 {{- end -}}
 
 {{/* The Redis key namespace (pdserve --cluster) shared by the router and the workers. */}}
@@ -126,7 +144,7 @@ clusterToken.existingSecret, else the one this chart generates (cluster-token-se
 {{- default (printf "%s-cluster-token" (include "pdserve.fullname" .)) .Values.clusterToken.existingSecret -}}
 {{- end -}}
 
-{{/* The environment that gives a router or worker the cluster token:
+{{/* The environment that gives a router, worker or planner the cluster token:
 $PDSERVE_CLUSTER_TOKEN from the Secret (a required reference: a pod whose Secret or key is
 missing does not start, rather than run with an open internal plane). Nothing when
 clusterToken.enabled=false. */}}
@@ -297,7 +315,10 @@ priorityClassName: {{ . }}
 {{- if not (has .Values.model.source (list "pvc" "hostPath" "initContainer")) -}}
 {{- fail (printf "model.source must be pvc, hostPath or initContainer, not %q" .Values.model.source) -}}
 {{- end -}}
-{{- range $role := list "prefill" "decode" -}}
+{{- if not (has .Values.workers.layout (list "split" "pooled")) -}}
+{{- fail (printf "workers.layout must be split or pooled, not %q" .Values.workers.layout) -}}
+{{- end -}}
+{{- range $role := list "prefill" "decode" "pool" -}}
 {{- if lt (int (index $.Values $role).tensorParallelSize) 1 -}}
 {{- fail (printf "%s.tensorParallelSize must be at least 1" $role) -}}
 {{- end -}}
@@ -308,7 +329,12 @@ priorityClassName: {{ . }}
 {{- if and (not .Values.redis.enabled) (not .Values.redis.external.host) -}}
 {{- fail "redis.external.host is required when redis.enabled=false" -}}
 {{- end -}}
-{{- if and (eq (int .Values.prefill.replicas) 0) (eq .Values.router.localPrefill "never") (not .Values.prefill.autoscaling.enabled) -}}
+{{- if include "pdserve.pooled" . -}}
+{{- include "pdserve.validatePool" . -}}
+{{- else if and (eq (int .Values.prefill.replicas) 0) (eq .Values.router.localPrefill "never") (not .Values.prefill.autoscaling.enabled) -}}
 {{- fail "prefill.replicas=0 needs router.localPrefill=always or fallback (decode workers prefill)" -}}
+{{- end -}}
+{{- if and .Values.pool.autoscaling.enabled (not (include "pdserve.pooled" .)) -}}
+{{- fail "pool.autoscaling.enabled needs workers.layout=pooled (the split layout scales with prefill/decode.autoscaling)" -}}
 {{- end -}}
 {{- end -}}

@@ -1,5 +1,8 @@
 {{/*
-The pod template of a worker, prefill or decode: (dict "root" $ "role" "decode").
+The pod template of a worker: (dict "root" $ "component" "decode"), the component being
+prefill or decode (split layout: `pdserve prefill|decode`, the role fixed) or pool (pooled
+layout: `pdserve worker --role ROLE`, started by pdserve.poolCommand in the role the pod's
+ordinal gives; the planner switches it later). Its values are .Values.COMPONENT.
 All ranks of a tensor-parallel group run in this one pod (the worker spawns them), so a
 worker asks for tensorParallelSize GPUs. The worker registers $(POD_IP) in Redis
 (--advertise-host) and binds 0.0.0.0; its gRPC port answers grpc.health.v1, which the
@@ -8,9 +11,12 @@ call on that port, and the KV handshake, needs $PDSERVE_CLUSTER_TOKEN).
 */}}
 {{- define "pdserve.workerPodTemplate" -}}
 {{- $root := .root -}}
-{{- $role := .role -}}
-{{- $v := index $root.Values $role -}}
-{{- $ctx := dict "root" $root "component" $role -}}
+{{- $component := .component -}}
+{{- $pooled := eq $component "pool" -}}
+{{- $v := index $root.Values $component -}}
+{{- $ctx := dict "root" $root "component" $component -}}
+{{- /* A decode worker's KV store port; any pool pod may become a decode worker. */ -}}
+{{- $kv := has $component (list "decode" "pool") -}}
 {{- $grpc := dict "grpc" (dict "port" (int $v.port)) -}}
 metadata:
   labels: {{- include "pdserve.labels" $ctx | nindent 4 }}
@@ -25,11 +31,17 @@ spec:
   initContainers: {{- . | nindent 4 }}
   {{- end }}
   containers:
-    - name: {{ $role }}
+    - name: {{ ternary "worker" $component $pooled }}
       image: {{ include "pdserve.image" $ctx }}
       imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      {{- if $pooled }}
+      # `pdserve worker --role ROLE` and the args below, ROLE from the pod's ordinal.
+      command: {{- include "pdserve.poolCommand" $root | nindent 8 }}
+      {{- end }}
       args:
-        - {{ $role }}
+        {{- if not $pooled }}
+        - {{ $component }}
+        {{- end }}
         - --model
         - {{ include "pdserve.modelDir" $root | quote }}
         - --host
@@ -38,7 +50,7 @@ spec:
         - $(POD_IP)
         - --port
         - {{ $v.port | quote }}
-        {{- if eq $role "decode" }}
+        {{- if $kv }}
         - --kv-port
         - {{ $v.kvPort | quote }}
         {{- end }}
@@ -60,6 +72,10 @@ spec:
         - --dtype
         - {{ $root.Values.gpu.dtype }}
         {{- end }}
+        {{- if $pooled }}
+        - --max-num-batched-tokens
+        - {{ $v.maxNumBatchedTokens | quote }}
+        {{- end }}
         {{- with $v.extraArgs }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -70,6 +86,10 @@ spec:
         - name: POD_NAME
           valueFrom:
             fieldRef: {fieldPath: metadata.name}
+        {{- if $pooled }}
+        - name: PDSERVE_INITIAL_PREFILL
+          value: {{ $v.initialPrefill | quote }}
+        {{- end }}
         {{- include "pdserve.redisEnv" $root | trim | nindent 8 }}
         {{- with (include "pdserve.clusterTokenEnv" $root | trim) }}{{ . | nindent 8 }}{{ end }}
         {{- include "pdserve.cacheEnv" $root | nindent 8 }}
@@ -85,7 +105,7 @@ spec:
       ports:
         - name: grpc
           containerPort: {{ $v.port }}
-        {{- if eq $role "decode" }}
+        {{- if $kv }}
         - name: kv
           containerPort: {{ $v.kvPort }}
         {{- end }}
