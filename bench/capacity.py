@@ -195,8 +195,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result["diurnal"] = day
         print(format_table([[arm, f"{a['slo_attainment']:.3f}",
                              " ".join(f"{v:.2f}" for v in a["by_segment"]), a["failed"],
-                             len(a["role_changes"])] for arm, a in day["arms"].items()],
-                           ["arm", "attainment", "by segment", "failed", "role changes"]))
+                             len(a["role_changes"]), len(a["scale_steps"]),
+                             f"{a['worker_seconds']:.0f}"] for arm, a in day["arms"].items()],
+                           ["arm", "attainment", "by segment", "failed", "role changes",
+                            "scale steps", "worker-s"]))
     result["wall_s"] = time.perf_counter() - started
     if args.json:
         write_json(args.json, result)

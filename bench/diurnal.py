@@ -12,7 +12,12 @@ best split. Two arms on the same seeded arrivals:
   each segment's predicted attainment, weighted by its requests), fixed;
 - ``planner``: starts at that split, with the real ``planner.policy.Planner`` switching
   roles on the simulator's clock (``sim.planning``; ``--min-prefill 1``, dwell and window
-  scaled to the compressed day).
+  scaled to the compressed day);
+- ``scaling``: the same planner also sizing the fleet, between half the workers and all
+  of them (``max_workers``): it retires workers the load does not need and adds them back
+  (an added worker serves a fifth of a segment after its step).
+
+Each arm reports its ``worker_seconds`` (workers serving × seconds: what the fleet cost).
 
 The peak rate is a rate the model says the best split for that workload alone serves; no
 fixed split serves every segment's peak, which is what a planner is for. A request meets
@@ -22,6 +27,7 @@ attainment is the share of the requests sent that did, overall and by segment.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -115,8 +121,10 @@ def run_day(profile: Profile, workloads: dict[str, FleetWorkload], *, num_worker
                            dwell_s=segment_s / 2, min_prefill=1)
     settings = PlannerSettings(config, interval_s=max(0.5, segment_s / 10),
                                window_s=max(1.0, segment_s / 3))
+    scaling = dataclasses.replace(settings, startup_s=segment_s / 5, config=dataclasses.replace(
+        config, min_workers=max(2, num_workers // 2), max_workers=num_workers))
     arms: dict[str, Any] = {}
-    for arm, planner in (("static", None), ("planner", settings)):
+    for arm, planner in (("static", None), ("planner", settings), ("scaling", scaling)):
         requests = [r for _, r in day_requests(workloads, peaks, segment_s, seed)]  # fresh
         progress(f"diurnal: {arm} arm, {len(requests)} requests on {num_workers} workers "
                  f"({p}P+{num_workers - p}D to start) ...")
@@ -129,17 +137,24 @@ def run_day(profile: Profile, workloads: dict[str, FleetWorkload], *, num_worker
         overall, by_segment = attainment(result, segments, slos)
         arms[arm] = {"slo_attainment": overall, "by_segment": by_segment,
                      "failed": sum(1 for r in result.requests if r.error),
+                     "worker_seconds": result.worker_seconds,
+                     "scale_steps": [{"t": c.t, "action": c.action, "role": c.role,
+                                      "worker": c.worker_id, "reason": c.reason}
+                                     for c in result.scale_steps],
                      "wall_s": time.perf_counter() - started,
                      "role_changes": [{"t": c.t, "worker": c.worker_id, "from": c.from_role,
                                        "to": c.to_role, "reason": c.reason}
                                       for c in result.role_changes]}
         progress(f"  {arm}: attainment {overall:.3f}, {len(result.role_changes)} role "
-                 f"changes ({arms[arm]['wall_s']:.0f} s)")
+                 f"changes, {len(result.scale_steps)} scale steps, "
+                 f"{result.worker_seconds:.0f} worker-seconds ({arms[arm]['wall_s']:.0f} s)")
     return {"workers": num_workers, "start_split": {"num_prefill": p,
                                                     "num_decode": num_workers - p},
             "segment_seconds": segment_s, "load": load, "peaks": peaks,
             "day": [{"workload": name, "level": level} for name, level in DAY],
             "planner": {"ttft_slo_s": config.ttft_slo_s, "tpot_slo_s": config.tpot_slo_s,
                         "dwell_s": config.dwell_s, "interval_s": settings.interval_s,
-                        "window_s": settings.window_s},
+                        "window_s": settings.window_s, "startup_s": scaling.startup_s,
+                        "min_workers": scaling.config.min_workers,
+                        "max_workers": scaling.config.max_workers},
             "arms": arms}

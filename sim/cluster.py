@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.core.scheduler import StepUpdate
 from planner.policy import RoleChange
+from planner.scaling import ScaleChange
 from router.config import AdmissionConfig, HandoffConfig
 from sim.events import EventQueue
 from sim.planning import PlannerSettings, SimPlanner
@@ -87,6 +88,8 @@ class SimResult:
     duration_s: float  # first arrival to the last event
     num_events: int
     role_changes: list[RoleChange] = field(default_factory=list)  # the planner's, in order
+    scale_steps: list[ScaleChange] = field(default_factory=list)  # likewise
+    worker_seconds: float = 0.0  # workers serving x seconds, first arrival to the end
 
     def check(self) -> None:
         """Conservation (``AssertionError`` naming what broke): every request ended once
@@ -124,14 +127,16 @@ def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest]) ->
         assert shared is not None
         shared.on_output(worker, update)
 
+    def new_worker(worker_id: str, role: str, tp: int) -> SimWorker:
+        return SimWorker(worker_id, role, profile.step(tp), block_size=profile.model.block_size,
+                         max_model_len=profile.model.max_model_len,
+                         max_num_seqs=spec.max_num_seqs,
+                         max_num_batched_tokens=spec.max_num_batched_tokens,
+                         events=events, on_output=on_output)
+
     for role, count, tp in (("prefill", spec.num_prefill, spec.prefill_tp),
                             ("decode", spec.num_decode, spec.decode_tp)):
-        step = profile.step(tp)
-        workers += [SimWorker(f"{role}-{i}", role, step, block_size=profile.model.block_size,
-                              max_model_len=profile.model.max_model_len,
-                              max_num_seqs=spec.max_num_seqs,
-                              max_num_batched_tokens=spec.max_num_batched_tokens,
-                              events=events, on_output=on_output) for i in range(count)]
+        workers += [new_worker(f"{role}-{i}", role, tp) for i in range(count)]
     shared = SharedView(events, workers, spec.handoff.prefill_routing, spec.kv_event_interval_s)
     routers = [SimRouter(events, profile, workers, shared, handoff=spec.handoff,
                          admission=spec.admission, timeout_s=spec.timeout_s)
@@ -141,14 +146,27 @@ def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest]) ->
         events.at(request.arrival_s, routers[i % len(routers)].submit, request)
     for worker_id, at_s in spec.kills:
         events.at(at_s, shared.kill, worker_id)
+
+    def spawn(role: str) -> SimWorker:  # a scale step's new worker
+        worker = new_worker(f"{role}-{len(workers)}", role, spec.decode_tp)
+        workers.append(worker)  # the shared view's list
+        assert shared is not None
+        shared.add_worker(worker)
+        for router in routers:
+            router.add_worker(worker)
+        return worker
+
     planner = None
     if spec.planner is not None:
         last = ordered[-1].arrival_s if ordered else 0.0
         planner = SimPlanner(spec.planner, profile, spec.decode_tp, spec.max_num_batched_tokens,
                              workers, ordered, events, lambda: events.now < last
-                             or any(r.unfinished for r in routers))
+                             or any(r.unfinished for r in routers), spawn)
         planner.start()
     events.run()
     start = ordered[0].arrival_s if ordered else 0.0
+    worker_seconds = (planner.worker_seconds(start, events.now) if planner is not None
+                      else len(workers) * (events.now - start))
     return SimResult(list(requests), workers, routers, events.now - start, events.num_events,
-                     planner.changes if planner is not None else [])
+                     planner.changes if planner is not None else [],
+                     planner.scale_steps if planner is not None else [], worker_seconds)

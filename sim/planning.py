@@ -1,7 +1,11 @@
 """The planner on the simulator's virtual clock: every ``interval_s`` the real
 ``planner.policy.Planner`` gets one window's observation of the simulated cluster and its
 role changes are applied to the workers at once (what they hold of the old role goes on,
-as a live ``SetRole`` does).
+as a live ``SetRole`` does). With ``PlannerConfig.max_workers`` its scale steps are
+applied too, as ``pdserve up --ray`` applies them: an added worker of the step's role
+serves ``startup_s`` later; a removed one takes no new work (its role becomes ``RETIRED``)
+and finishes what it holds in place (the real drain moves a decode worker's streams; here
+they end where they are).
 
 The observation is what the real planner reads from the cluster: arrivals per second and
 mean prompt and output lengths of the window, each worker's held requests and the mean
@@ -16,10 +20,13 @@ from dataclasses import dataclass
 
 from planner.capacity import CapacityModel, Traffic
 from planner.policy import Observation, Planner, PlannerConfig, RoleChange, WorkerState
+from planner.scaling import ADD, ScaleChange
 from sim.events import EventQueue
 from sim.profile import Profile
 from sim.state import SimRequest
 from sim.worker import SimWorker
+
+RETIRED = "retired"  # a removed worker's role: it takes no new work
 
 
 @dataclass(frozen=True)
@@ -30,13 +37,12 @@ class PlannerSettings:
     config: PlannerConfig
     interval_s: float = 5.0
     window_s: float = 20.0
+    startup_s: float = 0.0  # an added worker serves this long after the scale step
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.window_s <= 0:
-            raise ValueError("the planner's interval and window must be positive")
-        if self.config.max_workers is not None:
-            raise ValueError("the simulator switches roles only; it does not size the "
-                             "cluster (max_workers)")
+        if self.interval_s <= 0 or self.window_s <= 0 or self.startup_s < 0:
+            raise ValueError("the planner's interval and window must be positive, startup_s "
+                             "not negative")
 
 
 class SimPlanner:
@@ -45,7 +51,8 @@ class SimPlanner:
     def __init__(self, settings: PlannerSettings, profile: Profile, tp: int,
                  max_num_batched_tokens: int, workers: list[SimWorker],
                  requests: Sequence[SimRequest], events: EventQueue,
-                 running: Callable[[], bool]) -> None:
+                 running: Callable[[], bool],
+                 spawn: Callable[[str], SimWorker] | None = None) -> None:
         model = CapacityModel(profile.step(tp), max_num_batched_tokens=max_num_batched_tokens,
                               block_size=profile.model.block_size,
                               handoff_s=profile.handoff_overhead_s + profile.transfer_latency_s)
@@ -55,10 +62,16 @@ class SimPlanner:
         self._requests = sorted(requests, key=lambda r: r.arrival_s)
         self._events = events
         self._running = running  # whether requests are still to come or in flight
+        self._spawn = spawn  # a new worker of a role, serving from now on
+        self.size_changes: list[tuple[float, int]] = [(events.now, len(serving(workers)))]
 
     @property
     def changes(self) -> list[RoleChange]:
         return [d for d in self.planner.decisions if isinstance(d, RoleChange)]
+
+    @property
+    def scale_steps(self) -> list[ScaleChange]:
+        return [d for d in self.planner.decisions if isinstance(d, ScaleChange)]
 
     def start(self) -> None:
         if self._requests:
@@ -66,11 +79,32 @@ class SimPlanner:
 
     def _tick(self) -> None:
         for change in self.planner.decide(self.observe()):
-            assert isinstance(change, RoleChange)  # the settings refuse scale steps
-            worker = next(w for w in self._workers if w.worker_id == change.worker_id)
-            worker.role = change.to_role
+            if isinstance(change, RoleChange):
+                self._by_id(change.worker_id).role = change.to_role
+            elif change.action == ADD:
+                self._events.after(self.settings.startup_s, self._add, change.role)
+            else:
+                self._by_id(change.worker_id or "").role = RETIRED
+                self._sized()
         if self._running():
             self._events.after(self.settings.interval_s, self._tick)
+
+    def _by_id(self, worker_id: str) -> SimWorker:
+        return next(w for w in self._workers if w.worker_id == worker_id)
+
+    def _add(self, role: str) -> None:
+        assert self._spawn is not None, "scale steps need a spawn callback"
+        self._spawn(role)
+        self._sized()
+
+    def _sized(self) -> None:
+        self.size_changes.append((self._events.now, len(serving(self._workers))))
+
+    def worker_seconds(self, start_s: float, end_s: float) -> float:
+        """Workers serving × seconds, between ``start_s`` and ``end_s``."""
+        points = [*self.size_changes, (end_s, 0)]
+        return sum(n * max(0.0, min(b, end_s) - max(a, start_s))
+                   for (a, n), (b, _) in zip(points, points[1:], strict=False))
 
     def observe(self) -> Observation:
         """The window ending now."""
@@ -81,8 +115,7 @@ class SimPlanner:
                           _mean([r.prompt_len for r in arrived]),
                           _mean([r.max_tokens for r in arrived]))
         workers = tuple(WorkerState(w.worker_id, w.role, _held(w), _mean(
-            [wait for at, wait in w.queue_waits if at > since])) for w in self._workers
-            if not w.dead)
+            [wait for at, wait in w.queue_waits if at > since])) for w in serving(self._workers))
         gaps: list[float] = []
         ttfts: list[float] = []
         for r in self._requests:
@@ -98,6 +131,11 @@ class SimPlanner:
                 i -= 1
         return Observation(workers, traffic, itl_s=_mean(gaps) if gaps else None,
                            ttft_s=_mean(ttfts) if ttfts else None)
+
+
+def serving(workers: Sequence[SimWorker]) -> list[SimWorker]:
+    """The workers that serve a role (not killed, not retired)."""
+    return [w for w in workers if not w.dead and w.role != RETIRED]
 
 
 def _held(worker: SimWorker) -> int:

@@ -72,6 +72,10 @@ class SimRouter:
         self._pump_pending = False
         self._retry_at: float | None = None
 
+    def add_worker(self, worker: SimWorker) -> None:
+        """A worker the planner added: routed to from now on, by its role."""
+        self._by_id[worker.worker_id] = worker
+
     @property
     def prefill(self) -> list[SimWorker]:
         """The workers serving prefill now (a role may change while the run goes on)."""

@@ -100,6 +100,13 @@ class SharedView:
                 self.kv_index.load_snapshot(w.worker_id, 1, 0, [])
             self.kv_index.heard()
 
+    def add_worker(self, worker: SimWorker) -> None:
+        """A worker the planner added (``workers`` already holds it): the KV index hears
+        of it as of a fresh worker's empty snapshot."""
+        if self.kv_index is not None:
+            self.kv_index.watch([worker.worker_id])
+            self.kv_index.load_snapshot(worker.worker_id, 1, 0, [])
+
     def kill(self, worker_id: str) -> None:
         """Fault: ``worker_id`` dies now; every router retries or migrates what it held."""
         worker = next(w for w in self.workers if w.worker_id == worker_id)

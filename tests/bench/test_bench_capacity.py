@@ -85,8 +85,10 @@ def test_a_quick_day_runs_both_arms_on_the_same_requests(tmp_path: Path) -> None
     capacity.main(["--quick", "--diurnal-only", "--json", str(tmp_path / "day.json")])
     day = json.loads((tmp_path / "day.json").read_text())["diurnal"]
     assert day["workers"] == 4 and day["start_split"]["num_prefill"] >= 1
-    static, planner = day["arms"]["static"], day["arms"]["planner"]
-    assert static["role_changes"] == [] and len(static["by_segment"]) == len(DAY)
-    assert len(planner["by_segment"]) == len(DAY)
-    for arm in (static, planner):
+    static, planner, scaling = (day["arms"][a] for a in ("static", "planner", "scaling"))
+    assert static["role_changes"] == [] == static["scale_steps"] == planner["scale_steps"]
+    assert scaling["worker_seconds"] <= 1.05 * static["worker_seconds"]  # never above 4
+    assert day["planner"]["min_workers"] == 2 and day["planner"]["max_workers"] == 4
+    for arm in (static, planner, scaling):
         assert 0.0 <= arm["slo_attainment"] <= 1.0 and arm["failed"] >= 0
+        assert len(arm["by_segment"]) == len(DAY)

@@ -90,9 +90,3 @@ def test_bounds_hold_and_bad_bounds_are_refused() -> None:
     with pytest.raises(ValueError, match="below min_gain"):
         PlannerConfig(ttft_slo_s=1, tpot_slo_s=0.1, max_workers=3, scale_down_slack=0.05)
 
-
-def test_the_simulator_refuses_a_planner_that_sizes_the_cluster() -> None:
-    from sim.planning import PlannerSettings
-
-    with pytest.raises(ValueError, match="does not size the cluster"):
-        PlannerSettings(SCALING)

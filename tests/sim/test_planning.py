@@ -82,3 +82,30 @@ def test_a_flickering_load_moves_no_role(mix: tuple[int, int]) -> None:
     start = 3 if mix == LONG else 1  # the split each mix settles at
     result = _run(start, _workload(phases), planner=True)
     assert result.role_changes == [], result.role_changes
+
+
+def test_scale_steps_add_workers_under_a_surge_and_retire_one_when_it_passes() -> None:
+    # 1P+1D under a long-prompt surge no switch can serve: the planner adds workers (each
+    # serving 1 s after its step) up to max_workers; when the load falls it retires one,
+    # which finishes what it holds and takes nothing new
+    config = PlannerConfig(ttft_slo_s=TTFT_SLO_S, tpot_slo_s=TPOT_SLO_S, dwell_s=2.0,
+                           min_prefill=1, min_workers=2, max_workers=4)
+    settings = PlannerSettings(config, interval_s=1.0, window_s=3.0, startup_s=1.0)
+    phases = [(14.0, 24.0, LONG), (14.0, 2.0, CHAT)]
+    spec = SimSpec(num_prefill=1, num_decode=1, handoff=HANDOFF, planner=settings)
+    result = simulate(small_profile(num_kv_blocks=2048), spec, _workload(phases))
+    result.check()  # every request ended once, every worker idle with its blocks back
+    steps = result.scale_steps
+    adds = [s for s in steps if s.action == "add"]
+    removes = [s for s in steps if s.action == "remove"]
+    assert len(adds) == 2 and all(s.t < 14.0 for s in adds), steps
+    assert removes and all(s.t > 14.0 for s in removes), steps
+    added = [w for w in result.workers if w.worker_id not in ("prefill-0", "decode-0")]
+    assert len(added) == 2 and all(w.num_steps > 0 for w in added)  # they served
+    retired = [w for w in result.workers if w.role == "retired"]
+    assert [w.worker_id for w in retired] == [s.worker_id for s in removes]
+    assert all(b.t - a.t >= config.dwell_s for a, b in zip(steps, steps[1:]))
+    # fewer worker-seconds than 4 workers all along, more than the 2 it started with
+    assert 2 * result.duration_s < result.worker_seconds < 4 * result.duration_s
+    with pytest.raises(ValueError, match="startup_s"):
+        PlannerSettings(config, startup_s=-1.0)
