@@ -15,7 +15,8 @@ of the requests meet both targets (``bench.fleet``).
 
 For each GPU count up to ``--simulate-up-to`` every layout is enumerated
 (``bench.fleet.layouts``); the planner's capacity model ranks them, and the simulator
-measures the best ``--candidates`` disaggregated layouts and the best colocated one. Above
+measures the best ``--candidates`` disaggregated layouts and the best colocated one, and
+the best two of the next smaller count, replicated (the model can rank them low). Above
 it, a fleet is the largest simulated count's best layouts replicated (independent cells,
 each behind its own router), so goodput scales with the cell count: that is an assumption,
 marked ``"method": "replicated"`` in the JSON, not a simulation.
@@ -81,7 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(bench.diurnal)")
     p.add_argument("--diurnal-only", action="store_true", help="--diurnal without the search")
     p.add_argument("--diurnal-workers", type=int, default=64)
-    p.add_argument("--diurnal-load", type=float, default=0.8,
+    p.add_argument("--diurnal-load", type=float, default=0.7,
                    help="each workload's peak, as a share of the best split's capacity")
     p.add_argument("--segment-seconds", type=float, default=10.0,
                    help="virtual seconds of each of the day's segments")
@@ -108,15 +109,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def search(profile: Profile, n: int, workload: FleetWorkload, args: argparse.Namespace
-           ) -> dict[str, Any]:
-    """The simulated best disaggregated and colocated layouts of ``n`` GPUs."""
+def search(profile: Profile, n: int, workload: FleetWorkload, args: argparse.Namespace,
+           smaller: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The simulated best disaggregated and colocated layouts of ``n`` GPUs (None when
+    ``n`` has no layout of one kind or the other with these TP sizes). The best layouts of
+    a ``smaller`` simulated fleet, replicated to ``n`` GPUs, are candidates too: the
+    model's ranking alone can miss them."""
     ranked = sorted(((estimate(profile, layout, workload,
                                max_num_batched_tokens=SCHEDULER["max_num_batched_tokens"]),
                       layout) for layout in layouts(n, args.tp_sizes)),
                     key=lambda pair: -pair[0])
     chosen = [pair for pair in ranked if not pair[1].colocated][:args.candidates]
     chosen += [pair for pair in ranked if pair[1].colocated][:1]
+    if smaller is not None and n % smaller["gpus"] == 0:
+        for kind in ("best", "colocated"):
+            layout = Layout(**smaller[kind]["layout"]).scaled(n // smaller["gpus"])
+            if all(layout != pair[1] for pair in chosen):
+                chosen.append((smaller[kind]["goodput"] * n / smaller["gpus"], layout))
+    if len({pair[1].colocated for pair in chosen}) < 2:
+        return None  # no disaggregated, or no colocated, layout of n GPUs
     candidates = []
     for guess, layout in chosen:
         found = goodput(profile, layout, workload, guess, duration_s=args.duration,
@@ -126,7 +137,8 @@ def search(profile: Profile, n: int, workload: FleetWorkload, args: argparse.Nam
                            "estimate": guess, **found})
     best = max((c for c in candidates if c["layout"]["num_prefill"]),
                key=lambda c: c["goodput"])
-    colocated = next(c for c in candidates if not c["layout"]["num_prefill"])
+    colocated = max((c for c in candidates if not c["layout"]["num_prefill"]),
+                    key=lambda c: c["goodput"])
     return _fleet(n, best, colocated, "simulated", candidates)
 
 
@@ -171,9 +183,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for n in args.fleet_gpus:
             if n <= args.simulate_up_to:
                 print(f"{name}: {n} GPUs ...", flush=True)
-                fleets[name][n] = cell = search(profile, n, workload, args)
+                found = search(profile, n, workload, args, cell)
+                if found is None:
+                    print(f"{name}: {n} GPUs skipped: no disaggregated and colocated layout "
+                          f"of TP sizes {args.tp_sizes}")
+                    continue
+                fleets[name][n] = cell = found
             elif cell is not None and n % cell["gpus"] == 0:
                 fleets[name][n] = replicate(cell, n)
+            else:
+                print(f"{name}: {n} GPUs skipped: not a multiple of the largest simulated "
+                      "fleet")
     rows = [[name, n, f["best"]["label"], f"{f['best']['goodput']:.1f}",
              f["colocated"]["label"], f"{f['colocated']['goodput']:.1f}", f"{f['ratio']:.2f}",
              "sim" if f["method"] == "simulated" else "x cells",

@@ -12,7 +12,9 @@ best split. Two arms on the same seeded arrivals:
   each segment's predicted attainment, weighted by its requests), fixed;
 - ``planner``: starts at that split, with the real ``planner.policy.Planner`` switching
   roles on the simulator's clock (``sim.planning``; ``--min-prefill 1``, dwell and window
-  scaled to the compressed day);
+  scaled to the compressed day). A planner has one SLO: it is given the strictest of the
+  workloads' (500 ms TTFT, 25 ms TPOT), while each request is scored against its own
+  workload's, as the static split was chosen;
 - ``scaling``: the same planner also sizing the fleet, between half the workers and all
   of them (``max_workers``): it retires workers the load does not need and adds them back
   (an added worker serves a fifth of a segment after its step).
@@ -33,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.fleet import FleetWorkload, Layout, estimate
+from bench.fleet import FleetWorkload, Layout, estimate, fleet_admission
 from loadtest.workloads import Workload
 from planner.capacity import CapacityModel
 from planner.policy import PlannerConfig
@@ -131,11 +133,13 @@ def run_day(profile: Profile, workloads: dict[str, FleetWorkload], *, num_worker
         started = time.perf_counter()
         spec = SimSpec(num_prefill=p, num_decode=num_workers - p, planner=planner,
                        handoff=HandoffConfig(local_prefill="fallback"),
+                       admission=fleet_admission(num_workers),
                        max_num_seqs=scheduler["max_num_seqs"], max_num_batched_tokens=batched)
         result = simulate(profile, spec, requests)
         result.check()
         overall, by_segment = attainment(result, segments, slos)
         arms[arm] = {"slo_attainment": overall, "by_segment": by_segment,
+                     "num_requests": len(result.requests),
                      "failed": sum(1 for r in result.requests if r.error),
                      "worker_seconds": result.worker_seconds,
                      "scale_steps": [{"t": c.t, "action": c.action, "role": c.role,

@@ -21,7 +21,7 @@ from typing import Any
 
 from loadtest.workloads import Workload, WorkloadSpec
 from planner.capacity import CapacityModel, Traffic
-from router.config import HandoffConfig
+from router.config import AdmissionConfig, HandoffConfig
 from sim.cluster import SimSpec
 from sim.metrics import arrival_times
 from sim.profile import Profile
@@ -29,12 +29,14 @@ from sim.runs import run
 
 ATTAINMENT = 0.9  # goodput: the highest rate at which this share of requests meets the SLO
 VOCAB = 32000
+MAX_INFLIGHT_PER_GPU = 512
 
 
 @dataclass(frozen=True)
 class Layout:
     """``num_prefill`` workers of TP ``prefill_tp`` and ``num_decode`` of TP ``decode_tp``
-    (``num_prefill`` 0: colocated, the decode workers prefill locally)."""
+    (``num_prefill`` 0: colocated, the decode workers prefill locally; ``prefill_tp`` is
+    then ``decode_tp``)."""
 
     num_prefill: int
     prefill_tp: int
@@ -56,10 +58,11 @@ class Layout:
 
     def spec(self, *, max_num_seqs: int, max_num_batched_tokens: int) -> SimSpec:
         return SimSpec(num_prefill=self.num_prefill, num_decode=self.num_decode,
-                       prefill_tp=self.prefill_tp if self.num_prefill else 1,
+                       prefill_tp=self.prefill_tp if self.num_prefill else self.decode_tp,
                        decode_tp=self.decode_tp,
                        handoff=HandoffConfig(local_prefill="always" if self.colocated
                                              else "never"),
+                       admission=fleet_admission(self.gpus),
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
 
     def scaled(self, factor: int) -> Layout:
@@ -67,9 +70,19 @@ class Layout:
                       self.decode_tp)
 
 
+def fleet_admission(gpus: int) -> AdmissionConfig:
+    """The router's admission for a fleet: room for every request the GPUs can hold
+    (``MAX_INFLIGHT_PER_GPU`` each) and no cap on queued prompt tokens, so that an
+    overloaded fleet answers late (missing its SLO) rather than the router refusing: one
+    router's defaults (1,024 in flight) would cap a large fleet below its capacity."""
+    return AdmissionConfig(max_inflight=max(AdmissionConfig.max_inflight,
+                                            MAX_INFLIGHT_PER_GPU * gpus),
+                           max_queued_tokens=None)
+
+
 def layouts(n: int, tps: Sequence[int]) -> list[Layout]:
     """Every layout of exactly ``n`` GPUs with TP sizes from ``tps``."""
-    found = [Layout(0, 1, n // b, b) for b in tps if n % b == 0]
+    found = [Layout(0, b, n // b, b) for b in tps if n % b == 0]
     for a in tps:
         for b in tps:
             for p in range(1, n // a + 1):

@@ -34,7 +34,8 @@ from planner.scaling import ADD, REMOVE, ScaleChange, scale_choice, step_role
 ROLES = ("prefill", "decode")
 HOLDS = {"no_traffic": "nothing arrived in the window", "bounds": "the split is outside "
          "min_prefill/min_decode", "gain": "no split is predicted better by min_gain",
-         "dwell": "a role changed less than dwell_s ago"}
+         "dwell": "a role changed less than dwell_s ago",
+         "scaling": "the last scale step's size is not observed yet"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class PlannerConfig:
     min_workers: int | None = None  # default: min_prefill + min_decode
     max_workers: int | None = None
     scale_down_slack: float = 0.01  # a worker goes when one fewer loses no more than this
+    # after a scale step, no other until the cluster is observed at its size, or this long
+    scale_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
@@ -133,6 +136,8 @@ class Planner:
     held: str = ""  # why the last decision moved nothing: HOLDS' keys ("" when it moved)
     desired: Prediction | None = None  # the split it wants at the last decision
     current: Prediction | None = None  # the split as it was at the last decision
+    wanted: tuple[int, int] | None = None  # (prefill, decode) it wants: the gauges' figures
+    pending: tuple[int, float] | None = None  # the last scale step's size, and when
 
     def predictions(self, obs: Observation, size: int | None = None) -> list[Prediction]:
         """Every reachable split of ``size`` workers (default: those observed), fewest
@@ -158,15 +163,20 @@ class Planner:
     def decide(self, obs: Observation) -> list[Decision]:
         """At most one role change or scale step (empty: hold; ``held`` says why)."""
         now = self.clock()
+        n, current_p = len(obs.workers), len(obs.of_role("prefill"))
+        self.wanted = (current_p, n - current_p)
+        if self.pending is not None and (self.pending[0] == n
+                                         or now - self.pending[1] >= self.config.scale_timeout_s):
+            self.pending = None  # the step is done (or given up on)
         if obs.traffic.rate <= 0:
             return self._idle(obs, now)
         options = self.predictions(obs)
-        current_p = len(obs.of_role("prefill"))
         current = next((o for o in options if o.num_prefill == current_p), None)
-        if current is None or not options:  # outside the bounds: no move is ours to make
-            return self._hold("bounds")
+        if current is None or not options:  # outside the bounds: back within them first
+            return self._repair(obs, now)
         best = _best(options, current_p)
         self.desired, self.current = best, current
+        self.wanted = (best.num_prefill, best.num_decode)
         if self.config.max_workers is not None:
             scaled = self._scale(obs, now, current, best)
             if scaled is not None:
@@ -195,11 +205,15 @@ class Planner:
         down = _best(self.predictions(obs, n - 1), p) if n > low else None
         choice = scale_choice(current, best, up, down, min_gain=self.config.min_gain,
                               slack=self.config.scale_down_slack)
+        if n < low and ups:  # below the minimum size: grow whatever the gain
+            choice = (ADD, ups[0])
         if choice is None or choice[0] == REMOVE and (
                 best.attainment >= current.attainment + self.config.min_gain):
             return None  # nothing to add or remove, or a switch comes first
         action, target = choice
-        self.desired = target
+        self.desired, self.wanted = target, (target.num_prefill, target.num_decode)
+        if self.pending is not None:
+            return self._hold("scaling")  # the last step is not observed yet
         if now - self.last_change_at < self.config.dwell_s:
             return self._hold("dwell")
         role = step_role(action, p, target)
@@ -207,6 +221,7 @@ class Planner:
         split = (p + delta, n - p) if role == "prefill" else (p, n - p + delta)
         step = next(o for o in self.predictions(obs, n + delta) if o.num_prefill == split[0])
         worker = None if action == ADD else _least_held(obs, role).worker_id
+        self.pending = (n + delta, now)
         return self._made(ScaleChange(now, action, role, worker,
                                       _reason(obs, current, target, step), current.attainment,
                                       step.attainment, *split), now)
@@ -219,14 +234,35 @@ class Planner:
         spare = {"prefill": len(obs.of_role("prefill")) - c.min_prefill,
                  "decode": len(obs.of_role("decode")) - c.min_decode}
         role = max(("prefill", "decode"), key=lambda r: spare[r])
-        if len(obs.workers) <= low or spare[role] <= 0 or now - self.last_change_at < c.dwell_s:
-            return self._hold("no_traffic")
-        worker = _least_held(obs, role)
-        if worker.held:
+        if len(obs.workers) <= low or spare[role] <= 0:
             return self._hold("no_traffic")
         num_p = len(obs.of_role("prefill")) - (role == "prefill")
+        self.wanted = (num_p, len(obs.workers) - 1 - num_p)
+        worker = _least_held(obs, role)
+        if self.pending is not None or now - self.last_change_at < c.dwell_s or worker.held:
+            return self._hold("no_traffic")
+        self.pending = (len(obs.workers) - 1, now)
         return self._made(ScaleChange(now, REMOVE, role, worker.worker_id, "no traffic in the "
-                                      "window", 1.0, 1.0, num_p, len(obs.workers) - 1 - num_p),
+                                      "window", 1.0, 1.0, *self.wanted), now)
+
+    def _repair(self, obs: Observation, now: float) -> list[Decision]:
+        """A split below ``min_prefill`` or ``min_decode`` (a worker of that role died, or
+        an autoscaler removed it): one worker of the other role switches, if it can spare
+        one; else hold ("bounds")."""
+        c, n = self.config, len(obs.workers)
+        prefill, decode = len(obs.of_role("prefill")), len(obs.of_role("decode"))
+        if prefill < c.min_prefill and decode > c.min_decode:
+            shrink, grow = "decode", "prefill"
+        elif decode < c.min_decode and prefill > c.min_prefill:
+            shrink, grow = "prefill", "decode"
+        else:
+            return self._hold("bounds")
+        worker = _least_held(obs, shrink)
+        self.wanted = (prefill + (1 if grow == "prefill" else -1), n - prefill
+                       - (1 if grow == "prefill" else -1))
+        return self._made(RoleChange(now, worker.worker_id, shrink, grow,
+                                     f"{prefill}P+{decode}D is below min_prefill "
+                                     f"{c.min_prefill} / min_decode {c.min_decode}", 0.0, 0.0),
                           now)
 
     def _made(self, decision: Decision, now: float) -> list[Decision]:

@@ -128,9 +128,9 @@ class PlannerService:
             self.metrics.decisions.labels("hold", planner.held).inc()
         if planner.current is not None:
             self.metrics.predicted.set(planner.current.attainment)
-        if planner.desired is not None:
-            self.metrics.desired.labels("prefill").set(planner.desired.num_prefill)
-            self.metrics.desired.labels("decode").set(planner.desired.num_decode)
+        if planner.wanted is not None:
+            self.metrics.desired.labels("prefill").set(planner.wanted[0])
+            self.metrics.desired.labels("decode").set(planner.wanted[1])
 
     def _switch(self, record: WorkerRecord, change: RoleChange) -> None:
         try:
@@ -157,8 +157,6 @@ class PlannerService:
             log.warning("scale target %dP+%dD not written: %s", target.num_prefill,
                         target.num_decode, exc)
             return
-        self.metrics.desired.labels("prefill").set(change.num_prefill)
-        self.metrics.desired.labels("decode").set(change.num_decode)
         self.metrics.decisions.labels(change.action, change.role).inc()
         what = f"a {change.role} worker" if change.action == ADD else change.worker_id
         log.info("scale: %s %s (now %dP+%dD wanted): %s", change.action, what,

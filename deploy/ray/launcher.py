@@ -246,9 +246,9 @@ class RayLauncher(RayRestarts, Launcher):
         """Drains ``member`` (SIGTERM: a decode worker moves its streams), then removes its
         actor and placement group."""
         group = self.placement_groups[self.workers.index(member)]
+        stop_tier([member], self.spec.stop_grace_s)  # still ours if a stop interrupts it
         self.workers.remove(member)
         self._placement_groups = [g for g in self._placement_groups if g is not group]
-        stop_tier([member], self.spec.stop_grace_s)
         _remove_groups([group])
 
     def _group_name(self, name: str) -> str:

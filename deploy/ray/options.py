@@ -41,7 +41,7 @@ def add_ray_args(up: argparse.ArgumentParser) -> None:
                           "planner's scale steps (with --planner, the planner gets it too)")
     ray.add_argument("--min-workers", type=int, metavar="N",
                      help="the fewest workers the planner may shrink the cluster to "
-                          "(default: 1; the planner keeps its --min-prefill + --min-decode)")
+                          "(default: 2, or 1 with --local-prefill always/fallback)")
 
 
 def ray_only_flags_given(args: argparse.Namespace) -> list[str]:
@@ -51,7 +51,14 @@ def ray_only_flags_given(args: argparse.Namespace) -> list[str]:
 
 def planner_scale_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The planner's share of ``--min-workers`` / ``--max-workers``: it decides the steps
-    within the bounds the launcher applies them in."""
+    within the bounds the launcher applies them in. ``ValueError`` for a minimum below the
+    planner's floor (a decode worker, and a prefill worker unless the routers prefill)."""
+    floor = 2 if args.local_prefill == "never" else 1
+    if args.min_workers is not None and args.min_workers < floor:
+        raise ValueError(f"--min-workers {args.min_workers} is below the planner's floor "
+                         f"{floor}: it keeps a decode worker"
+                         + (" and, with --local-prefill never, a prefill worker"
+                            if floor == 2 else ""))
     return tuple(word for flag, value in (("--min-workers", args.min_workers),
                                           ("--max-workers", args.max_workers))
                  if value is not None for word in (flag, str(value)))

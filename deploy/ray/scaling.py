@@ -9,12 +9,15 @@ and applies a new one once:
   cluster, that role's TP size), in a placement group of its own wherever Ray finds room;
   the step returns once it registered. A worker that cannot be placed or started is
   reported and what it held removed; the planner's next step may ask again.
-- **remove**: the worker the step names (else the one holding the fewest requests in the
-  registry); it drains as on SIGTERM (a decode worker moves its streams to the others:
-  in-flight requests are never killed), then its actor and placement group go.
+- **remove**: the worker the step names; it drains as on SIGTERM (a decode worker moves
+  its streams to the others: in-flight requests are never killed), then its actor and
+  placement group go.
 
-A step beyond the bounds is reported and skipped, as is a step written before the
-launcher started (a Redis an earlier cluster used) or a malformed one. Steps block the
+A step is reported and skipped when it would go beyond the bounds, when the cluster
+already has the size it asks for (a repeated step, or one decided on a window that missed
+a worker: a step never takes the cluster past the size the planner wanted), or when it
+names a worker the launcher does not have; so is a step written before the launcher
+started (a Redis an earlier cluster used), and a malformed one. Steps block the
 launcher's wait loop (the others' health checks) while they run.
 """
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from cluster.records import RecordFormatError
 from cluster.registry import Registry, RegistryError
@@ -74,14 +77,20 @@ class Scaler:
         if step is None or step.written_at <= self._applied_at:
             return None
         self._applied_at = step.written_at
-        have = len(self.pool.workers)
-        if step.action == "add" and have >= self.max_workers:
-            self.pool.progress(f"scale: not adding a {step.role} worker: {have} run, the most "
-                               f"--max-workers allows")
-            return None
-        if step.action == "remove" and have <= self.min_workers:
-            self.pool.progress(f"scale: not removing {step.worker_id}: {have} run, the "
-                               f"fewest --min-workers allows")
+        have, size = len(self.pool.workers), step.num_prefill + step.num_decode
+        why = ""
+        if step.action == "add" and have >= min(size, self.max_workers):
+            why = (f"not adding a {step.role} worker: {have} run, the most --max-workers "
+                   f"allows" if have >= self.max_workers else
+                   f"not adding a {step.role} worker: {have} run, the {size} it asks for")
+        elif step.action == "remove" and have <= max(size, self.min_workers):
+            why = (f"not removing {step.worker_id}: {have} run, the fewest --min-workers "
+                   f"allows" if have <= self.min_workers else
+                   f"not removing {step.worker_id}: {have} run, the {size} it asks for")
+        elif step.action == "remove" and step.worker_id not in {m.name for m in self.pool.workers}:
+            why = f"not removing {step.worker_id}: no such worker here"
+        if why:
+            self.pool.progress(f"scale: {why}")
             return None
         return self._add(step) if step.action == "add" else self._remove(step)
 
@@ -114,21 +123,12 @@ class Scaler:
         return slot.name
 
     def _remove(self, step: ScaleTarget) -> str:
-        workers = {m.name: m for m in self.pool.workers}
-        name = step.worker_id if step.worker_id in workers else self._least_held(workers)
+        name = step.worker_id
         self.pool.progress(f"scale: draining {name} for the planner: {step.reason}")
-        self.pool.retire_worker(workers[name])
+        self.pool.retire_worker(next(m for m in self.pool.workers if m.name == name))
         self.pool.progress(f"scale: {name} removed; {len(self.pool.workers)} workers (at "
                            f"least {self.min_workers})")
         return name
-
-    def _least_held(self, workers: dict[str, Any]) -> str:
-        try:
-            held = {r.worker_id: r.num_running + r.num_waiting
-                    for r in self._registry.list_workers()}
-        except RegistryError:
-            held = {}
-        return min(workers, key=lambda name: (held.get(name, 0), name))
 
     def _complain(self, line: str) -> None:
         if line != self._complained:

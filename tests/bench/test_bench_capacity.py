@@ -46,6 +46,14 @@ def test_the_search_brackets_the_rate_where_attainment_falls_below_90_percent() 
     assert met and missed and found["goodput"] == max(met) < min(missed)
 
 
+def test_a_fleet_size_without_both_kinds_of_layout_is_skipped(capsys: pytest.CaptureFixture[str]
+                                                               ) -> None:
+    result = capacity.main(["--tps", "4", "--gpus", "4", "--simulate-up-to", "4",
+                            "--workloads", "chat"])
+    assert result["fleets"]["chat"] == {}  # 4 GPUs of TP 4: no disaggregated layout
+    assert "chat: 4 GPUs skipped: no disaggregated and colocated layout" in capsys.readouterr().out
+
+
 def test_a_quick_run_writes_simulated_and_replicated_fleets(tmp_path: Path) -> None:
     result = capacity.main(["--quick", "--json", str(tmp_path / "capacity.json")])
     written = json.loads((tmp_path / "capacity.json").read_text())
@@ -89,6 +97,11 @@ def test_a_quick_day_runs_both_arms_on_the_same_requests(tmp_path: Path) -> None
     assert static["role_changes"] == [] == static["scale_steps"] == planner["scale_steps"]
     assert scaling["worker_seconds"] <= 1.05 * static["worker_seconds"]  # never above 4
     assert day["planner"]["min_workers"] == 2 and day["planner"]["max_workers"] == 4
+    sent = static["num_requests"]
+    assert sent > 100 and planner["num_requests"] == scaling["num_requests"] == sent
     for arm in (static, planner, scaling):
         assert 0.0 <= arm["slo_attainment"] <= 1.0 and arm["failed"] >= 0
         assert len(arm["by_segment"]) == len(DAY)
+        # overall attainment is the segments' weighted by their requests: in between
+        segments = [v for v in arm["by_segment"] if v == v]
+        assert min(segments) - 1e-9 <= arm["slo_attainment"] <= max(segments) + 1e-9

@@ -70,9 +70,14 @@ def test_an_added_worker_is_not_removed_while_the_load_stays_and_steps_wait_the_
     planner = Planner(SCALING, _model(), clock)  # a fresh planner: its own dwell
     clock.t = 200.0
     assert _one(planner.decide(_observe(1, CHAT, n=3))).action == "add"
-    clock.t = 210.0  # still short of the third decode worker it asked for: it waits
-    assert planner.decide(_observe(1, CHAT, n=3)) == [] and planner.held == "dwell"
+    clock.t = 210.0  # within the dwell: it waits
+    assert planner.decide(_observe(1, CHAT, n=3)) == [] and planner.held == "scaling"
     assert planner.desired is not None and planner.desired.num_decode == 3
+    assert planner.wanted == (1, 3)
+    clock.t = 260.0  # past the dwell, the new worker still not seen: no second step
+    assert planner.decide(_observe(1, CHAT, n=3)) == [] and planner.held == "scaling"
+    clock.t = 200.0 + SCALING.scale_timeout_s  # given up on: it may ask again
+    assert _one(planner.decide(_observe(1, CHAT, n=3))).action == "add"
 
 
 def test_bounds_hold_and_bad_bounds_are_refused() -> None:
@@ -90,3 +95,25 @@ def test_bounds_hold_and_bad_bounds_are_refused() -> None:
     with pytest.raises(ValueError, match="below min_gain"):
         PlannerConfig(ttft_slo_s=1, tpot_slo_s=0.1, max_workers=3, scale_down_slack=0.05)
 
+
+
+def test_a_split_below_its_floors_is_repaired_and_a_cluster_below_its_minimum_grows() -> None:
+    # the only prefill worker is gone (an autoscaler took the highest ordinal): a decode
+    # worker switches, whatever the traffic says
+    planner = Planner(SCALING, _model(), _Clock())
+    [fix] = planner.decide(_observe(0, LIGHT, n=3, held={"w0": 4, "w1": 0, "w2": 2}))
+    assert isinstance(fix, RoleChange) and (fix.worker_id, fix.to_role) == ("w1", "prefill")
+    assert "below min_prefill" in fix.reason and planner.wanted == (1, 2)
+    roomy = dataclasses.replace(SCALING, min_workers=4)  # 2 run, 4 at least: it adds
+    grow = _one(Planner(roomy, _model(), _Clock()).decide(_observe(1, LIGHT, n=2)))
+    assert grow.action == "add" and grow.num_prefill + grow.num_decode == 3
+
+
+def test_the_wanted_split_follows_an_idle_cluster_down() -> None:
+    clock = _Clock()
+    planner = Planner(SCALING, _model(), clock)
+    idle = Traffic(0.0, 0, 0)
+    assert _one(planner.decide(_observe(1, idle, n=4))).worker_id == "w1"
+    assert planner.wanted == (1, 2)  # what the gauges (and an HPA) read
+    clock.t = 40.0  # the removal not seen yet: the size it asked for still stands
+    assert planner.decide(_observe(1, idle, n=4)) == [] and planner.wanted == (1, 2)

@@ -108,6 +108,17 @@ def _registered(cluster: Any) -> dict[str, str]:
                 for r in registry.list_workers()}
 
 
+def _generated(cluster: Any, worker_id: str) -> float:
+    """Tokens ``worker_id`` generated, from its ``/metrics``."""
+    from cluster.registry import Registry
+    from tests.e2e.cluster import scrape_metrics
+
+    with Registry(cluster.redis_url, cluster=cluster.spec.name) as registry:
+        [record] = [r for r in registry.list_workers() if r.worker_id == worker_id]
+    return sum(v for k, v in scrape_metrics(record.metrics_address).items()
+               if k.startswith("vllm:generation_tokens_total"))
+
+
 def _wait_for(cluster: Any, lines: list[str], condition: Any, what: str,
               timeout_s: float = 90.0) -> None:
     deadline = time.monotonic() + timeout_s
@@ -164,6 +175,9 @@ def test_workers_keep_their_tp_group_on_one_node_outlive_a_node_and_scale_onto_o
         assert _placed_on(cluster, "decode-1") == JOINING_NODE
         assert _registered(cluster)["decode-1"] == JOINING_NODE
         assert complete_all(cluster.router_address, prompts) == expected
+        more = [f"joined {i} " + PROMPTS[i % len(PROMPTS)] for i in range(8)]
+        assert complete_all(cluster.router_address, more) == greedy(more, llm)
+        assert _generated(cluster, "decode-1") > 0  # the new worker decoded some of them
         pids = our_processes(cluster.statuses())
     finally:
         cluster.stop()

@@ -270,6 +270,8 @@ def test_ray_flags_become_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--device", "cuda"], "--device needs --ray"),
     (["--max-workers", "3"], "--max-workers needs --ray"),
     (["--ray", "--max-workers", "1"], "the workers started (2) <= max_workers"),
+    (["--ray", "--planner", "p.json", "--min-workers", "1", "--max-workers", "3"],
+     "--min-workers 1 is below the planner's floor 2"),
     (["--ray", "--ray-cpus-per-rank", "0"], "must reserve something"),
 ])
 def test_bad_ray_flags_exit_2_before_starting_anything(words: list[str], message: str,

@@ -50,8 +50,10 @@ class _Pool:
         self.retired.append(member.name)
 
 
-def _step(action: str, role: str = "decode", worker_id: str = "") -> ScaleTarget:
-    return ScaleTarget(action, role, worker_id, 1, 2, reason=f"test {action}",
+def _step(action: str, role: str = "decode", worker_id: str = "", size: int = 3
+          ) -> ScaleTarget:
+    """A step whose split, after it, has ``size`` workers."""
+    return ScaleTarget(action, role, worker_id, size - 1, 1, reason=f"test {action}",
                        written_at=time.time())
 
 
@@ -77,11 +79,11 @@ def test_each_new_step_is_applied_once_within_the_bounds(redis_url: str) -> None
         registry.set_scale_target(_step("add", "prefill").to_json())
         assert tick() is None and len(pool.added) == 1  # 3 run: the most allowed
         assert "not adding a prefill worker: 3 run" in pool.lines[-1]
-        registry.set_scale_target(_step("remove", "decode", "decode-0").to_json())
+        registry.set_scale_target(_step("remove", "decode", "decode-0", size=2).to_json())
         assert tick() == "decode-0" and pool.retired == ["decode-0"]
-        registry.set_scale_target(_step("remove", "prefill", "gone-7").to_json())
+        registry.set_scale_target(_step("remove", "prefill", "prefill-0", size=1).to_json())
         assert tick() is None and pool.retired == ["decode-0"]  # 2 run: the fewest
-        assert "not removing gone-7: 2 run" in pool.lines[-1]
+        assert "not removing prefill-0: 2 run, the fewest" in pool.lines[-1]
         pool.fail = True
         registry.set_scale_target(_step("add", "prefill").to_json())
         assert tick() is None
@@ -94,14 +96,27 @@ def test_each_new_step_is_applied_once_within_the_bounds(redis_url: str) -> None
         registry.close()
 
 
-def test_a_removal_of_a_worker_the_launcher_does_not_have_takes_the_least_held(
-        redis_url: str) -> None:
-    spec = RaySpec(cluster=ClusterSpec(num_decode=2), max_workers=4)
+def test_a_step_is_applied_only_towards_the_size_the_planner_wanted(redis_url: str) -> None:
+    spec = RaySpec(cluster=ClusterSpec(num_decode=2), max_workers=6)
     pool = _Pool(spec, [Member(n, None, True) for n in ("prefill-0", "decode-0", "decode-1")])
-    scaler = Scaler(pool, redis_url)
+    t = [0.0]
+    scaler = Scaler(pool, redis_url, clock=lambda: t[0])
+
+    def tick() -> str | None:
+        t[0] += INTERVAL_S
+        return scaler.step()
+
     try:
         with Registry(redis_url) as registry:
-            registry.set_scale_target(_step("remove", "decode", "elsewhere-0").to_json())
-        assert scaler.step() == "decode-0"  # none holds anything: the first by name
+            # decided on a window that missed a worker: the cluster has the size already
+            registry.set_scale_target(_step("add", size=3).to_json())
+            assert tick() is None and pool.added == []
+            assert pool.lines[-1] == "scale: not adding a decode worker: 3 run, the 3 it asks for"
+            registry.set_scale_target(_step("remove", "decode", "decode-1", size=3).to_json())
+            assert tick() is None and pool.retired == []
+            # a worker the launcher does not have (gone already, or another's): none goes
+            registry.set_scale_target(_step("remove", "decode", "elsewhere-0", size=2).to_json())
+            assert tick() is None and pool.retired == []
+            assert pool.lines[-1] == "scale: not removing elsewhere-0: no such worker here"
     finally:
         scaler.close()
