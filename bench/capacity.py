@@ -74,7 +74,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="disaggregated layouts simulated per fleet (the model's best)")
     p.add_argument("--duration", type=float, default=15.0,
                    help="virtual seconds of arrivals per simulated run")
-    p.add_argument("--max-prompts", type=int, default=4000, help="requests per run, at most")
+    p.add_argument("--max-prompts", type=int, default=20000, help="requests per run, at most")
     p.add_argument("--probes", type=int, default=5, help="simulated runs per layout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--diurnal", action="store_true",

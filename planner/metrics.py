@@ -3,7 +3,7 @@
 - ``pdserve:planner_decisions_total{action, reason}``: every decision of the leading
   planner — ``action="switch"`` with ``reason="to_prefill"`` or ``"to_decode"``,
   ``action="hold"`` with the reason it moved nothing (``planner.policy.HOLDS``:
-  ``no_traffic``, ``bounds``, ``gain``, ``dwell``), ``action="add"`` / ``"remove"`` with
+  ``no_traffic``, ``bounds``, ``gain``, ``dwell``, ``scaling``), ``action="add"`` / ``"remove"`` with
   the worker's role (a scale step, ``--max-workers``), ``action="failed"`` when a worker
   refused or did not answer a switch, or Redis did not take a scale target
   (``reason="refused"`` / ``"unreachable"``);
