@@ -3,16 +3,22 @@ a stop, a steady client load, and ``engine.LLM``'s greedy output to compare with
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from deploy.ray.plan import NAMESPACE
 from tests.factories import PROMPTS
 from tests.processes import alive, wait_until
 
+NEEDS_RAY = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="Ray is not installed: pip install 'pdserve[server,ray]' "
+                                      "(make setup installs it)")
 GPU = "pdserve_gpu"  # stands in for GPUs: every worker's TP group reserves it per rank
 TIMEOUT_S = 60.0
 

@@ -11,7 +11,6 @@ after the tests that use it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -29,6 +28,7 @@ from deploy.ray.plan import RaySpec
 from deploy.spec import ClusterError, ClusterSpec
 from tests.deploy.ray.raytools import (
     GPU,
+    NEEDS_RAY,
     TIMEOUT_S,
     Load,
     assert_nothing_left,
@@ -42,12 +42,7 @@ from tests.deploy.ray.raytools import (
 from tests.factories import PROMPTS
 from tests.processes import alive, wait_until
 
-pytestmark = [
-    pytest.mark.timeout(180),
-    pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                       reason="Ray is not installed: pip install 'pdserve[server,ray]' "
-                              "(make setup installs it)"),
-]
+pytestmark = [pytest.mark.timeout(180), NEEDS_RAY]
 
 NUM_GPUS = 4
 NUM_CPUS = 4

@@ -13,7 +13,6 @@ actor, placement group or process.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import pytest
 from deploy.spec import ClusterSpec
 from tests.deploy.ray.raytools import (
     GPU,
+    NEEDS_RAY,
     Load,
     assert_nothing_left,
     complete_all,
@@ -34,12 +34,7 @@ from tests.deploy.ray.raytools import (
 from tests.factories import PROMPTS
 from tests.processes import wait_until
 
-pytestmark = [
-    pytest.mark.timeout(300),
-    pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                       reason="Ray is not installed: pip install 'pdserve[server,ray]' "
-                              "(make setup installs it)"),
-]
+pytestmark = [pytest.mark.timeout(300), NEEDS_RAY]
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray keeps 127.0.0.x as given
 WORKER_NODES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
