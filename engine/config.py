@@ -165,12 +165,14 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     # speculative decoding (engine.core.speculative; from vLLM's speculative_config by
-    # speculative_fields): "" (none) or "ngram", up to num_speculative_tokens drafts a
-    # step from a suffix of prompt_lookup_min..prompt_lookup_max tokens seen before
+    # speculative_fields): "" (none), "ngram" (up to num_speculative_tokens drafts a step
+    # from a suffix of prompt_lookup_min..prompt_lookup_max tokens seen before) or
+    # "draft_model" (drafts from the checkpoint in speculative_model, engine.core.drafter)
     speculative_method: str = ""
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 0
     prompt_lookup_min: int = 1
+    speculative_model: str = ""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -186,23 +188,28 @@ class SchedulerConfig:
                 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
                 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
             raise ConfigError(
-                f"ngram speculation needs 1 <= num_speculative_tokens <= "
+                f"{self.speculative_method} speculation needs 1 <= num_speculative_tokens <= "
                 f"{MAX_SPECULATIVE_TOKENS} (got {self.num_speculative_tokens}) and 1 <= "
                 f"prompt_lookup_min <= prompt_lookup_max (got {self.prompt_lookup_min} and "
                 f"{self.prompt_lookup_max})")
+        if (self.speculative_method == "draft_model") != bool(self.speculative_model):
+            raise ConfigError("speculative_config: a draft model directory (\"model\") is "
+                              "what draft_model speculation needs, and only it")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max",
-                     "prompt_lookup_min")
+                     "prompt_lookup_min", "model")
+_NGRAM_ONLY = ("prompt_lookup_max", "prompt_lookup_min")
 
 
 def speculative_fields(config: Mapping[str, Any] | str | None) -> dict[str, Any]:
     """``SchedulerConfig``'s speculative fields from vLLM's ``speculative_config`` (a dict,
     or its JSON text; None: none): ``{"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_max": a, "prompt_lookup_min": b}`` (``prompt_lookup_min`` defaults to
-    1, ``prompt_lookup_max`` to ``k``). ``ConfigError`` names what is wrong."""
+    1, ``prompt_lookup_max`` to ``k``) or ``{"method": "draft_model", "model": DIR,
+    "num_speculative_tokens": k}``. ``ConfigError`` names what is wrong."""
     if config is None:
         return {}
     if isinstance(config, str):
@@ -216,15 +223,23 @@ def speculative_fields(config: Mapping[str, Any] | str | None) -> dict[str, Any]
     if unknown:
         raise ConfigError(f"speculative_config: unknown keys {unknown} (this engine takes "
                           f"{list(_SPECULATIVE_KEYS)}; method: {list(SPECULATIVE_METHODS)})")
-    values = {key: config.get(key) for key in _SPECULATIVE_KEYS[1:]}
+    counts = _SPECULATIVE_KEYS[1:4]
+    values = {key: config.get(key) for key in counts}
     if any(v is not None and (isinstance(v, bool) or not isinstance(v, int))
            for v in values.values()):
-        raise ConfigError(f"speculative_config: {', '.join(_SPECULATIVE_KEYS[1:])} must be "
-                          "integers")
+        raise ConfigError(f"speculative_config: {', '.join(counts)} must be integers")
+    model = config.get("model")
+    if model is not None and not (isinstance(model, str) and model):
+        raise ConfigError("speculative_config: model must be a directory's path")
+    if config.get("method") == "draft_model" and (ngram := [key for key in _NGRAM_ONLY
+                                                            if key in config]):
+        raise ConfigError(f"speculative_config: {ngram} are n-gram lookup's, not "
+                          "draft_model's")
     k = values["num_speculative_tokens"] or 0
     return {"speculative_method": config.get("method"), "num_speculative_tokens": k,
             "prompt_lookup_max": values["prompt_lookup_max"] or k,
-            "prompt_lookup_min": values["prompt_lookup_min"] or 1}
+            "prompt_lookup_min": values["prompt_lookup_min"] or 1,
+            "speculative_model": model or ""}
 
 
 @dataclass(frozen=True)

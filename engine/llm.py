@@ -51,9 +51,11 @@ class LLM:
     ``tensor_parallel_size > 1`` starts ranks 1..t-1 as processes of their own
     (``python -m engine.tp.rank_main``; they never re-run the caller's main module, and die
     with this process). Call ``shutdown()`` or use the object as a context manager.
-    ``speculative_config``: vLLM's, n-gram lookup only (``engine.core.speculative``):
+    ``speculative_config``: vLLM's, n-gram lookup (``engine.core.speculative``):
     ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": a,
-    "prompt_lookup_min": b}``.
+    "prompt_lookup_min": b}``, or a draft model (``engine.core.drafter``: a checkpoint
+    with this one's vocabulary): ``{"method": "draft_model", "model": DIR,
+    "num_speculative_tokens": k}``.
     """
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32",

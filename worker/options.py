@@ -48,11 +48,14 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                              "between workers); auto: --dtype. Part of the cluster's KV "
                              "layout: every worker of a cluster must use the same")
     parser.add_argument("--speculative-config", metavar="JSON",
-                        help="vLLM's speculative_config, n-gram lookup only: "
+                        help="vLLM's speculative_config: n-gram lookup, "
                              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                              "\"prompt_lookup_max\": 4}' (a decode worker's decoding "
-                             "requests guess their next tokens from their own history; greedy "
-                             "and seeded output unchanged). Each worker's own")
+                             "requests guess their next tokens from their own history), or a "
+                             "draft model, '{\"method\": \"draft_model\", \"model\": DIR, "
+                             "\"num_speculative_tokens\": 4}' (a small checkpoint with the "
+                             "model's vocabulary guesses them; its KV is computed on the decode "
+                             "worker). Greedy and seeded output unchanged. Each worker's own")
     parser.add_argument("--kv-transfer-dtype", choices=KV_TRANSFER_DTYPES, default="auto",
                         help="int8: blocks cross the wire as int8 values and a scale per "
                              "token and head (about a quarter of fp32's bytes), dequantised "
@@ -131,7 +134,8 @@ def add_engine_choice_args(parser: argparse.ArgumentParser) -> None:
                         help="every worker's --kv-cache-dtype (int8: values and a scale per "
                              "token and head)")
     parser.add_argument("--speculative-config", metavar="JSON",
-                        help="every worker's --speculative-config (n-gram lookup)")
+                        help="every worker's --speculative-config (n-gram lookup or a "
+                             "draft model)")
     parser.add_argument("--kv-transfer-dtype", choices=KV_TRANSFER_DTYPES, default="auto",
                         help="every worker's --kv-transfer-dtype (int8: KV quantised for the "
                              "wire only)")

@@ -23,6 +23,7 @@ from engine.attention.metadata import LayerHook
 from engine.config import EngineConfig
 from engine.core.choose import HistoryCache, choose_tokens
 from engine.core.constrain import Constraints
+from engine.core.drafter import DraftModel
 from engine.core.logprobs import delivered_prompt_logprobs, prompt_logprobs
 from engine.core.request import FinishReason, Request
 from engine.core.runner import resolve_num_kv_blocks
@@ -110,6 +111,32 @@ def _grammars(config: EngineConfig, tokenizer: TokenizerInfo | None
                             tokenizer.eos_token_ids, compile_limit_s=None)
 
 
+def validate_prompt(config: EngineConfig, blocks: BlockManager,
+                    prompt_token_ids: Sequence[int], params: SamplingParams,
+                    prefill_only: bool, num_resumed_tokens: int = 0) -> None:
+    """``ValueError`` naming the limit a prompt breaks (``EngineCore.add_request``): none,
+    a token id outside the vocabulary, the context with ``max_tokens``, the pool's blocks."""
+    m, n = config.model, len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("prompt is empty")
+    bad = [t for t in prompt_token_ids if not 0 <= t < m.vocab_size]
+    if bad:
+        raise ValueError(f"token ids must be in [0, {m.vocab_size}); got {bad[:4]}")
+    # the resumed output is in the prompt already and counts against max_tokens
+    total = n - num_resumed_tokens + params.max_tokens
+    if total > m.max_model_len:
+        raise ValueError(
+            f"prompt ({n - num_resumed_tokens} tokens) + max_tokens ({params.max_tokens}) "
+            f"exceeds the context limit of {m.max_model_len} tokens")
+    # a prefill-only request holds its prompt's blocks, never the output's
+    num_tokens = n if prefill_only else total
+    needed = blocks.num_blocks_needed(num_tokens)
+    if needed > blocks.num_blocks:
+        what = "prompt" if prefill_only else "prompt + max_tokens"
+        raise ValueError(f"{what} needs {needed} KV blocks but the pool has only "
+                         f"{blocks.num_blocks}")
+
+
 class EngineCore:
     """Scheduler + block manager + executor of one engine; see the module docstring.
 
@@ -135,6 +162,9 @@ class EngineCore:
             enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.block_manager,
                                    config.model.max_model_len)
+        # speculative decoding's draft model, if it drafts (engine.core.drafter)
+        self.drafter = DraftModel(config, executor.num_kv_blocks) if (
+            config.scheduler.speculative_method == "draft_model") else None
         self.layer_hook: LayerHook | None = None
         # Builds the payload every rank's plugin step_hook receives with a step (or None).
         self.step_payload: Callable[[SchedulerOutput], bytes] | None = None
@@ -233,12 +263,16 @@ class EngineCore:
         out = self.scheduler.schedule()
         sampled = self._execute(out) if out.chunks else []
         updates = self.scheduler.update(out, sampled)
+        if self.drafter is not None:
+            self.drafter.settle(out, self.scheduler.requests)
         outputs = one_per_request([self._output(u) for u in updates])
         self._step_logprobs.clear()
         self.scheduler.forget(o.request_id for o in outputs if o.finished)
         return outputs
 
     def _execute(self, out: SchedulerOutput) -> list[int | tuple[int, ...]]:
+        if self.drafter is not None:  # the draft's guesses into the speculated chunks
+            self.drafter.fill(out, self.scheduler.requests)
         payload = self.step_payload(out) if self.step_payload is not None else b""
         logits = self.executor.execute(out.chunks, self.layer_hook, payload)
         if any(c.all_logits for c in out.chunks):
@@ -309,7 +343,8 @@ class EngineCore:
         if num_resumed_tokens >= params.max_tokens:
             raise ValueError(f"{num_resumed_tokens} resumed tokens leave nothing to generate "
                              f"under max_tokens {params.max_tokens}")
-        self._validate_prompt(prompt_token_ids, params, prefill_only, num_resumed_tokens)
+        validate_prompt(self.config, self.block_manager, prompt_token_ids, params,
+                        prefill_only, num_resumed_tokens)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         request = Request(request_id, list(prompt_token_ids), params, eos, prefill_only,
                           num_resumed_tokens)
@@ -325,28 +360,6 @@ class EngineCore:
         for n, token_id in enumerate(prompt[len(prompt) - resumed:], 1):  # sent: rebuild
             stream.add((token_id,), may_stop=n > request.params.min_tokens)
         self._streams[request.request_id] = stream
-
-    def _validate_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                         prefill_only: bool, num_resumed_tokens: int = 0) -> None:
-        m, n = self.config.model, len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < m.vocab_size]
-        if bad:
-            raise ValueError(f"token ids must be in [0, {m.vocab_size}); got {bad[:4]}")
-        # the resumed output is in the prompt already and counts against max_tokens
-        total = n - num_resumed_tokens + params.max_tokens
-        if total > m.max_model_len:
-            raise ValueError(
-                f"prompt ({n - num_resumed_tokens} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds the context limit of {m.max_model_len} tokens")
-        # a prefill-only request holds its prompt's blocks, never the output's
-        num_tokens = n if prefill_only else total
-        needed = self.block_manager.num_blocks_needed(num_tokens)
-        if needed > self.block_manager.num_blocks:
-            what = "prompt" if prefill_only else "prompt + max_tokens"
-            raise ValueError(f"{what} needs {needed} KV blocks but the pool has only "
-                             f"{self.block_manager.num_blocks}")
 
     # --- introspection ------------------------------------------------------------
     def kv_usage(self) -> KVCacheUsage:

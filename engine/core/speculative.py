@@ -21,6 +21,10 @@ with its last token, and kept as far as the model agrees. Torch-free.
   last token and the drafts kept, so a rejected draft's K/V lies past them (overwritten
   by the next step) and is never in a block the prefix cache keys.
 
+The draft-model method (``{"method": "draft_model", ...}``, ``engine.core.drafter``) uses
+the same rules and the same verification: ``drafts_for`` reserves its guesses' slots
+(``DRAFT_PLACEHOLDER`` tokens), which the draft model fills before the step runs.
+
 A request speculates when its output is chosen from the raw logits alone and its end
 checked token by token: no penalties, bias or ``min_tokens`` (they read the history a
 draft would change), no structured output, logprobs or stop strings. The others in the
@@ -38,6 +42,11 @@ if TYPE_CHECKING:
     from engine.core.request import Request
     from engine.kvcache import BlockManager
     from engine.sampling_params import SamplingParams
+
+
+# A draft model's guesses are slots when scheduled: ``engine.core.drafter`` writes the
+# tokens into the chunk before the step runs.
+DRAFT_PLACEHOLDER = 0
 
 
 class ScheduledChunk(Protocol):
@@ -100,6 +109,8 @@ def drafts_for(request: Request, config: SchedulerConfig, blocks: BlockManager, 
                max_model_len - request.num_tokens - 1)
     if room < 1:
         return []
+    if config.speculative_method == "draft_model":  # the draft model fills them in the step
+        return [DRAFT_PLACEHOLDER] * room
     return propose_ngram(request.all_token_ids, room, config.prompt_lookup_max,
                          config.prompt_lookup_min)
 

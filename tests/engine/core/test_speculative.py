@@ -46,7 +46,7 @@ def test_drafts_are_kept_while_they_equal_what_the_sampler_drew() -> None:
 
 
 def test_a_speculative_config_it_cannot_run_is_refused(llama_dir: Path) -> None:
-    for bad, match in (({"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
+    for bad, match in (({"method": "ngram", "draft": "x", "num_speculative_tokens": 2},
                         "unknown keys"),
                        ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
                        ({"method": "ngram"}, "num_speculative_tokens"),

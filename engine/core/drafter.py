@@ -1,0 +1,142 @@
+"""Speculative decoding with a draft model (vLLM's ``{"method": "draft_model", "model":
+DIR, "num_speculative_tokens": k}``): a small checkpoint with the target's vocabulary
+guesses the next ``k`` tokens greedily, and the target verifies them in one chunk exactly
+as it verifies n-gram guesses (``engine.core.speculative``: kept while they equal what the
+sampler draws in their place, so greedy and seeded streams are unchanged and an unseeded
+one keeps the target's distribution — a greedy draft is a one-token guess).
+
+The scheduler reserves the guesses' slots (``DRAFT_PLACEHOLDER`` tokens, as many as the
+step has room for); ``DraftModel.fill`` runs the draft and writes the guesses into the
+step's chunks before the target runs, so everything after it — the forward, the
+verification, the prefix cache — sees an ordinary speculated chunk.
+
+The draft's own KV lives in a cache of its own, indexed by the target's block ids: a
+request's blocks hold its KV of both models, so the block manager, prefix caching and
+preemption need nothing new. What the draft holds for a request is tracked here: the
+length of its sequence whose draft KV is right (``_Progress``). Each step, the draft first
+catches up from there to the request's last token (one chunk: the whole prompt the first
+time, which is how a request whose target KV came from a prefill worker gets its draft
+KV — recomputed on the decode worker, nothing extra travels), then guesses one token per
+pass. A guess the target rejected leaves draft KV past the kept tokens, which the next
+catch-up overwrites; a preempted request starts again from nothing. Two requests sharing
+cached blocks write the same draft KV into them, and a draft KV that is stale only makes
+guesses worse, never a token wrong.
+
+The draft runs in this process (the engine core's, which is rank 0's under tensor
+parallelism), unsharded, on rank 0's device.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.config import (
+    ConfigError,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    load_model_config,
+)
+from engine.core.request import Request
+from engine.core.runner import ModelRunner
+from engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from engine.tp.distributed import Group
+
+
+@dataclass
+class _Progress:
+    """A request's draft KV: right for its first ``valid`` tokens, as long as it has not
+    been preempted since (``num_preemptions``); after a step that guessed, ``guessed`` is
+    how far the draft wrote (the guesses' positions, the last excluded) until
+    ``settle`` learns how many were kept."""
+
+    num_preemptions: int
+    valid: int
+    guessed: int = 0
+
+
+class DraftModel:
+    """The draft checkpoint of ``config.scheduler.speculative_model``, loaded next to a
+    target of ``config`` whose KV pool has ``num_kv_blocks`` blocks. ``ConfigError`` when
+    it cannot draft for that target (another vocabulary, a shorter context)."""
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+        draft_dir = config.scheduler.speculative_model
+        try:
+            model = load_model_config(draft_dir, dtype=config.model.dtype)
+        except ConfigError as exc:
+            raise ConfigError(f"speculative_config's draft model: {exc}") from None
+        target = config.model
+        if model.vocab_size != target.vocab_size:
+            raise ConfigError(f"speculative_config's draft model {draft_dir} has a vocabulary "
+                              f"of {model.vocab_size}; the target's is {target.vocab_size}")
+        if model.max_model_len < target.max_model_len:
+            raise ConfigError(f"speculative_config's draft model {draft_dir} takes "
+                              f"{model.max_model_len} positions; the target takes "
+                              f"{target.max_model_len}")
+        draft = EngineConfig(
+            model=model, cache=replace(config.cache, kv_cache_dtype="auto",
+                                       kv_transfer_dtype="auto"),
+            parallel=ParallelConfig(), scheduler=SchedulerConfig(),
+            device=config.device)
+        self.runner = ModelRunner(draft, Group.single(), num_kv_blocks)
+        self._progress: weakref.WeakKeyDictionary[Request, _Progress] = (
+            weakref.WeakKeyDictionary())
+
+    @property
+    def num_parameters(self) -> int:
+        return self.runner.num_parameters
+
+    def fill(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> None:
+        """Write the draft's guesses into ``out``'s speculated chunks (in place)."""
+        spec = [(i, chunk, requests[chunk.request_id])
+                for i, chunk in enumerate(out.decodes) if chunk.num_draft_tokens]
+        if not spec:
+            return
+        catch_up = []
+        for _, chunk, request in spec:
+            start = self._start(request)
+            catch_up.append(ScheduledChunk(
+                chunk.request_id, tuple(request.all_token_ids[start:request.num_tokens]),
+                start, chunk.block_ids, sample=True))
+        guesses = [[token] for token in self._greedy(catch_up)]
+        for j in range(1, max(chunk.num_draft_tokens for _, chunk, _ in spec)):
+            live = [n for n, (_, chunk, _) in enumerate(spec) if chunk.num_draft_tokens > j]
+            step = [ScheduledChunk(spec[n][1].request_id, (guesses[n][-1],),
+                                   spec[n][2].num_tokens + j - 1, spec[n][1].block_ids,
+                                   sample=True) for n in live]
+            for n, token in zip(live, self._greedy(step), strict=True):
+                guesses[n].append(token)
+        for (i, chunk, request), drafts in zip(spec, guesses, strict=True):
+            out.decodes[i] = replace(chunk, token_ids=(chunk.token_ids[0], *drafts))
+            # the draft wrote KV up to the last guess's position (excluded)
+            self._progress[request] = _Progress(request.num_preemptions, request.num_tokens,
+                                                request.num_tokens + len(drafts) - 1)
+
+    def settle(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> None:
+        """After ``Scheduler.update``: the draft KV of the guesses the target kept is right
+        (it was computed from those very tokens), the rest is not."""
+        for chunk in out.decodes:
+            request = requests.get(chunk.request_id)
+            if request is None:
+                continue  # finished and forgotten, or aborted
+            progress = self._progress.get(request)
+            if progress is not None and progress.guessed:
+                progress.valid = min(request.num_computed_tokens, progress.guessed)
+                progress.guessed = 0
+
+    def _start(self, request: Request) -> int:
+        """Where the request's catch-up chunk starts: its draft KV's right length, short of
+        its last token (whose logits give the first guess)."""
+        progress = self._progress.get(request)
+        if progress is None or progress.num_preemptions != request.num_preemptions:
+            return 0
+        return min(progress.valid, request.num_tokens - 1)
+
+    def _greedy(self, chunks: Sequence[ScheduledChunk]) -> list[int]:
+        logits = self.runner.execute(chunks)
+        return torch.argmax(logits, dim=-1).tolist()

@@ -1,0 +1,57 @@
+"""A decode worker speculating with a draft model, through real processes: Redis, a
+prefill worker, a decode worker started with ``--speculative-config`` naming a draft
+checkpoint (the target itself, so that right draft KV shows as guesses kept), the router.
+The decode worker receives the target's prompt KV from the prefill worker and computes
+the draft's itself (``engine.core.drafter``). Greedy and seeded streams through the SDK
+equal ``engine.LLM``'s without speculation token for token; the worker counts the guesses
+and the kept ones. The module's leak check ends the test."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from pdserve import Client
+from tests.e2e.cluster import Cluster, scrape_metrics, start_cluster
+from tests.e2e.test_speculative import DRAFTS, KEPT
+
+pytestmark = pytest.mark.timeout(240)
+
+GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=48, temperature=0.8, seed=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One prefill and one decode worker; the decode worker drafts with the target."""
+    spec = json.dumps({"method": "draft_model", "model": str(llama_dir),
+                       "num_speculative_tokens": 4})
+    with start_cluster(llama_dir, tmp_path_factory.mktemp("draft_model"), num_prefill=1,
+                       num_decode=1, decode_tp=1,
+                       decode_args=("--speculative-config", spec)) as c:
+        yield c
+
+
+def test_a_decode_worker_with_a_draft_model_streams_the_tokens_of_plain_decoding(
+        client: Client, cluster: Cluster, llama_dir: Path) -> None:
+    prompts = ["one two three four five six seven", "the cat sat on the mat and then"]
+    with LLM(llama_dir, max_num_batched_tokens=32) as llm:
+        expected = [[llm.generate([prompt], p)[0].token_ids for prompt in prompts]
+                    for p in (GREEDY, SEEDED)]
+    got = [[list(client.complete(prompt, max_tokens=p.max_tokens, temperature=p.temperature,
+                                 seed=p.seed, ignore_eos=True).token_ids) for prompt in prompts]
+           for p in (GREEDY, SEEDED)]
+    assert got == expected
+    for _ in range(40):  # the worker refreshes its counters as its loop goes idle
+        figures = scrape_metrics(cluster.decode[0].ready["metrics_address"])
+        if figures[KEPT] > 0:
+            break
+        time.sleep(0.05)
+    # the greedy streams' guesses (about 2 × 47 tokens' worth) are all kept: the draft
+    # KV the decode worker computed for the prompt it received is right
+    assert figures[DRAFTS] >= figures[KEPT] >= 80

@@ -1,0 +1,152 @@
+"""Speculative decoding with a draft model (``engine.core.drafter``), through the real
+engine: greedy and seeded output equal to decoding without it on every architecture, in
+mixed batches, under preemption, over an int8 KV cache and at TP 2. A draft that is the
+target itself has every greedy guess kept — which it only can if the draft's KV (caught
+up per request, recomputed after preemption, shared through cached blocks) is right; a
+draft of other weights has its guesses rejected and changes no token. Bad drafts are
+refused naming why; an abort mid-speculation frees every block."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import ConfigError
+from engine.core.engine_core import EngineCore
+from tests.engine.core.test_speculative import GREEDY, _mixed
+from tests.engine.kernels.test_int8 import ARCHS
+
+Factory = Callable[..., Path]
+
+
+def draft(model_dir: Path, k: int = 4) -> dict[str, Any]:
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k}
+
+
+def other_draft(model_factory: Factory, arch: str = "llama") -> Path:
+    """A one-layer draft of other random weights (the same tokenizer and vocabulary)."""
+    return model_factory(arch, seed=1, num_hidden_layers=1)
+
+
+def test_a_draft_it_cannot_use_is_refused(model_factory: Factory, llama_dir: Path,
+                                          tmp_path: Path) -> None:
+    for bad, match in (({"method": "draft_model", "num_speculative_tokens": 2}, "needs"),
+                       ({**draft(llama_dir), "prompt_lookup_max": 2}, "n-gram"),
+                       ({"method": "ngram", "model": str(llama_dir),
+                         "num_speculative_tokens": 2}, "only it"),
+                       ({**draft(llama_dir), "model": 3}, "directory"),
+                       (draft(tmp_path), "missing config.json"),
+                       (draft(model_factory("llama", vocab_size=1024)), "vocabulary"),
+                       (draft(model_factory("llama", max_position_embeddings=64)),
+                        "positions")):
+        with pytest.raises(ConfigError, match=match):
+            LLM(llama_dir, speculative_config=bad)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_draft_model_changes_no_greedy_or_seeded_token(model_factory: Factory,
+                                                        arch: str) -> None:
+    model_dir = model_factory(arch)
+    kwargs = {"num_kv_blocks": 96, "max_num_seqs": 8, "max_num_batched_tokens": 48}
+    with LLM(model_dir, **kwargs) as plain:  # type: ignore[arg-type]
+        prompts, params = _mixed(plain)
+        expected = [r.token_ids for r in plain.generate(prompts, params)]
+    # the target as its own draft: its greedy guesses are kept (the seeded request's are
+    # drawn at temperature 0.9, so many are not)
+    for drafter, kept in ((model_dir, 0.3), (other_draft(model_factory, arch), None)):
+        with LLM(model_dir, speculative_config=draft(drafter), **kwargs) as spec:  # type: ignore[arg-type]
+            got = [r.token_ids for r in spec.generate(prompts, params)]
+            stats = spec.stats
+            spec.core.check_integrity()
+            assert spec.core.kv_usage().in_use == 0
+        assert got == expected, drafter
+        assert stats.num_draft_tokens > 0
+        if kept is not None:
+            assert stats.num_accepted_tokens >= kept * stats.num_draft_tokens
+
+
+def test_every_greedy_guess_of_the_target_as_its_own_draft_is_kept(llama_dir: Path) -> None:
+    """Greedy requests only, prompts sharing cached blocks (the second request's draft KV
+    in them is the first's) and a second round served from the prefix cache."""
+    base = [5, 6, 7, 8, 9, 10, 11, 12] * 6
+    prompts = [base, base + [40, 41], list(range(60, 110))]
+    with LLM(llama_dir) as plain:
+        expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    with LLM(llama_dir, speculative_config=draft(llama_dir)) as spec:
+        for _ in range(2):
+            results = spec.generate(prompts, GREEDY)
+            assert [r.token_ids for r in results] == expected
+        assert results[0].num_cached_tokens >= 32
+        stats = spec.stats
+    assert stats.num_draft_tokens > 200
+    assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens
+
+
+def test_under_preemption_the_draft_starts_again_and_no_token_changes(llama_dir: Path) -> None:
+    """16 blocks of 16 for two 150-token sequences: one is preempted and recomputed; its
+    draft KV is caught up again from nothing."""
+    prompts = [list(range(3, 40)) * 2, list(range(50, 80)) * 2]
+    kwargs = {"num_kv_blocks": 16, "max_num_batched_tokens": 32}
+    params = SamplingParams(max_tokens=110, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir, **kwargs) as plain:  # type: ignore[arg-type]
+        expected = [r.token_ids for r in plain.generate(prompts, params)]
+    with LLM(llama_dir, speculative_config=draft(llama_dir), **kwargs) as spec:  # type: ignore[arg-type]
+        assert [r.token_ids for r in spec.generate(prompts, params)] == expected
+        assert spec.stats.num_preemptions > 0
+        assert spec.stats.num_accepted_tokens >= 0.9 * spec.stats.num_draft_tokens > 0
+
+
+def test_over_an_int8_cache_and_at_tp_2_a_draft_changes_no_token(
+        model_factory: Factory, llama_dir: Path) -> None:
+    prompts = [[5, 6, 7, 8] * 12, list(range(3, 60)) * 2]
+    spec_config = draft(other_draft(model_factory), k=3)
+    for kwargs in ({"kv_cache_dtype": "int8"}, {"tensor_parallel_size": 2}):
+        plain_kwargs = {k: v for k, v in kwargs.items() if k != "tensor_parallel_size"}
+        with LLM(llama_dir, **plain_kwargs) as plain:  # type: ignore[arg-type]
+            expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
+        with LLM(llama_dir, speculative_config=spec_config, **kwargs) as spec:  # type: ignore[arg-type]
+            assert [r.token_ids for r in spec.generate(prompts, GREEDY)] == expected
+            assert spec.stats.num_draft_tokens > 0
+
+
+def test_seeded_sampling_at_temperature_1_is_unchanged_for_every_seed(llama_dir: Path) -> None:
+    prompt = [5, 6, 7, 8] * 12
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, ignore_eos=True)
+              for s in range(16)]
+    with LLM(llama_dir) as plain:
+        expected = [r.token_ids for r in plain.generate([prompt] * 16, params)]
+    with LLM(llama_dir, speculative_config=draft(llama_dir)) as spec:
+        assert [r.token_ids for r in spec.generate([prompt] * 16, params)] == expected
+        assert spec.stats.num_draft_tokens > spec.stats.num_accepted_tokens > 0
+
+
+def test_an_abort_mid_speculation_frees_every_block(llama_dir: Path) -> None:
+    with LLM(llama_dir) as engine:
+        config = dataclasses.replace(
+            engine.config, scheduler=dataclasses.replace(
+                engine.config.scheduler, speculative_method="draft_model",
+                num_speculative_tokens=4, prompt_lookup_max=4,
+                speculative_model=str(llama_dir)))
+        core = EngineCore(config, engine.tokenizer)
+        try:
+            for i in range(3):
+                core.add_request(f"r{i}", [20 + i, 21, 22, 23] * 10, GREEDY)
+            for _ in range(20):  # steps until one guesses; it is aborted in flight
+                out = core.scheduler.schedule()
+                sampled = core._execute(out)
+                if any(c.num_draft_tokens for c in out.chunks):
+                    break
+                core.scheduler.update(out, sampled)
+            assert any(c.num_draft_tokens for c in out.chunks)
+            for i in range(3):
+                assert core.abort_request(f"r{i}")
+            core.scheduler.update(out, sampled)
+            core.check_integrity()
+            assert core.kv_usage().in_use == 0 and not core.has_unfinished()
+        finally:
+            core.shutdown()
