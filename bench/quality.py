@@ -46,10 +46,12 @@ TARGET_TOP1_AGREEMENT = 0.97
 BLOCK = 16
 
 
-def trained_model(progress: bool = True) -> Path:
-    """The ``trained`` preset in the model cache (trained on first use, with progress)."""
-    return ensure_cached_model(preset="trained",
-                               progress=(lambda line: print(f"  training: {line}", flush=True))
+def trained_model(progress: bool = True, preset: str = "trained") -> Path:
+    """A trained preset (``trained``, or ``trained55m``) in the model cache (trained on
+    first use, with progress)."""
+    return ensure_cached_model(preset=preset,
+                               progress=(lambda line: print(f"  training {preset}: {line}",
+                                                            flush=True))
                                if progress else None)
 
 

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_json
 from sim.cli import (
     add_simulation_args,
     add_workload_args,
@@ -29,6 +28,7 @@ from sim.cli import (
     load_profile,
     simulate,
 )
+from sim.metrics import write_json  # bench.common's own, without importing torch
 from sim.profile import ProfileError
 
 

@@ -18,8 +18,9 @@ decode-0@30`` kills a worker at 30 virtual seconds (its requests are retried or 
 as the router does). Prompts are drawn below ``--vocab-size`` (their ids only feed the
 block hashes). Prints the result table, then what the simulation did (virtual duration,
 events, wall time); ``--json PATH`` writes every figure under vLLM's key names
-(``median_ttft_ms``, ``p90_tpot_ms``, ``request_goodput``, …) plus ``simulation`` and the
-per-request lists. The same profile, flags and seed give the same figures.
+(``median_ttft_ms``, ``p90_tpot_ms``, ``request_goodput``, …) plus ``simulation``, and
+with ``--save-detailed`` the per-request lists. The same profile, flags and seed give the
+same figures.
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ def add_simulation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill", action="append", default=[], metavar="WORKER@SECONDS",
                    help="a fault: the worker (prefill-0, decode-1, ...) dies then; repeatable")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="--json also gets the per-request lists (input_lens, output_lens, "
+                        "ttfts, tpots, e2els, itls, errors), as vLLM's flag does")
 
 
 def check_simulation_args(p: argparse.ArgumentParser, args: argparse.Namespace
@@ -181,7 +185,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
                     "routers": args.routers,
                     "local_prefill": args.local_prefill,
                     "prefill_routing": args.prefill_routing},
-        **run(profile, args.sim_spec, requests, times, args.slo_ms, args.percentiles)}
+        **run(profile, args.sim_spec, requests, times, args.slo_ms, args.percentiles,
+              detailed=args.save_detailed)}
     print(render(result, title=f"Simulated Serving Result ({profile.source} profile)"))
     sim = result["simulation"]
     print(f"simulated {sim['virtual_s']:.1f} s of serving ({sim['events']} events) in "

@@ -43,10 +43,11 @@ def outcomes(result: SimResult) -> list[Outcome]:
 
 def run(profile: Profile, spec: SimSpec, requests: Sequence[Request], times: Sequence[float],
         slo_ms: dict[str, float] | None = None,
-        percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, Any]:
+        percentiles: Sequence[float] = DEFAULT_PERCENTILES, *,
+        detailed: bool = False) -> dict[str, Any]:
     """One simulation of ``requests`` arriving at ``times``: ``bench.serve``'s metrics
-    (``sim.metrics``), the per-request lists and ``simulation`` (wall and virtual seconds,
-    events, each worker's busy share and steps)."""
+    (``sim.metrics``), ``simulation`` (wall and virtual seconds, events, each worker's busy
+    share and steps) and, ``detailed``, the per-request lists (``sim.metrics.details``)."""
     started = time.perf_counter()
     result = simulate(profile, spec, sim_requests(requests, times))
     wall = time.perf_counter() - started
@@ -59,4 +60,4 @@ def run(profile: Profile, spec: SimSpec, requests: Sequence[Request], times: Seq
                                                      if result.duration_s else 0.0,
                                                      "steps": w.num_steps}
                                        for w in result.workers}},
-            **details(done)}
+            **(details(done) if detailed else {})}

@@ -23,7 +23,8 @@ cached blocks write the same draft KV into them, and a draft KV that is stale on
 guesses worse, never a token wrong.
 
 The draft runs in this process (the engine core's, which is rank 0's under tensor
-parallelism), unsharded, on rank 0's device.
+parallelism), unsharded, on rank 0's device, with the linear kernels measured fastest for
+its shapes (``engine.kernels.choice``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from engine.config import (
 from engine.core.request import Request
 from engine.core.runner import ModelRunner
 from engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from engine.kernels.choice import choose_kernel_plan
+from engine.kernels.linear import KernelPlan
 from engine.tp.distributed import Group
 
 
@@ -78,12 +81,18 @@ class DraftModel:
             raise ConfigError(f"speculative_config's draft model {draft_dir} takes "
                               f"{model.max_model_len} positions; the target takes "
                               f"{target.max_model_len}")
+        # unquantised, with the target's forced linear kernel unless that one is int8's
+        linear = "auto" if config.linear_kernel.startswith("int8_") else config.linear_kernel
         draft = EngineConfig(
             model=model, cache=replace(config.cache, kv_cache_dtype="auto",
                                        kv_transfer_dtype="auto"),
             parallel=ParallelConfig(), scheduler=SchedulerConfig(),
-            device=config.device)
-        self.runner = ModelRunner(draft, Group.single(), num_kv_blocks)
+            device=config.device, linear_kernel=linear)
+        try:
+            plan: KernelPlan | None = choose_kernel_plan(draft, torch.get_num_threads())
+        except ValueError:  # e.g. an int8 kernel forced by the environment
+            plan = None
+        self.runner = ModelRunner(draft, Group.single(), num_kv_blocks, plan)
         self._progress: weakref.WeakKeyDictionary[Request, _Progress] = (
             weakref.WeakKeyDictionary())
 

@@ -78,6 +78,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": None,
         "tokenizer_vocab_size": 4096,
     },
+    # bench55m's shape with the trained preset's tokenizer and vocabulary (so the trained
+    # preset can draft for it) and its context, trained the same way: a target large
+    # enough to be bound by memory for the speculative-decoding figures; about 30 minutes
+    "trained55m": {
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "vocab_size": None,
+        "tokenizer_vocab_size": 4096,
+    },
     "bench55m": {
         "hidden_size": 512,
         "intermediate_size": 1408,
@@ -90,7 +103,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-TRAIN_STEPS = {"trained": 720}  # the presets whose weights are trained, and for how long
+# the presets whose weights are trained, for how many steps, and at what peak rate
+TRAIN_STEPS = {"trained": 720, "trained55m": 720}
+TRAIN_LEARNING_RATES = {"trained": 3e-3, "trained55m": 2e-3}
 # Architecture-specific config.json keys (model_type is the arch name itself).
 _ARCH_CLASS = {
     "llama": "LlamaForCausalLM",
@@ -220,6 +235,7 @@ def make_tiny_model(
         steps = TRAIN_STEPS[preset] if train_steps is None else train_steps
         ids = tokenizer.encode(text, add_special_tokens=False).ids
         write_tensors(out, training.train_weights(config, ids, seed=seed, steps=steps,
+                                                  learning_rate=TRAIN_LEARNING_RATES[preset],
                                                   progress=progress))
     else:
         write_weights(out, weight_specs(config, arch), seed, num_shards)

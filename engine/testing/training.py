@@ -1,6 +1,8 @@
-"""Training the ``trained`` preset: a small Llama that has learnt something, so that
-quantisation quality (top-1 agreement, KL) and speculative acceptance measure a model
-rather than random weights, where near-tied logits flip under any rounding.
+"""Training the ``trained`` and ``trained55m`` presets: small Llamas that have learnt
+something, so that quantisation quality (top-1 agreement, KL) and speculative acceptance
+measure a model rather than random weights, where near-tied logits flip under any
+rounding (``trained55m``, bench55m's layers, is the target the speed figures need; the
+5M-parameter ``trained`` one, with the same tokenizer, drafts for it).
 
 The text is one every machine with Python has: the standard library's own top-level
 ``*.py`` files, in name order, cut at ``TEXT_BYTES`` (``training_text``); the files after
@@ -173,10 +175,12 @@ class _Trainer(nn.Module):
 
 
 def train_weights(config: Mapping[str, Any], token_ids: list[int], *, seed: int, steps: int,
+                  learning_rate: float = LEARNING_RATE,
                   progress: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
     """The weights (Hugging Face names, fp32, contiguous) of a Llama of ``config``
     trained for ``steps`` AdamW steps on random ``SEQ_LEN`` windows of ``token_ids``
-    (``BATCH`` per step, warm-up then cosine decay); ``progress`` gets a line about every
+    (``BATCH`` per step, warm-up to ``learning_rate`` then cosine decay); ``progress``
+    gets a line about every
     10 % of the steps. ``ValueError`` for a text shorter than one window or a config
     with biases, per-head norms or tied embeddings (Llama only)."""
     if config.get("attention_bias") or config.get("tie_word_embeddings") \
@@ -189,13 +193,14 @@ def train_weights(config: Mapping[str, Any], token_ids: list[int], *, seed: int,
     threads = torch.get_num_threads()
     torch.set_num_threads(TRAIN_THREADS)
     try:
-        return _train(config, torch.tensor(token_ids), seed, steps, progress)
+        return _train(config, torch.tensor(token_ids), seed, steps, learning_rate, progress)
     finally:
         torch.set_num_threads(threads)
 
 
 def _train(config: Mapping[str, Any], data: torch.Tensor, seed: int, steps: int,
-           progress: Callable[[str], None] | None) -> dict[str, torch.Tensor]:
+           learning_rate: float, progress: Callable[[str], None] | None
+           ) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = _Trainer(config)
@@ -206,11 +211,11 @@ def _train(config: Mapping[str, Any], data: torch.Tensor, seed: int, steps: int,
             if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
         with torch.no_grad():
             p.normal_(0.0, std, generator=generator)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95),
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95),
                                   weight_decay=0.1)
     started, every = time.monotonic(), max(1, steps // 10)
     for step in range(steps):
-        lr = LEARNING_RATE * min(1.0, (step + 1) / WARMUP_STEPS) * \
+        lr = learning_rate * min(1.0, (step + 1) / WARMUP_STEPS) * \
             0.5 * (1 + math.cos(math.pi * step / steps))
         for group in optimizer.param_groups:
             group["lr"] = lr

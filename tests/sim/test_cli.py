@@ -44,6 +44,17 @@ def test_simulate_prints_the_table_and_writes_the_json(profile_path: Path, tmp_p
     assert saved["completed"] == NUM_PROMPTS and saved["failed"] == 0
     assert saved["median_ttft_ms"] > 0
     assert saved["backend"] == "simulated" and saved["cluster"]["num_decode"] == 2
+    assert "itls" not in saved  # the per-request lists only with --save-detailed (vLLM's)
+
+
+def test_save_detailed_adds_the_per_request_lists(profile_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    result = pdserve_simulate("--profile", str(profile_path), "--num-prompts", "6",
+                              "--request-rate", "20", "--save-detailed", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    saved = json.loads(out.read_text())
+    assert len(saved["ttfts"]) == len(saved["itls"]) == len(saved["output_lens"]) == 6
+    assert sum(saved["output_lens"]) == saved["total_output_tokens"]
 
 
 def test_a_missing_profile_is_one_line_naming_it(tmp_path: Path) -> None:

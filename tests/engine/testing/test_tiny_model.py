@@ -287,7 +287,7 @@ def test_builds_in_a_process_without_transformers(
 def test_invalid_arch_or_preset_names_the_choices(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="llama, mistral, qwen2, qwen3"):
         make_tiny_model(tmp_path, arch="gpt2")
-    with pytest.raises(ValueError, match="tiny, trained, bench55m"):
+    with pytest.raises(ValueError, match="tiny, trained, trained55m, bench55m"):
         make_tiny_model(tmp_path, preset="huge")
 
 
