@@ -37,6 +37,12 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
                         help="prefill workers to keep (0: the router's --local-prefill "
                              "fallback prefills on decode workers)")
     parser.add_argument("--min-decode", type=int, default=1, help="decode workers to keep")
+    parser.add_argument("--max-prefill", type=int,
+                        help="the most prefill workers it may have (default: no cap); a split "
+                             "above it is switched back within it")
+    parser.add_argument("--max-decode", type=int,
+                        help="the most decode workers (default: no cap); with --max-prefill, "
+                             "the cluster grows to their sum at most")
     parser.add_argument("--min-workers", type=int,
                         help="the fewest workers the cluster may shrink to (default: "
                              "--min-prefill + --min-decode); with --max-workers")

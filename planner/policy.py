@@ -33,7 +33,7 @@ from planner.scaling import ADD, REMOVE, ScaleChange, scale_choice, step_role
 
 ROLES = ("prefill", "decode")
 HOLDS = {"no_traffic": "nothing arrived in the window", "bounds": "the split is outside "
-         "min_prefill/min_decode", "gain": "no split is predicted better by min_gain",
+         "its roles' bounds and no switch brings it back", "gain": "no split is predicted better by min_gain",
          "dwell": "a role changed less than dwell_s ago",
          "scaling": "the last scale step's size is not observed yet"}
 
@@ -48,6 +48,9 @@ class PlannerConfig:
     min_gain: float = 0.05  # a split must be predicted this much better to move towards it
     min_prefill: int = 0  # 0: the decode workers may prefill (the router's local prefill)
     min_decode: int = 1
+    # each role's most workers (None: no cap); a cluster grows to their sum at most
+    max_prefill: int | None = None
+    max_decode: int | None = None
     # the cluster's size bounds (``planner.scaling``); max_workers None: never add or remove
     min_workers: int | None = None  # default: min_prefill + min_decode
     max_workers: int | None = None
@@ -62,6 +65,10 @@ class PlannerConfig:
             raise ValueError("dwell_s and min_gain must not be negative")
         if self.min_prefill < 0 or self.min_decode < 1:
             raise ValueError("min_prefill must be >= 0 and min_decode >= 1")
+        for role, low, high in (("prefill", self.min_prefill, self.max_prefill),
+                                ("decode", self.min_decode, self.max_decode)):
+            if high is not None and high < low:
+                raise ValueError(f"max_{role} ({high}) must be at least min_{role} ({low})")
         floor = self.min_prefill + self.min_decode
         if self.min_workers is not None and self.max_workers is None:
             raise ValueError("min_workers needs max_workers (the planner then sizes the "
@@ -79,7 +86,20 @@ class PlannerConfig:
         """The sizes the cluster may take (``num_workers`` only, when it does not scale)."""
         if self.max_workers is None:
             return num_workers, num_workers
-        return self.min_workers or self.min_prefill + self.min_decode, self.max_workers
+        high = self.max_workers
+        if self.max_prefill is not None and self.max_decode is not None:
+            high = min(high, self.max_prefill + self.max_decode)
+        return self.min_workers or self.min_prefill + self.min_decode, high
+
+    def prefill_counts(self, num_workers: int) -> range:
+        """The prefill workers a split of ``num_workers`` may have within every role's
+        bounds (empty: none may)."""
+        low = self.min_prefill if self.max_decode is None else max(
+            self.min_prefill, num_workers - self.max_decode)
+        high = num_workers - self.min_decode
+        if self.max_prefill is not None:
+            high = min(high, self.max_prefill)
+        return range(low, high + 1)
 
 
 @dataclass(frozen=True)
@@ -158,7 +178,7 @@ class Planner:
         return [self.model.predict(obs.traffic, p, n - p, ttft_slo_s=c.ttft_slo_s,
                                    tpot_slo_s=c.tpot_slo_s, prefill_rate=rate,
                                    decode_scale=scale)
-                for p in range(c.min_prefill, n - c.min_decode + 1)]
+                for p in c.prefill_counts(n)]
 
     def decide(self, obs: Observation) -> list[Decision]:
         """At most one role change or scale step (empty: hold; ``held`` says why)."""
@@ -200,9 +220,11 @@ class Planner:
         may be)."""
         n, p = len(obs.workers), current.num_prefill
         low, high = self.config.size_bounds(n)
-        ups = [_best(self.predictions(obs, k), p) for k in range(n + 1, high + 1)]
+        ups = [_best(options, p) for k in range(n + 1, high + 1)
+               if (options := self.predictions(obs, k))]
         up = max(ups, key=lambda o: round(o.attainment, 9), default=None)  # smallest of equals
-        down = _best(self.predictions(obs, n - 1), p) if n > low else None
+        downs = self.predictions(obs, n - 1) if n > low else []
+        down = _best(downs, p) if downs else None
         choice = scale_choice(current, best, up, down, min_gain=self.config.min_gain,
                               slack=self.config.scale_down_slack)
         if n < low and ups:  # below the minimum size: grow whatever the gain
@@ -219,7 +241,10 @@ class Planner:
         role = step_role(action, p, target)
         delta = 1 if action == ADD else -1
         split = (p + delta, n - p) if role == "prefill" else (p, n - p + delta)
-        step = next(o for o in self.predictions(obs, n + delta) if o.num_prefill == split[0])
+        step = next((o for o in self.predictions(obs, n + delta) if o.num_prefill == split[0]),
+                    None)
+        if step is None:  # one worker of that role would leave its bounds: switch first
+            return None
         worker = None if action == ADD else _least_held(obs, role).worker_id
         self.pending = (n + delta, now)
         return self._made(ScaleChange(now, action, role, worker,
@@ -246,14 +271,19 @@ class Planner:
                                       "window", 1.0, 1.0, *self.wanted), now)
 
     def _repair(self, obs: Observation, now: float) -> list[Decision]:
-        """A split below ``min_prefill`` or ``min_decode`` (a worker of that role died, or
-        an autoscaler removed it): one worker of the other role switches, if it can spare
-        one; else hold ("bounds")."""
+        """A split outside its roles' bounds (a worker of a role died, an autoscaler
+        removed or added one, the bounds changed): one worker of the role over its bounds,
+        or of the other role, switches towards them if the other role can take it; else
+        hold ("bounds")."""
         c, n = self.config, len(obs.workers)
         prefill, decode = len(obs.of_role("prefill")), len(obs.of_role("decode"))
-        if prefill < c.min_prefill and decode > c.min_decode:
+        inf = n + 1
+        max_p, max_d = (inf if m is None else m for m in (c.max_prefill, c.max_decode))
+        if (prefill < c.min_prefill or decode > max_d) and decode > c.min_decode \
+                and prefill < max_p:
             shrink, grow = "decode", "prefill"
-        elif decode < c.min_decode and prefill > c.min_prefill:
+        elif (decode < c.min_decode or prefill > max_p) and prefill > c.min_prefill \
+                and decode < max_d:
             shrink, grow = "prefill", "decode"
         else:
             return self._hold("bounds")
@@ -261,8 +291,10 @@ class Planner:
         self.wanted = (prefill + (1 if grow == "prefill" else -1), n - prefill
                        - (1 if grow == "prefill" else -1))
         return self._made(RoleChange(now, worker.worker_id, shrink, grow,
-                                     f"{prefill}P+{decode}D is below min_prefill "
-                                     f"{c.min_prefill} / min_decode {c.min_decode}", 0.0, 0.0),
+                                     f"{prefill}P+{decode}D is outside the roles' bounds "
+                                     f"(prefill {c.min_prefill}..{c.max_prefill or 'any'}, "
+                                     f"decode {c.min_decode}..{c.max_decode or 'any'})",
+                                     0.0, 0.0),
                           now)
 
     def _made(self, decision: Decision, now: float) -> list[Decision]:

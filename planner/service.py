@@ -172,7 +172,8 @@ def main(args: Any, costs: StepCosts, *, block_size: int, handoff_s: float) -> i
         config = PlannerConfig(ttft_slo_s=args.ttft_slo_ms / 1000,
                                tpot_slo_s=args.tpot_slo_ms / 1000, dwell_s=args.dwell,
                                min_gain=args.min_gain, min_prefill=args.min_prefill,
-                               min_decode=args.min_decode, min_workers=args.min_workers,
+                               min_decode=args.min_decode, max_prefill=args.max_prefill,
+                               max_decode=args.max_decode, min_workers=args.min_workers,
                                max_workers=args.max_workers)
         token, tls = load_cluster_token(args.cluster_token_file), internal_tls(args)
         registry = Registry(args.redis_url, cluster=args.cluster)

@@ -16,6 +16,7 @@ Every test ends with the cluster's leak check; the roles are set back after each
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -82,14 +83,16 @@ def planners(cluster: Cluster) -> Iterator[list[Proc]]:
     cluster.wait_serving()
 
 
-def test_the_planner_switches_a_role_under_load_and_nothing_fails(
-        cluster: Cluster, llm: LLM, profile: Path, planners: list[Proc]) -> None:
+@contextlib.contextmanager
+def _load(cluster: Cluster) -> Iterator[tuple[dict[str, list[int]], list[BaseException]]]:
+    """Two clients sending unique greedy prompts (the prefix cache hides nothing) while the
+    block runs: the prompts served with their tokens, and the errors."""
     counter = itertools.count()
     done: dict[str, list[int]] = {}
     errors: list[BaseException] = []
     stop = threading.Event()
 
-    def load(client: Client) -> None:  # unique prompts: the prefix cache hides nothing
+    def load(client: Client) -> None:
         while not stop.is_set():
             prompt = f"{PROMPTS[0]} request {next(counter)} of the planner test"
             try:
@@ -99,22 +102,28 @@ def test_the_planner_switches_a_role_under_load_and_nothing_fails(
                 errors.append(exc)
             time.sleep(0.25)
 
-    planners.append(_planner(cluster, profile, "planner-a"))
     with Client(cluster.address) as client:
         threads = [threading.Thread(target=load, args=(client,), daemon=True)
                    for _ in range(2)]
         for t in threads:
             t.start()
         try:
-            wait_until(lambda: _roles(cluster).get("prefill-0") == "decode" or bool(errors),
-                       60, "the planner to switch prefill-0 to decode")
-            served_before = len(done)
-            wait_until(lambda: len(done) >= served_before + 6 or bool(errors), 60,
-                       "requests served after the switch (prefilled on decode workers)")
+            yield done, errors
         finally:
             stop.set()
             for t in threads:
                 t.join(60)
+
+
+def test_the_planner_switches_a_role_under_load_and_nothing_fails(
+        cluster: Cluster, llm: LLM, profile: Path, planners: list[Proc]) -> None:
+    planners.append(_planner(cluster, profile, "planner-a"))
+    with _load(cluster) as (done, errors):
+        wait_until(lambda: _roles(cluster).get("prefill-0") == "decode" or bool(errors),
+                   60, "the planner to switch prefill-0 to decode")
+        served_before = len(done)
+        wait_until(lambda: len(done) >= served_before + 6 or bool(errors), 60,
+                   "requests served after the switch (prefilled on decode workers)")
     assert not errors, errors
     assert _planner_metric(planners[0], "pdserve:planner_decisions_total{action=switch,"
                                         "reason=to_decode}") == 1
@@ -149,3 +158,19 @@ def test_a_second_planner_takes_over_within_the_lock_ttl(
     planners.append(_planner(cluster, profile, "planner-c"))
     wait_until(lambda: _planner_metric(planners[2], "pdserve:planner_leader{}") == 1, 2,
                "planner-c to lead at once")
+
+
+def test_a_planner_capped_at_one_decode_worker_keeps_the_split_under_that_load(
+        cluster: Cluster, profile: Path, planners: list[Proc]) -> None:
+    """The load that makes the first test's planner switch prefill-0 to decode: with
+    ``--max-decode 1`` no split it may choose has two decode workers, so it holds."""
+    planners.append(_planner(cluster, profile, "planner-capped", "--max-decode", "1"))
+    held = "pdserve:planner_decisions_total{action=hold,reason=gain}"
+    with _load(cluster) as (done, errors):
+        wait_until(lambda: _planner_metric(planners[0], held) >= 6 or bool(errors), 60,
+                   "the capped planner to see the load for 6 ticks")
+    assert not errors, errors
+    assert _planner_metric(planners[0], "pdserve:planner_decisions_total{action=switch,"
+                                        "reason=to_decode}") == 0
+    assert _planner_metric(planners[0], "pdserve:planner_desired_workers{role=decode}") == 1
+    assert _roles(cluster) == {"prefill-0": "prefill", "decode-0": "decode"} and done

@@ -103,7 +103,7 @@ def test_a_split_below_its_floors_is_repaired_and_a_cluster_below_its_minimum_gr
     planner = Planner(SCALING, _model(), _Clock())
     [fix] = planner.decide(_observe(0, LIGHT, n=3, held={"w0": 4, "w1": 0, "w2": 2}))
     assert isinstance(fix, RoleChange) and (fix.worker_id, fix.to_role) == ("w1", "prefill")
-    assert "below min_prefill" in fix.reason and planner.wanted == (1, 2)
+    assert "outside the roles' bounds" in fix.reason and planner.wanted == (1, 2)
     roomy = dataclasses.replace(SCALING, min_workers=4)  # 2 run, 4 at least: it adds
     grow = _one(Planner(roomy, _model(), _Clock()).decide(_observe(1, LIGHT, n=2)))
     assert grow.action == "add" and grow.num_prefill + grow.num_decode == 3
@@ -117,3 +117,28 @@ def test_the_wanted_split_follows_an_idle_cluster_down() -> None:
     assert planner.wanted == (1, 2)  # what the gauges (and an HPA) read
     clock.t = 40.0  # the removal not seen yet: the size it asked for still stands
     assert planner.decide(_observe(1, idle, n=4)) == [] and planner.wanted == (1, 2)
+
+
+def test_each_roles_cap_bounds_the_splits_the_switches_and_the_size() -> None:
+    # decode-heavy on 1P+2D: uncapped, a third decode worker is added; with max_decode 2
+    # no split of any size the caps allow serves it better, so nothing is added
+    capped = dataclasses.replace(SCALING, max_decode=2)
+    assert capped.size_bounds(3) == (2, 6)
+    assert list(capped.prefill_counts(5)) == [3, 4]  # at most 2 decode, at least 1 prefill
+    planner = Planner(capped, _model(), _Clock())
+    decisions = planner.decide(_observe(1, CHAT, n=3))
+    assert not any(isinstance(d, ScaleChange) and d.role == "decode" for d in decisions)
+    assert all(o.num_decode <= 2 for o in planner.predictions(_observe(1, CHAT, n=3), 5))
+    # prefill-heavy on 1P+1D with max_prefill 1: the size is capped at 1 + max_decode
+    both = dataclasses.replace(SCALING, max_prefill=1, max_decode=2)
+    assert both.size_bounds(2) == (2, 3)
+    held = Planner(both, _model(), _Clock())
+    assert held.decide(_observe(1, LONG, n=2)) == []  # uncapped, a prefill worker is added
+    assert held.desired is not None and held.desired.num_prefill == 1
+    # a split over a cap (a worker was switched by hand) is switched back within it
+    over = Planner(dataclasses.replace(SCALING, max_prefill=1), _model(), _Clock())
+    [fix] = over.decide(_observe(3, LIGHT, n=4))
+    assert isinstance(fix, RoleChange) and (fix.from_role, fix.to_role) == ("prefill", "decode")
+    assert "outside the roles' bounds" in fix.reason
+    with pytest.raises(ValueError, match="max_decode"):
+        dataclasses.replace(SCALING, max_decode=0)
