@@ -12,6 +12,7 @@ router's KV index.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -142,5 +143,9 @@ class SimWorker:
 
 def _token_id(request_id: str, position: int) -> int:
     """A made-up sampled token (deterministic: the same run samples the same ids)."""
-    return FIRST_TOKEN_ID + (sum(map(ord, request_id)) * 7919 + position * 104729) \
-        % NUM_TOKEN_IDS
+    return FIRST_TOKEN_ID + (_id_sum(request_id) * 7919 + position * 104729) % NUM_TOKEN_IDS
+
+
+@functools.lru_cache(maxsize=4096)
+def _id_sum(request_id: str) -> int:
+    return sum(map(ord, request_id))

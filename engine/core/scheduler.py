@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.request import FinishReason, Request, RequestStatus
@@ -182,7 +183,8 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = drafts_for(request, self.config, self.blocks, budget, self.max_model_len,
-                                len(self.running) - i - 1) if num_new == 1 else []
+                                len(self.running) - i - 1) if (
+                num_new == 1 and self.config.speculative_method) else []
             num_new += len(drafts)
             while self.blocks.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
                 victim = self.running[-1]
@@ -230,9 +232,10 @@ class Scheduler:
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int,
               drafts: Sequence[int] = ()) -> None:
         start = request.num_computed_tokens
+        tokens = request.all_token_ids[start : start + num_new]
         chunk = ScheduledChunk(
             request_id=request.request_id,
-            token_ids=(*request.all_token_ids[start : start + num_new], *drafts),
+            token_ids=(*tokens, *drafts) if drafts else tuple(tokens),
             start_position=start,
             block_ids=self.blocks.block_table(request.request_id),
             sample=start + num_new == request.num_tokens,
@@ -270,10 +273,11 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished (e.g. aborted) while the step ran
             if chunk.num_draft_tokens:
-                assert isinstance(token, Sequence)
+                assert isinstance(token, tuple | list)
                 updates += self._update_speculated(request, chunk, token)
                 continue
-            assert not isinstance(token, Sequence)
+            assert not isinstance(token, tuple | list)  # concrete types: ABCs cost per token
+            token = cast(int | None, token)
             request.num_computed_tokens += len(chunk.token_ids)
             self._cache_blocks(request)
             if token is None:
