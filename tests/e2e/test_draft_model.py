@@ -9,16 +9,15 @@ and the kept ones. The module's leak check ends the test."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from pdserve import Client
-from tests.e2e.cluster import Cluster, scrape_metrics, start_cluster
-from tests.e2e.test_speculative import DRAFTS, KEPT
+from tests.e2e.cluster import Cluster, start_cluster
+from tests.e2e.test_speculative import assert_streams_as_plain, guess_counters
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -39,19 +38,10 @@ def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def test_a_decode_worker_with_a_draft_model_streams_the_tokens_of_plain_decoding(
         client: Client, cluster: Cluster, llama_dir: Path) -> None:
-    prompts = ["one two three four five six seven", "the cat sat on the mat and then"]
-    with LLM(llama_dir, max_num_batched_tokens=32) as llm:
-        expected = [[llm.generate([prompt], p)[0].token_ids for prompt in prompts]
-                    for p in (GREEDY, SEEDED)]
-    got = [[list(client.complete(prompt, max_tokens=p.max_tokens, temperature=p.temperature,
-                                 seed=p.seed, ignore_eos=True).token_ids) for prompt in prompts]
-           for p in (GREEDY, SEEDED)]
-    assert got == expected
-    for _ in range(40):  # the worker refreshes its counters as its loop goes idle
-        figures = scrape_metrics(cluster.decode[0].ready["metrics_address"])
-        if figures[KEPT] > 0:
-            break
-        time.sleep(0.05)
+    assert_streams_as_plain(client, llama_dir, ["one two three four five six seven",
+                                                "the cat sat on the mat and then"],
+                            [GREEDY, SEEDED])
+    drafted, kept = guess_counters(cluster)
     # the greedy streams' guesses (about 2 × 47 tokens' worth) are all kept: the draft
     # KV the decode worker computed for the prompt it received is right
-    assert figures[DRAFTS] >= figures[KEPT] >= 80
+    assert drafted >= kept >= 80

@@ -26,20 +26,32 @@ DRAFTS = "vllm:spec_decode_num_draft_tokens_total{}"
 KEPT = "vllm:spec_decode_num_accepted_tokens_total{}"
 
 
-def test_a_speculating_decode_worker_streams_the_tokens_of_plain_decoding(
-        client: Client, cluster: Cluster, llama_dir: Path) -> None:
-    prompts = ["one two three four one two three four one two three",
-               "the cat sat on the mat, the cat sat on the mat, the cat"]
-    with LLM(llama_dir, max_num_batched_tokens=32) as llm:
+def assert_streams_as_plain(client: Client, model_dir: Path, prompts: list[str],
+                            params: list[SamplingParams]) -> None:
+    """Each prompt streamed with each of ``params`` gives ``engine.LLM``'s tokens."""
+    with LLM(model_dir, max_num_batched_tokens=32) as llm:
         expected = [[llm.generate([prompt], p)[0].token_ids for prompt in prompts]
-                    for p in PARAMS]
+                    for p in params]
     got = [[list(client.complete(prompt, max_tokens=p.max_tokens, temperature=p.temperature,
                                  seed=p.seed, ignore_eos=True).token_ids) for prompt in prompts]
-           for p in PARAMS]
+           for p in params]
     assert got == expected
+
+
+def guess_counters(cluster: Cluster) -> tuple[float, float]:
+    """The decode worker's guessed and kept tokens, once it reported some kept."""
     for _ in range(40):  # the worker refreshes its counters as its loop goes idle
         figures = scrape_metrics(cluster.decode[0].ready["metrics_address"])
         if figures[KEPT] > 0:
             break
         time.sleep(0.05)
-    assert figures[DRAFTS] > figures[KEPT] > 0
+    return figures[DRAFTS], figures[KEPT]
+
+
+def test_a_speculating_decode_worker_streams_the_tokens_of_plain_decoding(
+        client: Client, cluster: Cluster, llama_dir: Path) -> None:
+    assert_streams_as_plain(client, llama_dir,
+                            ["one two three four one two three four one two three",
+                             "the cat sat on the mat, the cat sat on the mat, the cat"], PARAMS)
+    drafted, kept = guess_counters(cluster)
+    assert drafted > kept > 0

@@ -18,7 +18,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.core.engine_core import EngineCore
-from tests.engine.core.test_speculative import GREEDY, _mixed
+from tests.engine.core.test_speculative import GREEDY, _mixed, same_tokens
 from tests.engine.kernels.test_int8 import ARCHS
 
 Factory = Callable[..., Path]
@@ -91,38 +91,29 @@ def test_under_preemption_the_draft_starts_again_and_no_token_changes(llama_dir:
     """16 blocks of 16 for two 150-token sequences: one is preempted and recomputed; its
     draft KV is caught up again from nothing."""
     prompts = [list(range(3, 40)) * 2, list(range(50, 80)) * 2]
-    kwargs = {"num_kv_blocks": 16, "max_num_batched_tokens": 32}
     params = SamplingParams(max_tokens=110, temperature=0.0, ignore_eos=True)
-    with LLM(llama_dir, **kwargs) as plain:  # type: ignore[arg-type]
-        expected = [r.token_ids for r in plain.generate(prompts, params)]
-    with LLM(llama_dir, speculative_config=draft(llama_dir), **kwargs) as spec:  # type: ignore[arg-type]
-        assert [r.token_ids for r in spec.generate(prompts, params)] == expected
-        assert spec.stats.num_preemptions > 0
-        assert spec.stats.num_accepted_tokens >= 0.9 * spec.stats.num_draft_tokens > 0
+    stats = same_tokens(llama_dir, prompts, params, draft(llama_dir), num_kv_blocks=16,
+                        max_num_batched_tokens=32)
+    assert stats.num_preemptions > 0
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
 
 
 def test_over_an_int8_cache_and_at_tp_2_a_draft_changes_no_token(
         model_factory: Factory, llama_dir: Path) -> None:
     prompts = [[5, 6, 7, 8] * 12, list(range(3, 60)) * 2]
     spec_config = draft(other_draft(model_factory), k=3)
-    for kwargs in ({"kv_cache_dtype": "int8"}, {"tensor_parallel_size": 2}):
-        plain_kwargs = {k: v for k, v in kwargs.items() if k != "tensor_parallel_size"}
-        with LLM(llama_dir, **plain_kwargs) as plain:  # type: ignore[arg-type]
-            expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
-        with LLM(llama_dir, speculative_config=spec_config, **kwargs) as spec:  # type: ignore[arg-type]
-            assert [r.token_ids for r in spec.generate(prompts, GREEDY)] == expected
-            assert spec.stats.num_draft_tokens > 0
+    assert same_tokens(llama_dir, prompts, GREEDY, spec_config,
+                       kv_cache_dtype="int8").num_draft_tokens > 0
+    assert same_tokens(llama_dir, prompts, GREEDY, spec_config, plain={},
+                       tensor_parallel_size=2).num_draft_tokens > 0
 
 
 def test_seeded_sampling_at_temperature_1_is_unchanged_for_every_seed(llama_dir: Path) -> None:
     prompt = [5, 6, 7, 8] * 12
     params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, ignore_eos=True)
               for s in range(16)]
-    with LLM(llama_dir) as plain:
-        expected = [r.token_ids for r in plain.generate([prompt] * 16, params)]
-    with LLM(llama_dir, speculative_config=draft(llama_dir)) as spec:
-        assert [r.token_ids for r in spec.generate([prompt] * 16, params)] == expected
-        assert spec.stats.num_draft_tokens > spec.stats.num_accepted_tokens > 0
+    stats = same_tokens(llama_dir, [prompt] * 16, params, draft(llama_dir))
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
 
 
 def test_an_abort_mid_speculation_frees_every_block(llama_dir: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,11 +20,27 @@ from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.core.engine_core import EngineCore
 from engine.core.sampler import sample
+from engine.core.scheduler import SchedulerStats
 from engine.core.speculative import accepted, propose_ngram
 from tests.engine.kernels.test_int8 import ARCHS
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 GREEDY = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+
+
+def same_tokens(model_dir: Path, prompts: list[list[int]],
+                params: SamplingParams | list[SamplingParams], speculative_config: object,
+                plain: dict[str, Any] | None = None, **kwargs: Any) -> SchedulerStats:
+    """Generates ``prompts`` without and with ``speculative_config`` (both engines built
+    with ``kwargs``, the plain one with ``plain`` instead where given), asserts the tokens
+    are the same and that the speculative engine ends holding no block; its stats."""
+    with LLM(model_dir, **(kwargs if plain is None else plain)) as engine:
+        expected = [r.token_ids for r in engine.generate(prompts, params)]
+    with LLM(model_dir, speculative_config=speculative_config, **kwargs) as spec:
+        assert [r.token_ids for r in spec.generate(prompts, params)] == expected
+        spec.core.check_integrity()
+        assert spec.core.kv_usage().in_use == 0
+        return spec.stats
 
 
 def test_the_proposal_follows_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
@@ -133,11 +150,8 @@ def test_a_prompts_last_token_is_never_speculated_from(llama_dir: Path) -> None:
 
 def test_tp_2_speculates_as_tp_1_decodes(llama_dir: Path) -> None:
     prompts = [[5, 6, 7, 8] * 12, list(range(3, 60)) * 2]
-    with LLM(llama_dir) as plain:
-        expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
-    with LLM(llama_dir, tensor_parallel_size=2, speculative_config=NGRAM) as spec:
-        assert [r.token_ids for r in spec.generate(prompts, GREEDY)] == expected
-        assert spec.stats.num_accepted_tokens > 0
+    stats = same_tokens(llama_dir, prompts, GREEDY, NGRAM, plain={}, tensor_parallel_size=2)
+    assert stats.num_accepted_tokens > 0
 
 
 def test_over_int8_weights_and_an_int8_kv_cache_speculation_changes_no_token(
@@ -145,12 +159,9 @@ def test_over_int8_weights_and_an_int8_kv_cache_speculation_changes_no_token(
     """The guesses are decode rows of the step (each attends to the K/V written before it
     in the same step): so too over an int8 cache, read dequantised."""
     prompts = [[5, 6, 7, 8] * 12, list(range(3, 60)) * 2]
-    kwargs = {"quantization": "int8", "kv_cache_dtype": "int8"}
-    with LLM(llama_dir, **kwargs) as plain:  # type: ignore[arg-type]
-        expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
-    with LLM(llama_dir, speculative_config=NGRAM, **kwargs) as spec:  # type: ignore[arg-type]
-        assert [r.token_ids for r in spec.generate(prompts, GREEDY)] == expected
-        assert spec.stats.num_accepted_tokens > 0
+    stats = same_tokens(llama_dir, prompts, GREEDY, NGRAM, quantization="int8",
+                        kv_cache_dtype="int8")
+    assert stats.num_accepted_tokens > 0
 
 
 def test_rejected_guesses_never_reach_the_prefix_cache(llama_dir: Path) -> None:
@@ -237,8 +248,5 @@ def test_seeded_sampling_at_temperature_1_is_unchanged_for_every_seed(llama_dir:
     prompt = [5, 6, 7, 8] * 12
     params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, ignore_eos=True)
               for s in range(24)]
-    with LLM(llama_dir) as plain:
-        expected = [r.token_ids for r in plain.generate([prompt] * 24, params)]
-    with LLM(llama_dir, speculative_config=NGRAM) as spec:
-        assert [r.token_ids for r in spec.generate([prompt] * 24, params)] == expected
-        assert spec.stats.num_draft_tokens > spec.stats.num_accepted_tokens > 0
+    stats = same_tokens(llama_dir, [prompt] * 24, params, NGRAM)
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
