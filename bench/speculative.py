@@ -6,10 +6,11 @@ The target is a trained preset (random weights never repeat their prompt, and a 
 cannot predict them): ``--target trained55m`` (the default: bench55m's layers, about 27M
 parameters, so a decode step is bound by reading the weights rather than by overhead;
 built and cached on first use, about 30 minutes here) or ``trained`` (5M parameters,
-whose step costs its overhead). The draft model is the ``trained`` preset (``--draft``
-another checkpoint with the same vocabulary): trained on the same text, a fifth of the
-target's size. Greedy, ``--output-len`` [128] tokens per request, at batch 1 and
-``--batch`` [8]:
+whose step costs its overhead). The draft model (``--draft`` another checkpoint with the
+same vocabulary) is the ``trained`` preset, a fifth of the target's size, distilled from
+``trained55m`` on the same text (``engine.testing.distill``: two small models trained
+apart agree on too few tokens; built and cached on first use, about 7 minutes here).
+Greedy, ``--output-len`` [128] tokens per request, at batch 1 and ``--batch`` [8]:
 
 - ``input-grounded``: each prompt is a passage of the held-out standard-library text
   followed by its first ``--repeat-len`` [96] tokens again, so the model's continuation
@@ -21,7 +22,7 @@ prefill included; median of [3] repeats in alternating order), the speedup, the
 acceptance rate (guesses kept ÷ guessed) and the tokens a speculated step emits on
 average. The outputs are checked equal (greedy). ``--speculative-config`` (vLLM's JSON)
 overrides the method's default: n-gram, 4 tokens, suffixes of 1..3; draft model, 4
-tokens.
+tokens, its weights in int8 (a draft pass then reads a quarter of the bytes).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 from bench.common import format_table, machine_info, write_json
 from bench.quality import trained_model
 from engine import LLM, SamplingParams
+from engine.testing.distill import ensure_distilled_draft
 from engine.testing.training import held_out_text
 from engine.text.tokenizer import load_tokenizer
 
@@ -97,6 +99,17 @@ def measure(model_dir: Path, config: dict[str, Any], args: argparse.Namespace
     return rows
 
 
+def default_draft(args: argparse.Namespace) -> Path:
+    """The draft of ``--target trained55m``: the trained preset distilled from it
+    (``engine.testing.distill``; built and cached on first use, minutes)."""
+    if args.model is not None or args.target != "trained55m":
+        raise SystemExit("bench.speculative: --method draft_model needs --draft DIR for a "
+                         "target other than trained55m")
+    return ensure_distilled_draft(
+        trained_model(), trained_model(preset="trained55m"),
+        progress=lambda line: print(f"  distilling the draft: {line}", flush=True))
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.speculative_config is not None:
         config = json.loads(args.speculative_config)
     elif args.method == "draft_model":
-        config = {"method": "draft_model", "model": str(args.draft or trained_model()),
-                  "num_speculative_tokens": DRAFT_TOKENS}
+        config = {"method": "draft_model", "model": str(args.draft or default_draft(args)),
+                  "num_speculative_tokens": DRAFT_TOKENS, "quantization": "int8"}
     else:
         config = DEFAULT_CONFIG
     rows = measure(model_dir, config, args)

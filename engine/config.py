@@ -173,6 +173,7 @@ class SchedulerConfig:
     prompt_lookup_max: int = 0
     prompt_lookup_min: int = 1
     speculative_model: str = ""
+    draft_quantization: str | None = None  # the draft's weights quantised at load ("int8")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -195,12 +196,17 @@ class SchedulerConfig:
         if (self.speculative_method == "draft_model") != bool(self.speculative_model):
             raise ConfigError("speculative_config: a draft model directory (\"model\") is "
                               "what draft_model speculation needs, and only it")
+        if self.draft_quantization is not None and (
+                self.speculative_method != "draft_model"
+                or self.draft_quantization not in QUANTIZATIONS):
+            raise ConfigError(f"speculative_config: quantization is a draft model's, one of "
+                              f"{QUANTIZATIONS}; got {self.draft_quantization!r}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max",
-                     "prompt_lookup_min", "model")
+                     "prompt_lookup_min", "model", "quantization")
 _NGRAM_ONLY = ("prompt_lookup_max", "prompt_lookup_min")
 
 
@@ -209,7 +215,8 @@ def speculative_fields(config: Mapping[str, Any] | str | None) -> dict[str, Any]
     or its JSON text; None: none): ``{"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_max": a, "prompt_lookup_min": b}`` (``prompt_lookup_min`` defaults to
     1, ``prompt_lookup_max`` to ``k``) or ``{"method": "draft_model", "model": DIR,
-    "num_speculative_tokens": k}``. ``ConfigError`` names what is wrong."""
+    "num_speculative_tokens": k, "quantization": "int8"}`` (the draft's weights quantised
+    at load; optional). ``ConfigError`` names what is wrong."""
     if config is None:
         return {}
     if isinstance(config, str):
@@ -239,7 +246,7 @@ def speculative_fields(config: Mapping[str, Any] | str | None) -> dict[str, Any]
     return {"speculative_method": config.get("method"), "num_speculative_tokens": k,
             "prompt_lookup_max": values["prompt_lookup_max"] or k,
             "prompt_lookup_min": values["prompt_lookup_min"] or 1,
-            "speculative_model": model or ""}
+            "speculative_model": model or "", "draft_quantization": config.get("quantization")}
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,9 @@ guesses worse, never a token wrong.
 
 The draft runs in this process (the engine core's, which is rank 0's under tensor
 parallelism), unsharded, on rank 0's device, with the linear kernels measured fastest for
-its shapes (``engine.kernels.choice``).
+its shapes (``engine.kernels.choice``); ``"quantization": "int8"`` in the
+speculative_config quantises its weights at load (a draft pass reads a quarter of the
+bytes; a guess only has to be likely, and the target checks every one).
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from engine.core.request import Request
 from engine.core.runner import ModelRunner
 from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 from engine.kernels.choice import choose_kernel_plan
-from engine.kernels.linear import KernelPlan
 from engine.tp.distributed import Group
 
 
@@ -81,24 +82,23 @@ class DraftModel:
             raise ConfigError(f"speculative_config's draft model {draft_dir} takes "
                               f"{model.max_model_len} positions; the target takes "
                               f"{target.max_model_len}")
-        # unquantised, with the target's forced linear kernel unless that one is int8's
-        linear = "auto" if config.linear_kernel.startswith("int8_") else config.linear_kernel
+        # its own quantisation (speculative_config's), with the target's forced linear
+        # kernel where that one multiplies such weights
+        quantization = config.scheduler.draft_quantization
+        linear = config.linear_kernel if config.linear_kernel.startswith("int8_") == (
+            quantization == "int8") else "auto"
         draft = EngineConfig(
             model=model, cache=replace(config.cache, kv_cache_dtype="auto",
                                        kv_transfer_dtype="auto"),
             parallel=ParallelConfig(), scheduler=SchedulerConfig(),
-            device=config.device, linear_kernel=linear)
+            device=config.device, linear_kernel=linear, quantization=quantization)
         try:
-            plan: KernelPlan | None = choose_kernel_plan(draft, torch.get_num_threads())
-        except ValueError:  # e.g. an int8 kernel forced by the environment
-            plan = None
+            plan = choose_kernel_plan(draft, torch.get_num_threads())
+        except ValueError as exc:  # a kernel forced by the environment it cannot use
+            raise ConfigError(f"speculative_config's draft model: {exc}") from None
         self.runner = ModelRunner(draft, Group.single(), num_kv_blocks, plan)
         self._progress: weakref.WeakKeyDictionary[Request, _Progress] = (
             weakref.WeakKeyDictionary())
-
-    @property
-    def num_parameters(self) -> int:
-        return self.runner.num_parameters
 
     def fill(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> None:
         """Write the draft's guesses into ``out``'s speculated chunks (in place)."""

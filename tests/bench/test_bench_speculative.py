@@ -40,12 +40,12 @@ def test_bench_engine_speculative_runs_it_with_its_flags(llama_dir: Path, tmp_pa
 
 
 def test_a_draft_model_run_names_its_draft_and_keeps_the_outputs(llama_dir: Path) -> None:
-    """``--method draft_model --draft DIR``: the target as its own draft keeps nearly every
-    greedy guess (the outputs are checked equal inside the run)."""
+    """``--method draft_model --draft DIR``: the target as its own draft (in int8) keeps
+    some guesses (the outputs are checked equal inside the run)."""
     report = speculative.main(["--model", str(llama_dir), "--method", "draft_model",
                                "--draft", str(llama_dir), "--batch", "2", "--passage-len",
                                "40", "--repeat-len", "24", "--output-len", "24",
                                "--repeats", "1"])
     assert report["speculative_config"] == {"method": "draft_model", "model": str(llama_dir),
-                                            "num_speculative_tokens": 4}
-    assert all(r["drafted"] > 0 and r["acceptance_rate"] > 0.9 for r in report["rows"])
+                                            "num_speculative_tokens": 4, "quantization": "int8"}
+    assert all(r["drafted"] > 0 and r["kept"] > 0 for r in report["rows"])

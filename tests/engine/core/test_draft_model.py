@@ -18,7 +18,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.core.engine_core import EngineCore
-from tests.engine.core.test_speculative import GREEDY, _mixed, same_tokens
+from tests.engine.core.test_speculative import GREEDY, NGRAM, _mixed, same_tokens
 from tests.engine.kernels.test_int8 import ARCHS
 
 Factory = Callable[..., Path]
@@ -40,6 +40,8 @@ def test_a_draft_it_cannot_use_is_refused(model_factory: Factory, llama_dir: Pat
                        ({"method": "ngram", "model": str(llama_dir),
                          "num_speculative_tokens": 2}, "only it"),
                        ({**draft(llama_dir), "model": 3}, "directory"),
+                       ({**draft(llama_dir), "quantization": "fp4"}, "quantization"),
+                       ({**NGRAM, "quantization": "int8"}, "quantization"),
                        (draft(tmp_path), "missing config.json"),
                        (draft(model_factory("llama", vocab_size=1024)), "vocabulary"),
                        (draft(model_factory("llama", max_position_embeddings=64)),
@@ -98,7 +100,7 @@ def test_under_preemption_the_draft_starts_again_and_no_token_changes(llama_dir:
     assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
 
 
-def test_over_an_int8_cache_and_at_tp_2_a_draft_changes_no_token(
+def test_over_an_int8_cache_at_tp_2_and_as_int8_weights_a_draft_changes_no_token(
         model_factory: Factory, llama_dir: Path) -> None:
     prompts = [[5, 6, 7, 8] * 12, list(range(3, 60)) * 2]
     spec_config = draft(other_draft(model_factory), k=3)
@@ -106,6 +108,11 @@ def test_over_an_int8_cache_and_at_tp_2_a_draft_changes_no_token(
                        kv_cache_dtype="int8").num_draft_tokens > 0
     assert same_tokens(llama_dir, prompts, GREEDY, spec_config, plain={},
                        tensor_parallel_size=2).num_draft_tokens > 0
+    # the draft's own weights in int8 (speculative_config's quantization): the target as
+    # its own draft, rounded (random weights' near-ties flip, so only some guesses hold)
+    quantized = {**draft(llama_dir), "quantization": "int8"}
+    stats = same_tokens(llama_dir, prompts, GREEDY, quantized)
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
 
 
 def test_seeded_sampling_at_temperature_1_is_unchanged_for_every_seed(llama_dir: Path) -> None:
