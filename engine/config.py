@@ -174,6 +174,8 @@ class SchedulerConfig:
     prompt_lookup_min: int = 1
     speculative_model: str = ""
     draft_quantization: str | None = None  # the draft's weights quantised at load ("int8")
+    # a step with more running requests than this does not speculate (None: any step may)
+    speculative_disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -196,6 +198,10 @@ class SchedulerConfig:
         if (self.speculative_method == "draft_model") != bool(self.speculative_model):
             raise ConfigError("speculative_config: a draft model directory (\"model\") is "
                               "what draft_model speculation needs, and only it")
+        if self.speculative_disable_by_batch_size is not None and (
+                not self.speculative_method or self.speculative_disable_by_batch_size < 1):
+            raise ConfigError("speculative_config: disable_by_batch_size must be >= 1, with a "
+                              f"method; got {self.speculative_disable_by_batch_size}")
         if self.draft_quantization is not None and (
                 self.speculative_method != "draft_model"
                 or self.draft_quantization not in QUANTIZATIONS):
@@ -206,7 +212,7 @@ class SchedulerConfig:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max",
-                     "prompt_lookup_min", "model", "quantization")
+                     "prompt_lookup_min", "disable_by_batch_size", "model", "quantization")
 _NGRAM_ONLY = ("prompt_lookup_max", "prompt_lookup_min")
 
 
@@ -216,7 +222,8 @@ def speculative_fields(config: Mapping[str, Any] | str | None) -> dict[str, Any]
     "prompt_lookup_max": a, "prompt_lookup_min": b}`` (``prompt_lookup_min`` defaults to
     1, ``prompt_lookup_max`` to ``k``) or ``{"method": "draft_model", "model": DIR,
     "num_speculative_tokens": k, "quantization": "int8"}`` (the draft's weights quantised
-    at load; optional). ``ConfigError`` names what is wrong."""
+    at load; optional); either takes ``"disable_by_batch_size": n`` (a step with more than
+    ``n`` running requests does not speculate). ``ConfigError`` names what is wrong."""
     if config is None:
         return {}
     if isinstance(config, str):
@@ -230,7 +237,7 @@ def speculative_fields(config: Mapping[str, Any] | str | None) -> dict[str, Any]
     if unknown:
         raise ConfigError(f"speculative_config: unknown keys {unknown} (this engine takes "
                           f"{list(_SPECULATIVE_KEYS)}; method: {list(SPECULATIVE_METHODS)})")
-    counts = _SPECULATIVE_KEYS[1:4]
+    counts = _SPECULATIVE_KEYS[1:5]
     values = {key: config.get(key) for key in counts}
     if any(v is not None and (isinstance(v, bool) or not isinstance(v, int))
            for v in values.values()):
@@ -246,7 +253,8 @@ def speculative_fields(config: Mapping[str, Any] | str | None) -> dict[str, Any]
     return {"speculative_method": config.get("method"), "num_speculative_tokens": k,
             "prompt_lookup_max": values["prompt_lookup_max"] or k,
             "prompt_lookup_min": values["prompt_lookup_min"] or 1,
-            "speculative_model": model or "", "draft_quantization": config.get("quantization")}
+            "speculative_model": model or "", "draft_quantization": config.get("quantization"),
+            "speculative_disable_by_batch_size": values["disable_by_batch_size"]}
 
 
 @dataclass(frozen=True)

@@ -179,12 +179,15 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
+        limit = self.config.speculative_disable_by_batch_size
+        speculate = bool(self.config.speculative_method) and (
+            limit is None or len(self.running) <= limit)
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = drafts_for(request, self.config, self.blocks, budget, self.max_model_len,
                                 len(self.running) - i - 1) if (
-                num_new == 1 and self.config.speculative_method) else []
+                num_new == 1 and speculate) else []
             num_new += len(drafts)
             while self.blocks.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
                 victim = self.running[-1]

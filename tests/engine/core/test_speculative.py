@@ -250,3 +250,32 @@ def test_seeded_sampling_at_temperature_1_is_unchanged_for_every_seed(llama_dir:
               for s in range(24)]
     stats = same_tokens(llama_dir, [prompt] * 24, params, NGRAM)
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
+
+
+def test_a_step_with_more_running_requests_than_disable_by_batch_size_does_not_guess(
+        llama_dir: Path) -> None:
+    """vLLM's ``disable_by_batch_size``: 3 requests running, a limit of 2: no guesses until
+    one of them has finished; the tokens are the plain ones."""
+    prompts = [[5, 6, 7, 8] * 12, [9, 10, 11] * 12, [12, 13] * 20]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (30, 60, 60)]
+    config = {**NGRAM, "disable_by_batch_size": 2}
+    with LLM(llama_dir) as plain:
+        expected = [r.token_ids for r in plain.generate(prompts, params)]
+    with LLM(llama_dir, speculative_config=config) as llm:
+        core = llm.core
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            core.add_request(f"r{i}", prompt, p)
+        steps = []
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+        while core.has_unfinished():
+            running = len(core.scheduler.running)
+            out = core.scheduler.schedule()
+            steps.append((running, sum(c.num_draft_tokens for c in out.chunks)))
+            for update in core.scheduler.update(out, core._execute(out)):
+                tokens[update.request.request_id].append(update.new_token_id)
+    assert all(drafts == 0 for running, drafts in steps if running == 3)
+    assert any(drafts for running, drafts in steps if running < 3)
+    assert [tokens[f"r{i}"] for i in range(3)] == expected
+    with pytest.raises(ConfigError, match="disable_by_batch_size"):
+        LLM(llama_dir, speculative_config={**NGRAM, "disable_by_batch_size": 0})
