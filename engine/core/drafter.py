@@ -14,11 +14,13 @@ The draft's own KV lives in a cache of its own, indexed by the target's block id
 request's blocks hold its KV of both models, so the block manager, prefix caching and
 preemption need nothing new. What the draft holds for a request is tracked here: the
 length of its sequence whose draft KV is right (``_Progress``). Each step, the draft first
-catches up from there to the request's last token (one chunk: the whole prompt the first
-time, which is how a request whose target KV came from a prefill worker gets its draft
-KV — recomputed on the decode worker, nothing extra travels), then guesses one token per
-pass. A guess the target rejected leaves draft KV past the kept tokens, which the next
-catch-up overwrites; a preempted request starts again from nothing. Two requests sharing
+catches up from there to the request's last token, then guesses one token per pass. The
+first time that is the whole prompt, which is how a request whose target KV came from a
+prefill worker gets its draft KV (recomputed on the decode worker; nothing extra
+travels): up to ``CATCH_UP_TOKENS`` a step, the request guessing nothing until it has
+caught up, so one long prompt stalls no step by more than that chunk's cost. A guess the
+target rejected leaves draft KV past the kept tokens, which the next catch-up
+overwrites; a preempted request starts again from nothing. Two requests sharing
 cached blocks write the same draft KV into them, and a draft KV that is stale only makes
 guesses worse, never a token wrong.
 
@@ -49,6 +51,10 @@ from engine.core.runner import ModelRunner
 from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 from engine.kernels.choice import choose_kernel_plan
 from engine.tp.distributed import Group
+
+# the most draft KV a request catches up in one step: a prompt received from a prefill
+# worker is caught up over several steps, each of them a little longer for every stream
+CATCH_UP_TOKENS = 64
 
 
 @dataclass
@@ -101,19 +107,28 @@ class DraftModel:
             weakref.WeakKeyDictionary())
 
     def fill(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> None:
-        """Write the draft's guesses into ``out``'s speculated chunks (in place)."""
+        """Write the draft's guesses into ``out``'s speculated chunks (in place). A request
+        whose draft KV is more than ``CATCH_UP_TOKENS`` behind catches up by that much this
+        step and guesses nothing (its chunk becomes a plain decode)."""
         spec = [(i, chunk, requests[chunk.request_id])
                 for i, chunk in enumerate(out.decodes) if chunk.num_draft_tokens]
         if not spec:
             return
         catch_up = []
-        for _, chunk, request in spec:
+        for i, chunk, request in spec:
             start = self._start(request)
-            catch_up.append(ScheduledChunk(
-                chunk.request_id, tuple(request.all_token_ids[start:request.num_tokens]),
-                start, chunk.block_ids, sample=True))
-        guesses = [[token] for token in self._greedy(catch_up)]
-        for j in range(1, max(chunk.num_draft_tokens for _, chunk, _ in spec)):
+            end = min(request.num_tokens, start + CATCH_UP_TOKENS)
+            catch_up.append(ScheduledChunk(chunk.request_id,
+                                           tuple(request.all_token_ids[start:end]), start,
+                                           chunk.block_ids, sample=end == request.num_tokens))
+            if end < request.num_tokens:
+                out.decodes[i] = replace(chunk, token_ids=chunk.token_ids[:1],
+                                         num_draft_tokens=0)
+                self._progress[request] = _Progress(request.num_preemptions, end)
+        firsts = iter(self._greedy(catch_up))
+        spec = [s for s, c in zip(spec, catch_up, strict=True) if c.sample]
+        guesses = [[next(firsts)] for _ in spec]
+        for j in range(1, max((chunk.num_draft_tokens for _, chunk, _ in spec), default=0)):
             live = [n for n, (_, chunk, _) in enumerate(spec) if chunk.num_draft_tokens > j]
             step = [ScheduledChunk(spec[n][1].request_id, (guesses[n][-1],),
                                    spec[n][2].num_tokens + j - 1, spec[n][1].block_ids,
@@ -147,5 +162,7 @@ class DraftModel:
         return min(progress.valid, request.num_tokens - 1)
 
     def _greedy(self, chunks: Sequence[ScheduledChunk]) -> list[int]:
+        """The draft's argmax after each sampling chunk (chunks that do not sample only
+        write their KV)."""
         logits = self.runner.execute(chunks)
         return torch.argmax(logits, dim=-1).tolist()

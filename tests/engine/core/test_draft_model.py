@@ -17,6 +17,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
+from engine.core.drafter import CATCH_UP_TOKENS
 from engine.core.engine_core import EngineCore
 from tests.engine.core.test_speculative import GREEDY, NGRAM, _mixed, same_tokens
 from tests.engine.kernels.test_int8 import ARCHS
@@ -148,3 +149,30 @@ def test_an_abort_mid_speculation_frees_every_block(llama_dir: Path) -> None:
             assert core.kv_usage().in_use == 0 and not core.has_unfinished()
         finally:
             core.shutdown()
+
+
+def test_a_long_prompts_draft_kv_is_caught_up_a_chunk_a_step(llama_dir: Path) -> None:
+    """A 200-token prompt: its draft KV is computed ``CATCH_UP_TOKENS`` a step (no guesses
+    meanwhile: each of those steps stays short for the other streams), then every greedy
+    guess of the target as its own draft is kept; the tokens are the plain ones."""
+    prompt = list(range(3, 203))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir) as plain:
+        expected = plain.generate([prompt], params)[0].token_ids
+    with LLM(llama_dir, max_num_batched_tokens=256, speculative_config=draft(llama_dir)) as llm:
+        core = llm.core
+        core.add_request("r", prompt, params)
+        guessed, tokens = [], []
+        while core.has_unfinished():
+            out = core.scheduler.schedule()
+            sampled = core._execute(out)  # the draft fills (or withdraws) the guesses here
+            guessed.append(sum(c.num_draft_tokens for c in out.chunks))
+            for update in core.scheduler.update(out, sampled):
+                tokens.append(update.new_token_id)
+            core.drafter.settle(out, core.scheduler.requests)  # as EngineCore.step does
+        stats = llm.stats
+    catching_up = -(-len(prompt) // CATCH_UP_TOKENS) - 1  # steps before the last chunk
+    assert guessed[:1 + catching_up] == [0] * (1 + catching_up)  # the prefill, then those
+    assert guessed[1 + catching_up] > 0
+    assert tokens == expected
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
