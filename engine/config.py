@@ -188,13 +188,15 @@ class SchedulerConfig:
             raise ConfigError(f"speculative method must be one of {SPECULATIVE_METHODS}, "
                               f"got {self.speculative_method!r}")
         if self.speculative_method and not (
-                1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
-                and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+                1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
             raise ConfigError(
                 f"{self.speculative_method} speculation needs 1 <= num_speculative_tokens <= "
-                f"{MAX_SPECULATIVE_TOKENS} (got {self.num_speculative_tokens}) and 1 <= "
-                f"prompt_lookup_min <= prompt_lookup_max (got {self.prompt_lookup_min} and "
-                f"{self.prompt_lookup_max})")
+                f"{MAX_SPECULATIVE_TOKENS} (got {self.num_speculative_tokens})")
+        if self.speculative_method == "ngram" and not (
+                1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+            raise ConfigError(
+                f"ngram speculation needs 1 <= prompt_lookup_min <= prompt_lookup_max (got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max})")
         if (self.speculative_method == "draft_model") != bool(self.speculative_model):
             raise ConfigError("speculative_config: a draft model directory (\"model\") is "
                               "what draft_model speculation needs, and only it")

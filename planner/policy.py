@@ -70,6 +70,10 @@ class PlannerConfig:
             if high is not None and high < low:
                 raise ValueError(f"max_{role} ({high}) must be at least min_{role} ({low})")
         floor = self.min_prefill + self.min_decode
+        if self.max_prefill is not None and self.max_decode is not None and (
+                self.min_workers or floor) > self.max_prefill + self.max_decode:
+            raise ValueError(f"min_workers ({self.min_workers or floor}) is more than "
+                             f"max_prefill + max_decode ({self.max_prefill + self.max_decode})")
         if self.min_workers is not None and self.max_workers is None:
             raise ValueError("min_workers needs max_workers (the planner then sizes the "
                              "cluster)")
@@ -285,17 +289,30 @@ class Planner:
         elif (decode < c.min_decode or prefill > max_p) and prefill > c.min_prefill \
                 and decode < max_d:
             shrink, grow = "prefill", "decode"
+        elif n > max_p + max_d and c.max_workers is not None:  # too many for the caps
+            return self._shrink_to_caps(obs, now, "prefill" if prefill > max_p else "decode")
         else:
             return self._hold("bounds")
         worker = _least_held(obs, shrink)
         self.wanted = (prefill + (1 if grow == "prefill" else -1), n - prefill
                        - (1 if grow == "prefill" else -1))
         return self._made(RoleChange(now, worker.worker_id, shrink, grow,
-                                     f"{prefill}P+{decode}D is outside the roles' bounds "
-                                     f"(prefill {c.min_prefill}..{c.max_prefill or 'any'}, "
-                                     f"decode {c.min_decode}..{c.max_decode or 'any'})",
+                                     f"{prefill}P+{decode}D is outside {_bounds(c)}",
                                      0.0, 0.0),
                           now)
+
+    def _shrink_to_caps(self, obs: Observation, now: float, role: str) -> list[Decision]:
+        """More workers than the roles' caps allow together: one of ``role`` (over its
+        cap) goes, once the last scale step is seen."""
+        if self.pending is not None:
+            return self._hold("scaling")
+        n, prefill = len(obs.workers), len(obs.of_role("prefill"))
+        split = (prefill - 1, n - prefill) if role == "prefill" else (prefill, n - prefill - 1)
+        self.wanted, self.pending = split, (n - 1, now)
+        worker = _least_held(obs, role)
+        return self._made(ScaleChange(now, REMOVE, role, worker.worker_id,
+                                      f"{prefill}P+{n - prefill}D is more than "
+                                      f"{_bounds(self.config)} allow", 0.0, 0.0, *split), now)
 
     def _made(self, decision: Decision, now: float) -> list[Decision]:
         self.decisions.append(decision)
@@ -329,6 +346,13 @@ def _reason(obs: Observation, current: Prediction, best: Prediction, step: Predi
     return (f"{', '.join(seen)}: predicted attainment {current.attainment:.2f} at "
             f"{_split(current)}, {step.attainment:.2f} at {_split(step)}"
             + (f" (best {best.attainment:.2f} at {_split(best)})" if best != step else ""))
+
+
+def _bounds(c: PlannerConfig) -> str:
+    def cap(m: int | None) -> str:
+        return "any" if m is None else str(m)
+    return (f"the roles' bounds (prefill {c.min_prefill}..{cap(c.max_prefill)}, "
+            f"decode {c.min_decode}..{cap(c.max_decode)})")
 
 
 def _split(p: Prediction) -> str:

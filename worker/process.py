@@ -34,6 +34,7 @@ from engine.config import (
     load_model_config,
     speculative_fields,
 )
+from engine.core.drafter import draft_model_config
 from engine.core.engine_core import EngineCore
 from engine.kvcache.events import KVEventLog
 from engine.kvcache.layout import KVLayout
@@ -161,6 +162,8 @@ def run_worker(args: argparse.Namespace, kind: WorkerKind) -> int:
         token = load_cluster_token(args.cluster_token_file)
         tls = internal_tls(args)
         config = engine_config(args)  # e.g. a --speculative-config it cannot run
+        if config.scheduler.speculative_method == "draft_model":
+            draft_model_config(config)  # a draft it could never use: refused before loading
     except ValueError as exc:
         print(f"pdserve {kind.role}: {exc}", file=sys.stderr)
         return 2

@@ -17,8 +17,9 @@ length of its sequence whose draft KV is right (``_Progress``). Each step, the d
 catches up from there to the request's last token, then guesses one token per pass. The
 first time that is the whole prompt, which is how a request whose target KV came from a
 prefill worker gets its draft KV (recomputed on the decode worker; nothing extra
-travels): up to ``CATCH_UP_TOKENS`` a step, the request guessing nothing until it has
-caught up, so one long prompt stalls no step by more than that chunk's cost. A guess the
+travels): up to ``CATCH_UP_TOKENS`` a step (``CATCH_UP_STEP_TOKENS`` for all requests
+together), the request guessing nothing until it has caught up, so prompts arriving
+stall no step by more than that much draft prefill. A guess the
 target rejected leaves draft KV past the kept tokens, which the next catch-up
 overwrites; a preempted request starts again from nothing. Two requests sharing
 cached blocks write the same draft KV into them, and a draft KV that is stale only makes
@@ -42,6 +43,7 @@ import torch
 from engine.config import (
     ConfigError,
     EngineConfig,
+    ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     load_model_config,
@@ -52,9 +54,31 @@ from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 from engine.kernels.choice import choose_kernel_plan
 from engine.tp.distributed import Group
 
-# the most draft KV a request catches up in one step: a prompt received from a prefill
-# worker is caught up over several steps, each of them a little longer for every stream
+# the most draft KV a request catches up in one step, and all requests together: a
+# prompt received from a prefill worker is caught up over several steps, each of them a
+# little longer for every stream
 CATCH_UP_TOKENS = 64
+CATCH_UP_STEP_TOKENS = 256
+
+
+def draft_model_config(config: EngineConfig) -> ModelConfig:
+    """The draft model's configuration (``SchedulerConfig.speculative_model``, read from
+    its ``config.json`` only), checked against the target's: ``ConfigError`` for a missing
+    or unusable checkpoint, another vocabulary, or fewer positions."""
+    draft_dir = config.scheduler.speculative_model
+    try:
+        model = load_model_config(draft_dir, dtype=config.model.dtype)
+    except ConfigError as exc:
+        raise ConfigError(f"speculative_config's draft model: {exc}") from None
+    target = config.model
+    if model.vocab_size != target.vocab_size:
+        raise ConfigError(f"speculative_config's draft model {draft_dir} has a vocabulary "
+                          f"of {model.vocab_size}; the target's is {target.vocab_size}")
+    if model.max_model_len < target.max_model_len:
+        raise ConfigError(f"speculative_config's draft model {draft_dir} takes "
+                          f"{model.max_model_len} positions; the target takes "
+                          f"{target.max_model_len}")
+    return model
 
 
 @dataclass
@@ -75,19 +99,7 @@ class DraftModel:
     it cannot draft for that target (another vocabulary, a shorter context)."""
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
-        draft_dir = config.scheduler.speculative_model
-        try:
-            model = load_model_config(draft_dir, dtype=config.model.dtype)
-        except ConfigError as exc:
-            raise ConfigError(f"speculative_config's draft model: {exc}") from None
-        target = config.model
-        if model.vocab_size != target.vocab_size:
-            raise ConfigError(f"speculative_config's draft model {draft_dir} has a vocabulary "
-                              f"of {model.vocab_size}; the target's is {target.vocab_size}")
-        if model.max_model_len < target.max_model_len:
-            raise ConfigError(f"speculative_config's draft model {draft_dir} takes "
-                              f"{model.max_model_len} positions; the target takes "
-                              f"{target.max_model_len}")
+        model = draft_model_config(config)
         # its own quantisation (speculative_config's), with the target's forced linear
         # kernel where that one multiplies such weights
         quantization = config.scheduler.draft_quantization
@@ -114,19 +126,23 @@ class DraftModel:
                 for i, chunk in enumerate(out.decodes) if chunk.num_draft_tokens]
         if not spec:
             return
-        catch_up = []
+        catch_up, guessing, budget = [], [], CATCH_UP_STEP_TOKENS
         for i, chunk, request in spec:
             start = self._start(request)
-            end = min(request.num_tokens, start + CATCH_UP_TOKENS)
-            catch_up.append(ScheduledChunk(chunk.request_id,
-                                           tuple(request.all_token_ids[start:end]), start,
-                                           chunk.block_ids, sample=end == request.num_tokens))
-            if end < request.num_tokens:
+            end = min(request.num_tokens, start + min(CATCH_UP_TOKENS, budget))
+            if end < request.num_tokens:  # catching up: no guesses this step
                 out.decodes[i] = replace(chunk, token_ids=chunk.token_ids[:1],
                                          num_draft_tokens=0)
                 self._progress[request] = _Progress(request.num_preemptions, end)
+            else:
+                guessing.append((i, chunk, request))
+            if end > start:
+                budget -= end - start
+                catch_up.append(ScheduledChunk(
+                    chunk.request_id, tuple(request.all_token_ids[start:end]), start,
+                    chunk.block_ids, sample=end == request.num_tokens))
         firsts = iter(self._greedy(catch_up))
-        spec = [s for s, c in zip(spec, catch_up, strict=True) if c.sample]
+        spec = guessing
         guesses = [[next(firsts)] for _ in spec]
         for j in range(1, max((chunk.num_draft_tokens for _, chunk, _ in spec), default=0)):
             live = [n for n, (_, chunk, _) in enumerate(spec) if chunk.num_draft_tokens > j]
@@ -162,7 +178,11 @@ class DraftModel:
         return min(progress.valid, request.num_tokens - 1)
 
     def _greedy(self, chunks: Sequence[ScheduledChunk]) -> list[int]:
-        """The draft's argmax after each sampling chunk (chunks that do not sample only
-        write their KV)."""
-        logits = self.runner.execute(chunks)
-        return torch.argmax(logits, dim=-1).tolist()
+        """The draft's argmax after each sampling chunk, in ``chunks``' order (chunks that
+        do not sample only write their KV). The runner takes one-token chunks (decode
+        rows) before the others, as the scheduler orders a step: they run first."""
+        order = sorted(range(len(chunks)), key=lambda n: not chunks[n].is_decode)
+        logits = self.runner.execute([chunks[n] for n in order])
+        drawn = iter(torch.argmax(logits, dim=-1).tolist())
+        by_chunk = {n: next(drawn) for n in order if chunks[n].sample}
+        return [by_chunk[n] for n in range(len(chunks)) if chunks[n].sample]

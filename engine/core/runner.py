@@ -199,6 +199,8 @@ class ModelRunner:
             slots.extend(c.block_ids[p // bs] * bs + p % bs for p in pos)
             sample_rows.extend(range(len(token_ids) - c.num_logit_rows, len(token_ids)))
             if c.is_decode or c.num_draft_tokens:
+                if prefills:  # attention takes the first num_decode_tokens rows as decodes
+                    raise ValueError("a step's decode chunks must come before its prefills")
                 decodes.extend((p, c.block_ids) for p in pos)
             else:
                 prefills.append((start, c))

@@ -9,7 +9,9 @@ and the kept ones. The module's leak check ends the test."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,17 @@ def test_a_decode_worker_with_a_draft_model_streams_the_tokens_of_plain_decoding
     # the greedy streams' guesses (about 2 × 47 tokens' worth) are all kept: the draft
     # KV the decode worker computed for the prompt it received is right
     assert drafted >= kept >= 80
+
+
+def test_a_decode_worker_given_a_draft_it_cannot_use_exits_2_before_loading(
+        model_factory: Callable[..., Path], llama_dir: Path) -> None:
+    for draft, why in ((llama_dir / "missing", "missing config.json"),
+                       (model_factory("llama", vocab_size=1024), "vocabulary")):
+        spec = json.dumps({"method": "draft_model", "model": str(draft),
+                           "num_speculative_tokens": 2})
+        result = subprocess.run(
+            [sys.executable, "-m", "pdserve", "decode", "--model", str(llama_dir),
+             "--redis-url", "redis://127.0.0.1:9", "--speculative-config", spec],
+            capture_output=True, text=True, timeout=60, check=False)
+        assert result.returncode == 2, result.stderr
+        assert why in result.stderr and "Traceback" not in result.stderr

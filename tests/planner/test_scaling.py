@@ -142,3 +142,24 @@ def test_each_roles_cap_bounds_the_splits_the_switches_and_the_size() -> None:
     assert "outside the roles' bounds" in fix.reason
     with pytest.raises(ValueError, match="max_decode"):
         dataclasses.replace(SCALING, max_decode=0)
+    with pytest.raises(ValueError, match="max_prefill \\+ max_decode"):
+        dataclasses.replace(SCALING, min_workers=5, max_prefill=1, max_decode=2)
+
+
+def test_a_cluster_larger_than_the_caps_allow_sheds_a_worker_of_the_role_over_its_cap() -> None:
+    # 2P+3D with caps 1 + 2 (an autoscaler added workers): no switch can fix it, so a
+    # prefill worker goes (the least held), then, once that is seen, a decode worker
+    config = dataclasses.replace(SCALING, max_prefill=1, max_decode=2)
+    clock = _Clock()
+    planner = Planner(config, _model(), clock)
+    first = _one(planner.decide(_observe(2, LIGHT, n=5, held={"w0": 2, "w1": 0})))
+    assert (first.action, first.role, first.worker_id) == ("remove", "prefill", "w1")
+    assert "prefill 1..1" in first.reason and (first.num_prefill, first.num_decode) == (1, 3)
+    assert planner.decide(_observe(2, LIGHT, n=5)) == [] and planner.held == "scaling"
+    clock.t = 1.0
+    second = _one(planner.decide(_observe(1, LIGHT, n=4)))
+    assert (second.action, second.role) == ("remove", "decode")
+    # without max_workers the planner does not size the cluster: it holds
+    fixed = Planner(dataclasses.replace(config, min_workers=None, max_workers=None), _model(),
+                    _Clock())
+    assert fixed.decide(_observe(2, LIGHT, n=5)) == [] and fixed.held == "bounds"

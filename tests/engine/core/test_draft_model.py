@@ -176,3 +176,28 @@ def test_a_long_prompts_draft_kv_is_caught_up_a_chunk_a_step(llama_dir: Path) ->
     assert guessed[1 + catching_up] > 0
     assert tokens == expected
     assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
+
+
+def test_requests_catching_up_by_different_lengths_get_right_draft_kv(llama_dir: Path) -> None:
+    """A greedy request beside seeded ones (whose guesses are often rejected, so the
+    draft's chunks in one step have different lengths): the greedy request's guesses,
+    the target being its own draft, are all kept, and the draft's cache holds no NaN."""
+    prompts = [[5, 6, 7, 8] * 12, [9, 10, 11] * 12, [20, 21] * 30]
+    params = [GREEDY] + [SamplingParams(max_tokens=96, temperature=1.0, seed=s,
+                                        ignore_eos=True) for s in (1, 2)]
+    with LLM(llama_dir, speculative_config=draft(llama_dir)) as llm:
+        core = llm.core
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            core.add_request(f"r{i}", prompt, p)
+        guessed = kept = 0
+        while core.has_unfinished():
+            out = core.scheduler.schedule()
+            sampled = core._execute(out)
+            updates = core.scheduler.update(out, sampled)
+            core.drafter.settle(out, core.scheduler.requests)
+            for chunk in out.chunks:
+                if chunk.request_id == "r0" and chunk.num_draft_tokens:
+                    guessed += chunk.num_draft_tokens
+                    kept += sum(u.request.request_id == "r0" for u in updates) - 1
+        assert not core.drafter.runner.kv_cache.isnan().any()
+    assert guessed > 40 and kept >= 0.95 * guessed
