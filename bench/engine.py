@@ -37,12 +37,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,6 +66,7 @@ from engine.core.runner import ModelRunner
 from engine.kernels.cpu import native
 from engine.models.decoder_stack import CompiledDecoderStack
 from engine.models.layers import linear_layers
+from engine.testing.cache import built_once
 from engine.testing.tiny_model import (
     _generator_fingerprint,
     default_model_cache_dir,
@@ -144,22 +142,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def ensure_bench_model() -> Path:
     """The bench55m Llama (seed 0) in the model cache, built on first use: written to a
     temporary sibling and renamed into place, so a present directory is complete."""
-    cache_dir = default_model_cache_dir()
-    final = cache_dir / f"{BENCH_PRESET}-llama-seed0-{_generator_fingerprint()}"
-    if final.is_dir():
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
-    try:
-        print(f"building {final} (once) ...", flush=True)
+    def build(tmp: Path) -> None:
+        print(f"building {BENCH_PRESET} into the model cache (once) ...", flush=True)
         make_tiny_model(tmp, arch="llama", preset=BENCH_PRESET, seed=0)
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+
+    return built_once(default_model_cache_dir() / f"{BENCH_PRESET}-llama-seed0-"
+                      f"{_generator_fingerprint()}", build)
 
 
 class PromptSource:

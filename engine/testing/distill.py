@@ -17,9 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.testing import training
+from engine.testing.cache import built_once
 from engine.testing.weights import write_tensors
 
 DISTILL_STEPS = 300
@@ -117,15 +116,5 @@ def ensure_distilled_draft(student_dir: Path, teacher_dir: Path, *,
     both and by this module's source: a changed recipe gets a fresh entry)."""
     digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
     final = teacher_dir.parent / f"draft-{student_dir.name}-for-{teacher_dir.name}-{digest}"
-    if final.is_dir():
-        return final
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        make_distilled_draft(tmp, student_dir, teacher_dir, progress=progress)
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return built_once(final, lambda tmp: make_distilled_draft(tmp, student_dir, teacher_dir,
+                                                              progress=progress))

@@ -24,13 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from engine.testing import training
+from engine.testing.cache import built_once
 from engine.testing.tokenizer_corpus import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
@@ -282,22 +281,11 @@ def ensure_cached_model(*, arch: str = "llama", preset: str = "tiny", seed: int 
     """
     _check_choice(arch, ARCHS, "arch")
     _check_choice(preset, PRESETS, "preset")
-    cache_dir = default_model_cache_dir()
     text = f"-{training.text_identity()}" if preset in TRAIN_STEPS else ""  # what it learnt
-    final = cache_dir / f"{preset}-{arch}-seed{seed}{text}-{_generator_fingerprint()}"
-    if final.is_dir():
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
-    try:
-        make_tiny_model(tmp, arch=arch, preset=preset, seed=seed, progress=progress)
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    final = default_model_cache_dir() / f"{preset}-{arch}-seed{seed}{text}-" \
+        f"{_generator_fingerprint()}"
+    return built_once(final, lambda tmp: make_tiny_model(tmp, arch=arch, preset=preset,
+                                                         seed=seed, progress=progress))
 
 
 def ensure_demo_model() -> Path:
