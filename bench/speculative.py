@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--target", choices=("trained55m", "trained"), default="trained55m")
     p.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
     p.add_argument("--draft", type=Path, help="draft_model's checkpoint dir (default: the "
-                   "trained preset)")
+                   "trained preset distilled from trained55m)")
     p.add_argument("--speculative-config", help="vLLM's speculative_config as JSON "
                    "(default: --method's)")
     p.add_argument("--batch", type=int, default=8)
