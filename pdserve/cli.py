@@ -148,19 +148,14 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
                          "and a rolling restart (SIGHUP) serves on (default 1)")
     up.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default="never",
                     help="the router's --local-prefill (always: colocated, --prefill 0 allowed)")
-    up.add_argument("--planner", metavar="PROFILE",
-                    help="also run the planner with this step-time profile: it switches roles, "
-                         "and sizes a --ray --max-workers cluster, for the SLOs below")
-    up.add_argument("--ttft-slo-ms", type=float, default=1000.0,
-                    help="the planner's TTFT SLO (default 1000)")
-    up.add_argument("--tpot-slo-ms", type=float, default=100.0,
-                    help="the planner's TPOT SLO (default 100)")
     up.add_argument("--no-router", dest="router", action="store_false",
                     help="start Redis and the workers only (run your own router)")
     up.add_argument("--demo", action="store_true",
                     help="once ready, stream one demo completion through the cluster")
     from deploy.ray.options import add_ray_args
+    from planner.options import add_up_planner_args
 
+    add_up_planner_args(up)
     add_ray_args(up)
     up.set_defaults(func=_up)
 
@@ -201,6 +196,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
 def _up(args: argparse.Namespace) -> int:
     from deploy.ray.options import planner_scale_args, ray_only_flags_given
     from deploy.spec import ClusterSpec
+    from planner.options import up_planner_args
     from worker.options import engine_choice_args
 
     try:
@@ -216,9 +212,7 @@ def _up(args: argparse.Namespace) -> int:
             local_prefill=args.local_prefill, start_router=args.router,
             num_routers=args.routers,
             worker_args=engine_choice_args(args),
-            planner_args=None if args.planner is None else (
-                "--profile", str(Path(args.planner).resolve()), *planner_scale_args(args),
-                "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-slo-ms", str(args.tpot_slo_ms)))
+            planner_args=up_planner_args(args, planner_scale_args(args)))
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2

@@ -61,3 +61,35 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
                                              "here as JSON once it runs")
     add_token_arg(parser)
     add_internal_tls_args(parser)
+
+
+def add_up_planner_args(up: argparse.ArgumentParser) -> None:
+    """``pdserve up``'s planner options: ``--planner PROFILE`` and what it passes on."""
+    group = up.add_argument_group("planner", "pdserve up --planner PROFILE: one planner "
+                                  "process beside the cluster (pdserve planner)")
+    group.add_argument("--planner", metavar="PROFILE",
+                       help="also run the planner with this step-time profile: it switches "
+                            "roles, and sizes a --ray --max-workers cluster, for the SLOs below")
+    group.add_argument("--ttft-slo-ms", type=float, default=1000.0,
+                       help="the planner's TTFT SLO (default 1000)")
+    group.add_argument("--tpot-slo-ms", type=float, default=100.0,
+                       help="the planner's TPOT SLO (default 100)")
+    for role in ("prefill", "decode"):
+        group.add_argument(f"--max-{role}", type=int, metavar="N",
+                           help=f"the planner's cap on {role} workers (default: none)")
+
+
+def up_planner_args(args: argparse.Namespace, scale_args: tuple[str, ...]
+                    ) -> tuple[str, ...] | None:
+    """The ``pdserve planner`` options of ``pdserve up ARGS`` (None: no planner), with the
+    launcher's ``scale_args`` (``--min-workers`` / ``--max-workers``). ``ValueError`` for a
+    planner option given without ``--planner``."""
+    caps = tuple(word for flag, value in (("--max-prefill", args.max_prefill),
+                                          ("--max-decode", args.max_decode))
+                 if value is not None for word in (flag, str(value)))
+    if args.planner is None:
+        if caps:
+            raise ValueError(f"{caps[0]} is the planner's: it needs --planner PROFILE")
+        return None
+    return ("--profile", os.path.abspath(args.planner), *scale_args, *caps,
+            "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-slo-ms", str(args.tpot_slo_ms))

@@ -104,11 +104,13 @@ def init_ray(spec: RaySpec) -> Any:
 
 
 def place_workers(plans: Sequence[tuple[str, dict[str, float]]], name_of: Callable[[str], str],
-                  timeout_s: float, poll_s: float, groups: list[Any]) -> None:
+                  timeout_s: float, poll_s: float, groups: list[Any],
+                  stop: threading.Event | None = None) -> None:
     """A ``STRICT_PACK`` placement group of one bundle per (name, bundle) — each worker's,
     the router's — appended to ``groups`` as they are created (so that the caller removes
     them whatever happens), all placed within ``timeout_s``; else ``ClusterError`` naming
-    what did not fit, what is free and the flags that change what is asked for."""
+    what did not fit, what is free and the flags that change what is asked for (or, once
+    ``stop`` is set, that the cluster is stopping)."""
     import ray
     from ray.util.placement_group import placement_group
 
@@ -117,8 +119,10 @@ def place_workers(plans: Sequence[tuple[str, dict[str, float]]], name_of: Callab
     refs = [group.ready() for group in groups[-len(plans):]] if plans else []
     deadline = time.monotonic() + timeout_s
     pending = list(refs)
-    while pending and time.monotonic() < deadline:
+    while pending and time.monotonic() < deadline and not (stop and stop.is_set()):
         _, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
+    if pending and stop is not None and stop.is_set():
+        raise ClusterError("the cluster is stopping")
     if pending:
         names = [name for (name, _), ref in zip(plans, refs, strict=True) if ref in pending]
         needs = "; ".join(f"{name} needs {_where(bundle)} with {bundle_text(bundle)}"

@@ -18,6 +18,12 @@ router. Stop (idempotent, also after a failed start): router → workers (SIGTER
 child, SIGKILL after ``stop_grace_s``) → Redis; then every actor is killed, every placement
 group removed, and a Ray this process started is shut down.
 
+Scaling (``deploy.ray.scaling``, with ``max_workers``): the planner's steps run on a
+thread of their own while ``wait()`` goes on checking the others. A worker being added is
+not checked until it is ready; one being drained leaves the checked members before its
+SIGTERM. Both are stopped, and their placement groups removed, if the cluster stops
+meanwhile. A step and a restart never run at once.
+
 Failures. A worker whose child dies after it was ready is restarted by Ray in the same
 placement group (up to ``max_restarts``) and registers again; the router routes to the
 others meanwhile. ``wait()`` reports that through ``progress`` and raises ``ChildExited``
@@ -29,6 +35,7 @@ groups are the driver's (not detached): Ray removes them when this process dies,
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,6 +61,7 @@ from deploy.ray.members import (
     stop_tier,
     wait_ready,
 )
+from deploy.ray.motion import InMotion, RayScaling
 from deploy.ray.plan import (
     ChildStatus,
     RaySpec,
@@ -72,7 +80,7 @@ from deploy.spec import API_KEY_ENV, WILDCARDS, ClusterError, redacted
 _CONCURRENCY = 4  # an actor answers status() while stop() waits for its child
 
 
-class RayLauncher(RayRestarts, Launcher):
+class RayLauncher(RayScaling, RayRestarts, Launcher):
     """Starts and stops ``ray_spec`` on Ray (a context manager; see the module docstring).
     ``stop()`` removes every actor and placement group it created (idempotent)."""
 
@@ -91,6 +99,10 @@ class RayLauncher(RayRestarts, Launcher):
         self._router_bundle: dict[str, float] = {}
         self._owns_ray = False
         self._connected = False
+        self._changing = threading.Lock()  # a scale step or a restart, one at a time
+        self._lists = threading.Lock()  # the members' lists, against the stop path
+        self._in_motion: list[InMotion] = []
+        self._stopping = threading.Event()
 
     def __enter__(self) -> RayLauncher:
         return self.start()
@@ -124,7 +136,7 @@ class RayLauncher(RayRestarts, Launcher):
         for member, status in zip(members, poll(members), strict=True):
             member.follow(status, self.progress)
         if self.scaler is not None:
-            self.scaler.step()
+            self.scaler.poll()  # a step runs on its own thread: the next check is not held up
 
     def _router_ready(self) -> dict[str, Any]:
         return self._routers_ready()[0]
@@ -141,14 +153,17 @@ class RayLauncher(RayRestarts, Launcher):
         return f"{self.router.status.node_ip if host in WILDCARDS else host}:{port}"
 
     def _stop_processes(self) -> None:
-        # the planner first: it must not switch a role or scale while the rest stops
-        tiers = [[self.planner] if self.planner else [], self.routers, self.workers,
-                 [self._redis] if self._redis else []]
-        groups, self._placement_groups, self._router_groups = self._placement_groups, [], []
-        self.routers, self.workers, self._redis, self.planner = [], [], None, None
-        if self.scaler is not None:
-            self.scaler.close()
-            self.scaler = None
+        self._stopping.set()  # a scale step running adds nothing from now on
+        with self._lists:
+            moving, self._in_motion = self._in_motion, []
+            # the planner first: it must not switch a role or scale while the rest stops
+            tiers = [[self.planner] if self.planner else [], self.routers,
+                     [*self.workers, *(m.member for m in moving if m.member is not None)],
+                     [self._redis] if self._redis else []]
+            groups, self._placement_groups, self._router_groups = (
+                [*self._placement_groups, *(g for m in moving for g in m.groups)], [], [])
+            self.routers, self.workers, self._redis, self.planner = [], [], None, None
+        scaler, self.scaler = self.scaler, None
         if self._connected and not gcs_reachable():
             # Ray went first (e.g. a SIGTERM to the whole process group): its actors, and
             # with them their children, are gone; calls into it would only hang
@@ -158,6 +173,8 @@ class RayLauncher(RayRestarts, Launcher):
 
             for tier in tiers:
                 stop_tier(tier, self.spec.stop_grace_s)
+            if scaler is not None:  # its worker is stopped: the step ends soon
+                scaler.join(self.spec.stop_grace_s + 10.0)
             for group in groups:
                 quietly(remove_placement_group, group)
         if self._owns_ray:
@@ -167,6 +184,8 @@ class RayLauncher(RayRestarts, Launcher):
             self._owns_ray = False
             self.progress("local Ray stopped")
         self._connected = False
+        if scaler is not None:
+            scaler.close()
 
     # ------------------------------------------------------------------ start steps
 
@@ -175,6 +194,7 @@ class RayLauncher(RayRestarts, Launcher):
                 *([self.planner] if self.planner else [])]
 
     def _prepare(self) -> None:
+        self._stopping.clear()
         self.progress(f"logs in {self._make_log_dir()} (on each actor's node)")
         if self.spec.model_dir is None:
             self.progress("model: the built-in tiny model (each node builds it on first use)")
@@ -223,33 +243,6 @@ class RayLauncher(RayRestarts, Launcher):
                             max_restarts=self.ray_spec.max_restarts,
                             scheduling_strategy=strategy, **actor_resources(plan.bundle))
         return Member(plan.name, actor, restartable=True, plan=plan)
-
-    def add_worker(self, plan: WorkerPlan) -> Member:
-        """One more worker (``deploy.ray.scaling``), placed and ready; else ``ClusterError``
-        or ``ChildExited`` with what it held removed."""
-        groups: list[Any] = []
-        member = None
-        try:
-            place_workers([(plan.name, plan.bundle)], self._group_name,
-                          self.ray_spec.placement_timeout_s, self.poll_s, groups)
-            member = self._spawn_worker(plan, groups[0])
-            self._wait_ready([member])
-        except BaseException:
-            stop_tier([member] if member else [], self.spec.stop_grace_s)
-            _remove_groups(groups)
-            raise
-        self.workers.append(member)
-        self._placement_groups += groups
-        return member
-
-    def retire_worker(self, member: Member) -> None:
-        """Drains ``member`` (SIGTERM: a decode worker moves its streams), then removes its
-        actor and placement group."""
-        group = self.placement_groups[self.workers.index(member)]
-        stop_tier([member], self.spec.stop_grace_s)  # still ours if a stop interrupts it
-        self.workers.remove(member)
-        self._placement_groups = [g for g in self._placement_groups if g is not group]
-        _remove_groups([group])
 
     def _group_name(self, name: str) -> str:
         return f"pdserve-{self.spec.name}-{name}"
@@ -326,10 +319,3 @@ def serve(ray_spec: RaySpec, *, on_ready: Callable[[Any], int | None] | None = N
     """``pdserve up --ray``: ``deploy.launcher.serve`` with the processes run by Ray."""
     say = progress or (lambda line: print(line, flush=True))
     return serve_launcher(RayLauncher(ray_spec, progress=say), on_ready=on_ready)
-
-
-def _remove_groups(groups: Sequence[Any]) -> None:
-    from ray.util.placement_group import remove_placement_group
-
-    for group in groups:
-        quietly(remove_placement_group, group)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ class RayRestarts:
     workers: list[Member]
     poll_s: float
     progress: Callable[[str], None]
+    _changing: threading.Lock  # held by a scale step too: the two never interleave
     can_restart = True
 
     @property
@@ -38,16 +40,22 @@ class RayRestarts:
 
     def rolling_restart(self, settle_s: float = RESTART_SETTLE_S) -> None:
         """Restarts every router, then every worker in start order (the ones the planner
-        added last), one at a time (``restart``), waiting ``settle_s`` after each."""
+        added last), one at a time (``restart``), waiting ``settle_s`` after each. A worker
+        a scale step drained meanwhile is skipped."""
         for name in [*self.spec.router_names, *(m.name for m in self.workers)]:
-            self.restart(name)
-            time.sleep(settle_s)
+            if name in {m.name for m in [*self.routers, *self.workers]}:
+                self.restart(name)
+                time.sleep(settle_s)
 
     def restart(self, name: str) -> Member:
         """Replaces process ``name`` in place: its child drains (SIGTERM: a router's
         streams resume on the other routers, a decode worker's move), its actor is
         removed, and a new one starts in the same placement group — a router on the ports
         it had — until ready."""
+        with self._changing:
+            return self._restart(name)
+
+    def _restart(self, name: str) -> Member:
         import ray
 
         members = {m.name: m for m in [*self.routers, *self.workers]}

@@ -17,12 +17,17 @@ A step is reported and skipped when it would go beyond the bounds, when the clus
 already has the size it asks for (a repeated step, or one decided on a window that missed
 a worker: a step never takes the cluster past the size the planner wanted), or when it
 names a worker the launcher does not have; so is a step written before the launcher
-started (a Redis an earlier cluster used), and a malformed one. Steps block the
-launcher's wait loop (the others' health checks) while they run.
+started (a Redis an earlier cluster used), and a malformed one.
+
+From the launcher's wait loop (``poll``) a step runs on a thread of its own, one at a time:
+the loop goes on checking the other processes' health while a worker starts or drains.
+The launcher keeps a worker in motion out of that check and in its stop path.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -64,12 +69,46 @@ class Scaler:
         self._next_at = 0.0
         self._used = {m.name for m in pool.workers}
         self._complained = ""
+        self._thread: threading.Thread | None = None
 
     def close(self) -> None:
         self._registry.close()
 
+    @property
+    def busy(self) -> bool:
+        """Whether a step ``poll`` started is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def poll(self) -> None:
+        """Starts the latest step, if it is new, on a thread of its own and returns at once;
+        nothing while a step runs."""
+        if self.busy:
+            return
+        action = self._next_action()
+        if action is not None:
+            self._thread = threading.Thread(target=self._run, args=(action,), daemon=True,
+                                            name="pdserve-scale-step")
+            self._thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        """Waits up to ``timeout_s`` for a running step (the launcher's stop path)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
     def step(self) -> str | None:
-        """Applies the latest step if it is new: the worker added or removed (None: none)."""
+        """Applies the latest step if it is new, here: the worker added or removed (None:
+        none)."""
+        action = self._next_action()
+        return None if action is None else action()
+
+    def _run(self, action: Callable[[], str | None]) -> None:
+        try:
+            action()
+        except Exception as exc:  # a stop interrupting it, or Ray failing: reported
+            self.pool.progress(f"scale: the step failed: {exc}")
+
+    def _next_action(self) -> Callable[[], str | None] | None:
+        """The latest step if it is new and within the bounds (else reported)."""
         if self._clock() < self._next_at:
             return None
         self._next_at = self._clock() + INTERVAL_S
@@ -92,7 +131,7 @@ class Scaler:
         if why:
             self.pool.progress(f"scale: {why}")
             return None
-        return self._add(step) if step.action == "add" else self._remove(step)
+        return functools.partial(self._add if step.action == "add" else self._remove, step)
 
     def _latest(self) -> ScaleTarget | None:
         try:

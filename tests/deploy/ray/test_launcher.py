@@ -433,7 +433,8 @@ def test_the_planner_on_ray_adds_a_worker_under_load_and_drains_one_when_idle(
     serve (and the bounds leave nothing to switch), it asks for a worker; the launcher
     places and starts ``prefill-1``, which registers and serves. When the load stops the
     planner asks for one fewer: the launcher drains it and removes its actor and placement
-    group. No request fails, outputs equal ``engine.LLM``'s, and stopping leaves nothing."""
+    group. No request fails, outputs equal ``engine.LLM``'s, and stopping leaves nothing.
+    The wait loop goes on (its health checks of the others) while a step runs."""
     from cluster.registry import Registry
     from deploy.ray.launcher import launch
     from tests.sim.profiles import write_slow_prefill_profile
@@ -451,11 +452,15 @@ def test_the_planner_on_ray_adds_a_worker_under_load_and_drains_one_when_idle(
     def names() -> list[str]:
         return [m.name for m in cluster.workers]
 
+    busy: list[list[str]] = []  # the workers checked, seen while a step ran
+
     def wait_for(condition: Any, what: str, timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not condition():  # the launcher's wait loop applies the planner's steps
             assert time.monotonic() < deadline, f"{what}: {lines[-5:]}"
             cluster.wait(0.5)
+            if cluster.scaler is not None and cluster.scaler.busy:
+                busy.append(names())
 
     try:
         assert cluster.planner is not None and names() == ["prefill-0", "decode-0"]
@@ -480,6 +485,10 @@ def test_the_planner_on_ray_adds_a_worker_under_load_and_drains_one_when_idle(
             wait_until(lambda: removed not in {w.worker_id for w in registry.list_workers()},
                        10, f"{removed} to deregister")
         assert len(cluster.placement_groups) == 2
+        # wait() returned while prefill-1 started, and while a worker drained (out of the
+        # checked workers from its first moment)
+        assert ["prefill-0", "decode-0"] in busy, busy
+        assert any(len(seen) == 2 and removed not in seen for seen in busy[1:]), busy
         planner_log = (tmp_path / "logs" / "planner.log").read_text()
         assert "scale: add a prefill worker" in planner_log, planner_log[-2000:]
         sample = sorted(load.done)[::max(1, len(load.done) // 8)]
@@ -488,4 +497,44 @@ def test_the_planner_on_ray_adds_a_worker_under_load_and_drains_one_when_idle(
     finally:
         cluster.stop()
     assert lines[-1] == "all processes stopped"
+    assert_nothing_left(ray_head, pids, tmp_path / "logs")
+
+
+def test_stopping_while_a_scale_step_adds_a_worker_leaves_nothing(
+        ray_head: Any, llama_dir: Path, tmp_path: Path) -> None:
+    """A scale step runs on a thread of its own: a stop that comes while it places and
+    starts a worker stops that worker too, and removes its placement group."""
+    from cluster.registry import Registry
+    from cluster.scale import ScaleTarget
+    from deploy.ray.launcher import launch
+    from deploy.ray.plan import NAMESPACE
+
+    spec = ClusterSpec(model_dir=llama_dir, port=0, http_port=None, stop_grace_s=5.0,
+                       num_kv_blocks=NUM_KV_BLOCKS, log_dir=tmp_path / "logs",
+                       start_timeout_s=120, start_router=False)
+    lines: list[str] = []
+    cluster = launch(RaySpec(cluster=spec, gpu_resource=GPU, cpus_per_rank=0.5,
+                             max_workers=3), progress=lines.append)
+    try:
+        pids = our_processes(cluster.statuses())
+        with Registry(cluster.redis_url, cluster=spec.name) as registry:
+            registry.set_scale_target(ScaleTarget("add", "decode", "", 1, 2, reason="test",
+                                                  written_at=time.time()).to_json())
+
+        def adding() -> bool:
+            cluster.wait(0.2)
+            return any(a["name"].endswith("-decode-1") for a in
+                       ray_head.util.list_named_actors(all_namespaces=True)
+                       if a["namespace"] == NAMESPACE)
+
+        wait_until(adding, 30.0, "the step to start decode-1's actor")
+        assert cluster.scaler is not None and cluster.scaler.busy
+        assert [m.name for m in cluster.workers] == ["prefill-0", "decode-0"]
+    finally:
+        cluster.stop()
+    assert lines[-1] == "all processes stopped", lines
+    assert any(line.startswith("scale: adding decode-1") for line in lines), lines
+    # the stop stopped it while it started (not the step, once it was ready)
+    assert any(line.startswith("scale: decode-1 not added") for line in lines), lines
+    assert not any(line.startswith("decode-1 ready") for line in lines), lines
     assert_nothing_left(ray_head, pids, tmp_path / "logs")

@@ -5,6 +5,7 @@ within the bounds; steps from before the launcher, and malformed ones, are not."
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -33,11 +34,14 @@ class _Pool:
     added: list[WorkerPlan] = dataclasses.field(default_factory=list)
     retired: list[str] = dataclasses.field(default_factory=list)
     fail: bool = False
+    gate: threading.Event | None = None  # set: an add may finish
 
     def progress(self, line: str) -> None:
         self.lines.append(line)
 
     def add_worker(self, plan: WorkerPlan) -> Member:
+        if self.gate is not None:
+            assert self.gate.wait(10.0)
         if self.fail:
             raise ClusterError(f"no room for {plan.name}")
         self.added.append(plan)
@@ -46,6 +50,8 @@ class _Pool:
         return member
 
     def retire_worker(self, member: Member) -> None:
+        if self.fail:
+            raise RuntimeError(f"Ray lost {member.name}")
         self.workers.remove(member)
         self.retired.append(member.name)
 
@@ -118,5 +124,49 @@ def test_a_step_is_applied_only_towards_the_size_the_planner_wanted(redis_url: s
             registry.set_scale_target(_step("remove", "decode", "elsewhere-0", size=2).to_json())
             assert tick() is None and pool.retired == []
             assert pool.lines[-1] == "scale: not removing elsewhere-0: no such worker here"
+    finally:
+        scaler.close()
+
+
+def test_poll_runs_a_step_on_a_thread_of_its_own_one_at_a_time(redis_url: str) -> None:
+    """The launcher's wait loop calls ``poll``: it must return while a worker starts (the
+    other processes' health checks go on), start no second step meanwhile, and report a
+    step that failed."""
+    spec = RaySpec(cluster=ClusterSpec(), max_workers=4)
+    pool = _Pool(spec, [Member(n, None, True) for n in ("prefill-0", "decode-0")],
+                 gate=threading.Event())
+    t = [0.0]
+    scaler = Scaler(pool, redis_url, clock=lambda: t[0])
+    try:
+        with Registry(redis_url) as registry:
+            registry.set_scale_target(_step("add").to_json())
+            t[0] += INTERVAL_S
+            scaler.poll()
+            assert scaler.busy and pool.added == []  # returned with the add still running
+            registry.set_scale_target(_step("add", "prefill", size=4).to_json())
+            t[0] += INTERVAL_S
+            scaler.poll()  # busy: the newer step waits for the next poll
+            assert pool.gate is not None
+            pool.gate.set()
+            scaler.join(10.0)
+            assert not scaler.busy and [p.name for p in pool.added] == ["decode-1"]
+            t[0] += INTERVAL_S
+            scaler.poll()
+            scaler.join(10.0)
+            assert [p.name for p in pool.added] == ["decode-1", "prefill-1"]
+            # a step that raises is reported, and the next one runs
+            pool.fail = True
+            registry.set_scale_target(_step("remove", "decode", "decode-1", size=3).to_json())
+            t[0] += INTERVAL_S
+            scaler.poll()
+            scaler.join(10.0)
+            assert pool.retired == []
+            assert pool.lines[-1] == "scale: the step failed: Ray lost decode-1"
+            pool.fail = False
+            registry.set_scale_target(_step("remove", "decode", "decode-1", size=3).to_json())
+            t[0] += INTERVAL_S
+            scaler.poll()
+            scaler.join(10.0)
+            assert pool.retired == ["decode-1"]
     finally:
         scaler.close()
