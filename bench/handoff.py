@@ -72,6 +72,7 @@ from bench.common import (
     percentile,
     write_json,
 )
+from engine.config import KV_CACHE_DTYPES
 from loadtest.workloads import Request, Workload, WorkloadSpec, oracle_cached_tokens
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 from sim.metrics import arrival_times
@@ -100,9 +101,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.add_argument("--quick", action="store_true", help="the tiny model, a few requests")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the breakdown's workers' KV cache (int8: its blocks travel as int8 "
-                        "values and scales)")
+                        "values and scales; fp8, fp8_e5m2: as their fp8 bytes)")
     p.add_argument("--kv-transfer-dtype", choices=("auto", "int8"), default="auto",
                    help="the breakdown's workers' KV transfer (int8: fp32 KV quantised for "
                         "the wire only, dequantised on arrival)")
@@ -231,12 +232,14 @@ def one_layer_transfer_ms(model: dict[str, Any], lengths: Sequence[int], repeats
                           kv_cache_dtype: str = "auto", kv_transfer_dtype: str = "auto"
                           ) -> dict[int, float]:
     """Median time of one pdserve KV transfer of one layer's bytes, per prompt length (an
-    int8 cache's: ``head_dim + 4`` bytes per token, head and K/V; with ``kv_transfer_dtype``
-    int8, fp32 bytes quantised for the wire, the quantising and dequantising included)."""
+    int8 cache's: ``head_dim + 4`` bytes per token, head and K/V, an fp8 cache's
+    ``head_dim``; with ``kv_transfer_dtype`` int8, fp32 bytes quantised for the wire, the
+    quantising and dequantising included)."""
     from bench import kvtransfer as kv
 
     head_dim = model["hidden_size"] // model["num_attention_heads"]
-    slot = head_dim + 4 if kv_cache_dtype == "int8" else head_dim * 4
+    slot = (head_dim + 4 if kv_cache_dtype == "int8" else head_dim
+            if kv_cache_dtype.startswith("fp8") else head_dim * 4)
     layer_bytes = {n: 2 * n * model["num_key_value_heads"] * slot for n in lengths}
     tokens = {n: -(-b // kv.TOKEN_BYTES) for n, b in layer_bytes.items()}
     num_blocks = 2 * max(tokens.values()) // kv.LAYOUT.block_size + 16

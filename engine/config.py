@@ -28,8 +28,9 @@ LINEAR_KERNELS = ("auto", "onednn", "torch", "mm_t", "onednn_gemv", "packed", "i
                   "int8_packed")
 # weight quantisations EngineConfig.quantization takes besides None (engine.kernels.quant)
 QUANTIZATIONS = ("int8",)
-# CacheConfig.kv_cache_dtype: "auto" (the model's dtype) or int8 (engine.attention.kv_quant)
-KV_CACHE_DTYPES = ("auto", "int8")
+# CacheConfig.kv_cache_dtype: "auto" (the model's dtype), int8, or fp8 (vLLM's names: "fp8"
+# is "fp8_e4m3"), engine.attention.kv_quant
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # CacheConfig.kv_transfer_dtype: "auto" (as the cache holds it) or int8 for the wire only
 KV_TRANSFER_DTYPES = ("auto", "int8")
 
@@ -95,7 +96,8 @@ class CacheConfig:
     # Fraction of free memory the KV pool may take when num_kv_blocks is None.
     memory_fraction: float = 0.25
     max_kv_bytes: int = 512 << 20  # CPU only: cap of the KV pool when num_kv_blocks is None
-    # "auto": the model's dtype; "int8": int8 values and an fp32 scale per token and head
+    # "auto": the model's dtype; "int8": int8 values and an fp32 scale per token and head;
+    # "fp8" / "fp8_e4m3" (the same: kept as "fp8_e4m3") or "fp8_e5m2": one byte per value
     kv_cache_dtype: str = "auto"
     # "auto": blocks travel as the cache holds them; "int8": quantised for the wire only, and
     # the blocks a request received so are keyed apart in the prefix cache (lossy)
@@ -108,6 +110,12 @@ class CacheConfig:
         if self.kv_transfer_dtype not in KV_TRANSFER_DTYPES:
             raise ConfigError(f"kv_transfer_dtype must be one of {KV_TRANSFER_DTYPES}, "
                               f"got {self.kv_transfer_dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            object.__setattr__(self, "kv_cache_dtype", "fp8_e4m3")
+        if self.kv_cache_dtype.startswith("fp8") and self.kv_transfer_dtype != "auto":
+            raise ConfigError(f"kv_transfer_dtype {self.kv_transfer_dtype!r} quantises a "
+                              "full-precision cache for the wire; an fp8 cache travels as "
+                              "it lies, one byte per value already")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

@@ -44,9 +44,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                              "one cluster may differ")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="int8: each token's K/V per head stored as int8 values and their "
-                             "fp32 scale (about a quarter of fp32's bytes; blocks travel so "
-                             "between workers); auto: --dtype. Part of the cluster's KV "
-                             "layout: every worker of a cluster must use the same")
+                             "fp32 scale (about a quarter of fp32's bytes); fp8 (= fp8_e4m3) "
+                             "or fp8_e5m2: one fp8 byte per value, no scale (a quarter "
+                             "exactly); blocks travel so between workers; auto: --dtype. Part "
+                             "of the cluster's KV layout: every worker of a cluster must use "
+                             "the same")
     parser.add_argument("--speculative-config", metavar="JSON",
                         help="vLLM's speculative_config: n-gram lookup, "
                              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
@@ -132,7 +134,7 @@ def add_engine_choice_args(parser: argparse.ArgumentParser) -> None:
                         help="every worker's --quantization (int8: weight-only int8)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="every worker's --kv-cache-dtype (int8: values and a scale per "
-                             "token and head)")
+                             "token and head; fp8, fp8_e5m2: one byte per value)")
     parser.add_argument("--speculative-config", metavar="JSON",
                         help="every worker's --speculative-config (n-gram lookup or a "
                              "draft model)")

@@ -30,7 +30,7 @@ class AttentionBackend(Protocol):
 def select_backend(device: torch.device, block_size: int, dtype: torch.dtype,
                    kv_cache_dtype: str = "auto") -> AttentionBackend:
     """flash-attn on CUDA (fp16/bf16) when importable and the block size fits its kernels
-    (not over an int8 KV cache, which it cannot read); on the CPU in fp32, pdserve's
+    (not over an int8 or fp8 KV cache, which it cannot read); on the CPU in fp32, pdserve's
     compiled decode kernel where it could be built (``PDSERVE_CPU_KERNELS=0`` switches it
     off); else torch SDPA."""
     if kv_cache_dtype == "auto" and flash_available(device, block_size, dtype):

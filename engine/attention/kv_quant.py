@@ -1,4 +1,7 @@
-"""The int8 KV cache (``CacheConfig.kv_cache_dtype="int8"``): each token's K (and V) of
+"""The quantised KV caches: int8 (``CacheConfig.kv_cache_dtype="int8"``) and fp8
+(``"fp8_e4m3"``, ``"fp8_e5m2"``).
+
+**int8**: each token's K (and V) of
 each KV head is stored as ``head_dim`` int8 values followed by their fp32 scale (the
 largest magnitude ÷ 127, symmetric), in one slot of ``head_dim + 4`` bytes — where fp32
 takes ``4 × head_dim``. The cache is then a uint8 tensor ``[layers, 2, blocks,
@@ -11,6 +14,12 @@ a per-block scale would have to re-quantise what the block already holds wheneve
 token is larger; per token, nothing once written is touched again. Attention reads the
 cache dequantised (``dequantize``), the step's own K/V included (written first); only a
 prefill chunk with nothing cached before it attends to its K/V as computed.
+
+**fp8**: a tensor of torch's fp8 dtype, shaped as a full-precision cache, one byte per
+value and no scale (vLLM's default, a scale of 1): values round to the nearest fp8 number
+and saturate at its largest (448 for e4m3, 57,344 for e5m2) rather than overflow. A quarter
+of fp32's bytes exactly. Torch's CPU ops copy fp8 tensors but do not index-write them, so
+writes go through the bytes (``as_bytes``).
 """
 
 from __future__ import annotations
@@ -29,16 +38,30 @@ def slot_bytes(head_dim: int) -> int:
     return head_dim + SCALE_BYTES
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def is_quantized(kv_cache: torch.Tensor) -> bool:
-    """Whether ``kv_cache`` is an int8 cache (slots of values and a scale, as uint8)."""
-    return kv_cache.dtype == torch.uint8
+    """Whether ``kv_cache`` is a quantised cache: int8 slots (values and a scale, as uint8)
+    or fp8 values."""
+    return kv_cache.dtype == torch.uint8 or kv_cache.dtype in FP8_DTYPES
 
 
-def quantize(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., head_dim]`` (any float dtype) as int8 slots ``[..., head_dim + 4]`` (uint8):
-    round-to-nearest of ``x / scale``, ``scale = max |x| / 127`` over the last dim. The
-    compiled kernel where it takes ``x`` (fp32, contiguous, CPU), else ``quantize_torch``:
-    the same bytes either way."""
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor seen as its bytes (uint8, the same shape), for the copies torch does
+    not do on fp8; any other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def quantize(x: torch.Tensor, cache_dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """``x [..., head_dim]`` (any float dtype) as a ``cache_dtype`` cache holds it: fp8
+    values (saturated at the format's largest), or int8 slots ``[..., head_dim + 4]``
+    (uint8): round-to-nearest of ``x / scale``, ``scale = max |x| / 127`` over the last
+    dim. The int8 slots from the compiled kernel where it takes ``x`` (fp32, contiguous,
+    CPU), else ``quantize_torch``: the same bytes either way."""
+    if cache_dtype in FP8_DTYPES:
+        largest = torch.finfo(cache_dtype).max
+        return x.clamp(-largest, largest).to(cache_dtype)
     kernels = native() if x.device.type == "cpu" else None
     if kernels is not None and (out := kernels.quantize_kv(x)) is not None:
         return out
@@ -46,9 +69,11 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(slots: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Int8 slots ``[..., head_dim + 4]`` back to ``[..., head_dim]`` values of ``dtype``:
-    the compiled kernel where it takes them (fp32 out, contiguous CPU slots), else
-    ``dequantize_torch``: the same values either way."""
+    """Fp8 values, or int8 slots ``[..., head_dim + 4]``, back to ``[..., head_dim]`` values
+    of ``dtype``: int8 slots by the compiled kernel where it takes them (fp32 out,
+    contiguous CPU slots), else ``dequantize_torch``: the same values either way."""
+    if slots.dtype in FP8_DTYPES:
+        return slots.to(dtype)
     kernels = native() if slots.device.type == "cpu" and dtype == torch.float32 else None
     if kernels is not None and (out := kernels.dequantize_kv(slots)) is not None:
         return out

@@ -1,8 +1,8 @@
 """Attention over the paged KV cache with torch SDPA (CPU, and CUDA without flash-attn).
 
 KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V),
-or an int8 cache's ``[..., head_dim + 4]`` uint8 slots (``engine.attention.kv_quant``):
-written quantised, read dequantised.
+or an int8 cache's ``[..., head_dim + 4]`` uint8 slots, or fp8 values
+(``engine.attention.kv_quant``): written quantised, read dequantised.
 """
 
 from __future__ import annotations
@@ -10,23 +10,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.kv_quant import dequantize, is_quantized, quantize
+from engine.attention.kv_quant import as_bytes, dequantize, is_quantized, quantize
 from engine.attention.metadata import AttentionMetadata, PrefillSpan
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter the step's K/V ``[T, Hk, D]`` into their slots (quantised, into an int8
-    cache)."""
+    """Scatter the step's K/V ``[T, Hk, D]`` into their slots (quantised, into an int8 or
+    fp8 cache)."""
     if is_quantized(kv_cache):
-        k, v = quantize(k), quantize(v)
-    num_kv_heads, width = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, v)
+        k, v = as_bytes(quantize(k, kv_cache.dtype)), as_bytes(quantize(v, kv_cache.dtype))
+    cache = as_bytes(kv_cache)
+    num_kv_heads, width = cache.shape[-2:]
+    cache[0].view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, k)
+    cache[1].view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, v)
 
 
 def _read(cached: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cache slots as values of ``dtype`` (dequantised from an int8 cache)."""
+    """Cache slots as values of ``dtype`` (dequantised from an int8 or fp8 cache)."""
     return dequantize(cached, dtype) if is_quantized(cached) else cached
 
 

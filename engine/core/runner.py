@@ -4,7 +4,8 @@ KV-cache layout (per rank), one contiguous tensor::
 
     kv_cache[layer, 0 = K | 1 = V, block_id, offset_in_block, local_kv_head, head_dim]
 
-(an int8 cache: uint8, the last axis ``head_dim + 4`` bytes, ``engine.attention.kv_quant``)
+(an int8 cache: uint8, the last axis ``head_dim + 4`` bytes; an fp8 cache: torch's fp8
+dtype; ``engine.attention.kv_quant``)
 
 A token at sequence position p lives in block ``block_ids[p // block_size]`` at offset
 ``p % block_size``; its slot is ``block_id * block_size + offset``. A KV transfer copies
@@ -29,6 +30,7 @@ from engine.attention.metadata import LayerHook
 from engine.config import EngineConfig
 from engine.core.scheduler import ScheduledChunk
 from engine.kernels.linear import KernelPlan
+from engine.kvcache.layout import KVLayout
 from engine.models import build_model
 from engine.models.layers import apply_kernel_plan, kv_head_range
 from engine.models.loader import iter_weights
@@ -53,7 +55,13 @@ def kv_slot_bytes(config: EngineConfig) -> int:
     m = config.model
     if config.cache.kv_cache_dtype == "int8":
         return slot_bytes(m.head_dim)
-    return m.head_dim * torch.tensor([], dtype=torch_dtype(m.dtype)).element_size()
+    return m.head_dim * torch.tensor([], dtype=kv_cache_torch_dtype(config)).element_size()
+
+
+def kv_cache_torch_dtype(config: EngineConfig) -> torch.dtype:
+    """The cache tensor's dtype: uint8 (int8 slots), an fp8 dtype, or the model's."""
+    return getattr(torch, KVLayout.cache_dtype_of(config.cache.kv_cache_dtype,
+                                                  config.model.dtype))
 
 
 def resolve_num_kv_blocks(config: EngineConfig) -> int:
@@ -142,7 +150,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             m.num_layers, 2, num_kv_blocks, self.block_size, local_kv_heads,
             slot_bytes(m.head_dim) if int8 else m.head_dim,
-            dtype=torch.uint8 if int8 else self.dtype, device=self.device)
+            dtype=kv_cache_torch_dtype(config), device=self.device)
         self.model.set_kv_cache(self.kv_cache)
 
     @property

@@ -26,6 +26,10 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 KV_SCALE_BYTES = 4
 """An int8 cache's slot: ``head_dim`` int8 values, then their fp32 scale
 (``engine.attention.kv_quant``)."""
+QUANTIZED_CACHE_DTYPES = {"int8": "uint8", "fp8_e4m3": "float8_e4m3fn",
+                          "fp8_e5m2": "float8_e5m2"}
+"""``kv_cache_dtype`` → the cache tensor's dtype (torch's name), one byte per element: int8
+slots (values and scale) as uint8, fp8 values as torch's fp8 dtypes."""
 
 PROTOCOL_VERSION = 8
 """Version of what workers and the router exchange: the internal gRPC API
@@ -52,7 +56,8 @@ class KVLayout:
     ``hash_algorithm`` and ``hash_seed`` are the prefix-cache block-hash settings;
     ``kv_cache_dtype`` is ``CacheConfig.kv_cache_dtype`` ("auto": KV in ``dtype``; "int8":
     each token's K/V per head as int8 values and their fp32 scale, so workers of one cluster
-    hold the same bytes and a block moves as it lies); ``kv_transfer_dtype`` is
+    hold the same bytes and a block moves as it lies; "fp8_e4m3" / "fp8_e5m2": one fp8
+    byte per value, moved as it lies too); ``kv_transfer_dtype`` is
     ``CacheConfig.kv_transfer_dtype`` ("auto": blocks travel as the cache holds them;
     "int8": as int8 slots whatever the cache holds, an fp32/bf16 cache's quantised by the
     sender and dequantised into the receiver's cache, so lossy: such blocks are keyed apart,
@@ -75,8 +80,9 @@ class KVLayout:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in QUANTIZED_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of "
+                             f"{sorted(QUANTIZED_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_transfer_dtype not in ("auto", "int8"):
             raise ValueError("kv_transfer_dtype must be 'auto' or 'int8', "
                              f"got {self.kv_transfer_dtype!r}")
@@ -88,13 +94,19 @@ class KVLayout:
 
     @property
     def cache_dtype(self) -> str:
-        """The KV cache tensor's dtype (torch's name): ``dtype``, or uint8 (int8 slots)."""
-        return "uint8" if self.kv_cache_dtype == "int8" else self.dtype
+        """The KV cache tensor's dtype (torch's name): ``dtype``, uint8 (int8 slots) or an
+        fp8 dtype."""
+        return self.cache_dtype_of(self.kv_cache_dtype, self.dtype)
+
+    @staticmethod
+    def cache_dtype_of(kv_cache_dtype: str, dtype: str) -> str:
+        """``cache_dtype`` of a cache of ``kv_cache_dtype`` in a model of ``dtype``."""
+        return QUANTIZED_CACHE_DTYPES.get(kv_cache_dtype, dtype)
 
     @property
     def element_size(self) -> int:
         """Bytes of one element of the cache tensor."""
-        return 1 if self.kv_cache_dtype == "int8" else DTYPE_SIZES[self.dtype]
+        return 1 if self.kv_cache_dtype in QUANTIZED_CACHE_DTYPES else DTYPE_SIZES[self.dtype]
 
     @property
     def slot_width(self) -> int:
@@ -115,8 +127,9 @@ class KVLayout:
 
     @property
     def wire_dtype(self) -> str:
-        """The dtype (torch's name) of a transfer's payload elements."""
-        return "uint8" if self.wire_int8 else self.dtype
+        """The dtype (torch's name) of a transfer's payload elements (an fp8 cache's: its
+        bytes, as uint8)."""
+        return "uint8" if self.wire_int8 or self.element_size == 1 else self.dtype
 
     @property
     def wire_slot_width(self) -> int:
@@ -126,7 +139,7 @@ class KVLayout:
     def row_bytes(self, num_heads: int) -> int:
         """Bytes of one row of a transfer (``kvtransfer.wire.packing``): one block's
         ``[block_size, num_heads, wire_slot_width]`` slab of K or V of one layer."""
-        element = 1 if self.wire_int8 else DTYPE_SIZES[self.dtype]
+        element = 1 if self.wire_dtype == "uint8" else DTYPE_SIZES[self.dtype]
         return self.block_size * num_heads * self.wire_slot_width * element
 
     def diff(self, other: KVLayout) -> str | None:

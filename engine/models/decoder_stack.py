@@ -32,6 +32,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import (
+    KV_KINDS,
     DecoderEnds,
     DecoderLayers,
     DecoderLayerWeights,
@@ -89,7 +90,7 @@ class CompiledDecoderStack:
             head_dim=cfg.head_dim, intermediate=cfg.intermediate_size,
             num_cache_blocks=first.kv_cache.shape[1], block_size=first.kv_cache.shape[2],
             rms_eps=cfg.rms_norm_eps, scale=first.scale,
-            kv_int8=int(first.kv_cache.dtype == torch.uint8))
+            kv_kind=KV_KINDS[first.kv_cache.dtype])
         if not kernels.supports_decoder_stack(shape):
             return None
         if any(linear.kernel_name not in GEMV_KERNELS for layer in layers for linear in _linears(layer)):

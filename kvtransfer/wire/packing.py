@@ -17,7 +17,8 @@ there (they are written on the receiver, which never reads them).
 With ``kv_transfer_dtype="int8"`` over a cache that is not int8 (``KVLayout.wire_quantized``)
 the sender quantises the rows it gathers into the int8 cache's slot format
 (``engine.attention.kv_quant``) and the receiver dequantises them into its own cache:
-``gather_for_wire`` / ``scatter_from_wire``; otherwise both copy the bytes as they lie.
+``gather_for_wire`` / ``scatter_from_wire``; otherwise both copy the bytes as they lie (an
+fp8 cache's as uint8: torch does not index-copy fp8 tensors).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.kv_quant import dequantize, quantize
+from engine.attention.kv_quant import as_bytes, dequantize, quantize
 from engine.kvcache.layout import KVLayout
 from engine.tp.sharding import num_blocks_for
 
@@ -118,7 +119,7 @@ def gather_for_wire(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: tupl
     quantised when ``layout.wire_quantized``."""
     out = wire_rows(payload, layout, rows[1] - rows[0], heads[1] - heads[0])
     if not layout.wire_quantized:
-        gather(kv_cache, block_ids, heads, layer_start, num_blocks, rows, out)
+        gather(as_bytes(kv_cache), block_ids, heads, layer_start, num_blocks, rows, out)
         return
     values = torch.empty(*out.shape[:-1], layout.head_dim, dtype=kv_cache.dtype,
                          device=kv_cache.device)
@@ -134,7 +135,7 @@ def scatter_from_wire(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: tu
     src = wire_rows(payload, layout, rows[1] - rows[0], heads[1] - heads[0])
     if layout.wire_quantized:
         src = dequantize(src, kv_cache.dtype)
-    scatter(kv_cache, block_ids, heads, layer_start, num_blocks, rows, src)
+    scatter(as_bytes(kv_cache), block_ids, heads, layer_start, num_blocks, rows, src)
 
 
 def transfer_blocks(num_tokens: int, block_ids: list[int] | tuple[int, ...], block_size: int,

@@ -31,12 +31,21 @@ SENT = "pdserve:kv_transfer_bytes_total{direction=sent}"
 
 def test_int8_kv_streams_equal_the_int8_kv_engine_and_move_its_bytes(
         client: Client, cluster: Cluster, llama_dir: Path) -> None:
+    head_dim = load_model_config(llama_dir).head_dim
+    check_streams_and_bytes(client, cluster, llama_dir, "int8", slot_bytes=head_dim + 4)
+
+
+def check_streams_and_bytes(client: Client, cluster: Cluster, llama_dir: Path,
+                            kv_cache_dtype: str, slot_bytes: int) -> None:
+    """Greedy and seeded streams equal ``engine.LLM``'s with the same ``kv_cache_dtype``,
+    and the prefill worker sent ``slot_bytes`` per token, KV head and K/V of every block."""
     # each round's prompts share no block with another's: every block is sent, whole
-    rounds = [[f"Round {k}: {p} (an int8 KV cache)" for p in PROMPTS[:4]] for k in range(2)]
+    rounds = [[f"Round {k}: {p} (a {kv_cache_dtype} KV cache)" for p in PROMPTS[:4]]
+              for k in range(2)]
     # chunked as the workers chunk a prompt (a later chunk reads the earlier ones' K/V
-    # from the int8 cache), one prompt at a time as the cluster computes them here (a batch
-    # changes the last bits of K/V, which can move a value across an int8 rounding step)
-    with LLM(llama_dir, kv_cache_dtype="int8", max_num_batched_tokens=32) as llm:
+    # from the quantised cache), one prompt at a time as the cluster computes them here (a
+    # batch changes the last bits of K/V, which can move a value across a rounding step)
+    with LLM(llama_dir, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=32) as llm:
         expected = [[llm.generate([prompt], p)[0].token_ids for prompt in prompts]
                     for prompts, p in zip(rounds, PARAMS, strict=True)]
         blocks = sum(-(-len(llm.encode(prompt)) // 16) for prompts in rounds for prompt in prompts)
@@ -47,6 +56,5 @@ def test_int8_kv_streams_equal_the_int8_kv_engine_and_move_its_bytes(
            for prompts, p in zip(rounds, PARAMS, strict=True)]
     assert got == expected
     model = load_model_config(llama_dir)
-    slot = model.head_dim + 4  # bytes of one token's K (or V) of one KV head: fp32 takes 4x
-    per_block = model.num_layers * 2 * 16 * model.num_kv_heads * slot
+    per_block = model.num_layers * 2 * 16 * model.num_kv_heads * slot_bytes
     assert scrape_metrics(prefill)[SENT] - before == blocks * per_block

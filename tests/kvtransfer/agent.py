@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from engine.attention.kv_quant import as_bytes
 from engine.kvcache.layout import KVLayout
 from engine.models.layers import kv_head_range
 from engine.tp.distributed import (
@@ -73,10 +74,11 @@ class RemoteError(RuntimeError):
 
 
 def global_kv(layout: KVLayout, num_tokens: int, seed: int) -> torch.Tensor:
-    """Every token's KV of ``layout`` (an int8 cache's: random bytes of values and scales)."""
+    """Every token's KV of ``layout`` (a quantised cache's as random bytes: an int8 cache's
+    values and scales, an fp8 cache's values)."""
     gen = torch.Generator().manual_seed(seed)
     shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.slot_width)
-    if layout.kv_cache_dtype == "int8":
+    if layout.kv_cache_dtype != "auto":
         return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
     return torch.randn(shape, generator=gen).to(getattr(torch, layout.dtype))
 
@@ -157,7 +159,7 @@ class AgentState:
         start, end = kv_head_range(self.layout.num_kv_heads, *self.tp)
         kv = global_kv(self.layout, num_tokens, seed)[:, :, :, start:end]
         blocks, offsets = token_slots(block_ids, num_tokens, self.layout.block_size)
-        self.cache[:, :, blocks, offsets] = kv.to(self.cache.device)
+        as_bytes(self.cache)[:, :, blocks, offsets] = kv.to(self.cache.device)
 
     def read(self, block_ids: Sequence[int], num_tokens: int) -> tuple[bytes, tuple[int, ...]]:
         """``[layers, 2, tokens, local heads, head_dim]`` as held in ``block_ids``, as raw
@@ -165,13 +167,13 @@ class AgentState:
         passing starts a thread in this process)."""
         assert self.layout is not None and self.cache is not None
         blocks, offsets = token_slots(block_ids, num_tokens, self.layout.block_size)
-        held = self.cache[:, :, blocks, offsets].cpu().contiguous()
+        held = as_bytes(self.cache)[:, :, blocks, offsets].cpu().contiguous()
         return held.view(torch.uint8).numpy().tobytes(), tuple(held.shape)
 
     def written_blocks(self) -> list[int]:
         """Ids of the blocks holding any nonzero value."""
         assert self.cache is not None
-        return torch.nonzero(self.cache.abs().sum(dim=(0, 1, 3, 4, 5))).flatten().cpu().tolist()
+        return torch.nonzero(as_bytes(self.cache).abs().sum(dim=(0, 1, 3, 4, 5))).flatten().cpu().tolist()
 
     def send(self, transfer_id: int, block_ids: Sequence[int], num_tokens: int,
              dest: StoreAddress, layers: range | None = None) -> None:

@@ -72,6 +72,23 @@ def test_an_int8_cache_moves_its_scales_with_its_values_and_reshards(
     assert sent == layout.row_bytes(2) * 2 * layout.num_layers * 5 < 0.3 * fp32
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_an_fp8_cache_moves_a_quarter_of_fp32s_bytes_as_they_lie_and_reshards(
+        agents: AgentsFactory, kv_cache_dtype: str) -> None:
+    """An fp8 cache's blocks (one byte per value, no scale) travel as their bytes: exactly
+    a quarter of an fp32 cache's, re-sharded by heads (1 sender, 2 receivers)."""
+    layout = make_layout(kv_cache_dtype=kv_cache_dtype)
+    assert layout.wire_dtype == "uint8" and not layout.wire_quantized
+    a, b, c = agents(3)
+    prefill, decode = make_prefill([a], layout), make_decode([b, c], layout)
+    req = make_request(29, 70)
+    transfer(prefill, decode, req)
+    assert_received(decode, req)
+    sent = reports([a])[0]["stats"]["bytes_sent"]  # type: ignore[index]
+    fp32 = make_layout().row_bytes(2) * 2 * layout.num_layers * 5  # 5 blocks, K and V
+    assert sent * 4 == fp32
+
+
 def test_kv_quantised_for_the_wire_only_arrives_dequantised_and_reshards(
         agents: AgentsFactory) -> None:
     """``kv_transfer_dtype="int8"`` over fp32 caches: the sender quantises (int8 slots, as

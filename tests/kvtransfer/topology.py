@@ -114,7 +114,7 @@ def assert_received(decode: Decode, req: Request) -> None:
     for j, agent in enumerate(decode.ranks):
         start, end = kv_head_range(decode.layout.num_kv_heads, j, r)
         got = unpack(agent.call("read", req.dst_blocks, req.num_tokens),
-                     decode.layout.cache_dtype)
+                     "uint8" if decode.layout.kv_cache_dtype != "auto" else decode.layout.cache_dtype)
         assert got.shape == expected[:, :, :, start:end].shape, (j, got.shape)
         assert torch.equal(got, expected[:, :, :, start:end]), f"decode rank {j} differs"
 

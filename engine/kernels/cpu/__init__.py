@@ -36,6 +36,7 @@ from engine.kernels.cpu.build import BuildError, build
 from engine.kernels.cpu.cache import DamagedLibraryError, load
 from engine.kernels.cpu.library import NativeKernels
 from engine.kernels.cpu.stack_layout import (
+    KV_KINDS,
     STACK_MAX_ROWS,
     DecoderEnds,
     DecoderLayers,
@@ -44,7 +45,7 @@ from engine.kernels.cpu.stack_layout import (
     decoder_step_takes,
 )
 
-__all__ = ["ENV", "GEMV_MAX_ROWS", "STACK_MAX_ROWS", "BuildError", "DecoderEnds",
+__all__ = ["ENV", "GEMV_MAX_ROWS", "KV_KINDS", "STACK_MAX_ROWS", "BuildError", "DecoderEnds",
            "DecoderLayerWeights", "DecoderLayers", "DecoderShape", "NativeKernels",
            "decoder_step_takes", "native"]
 

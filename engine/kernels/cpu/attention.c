@@ -45,34 +45,40 @@ static inline float slot_scale(const void *kb, int64_t slot, int64_t head_dim) {
     return scale;
 }
 
-/* LANES keys' (or values') elements from element index j of a run: fp32, or int8 widened
- * in registers (inlined with int8 a constant, the test vanishes) */
-static inline __attribute__((always_inline)) fv load_kv(const void *run, int64_t j, int int8) {
-    return int8 ? widen_int8((const int8_t *)run + j) : loadv((const float *)run + j);
+/* What a cache's elements are (the kernels' last argument, a constant once inlined) */
+enum { KV_F32 = 0, KV_I8 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
+
+/* LANES keys' (or values') elements from element index j of a run: fp32, or int8 or fp8
+ * widened in registers (inlined with the kind a constant, the tests vanish) */
+static inline __attribute__((always_inline)) fv load_kv(const void *run, int64_t j, int kind) {
+    if (kind == KV_I8) return widen_int8((const int8_t *)run + j);
+    if (kind == KV_E4M3) return widen_fp8((const uint8_t *)run + j, 3, 7);
+    if (kind == KV_E5M2) return widen_fp8((const uint8_t *)run + j, 2, 15);
+    return loadv((const float *)run + j);
 }
 
 /* The dot products of query qg [chunks * LANES] with n <= LANES keys, token t's at
- * kb + t * stride (elements: floats, or int8 values each scaled by the fp32 that follows
- * the slot's chunks * LANES of them), as one vector (lanes past n are 0). A full run keeps
+ * kb + t * stride (elements: floats, fp8 bytes, or int8 values each scaled by the fp32
+ * that follows the slot's chunks * LANES of them), as one vector (lanes past n are 0). A full run keeps
  * its LANES partial sums in registers (the loops have constant bounds). */
 static inline __attribute__((always_inline)) fv score_run(const float *qg, const void *kb,
                                                           int64_t stride, int64_t chunks,
-                                                          int64_t n, int int8) {
+                                                          int64_t n, int kind) {
     fv dots[LANES];
     for (int t = 0; t < LANES; t++) dots[t] = (fv){0};
     if (n == LANES) {
         for (int64_t c = 0; c < chunks; c++) {
             const fv qc = loadv(qg + c * LANES);
 #pragma GCC unroll 16
-            for (int t = 0; t < LANES; t++) dots[t] += qc * load_kv(kb, t * stride + c * LANES, int8);
+            for (int t = 0; t < LANES; t++) dots[t] += qc * load_kv(kb, t * stride + c * LANES, kind);
         }
     } else {
         for (int t = 0; t < n; t++)
             for (int64_t c = 0; c < chunks; c++)
-                dots[t] += loadv(qg + c * LANES) * load_kv(kb, t * stride + c * LANES, int8);
+                dots[t] += loadv(qg + c * LANES) * load_kv(kb, t * stride + c * LANES, kind);
     }
     fv sums = lane_sums(dots);
-    if (int8) {
+    if (kind == KV_I8) {
         float scales[LANES] = {0};
         for (int t = 0; t < n; t++) scales[t] = slot_scale(kb, t * stride, chunks * LANES);
         sums *= loadv(scales);
@@ -116,14 +122,16 @@ static inline void prefetch_run(const char *k_cache, const char *v_cache, const 
  * k_cache, v_cache: token t of block b, KV head h's slot at ((b * S + t) * Hk + h) * W
  *          elements: fp32 (W = D), or int8 (W = D + 4 bytes: D int8 values, then their fp32
  *          scale; engine/attention/kv_quant.py), the int8 values widened in registers and
- *          each key's dot product and each value's weight multiplied by its scale
+ *          each key's dot product and each value's weight multiplied by its scale, or fp8
+ *          (W = D bytes, no scale) widened in registers
  * tables   [B, max_blocks] int64    context_lens [B] int64 (>= 1, <= max_blocks * S)
  */
 static inline __attribute__((always_inline)) int paged_decode_attention(
         const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
         int64_t num_cache_blocks, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
         int64_t group, const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
-        int64_t num_seqs, float scale, float *out, int num_threads, int int8) {
+        int64_t num_seqs, float scale, float *out, int num_threads, int kind) {
+    const int int8 = kind == KV_I8;
     if (group < 1 || group > ATTN_MAX_ROWS || head_dim < ATTN_HEAD_MULTIPLE
         || head_dim % ATTN_HEAD_MULTIPLE
         || group * head_dim > ATTN_MAX_ACC || block_size < 1 || num_kv_heads < 1
@@ -147,7 +155,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
     heads_per_task = heads_per_task < fit ? heads_per_task : fit;
     const int64_t tasks_per_seq = (num_kv_heads + heads_per_task - 1) / heads_per_task;
     const int64_t slot = int8 ? head_dim + 4 : head_dim; /* elements of one token-head */
-    const int64_t elem = int8 ? 1 : (int64_t)sizeof(float);
+    const int64_t elem = kind != KV_F32 ? 1 : (int64_t)sizeof(float);
     const int64_t hq = num_kv_heads * group, token_stride = num_kv_heads * slot;
     const int64_t chunks = head_dim / LANES;
 #if LANES == 16
@@ -180,9 +188,8 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                              h0 * slot * elem, (h1 - h0) * slot * elem, pos + n, ctx);
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t at = first + (h0 + r / group) * slot;
-                const void *kb = int8 ? (const void *)((const int8_t *)k_cache + at)
-                                      : (const void *)((const float *)k_cache + at);
-                fv sc = score_run(q_rows + r * head_dim, kb, token_stride, chunks, n, int8) * scale;
+                const void *kb = (const char *)k_cache + at * elem;
+                fv sc = score_run(q_rows + r * head_dim, kb, token_stride, chunks, n, kind) * scale;
                 sc = selectv(valid, sc, (fv){0} - INFINITY);
                 const float new_max = max_lanes(sc) > run_max[r] ? max_lanes(sc) : run_max[r];
                 const fv p = selectv(valid, exp_nonpositive(sc - new_max), (fv){0});
@@ -200,8 +207,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
             }
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t at = first + (h0 + r / group) * slot;
-                const void *vb = int8 ? (const void *)((const int8_t *)v_cache + at)
-                                      : (const void *)((const float *)v_cache + at);
+                const void *vb = (const char *)v_cache + at * elem;
                 float wr[LANES]; /* each value's weight (times its scale: int8) */
                 for (int t = 0; t < LANES; t++)
                     wr[t] = weights[r * LANES + t]
@@ -213,12 +219,12 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                     fv a0 = loadv(ar), a1 = {0}, a2 = {0}, a3 = {0};
                     int t = 0;
                     for (; t + 4 <= n; t += 4) {
-                        a0 += wr[t] * load_kv(vb, vc + t * token_stride, int8);
-                        a1 += wr[t + 1] * load_kv(vb, vc + (t + 1) * token_stride, int8);
-                        a2 += wr[t + 2] * load_kv(vb, vc + (t + 2) * token_stride, int8);
-                        a3 += wr[t + 3] * load_kv(vb, vc + (t + 3) * token_stride, int8);
+                        a0 += wr[t] * load_kv(vb, vc + t * token_stride, kind);
+                        a1 += wr[t + 1] * load_kv(vb, vc + (t + 1) * token_stride, kind);
+                        a2 += wr[t + 2] * load_kv(vb, vc + (t + 2) * token_stride, kind);
+                        a3 += wr[t + 3] * load_kv(vb, vc + (t + 3) * token_stride, kind);
                     }
-                    for (; t < n; t++) a0 += wr[t] * load_kv(vb, vc + t * token_stride, int8);
+                    for (; t < n; t++) a0 += wr[t] * load_kv(vb, vc + t * token_stride, kind);
                     storev(ar, (a0 + a1) + (a2 + a3));
                 }
             }
@@ -242,7 +248,7 @@ int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float 
                                   float *out, int num_threads) {
     return paged_decode_attention(q, q_stride, k_cache, v_cache, num_cache_blocks, block_size,
                                   num_kv_heads, head_dim, group, tables, max_blocks,
-                                  context_lens, num_seqs, scale, out, num_threads, 0);
+                                  context_lens, num_seqs, scale, out, num_threads, KV_F32);
 }
 
 /* The same over an int8 cache (k_cache, v_cache: uint8 slots of head_dim + 4 bytes) */
@@ -254,5 +260,29 @@ int pd_paged_decode_attention_i8(const float *q, int64_t q_stride, const uint8_t
                                  float *out, int num_threads) {
     return paged_decode_attention(q, q_stride, k_cache, v_cache, num_cache_blocks, block_size,
                                   num_kv_heads, head_dim, group, tables, max_blocks,
-                                  context_lens, num_seqs, scale, out, num_threads, 1);
+                                  context_lens, num_seqs, scale, out, num_threads, KV_I8);
+}
+
+/* The same over an fp8 cache (k_cache, v_cache: head_dim bytes of float8_e4m3fn, or of
+ * float8_e5m2, per token and head; no scale) */
+int pd_paged_decode_attention_e4m3(const float *q, int64_t q_stride, const uint8_t *k_cache,
+                                   const uint8_t *v_cache, int64_t num_cache_blocks,
+                                   int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+                                   int64_t group, const int64_t *tables, int64_t max_blocks,
+                                   const int64_t *context_lens, int64_t num_seqs, float scale,
+                                   float *out, int num_threads) {
+    return paged_decode_attention(q, q_stride, k_cache, v_cache, num_cache_blocks, block_size,
+                                  num_kv_heads, head_dim, group, tables, max_blocks,
+                                  context_lens, num_seqs, scale, out, num_threads, KV_E4M3);
+}
+
+int pd_paged_decode_attention_e5m2(const float *q, int64_t q_stride, const uint8_t *k_cache,
+                                   const uint8_t *v_cache, int64_t num_cache_blocks,
+                                   int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+                                   int64_t group, const int64_t *tables, int64_t max_blocks,
+                                   const int64_t *context_lens, int64_t num_seqs, float scale,
+                                   float *out, int num_threads) {
+    return paged_decode_attention(q, q_stride, k_cache, v_cache, num_cache_blocks, block_size,
+                                  num_kv_heads, head_dim, group, tables, max_blocks,
+                                  context_lens, num_seqs, scale, out, num_threads, KV_E5M2);
 }

@@ -9,6 +9,9 @@ import torch
 
 from engine.kernels.cpu._ffi import bind, cint, f32, i64, ptr
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_CACHE_DTYPES = (torch.float32, torch.uint8, *_FP8)
+
 
 class AttentionKernels:
     """``NativeKernels``' KV write and paged decode attention."""
@@ -17,10 +20,17 @@ class AttentionKernels:
         args = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, f32, ptr, cint]
         self._attn = bind(library, "pd_paged_decode_attention_f32", args)
         self._attn_i8 = bind(library, "pd_paged_decode_attention_i8", args)
+        self._attn_by_dtype = {torch.float32: self._attn, torch.uint8: self._attn_i8,
+                               torch.float8_e4m3fn: bind(library, "pd_paged_decode_attention_e4m3",
+                                                         args),
+                               torch.float8_e5m2: bind(library, "pd_paged_decode_attention_e5m2",
+                                                       args)}
         self._write_kv = bind(library, "pd_write_kv_f32",
                               [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr])
         self._write_kv_i8 = bind(library, "pd_write_kv_i8",
                                  [ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr])
+        self._write_kv_fp8 = bind(library, "pd_write_kv_fp8",
+                                  [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, cint])
         self._quantize_kv = bind(library, "pd_quantize_kv_slots", [ptr, i64, i64, ptr])
         self._dequantize_kv = bind(library, "pd_dequantize_kv_slots", [ptr, i64, i64, ptr])
 
@@ -51,15 +61,15 @@ class AttentionKernels:
                  slot_mapping: torch.Tensor) -> bool:
         """Write ``k``, ``v [T, Hk, D]`` into slots ``slot_mapping [T]`` of ``kv_cache
         [2, num_blocks, block_size, Hk, D]`` (or, quantised as ``kv_quant.quantize`` does,
-        of an int8 cache's ``D + 4``-byte slots); ``False`` (nothing written) unless ``k``
+        of an int8 cache's ``D + 4``-byte slots, or into an fp8 cache: the same bytes as
+        torch's conversion); ``False`` (nothing written) unless ``k``
         and ``v`` are fp32 CPU tensors with each token's heads contiguous, the cache
         contiguous, and ``slot_mapping`` a 1-d int32/int64 CPU tensor. Raises
         ``IndexError`` (as ``index_copy_`` does) for a slot outside the cache, before
         writing anything."""
         int8 = kv_cache.dtype == torch.uint8
         if not (k.dim() == v.dim() == 3 and kv_cache.dim() == 5 and kv_cache.shape[0] == 2
-                and k.dtype == v.dtype == torch.float32
-                and (int8 or kv_cache.dtype == torch.float32)
+                and k.dtype == v.dtype == torch.float32 and kv_cache.dtype in _CACHE_DTYPES
                 and k.device.type == v.device.type == kv_cache.device.type == "cpu"
                 and slot_mapping.dim() == 1 and slot_mapping.device.type == "cpu"
                 and slot_mapping.dtype in (torch.int32, torch.int64)
@@ -74,7 +84,11 @@ class AttentionKernels:
         slots = slot_mapping.to(torch.int64).contiguous()
         strides = (k.stride(0) if tokens > 1 else width, v.stride(0) if tokens > 1 else width)
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-        if int8:
+        if kv_cache.dtype in _FP8:
+            rc = self._write_kv_fp8(k.data_ptr(), strides[0], v.data_ptr(), strides[1], tokens,
+                                    width, slots.data_ptr(), num_slots, kv_cache[0].data_ptr(),
+                                    kv_cache[1].data_ptr(), int(kv_cache.dtype == torch.float8_e5m2))
+        elif int8:
             rc = self._write_kv_i8(k.data_ptr(), strides[0], v.data_ptr(), strides[1], tokens,
                                    k.shape[1], k.shape[2], slots.data_ptr(), num_slots,
                                    kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
@@ -89,14 +103,15 @@ class AttentionKernels:
     @staticmethod
     def supports_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether ``paged_decode_attention`` takes q ``[B, Hq, D]`` over this cache (fp32,
-        or int8: uint8 slots of ``D + 4`` bytes, ``engine.attention.kv_quant``)."""
+        int8: uint8 slots of ``D + 4`` bytes, or fp8 (e4m3fn, e5m2) values,
+        ``engine.attention.kv_quant``)."""
         if q.dim() != 3 or kv_cache.dim() != 5 or q.numel() == 0:
             return False
         _, _, block_size, num_kv_heads, width = kv_cache.shape
         int8 = kv_cache.dtype == torch.uint8
         head_dim = width - 4 if int8 else width
         num_q_heads = q.shape[1]
-        return (q.dtype == torch.float32 and (int8 or kv_cache.dtype == torch.float32)
+        return (q.dtype == torch.float32 and kv_cache.dtype in _CACHE_DTYPES
                 and q.device.type == "cpu"
                 and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
                 and q.shape[2] == head_dim and num_q_heads % num_kv_heads == 0
@@ -111,7 +126,7 @@ class AttentionKernels:
         """Softmax attention of each sequence's one query token ``q [B, Hq, D]`` over the
         first ``context_lens[i]`` slots of its blocks ``block_tables [B, max_blocks]`` in
         ``kv_cache [2, num_blocks, block_size, Hk, D]`` (or an int8 cache's ``D + 4``-byte
-        slots) → ``[B, Hq, D]``. Query heads ``h * Hq/Hk .. (h+1) * Hq/Hk - 1`` share KV head
+        slots, or fp8 values) → ``[B, Hq, D]``. Query heads ``h * Hq/Hk .. (h+1) * Hq/Hk - 1`` share KV head
         ``h`` (GQA/MQA)."""
         if not self.supports_decode_attention(q, kv_cache):
             raise ValueError(f"paged_decode_attention does not take q {tuple(q.shape)} "
@@ -125,7 +140,7 @@ class AttentionKernels:
                              f"{tuple(lens.shape)} do not match {num_seqs} sequences")
         out = torch.empty(num_seqs, num_q_heads, head_dim, dtype=q.dtype)
         q_stride = q.stride(0) if num_seqs > 1 else num_q_heads * head_dim
-        attend = self._attn_i8 if kv_cache.dtype == torch.uint8 else self._attn
+        attend = self._attn_by_dtype[kv_cache.dtype]
         rc = attend(q.data_ptr(), q_stride, kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
                         num_blocks, block_size, num_kv_heads, head_dim,
                         num_q_heads // num_kv_heads, tables.data_ptr(), tables.shape[1],

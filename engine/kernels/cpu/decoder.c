@@ -18,8 +18,8 @@ typedef struct {
     const void *gate_up_w;                  /* [2 I, hidden]: gate | up */
     const void *down_w;                     /* [hidden, I] */
     const float *down_b;
-    void *k_cache, *v_cache; /* [num_cache_blocks * block_size, Hk, D] fp32, or int8 slots
-                              * of D + 4 bytes (kv_int8; engine/attention/kv_quant.py) */
+    void *k_cache, *v_cache; /* [num_cache_blocks * block_size, Hk, D] fp32, int8 slots of
+                              * D + 4 bytes, or fp8 bytes (kv_kind; kv_quant.py) */
     /* the four weights packed for pd_gemm_packed_f32 / _i8 (pd_gemm_panel_floats
      * elements each), or NULL: a stack without them takes at most GEMV_MAX_X_ROWS rows */
     const void *qkv_p, *o_p, *gate_up_p, *down_p;
@@ -32,7 +32,9 @@ typedef struct {
     int64_t hidden, num_q_heads, num_kv_heads, head_dim, intermediate;
     int64_t num_cache_blocks, block_size;
     float rms_eps, scale;
-    int64_t kv_int8; /* the caches are int8 (pd_write_kv_i8, pd_paged_decode_attention_i8) */
+    int64_t kv_kind; /* the caches' elements: 0 fp32, 1 int8 slots (pd_write_kv_i8,
+                      * pd_paged_decode_attention_i8), 2 fp8 e4m3, 3 fp8 e5m2 (_fp8, _e4m3,
+                      * _e5m2) */
 } pd_decoder_shape;
 
 /* whether every kernel of the stack takes these sizes (the attention's limits) */
@@ -40,7 +42,8 @@ int pd_decoder_shape_ok(const pd_decoder_shape *s) {
     const int64_t hq = s->num_q_heads, hk = s->num_kv_heads, d = s->head_dim;
     return hq >= 1 && hk >= 1 && hq % hk == 0 && d >= ATTN_HEAD_MULTIPLE
            && d % ATTN_HEAD_MULTIPLE == 0
-           && hq / hk <= ATTN_MAX_ROWS && hq / hk * d <= ATTN_MAX_ACC;
+           && hq / hk <= ATTN_MAX_ROWS && hq / hk * d <= ATTN_MAX_ACC
+           && s->kv_kind >= 0 && s->kv_kind <= 3;
 }
 
 /* floats of scratch one row of the batch needs (see pd_decoder_stack_f32) */
@@ -125,7 +128,15 @@ int pd_decoder_stack_f32(const pd_decoder_layer *layers, int64_t num_layers,
             qk_stride = qk_width;
         }
         rc |= pd_rope_f32(qk, rows, hq + hk, d, qk_stride, cos, sin, rot, num_threads);
-        if (s->kv_int8) {
+        if (s->kv_kind == 2 || s->kv_kind == 3) {
+            rc |= pd_write_kv_fp8(rot + hq * d, qk_width, qkv + qk_width, qkv_width, rows,
+                                  hk * d, slots, num_slots, L->k_cache, L->v_cache,
+                                  s->kv_kind == 3);
+            rc |= (s->kv_kind == 3 ? pd_paged_decode_attention_e5m2
+                                   : pd_paged_decode_attention_e4m3)(
+                rot, qk_width, L->k_cache, L->v_cache, s->num_cache_blocks, s->block_size, hk,
+                d, hq / hk, tables, max_blocks, context_lens, rows, s->scale, att, num_threads);
+        } else if (s->kv_kind == 1) {
             rc |= pd_write_kv_i8(rot + hq * d, qk_width, qkv + qk_width, qkv_width, rows, hk, d,
                                  slots, num_slots, L->k_cache, L->v_cache);
             rc |= pd_paged_decode_attention_i8(rot, qk_width, L->k_cache, L->v_cache,

@@ -74,6 +74,27 @@ static inline __attribute__((always_inline)) fv widen_int8(const int8_t *p) {
 #endif
 }
 
+/* LANES fp8 bytes from p as fp32, exactly (torch's float8_e4m3fn with mbits 3, bias 7;
+ * float8_e5m2 with 2, 15): a value is its mantissa with the implicit bit (none for a
+ * subnormal) times a power of two built as a normal fp32, so no subnormal fp32 is ever
+ * made. The NaN/inf codes, which an fp8 KV cache never holds (its writes saturate), read
+ * as finite values. */
+static inline __attribute__((always_inline)) fv widen_fp8(const uint8_t *p, int mbits, int bias) {
+#if defined(__AVX512F__)
+    const iv x = (iv)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    const iv x = (iv)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    iv x;
+    for (int i = 0; i < LANES; i++) x[i] = p[i];
+#endif
+    const iv e = (x >> mbits) & ((1 << (7 - mbits)) - 1), normal = e != 0;
+    const iv mantissa = (x & ((1 << mbits) - 1)) | (normal & (1 << mbits));
+    const iv power = (e - (e == 0) - bias - mbits + 127) << 23; /* 2^(e or 1, less both) */
+    const fv value = __builtin_convertvector(mantissa, fv) * (fv)power;
+    return (fv)((iv)value | ((x & 0x80) << 24));
+}
+
 static inline __attribute__((always_inline)) fv load_weights(const void *run, int64_t j, int int8) {
     return int8 ? widen_int8((const int8_t *)run + j) : loadv((const float *)run + j);
 }
@@ -152,6 +173,9 @@ int pd_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_
 int pd_write_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                    int64_t tokens, int64_t heads, int64_t head_dim, const int64_t *slots,
                    int64_t num_slots, uint8_t *k_cache, uint8_t *v_cache);
+int pd_write_kv_fp8(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                    int64_t tokens, int64_t width, const int64_t *slots, int64_t num_slots,
+                    uint8_t *k_cache, uint8_t *v_cache, int e5m2);
 int pd_quantize_kv_slots(const float *x, int64_t rows, int64_t head_dim, uint8_t *out);
 int pd_dequantize_kv_slots(const uint8_t *slots, int64_t rows, int64_t head_dim, float *out);
 int pd_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t row_stride,
@@ -187,6 +211,18 @@ int pd_paged_decode_attention_i8(const float *q, int64_t q_stride, const uint8_t
                                  int64_t group, const int64_t *tables, int64_t max_blocks,
                                  const int64_t *context_lens, int64_t num_seqs, float scale,
                                  float *out, int num_threads);
+int pd_paged_decode_attention_e4m3(const float *q, int64_t q_stride, const uint8_t *k_cache,
+                                   const uint8_t *v_cache, int64_t num_cache_blocks,
+                                   int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+                                   int64_t group, const int64_t *tables, int64_t max_blocks,
+                                   const int64_t *context_lens, int64_t num_seqs, float scale,
+                                   float *out, int num_threads);
+int pd_paged_decode_attention_e5m2(const float *q, int64_t q_stride, const uint8_t *k_cache,
+                                   const uint8_t *v_cache, int64_t num_cache_blocks,
+                                   int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+                                   int64_t group, const int64_t *tables, int64_t max_blocks,
+                                   const int64_t *context_lens, int64_t num_seqs, float scale,
+                                   float *out, int num_threads);
 /* sampling.c */
 int pd_apply_token_bitmask_f32(float *logits, int64_t rows, int64_t cols, int64_t row_stride,
                                const int32_t *mask, int64_t words, const int64_t *row_index,

@@ -164,6 +164,46 @@ int pd_write_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t v_s
     return 0;
 }
 
+/* One float as an fp8 byte, as torch's conversion after kv_quant.quantize's clamp writes
+ * it: the format's largest where |x| is larger (saturating), else rounded half to even to
+ * mbits mantissa bits (bias: the exponent's), a subnormal below the smallest normal; a
+ * NaN as the format's NaN code 0x7f (e4m3fn) or 0x7f's e5m2 neighbour, with its sign. */
+static inline uint8_t to_fp8(float x, int mbits, int bias, float largest) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const uint8_t sign = (uint8_t)(bits >> 24) & 0x80;
+    if (isnan(x)) return sign | 0x7f;
+    float a = fabsf(x);
+    a = a > largest ? largest : a;
+    const float smallest_normal = ldexpf(1.f, 1 - bias);
+    if (a < smallest_normal) /* a multiple of 2^(1 - bias - mbits): exact scaling, then RNE */
+        return sign | (uint8_t)nearbyintf(ldexpf(a, bias + mbits - 1));
+    memcpy(&bits, &a, sizeof bits);
+    const int drop = 23 - mbits;
+    bits += ((1u << (drop - 1)) - 1) + ((bits >> drop) & 1); /* half to even */
+    const uint32_t exponent = (bits >> 23) - 127 + (uint32_t)bias;
+    return sign | (uint8_t)((exponent << mbits) | ((bits >> drop) & ((1u << mbits) - 1)));
+}
+
+/* The same into an fp8 cache (e5m2 0: float8_e4m3fn, 1: float8_e5m2): each value one
+ * byte, width (heads * head_dim) bytes per slot. */
+int pd_write_kv_fp8(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                    int64_t tokens, int64_t width, const int64_t *slots, int64_t num_slots,
+                    uint8_t *k_cache, uint8_t *v_cache, int e5m2) {
+    if (tokens < 0 || width < 1 || k_stride < width || v_stride < width) return -1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -3;
+    const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const float largest = e5m2 ? 57344.f : 448.f;
+    for (int64_t t = 0; t < tokens; t++)
+        for (int kv = 0; kv < 2; kv++) {
+            const float *x = kv ? v + t * v_stride : k + t * k_stride;
+            uint8_t *out = (kv ? v_cache : k_cache) + slots[t] * width;
+            for (int64_t i = 0; i < width; i++) out[i] = to_fp8(x[i], mbits, bias, largest);
+        }
+    return 0;
+}
+
 /* rows contiguous heads of head_dim floats as int8 slots (quantize_slot), and back: each
  * slot's int8 values times its scale, one fp32 multiply as kv_quant.dequantize does. One
  * thread: the KV transfer's send and receive lanes call them beside the engine's step. */

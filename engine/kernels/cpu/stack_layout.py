@@ -21,7 +21,12 @@ class DecoderShape(ctypes.Structure):
 
     _fields_ = [("hidden", i64), ("num_q_heads", i64), ("num_kv_heads", i64),
                 ("head_dim", i64), ("intermediate", i64), ("num_cache_blocks", i64),
-                ("block_size", i64), ("rms_eps", f32), ("scale", f32), ("kv_int8", i64)]
+                ("block_size", i64), ("rms_eps", f32), ("scale", f32), ("kv_kind", i64)]
+
+
+KV_KINDS = {torch.float32: 0, torch.uint8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+"""``DecoderShape.kv_kind`` of a KV cache of each dtype: fp32, int8 slots
+(``engine.attention.kv_quant``), fp8 e4m3, fp8 e5m2."""
 
 
 _LAYER_FIELDS = ("input_norm", "post_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b",
@@ -40,7 +45,7 @@ class DecoderLayerWeights:
     """One Llama-family layer for ``decoder_stack``: weights in the checkpoint layout
     (q | k | v heads fused, gate | up fused), the optional biases and per-head q/k norms,
     the layer's KV cache ``[2, num_blocks, block_size, Hk, D]`` (an int8 cache's last axis
-    ``D + 4`` uint8: ``DecoderShape.kv_int8``), and optionally the four
+    ``D + 4`` uint8, an fp8 cache's fp8: ``DecoderShape.kv_kind``), and optionally the four
     weights packed by ``NativeKernels.pack_panels`` (all four or none: with them the
     stack takes batches past the GEMV's rows). A weight given with its scales
     (``*_s [out]`` fp32, ``engine.kernels.quant``) is int8, and so are its panels."""
@@ -104,7 +109,8 @@ class DecoderLayers:
         if not layers or min(hidden, d, inter, hq, hk) < 1 or hq % hk:
             raise ValueError(f"decoder stack of {len(layers)} layers with sizes {hidden=} "
                              f"{d=} {inter=} {hq=} {hk=}")
-        cache = (2, shape.num_cache_blocks, shape.block_size, hk, d + 4 if shape.kv_int8 else d)
+        cache = (2, shape.num_cache_blocks, shape.block_size, hk,
+                 d + 4 if shape.kv_kind == KV_KINDS[torch.uint8] else d)
         want = {"input_norm": (hidden,), "post_norm": (hidden,),
                 "qkv_w": ((hq + 2 * hk) * d, hidden), "qkv_b": ((hq + 2 * hk) * d,),
                 "q_norm": (d,), "k_norm": (d,), "o_w": (hidden, hq * d), "o_b": (hidden,),
@@ -132,7 +138,7 @@ class DecoderLayers:
                 t = getattr(layer, name)
                 if t is None and name in ("qkv_b", "q_norm", "k_norm", "o_b", "down_b"):
                     continue
-                dtype = _dtype(name, int8.get(name, False), bool(shape.kv_int8))
+                dtype = _dtype(name, int8.get(name, False), shape.kv_kind)
                 if not (t.shape == size and t.dtype == dtype and t.is_contiguous()
                         and t.device.type == "cpu"):
                     raise ValueError(f"layer {i}: {name} must be a contiguous {dtype} CPU "
@@ -164,11 +170,11 @@ class DecoderLayers:
                 setattr(entry, name, t.data_ptr())
 
 
-def _dtype(name: str, int8_weight: bool, kv_int8: bool) -> torch.dtype:
-    """What a layer's tensor ``name`` must hold: int8 weights, an int8 cache's uint8 slots,
-    else fp32."""
+def _dtype(name: str, int8_weight: bool, kv_kind: int) -> torch.dtype:
+    """What a layer's tensor ``name`` must hold: int8 weights, the cache's dtype of
+    ``kv_kind``, else fp32."""
     if name == "kv_cache":
-        return torch.uint8 if kv_int8 else torch.float32
+        return next(dtype for dtype, kind in KV_KINDS.items() if kind == kv_kind)
     return torch.int8 if int8_weight else torch.float32
 
 

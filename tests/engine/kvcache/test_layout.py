@@ -53,12 +53,18 @@ def test_the_wire_format_of_each_kv_dtype() -> None:
     cases = {("auto", "auto"): ("float32", LAYOUT.head_dim * 4, False),
              ("int8", "auto"): ("uint8", slot, False),
              ("auto", "int8"): ("uint8", slot, True),
-             ("int8", "int8"): ("uint8", slot, False)}
+             ("int8", "int8"): ("uint8", slot, False),
+             ("fp8_e4m3", "auto"): ("uint8", LAYOUT.head_dim, False),
+             ("fp8_e5m2", "auto"): ("uint8", LAYOUT.head_dim, False)}
+    cache_dtypes = {"auto": "float32", "int8": "uint8", "fp8_e4m3": "float8_e4m3fn",
+                    "fp8_e5m2": "float8_e5m2"}
     for (cache, transfer), (wire, row_slot_bytes, quantized) in cases.items():
         layout = dataclasses.replace(LAYOUT, kv_cache_dtype=cache, kv_transfer_dtype=transfer)
         assert (layout.wire_dtype, layout.wire_quantized) == (wire, quantized), (cache, transfer)
         assert layout.row_bytes(3) == LAYOUT.block_size * 3 * row_slot_bytes
-        assert layout.cache_dtype == ("uint8" if cache == "int8" else "float32")
+        assert layout.cache_dtype == cache_dtypes[cache]
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        dataclasses.replace(LAYOUT, kv_cache_dtype="fp8")  # the engine's name, kept canonical
     with pytest.raises(ValueError, match="kv_transfer_dtype"):
         dataclasses.replace(LAYOUT, kv_transfer_dtype="fp4")
 

@@ -173,15 +173,17 @@ def test_on_int8_weights_the_stack_takes_every_decode_batch_to_the_bit(
     assert step_rows == MANY
 
 
-@pytest.mark.parametrize("case", ["llama", "wide-heads"])
-def test_over_an_int8_kv_cache_the_stack_takes_every_decode_batch_to_the_bit(
-        model_factory: Callable[..., Path], case: str, step_rows: list[int], threads: int,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``kv_cache_dtype="int8"``: the stack's quantising KV write and int8 attention are
-    the per-layer forward's (the same bytes in the cache, the same logits), at every batch."""
+@pytest.mark.parametrize(("case", "kv_cache_dtype"), [
+    ("llama", "int8"), ("wide-heads", "int8"), ("llama", "fp8_e4m3"), ("wide-heads", "fp8_e5m2")])
+def test_over_a_quantised_kv_cache_the_stack_takes_every_decode_batch_to_the_bit(
+        model_factory: Callable[..., Path], case: str, kv_cache_dtype: str, step_rows: list[int],
+        threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kv_cache_dtype="int8"`` or fp8: the stack's quantising KV write and its attention
+    over the cache's bytes are the per-layer forward's (the same bytes in the cache, the
+    same logits), at every batch."""
     arch, overrides = ARCHS[case]
     config = replace(_config(model_factory(arch, **overrides)),
-                     cache=CacheConfig(kv_cache_dtype="int8"))
+                     cache=CacheConfig(kv_cache_dtype=kv_cache_dtype))
     _assert_stack_matches_per_layer(config, lambda: _many_steps(config.model.vocab_size),
                                     monkeypatch, step_rows, "packed", 4 * MANY[0])
     assert step_rows == MANY
