@@ -48,14 +48,16 @@ def cluster(model_dir: Path, *, num_prefill: int, num_decode: int,
             local_prefill: str = "never", cpu_affinity: Mapping[str, tuple[int, ...]] | None = None,
             num_kv_blocks: int | None = None, router_args: Sequence[str] = (),
             worker_args: Sequence[str] = (), num_routers: int = 1,
-            planner_args: Sequence[str] | None = None) -> Iterator[LocalLauncher]:
+            planner_args: Sequence[str] | None = None,
+            decode_args: Sequence[str] = ()) -> Iterator[LocalLauncher]:
     """A running ``LocalLauncher`` of these processes (stopped on exit); with
-    ``planner_args``, the planner too."""
+    ``planner_args``, the planner too; ``decode_args``: the decode workers' own flags."""
     config = ClusterSpec(
         model_dir=model_dir, num_prefill=num_prefill, num_decode=num_decode, port=0,
         http_port=None, local_prefill=local_prefill, cpu_affinity=dict(cpu_affinity or {}),
         num_kv_blocks=num_kv_blocks, router_args=tuple(router_args),
-        worker_args=tuple(worker_args), max_inflight=4096, num_routers=num_routers,
+        worker_args=tuple(worker_args), decode_args=tuple(decode_args), max_inflight=4096,
+        num_routers=num_routers,
         planner_args=None if planner_args is None else tuple(planner_args))
     with LocalLauncher(config, progress=lambda line: None) as running:
         yield running

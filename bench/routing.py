@@ -14,7 +14,9 @@ fixed by the seed, so every arm sends the same turns.
 Each arm is a fresh ``pdserve up`` (``--prefill`` prefill workers, one decode worker,
 ``--routers`` router replicas; chat ``i`` talks to router ``i mod routers``) on the
 built-in tiny model (``--quick``) or ``bench55m``, with ``--prefill-routing`` set to the
-arm. Per arm:
+arm; ``affinity-no-reuse`` is ``affinity`` with the decode worker's prefix cache off
+(``--no-enable-prefix-caching``): the cluster before decode-side reuse, whose decode
+worker receives every turn's whole prompt, the baseline of the KV bytes. Per arm:
 
 - cached ÷ oracle: the prompt tokens the cluster did not compute (``usage.cached_tokens``,
   summed) over the oracle's: for each prompt, the longest full-block prefix it shares
@@ -54,6 +56,10 @@ from router.routing import rank_by_cost, uncached_tokens
 
 BLOCK = 16
 VOCAB = 500  # token ids drawn below this (both models' vocabularies are larger)
+# arm -> (the routers' --prefill-routing, the decode worker's own flags)
+ARMS = {"kv-aware": ("kv-aware", ()), "affinity": ("affinity", ()),
+        "round-robin": ("round-robin", ()),
+        "affinity-no-reuse": ("affinity", ("--no-enable-prefix-caching",))}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -67,7 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reply-tokens", type=int, default=16)
     p.add_argument("--prefill", type=int, default=4, help="prefill workers")
     p.add_argument("--routers", default="1,4", help="router replica counts, comma-separated")
-    p.add_argument("--arms", default="kv-aware,affinity,round-robin")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"any of {', '.join(ARMS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--plot", default=None, help="also draw the arms side by side here (PNG)")
@@ -173,9 +179,10 @@ async def _chats(addresses: list[str], system: list[int], users: list[list[list[
 def run_arm(args: argparse.Namespace, arm: str, routers: int) -> ArmResult:
     system, users = chat_script(args)
     result = ArmResult(arm, routers)
+    routing, decode_args = ARMS[arm]
     with cluster(bench_model(args.quick), num_prefill=args.prefill, num_decode=1,
-                 num_routers=routers, router_args=("--prefill-routing", arm),
-                 worker_args=("--metrics-port", "0")) as running:
+                 num_routers=routers, router_args=("--prefill-routing", routing),
+                 worker_args=("--metrics-port", "0"), decode_args=decode_args) as running:
         time.sleep(1.5)  # the routers' KV feeds take their first snapshots
         before, sent0 = settled_prefill_counters(running, tries=40, pause_s=0.1)
         start = time.perf_counter()
@@ -222,6 +229,9 @@ def decision_cost(num_workers: int, blocks_per_worker: int = 10_000,
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
+    if unknown := [a for a in arms if a not in ARMS]:
+        raise SystemExit(f"bench.routing: unknown arm(s) {', '.join(unknown)}; "
+                         f"the arms are {', '.join(ARMS)}")
     router_counts = [int(n) for n in args.routers.split(",") if n]
     model = bench_model(args.quick)
     print(f"{args.chats} chats x {args.turns} turns (system {args.system_tokens}, user "
@@ -242,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"{f['wall_s']:.1f}"])
     print(format_table(rows, ["arm", "routers", "cached/oracle", "prefill imbalance",
                               "TTFT p50 ms", "TTFT p90 ms", "KV KiB/request", "wall s"]))
+    fewer = kv_bytes_fewer(out)
+    for routers, times in fewer.items():
+        print(f"KV bytes per request at {routers} router(s): {times:.2f}x fewer with "
+              "kv-aware than without decode-side reuse (affinity-no-reuse)")
     cost = decision_cost(args.prefill)
     print(f"routing decision (kv-aware, {args.prefill} workers x "
           f"{cost['blocks_per_worker']:.0f} indexed blocks): p50 {cost['p50_ms']:.3f} ms, "
@@ -252,8 +266,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         _plot(args.plot, out)
     if args.json:
         write_json(args.json, {"model": model.name, "args": vars(args), "arms": out,
-                               "decision": cost, "machine": facts})
+                               "kv_bytes_fewer_than_no_reuse": fewer, "decision": cost,
+                               "machine": facts})
     return 0
+
+
+def kv_bytes_fewer(arms: Sequence[dict[str, Any]]) -> dict[int, float]:
+    """Per router count run with both: the ``affinity-no-reuse`` arm's KV bytes per request
+    over the ``kv-aware`` arm's."""
+    per = {(a["arm"], a["routers"]): a["kv_bytes_per_request"] for a in arms}
+    return {routers: per[("affinity-no-reuse", routers)] / per[("kv-aware", routers)]
+            for arm, routers in per if arm == "kv-aware"
+            and ("affinity-no-reuse", routers) in per and per[("kv-aware", routers)] > 0}
 
 
 def _plot(path: str, arms: list[dict[str, Any]]) -> None:

@@ -74,6 +74,7 @@ class ClusterSpec:
     max_inflight: int | None = None  # router's --max-inflight
     router_args: tuple[str, ...] = ()  # more of the router's flags, as given
     worker_args: tuple[str, ...] = ()  # more flags of every worker, as given
+    decode_args: tuple[str, ...] = ()  # more flags of the decode workers only, after those
     # child name -> the CPUs it (and all it starts) runs on; absent: unpinned (local only)
     cpu_affinity: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     local_prefill: str = "never"  # router's --local-prefill; "always" allows 0 prefill workers
@@ -187,7 +188,8 @@ def worker_options(spec: ClusterSpec, slot: WorkerSlot) -> list[str]:
                "--cluster", spec.name, "--grace", str(spec.drain_s)]
     if spec.num_kv_blocks is not None:
         options += ["--num-kv-blocks", str(spec.num_kv_blocks)]
-    return options + list(spec.worker_args)
+    return options + list(spec.worker_args) + (list(spec.decode_args)
+                                               if slot.role == "decode" else [])
 
 
 def router_options(spec: ClusterSpec, index: int = 0) -> list[str]:

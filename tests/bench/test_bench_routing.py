@@ -26,9 +26,16 @@ def test_quick_reports_an_arm(tmp_path: Path) -> None:
     out = tmp_path / "routing.json"
     assert routing.main(["--quick", "--chats", "3", "--turns", "2", "--system-tokens", "48",
                          "--user-tokens", "16", "--reply-tokens", "4", "--prefill", "2",
-                         "--routers", "1", "--arms", "kv-aware", "--json", str(out)]) == 0
+                         "--routers", "1", "--arms", "kv-aware,affinity-no-reuse",
+                         "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    (arm,) = report["arms"]
+    arm, whole = report["arms"]
+    # without decode-side reuse every turn's whole prompt travels; with it, a chat's
+    # second turn sends only what the decode worker lacks
+    assert whole["arm"] == "affinity-no-reuse"
+    assert whole["kv_bytes_per_request"] > arm["kv_bytes_per_request"]
+    assert report["kv_bytes_fewer_than_no_reuse"] == {
+        "1": whole["kv_bytes_per_request"] / arm["kv_bytes_per_request"]}
     assert arm["arm"] == "kv-aware" and arm["requests"] == 6
     # every later turn starts with its chat's earlier turn and the reply: the oracle has
     # at least the system prompt's 3 blocks for all but the first prompt
@@ -36,3 +43,5 @@ def test_quick_reports_an_arm(tmp_path: Path) -> None:
     assert 0 < arm["cached_tokens"] <= arm["oracle_tokens"] + 6 * 4
     assert sum(arm["computed_per_worker"].values()) > 0 and arm["kv_bytes_per_request"] > 0
     assert report["decision"]["p99_ms"] > 0
+    with pytest.raises(SystemExit, match="unknown arm"):
+        routing.main(["--quick", "--arms", "kv-aware,nearest"])

@@ -114,12 +114,14 @@ def test_a_worker_binds_and_advertises_its_node() -> None:
     assert _parses(argv[3:])  # the real worker parser takes it
 
 
-def test_worker_args_reach_every_worker() -> None:
-    config = _config(worker_args=("--max-num-seqs", "8"))
+def test_worker_args_reach_every_worker_and_decode_args_the_decode_workers() -> None:
+    config = _config(worker_args=("--max-num-seqs", "8"),
+                     decode_args=("--no-enable-prefix-caching",))
     for plan in plan_workers(config):
         spec = worker_spec(config, plan, log_dir="/l", redis_url=REDIS_URL)
         argv = child_argv(spec, node_ip="10.0.0.7", model_dir="/m", ready_path="/r")
         assert _option(argv, "--max-num-seqs") == "8", argv
+        assert ("--no-enable-prefix-caching" in argv) == (plan.name.startswith("decode")), argv
         assert _parses(argv[3:])
 
 
