@@ -45,9 +45,6 @@ static inline float slot_scale(const void *kb, int64_t slot, int64_t head_dim) {
     return scale;
 }
 
-/* What a cache's elements are (the kernels' last argument, a constant once inlined) */
-enum { KV_F32 = 0, KV_I8 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
-
 /* LANES keys' (or values') elements from element index j of a run: fp32, or int8 or fp8
  * widened in registers (inlined with the kind a constant, the tests vanish) */
 static inline __attribute__((always_inline)) fv load_kv(const void *run, int64_t j, int kind) {
@@ -240,49 +237,23 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
     return 0;
 }
 
-int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
-                                  const float *v_cache, int64_t num_cache_blocks,
-                                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                                  int64_t group, const int64_t *tables, int64_t max_blocks,
-                                  const int64_t *context_lens, int64_t num_seqs, float scale,
-                                  float *out, int num_threads) {
-    return paged_decode_attention(q, q_stride, k_cache, v_cache, num_cache_blocks, block_size,
-                                  num_kv_heads, head_dim, group, tables, max_blocks,
-                                  context_lens, num_seqs, scale, out, num_threads, KV_F32);
-}
-
-/* The same over an int8 cache (k_cache, v_cache: uint8 slots of head_dim + 4 bytes) */
-int pd_paged_decode_attention_i8(const float *q, int64_t q_stride, const uint8_t *k_cache,
-                                 const uint8_t *v_cache, int64_t num_cache_blocks,
-                                 int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                                 int64_t group, const int64_t *tables, int64_t max_blocks,
-                                 const int64_t *context_lens, int64_t num_seqs, float scale,
-                                 float *out, int num_threads) {
-    return paged_decode_attention(q, q_stride, k_cache, v_cache, num_cache_blocks, block_size,
-                                  num_kv_heads, head_dim, group, tables, max_blocks,
-                                  context_lens, num_seqs, scale, out, num_threads, KV_I8);
-}
-
-/* The same over an fp8 cache (k_cache, v_cache: head_dim bytes of float8_e4m3fn, or of
- * float8_e5m2, per token and head; no scale) */
-int pd_paged_decode_attention_e4m3(const float *q, int64_t q_stride, const uint8_t *k_cache,
-                                   const uint8_t *v_cache, int64_t num_cache_blocks,
-                                   int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                                   int64_t group, const int64_t *tables, int64_t max_blocks,
-                                   const int64_t *context_lens, int64_t num_seqs, float scale,
-                                   float *out, int num_threads) {
-    return paged_decode_attention(q, q_stride, k_cache, v_cache, num_cache_blocks, block_size,
-                                  num_kv_heads, head_dim, group, tables, max_blocks,
-                                  context_lens, num_seqs, scale, out, num_threads, KV_E4M3);
-}
-
-int pd_paged_decode_attention_e5m2(const float *q, int64_t q_stride, const uint8_t *k_cache,
-                                   const uint8_t *v_cache, int64_t num_cache_blocks,
-                                   int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                                   int64_t group, const int64_t *tables, int64_t max_blocks,
-                                   const int64_t *context_lens, int64_t num_seqs, float scale,
-                                   float *out, int num_threads) {
-    return paged_decode_attention(q, q_stride, k_cache, v_cache, num_cache_blocks, block_size,
-                                  num_kv_heads, head_dim, group, tables, max_blocks,
-                                  context_lens, num_seqs, scale, out, num_threads, KV_E5M2);
+/* The kernel over a cache of kind (KV_F32, ...): each kind its own inlined copy */
+int pd_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
+                              const void *v_cache, int64_t num_cache_blocks, int64_t block_size,
+                              int64_t num_kv_heads, int64_t head_dim, int64_t group,
+                              const int64_t *tables, int64_t max_blocks,
+                              const int64_t *context_lens, int64_t num_seqs, float scale,
+                              float *out, int num_threads, int kind) {
+#define ATTEND(k) paged_decode_attention(q, q_stride, k_cache, v_cache, num_cache_blocks, \
+                                         block_size, num_kv_heads, head_dim, group, tables, \
+                                         max_blocks, context_lens, num_seqs, scale, out, \
+                                         num_threads, k)
+    switch (kind) {
+    case KV_F32: return ATTEND(KV_F32);
+    case KV_I8: return ATTEND(KV_I8);
+    case KV_E4M3: return ATTEND(KV_E4M3);
+    case KV_E5M2: return ATTEND(KV_E5M2);
+    default: return -1;
+    }
+#undef ATTEND
 }

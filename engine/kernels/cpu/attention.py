@@ -8,23 +8,18 @@ import ctypes
 import torch
 
 from engine.kernels.cpu._ffi import bind, cint, f32, i64, ptr
+from engine.kernels.cpu.stack_layout import KV_KINDS
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_CACHE_DTYPES = (torch.float32, torch.uint8, *_FP8)
 
 
 class AttentionKernels:
     """``NativeKernels``' KV write and paged decode attention."""
 
     def _bind_attention(self, library: ctypes.CDLL) -> None:
-        args = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, f32, ptr, cint]
-        self._attn = bind(library, "pd_paged_decode_attention_f32", args)
-        self._attn_i8 = bind(library, "pd_paged_decode_attention_i8", args)
-        self._attn_by_dtype = {torch.float32: self._attn, torch.uint8: self._attn_i8,
-                               torch.float8_e4m3fn: bind(library, "pd_paged_decode_attention_e4m3",
-                                                         args),
-                               torch.float8_e5m2: bind(library, "pd_paged_decode_attention_e5m2",
-                                                       args)}
+        self._attn = bind(library, "pd_paged_decode_attention",
+                          [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, f32,
+                           ptr, cint, cint])
         self._write_kv = bind(library, "pd_write_kv_f32",
                               [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr])
         self._write_kv_i8 = bind(library, "pd_write_kv_i8",
@@ -69,7 +64,7 @@ class AttentionKernels:
         writing anything."""
         int8 = kv_cache.dtype == torch.uint8
         if not (k.dim() == v.dim() == 3 and kv_cache.dim() == 5 and kv_cache.shape[0] == 2
-                and k.dtype == v.dtype == torch.float32 and kv_cache.dtype in _CACHE_DTYPES
+                and k.dtype == v.dtype == torch.float32 and kv_cache.dtype in KV_KINDS
                 and k.device.type == v.device.type == kv_cache.device.type == "cpu"
                 and slot_mapping.dim() == 1 and slot_mapping.device.type == "cpu"
                 and slot_mapping.dtype in (torch.int32, torch.int64)
@@ -111,7 +106,7 @@ class AttentionKernels:
         int8 = kv_cache.dtype == torch.uint8
         head_dim = width - 4 if int8 else width
         num_q_heads = q.shape[1]
-        return (q.dtype == torch.float32 and kv_cache.dtype in _CACHE_DTYPES
+        return (q.dtype == torch.float32 and kv_cache.dtype in KV_KINDS
                 and q.device.type == "cpu"
                 and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
                 and q.shape[2] == head_dim and num_q_heads % num_kv_heads == 0
@@ -140,11 +135,11 @@ class AttentionKernels:
                              f"{tuple(lens.shape)} do not match {num_seqs} sequences")
         out = torch.empty(num_seqs, num_q_heads, head_dim, dtype=q.dtype)
         q_stride = q.stride(0) if num_seqs > 1 else num_q_heads * head_dim
-        attend = self._attn_by_dtype[kv_cache.dtype]
-        rc = attend(q.data_ptr(), q_stride, kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        rc = self._attn(q.data_ptr(), q_stride, kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
                         num_blocks, block_size, num_kv_heads, head_dim,
                         num_q_heads // num_kv_heads, tables.data_ptr(), tables.shape[1],
-                        lens.data_ptr(), num_seqs, scale, out.data_ptr(), torch.get_num_threads())
+                        lens.data_ptr(), num_seqs, scale, out.data_ptr(), torch.get_num_threads(),
+                        KV_KINDS[kv_cache.dtype])
         if rc != 0:
             what = {-2: "a context length outside its block table",
                     -3: "a block id outside the cache"}.get(rc, f"code {rc}")

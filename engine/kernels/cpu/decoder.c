@@ -32,9 +32,7 @@ typedef struct {
     int64_t hidden, num_q_heads, num_kv_heads, head_dim, intermediate;
     int64_t num_cache_blocks, block_size;
     float rms_eps, scale;
-    int64_t kv_kind; /* the caches' elements: 0 fp32, 1 int8 slots (pd_write_kv_i8,
-                      * pd_paged_decode_attention_i8), 2 fp8 e4m3, 3 fp8 e5m2 (_fp8, _e4m3,
-                      * _e5m2) */
+    int64_t kv_kind; /* the caches' elements: KV_F32, KV_I8, KV_E4M3 or KV_E5M2 (kernels.h) */
 } pd_decoder_shape;
 
 /* whether every kernel of the stack takes these sizes (the attention's limits) */
@@ -43,7 +41,7 @@ int pd_decoder_shape_ok(const pd_decoder_shape *s) {
     return hq >= 1 && hk >= 1 && hq % hk == 0 && d >= ATTN_HEAD_MULTIPLE
            && d % ATTN_HEAD_MULTIPLE == 0
            && hq / hk <= ATTN_MAX_ROWS && hq / hk * d <= ATTN_MAX_ACC
-           && s->kv_kind >= 0 && s->kv_kind <= 3;
+           && s->kv_kind >= KV_F32 && s->kv_kind <= KV_E5M2;
 }
 
 /* floats of scratch one row of the batch needs (see pd_decoder_stack_f32) */
@@ -128,29 +126,20 @@ int pd_decoder_stack_f32(const pd_decoder_layer *layers, int64_t num_layers,
             qk_stride = qk_width;
         }
         rc |= pd_rope_f32(qk, rows, hq + hk, d, qk_stride, cos, sin, rot, num_threads);
-        if (s->kv_kind == 2 || s->kv_kind == 3) {
+        if (s->kv_kind == KV_E4M3 || s->kv_kind == KV_E5M2)
             rc |= pd_write_kv_fp8(rot + hq * d, qk_width, qkv + qk_width, qkv_width, rows,
                                   hk * d, slots, num_slots, L->k_cache, L->v_cache,
-                                  s->kv_kind == 3);
-            rc |= (s->kv_kind == 3 ? pd_paged_decode_attention_e5m2
-                                   : pd_paged_decode_attention_e4m3)(
-                rot, qk_width, L->k_cache, L->v_cache, s->num_cache_blocks, s->block_size, hk,
-                d, hq / hk, tables, max_blocks, context_lens, rows, s->scale, att, num_threads);
-        } else if (s->kv_kind == 1) {
+                                  s->kv_kind == KV_E5M2);
+        else if (s->kv_kind == KV_I8)
             rc |= pd_write_kv_i8(rot + hq * d, qk_width, qkv + qk_width, qkv_width, rows, hk, d,
                                  slots, num_slots, L->k_cache, L->v_cache);
-            rc |= pd_paged_decode_attention_i8(rot, qk_width, L->k_cache, L->v_cache,
-                                               s->num_cache_blocks, s->block_size, hk, d,
-                                               hq / hk, tables, max_blocks, context_lens, rows,
-                                               s->scale, att, num_threads);
-        } else {
+        else
             rc |= pd_write_kv_f32(rot + hq * d, qk_width, qkv + qk_width, qkv_width, rows,
                                   hk * d, slots, num_slots, L->k_cache, L->v_cache);
-            rc |= pd_paged_decode_attention_f32(rot, qk_width, L->k_cache, L->v_cache,
-                                                s->num_cache_blocks, s->block_size, hk, d,
-                                                hq / hk, tables, max_blocks, context_lens, rows,
-                                                s->scale, att, num_threads);
-        }
+        rc |= pd_paged_decode_attention(rot, qk_width, L->k_cache, L->v_cache,
+                                        s->num_cache_blocks, s->block_size, hk, d, hq / hk,
+                                        tables, max_blocks, context_lens, rows, s->scale, att,
+                                        num_threads, (int)s->kv_kind);
         rc |= pd_linear_any(att, rows, hq * d, L->o_w, L->o_p, L->o_s, hidden, NULL, y,
                             num_threads);
         add_residual(h, y, L->o_b, rows, hidden);

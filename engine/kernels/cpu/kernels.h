@@ -199,30 +199,16 @@ int pd_linear_any(const float *x, int64_t m, int64_t k, const void *w, const voi
                   const float *scales, int64_t n, const float *bias, float *y,
                   int num_threads);
 /* attention.c */
-int pd_paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
-                                  const float *v_cache, int64_t num_cache_blocks,
-                                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                                  int64_t group, const int64_t *tables, int64_t max_blocks,
-                                  const int64_t *context_lens, int64_t num_seqs, float scale,
-                                  float *out, int num_threads);
-int pd_paged_decode_attention_i8(const float *q, int64_t q_stride, const uint8_t *k_cache,
-                                 const uint8_t *v_cache, int64_t num_cache_blocks,
-                                 int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                                 int64_t group, const int64_t *tables, int64_t max_blocks,
-                                 const int64_t *context_lens, int64_t num_seqs, float scale,
-                                 float *out, int num_threads);
-int pd_paged_decode_attention_e4m3(const float *q, int64_t q_stride, const uint8_t *k_cache,
-                                   const uint8_t *v_cache, int64_t num_cache_blocks,
-                                   int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                                   int64_t group, const int64_t *tables, int64_t max_blocks,
-                                   const int64_t *context_lens, int64_t num_seqs, float scale,
-                                   float *out, int num_threads);
-int pd_paged_decode_attention_e5m2(const float *q, int64_t q_stride, const uint8_t *k_cache,
-                                   const uint8_t *v_cache, int64_t num_cache_blocks,
-                                   int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                                   int64_t group, const int64_t *tables, int64_t max_blocks,
-                                   const int64_t *context_lens, int64_t num_seqs, float scale,
-                                   float *out, int num_threads);
+/* kind: what the caches' elements are (also pd_decoder_shape.kv_kind; the Python side's
+ * KV_KINDS): fp32, int8 slots of D + 4 bytes (D values, then their fp32 scale), or fp8
+ * bytes (float8_e4m3fn, float8_e5m2) */
+enum { KV_F32 = 0, KV_I8 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
+int pd_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
+                              const void *v_cache, int64_t num_cache_blocks, int64_t block_size,
+                              int64_t num_kv_heads, int64_t head_dim, int64_t group,
+                              const int64_t *tables, int64_t max_blocks,
+                              const int64_t *context_lens, int64_t num_seqs, float scale,
+                              float *out, int num_threads, int kind);
 /* sampling.c */
 int pd_apply_token_bitmask_f32(float *logits, int64_t rows, int64_t cols, int64_t row_stride,
                                const int32_t *mask, int64_t words, const int64_t *row_index,

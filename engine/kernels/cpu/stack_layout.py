@@ -25,7 +25,8 @@ class DecoderShape(ctypes.Structure):
 
 
 KV_KINDS = {torch.float32: 0, torch.uint8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
-"""``DecoderShape.kv_kind`` of a KV cache of each dtype: fp32, int8 slots
+"""The kernels' ``kind`` of a KV cache of each dtype (kernels.h's ``KV_F32`` .. ``KV_E5M2``:
+the decode attention's last argument, ``DecoderShape.kv_kind``): fp32, int8 slots
 (``engine.attention.kv_quant``), fp8 e4m3, fp8 e5m2."""
 
 

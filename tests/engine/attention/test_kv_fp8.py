@@ -17,11 +17,10 @@ from engine.attention.kv_quant import FP8_DTYPES, dequantize, is_quantized, quan
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, write_kv
 from engine.config import CacheConfig, ConfigError, EngineConfig, load_model_config
-from engine.core.runner import ModelRunner, kv_bytes_per_block
+from engine.core.runner import kv_bytes_per_block
 from engine.kernels.cpu import NativeKernels
-from engine.tp.distributed import Group
+from tests.engine.attention.test_kv_int8 import relative_logit_errors
 from tests.engine.kernels.test_int8 import ARCHS
-from tests.engine.models.test_decoder_stack import _plan, _run, _steps
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,19 +112,8 @@ MEAN_RELATIVE_ERROR = 0.04
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fp8_kv_logits_stay_within_the_stated_tolerance_of_fp32(
         model_factory: Callable[..., Path], arch: str) -> None:
-    """Prefill then decode steps (reading the cache the prefill wrote) on both caches."""
-    model = load_model_config(model_factory(arch))
-    logits = {}
-    for dtype in ("auto", "fp8"):
-        config = EngineConfig(model=model, cache=CacheConfig(kv_cache_dtype=dtype))
-        runner = ModelRunner(config, Group.single(), 24, _plan(config, "torch"))
-        assert runner.kv_cache.dtype == (torch.float8_e4m3fn if dtype == "fp8" else torch.float32)
-        logits[dtype] = torch.cat(_run(runner, _steps(model.vocab_size)))
-    fp32, scale = logits["auto"], logits["auto"].abs().max()
-    error = (logits["fp8"] - fp32).abs()
-    assert error.max() <= MAX_RELATIVE_ERROR * scale, error.max() / scale
-    assert error.mean() <= MEAN_RELATIVE_ERROR * scale, error.mean() / scale
-    assert error.max() > 0  # the decode steps read fp8 keys and values
+    worst, mean = relative_logit_errors(model_factory(arch), "fp8", torch.float8_e4m3fn)
+    assert worst <= MAX_RELATIVE_ERROR and mean <= MEAN_RELATIVE_ERROR, (worst, mean)
 
 
 def test_a_block_takes_a_quarter_of_the_bytes_and_tp_2_gives_tp_1s_tokens(
