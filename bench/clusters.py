@@ -76,7 +76,7 @@ def describe(running: LocalLauncher) -> dict[str, Any]:
             else None}
     return {"processes": processes, "local_prefill": cfg.local_prefill,
             "num_kv_blocks_per_worker": cfg.num_kv_blocks, "worker_args": list(cfg.worker_args),
-            "router_args": list(cfg.router_args)}
+            "decode_args": list(cfg.decode_args), "router_args": list(cfg.router_args)}
 
 
 def send(address: str, requests: Sequence[Request], *, request_rate: float, seed: int = 0,

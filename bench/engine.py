@@ -407,7 +407,7 @@ def render(out: dict[str, Any]) -> str:
         f"model     {out['model_dir']}",
         f"          {out['model_params'] / 1e6:.1f}M params, {out['weight_bytes'] / 1e6:.1f} MB, "
         f"{out['dtype']}{', int8 weights' if out.get('quantization') else ''}"
-        f"{', int8 KV cache' if out.get('kv_cache_dtype') == 'int8' else ''}; "
+        f"{', ' + out['kv_cache_dtype'] + ' KV cache' if out.get('kv_cache_dtype', 'auto') != 'auto' else ''}; "
         f"{out['weight_bytes_per_step'] / 1e6:.1f} MB read per decode step",
         f"machine   {machine['cpu_model']}, {machine['cpu_count']} CPUs, torch threads "
         f"{out['threads']}, load avg at start {machine['load_avg_1m_5m_15m']}, "

@@ -253,9 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(rows, ["arm", "routers", "cached/oracle", "prefill imbalance",
                               "TTFT p50 ms", "TTFT p90 ms", "KV KiB/request", "wall s"]))
     fewer = kv_bytes_fewer(out)
-    for routers, times in fewer.items():
-        print(f"KV bytes per request at {routers} router(s): {times:.2f}x fewer with "
-              "kv-aware than without decode-side reuse (affinity-no-reuse)")
+    for routers, by_arm in fewer.items():
+        print(f"KV bytes per request at {routers} router(s), against affinity-no-reuse (no "
+              "decode-side reuse): " + ", ".join(f"{arm} {times:.2f}x fewer"
+                                                 for arm, times in by_arm.items()))
     cost = decision_cost(args.prefill)
     print(f"routing decision (kv-aware, {args.prefill} workers x "
           f"{cost['blocks_per_worker']:.0f} indexed blocks): p50 {cost['p50_ms']:.3f} ms, "
@@ -271,13 +272,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def kv_bytes_fewer(arms: Sequence[dict[str, Any]]) -> dict[int, float]:
-    """Per router count run with both: the ``affinity-no-reuse`` arm's KV bytes per request
-    over the ``kv-aware`` arm's."""
+def kv_bytes_fewer(arms: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per router count: the ``affinity-no-reuse`` arm's KV bytes per request over each
+    other arm's run at that count (``affinity``: decode-side reuse alone; ``kv-aware``:
+    with its routing)."""
     per = {(a["arm"], a["routers"]): a["kv_bytes_per_request"] for a in arms}
-    return {routers: per[("affinity-no-reuse", routers)] / per[("kv-aware", routers)]
-            for arm, routers in per if arm == "kv-aware"
-            and ("affinity-no-reuse", routers) in per and per[("kv-aware", routers)] > 0}
+    return {routers: {arm: per[("affinity-no-reuse", routers)] / sent
+                      for (arm, count), sent in per.items()
+                      if count == routers and arm != "affinity-no-reuse" and sent > 0}
+            for (name, routers) in per if name == "affinity-no-reuse"}
 
 
 def _plot(path: str, arms: list[dict[str, Any]]) -> None:

@@ -74,7 +74,9 @@ class ClusterSpec:
     max_inflight: int | None = None  # router's --max-inflight
     router_args: tuple[str, ...] = ()  # more of the router's flags, as given
     worker_args: tuple[str, ...] = ()  # more flags of every worker, as given
-    decode_args: tuple[str, ...] = ()  # more flags of the decode workers only, after those
+    # more flags of the workers started as decode workers only, after those (a worker
+    # switched to another role later keeps what it started with)
+    decode_args: tuple[str, ...] = ()
     # child name -> the CPUs it (and all it starts) runs on; absent: unpinned (local only)
     cpu_affinity: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     local_prefill: str = "never"  # router's --local-prefill; "always" allows 0 prefill workers

@@ -212,7 +212,7 @@ def _up(args: argparse.Namespace) -> int:
             local_prefill=args.local_prefill, start_router=args.router,
             num_routers=args.routers,
             worker_args=engine_choice_args(args),
-            planner_args=up_planner_args(args, planner_scale_args(args)))
+            planner_args=up_planner_args(args, lambda: planner_scale_args(args)))
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2

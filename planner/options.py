@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 from cluster.internal_tls import add_internal_tls_args
 from cluster.token import add_token_arg
@@ -79,11 +80,11 @@ def add_up_planner_args(up: argparse.ArgumentParser) -> None:
                            help=f"the planner's cap on {role} workers (default: none)")
 
 
-def up_planner_args(args: argparse.Namespace, scale_args: tuple[str, ...]
+def up_planner_args(args: argparse.Namespace, scale_args: Callable[[], tuple[str, ...]]
                     ) -> tuple[str, ...] | None:
     """The ``pdserve planner`` options of ``pdserve up ARGS`` (None: no planner), with the
-    launcher's ``scale_args`` (``--min-workers`` / ``--max-workers``). ``ValueError`` for a
-    planner option given without ``--planner``."""
+    launcher's ``scale_args()`` (``--min-workers`` / ``--max-workers``, asked only when a
+    planner runs). ``ValueError`` for a planner option given without ``--planner``."""
     caps = tuple(word for flag, value in (("--max-prefill", args.max_prefill),
                                           ("--max-decode", args.max_decode))
                  if value is not None for word in (flag, str(value)))
@@ -91,5 +92,5 @@ def up_planner_args(args: argparse.Namespace, scale_args: tuple[str, ...]
         if caps:
             raise ValueError(f"{caps[0]} is the planner's: it needs --planner PROFILE")
         return None
-    return ("--profile", os.path.abspath(args.planner), *scale_args, *caps,
+    return ("--profile", os.path.abspath(args.planner), *scale_args(), *caps,
             "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-slo-ms", str(args.tpot_slo_ms))

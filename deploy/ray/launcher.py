@@ -173,8 +173,8 @@ class RayLauncher(RayScaling, RayRestarts, Launcher):
 
             for tier in tiers:
                 stop_tier(tier, self.spec.stop_grace_s)
-            if scaler is not None:  # its worker is stopped: the step ends soon
-                scaler.join(self.spec.stop_grace_s + 10.0)
+            if scaler is not None:  # its worker is stopped: the step ends soon (its own
+                scaler.join(2 * self.spec.stop_grace_s + 30.0)  # stop waits as long)
             for group in groups:
                 quietly(remove_placement_group, group)
         if self._owns_ray:

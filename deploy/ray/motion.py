@@ -78,17 +78,19 @@ class RayScaling:
                 raise
         return member
 
-    def retire_worker(self, member: Member) -> None:
-        """Drains ``member`` (SIGTERM: a decode worker moves its streams), then removes its
-        actor and placement group. It leaves the checked members first."""
+    def retire_worker(self, name: str) -> None:
+        """Drains worker ``name`` (SIGTERM: a decode worker moves its streams), then removes
+        its actor and placement group. It leaves the checked members first. Looked up here,
+        after any restart that replaced its actor: ``ClusterError`` when there is none."""
         with self._changing:
             with self._lists:
-                if member not in self.workers:
-                    raise ClusterError(f"{member.name} is not one of the workers")
+                member = next((m for m in self.workers if m.name == name), None)
+                if member is None:
+                    raise ClusterError(f"{name} is not one of the workers")
                 group = self.placement_groups[self.workers.index(member)]
+                moving = self._set_in_motion(InMotion(member, [group]))  # not if stopping
                 self.workers.remove(member)
                 self._placement_groups = [g for g in self._placement_groups if g is not group]
-                moving = self._set_in_motion(InMotion(member, [group]))
             self._end_motion(moving)
 
     def _set_in_motion(self, moving: InMotion) -> InMotion:

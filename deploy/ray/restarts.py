@@ -43,25 +43,35 @@ class RayRestarts:
         added last), one at a time (``restart``), waiting ``settle_s`` after each. A worker
         a scale step drained meanwhile is skipped."""
         for name in [*self.spec.router_names, *(m.name for m in self.workers)]:
-            if name in {m.name for m in [*self.routers, *self.workers]}:
-                self.restart(name)
+            if self.restart(name, missing_ok=True) is not None:
                 time.sleep(settle_s)
 
-    def restart(self, name: str) -> Member:
+    def restart(self, name: str, missing_ok: bool = False) -> Member | None:
         """Replaces process ``name`` in place: its child drains (SIGTERM: a router's
         streams resume on the other routers, a decode worker's move), its actor is
         removed, and a new one starts in the same placement group — a router on the ports
-        it had — until ready."""
-        with self._changing:
-            return self._restart(name)
-
-    def _restart(self, name: str) -> Member:
-        import ray
-
-        members = {m.name: m for m in [*self.routers, *self.workers]}
-        if name not in members:
+        it had — until ready. A scale step running first is waited for, the others'
+        health checked meanwhile (``check``); then none starts until this is done. None
+        (with ``missing_ok``) when there is no such process (a step drained it)."""
+        while not self._changing.acquire(timeout=self.poll_s):
+            self.check()
+        try:
+            members = {m.name: m for m in [*self.routers, *self.workers]}
+            if name in members:
+                return self._restart(name, members)
+            if missing_ok:
+                return None
             raise ClusterError(f"no process named {name!r} (there are "
                                f"{', '.join(sorted(members))})")
+        finally:
+            self._changing.release()
+
+    @abstractmethod
+    def check(self) -> None: ...
+
+    def _restart(self, name: str, members: dict[str, Member]) -> Member:
+        import ray
+
         old = members[name]
         self.progress(f"restarting {name} ...")
         quietly(ray.get, old.actor.stop.remote(self.spec.stop_grace_s),

@@ -2,7 +2,7 @@
 planner's scale steps (``cluster.scale``, written by ``pdserve planner --max-workers``),
 within ``RaySpec.min_workers`` .. ``max_workers``.
 
-Once a second (``Scaler.step``, from the launcher's ``check``) it reads the latest step
+Once a second (``Scaler.poll``, from the launcher's ``check``) it reads the latest step
 and applies a new one once:
 
 - **add**: a worker of the step's role (named ``ROLE-N``, a name not used before in this
@@ -51,7 +51,7 @@ class WorkerPool(Protocol):
 
     def add_worker(self, plan: WorkerPlan) -> Member: ...
 
-    def retire_worker(self, member: Member) -> None: ...
+    def retire_worker(self, name: str) -> None: ...
 
 
 class Scaler:
@@ -164,7 +164,7 @@ class Scaler:
     def _remove(self, step: ScaleTarget) -> str:
         name = step.worker_id
         self.pool.progress(f"scale: draining {name} for the planner: {step.reason}")
-        self.pool.retire_worker(next(m for m in self.pool.workers if m.name == name))
+        self.pool.retire_worker(name)
         self.pool.progress(f"scale: {name} removed; {len(self.pool.workers)} workers (at "
                            f"least {self.min_workers})")
         return name

@@ -31,7 +31,7 @@ QUANTIZED_CACHE_DTYPES = {"int8": "uint8", "fp8_e4m3": "float8_e4m3fn",
 """``kv_cache_dtype`` → the cache tensor's dtype (torch's name), one byte per element: int8
 slots (values and scale) as uint8, fp8 values as torch's fp8 dtypes."""
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Version of what workers and the router exchange: the internal gRPC API
 (``proto/cluster/internal/v1``), the KV wire protocol (``kvtransfer.wire.protocol``) and the
 cluster records. Bump it with any change an older process would misread: it is part of
@@ -45,7 +45,10 @@ older worker would take for prompt), and ``SamplingParams`` the penalties, ``min
 carries ``num_cached_blocks`` (blocks the decode worker holds; an older sender would send
 them anyway and fail the transfer), ``SamplingParams`` ``prompt_logprobs``. 7: the layout
 names the KV cache's dtype (``kv_cache_dtype``: an int8 cache's blocks carry their scales).
-8: the layout names the transfer's dtype (``kv_transfer_dtype``: int8 parts on the wire)."""
+8: the layout names the transfer's dtype (``kv_transfer_dtype``: int8 parts on the wire).
+9: ``kv_cache_dtype`` may be fp8 (``fp8_e4m3``, ``fp8_e5m2``: its blocks travel as their
+bytes), which an older process would refuse as a malformed record rather than a
+mismatch."""
 
 
 @dataclass(frozen=True)

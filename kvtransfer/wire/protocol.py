@@ -34,7 +34,8 @@ from engine.kvcache.layout import KVLayout, decode_layout, encode_layout
 MAGIC = 0x7064_6B76_0003  # "pdkv", protocol version 3 (authenticated channels)
 MAX_SEQ = (1 << 31) - 3  # tags fit a non-negative int32 below engine's ABORT_TAG
 HEADER_BYTES = 256  # room for the header words; keeps the payload 256-byte aligned
-DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "uint8": 4}  # uint8: int8 slots
+# uint8: bytes (an int8 cache's slots or an fp8 cache's values; the layout says which)
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "uint8": 4}
 
 
 class Kind(enum.IntEnum):

@@ -35,7 +35,7 @@ def test_quick_reports_an_arm(tmp_path: Path) -> None:
     assert whole["arm"] == "affinity-no-reuse"
     assert whole["kv_bytes_per_request"] > arm["kv_bytes_per_request"]
     assert report["kv_bytes_fewer_than_no_reuse"] == {
-        "1": whole["kv_bytes_per_request"] / arm["kv_bytes_per_request"]}
+        "1": {"kv-aware": whole["kv_bytes_per_request"] / arm["kv_bytes_per_request"]}}
     assert arm["arm"] == "kv-aware" and arm["requests"] == 6
     # every later turn starts with its chat's earlier turn and the reply: the oracle has
     # at least the system prompt's 3 blocks for all but the first prompt

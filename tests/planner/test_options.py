@@ -17,7 +17,7 @@ from tests.factories import REPO_ROOT
 
 def _planner_argv(*words: str) -> tuple[str, ...] | None:
     args = _parser().parse_args(["up", *words])
-    return up_planner_args(args, planner_scale_args(args))
+    return up_planner_args(args, lambda: planner_scale_args(args))
 
 
 def test_up_passes_the_profile_slos_bounds_and_per_role_caps_to_the_planner() -> None:
@@ -32,6 +32,8 @@ def test_up_passes_the_profile_slos_bounds_and_per_role_caps_to_the_planner() ->
     plain = _planner_argv("--planner", "p.json")
     assert plain is not None and "--max-prefill" not in plain and "--max-decode" not in plain
     assert _planner_argv() is None
+    # the planner's floor binds a planner only: a launcher's own bounds may go below it
+    assert _planner_argv("--ray", "--min-workers", "1", "--max-workers", "3") is None
 
 
 def test_a_cap_without_the_planner_exits_2_before_starting_anything(tmp_path: Path) -> None:

@@ -74,11 +74,11 @@ static inline __attribute__((always_inline)) fv widen_int8(const int8_t *p) {
 #endif
 }
 
-/* LANES fp8 bytes from p as fp32, exactly (torch's float8_e4m3fn with mbits 3, bias 7;
- * float8_e5m2 with 2, 15): a value is its mantissa with the implicit bit (none for a
- * subnormal) times a power of two built as a normal fp32, so no subnormal fp32 is ever
- * made. The NaN/inf codes, which an fp8 KV cache never holds (its writes saturate), read
- * as finite values. */
+/* LANES fp8 bytes from p as fp32, exactly as torch converts them (float8_e4m3fn with
+ * mbits 3, bias 7; float8_e5m2 with 2, 15): a value is its mantissa with the implicit bit
+ * (none for a subnormal) times a power of two built as a normal fp32, so no subnormal fp32
+ * is ever made; the top exponent is NaN (e4m3fn: with mantissa 7 only) or, in e5m2 with
+ * mantissa 0, infinity. Inlined with the format a constant, its tests vanish. */
 static inline __attribute__((always_inline)) fv widen_fp8(const uint8_t *p, int mbits, int bias) {
 #if defined(__AVX512F__)
     const iv x = (iv)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -88,11 +88,15 @@ static inline __attribute__((always_inline)) fv widen_fp8(const uint8_t *p, int 
     iv x;
     for (int i = 0; i < LANES; i++) x[i] = p[i];
 #endif
-    const iv e = (x >> mbits) & ((1 << (7 - mbits)) - 1), normal = e != 0;
-    const iv mantissa = (x & ((1 << mbits) - 1)) | (normal & (1 << mbits));
+    const int top = (1 << (7 - mbits)) - 1, mask = (1 << mbits) - 1;
+    const iv e = (x >> mbits) & top, m = x & mask, normal = e != 0;
+    const iv mantissa = m | (normal & (1 << mbits));
     const iv power = (e - (e == 0) - bias - mbits + 127) << 23; /* 2^(e or 1, less both) */
-    const fv value = __builtin_convertvector(mantissa, fv) * (fv)power;
-    return (fv)((iv)value | ((x & 0x80) << 24));
+    iv bits = (iv)(__builtin_convertvector(mantissa, fv) * (fv)power);
+    const iv special = e == top, nan = mbits == 3 ? special & (m == mask) : special & (m != 0);
+    if (mbits != 3) bits = (bits & ~(special & ~nan)) | (special & ~nan & 0x7f800000); /* inf */
+    bits = (bits & ~nan) | (nan & 0x7fc00000);
+    return (fv)(bits | ((x & 0x80) << 24));
 }
 
 static inline __attribute__((always_inline)) fv load_weights(const void *run, int64_t j, int int8) {

@@ -167,7 +167,7 @@ int pd_write_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t v_s
 /* One float as an fp8 byte, as torch's conversion after kv_quant.quantize's clamp writes
  * it: the format's largest where |x| is larger (saturating), else rounded half to even to
  * mbits mantissa bits (bias: the exponent's), a subnormal below the smallest normal; a
- * NaN as the format's NaN code 0x7f (e4m3fn) or 0x7f's e5m2 neighbour, with its sign. */
+ * NaN as 0x7f with its sign (a NaN code in both formats). */
 static inline uint8_t to_fp8(float x, int mbits, int bias, float largest) {
     uint32_t bits;
     memcpy(&bits, &x, sizeof bits);

@@ -15,6 +15,7 @@ from cluster.registry import Registry
 from cluster.scale import ScaleTarget
 from deploy.ray.members import Member
 from deploy.ray.plan import RaySpec, WorkerPlan
+from deploy.ray.restarts import RayRestarts
 from deploy.ray.scaling import INTERVAL_S, Scaler
 from deploy.redis_server import RedisServer
 from deploy.spec import ClusterError, ClusterSpec
@@ -49,11 +50,11 @@ class _Pool:
         self.workers.append(member)
         return member
 
-    def retire_worker(self, member: Member) -> None:
+    def retire_worker(self, name: str) -> None:
         if self.fail:
-            raise RuntimeError(f"Ray lost {member.name}")
-        self.workers.remove(member)
-        self.retired.append(member.name)
+            raise RuntimeError(f"Ray lost {name}")
+        self.workers = [m for m in self.workers if m.name != name]
+        self.retired.append(name)
 
 
 def _step(action: str, role: str = "decode", worker_id: str = "", size: int = 3
@@ -170,3 +171,54 @@ def test_poll_runs_a_step_on_a_thread_of_its_own_one_at_a_time(redis_url: str) -
             assert pool.retired == ["decode-1"]
     finally:
         scaler.close()
+
+
+class _Restarts(RayRestarts):
+    """``RayRestarts`` over recorded members: ``_restart`` records, and the first worker's
+    restart stands for a scale step that drains ``decode-0`` meanwhile."""
+
+    def __init__(self) -> None:
+        self.spec = ClusterSpec()
+        self.routers = [Member("router", None, False)]
+        self.workers = [Member(n, None, True) for n in ("prefill-0", "decode-0")]
+        self.poll_s = 0.01
+        self.progress = lambda line: None
+        self._changing = threading.Lock()
+        self.restarted: list[str] = []
+        self.checks = 0
+
+    @property
+    def placement_groups(self) -> list[Any]:
+        return []
+
+    def _spawn_router(self, index: int, extra: Any = ()) -> Member:
+        raise AssertionError("not called")
+
+    def _spawn_worker(self, plan: Any, group: Any) -> Member:
+        raise AssertionError("not called")
+
+    def _wait_ready(self, members: Any) -> None:
+        raise AssertionError("not called")
+
+    def check(self) -> None:
+        self.checks += 1
+
+    def _restart(self, name: str, members: dict[str, Member]) -> Member:
+        self.restarted.append(name)
+        if name == "prefill-0":
+            self.workers = [m for m in self.workers if m.name != "decode-0"]
+        return members[name]
+
+
+def test_a_restart_waits_for_a_running_step_checking_health_and_skips_a_drained_worker(
+        ) -> None:
+    launcher = _Restarts()
+    launcher._changing.acquire()  # a scale step runs
+    threading.Timer(0.2, launcher._changing.release).start()
+    assert launcher.restart("router") is not None
+    assert launcher.checks >= 5  # the health checks went on while it waited
+    launcher.rolling_restart(settle_s=0.0)
+    assert launcher.restarted == ["router", "router", "prefill-0"]  # decode-0 drained
+    assert launcher.restart("decode-0", missing_ok=True) is None
+    with pytest.raises(ClusterError, match="no process named 'decode-0'"):
+        launcher.restart("decode-0")

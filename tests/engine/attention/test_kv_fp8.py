@@ -79,6 +79,21 @@ def test_the_compiled_fp8_decode_attention_is_the_fp32_one_over_the_widened_cach
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
+def test_the_compiled_attention_reads_every_fp8_code_as_torch_converts_it(
+        kernels: NativeKernels, name: str) -> None:
+    """One key (zeros) and its value holding each of the 256 codes: the output is the
+    value as read, NaN and infinity included."""
+    dtype = FORMATS[name][0]
+    codes = torch.arange(256, dtype=torch.uint8)
+    cache = torch.zeros(2, 1, 16, 1, 256, dtype=torch.uint8)
+    cache[1, 0, 0, 0] = codes
+    out = kernels.paged_decode_attention(torch.zeros(1, 1, 256), cache.view(dtype),
+                                         torch.tensor([[0]]), torch.tensor([1]), 1.0)
+    torch.testing.assert_close(out[0, 0], codes.view(dtype).float(), rtol=0, atol=0,
+                               equal_nan=True)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
 def test_the_compiled_kv_write_writes_the_bytes_torch_writes(kernels: NativeKernels,
                                                               name: str) -> None:
     """Rounding half to even at every scale, subnormals, both zeros, saturation, NaN."""
