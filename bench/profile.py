@@ -49,6 +49,7 @@ from sim.profile import SCHEMA, STEP_TERMS, from_json
 from sim.roofline import GPUS, MODELS, derive
 
 HANDOFF_OUTPUT_LEN = 8
+WORKER_MAX_BATCHED_TOKENS = 512  # the workers' default --max-num-batched-tokens: their chunks
 FEATURES = STEP_TERMS  # the fitted coefficients, in ``features`` order
 
 
@@ -232,19 +233,57 @@ def measure_handoff(args: argparse.Namespace, model_dir: Path, vocab: int,
             print(f"  handoff, {length}-token prompts: {len(results)} traced", flush=True)
     if not samples:
         raise SystemExit("bench.profile: no traced request had the prefill timings")
-    nbytes = np.array([s["prompt_len"] * kv_bytes_per_token for s in samples], dtype=float)
-    exposed = np.array([s["exposed_transfer"] / 1000 for s in samples])
-    slope, intercept = np.polyfit(nbytes, exposed, 1)
-    bytes_per_s = 1.0 / slope if slope > 0 else 1e12  # exposed transfer did not grow
+    transfer = fit_transfer(samples, kv_bytes_per_token)
     # each part >= 0: under a queue the two processes' clocks can split a wait oddly
     overhead = [sum(max(0.0, s[k]) for k in ("reserve", "decode_admission", "router_relay",
                                               "delivery")) / 1000 for s in samples]
-    return {"transfer": {"latency_s": max(0.0, float(intercept)), "bytes_per_s": bytes_per_s},
+    return {"transfer": transfer,
             "tpot_s": [(s["prompt_len"], s["tpot"] / 1000) for s in samples],
             "router": {"overhead_s": statistics.median(max(0.0, s["router_queue"]) / 1000
                                                        for s in samples)},
             "handoff": {"overhead_s": statistics.median(overhead)},
             "samples": samples}
+
+
+def fit_transfer(samples: Sequence[dict[str, Any]], kv_bytes_per_token: int
+                 ) -> dict[str, float]:
+    """The KV transfer's visible time against its bytes: ``latency_s`` + bytes ÷
+    ``bytes_per_s``, from the handoff's samples (``prompt_len``, ``exposed_transfer`` and
+    ``decode_admission`` in ms). A negative decode admission is the decode worker starting
+    the stream before the prefill worker heard every rank acknowledge the KV: the
+    transfer's visible part is the two together. Fitted on each length's median (a few
+    late acknowledgements at one length would steer a fit of the samples themselves)."""
+    visible: dict[int, list[float]] = {}
+    for s in samples:
+        visible.setdefault(s["prompt_len"], []).append(
+            max(0.0, s["exposed_transfer"] + min(0.0, s["decode_admission"])) / 1000)
+    lengths = sorted(visible)
+    medians = [statistics.median(visible[n]) for n in lengths]
+    if len(lengths) < 2:
+        return {"latency_s": medians[0], "bytes_per_s": 1e12}
+    slope, intercept = np.polyfit([n * kv_bytes_per_token for n in lengths], medians, 1)
+    return {"latency_s": max(0.0, float(intercept)),
+            "bytes_per_s": 1.0 / slope if slope > 0 else 1e12}  # 1e12: it did not grow
+
+
+def prefill_scale(coef: dict[str, float], samples: Sequence[dict[str, Any]],
+                  chunk: int = WORKER_MAX_BATCHED_TOKENS) -> float:
+    """How much slower a prefill worker in the cluster computes a prompt than the fit says
+    (its own clock's ``prefill_compute`` over the fitted steps of its chunks, per-token
+    costs only; median over the handoff's requests, >= 0.5): the worker's loop, its KV
+    sends and events beside the engine's steps. It multiplies the per-token terms."""
+    ratios = []
+    for s in samples:
+        left, start, fixed, variable = s["prompt_len"], 0, 0.0, 0.0
+        while left > 0:
+            n = min(left, chunk)
+            fixed += coef["base_s"]
+            variable += (coef["per_prefill_token_s"] * n
+                         + coef["per_prefill_attention_s"] * n * (start + n / 2))
+            start, left = start + n, left - n
+        if variable > 0 and s["prefill_compute"] > 0:
+            ratios.append((s["prefill_compute"] / 1000 - fixed) / variable)
+    return max(0.5, statistics.median(ratios)) if ratios else 1.0
 
 
 def loop_overhead(coef: dict[str, float], tpots: Sequence[tuple[int, float]]) -> float:
@@ -288,6 +327,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         handoff = measure_handoff(args, Path(model_dir), vocab,
                                   steps["model"]["kv_bytes_per_token"], rate)
         where = "handoff measured through pdserve up (1 prefill + 1 decode)"
+        scale = prefill_scale(coef, handoff["samples"])
+        coef["per_prefill_token_s"] *= scale
+        coef["per_prefill_attention_s"] *= scale
+        print(f"prefill in the cluster: {scale:.2f}x the fitted step's per-token costs")
         coef["base_s"] += loop_overhead(coef, handoff["tpot_s"])
         print(f"worker loop: {coef['base_s'] * 1000:.3f} ms per step with the loop's own cost")
         print(f"transfer: {handoff['transfer']['latency_s'] * 1000:.2f} ms + bytes at "

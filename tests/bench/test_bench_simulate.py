@@ -80,3 +80,25 @@ def test_simulate_names_what_the_profile_lacks(tmp_path: Path) -> None:
         simulate.main(["--profile", str(path), "--decode-tp", "8", "--num-prompts", "2"])
     with pytest.raises(SystemExit):  # argparse: nothing can prefill
         simulate.main(["--profile", str(path), "--prefill", "0", "--local-prefill", "never"])
+
+
+def test_the_transfer_fit_counts_a_late_acknowledgement_once_and_ignores_a_few() -> None:
+    """Per length: exposed 2 ms + 1 ms per 256 tokens; at 1024 tokens, two of five
+    acknowledgements come 160 ms late while the stream already started (decode admission
+    about -150 ms): the visible part is the two together, and a length's median wins."""
+    samples = [{"prompt_len": n, "exposed_transfer": 2.0 + n / 256, "decode_admission": 3.0}
+               for n in (256, 512, 1024) for _ in range(5)]
+    samples[-2:] = [{"prompt_len": 1024, "exposed_transfer": 166.0, "decode_admission": -150.0}
+                    for _ in range(2)]
+    fit = profile.fit_transfer(samples, kv_bytes_per_token=1000)
+    assert fit["latency_s"] == pytest.approx(0.002, abs=1e-6)
+    assert fit["bytes_per_s"] == pytest.approx(256_000 / 0.001, rel=1e-6)  # 1 ms a 256 tokens
+
+
+def test_the_prefill_scale_is_the_clusters_prefill_over_the_fitted_steps() -> None:
+    coef = {"base_s": 0.005, "per_prefill_token_s": 1e-4, "per_prefill_attention_s": 0.0}
+    # 1000 tokens: chunks of 512 and 488, 2 fixed costs; the cluster took 1.2x the rest
+    samples = [{"prompt_len": 1000, "prefill_compute": 1000 * (0.010 + 1.2 * 0.1)}] * 3
+    assert profile.prefill_scale(coef, samples) == pytest.approx(1.2)
+    assert profile.prefill_scale(coef, []) == 1.0
+    assert profile.prefill_scale(coef, [{"prompt_len": 64, "prefill_compute": 1.0}]) == 0.5
