@@ -228,19 +228,19 @@ def measure_breakdowns(args: argparse.Namespace, model_dir: Path, vocab: int
     return found
 
 
-def one_layer_transfer_ms(model: dict[str, Any], lengths: Sequence[int], repeats: int = 5,
-                          kv_cache_dtype: str = "auto", kv_transfer_dtype: str = "auto"
-                          ) -> dict[int, float]:
-    """Median time of one pdserve KV transfer of one layer's bytes, per prompt length (an
-    int8 cache's: ``head_dim + 4`` bytes per token, head and K/V, an fp8 cache's
-    ``head_dim``; with ``kv_transfer_dtype`` int8, fp32 bytes quantised for the wire, the
-    quantising and dequantising included)."""
+def kv_transfer_ms(model: dict[str, Any], lengths: Sequence[int], repeats: int = 5,
+                   kv_cache_dtype: str = "auto", kv_transfer_dtype: str = "auto",
+                   num_layers: int = 1) -> dict[int, float]:
+    """Median time of one pdserve KV transfer of ``num_layers`` layers' bytes of ``model``'s
+    shape, per prompt length (an int8 cache's: ``head_dim + 4`` bytes per token, head and
+    K/V, an fp8 cache's ``head_dim``; with ``kv_transfer_dtype`` int8, fp32 bytes quantised
+    for the wire, the quantising and dequantising included)."""
     from bench import kvtransfer as kv
 
     head_dim = model["hidden_size"] // model["num_attention_heads"]
     slot = (head_dim + 4 if kv_cache_dtype == "int8" else head_dim
             if kv_cache_dtype.startswith("fp8") else head_dim * 4)
-    layer_bytes = {n: 2 * n * model["num_key_value_heads"] * slot for n in lengths}
+    layer_bytes = {n: num_layers * 2 * n * model["num_key_value_heads"] * slot for n in lengths}
     tokens = {n: -(-b // kv.TOKEN_BYTES) for n, b in layer_bytes.items()}
     num_blocks = 2 * max(tokens.values()) // kv.LAYOUT.block_size + 16
     shared = {"pin": True, "timeout_s": 60.0, "part_mib": 4.0, "num_blocks": num_blocks,
@@ -404,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     probe.release()
     print(f"TTFT breakdown on {model_dir.name} ...", flush=True)
     by_len = measure_breakdowns(args, model_dir, facts["vocab_size"])
-    for length, layer_ms in one_layer_transfer_ms(
+    for length, layer_ms in kv_transfer_ms(
             facts, args.lengths, kv_cache_dtype=args.kv_cache_dtype,
             kv_transfer_dtype=args.kv_transfer_dtype).items():
         by_len[length]["one_layer_transfer_ms"] = layer_ms

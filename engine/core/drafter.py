@@ -169,6 +169,13 @@ class DraftModel:
                 progress.valid = min(request.num_computed_tokens, progress.guessed)
                 progress.guessed = 0
 
+    def written(self, request: Request, num_tokens: int) -> None:
+        """The draft's KV of ``request``'s first ``num_tokens`` tokens is in its blocks
+        already, written by something other than this drafter's catch-up (as a prefill
+        worker's, were it shipped with the target's): it catches up from there.
+        ``bench.draft_kv`` measures that way against the catch-up from nothing."""
+        self._progress[request] = _Progress(request.num_preemptions, num_tokens)
+
     def _start(self, request: Request) -> int:
         """Where the request's catch-up chunk starts: its draft KV's right length, short of
         its last token (whose logits give the first guess)."""
