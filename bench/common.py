@@ -119,7 +119,8 @@ def model_facts(model_dir: str | Path) -> dict[str, Any]:
             "weights_dtype": ",".join(sorted(dtypes)),
             **{k: config.get(k) for k in ("hidden_size", "num_hidden_layers",
                                           "num_attention_heads", "num_key_value_heads",
-                                          "vocab_size", "max_position_embeddings")}}
+                                          "vocab_size", "max_position_embeddings",
+                                          "head_dim")}}
 
 
 # ---------------------------------------------------------------- statistics

@@ -176,10 +176,17 @@ def compare(length: int, row: dict[str, float], draft_wire_ms: float, output_len
         "recompute_ttft_ms": row["spec_1"], "recompute_last_ms": row[f"spec_{n}"],
         "ship_ttft_ms": row["spec_1"] + row["draft_prefill_ms"] + draft_wire_ms,
         "ship_last_ms": row[f"ship_{n}"] + draft_wire_ms,
-        "catch_up_steps": math.ceil(length / CATCH_UP_TOKENS),
+        "catch_up_steps": catch_up_steps(length),
         "draft_prefill_ms": row["draft_prefill_ms"], "draft_wire_ms": draft_wire_ms,
         "ship_requests": row.get("ship_requests", 0),
     }
+
+
+def catch_up_steps(prompt_len: int) -> int:
+    """Decode steps a lone request of ``prompt_len`` tokens guesses nothing in, its draft KV
+    recomputed: each catches up ``CATCH_UP_TOKENS`` while the sequence grows by one, and
+    guessing starts in the step whose catch-up reaches its end."""
+    return max(0, math.ceil(prompt_len / (CATCH_UP_TOKENS - 1)) - 1)
 
 
 def held_out_prompts(model_dir: Path, lengths: Sequence[int]) -> dict[int, list[int]]:

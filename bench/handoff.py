@@ -237,7 +237,7 @@ def kv_transfer_ms(model: dict[str, Any], lengths: Sequence[int], repeats: int =
     for the wire, the quantising and dequantising included)."""
     from bench import kvtransfer as kv
 
-    head_dim = model["hidden_size"] // model["num_attention_heads"]
+    head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
     slot = (head_dim + 4 if kv_cache_dtype == "int8" else head_dim
             if kv_cache_dtype.startswith("fp8") else head_dim * 4)
     layer_bytes = {n: num_layers * 2 * n * model["num_key_value_heads"] * slot for n in lengths}

@@ -118,8 +118,9 @@ class TorchAttentionBackend:
         # adjacent in memory
         return out.reshape(num_seqs, num_q_heads, head_dim)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
+    @staticmethod
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 span: PrefillSpan, scale: float) -> torch.Tensor:
         n, ctx = span.num_query_tokens, span.context_len
         if ctx == n:  # nothing cached before this chunk: attend over the chunk itself
             keys, values = k.transpose(0, 1), v.transpose(0, 1)

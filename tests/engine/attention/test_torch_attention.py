@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.cpu_backend import SHORT_CHUNK_TOKENS, CpuAttentionBackend
-from engine.attention.kv_quant import quantize
+from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.metadata import AttentionMetadata, PrefillSpan
 from engine.attention.torch_backend import TorchAttentionBackend, fresh_runs
 from engine.kernels.cpu import native
@@ -36,8 +35,8 @@ def test_a_batched_run_is_bitwise_the_per_chunk_attention() -> None:
     v = torch.randn(num_seqs * n, hk, d)
     kv_cache = torch.zeros(2, 8, 4, hk, d)
     per_chunk = torch.cat([
-        TorchAttentionBackend()._prefill(q[i * n:(i + 1) * n], k[i * n:(i + 1) * n],
-                                         v[i * n:(i + 1) * n], kv_cache, span(i * n, n), 0.25)
+        TorchAttentionBackend._prefill(q[i * n:(i + 1) * n], k[i * n:(i + 1) * n],
+                                       v[i * n:(i + 1) * n], kv_cache, span(i * n, n), 0.25)
         for i in range(num_seqs)])
     batched = TorchAttentionBackend._prefill_fresh(q, k, v, num_seqs, 0.25)
     assert torch.equal(batched, per_chunk)
@@ -118,39 +117,6 @@ def test_compiled_backend_runs_a_mixed_step_as_the_torch_backend() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(ours, theirs)
     assert not torch.equal(ours, cache)
-
-
-@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.uint8, torch.float8_e4m3fn])
-@pytest.mark.parametrize("n,ctx", [(1, 40), (5, 70), (SHORT_CHUNK_TOKENS, 100), (9, 100)])
-def test_a_short_chunk_over_cached_keys_reads_them_in_place(
-        n: int, ctx: int, kv_cache_dtype: torch.dtype) -> None:
-    """A chunk of a few tokens after cached ones (a speculative step's guesses) is decode
-    rows of the compiled kernel, token i seeing the keys up to its own position: the
-    torch path's causal attention over the gathered context, to rounding. Longer chunks
-    stay on the torch path, bitwise."""
-    torch.manual_seed(6)
-    hq, hk, d, bs = 8, 2, 64, 16
-    values = torch.randn(2, 12, bs, hk, d)
-    if kv_cache_dtype == torch.uint8:
-        cache = quantize(values)
-    elif kv_cache_dtype == torch.float32:
-        cache = values
-    else:
-        cache = quantize(values, kv_cache_dtype)
-    blocks = torch.tensor([9, 2, 11, 4, 7, 0, 5, 10])  # more than the context needs
-    chunk = PrefillSpan(0, n, ctx, blocks)
-    q, k, v = torch.randn(n, hq, d), torch.randn(n, hk, d), torch.randn(n, hk, d)
-    backend = _compiled()
-    expected = TorchAttentionBackend()._prefill(q, k, v, cache, chunk, 0.125)
-    got = backend._prefill(q, k, v, cache, chunk, 0.125)
-    if n > SHORT_CHUNK_TOKENS:
-        assert torch.equal(got, expected)
-    else:
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        # the last row is one decode over the whole context
-        last = backend.kernels.paged_decode_attention(
-            q[-1:], cache, blocks.unsqueeze(0), torch.tensor([ctx]), 0.125)
-        assert torch.equal(got[-1:], last)
 
 
 def test_compiled_backend_hands_shapes_it_does_not_take_to_torch() -> None:

@@ -19,6 +19,7 @@ from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.core.drafter import CATCH_UP_TOKENS
 from engine.core.engine_core import EngineCore
+from engine.core.scheduler import ScheduledChunk
 from tests.engine.core.test_speculative import (
     GREEDY,
     MIXED_ENGINE,
@@ -172,6 +173,38 @@ def test_a_long_prompts_draft_kv_is_caught_up_a_chunk_a_step(llama_dir: Path) ->
     catching_up = -(-len(prompt) // CATCH_UP_TOKENS) - 1  # steps before the last chunk
     assert guessed[:1 + catching_up] == [0] * (1 + catching_up)  # the prefill, then those
     assert guessed[1 + catching_up] > 0
+    assert tokens == expected
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
+
+
+def test_a_request_whose_draft_kv_was_written_elsewhere_guesses_at_once(
+        llama_dir: Path) -> None:
+    """``DraftModel.written``: the prompt's draft KV computed outside the drafter (as a
+    prefill worker's would be) and declared: the first decode step guesses, with no
+    catch-up steps, and the guesses of the target as its own draft are kept (the KV is
+    right); the tokens are the plain ones."""
+    prompt = list(range(3, 203))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir) as plain:
+        expected = plain.generate([prompt], params)[0].token_ids
+    with LLM(llama_dir, speculative_config=draft(llama_dir)) as llm:
+        core, guessed, tokens = llm.core, [], []
+        core.add_request("r", prompt, params)
+        while core.has_unfinished():
+            out = core.scheduler.schedule()
+            request = core.scheduler.requests["r"]
+            if out.decodes and not guessed[1:]:  # the first decode step: its KV arrives
+                blocks = out.decodes[0].block_ids
+                core.drafter.runner.execute([ScheduledChunk("r", tuple(prompt), 0, blocks,
+                                                            sample=False)])
+                core.drafter.written(request, len(prompt))
+            sampled = core._execute(out)
+            guessed.append(sum(c.num_draft_tokens for c in out.chunks))
+            for update in core.scheduler.update(out, sampled):
+                tokens.append(update.new_token_id)
+            core.drafter.settle(out, core.scheduler.requests)
+        stats = llm.stats
+    assert guessed[0] == 0 and guessed[1] > 0  # the prefill, then a guessing step at once
     assert tokens == expected
     assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
 
