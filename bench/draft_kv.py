@@ -38,7 +38,7 @@ from typing import Any
 
 from bench.common import format_table, machine_info, model_facts, write_json
 from bench.handoff import kv_transfer_ms
-from bench.quality import trained_model
+from bench.quality import held_out_windows, trained_model
 from bench.speculative import DRAFT_TOKENS
 from engine import LLM, SamplingParams
 from engine.config import SchedulerConfig
@@ -47,8 +47,6 @@ from engine.core.request import Request
 from engine.core.runner import ModelRunner
 from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 from engine.testing.distill import ensure_distilled_draft
-from engine.testing.training import held_out_text
-from engine.text.tokenizer import load_tokenizer
 
 PREFILL_CHUNK = SchedulerConfig().max_num_batched_tokens  # a prefill worker's chunks
 
@@ -66,18 +64,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def forward_ms(runner: ModelRunner, tokens: Sequence[int], chunk: int, block_size: int,
+def prefill_draft_kv(runner: ModelRunner, request_id: str, prompt: Sequence[int],
+                     blocks: Sequence[int]) -> None:
+    """The draft's forward over ``prompt`` into ``blocks``, in a prefill worker's chunks."""
+    for first in range(0, len(prompt), PREFILL_CHUNK):
+        piece = tuple(prompt[first:first + PREFILL_CHUNK])
+        runner.execute([ScheduledChunk(request_id, piece, first, tuple(blocks),
+                                       sample=False)])
+
+
+def forward_ms(runner: ModelRunner, tokens: Sequence[int], block_size: int,
                repeats: int) -> float:
-    """Median milliseconds of ``runner``'s forward over ``tokens`` as one request's chunks
-    of ``chunk`` tokens, the last one sampling (blocks from 0: nothing else runs)."""
-    blocks = tuple(range(math.ceil(len(tokens) / block_size)))
+    """Median milliseconds of ``prefill_draft_kv`` over ``tokens`` (blocks from 0:
+    nothing else runs)."""
+    blocks = range(math.ceil(len(tokens) / block_size))
     times = []
     for repeat in range(repeats + 1):  # the first warms up
         start = time.perf_counter()
-        for first in range(0, len(tokens), chunk):
-            piece = tuple(tokens[first:first + chunk])
-            runner.execute([ScheduledChunk("draft-kv", piece, first, blocks,
-                                           sample=first + chunk >= len(tokens))])
+        prefill_draft_kv(runner, "draft-kv", tokens, blocks)
         if repeat:
             times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
@@ -112,10 +116,8 @@ class ShippedDraftKV:
                 self._done.add(request)
                 self.num_requests += 1
                 prompt = request.prompt_token_ids
-                for first in range(0, len(prompt), PREFILL_CHUNK):
-                    piece = tuple(prompt[first:first + PREFILL_CHUNK])
-                    self.drafter.runner.execute([ScheduledChunk(
-                        chunk.request_id, piece, first, chunk.block_ids, sample=False)])
+                prefill_draft_kv(self.drafter.runner, chunk.request_id, prompt,
+                                 chunk.block_ids)
                 self.drafter.written(request, len(prompt))
         self._fill(out, requests)
 
@@ -156,7 +158,7 @@ def measure_engines(target: Path, draft: Path, prompts: dict[int, list[int]], ou
             row = {key: 1000 * statistics.median(v) for key, v in times.items()}
             row["ship_requests"], shipped.num_requests = shipped.num_requests, 0
             row["draft_prefill_ms"] = forward_ms(spec.core.drafter.runner, prompt,
-                                                 PREFILL_CHUNK, block_size, repeats)
+                                                 block_size, repeats)
             found[length] = row
             n = output_len
             print(f"  {length}-token prompt: {n} tokens plain {row[f'plain_{n}']:.0f} ms, "
@@ -189,15 +191,6 @@ def catch_up_steps(prompt_len: int) -> int:
     return max(0, math.ceil(prompt_len / (CATCH_UP_TOKENS - 1)) - 1)
 
 
-def held_out_prompts(model_dir: Path, lengths: Sequence[int]) -> dict[int, list[int]]:
-    tokenizer = load_tokenizer(model_dir)
-    ids = list(tokenizer.tokenizer.encode(held_out_text(), add_special_tokens=False).ids)
-    if len(ids) < max(lengths):
-        raise SystemExit(f"bench.draft_kv: the held-out text has {len(ids)} tokens, fewer "
-                         f"than {max(lengths)}")
-    return {n: ids[:n] for n in lengths}
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -210,11 +203,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"bench.draft_kv: a {max(lengths)}-token prompt and "
                          f"{2 * args.output_len} tokens exceed the model's {limit} positions")
     print("the engines: plain, the draft's KV recomputed, shipped ...", flush=True)
-    rows = measure_engines(target, draft, held_out_prompts(target, lengths), args.output_len,
+    (text,) = held_out_windows(target, 1, max(lengths))
+    rows = measure_engines(target, draft, {n: text[:n] for n in lengths}, args.output_len,
                            args.repeats)
     print("the draft's KV over the KV plane ...", flush=True)
-    wire = kv_transfer_ms(model_facts(draft), lengths, repeats=args.repeats,
-                          num_layers=model_facts(draft)["num_hidden_layers"])
+    facts = model_facts(draft)
+    wire = kv_transfer_ms(facts, lengths, repeats=args.repeats,
+                          num_layers=facts["num_hidden_layers"])
     table = [compare(n, rows[n], wire[n], args.output_len) for n in lengths]
     print(format_table([[r["prompt_len"], *(f"{r[f'{way}_{at}_ms']:.0f}" for at in ("ttft", "last")
                                             for way in ("plain", "recompute", "ship")),
