@@ -6,12 +6,18 @@ message, so every rank runs the same kernels). In order of precedence:
 
 1. ``EngineConfig.linear_kernel`` other than ``"auto"``: that kernel everywhere;
 2. ``PDSERVE_LINEAR_KERNEL=onednn|onednn_gemv|packed|torch|mm_t`` in the environment: likewise;
-3. not a CPU, or only one kernel available: ``torch`` (``F.linear``);
-4. the cache (``$XDG_CACHE_HOME/pdserve/linear_kernels.json``, else
+3. a speculating engine whose verifying steps pass the GEMV's rows (``1 +
+   num_speculative_tokens > GEMV_MAX_ROWS``), where the compiled kernels run: the packed
+   GEMM at every row count everywhere (``packed_gemm``, ``int8_packed_gemm`` for int8
+   weights; ``engine.kernels.linear`` says why), so that its steps of a few rows and its
+   verifying steps read one copy of each weight, and all of them run in the compiled
+   decoder stack (``engine.models.decoder_stack``);
+4. not a CPU, or only one kernel available: ``torch`` (``F.linear``);
+5. the cache (``$XDG_CACHE_HOME/pdserve/linear_kernels.json``, else
    ``~/.cache/pdserve/``), keyed by CPU model, torch version and CPU capability,
    thread count, dtype and the candidate kernels, then by weight shape and timed batch
    sizes;
-5. else every candidate is timed on this rank's real weight shapes (random weights) at
+6. else every candidate (``LinearKernel.measured``) is timed on this rank's real weight shapes (random weights) at
    a batch-1 decode, a batched decode and a prefill chunk (the LM head only at the two
    decode sizes: it sees one row per sequence); per shape the kernel with the lowest
    sum of its time relative to the fastest at each batch size wins (``pick_kernel``),
@@ -38,7 +44,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.kernels.cpu import native
+from engine.kernels.cpu import GEMV_MAX_ROWS, native
 from engine.kernels.linear import KERNELS, KernelPlan, available_kernels
 from engine.models.layers import kv_head_range, shard_range
 
@@ -149,6 +155,10 @@ def choose_kernel_plan(config: EngineConfig, threads: int, *,
         if wanted not in (None, "", "auto"):
             _check_forced(wanted, candidates, source, config.quantization)
             return KernelPlan.uniform(pairs, str(wanted), source)
+    gemm_only = "int8_packed_gemm" if config.quantization == "int8" else "packed_gemm"
+    if speculates_past_gemv(config) and gemm_only in candidates:
+        return KernelPlan.uniform(pairs, gemm_only, "speculative")
+    candidates = [name for name in candidates if KERNELS[name].measured]
     if device.type != "cpu" or len(candidates) == 1:  # torch's (int8_torch's) own
         return KernelPlan.uniform(pairs, candidates[0], "default")
     cache = KernelCache(cache_path or default_cache_path(), machine_key(dtype, threads, candidates))
@@ -164,6 +174,12 @@ def choose_kernel_plan(config: EngineConfig, threads: int, *,
         cache.save()
     plan = tuple((s.out_features, s.in_features, str(chosen[s])) for s in shapes)
     return KernelPlan(plan, "measured" if missing else "cache")
+
+
+def speculates_past_gemv(config: EngineConfig) -> bool:
+    """Whether ``config``'s verifying steps (a token and its guesses) pass the GEMV's rows."""
+    s = config.scheduler
+    return bool(s.speculative_method) and 1 + s.num_speculative_tokens > GEMV_MAX_ROWS
 
 
 def _dtype(config: EngineConfig) -> torch.dtype:

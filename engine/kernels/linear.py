@@ -16,6 +16,14 @@ from a copy of ``W`` it prepared once after loading (or ``W`` itself):
   panels of 32 output features (16 without AVX-512; ``NativeKernels.pack_panels``), which
   keeps a block of up to 14 rows' sums (6 without AVX-512) in registers per panel; CPU
   fp32, where the compiled kernels could be built (no oneDNN needed).
+- ``packed_gemm``: ``packed`` without the GEMV: its GEMM over the panels at every row
+  count. Not a candidate of the measured choice: a speculating engine's plan
+  (``engine.kernels.choice``), whose steps alternate between a few rows and a verifying
+  step's ``1 + num_speculative_tokens``; with ``packed`` those read two copies of each
+  weight (``W`` by the GEMV, the panels by the GEMM), and a step after a step of the
+  other kind finds little of its copy in the caches (measured on bench55m's linears,
+  2 threads on an Intel Xeon: 3.4–3.6 ms a step alternating 1 and 5 rows, against
+  2.2–2.3 ms for either alone; the GEMM takes 1 row as fast as the GEMV there).
 
 With ``quantization="int8"`` (``engine.kernels.quant``) a layer multiplies by its
 weight quantised to int8 with a scale per output feature, by one of two kernels of their
@@ -26,6 +34,7 @@ own (``LinearKernel.quantization``), ``y = (x q^T) * scale + b``:
 - ``int8_packed``: ``packed`` over the int8 weight: the GEMV on ``q`` itself, the GEMM on
   ``q`` packed in int8 panels, the weights widened to fp32 in registers (a quarter of
   the bytes from memory); CPU fp32, where the compiled kernels could be built.
+- ``int8_packed_gemm``: ``int8_packed`` without the GEMV, as ``packed_gemm``.
 
 Which is fastest depends on the CPU (MKL is slow on AMD, tuned on Intel), the shape
 and the batch size, so ``engine.kernels.choice`` times them and writes a
@@ -60,6 +69,10 @@ class LinearKernel:
     apply: Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
     available: Callable[[torch.device, torch.dtype], bool]
     uses_native: bool = False  # runs pdserve's compiled kernels (engine.kernels.cpu)
+    # a candidate of the measured choice (else only where a plan names it)
+    measured: bool = True
+    # hands a few rows to the GEMV (else its GEMM takes every row count)
+    gemv: bool = True
     # the weights it multiplies by: None, the weight as loaded, or a QUANTIZATIONS name
     quantization: str | None = None
 
@@ -148,10 +161,10 @@ def _packed_prepare(weight: torch.Tensor) -> _PackedPrepared:
 
 
 def _packed_apply(x: torch.Tensor, prepared: _PackedPrepared,
-                  bias: torch.Tensor | None) -> torch.Tensor:
+                  bias: torch.Tensor | None, gemv: bool = True) -> torch.Tensor:
     if bias is None or (bias.is_contiguous() and bias.dtype == torch.float32):
         kernels, weight = prepared.kernels, prepared.weight
-        y = kernels.gemv_checked_weight(x, weight, bias)
+        y = kernels.gemv_checked_weight(x, weight, bias) if gemv else None
         if y is None:
             y = kernels.gemm_packed_checked(x, prepared.panels, weight.shape[0], bias)
         if y is not None:
@@ -191,10 +204,10 @@ def _int8_packed_prepare(weight: torch.Tensor | Int8Weight) -> _Int8Prepared:
 
 
 def _int8_packed_apply(x: torch.Tensor, prepared: _Int8Prepared,
-                       bias: torch.Tensor | None) -> torch.Tensor:
+                       bias: torch.Tensor | None, gemv: bool = True) -> torch.Tensor:
     if bias is None or (bias.is_contiguous() and bias.dtype == torch.float32):
         kernels, weight = prepared.kernels, prepared.weight
-        y = kernels.gemv_i8_checked(x, weight.q, weight.scales, bias)
+        y = kernels.gemv_i8_checked(x, weight.q, weight.scales, bias) if gemv else None
         if y is None:
             y = kernels.gemm_packed_i8_checked(x, prepared.panels, weight.scales,
                                                weight.q.shape[0], bias)
@@ -223,6 +236,14 @@ KERNELS: dict[str, LinearKernel] = {
                                lambda device, dtype: True, quantization="int8"),
     "int8_packed": LinearKernel("int8_packed", _int8_packed_prepare, _int8_packed_apply,
                                 _packed_available, uses_native=True, quantization="int8"),
+    "packed_gemm": LinearKernel("packed_gemm", _packed_prepare,
+                                lambda x, p, b: _packed_apply(x, p, b, gemv=False),
+                                _packed_available, uses_native=True, measured=False,
+                                gemv=False),
+    "int8_packed_gemm": LinearKernel("int8_packed_gemm", _int8_packed_prepare,
+                                     lambda x, p, b: _int8_packed_apply(x, p, b, gemv=False),
+                                     _packed_available, uses_native=True,
+                                     quantization="int8", measured=False, gemv=False),
 }
 
 
@@ -239,7 +260,8 @@ class KernelPlan:
     """Which kernel each linear weight shape ``(out_features, in_features)`` uses on
     this rank's shard (identical on every rank of a TP group, which holds equal shards),
     and where the choice came from: ``"config"`` (``EngineConfig.linear_kernel``),
-    ``"env"`` (``PDSERVE_LINEAR_KERNEL``), ``"cache"``, ``"measured"`` or ``"default"``."""
+    ``"env"`` (``PDSERVE_LINEAR_KERNEL``), ``"speculative"`` (a speculating engine's),
+    ``"cache"``, ``"measured"`` or ``"default"``."""
 
     kernels: tuple[tuple[int, int, str], ...]
     source: str

@@ -11,9 +11,11 @@ weights through the caches, each torch call the interpreter makes runs cold.
 Used only where the per-layer forward would run exactly those kernels: fp32 on the CPU,
 one rank (no all-reduce between the layers), the compiled attention backend, every
 decoder linear on the ``onednn_gemv``, ``packed`` or ``int8_packed`` kernel (the measured
-choice, ``engine.kernels.choice``; all hand up to 3 rows to the GEMV), a decode-only step
-of at most ``GEMV_MAX_ROWS`` tokens, or ``STACK_MAX_ROWS`` where every one is on ``packed``
-or ``int8_packed`` (whose GEMMs the compiled code can call too), and no layer hook (the prefill
+choice, ``engine.kernels.choice``; all hand up to 3 rows to the GEMV) or on
+``packed_gemm`` / ``int8_packed_gemm`` (a speculating engine's: their GEMM takes every row
+count, and so it does in the stack), a decode-only step of at most ``GEMV_MAX_ROWS``
+tokens, or ``STACK_MAX_ROWS`` where every one is on a kernel with panels (``packed``,
+``int8_packed`` and those two: the compiled code calls their GEMMs too), and no layer hook (the prefill
 worker's layer-wise KV sending needs the forward to stop after each layer).
 ``PDSERVE_CPU_DECODER_STACK=0`` keeps the per-layer forward (read whenever the stack is
 built: at the first small step, and after any linear layer in the process is given a
@@ -41,6 +43,7 @@ from engine.kernels.cpu import (
     decoder_step_takes,
     native,
 )
+from engine.kernels.linear import KERNELS
 
 if TYPE_CHECKING:
     from engine.models.layers import _Linear
@@ -49,8 +52,11 @@ if TYPE_CHECKING:
 LlamaForCausalLM = Any
 DecoderLayer = Any
 
-# the linear kernels whose rows <= 3 go to the GEMV (int8_packed's over int8 weights)
-GEMV_KERNELS = ("onednn_gemv", "packed", "int8_packed")
+# the linear kernels the stack runs: rows <= 3 to the GEMV (int8_packed's over int8
+# weights), except the *_gemm ones', which their GEMM takes at every row count
+GEMV_KERNELS = ("onednn_gemv", "packed", "int8_packed", "packed_gemm", "int8_packed_gemm")
+PANEL_KERNELS = ("packed", "int8_packed", "packed_gemm", "int8_packed_gemm")
+INT8_KERNELS = ("int8_packed", "int8_packed_gemm")
 ENV = "PDSERVE_CPU_DECODER_STACK"  # "0": always the per-layer forward (to compare the two)
 
 
@@ -93,8 +99,9 @@ class CompiledDecoderStack:
             kv_kind=KV_KINDS[first.kv_cache.dtype])
         if not kernels.supports_decoder_stack(shape):
             return None
-        if any(linear.kernel_name not in GEMV_KERNELS for layer in layers for linear in _linears(layer)):
-            return None
+        names = {linear.kernel_name for layer in layers for linear in _linears(layer)}
+        if not names <= set(GEMV_KERNELS) or len({KERNELS[n].gemv for n in names}) > 1:
+            return None  # (a GEMV for some weights and not others: not laid out for it)
         try:
             stack = DecoderLayers(shape, [_weights(layer) for layer in layers],
                                   kernels.panel_floats, _ends(model))
@@ -130,8 +137,8 @@ def _linears(layer: DecoderLayer) -> list[_Linear]:
 
 def _weight(linear: _Linear) -> torch.Tensor:
     """The weight the GEMV reads: ``onednn_gemv``'s or ``packed``'s (``W``, contiguous),
-    ``int8_packed``'s int8 ``q``."""
-    if linear.kernel_name == "int8_packed":
+    ``int8_packed``'s int8 ``q`` (and the *_gemm kernels', which the stack hands no GEMV)."""
+    if linear.kernel_name in INT8_KERNELS:
         q: torch.Tensor = linear._prepared.weight.q
         return q
     weight: torch.Tensor = linear._prepared.weight
@@ -140,16 +147,15 @@ def _weight(linear: _Linear) -> torch.Tensor:
 
 def _scales(linear: _Linear) -> torch.Tensor | None:
     """``int8_packed``'s scales (the stack's sign that the weight is int8), else none."""
-    if linear.kernel_name != "int8_packed":
+    if linear.kernel_name not in INT8_KERNELS:
         return None
     scales: torch.Tensor = linear._prepared.weight.scales
     return scales
 
 
 def _panels(linear: _Linear) -> torch.Tensor | None:
-    """The packed copy the compiled GEMM reads: ``packed``'s or ``int8_packed``'s panels,
-    else none."""
-    if linear.kernel_name not in ("packed", "int8_packed"):
+    """The packed copy the compiled GEMM reads (a ``PANEL_KERNELS`` kernel's), else none."""
+    if linear.kernel_name not in PANEL_KERNELS:
         return None
     panels: torch.Tensor = linear._prepared.panels
     return panels
@@ -170,6 +176,7 @@ def _weights(layer: DecoderLayer) -> DecoderLayerWeights:
         o_w=_weight(attn.o_proj), o_b=_detached(attn.o_proj.bias),
         gate_up_w=_weight(mlp.gate_up_proj), down_w=_weight(mlp.down_proj),
         down_b=_detached(mlp.down_proj.bias), kv_cache=attn.kv_cache,
+        gemv=KERNELS[attn.qkv_proj.kernel_name].gemv,
         qkv_p=panels[0], o_p=panels[1], gate_up_p=panels[2], down_p=panels[3],
         qkv_s=scales[0], o_s=scales[1], gate_up_s=scales[2], down_s=scales[3])
 

@@ -71,6 +71,7 @@ class DecoderLayerWeights:
     o_s: torch.Tensor | None = None
     gate_up_s: torch.Tensor | None = None
     down_s: torch.Tensor | None = None
+    gemv: bool = True  # False: the panels (needed then) at every row count, no GEMV
 
 
 @dataclass(frozen=True)
@@ -156,19 +157,31 @@ class DecoderLayers:
                 setattr(entry, name, ptr_of(getattr(layer, name)))
             entry.k_cache = layer.kv_cache[0].data_ptr()
             entry.v_cache = layer.kv_cache[1].data_ptr()
-            if self.max_rows == GEMV_MAX_ROWS:
-                continue
-            assert panel_floats is not None
-            for name, weight in zip(_PANEL_FIELDS, _WEIGHT_FIELDS, strict=True):
-                t, size = getattr(layer, name), want[weight]
-                dtype = torch.int8 if int8[weight] else torch.float32
-                if not (t.dim() == 1 and t.numel() == panel_floats(*size)
-                        and t.dtype == dtype and t.is_contiguous()
-                        and t.device.type == "cpu"):
-                    raise ValueError(f"layer {i}: {name} must be {weight} packed by pack_panels "
-                                     f"({panel_floats(*size)} contiguous {dtype} CPU values), "
-                                     f"got {tuple(t.shape)} {t.dtype}")
-                setattr(entry, name, t.data_ptr())
+            if self.max_rows > GEMV_MAX_ROWS:
+                assert panel_floats is not None
+                _point_at_panels(entry, i, layer, int8, want, panel_floats)
+            elif not layer.gemv:
+                raise ValueError(f"layer {i}: without the GEMV it needs its packed weights")
+
+
+def _point_at_panels(entry: _LayerPointers, i: int, layer: DecoderLayerWeights,
+                     int8: dict[str, bool], want: dict[str, tuple[int, ...]],
+                     panel_floats: Callable[[int, int], int]) -> None:
+    """Layer ``i``'s table ``entry`` pointed at its packed weights, checked; without the
+    GEMV (``layer.gemv`` False), at them alone: the kernel reads a weight's panels at any
+    row count when it has no pointer to the weight itself."""
+    for name, weight in zip(_PANEL_FIELDS, _WEIGHT_FIELDS, strict=True):
+        t, size = getattr(layer, name), want[weight]
+        dtype = torch.int8 if int8[weight] else torch.float32
+        rows, cols = size
+        if not (t.dim() == 1 and t.numel() == panel_floats(rows, cols)
+                and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"):
+            raise ValueError(f"layer {i}: {name} must be {weight} packed by pack_panels "
+                             f"({panel_floats(rows, cols)} contiguous {dtype} CPU values), "
+                             f"got {tuple(t.shape)} {t.dtype}")
+        setattr(entry, name, t.data_ptr())
+        if not layer.gemv:
+            setattr(entry, weight, None)
 
 
 def _dtype(name: str, int8_weight: bool, kv_kind: int) -> torch.dtype:

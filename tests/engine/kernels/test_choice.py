@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import LINEAR_KERNELS, EngineConfig, ParallelConfig, load_model_config
+from engine.config import (
+    LINEAR_KERNELS,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    load_model_config,
+)
 from engine.kernels.choice import (
     KERNEL_ENV,
     LinearShape,
@@ -23,7 +29,7 @@ from engine.kernels.choice import (
     measure_kernels,
     pick_kernel,
 )
-from engine.kernels.linear import KERNELS, KernelPlan
+from engine.kernels.linear import KERNELS, KernelPlan, available_kernels
 from engine.kernels.quant import quantize_int8
 from engine.models.layers import linear_layers
 from tests.factories import PROMPTS
@@ -139,6 +145,40 @@ def test_measured_once_then_cached_per_machine(config: EngineConfig, tmp_path: P
     assert choose_kernel_plan(config, 2, cache_path=cache, measure=other).summary == "torch"
     assert len(other.calls) == len(linear_shapes(config))
     assert len(json.loads(cache.read_text())["machines"]) == 2
+
+
+def test_a_speculating_engine_runs_the_packed_gemm_at_every_row_count(
+        config: EngineConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its verifying steps (1 + 4 rows) pass the GEMV's 3: every weight on the GEMM's
+    kernel, nothing measured; a forced kernel still wins; guesses of 2 (3 rows) stay on
+    the GEMV, measured as usual, and the measurement never times the *_gemm kernels."""
+    if "packed_gemm" not in available_kernels(torch.device("cpu"), torch.float32):
+        pytest.skip("the compiled kernels are unavailable here")
+    cache = tmp_path / "kernels.json"
+
+    def speculating(k: int, **kwargs: Any) -> EngineConfig:
+        return EngineConfig(model=config.model, scheduler=SchedulerConfig(
+            speculative_method="ngram", num_speculative_tokens=k, prompt_lookup_max=2),
+            **kwargs)
+
+    plan = choose_kernel_plan(speculating(4), 1, cache_path=cache, measure=refuse)
+    assert (plan.summary, plan.source) == ("packed_gemm", "speculative")
+    plan = choose_kernel_plan(speculating(4, quantization="int8"), 1, cache_path=cache,
+                              measure=refuse)
+    assert (plan.summary, plan.source) == ("int8_packed_gemm", "speculative")
+    plan = choose_kernel_plan(speculating(4, linear_kernel="mm_t"), 1, cache_path=cache,
+                              measure=refuse)
+    assert (plan.summary, plan.source) == ("mm_t", "config")
+    timed: list[Sequence[str]] = []
+
+    def measure(shape: LinearShape, kernels: Sequence[str], dtype: torch.dtype) -> Timings:
+        timed.append(kernels)
+        return FakeMeasure({})(shape, kernels, dtype)
+
+    plan = choose_kernel_plan(speculating(2), 1, cache_path=cache, measure=measure)
+    assert plan.source == "measured" and timed
+    assert all("packed" in k and not {"packed_gemm", "int8_packed_gemm"} & set(k)
+               for k in timed)
 
 
 def test_a_damaged_cache_is_measured_again(config: EngineConfig, tmp_path: Path) -> None:

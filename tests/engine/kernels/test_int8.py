@@ -124,12 +124,14 @@ def test_int8_weights_take_the_int8_kernels_and_only_those(llama_dir: Path,
                                                          monkeypatch: pytest.MonkeyPatch,
                                                          tmp_path: Path) -> None:
     cpu = torch.device("cpu")
-    assert available_kernels(cpu, torch.float32, "int8") == ["int8_torch", "int8_packed"]
-    assert not {"int8_torch", "int8_packed"} & set(available_kernels(cpu, torch.float32))
+    assert available_kernels(cpu, torch.float32, "int8") == ["int8_torch", "int8_packed",
+                                                             "int8_packed_gemm"]
+    assert not {"int8_torch", "int8_packed", "int8_packed_gemm"} & set(
+        available_kernels(cpu, torch.float32))
     model = load_model_config(llama_dir)
     with pytest.raises(ConfigError, match="quantization must be None or one of"):
         EngineConfig(model=model, quantization="int4")
-    with pytest.raises(ConfigError, match="int8 weights take int8_packed or int8_torch"):
+    with pytest.raises(ConfigError, match="int8 weights take int8_packed, int8_packed_gemm or int8_torch"):
         EngineConfig(model=model, quantization="int8", linear_kernel="packed")
     with pytest.raises(ConfigError, match="does not multiply unquantised weights"):
         EngineConfig(model=model, linear_kernel="int8_packed")

@@ -149,28 +149,44 @@ def _many_steps(vocab: int) -> Iterator[list[Seq]]:
         yield seqs[:batch]
 
 
+@pytest.mark.parametrize("kernel", ["packed", "packed_gemm"])
 @pytest.mark.parametrize("case", [c for c in ARCHS if ARCHS[c][0] != "qwen3"])
 def test_on_the_packed_kernel_the_stack_takes_every_decode_batch_to_the_bit(
-        model_factory: Callable[..., Path], case: str, step_rows: list[int], threads: int,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        model_factory: Callable[..., Path], case: str, kernel: str, step_rows: list[int],
+        threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``packed_gemm`` (a speculating engine's): the stack's GEMM takes the batches of 1
+    and 3 too, as the per-layer forward's does (the GEMV's sums would differ in the last
+    bits)."""
     arch, overrides = ARCHS[case]
     config = _config(model_factory(arch, **overrides))
     _assert_stack_matches_per_layer(config, lambda: _many_steps(config.model.vocab_size),
-                                    monkeypatch, step_rows, "packed", 4 * MANY[0])
+                                    monkeypatch, step_rows, kernel, 4 * MANY[0])
     assert step_rows == MANY
 
 
+@pytest.mark.parametrize("kernel", ["int8_packed", "int8_packed_gemm"])
 @pytest.mark.parametrize("case", ["llama", "odd-widths"])
 def test_on_int8_weights_the_stack_takes_every_decode_batch_to_the_bit(
-        model_factory: Callable[..., Path], case: str, step_rows: list[int], threads: int,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        model_factory: Callable[..., Path], case: str, kernel: str, step_rows: list[int],
+        threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``int8_packed`` (``quantization="int8"``): the stack's int8 GEMV and GEMM are the
-    per-layer forward's, at every batch."""
+    per-layer forward's, at every batch; ``int8_packed_gemm``'s GEMM at every batch."""
     arch, overrides = ARCHS[case]
     config = _config(model_factory(arch, **overrides))
     _assert_stack_matches_per_layer(config, lambda: _many_steps(config.model.vocab_size),
-                                    monkeypatch, step_rows, "int8_packed", 4 * MANY[0])
+                                    monkeypatch, step_rows, kernel, 4 * MANY[0])
     assert step_rows == MANY
+
+
+def test_a_plan_mixing_packed_and_packed_gemm_keeps_the_per_layer_forward(
+        llama_dir: Path) -> None:
+    """The stack hands every weight of a layer to the GEMV, or none."""
+    config = _config(llama_dir)
+    shapes = sorted({(s.out_features, s.in_features) for s in linear_shapes(config)})
+    plan = KernelPlan(tuple((o, i, "packed_gemm" if (o, i) == shapes[0] else "packed")
+                            for o, i in shapes), "config")
+    runner = ModelRunner(config, Group.single(), 4 * MANY[0], plan)
+    assert decoder_stack.CompiledDecoderStack.build(runner.model) is None
 
 
 @pytest.mark.parametrize(("case", "kv_cache_dtype"), [
