@@ -89,6 +89,35 @@ def test_every_greedy_guess_of_the_target_as_its_own_draft_is_kept(llama_dir: Pa
     assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens
 
 
+def test_short_catch_ups_run_as_decode_rows_and_write_the_right_draft_kv(
+        llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a step whose guesses were all kept, the draft catches up its last guess and
+    the target's next token: two tokens, run as decode rows (the compiled stack takes
+    them), beside a long prompt's catch-up run as a prefill chunk. The target as its own
+    draft still has every greedy guess kept, which it only can if those rows wrote the
+    right KV and the last row's logits gave the guess."""
+    prompts = [[5, 6, 7, 8] * 5, list(range(3, 203))]
+    with LLM(llama_dir) as plain:
+        expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    with LLM(llama_dir, speculative_config=draft(llama_dir)) as spec:
+        runner = spec.core.drafter.runner
+        seen: list[ScheduledChunk] = []
+        execute = runner.execute
+
+        def spy(chunks: list[ScheduledChunk], *args: Any) -> Any:
+            seen.extend(chunks)
+            return execute(chunks, *args)
+
+        monkeypatch.setattr(runner, "execute", spy)
+        assert [r.token_ids for r in spec.generate(prompts, GREEDY)] == expected
+        stats = spec.stats
+    rows = [c for c in seen if c.num_draft_tokens]
+    assert rows and all(c.sample and c.num_draft_tokens == len(c.token_ids) - 1 <= 7
+                        for c in rows)
+    assert any(len(c.token_ids) > 8 and not c.num_draft_tokens for c in seen)  # the prompts'
+    assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens > 100
+
+
 def test_under_preemption_the_draft_starts_again_and_no_token_changes(llama_dir: Path) -> None:
     """16 blocks of 16 for two 150-token sequences: one is preempted and recomputed; its
     draft KV is caught up again from nothing."""
