@@ -32,7 +32,9 @@ class ScheduledChunk:
     logits of every token of the chunk are wanted (its prompt's logprobs), not only the
     last one's. ``num_draft_tokens``: the last that many tokens are guesses of a decoding
     request (speculative decoding): every token's logits are sampled from, and
-    ``Scheduler.update`` keeps the guesses the model agrees with."""
+    ``Scheduler.update`` keeps the guesses the model agrees with. The runner computes such
+    a chunk as decode rows, each token attending up to itself (a draft model's short
+    catch-up uses that too: ``engine.core.drafter``)."""
 
     request_id: str
     token_ids: tuple[int, ...]

@@ -5,7 +5,8 @@ apply after loading (the leader chooses; its ranks get the plan in their launch
 message, so every rank runs the same kernels). In order of precedence:
 
 1. ``EngineConfig.linear_kernel`` other than ``"auto"``: that kernel everywhere;
-2. ``PDSERVE_LINEAR_KERNEL=onednn|onednn_gemv|packed|torch|mm_t`` in the environment: likewise;
+2. ``PDSERVE_LINEAR_KERNEL=NAME`` (any of ``engine.kernels.linear.KERNELS``) in the
+   environment: likewise;
 3. a speculating engine whose verifying steps pass the GEMV's rows (``1 +
    num_speculative_tokens > GEMV_MAX_ROWS``), where the compiled kernels run: the packed
    GEMM at every row count everywhere (``packed_gemm``, ``int8_packed_gemm`` for int8
@@ -201,8 +202,9 @@ def _check_forced(wanted: str, candidates: Sequence[str], source: str,
     if wanted not in candidates:
         raise ValueError(f"{where}={wanted!r} cannot run here (available: {list(candidates)}); "
                          "onednn needs a CPU, float32 and a oneDNN-enabled torch; "
-                         "onednn_gemv also, and packed only, pdserve's compiled CPU kernels "
-                         "(a C compiler)")
+                         "onednn_gemv also, and packed, packed_gemm, int8_packed and "
+                         "int8_packed_gemm only, a CPU, float32 and pdserve's compiled CPU "
+                         "kernels (a C compiler)")
 
 
 def pick_kernel(timings: Timings) -> str:

@@ -26,7 +26,7 @@ from a copy of ``W`` it prepared once after loading (or ``W`` itself):
   2.2–2.3 ms for either alone; the GEMM takes 1 row as fast as the GEMV there).
 
 With ``quantization="int8"`` (``engine.kernels.quant``) a layer multiplies by its
-weight quantised to int8 with a scale per output feature, by one of two kernels of their
+weight quantised to int8 with a scale per output feature, by one of the kernels of their
 own (``LinearKernel.quantization``), ``y = (x q^T) * scale + b``:
 
 - ``int8_torch``: ``F.linear`` on the int8 weight widened to ``x``'s dtype, then the
@@ -155,8 +155,8 @@ def _packed_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and native() is not None
 
 
-def _packed_prepare(weight: torch.Tensor) -> _PackedPrepared:
-    kernels, weight = _native_weight("packed", weight)
+def _packed_prepare(weight: torch.Tensor, kernel: str = "packed") -> _PackedPrepared:
+    kernels, weight = _native_weight(kernel, weight)
     return _PackedPrepared(weight, kernels.pack_panels(weight), kernels)
 
 
@@ -194,11 +194,12 @@ def _as_int8(weight: torch.Tensor | Int8Weight) -> Int8Weight:
     return weight if isinstance(weight, Int8Weight) else quantize_int8(weight)
 
 
-def _int8_packed_prepare(weight: torch.Tensor | Int8Weight) -> _Int8Prepared:
-    kernels = _native_kernels("int8_packed")
+def _int8_packed_prepare(weight: torch.Tensor | Int8Weight,
+                         kernel: str = "int8_packed") -> _Int8Prepared:
+    kernels = _native_kernels(kernel)
     quantized = _as_int8(weight)
     if quantized.q.device.type != "cpu":
-        raise ValueError(f"linear kernel int8_packed takes a CPU weight, got one on "
+        raise ValueError(f"linear kernel {kernel} takes a CPU weight, got one on "
                          f"{quantized.q.device}")
     return _Int8Prepared(quantized, kernels.pack_panels(quantized.q), kernels)
 
@@ -236,11 +237,12 @@ KERNELS: dict[str, LinearKernel] = {
                                lambda device, dtype: True, quantization="int8"),
     "int8_packed": LinearKernel("int8_packed", _int8_packed_prepare, _int8_packed_apply,
                                 _packed_available, uses_native=True, quantization="int8"),
-    "packed_gemm": LinearKernel("packed_gemm", _packed_prepare,
+    "packed_gemm": LinearKernel("packed_gemm", lambda w: _packed_prepare(w, "packed_gemm"),
                                 lambda x, p, b: _packed_apply(x, p, b, gemv=False),
                                 _packed_available, uses_native=True, measured=False,
                                 gemv=False),
-    "int8_packed_gemm": LinearKernel("int8_packed_gemm", _int8_packed_prepare,
+    "int8_packed_gemm": LinearKernel("int8_packed_gemm",
+                                     lambda w: _int8_packed_prepare(w, "int8_packed_gemm"),
                                      lambda x, p, b: _int8_packed_apply(x, p, b, gemv=False),
                                      _packed_available, uses_native=True,
                                      quantization="int8", measured=False, gemv=False),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,9 @@ import pytest
 
 from engine import LLM, SamplingParams
 from pdserve import AsyncClient
-from tests.e2e.cluster import Cluster, start_cluster
+from tests.e2e.cluster import Cluster, scrape_metrics, start_cluster
+from tests.e2e.test_speculative import DRAFTS, KEPT
+from tests.processes import Proc
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,6 +52,17 @@ def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                        "--speculative-config", draft).wait_ready()
         c.wait_serving()
         yield c
+
+
+def _guesses(worker: Proc, kept_some: bool = False) -> tuple[float, float]:
+    """The decode worker's guessed and kept tokens (``kept_some``: once it reported some
+    kept: it refreshes its counters as its loop goes idle)."""
+    for _ in range(40):
+        figures = scrape_metrics(worker.ready["metrics_address"])
+        if not kept_some or figures[KEPT] > 0:
+            break
+        time.sleep(0.05)
+    return figures[DRAFTS], figures[KEPT]
 
 
 def _migrations(cluster: Cluster) -> float:
@@ -95,7 +109,13 @@ def test_streams_keep_their_tokens_moving_between_workers_that_speculate_differe
             await killer
 
     before = _migrations(cluster)
+    guessed_before = {w.name: _guesses(w) for w in cluster.decode}
     asyncio.run(run())
     assert max(held.values()) >= 1, held  # a stream was on the worker that died
     assert received == expected  # nothing twice, nothing missing, nothing changed
     assert _migrations(cluster) - before >= 1
+    [survivor] = [w for w in cluster.decode if w.proc.poll() is None]
+    drafted, kept = (after - was for after, was in zip(_guesses(survivor, kept_some=True),
+                                                        guessed_before[survivor.name],
+                                                        strict=True))
+    assert drafted > kept > 0  # the worker the streams moved to speculated

@@ -21,7 +21,9 @@ typedef struct {
     void *k_cache, *v_cache; /* [num_cache_blocks * block_size, Hk, D] fp32, int8 slots of
                               * D + 4 bytes, or fp8 bytes (kv_kind; kv_quant.py) */
     /* the four weights packed for pd_gemm_packed_f32 / _i8 (pd_gemm_panel_floats
-     * elements each), or NULL: a stack without them takes at most GEMV_MAX_X_ROWS rows */
+     * elements each), or NULL: a stack without them takes at most GEMV_MAX_X_ROWS rows.
+     * With them, the *_w above may be NULL: the packed GEMM then takes every row count
+     * (no GEMV: a speculating engine's packed_gemm kernels) */
     const void *qkv_p, *o_p, *gate_up_p, *down_p;
     /* each weight's scales (one per output feature) where it is int8 (its *_w and *_p
      * then int8 too), NULL where it is fp32 */
@@ -72,7 +74,8 @@ static void add_residual(float *restrict h, const float *restrict y, const float
  * (RMSNorm, the qkv projection, the q/k norms, RoPE, the KV write, paged attention, the
  * o projection and residual, RMSNorm, the gate/up projection, SwiGLU, the down
  * projection and residual; each projection by pd_linear_any: the GEMV up to
- * GEMV_MAX_X_ROWS rows, the packed GEMM beyond, which every layer then needs), so
+ * GEMV_MAX_X_ROWS rows where the weight is given, the packed GEMM beyond (or at every
+ * row count where it is not), which every layer then needs), so
  * the result is the same to the bit; what it saves is the interpreter and dispatch
  * between them. h [rows, hidden] is updated in place (the embeddings in, the last
  * layer's output out); cos, sin [rows, D] as pd_rope_f32 takes them; slots [rows];
@@ -90,9 +93,14 @@ int pd_decoder_stack_f32(const pd_decoder_layer *layers, int64_t num_layers,
         || s->intermediate < 1 || s->block_size < 1 || s->num_cache_blocks < 1 || max_blocks < 1
         || num_threads < 1 || !pd_decoder_shape_ok(s))
         return -1;
-    for (int64_t l = 0; rows > GEMV_MAX_X_ROWS && l < num_layers; l++)
-        if (!layers[l].qkv_p || !layers[l].o_p || !layers[l].gate_up_p || !layers[l].down_p)
+    for (int64_t l = 0; l < num_layers; l++) {
+        const pd_decoder_layer *L = layers + l;
+        const int packed = L->qkv_p && L->o_p && L->gate_up_p && L->down_p;
+        if (rows > GEMV_MAX_X_ROWS && !packed)
             return -1; /* past the GEMV's rows every projection needs its packed copy */
+        if (!packed && (!L->qkv_w || !L->o_w || !L->gate_up_w || !L->down_w))
+            return -1; /* a projection with neither its weight nor its packed copy */
+    }
     const int64_t num_slots = s->num_cache_blocks * s->block_size;
     for (int64_t r = 0; r < rows; r++) {
         if (slots[r] < 0 || slots[r] >= num_slots) return -3;

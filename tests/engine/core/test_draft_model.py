@@ -20,6 +20,7 @@ from engine.config import ConfigError
 from engine.core.drafter import CATCH_UP_TOKENS
 from engine.core.engine_core import EngineCore
 from engine.core.scheduler import ScheduledChunk
+from engine.kernels.cpu import NativeKernels
 from tests.engine.core.test_speculative import (
     GREEDY,
     MIXED_ENGINE,
@@ -90,31 +91,47 @@ def test_every_greedy_guess_of_the_target_as_its_own_draft_is_kept(llama_dir: Pa
 
 
 def test_short_catch_ups_run_as_decode_rows_and_write_the_right_draft_kv(
-        llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        llama_dir: Path, monkeypatch: pytest.MonkeyPatch, kernels: NativeKernels) -> None:
     """After a step whose guesses were all kept, the draft catches up its last guess and
-    the target's next token: two tokens, run as decode rows (the compiled stack takes
-    them), beside a long prompt's catch-up run as a prefill chunk. The target as its own
-    draft still has every greedy guess kept, which it only can if those rows wrote the
-    right KV and the last row's logits gave the guess."""
+    the target's next token: two tokens, run as decode rows, which the draft's compiled
+    stack takes (its weights on a kernel with panels, here forced), and in a step beside a
+    long prompt's catch-up run as a prefill chunk. The target as its own draft still has
+    every greedy guess kept, which it only can if those rows wrote the right KV and the
+    last row's logits gave the guess."""
     prompts = [[5, 6, 7, 8] * 5, list(range(3, 203))]
     with LLM(llama_dir) as plain:
         expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
-    with LLM(llama_dir, speculative_config=draft(llama_dir)) as spec:
+    stacked: list[tuple[int, int]] = []  # (id of the layers, rows) of each compiled step
+    real = NativeKernels.decoder_step
+
+    def counted(self: NativeKernels, layers: Any, token_ids: Any, *args: Any) -> Any:
+        stacked.append((id(layers), token_ids.shape[0]))
+        return real(self, layers, token_ids, *args)
+
+    monkeypatch.setattr(NativeKernels, "decoder_step", counted)
+    with LLM(llama_dir, speculative_config=draft(llama_dir),
+             linear_kernel="packed_gemm") as spec:
         runner = spec.core.drafter.runner
-        seen: list[ScheduledChunk] = []
+        calls: list[list[ScheduledChunk]] = []
         execute = runner.execute
 
         def spy(chunks: list[ScheduledChunk], *args: Any) -> Any:
-            seen.extend(chunks)
+            calls.append(list(chunks))
             return execute(chunks, *args)
 
         monkeypatch.setattr(runner, "execute", spy)
         assert [r.token_ids for r in spec.generate(prompts, GREEDY)] == expected
         stats = spec.stats
-    rows = [c for c in seen if c.num_draft_tokens]
+        draft_stack = runner.model._stack
+        assert draft_stack is not None
+        draft_layers = id(draft_stack._layers)
+    rows = [c for call in calls for c in call if c.num_draft_tokens]
     assert rows and all(c.sample and c.num_draft_tokens == len(c.token_ids) - 1 <= 7
                         for c in rows)
-    assert any(len(c.token_ids) > 8 and not c.num_draft_tokens for c in seen)  # the prompts'
+    assert any(any(c.num_draft_tokens for c in call)
+               and any(len(c.token_ids) > 8 and not c.num_draft_tokens for c in call)
+               for call in calls)  # rows beside a prompt's catch-up, in one forward
+    assert any(layers == draft_layers and n >= 2 for layers, n in stacked)
     assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens > 100
 
 

@@ -475,6 +475,9 @@ def test_packed_weights_come_all_four_and_of_their_size(llama_dir: Path,
     assert without.max_rows == GEMV_MAX_ROWS
     with pytest.raises(ValueError, match="does not take"):  # past the GEMV without panels
         kernels.decoder_stack(without, **_rows(runner, GEMV_MAX_ROWS + 1))
+    with pytest.raises(ValueError, match="without the GEMV it needs its packed weights"):
+        DecoderLayers(shape, [replace(good, gemv=False, qkv_p=None, o_p=None,
+                                      gate_up_p=None, down_p=None)])
 
 
 def test_int8_weights_come_with_their_scales_and_int8_panels(llama_dir: Path,
