@@ -25,11 +25,12 @@ blocks (from its last heartbeat).
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from fractions import Fraction
+from typing import NamedTuple
 
 import xxhash
 
@@ -65,7 +66,7 @@ def pick_prefill(key: bytes, loads: Mapping[str, int],
         return []
     # Exact arithmetic on epsilon as written: in floats (1 + 0.1) * 50 / 5 is 11.000…02,
     # which would ceil to 12 and let a worker one request past the bound.
-    bound = math.ceil((1 + Fraction(str(epsilon))) * (sum(loads.values()) + 1) / len(loads))
+    bound = math.ceil(_one_plus(epsilon) * (sum(loads.values()) + 1) / len(loads))
     order = rendezvous_order(key, list(loads))
     within = [w for w in order if loads[w] + 1 <= bound]
     return within + [w for w in order if w not in within]
@@ -92,8 +93,10 @@ def round_robin(worker_ids: Sequence[str], turn: int) -> list[str]:
     return ordered[start:] + ordered[:start]
 
 
-@dataclass(frozen=True)
-class DecodeCandidate:
+class DecodeCandidate(NamedTuple):
+    """One decode worker as ``rank_decode`` weighs it (a named tuple: one is made per
+    decode worker for every request placed)."""
+
     worker_id: str
     inflight: int  # requests the router has in flight on it
     free_kv_blocks: int  # from its last heartbeat
@@ -114,11 +117,18 @@ def rank_decode(candidates: Sequence[DecodeCandidate], num_blocks: int,
     fit = [c for c in candidates if c.total_kv_blocks >= num_blocks]
     if not fit:
         return []
-    bound = math.ceil((1 + Fraction(str(epsilon))) * (sum(c.inflight for c in fit) + 1)
+    bound = math.ceil(_one_plus(epsilon) * (sum(c.inflight for c in fit) + 1)
                       / len(fit))
     fit.sort(key=lambda c: (c.inflight + 1 > bound, -c.cached_blocks, c.inflight,
                             -c.free_kv_blocks, c.worker_id))
     return [c.worker_id for c in fit]
+
+
+@functools.lru_cache(maxsize=16)
+def _one_plus(epsilon: float) -> Fraction:
+    """``1 + epsilon`` exactly as written (one per epsilon: a Fraction of a string is slow
+    to make, and the bounds are computed for every request)."""
+    return 1 + Fraction(str(epsilon))
 
 
 def _weight(key: bytes, worker_id: str) -> int:

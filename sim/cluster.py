@@ -123,16 +123,16 @@ def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest]) ->
     workers: list[SimWorker] = []
     shared: SharedView | None = None
 
-    def on_output(worker: SimWorker, update: StepUpdate) -> None:
+    def on_outputs(worker: SimWorker, updates: list[StepUpdate]) -> None:
         assert shared is not None
-        shared.on_output(worker, update)
+        shared.on_outputs(worker, updates)
 
     def new_worker(worker_id: str, role: str, tp: int) -> SimWorker:
         return SimWorker(worker_id, role, profile.step(tp), block_size=profile.model.block_size,
                          max_model_len=profile.model.max_model_len,
                          max_num_seqs=spec.max_num_seqs,
                          max_num_batched_tokens=spec.max_num_batched_tokens,
-                         events=events, on_output=on_output)
+                         events=events, on_outputs=on_outputs)
 
     for role, count, tp in (("prefill", spec.num_prefill, spec.prefill_tp),
                             ("decode", spec.num_decode, spec.decode_tp)):

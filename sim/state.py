@@ -114,11 +114,14 @@ class SharedView:
         for router in self.routers:
             router.worker_died(worker)
 
-    def on_output(self, worker: SimWorker, update: StepUpdate) -> None:
-        """Every worker's callback: the update goes to the router of its attempt."""
-        router = self.owner.get(update.request.request_id)
-        if router is not None:
-            router.on_output(worker, update)
+    def on_outputs(self, worker: SimWorker, updates: list[StepUpdate]) -> None:
+        """Every worker's callback, once a step: each update goes to the router of its
+        attempt."""
+        owner = self.owner.get
+        for update in updates:
+            router = owner(update.request.request_id)
+            if router is not None:
+                router.on_output(worker, update)
 
     def cached(self, request: SimRequest, worker_ids: list[str]) -> dict[str, int]:
         """Leading blocks of ``request``'s prompt each worker holds (the KV index's word;

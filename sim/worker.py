@@ -26,7 +26,7 @@ from sim.profile import StepModel
 FIRST_TOKEN_ID = 16  # made-up sampled ids start here (as the workloads' prompt ids do)
 NUM_TOKEN_IDS = 30000
 
-OnOutput = Callable[["SimWorker", StepUpdate], None]
+OnOutputs = Callable[["SimWorker", list[StepUpdate]], None]  # a step's updates, in order
 
 
 class SimWorker:
@@ -36,7 +36,7 @@ class SimWorker:
 
     def __init__(self, worker_id: str, role: str, step: StepModel, *, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 events: EventQueue, on_output: OnOutput) -> None:
+                 events: EventQueue, on_outputs: OnOutputs) -> None:
         self.worker_id = worker_id
         self.role = role
         self.step = step
@@ -49,7 +49,7 @@ class SimWorker:
             CacheConfig(block_size=block_size, num_kv_blocks=step.num_kv_blocks),
             self.blocks, max_model_len)
         self._events = events
-        self._on_output = on_output
+        self._on_outputs = on_outputs
         self.busy_s = 0.0  # virtual seconds spent stepping
         self.num_steps = 0
         self._stepping = False
@@ -111,7 +111,7 @@ class SimWorker:
         if self.dead or self._stepping or not self.scheduler.has_unfinished():
             return
         out = self.scheduler.schedule()
-        if not out.chunks:  # waiting for room (blocks held for KV on its way, or pinned)
+        if not (out.decodes or out.prefills):  # waiting for room (blocks held for KV on its way, or pinned)
             return
         self._stepping = True
         for chunk in out.prefills:  # its first chunk: the queue wait ends
@@ -125,13 +125,17 @@ class SimWorker:
     def _done(self, out: SchedulerOutput) -> None:
         if self.dead:
             return
-        sampled = [_token_id(c.request_id, c.start_position + len(c.token_ids))
-                   for c in out.chunks if c.sample]
+        # a made-up sampled token per sampling chunk, from its request and position
+        # (deterministic: the same run samples the same ids)
+        sampled = [FIRST_TOKEN_ID + (_id_sum(c.request_id) * 7919
+                                     + (c.start_position + len(c.token_ids)) * 104729)
+                   % NUM_TOKEN_IDS for c in out.chunks if c.sample]
         updates = self.scheduler.update(out, sampled)
-        self.scheduler.forget(u.request.request_id for u in updates if u.finished)
+        finished = [u.request.request_id for u in updates if u.finished]
+        if finished:
+            self.scheduler.forget(finished)
         self._stepping = False
-        for update in updates:
-            self._on_output(self, update)
+        self._on_outputs(self, updates)
         self.kick()
 
     def idle(self) -> bool:
@@ -139,11 +143,6 @@ class SimWorker:
         usage = self.blocks.usage()
         return not (self.scheduler.has_unfinished() or self.scheduler.reserved
                     or usage.pinned or usage.in_use)
-
-
-def _token_id(request_id: str, position: int) -> int:
-    """A made-up sampled token (deterministic: the same run samples the same ids)."""
-    return FIRST_TOKEN_ID + (_id_sum(request_id) * 7919 + position * 104729) % NUM_TOKEN_IDS
 
 
 @functools.lru_cache(maxsize=4096)

@@ -138,7 +138,7 @@ class DraftModel:
             start = self._start(request)
             end = min(request.num_tokens, start + min(CATCH_UP_TOKENS, budget))
             if end < request.num_tokens:  # catching up: no guesses this step
-                out.decodes[i] = replace(chunk, token_ids=chunk.token_ids[:1],
+                out.decodes[i] = chunk._replace(token_ids=chunk.token_ids[:1],
                                          num_draft_tokens=0)
                 self._progress[request] = _Progress(request.num_preemptions, end)
             else:
@@ -161,7 +161,7 @@ class DraftModel:
             for n, token in zip(live, self._greedy(step), strict=True):
                 guesses[n].append(token)
         for (i, chunk, request), drafts in zip(spec, guesses, strict=True):
-            out.decodes[i] = replace(chunk, token_ids=(chunk.token_ids[0], *drafts))
+            out.decodes[i] = chunk._replace(token_ids=(chunk.token_ids[0], *drafts))
             # the draft wrote KV up to the last guess's position (excluded)
             self._progress[request] = _Progress(request.num_preemptions, request.num_tokens,
                                                 request.num_tokens + len(drafts) - 1)

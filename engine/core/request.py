@@ -109,12 +109,12 @@ class Request:
 
     def check_token_stop(self, max_model_len: int) -> FinishReason | None:
         """Why the request stops after its latest output token, or None to go on."""
-        last = self.output_token_ids[-1]
-        if last in self.params.stop_token_set:
+        last, params = self.output_token_ids[-1], self.params
+        if last in params.stop_token_set:
             return FinishReason.STOP
-        if not self.params.ignore_eos and last in self.eos_token_ids:
+        if not params.ignore_eos and last in self.eos_token_ids:
             return FinishReason.STOP
         outputs = self.num_resumed_tokens + len(self.output_token_ids)  # num_output_tokens
-        if outputs >= self.params.max_tokens or len(self.all_token_ids) >= max_model_len:
+        if outputs >= params.max_tokens or len(self.all_token_ids) >= max_model_len:
             return FinishReason.LENGTH
         return None

@@ -65,7 +65,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._pool = BlockPool(num_blocks)
-        self._tables: dict[str, list[int]] = {}  # request id -> its blocks, in order
+        # request id -> its blocks, in order: a tuple, replaced when it grows (every block
+        # size tokens), so the scheduler reads it each step without a copy
+        self._tables: dict[str, tuple[int, ...]] = {}
         self._pins: dict[str, list[int]] = {}  # pin id -> pinned blocks, in order
         # request id -> how many leading blocks cache_full_blocks has already seen
         self._num_hashed_blocks: dict[str, int] = {}
@@ -99,7 +101,7 @@ class BlockManager:
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The request's block table, as a tuple (``KeyError`` if unknown)."""
-        return tuple(self._tables[request_id])
+        return self._tables[request_id]
 
     def pinned_block_ids(self, request_id: str) -> list[int]:
         """A copy of the blocks pinned under ``request_id`` (``KeyError`` if none)."""
@@ -153,9 +155,9 @@ class BlockManager:
         new_block_ids = self._pool.allocate(num_new)
         assert new_block_ids is not None  # guaranteed by the check above
         if table is None:
-            table = self._tables[request_id] = list(cached_block_ids)
+            table = tuple(cached_block_ids)
             self._num_hashed_blocks[request_id] = 0
-        table.extend(new_block_ids)
+        self._tables[request_id] = (*table, *new_block_ids)
         return new_block_ids
 
     def cache_full_blocks(self, request_id: str, block_hashes: Sequence[BlockHash]) -> None:
@@ -197,7 +199,7 @@ class BlockManager:
         self._pool.release(table)
         del self._tables[request_id]
         del self._num_hashed_blocks[request_id]
-        self._pins[request_id] = table
+        self._pins[request_id] = list(table)
 
     def unpin(self, request_id: str) -> bool:
         """Release the pin under ``request_id`` (last block first, as ``free``).
@@ -257,7 +259,7 @@ class BlockManager:
     def _check_allocate_args(
         self,
         request_id: str,
-        table: list[int] | None,
+        table: tuple[int, ...] | None,
         num_tokens: int,
         cached_block_ids: Sequence[int],
     ) -> None:

@@ -3,6 +3,7 @@ conserving requests and blocks, and moving as the real cluster's levers say it s
 
 from __future__ import annotations
 
+import gc
 import random
 from dataclasses import replace
 
@@ -13,8 +14,10 @@ import engine.kvcache.block_manager
 import router.admission
 import router.kv_index
 import router.policy
+from loadtest.workloads import Request
 from router.config import AdmissionConfig, HandoffConfig
 from sim import router as sim_router
+from sim import runs as sim_runs
 from sim.cluster import SimSpec, simulate
 from sim.state import SimRequest
 from tests.sim.profiles import small_profile
@@ -171,3 +174,22 @@ def test_with_no_decode_worker_left_streams_fail_past_the_migration_limit() -> N
     assert errors and all(e.startswith("UNAVAILABLE") for e in errors)
     with pytest.raises(ValueError, match="cannot kill 'decode-9'"):
         SimSpec(kills=(("decode-9", 1.0),))
+
+
+def test_a_run_collects_garbage_less_often_and_leaves_the_collector_as_it_was() -> None:
+    seen: list[tuple[tuple[int, ...], int]] = []
+    spec = SimSpec(num_prefill=1, num_decode=1)
+    loads = [Request(r.prompt_token_ids, r.max_tokens) for r in requests(5)]
+    before = (gc.get_threshold(), gc.get_freeze_count())
+
+    def watched(*args: object) -> object:  # the collector as the simulation sees it
+        seen.append((gc.get_threshold(), gc.get_freeze_count()))
+        return simulate(*args)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sim_runs, "simulate", watched)
+        result = sim_runs.run(small_profile(), spec, loads, [0.01 * i for i in range(5)])
+    assert result["completed"] == 5
+    (threshold, frozen), = seen
+    assert threshold[0] == 100 * before[0][0] and frozen > 0
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before

@@ -226,7 +226,7 @@ def test_check_integrity_catches_a_table_holding_a_block_outside_the_pool(
     manager = make_block_manager()
     manager.allocate("a", 8)
     block_id = manager.num_blocks if past_the_end else -1
-    manager._tables["a"].append(block_id)
+    manager._tables["a"] += (block_id,)  # a corrupted table (tuples: replaced, not grown)
     with pytest.raises(KVCacheIntegrityError, match=f"holds block {block_id}, outside"):
         manager.check_integrity()
 
