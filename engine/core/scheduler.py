@@ -16,47 +16,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, cast
+from typing import cast
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core.chunks import ScheduledChunk, blocks_completed, next_block_hash, next_chunk
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.speculative import accepted, drafts_for
 from engine.kvcache import BlockManager
-
-
-class ScheduledChunk(NamedTuple):
-    """Tokens ``[start_position, start_position + len(token_ids))`` of one request, computed
-    this step into ``block_ids`` (the request's whole block table). ``sample``: the chunk
-    reaches the end of the sequence, so the next token is sampled. ``all_logits``: the
-    logits of every token of the chunk are wanted (its prompt's logprobs), not only the
-    last one's. ``num_draft_tokens``: the last that many tokens are guesses of a decoding
-    request (speculative decoding): every token's logits are sampled from, and
-    ``Scheduler.update`` keeps the guesses the model agrees with. The runner computes such
-    a chunk as decode rows, each token attending up to itself (a draft model's short
-    catch-up uses that too: ``engine.core.drafter``).
-
-    Immutable (``_replace`` makes a changed copy). A named tuple, not a frozen dataclass:
-    one is made per running request per step, and a frozen dataclass takes about 2.5
-    times as long to make."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    start_position: int
-    block_ids: tuple[int, ...]
-    sample: bool
-    all_logits: bool = False
-    num_draft_tokens: int = 0
-
-    @property
-    def is_decode(self) -> bool:
-        return self.sample and len(self.token_ids) == 1
-
-    @property
-    def num_logit_rows(self) -> int:
-        """Rows of logits the forward returns for it (``ModelRunner.execute``)."""
-        if self.all_logits or self.num_draft_tokens:
-            return len(self.token_ids)
-        return int(self.sample)
 
 
 @dataclass
@@ -155,11 +121,9 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None
-        for queue in (self.waiting, self.kv_ready):
+        for queue in (self.waiting, self.kv_ready, self.running):
             if request in queue:
                 queue.remove(request)
-        if request in self.running:
-            self.running.remove(request)
         self.reserved.pop(request_id, None)
         self.parked.pop(request_id, None)
         self._finish(request, reason)
@@ -207,12 +171,22 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order while they fit; one whose next uncached block is
+        computed this step for another waits a step in its place, then finds it cached:
+        prompts sharing a prefix that arrive together compute it once."""
         if not self.waiting:
             return
         decoding = any(r.output_token_ids and r.num_computed_tokens for r in self.running)
+        size, seed = self.blocks.block_size, self.cache.hash_seed
+        caching = self.cache.enable_prefix_caching  # (off: nothing is found in the cache)
+        coming = blocks_completed(out.prefills, self.requests, size, seed) if caching else None
+        waits: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached = self.cached_prefix(request)
+            if coming and next_block_hash(request, len(cached), size, seed) in coming:
+                waits.append(self.waiting.popleft())
+                continue
             num_computed = len(cached) * self.blocks.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if self.blocks.allocate(request.request_id, num_computed + num_new, cached) is None:
@@ -227,6 +201,9 @@ class Scheduler:
             self.stats.num_admissions_during_decode += decoding
             self._emit(out, request, num_new)
             budget -= num_new
+            if coming is not None:
+                coming |= blocks_completed(out.prefills[-1:], self.requests, size, seed)
+        self.waiting.extendleft(reversed(waits))
 
     def cached_prefix(self, request: Request) -> list[int]:
         """The request's leading blocks in the prefix cache (none when it is off, or when
@@ -268,8 +245,6 @@ class Scheduler:
         samples = iter(sampled)
         updates: list[StepUpdate] = []
         find, running = self.requests.get, RequestStatus.RUNNING
-        caching, block_size = self.cache.enable_prefix_caching, self.blocks.block_size
-        num_keyed = self.blocks.num_keyed_blocks
         for chunk in out.chunks:
             request = find(chunk.request_id)
             token = next(samples) if chunk.sample else None
@@ -282,9 +257,7 @@ class Scheduler:
             assert not isinstance(token, tuple | list)  # concrete types: ABCs cost per token
             token = cast(int | None, token)
             request.num_computed_tokens += len(chunk.token_ids)
-            if caching and request.num_computed_tokens // block_size > num_keyed(
-                    request.request_id):  # a block filled up (not most decode steps)
-                self._cache_blocks(request)
+            self._cache_blocks(request)
             if token is None:
                 continue
             request.append_output(token)
@@ -340,24 +313,3 @@ class Scheduler:
             if request is not None and request.is_finished:
                 del self.requests[rid]
 
-
-def next_chunk(request: Request, num_new: int, drafts: Sequence[int],
-               block_ids: tuple[int, ...]) -> ScheduledChunk:
-    """The chunk of ``request``'s next ``num_new`` tokens to compute (then ``drafts``, its
-    guesses), into ``block_ids``."""
-    start = request.num_computed_tokens
-    if num_new == 1 and not drafts and start + 1 == len(request.all_token_ids):
-        # a decode token (the usual chunk, made once per running request per step): what
-        # the general case makes of it, without its arithmetic
-        return ScheduledChunk(request.request_id, (request.all_token_ids[start],), start,
-                              block_ids, True)
-    tokens = request.all_token_ids[start : start + num_new]
-    return ScheduledChunk(
-        request_id=request.request_id,
-        token_ids=(*tokens, *drafts) if drafts else tuple(tokens),
-        start_position=start,
-        block_ids=block_ids,
-        sample=start + num_new == request.num_tokens,
-        all_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1,
-        num_draft_tokens=len(drafts),
-    )

@@ -50,8 +50,8 @@ DRAFT_PLACEHOLDER = 0
 
 
 class ScheduledChunk(Protocol):
-    """What is read here of ``engine.core.scheduler.ScheduledChunk`` (which imports this
-    module)."""
+    """What is read here of ``engine.core.chunks.ScheduledChunk`` (the scheduler, which
+    imports this module, makes them)."""
 
     @property
     def request_id(self) -> str: ...

@@ -371,6 +371,51 @@ def test_prefix_cache_hit_shares_blocks_with_running_request() -> None:
     assert_all_released(sched)
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_prompts_sharing_a_prefix_that_arrive_together_compute_it_once(caching: bool) -> None:
+    sched = make_scheduler(enable_prefix_caching=caching)
+    shared = list(range(900_000, 900_013))  # 13 tokens (3 full blocks), no one else's
+    first, second = (make_request(rid, prompt=shared, max_tokens=3) for rid in ("a", "b"))
+    other = make_request("c", 9, max_tokens=3)  # shares nothing
+    for request in (first, second, other):
+        sched.add(request)
+    # 1. the budget holds all three, but "b" would compute "a"'s blocks beside it: it waits
+    #    a step in its place ("c", after it, goes ahead); without a prefix cache it would
+    #    find nothing there, so it does not wait
+    out, _ = step(sched)
+    assert [c.request_id for c in out.chunks] == (["a", "c"] if caching else ["a", "b", "c"])
+    if caching:
+        assert list(sched.waiting) == [second]
+        # 2. the next step finds "a"'s blocks cached: only the last token is computed
+        out, _ = step(sched)
+        (chunk,) = [c for c in out.chunks if c.request_id == "b"]
+        assert chunk.start_position == second.num_cached_tokens == 12
+        assert sched.blocks.block_ids("b")[:3] == sched.blocks.block_ids("a")[:3]
+    drain(sched)
+    assert second.output_token_ids == first.output_token_ids
+    assert_all_released(sched)
+
+
+def test_a_prompt_follows_a_shared_prefix_computed_chunk_by_chunk() -> None:
+    sched = make_scheduler(max_num_batched_tokens=10)
+    shared = list(range(900_100, 900_113))  # 13 tokens: computed 10, then 3
+    first, second = (make_request(rid, prompt=shared, max_tokens=2) for rid in ("a", "b"))
+    sched.add(first)
+    sched.add(second)
+    # each step "a" completes the next block "b" lacks: "b" waits, and then computes only
+    # its last token (a block holding the last token is computed, never waited for)
+    for num_cached_after in (2, 3):
+        out, _ = step(sched)
+        assert [c.request_id for c in out.chunks] == ["a"]
+        assert sched.cached_prefix(second) == sched.blocks.block_ids("a")[:num_cached_after]
+    out, _ = step(sched)
+    (chunk,) = [c for c in out.chunks if c.request_id == "b"]
+    assert chunk.start_position == second.num_cached_tokens == 12
+    drain(sched)
+    assert second.output_token_ids == first.output_token_ids
+    assert_all_released(sched)
+
+
 # --------------------------------------------------------------------------- abort
 def _bring_to(sched: Scheduler, state: str) -> Request:
     """A 10-token request in ``state`` (the scheduler's token budget is 4)."""
