@@ -13,7 +13,9 @@ Two parts, both on this machine:
    ``sim.profile.StepModel`` is fitted to them by least squares (coefficients kept >= 0);
    the fit's error per point is printed and kept under ``points``.
 2. The handoff, through a real cluster (``pdserve up``: one prefill, one decode worker,
-   as ``bench.serve`` starts it): requests of each prompt length in ``--handoff-lens`` at
+   with ``--threads 1`` each pinned to a core of its own, as ``bench.disagg`` and the
+   validation start them, so a prefill worker's KV sends take from its own core's
+   compute as they do there): requests of each prompt length in ``--handoff-lens`` at
    ``--handoff-rate`` per second (Poisson) with the router's trace (``bench.handoff``'s
    breakdown). The exposed KV transfer against its
    bytes gives ``transfer`` (latency + bytes / bandwidth); ``router_queue`` is
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -218,7 +221,10 @@ def measure_handoff(args: argparse.Namespace, model_dir: Path, vocab: int,
                     kv_bytes_per_token: int, rate: float) -> dict[str, Any]:
     print(f"handoff at {rate:.2f} requests/s ...", flush=True)
     samples: list[dict[str, Any]] = []
-    with cluster(model_dir, num_prefill=1, num_decode=1) as running:
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = {"prefill-0": (cpus[0],), "decode-0": (cpus[-1],)} \
+        if args.threads == 1 and len(cpus) >= 2 else None
+    with cluster(model_dir, num_prefill=1, num_decode=1, cpu_affinity=pinned) as running:
         for length in args.handoff_lens:
             spec = WorkloadSpec("random", input_len=length, output_len=HANDOFF_OUTPUT_LEN)
             asyncio.run(send_traced(running.router_address,
@@ -237,7 +243,7 @@ def measure_handoff(args: argparse.Namespace, model_dir: Path, vocab: int,
     # each part >= 0: under a queue the two processes' clocks can split a wait oddly
     overhead = [sum(max(0.0, s[k]) for k in ("reserve", "decode_admission", "router_relay",
                                               "delivery")) / 1000 for s in samples]
-    return {"transfer": transfer,
+    return {"transfer": transfer, "pinned": pinned is not None,
             "tpot_s": [(s["prompt_len"], s["tpot"] / 1000) for s in samples],
             "router": {"overhead_s": statistics.median(max(0.0, s["router_queue"]) / 1000
                                                        for s in samples)},
@@ -326,7 +332,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         rate = args.handoff_rate or light_rate(coef, args.handoff_lens)
         handoff = measure_handoff(args, Path(model_dir), vocab,
                                   steps["model"]["kv_bytes_per_token"], rate)
-        where = "handoff measured through pdserve up (1 prefill + 1 decode)"
+        cores = ", one core each" if handoff["pinned"] else ""
+        where = f"handoff measured through pdserve up (1 prefill + 1 decode{cores})"
         scale = prefill_scale(coef, handoff["samples"])
         coef["per_prefill_token_s"] *= scale
         coef["per_prefill_attention_s"] *= scale

@@ -39,7 +39,7 @@ from router.admission import RETRY_PLACEMENT_S, Admission
 from router.config import AdmissionConfig, HandoffConfig
 from router.errors import RouteError
 from router.policy import choose_prefill, short_tail
-from router.routing import DecodeCandidate, affinity_key, rank_decode
+from router.routing import DecodeCandidate, affinity_key, rank_decode, uncached_tokens
 from sim.events import EventQueue
 from sim.profile import Profile
 from sim.state import SharedView, SimRequest, live
@@ -161,8 +161,9 @@ class SimRouter:
             self._start(request, worker)
             full = num_blocks_for(len(request.sequence()), self.block_size)
             request.kv_bytes = (full - reserved) * self.profile.block_bytes()
-            self.events.after(self.profile.handoff_overhead_s / 2, self._prefill, request,
-                              request.attempt)
+            # the Reserve's reply leaves the decode worker's loop after its step in flight
+            self.events.after(worker.residual_s() + self.profile.handoff_overhead_s / 2,
+                              self._prefill, request, request.attempt)
             return True
         return False
 
@@ -206,7 +207,10 @@ class SimRouter:
         worker = self._worker(choice.order[0])
         request.prefill_worker = worker.worker_id
         self.inflight[worker.worker_id] += 1
-        self.queued_tokens[worker.worker_id] += len(request.sequence())
+        # the router's count: the tokens the worker computes, as far as the index knows
+        request.prefill_tokens = uncached_tokens(len(request.sequence()), self.block_size,
+                                                 choice.cached.get(worker.worker_id, 0))
+        self.queued_tokens[worker.worker_id] += request.prefill_tokens
         worker.add(Request(request.attempt, list(request.sequence()),
                            SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True))
 
@@ -227,7 +231,7 @@ class SimRouter:
         assert update.new_token_id is not None
         if update.request.prefill_only:  # by the request: the worker's role may have changed
             self.inflight[worker.worker_id] -= 1
-            self.queued_tokens[worker.worker_id] -= update.request.num_prompt_tokens
+            self.queued_tokens[worker.worker_id] -= request.prefill_tokens
             request.prefilled = True
             if not request.output_ids:
                 request.cached_tokens = update.request.num_cached_tokens
@@ -245,8 +249,18 @@ class SimRouter:
             return  # the attempt failed meanwhile (and was retried or ended)
         prefill.release_pinned(attempt)
         decode = self._worker(request.decode_worker or "")
+        wait = decode.residual_s()  # its loop notices the KV once the step in flight ends
         update = decode.admit_with_kv(attempt, first_token)
-        self._token(request, first_token, update.finished)
+        if wait > 0:
+            self.events.after(wait, self._first_token, request, attempt, first_token,
+                              update.finished)
+        else:
+            self._token(request, first_token, update.finished)
+
+    def _first_token(self, request: SimRequest, attempt: str, token_id: int,
+                     finished: bool) -> None:
+        if request.attempt == attempt:  # else it failed meanwhile
+            self._token(request, token_id, finished)
 
     def _token(self, request: SimRequest, token_id: int, finished: bool) -> None:
         now = self.events.now

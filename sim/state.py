@@ -44,6 +44,7 @@ class SimRequest:
     finished_s: float | None = None
     cached_tokens: int = 0  # prompt tokens the prefill side's prefix cache served
     prefill_worker: str | None = None  # None: prefilled on its decode worker
+    prefill_tokens: int = 0  # what its prefill adds to that worker's queued tokens
     decode_worker: str | None = None
     kv_bytes: int = 0  # KV moved from prefill to decode
     ticket: Ticket | None = None
@@ -135,7 +136,7 @@ class SharedView:
         """``request``'s current attempt ended: the loads it counted are given back."""
         if request.prefill_worker is not None and not request.prefilled:
             self.inflight[request.prefill_worker] -= 1
-            self.queued_tokens[request.prefill_worker] -= len(request.sequence())
+            self.queued_tokens[request.prefill_worker] -= request.prefill_tokens
         if request.decode_worker is not None:
             self.inflight[request.decode_worker] -= 1
         self.owner.pop(request.attempt, None)

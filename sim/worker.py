@@ -53,6 +53,7 @@ class SimWorker:
         self.busy_s = 0.0  # virtual seconds spent stepping
         self.num_steps = 0
         self._stepping = False
+        self._step_end_s = 0.0  # when the step in flight ends
         self.dead = False  # killed (a fault): it does nothing more
         self._added_at: dict[str, float] = {}  # queued here, no chunk computed yet
         self.queue_waits: list[tuple[float, float]] = []  # (started at, waited) per request
@@ -120,6 +121,7 @@ class SimWorker:
         duration = self.step.step_s(out)
         self.busy_s += duration
         self.num_steps += 1
+        self._step_end_s = self._events.now + duration
         self._events.after(duration, self._done, out)
 
     def _done(self, out: SchedulerOutput) -> None:
@@ -137,6 +139,12 @@ class SimWorker:
         self._stepping = False
         self._on_outputs(self, updates)
         self.kick()
+
+    def residual_s(self) -> float:
+        """Virtual seconds until the step in flight ends (0 with none). A real worker's
+        loop runs commands and notices arrived KV between steps: a Reserve's reply, or a
+        first token that came with the KV, waits this long."""
+        return self._step_end_s - self._events.now if self._stepping else 0.0
 
     def idle(self) -> bool:
         """Nothing queued, running, reserved or pinned here."""

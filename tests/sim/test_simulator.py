@@ -134,6 +134,51 @@ def test_kv_aware_routing_finds_the_shared_prefix_the_workers_cache() -> None:
         (r.prompt_len // 16 + 1) * 16 * 1024 for r in aware.requests)
 
 
+def test_kv_aware_routing_counts_the_tokens_a_prefill_worker_lacks_as_queued(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # as the real router (Placement.prefill_tokens): a queued prefill whose prefix the
+    # worker holds adds only its uncached tokens to that worker's queue
+    seen: list[tuple[dict[str, int], str]] = []
+
+    def spy(*args: object, **kwargs: object) -> router.policy.PrefillChoice:
+        choice = router.policy.choose_prefill(*args, **kwargs)  # type: ignore[arg-type]
+        seen.append((dict(kwargs["queued_tokens"]), choice.order[0]))  # type: ignore[call-overload]
+        return choice
+
+    monkeypatch.setattr(sim_router, "choose_prefill", spy)
+    prefix = tuple(range(100, 228))  # 8 blocks of 16
+    reqs = [SimRequest("first", 0.0, prefix + tuple(range(1000, 1032)), 4),
+            SimRequest("second", 1.0, prefix + tuple(range(2000, 2032)), 4),
+            SimRequest("third", 1.0 + 1e-6, prefix + tuple(range(3000, 3032)), 4)]
+    result = simulate(small_profile(), SimSpec(num_prefill=2, num_decode=1), reqs)
+    result.check()
+    assert [r.cached_tokens for r in result.requests] == [0, 128, 128]
+    holder = seen[0][1]
+    assert [chosen for _, chosen in seen] == [holder] * 3
+    # when the third was placed, the second waited on the holder with 32 tokens to compute
+    assert seen[2][0][holder] == 32
+
+
+def test_a_busy_decode_worker_answers_between_its_steps() -> None:
+    # a real decode worker's loop runs a Reserve and notices arrived KV between steps:
+    # a stream joining a busy one gets its first token when a step of the other ends
+    def run(*names: str) -> list[SimRequest]:
+        reqs = {"long": SimRequest("long", 0.0, tuple(range(100, 164)), 300),
+                "joins": SimRequest("joins", 0.2, tuple(range(1000, 1064)), 4)}
+        result = simulate(small_profile(), SimSpec(num_prefill=1, num_decode=1),
+                          [reqs[n] for n in names])
+        result.check()
+        return result.requests
+
+    long, joins = run("long", "joins")
+    assert joins.first_token_s is not None and long.finished_s > joins.first_token_s
+    assert min(abs(t - joins.first_token_s) for t in long.token_times_s) < 1e-9
+    # and it is later than on an idle decode worker, by less than two steps
+    (alone,) = run("joins")
+    wait = joins.first_token_s - alone.first_token_s
+    assert 0 < wait < 2 * (0.002 + 2e-4 + 1e-7 * 2 * 400)
+
+
 def test_more_decode_workers_lower_the_time_per_output_token_under_load() -> None:
     def mean_tpot(num_decode: int) -> float:
         res = simulate(small_profile(), SimSpec(num_prefill=2, num_decode=num_decode),
