@@ -5,6 +5,7 @@ runs ``bench.serve``'s workload on it, printing and writing ``bench.serve``'s ke
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ def test_quick_profile_is_measured_and_loads(measured: tuple[Path, dict[str, Any
     points = written["points"]
     assert {p["kind"] for p in points["steps"]} == {"prefill", "decode"}
     assert len(points["handoff"]) >= 8
+    # one torch thread: the handoff's two workers pinned to a core each, as the validation
+    assert ("one core each" in written["description"]) == (len(os.sched_getaffinity(0)) >= 2)
 
 
 def test_simulate_writes_bench_serve_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]
