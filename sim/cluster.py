@@ -98,9 +98,10 @@ class SimResult:
         for r in self.requests:
             assert r.done, f"{r.request_id} never ended"
             assert not (r.error and r.finished_s is not None), f"{r.request_id} ended twice"
-            if not r.error:  # a migrated stream too: every token once
+            if not r.error:  # a migrated stream too: every token once, in order
                 assert len(r.token_times_s) == r.max_tokens, (
                     f"{r.request_id}: {len(r.token_times_s)} of {r.max_tokens} tokens")
+                assert r.token_times_s == sorted(r.token_times_s), f"{r.request_id}: out of order"
         for w in self.workers:
             if w.dead:
                 continue  # a killed worker's memory went with it
@@ -113,8 +114,9 @@ class SimResult:
             assert router.admission.inflight == 0 and router.admission.queued_tokens == 0
         shared = self.routers[0].shared
         assert shared.unfinished == 0
-        assert not +shared.inflight and not +shared.queued_tokens, (shared.inflight,
-                                                                    shared.queued_tokens)
+        # any(): a count below zero (given back twice) fails too
+        assert not any(shared.inflight.values()) and not any(shared.queued_tokens.values()), (
+            shared.inflight, shared.queued_tokens)
 
 
 def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest]) -> SimResult:

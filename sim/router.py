@@ -12,15 +12,19 @@ driven by the simulator's events instead of gRPC calls.
   reservation). Local prefill (``local_prefill`` always, fallback without prefill
   workers, or ``router.policy.short_tail``) puts the whole request on it instead.
 - Prefill: ``router.policy.choose_prefill`` — the function ``Placement`` calls.
-- Shared by every router (``SharedView``): the attempts and queued prompt tokens on each
-  worker (the routers' shared loads, exchanged at once here), and the KV index,
+- Shared by every router (``SharedView``): the attempts on each worker and the prompt
+  tokens queued prefills will compute there (less what the KV index says it holds, as
+  ``Placement.prefill_tokens``; the routers' shared loads, exchanged at once here), and
+  the KV index,
   ``router.kv_index.KVIndex``, fed every ``interval_s`` with each worker's KV events as
   ``cluster.kv_events.EventBatch``es (what the stream carries).
 
 Costs outside the workers' steps come from the profile: ``router.overhead_s`` per request
 before admission, ``handoff.overhead_s`` for the attempt's calls (before the prefill
 starts, and with the KV's arrival), and the KV transfer (``Profile.transfer_s`` of the
-blocks the decode worker lacks).
+blocks the decode worker lacks). A busy decode worker answers the Reserve, and streams the
+first token that came with the KV, when its step in flight ends (a real worker's loop
+runs commands and notices arrived KV between steps).
 """
 
 from __future__ import annotations
@@ -200,7 +204,7 @@ class SimRouter:
             mode, key=affinity_key(request.block_hashes, request.prompt_token_ids,
                                    self.handoff.affinity_blocks),
             loads=loads, queued_tokens=self.queued_tokens if trusted else {},
-            num_prompt_tokens=request.prompt_len, block_size=self.block_size,
+            num_prompt_tokens=len(request.sequence()), block_size=self.block_size,
             cached=self.shared.cached(request, list(loads)) if trusted else None,
             turn=next(self._turns) if mode == "round-robin" else 0,
             epsilon=self.handoff.load_epsilon)
@@ -248,6 +252,7 @@ class SimRouter:
         if request.attempt != attempt or prefill.dead:
             return  # the attempt failed meanwhile (and was retried or ended)
         prefill.release_pinned(attempt)
+        request.prefill_worker = None  # its part is done: its death no longer matters
         decode = self._worker(request.decode_worker or "")
         wait = decode.residual_s()  # its loop notices the KV once the step in flight ends
         update = decode.admit_with_kv(attempt, first_token)
@@ -281,9 +286,8 @@ class SimRouter:
         """``dead`` is gone: each attempt it took part in is retried, or (after its first
         token) migrated — the prompt and the tokens streamed prefilled again elsewhere —
         within ``handoff.migration_limit``; what the attempt held on the survivors is freed."""
-        for request in list(self.attempts.values()):
-            if request.decode_worker == dead.worker_id or (
-                    request.prefill_worker == dead.worker_id and not request.prefilled):
+        for request in list(self.attempts.values()):  # its prefill, or KV it was sending
+            if dead.worker_id in (request.decode_worker, request.prefill_worker):
                 self._retry(request)
 
     def _retry(self, request: SimRequest) -> None:

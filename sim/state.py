@@ -43,7 +43,7 @@ class SimRequest:
     token_times_s: list[float] = field(default_factory=list)
     finished_s: float | None = None
     cached_tokens: int = 0  # prompt tokens the prefill side's prefix cache served
-    prefill_worker: str | None = None  # None: prefilled on its decode worker
+    prefill_worker: str | None = None  # None: prefilled on its decode worker, or KV arrived
     prefill_tokens: int = 0  # what its prefill adds to that worker's queued tokens
     decode_worker: str | None = None
     kv_bytes: int = 0  # KV moved from prefill to decode
@@ -78,7 +78,7 @@ class SimRequest:
 
 class SharedView:
     """What every router of the cluster knows alike: the attempts in flight and the prompt
-    tokens waiting for a first token on each worker (the routers' shared loads, here
+    tokens queued prefills will compute on each worker (the routers' shared loads, here
     exchanged at once: the real routers' exchange at each refresh is not modelled), and
     the KV index, fed every ``interval_s`` with each worker's KV events."""
 
@@ -87,7 +87,7 @@ class SharedView:
         self.events = events
         self.workers = workers
         self.inflight: Counter[str] = Counter()  # attempts on each worker
-        self.queued_tokens: Counter[str] = Counter()  # prompt tokens before first token
+        self.queued_tokens: Counter[str] = Counter()  # uncached tokens of queued prefills
         self.unfinished = 0  # requests arrived and not ended, on every router
         self.routers: list[RouterSide] = []
         self.owner: dict[str, RouterSide] = {}  # attempt id -> the router that made it

@@ -144,7 +144,9 @@ class SimWorker:
         """Virtual seconds until the step in flight ends (0 with none). A real worker's
         loop runs commands and notices arrived KV between steps: a Reserve's reply, or a
         first token that came with the KV, waits this long."""
-        return self._step_end_s - self._events.now if self._stepping else 0.0
+        if self.dead or not self._stepping:
+            return 0.0
+        return max(0.0, self._step_end_s - self._events.now)
 
     def idle(self) -> bool:
         """Nothing queued, running, reserved or pinned here."""

@@ -19,8 +19,9 @@ from router.config import AdmissionConfig, HandoffConfig
 from sim import router as sim_router
 from sim import runs as sim_runs
 from sim.cluster import SimSpec, simulate
+from sim.profile import from_json
 from sim.state import SimRequest
-from tests.sim.profiles import small_profile
+from tests.sim.profiles import profile_json, small_profile
 
 
 def requests(n: int = 60, *, rate: float = 20.0, prompt: int = 100, output: int = 12,
@@ -209,6 +210,20 @@ def test_a_killed_worker_s_requests_are_retried_or_migrated_and_none_fails(victi
     served_after = [r for r in result.requests if r.arrival_s > 0.6]
     assert served_after and all(victim not in (r.prefill_worker, r.decode_worker)
                                 for r in served_after)
+
+
+def test_a_prefill_worker_killed_while_its_kv_travels_has_the_attempt_retried() -> None:
+    # a slow link: the KV of a 64-token prompt takes about 0.65 s to arrive
+    slow = profile_json()
+    slow["transfer"] = {"latency_s": 0.001, "bytes_per_s": 1e5}
+    reqs = [SimRequest("r", 0.0, tuple(range(100, 164)), 4)]
+    spec = SimSpec(num_prefill=1, num_decode=1, kills=(("prefill-0", 0.3),),
+                   handoff=HandoffConfig(local_prefill="fallback"))
+    result = simulate(from_json(slow), spec, reqs)
+    result.check()  # it ended (before: never, and the KV index's feed ran forever)
+    (r,) = result.requests
+    # retried at once, prefilled on the decode worker (no prefill worker left)
+    assert not r.error and r.num_attempts == 2 and 0.3 < r.first_token_s < 0.4
 
 
 def test_with_no_decode_worker_left_streams_fail_past_the_migration_limit() -> None:

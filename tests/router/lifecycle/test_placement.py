@@ -84,6 +84,9 @@ def test_the_worker_holding_the_prefix_wins_over_affinity() -> None:
     assert placement.prefill_order() == ["p-1", "p-0"]
     assert placement.prefill_tokens("p-1") == 100 - 4 * BLOCK
     assert _decisions(metrics, "prefill", "kv_hit") == 1
+    # a migrated stream's attempt prefills the tokens it had sent too
+    placement.ctx.calls.num_resumed = 30
+    assert placement.prefill_tokens("p-1") == 130 - 4 * BLOCK
 
 
 def test_another_routers_queue_moves_it_elsewhere() -> None:
