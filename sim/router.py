@@ -194,8 +194,11 @@ class SimRouter:
     def _prefill(self, request: SimRequest, attempt: str) -> None:
         if request.attempt != attempt:  # the attempt failed meanwhile
             return
-        loads = {w.worker_id: self.inflight[w.worker_id] for w in live(self.prefill)}
-        if not loads:  # every prefill worker died after the reservation
+        # not the attempt's decode worker, if it switched to prefill since its Reserve (as
+        # Placement.prefill_order: one engine cannot hold the attempt twice)
+        loads = {w.worker_id: self.inflight[w.worker_id] for w in live(self.prefill)
+                 if w.worker_id != request.decode_worker}
+        if not loads:  # every prefill worker died (or is that one) after the reservation
             self._retry(request)
             return
         mode = self.handoff.prefill_routing

@@ -230,12 +230,15 @@ class Placement:
 
     # ----------------------------------------------------------------- prefill
 
-    def prefill_order(self) -> list[str]:
+    def prefill_order(self, decode_id: str = "") -> list[str]:
         """The prefill workers to ask, best first (by affinity with bounded load, or in
-        turn), among the routable ones that did not fail this request."""
+        turn), among the routable ones that did not fail this request, less ``decode_id``
+        (the attempt's decode worker: one that switched to prefill while holding the
+        attempt's reservation cannot also prefill it, one engine holding one attempt id)."""
         ctx, mode = self.ctx, self.ctx.config.prefill_routing
         loads = {r.worker_id: ctx.pool.cluster_inflight(r.worker_id)
-                 for r in ctx.pool.routable("prefill") if r.worker_id not in ctx.excluded}
+                 for r in ctx.pool.routable("prefill")
+                 if r.worker_id not in ctx.excluded and r.worker_id != decode_id}
         if mode == "round-robin" and self._turn is None:
             self._turn = next(self._turns) if self._turns is not None else 0
         trusted = self._index_trusted()

@@ -46,8 +46,11 @@ async def prefill(attempt: Attempt, placement: Placement) -> Prefilled:
         if moved is not None:
             return moved
     while True:
-        order = placement.prefill_order()
+        order = placement.prefill_order(attempt.decode_id)
         if not order:
+            if any(r.worker_id == attempt.decode_id for r in ctx.pool.routable("prefill")):
+                # the attempt's decode worker switched to prefill: place the request again
+                raise Retry(f"decode worker {attempt.decode_id} now prefills", "prefill")
             if ctx.config.local_prefill != "never":  # the next attempt prefills locally
                 raise Retry("no prefill worker left", "no_prefill")
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")

@@ -87,6 +87,8 @@ def test_the_worker_holding_the_prefix_wins_over_affinity() -> None:
     # a migrated stream's attempt prefills the tokens it had sent too
     placement.ctx.calls.num_resumed = 30
     assert placement.prefill_tokens("p-1") == 130 - 4 * BLOCK
+    # a decode worker that switched to prefill never prefills its own reservation
+    assert placement.prefill_order("p-1") == ["p-0"]
 
 
 def test_another_routers_queue_moves_it_elsewhere() -> None:
