@@ -245,7 +245,7 @@ class Placement:
         choice = choose_prefill(
             mode, key=b"" if mode == "round-robin" else self._affinity_key(), loads=loads,
             queued_tokens={w: ctx.pool.cluster_tokens(w) for w in loads} if trusted else {},
-            num_prompt_tokens=self._num_tokens(), block_size=ctx.block_size,
+            num_prompt_tokens=_prefill_len(ctx), block_size=ctx.block_size,
             cached=self._cached_blocks(list(loads)) if trusted else None,
             turn=self._turn or 0, epsilon=ctx.config.load_epsilon)
         self._prefill_cached = dict(choice.cached)
@@ -256,13 +256,8 @@ class Placement:
     def prefill_tokens(self, prefill_id: str) -> int:
         """The prompt tokens ``prefill_id`` computes for this request, as far as the router
         knows (kv-aware: the KV index's word on its prefix cache; else all of them)."""
-        return uncached_tokens(self._num_tokens(), self.ctx.block_size,
+        return uncached_tokens(_prefill_len(self.ctx), self.ctx.block_size,
                                self._prefill_cached.get(prefill_id, 0))
-
-    def _num_tokens(self) -> int:
-        """The tokens this attempt's prefill computes at most: the prompt, and a migrated
-        stream's tokens sent before it."""
-        return len(self.ctx.request.prompt_token_ids) + self.ctx.calls.num_resumed
 
     def _index_trusted(self) -> bool:
         index = self.ctx.kv_index
@@ -294,3 +289,9 @@ class Placement:
             prompt[:ctx.config.affinity_blocks * ctx.block_size], ctx.block_size,
             seed=ctx.hash_seed)
         return affinity_key(hashes, prompt, ctx.config.affinity_blocks)
+
+
+def _prefill_len(ctx: RequestContext) -> int:
+    """The tokens an attempt's prefill computes at most: the prompt, and a migrated
+    stream's tokens sent before it."""
+    return len(ctx.request.prompt_token_ids) + ctx.calls.num_resumed
