@@ -14,6 +14,10 @@ recorded in one place, the request's ``_Live.phase``:
   with that first token (``admit_with_kv``) and every step's output is streamed — phase
   RUNNING; finished: the engine frees its blocks.
 
+A request's first token is its time to first token: before the next step takes the core
+(and the GIL) from the gRPC side, the loop waits — at most ``FIRST_CHUNK_WAIT_S`` after it
+put it — for each stream given its first token to have sent it on (``_release_first_chunks``).
+
 ``Local`` (colocated mode) starts a request RUNNING: it is prefilled here. ``Abort`` at
 any point stops the transfer (if one is pending), frees everything and fails an open
 stream with ABORTED. ``AbortAll`` and ``Info`` are ``worker.loop``'s.
@@ -51,6 +55,8 @@ from worker.streams import OutputStream
 
 log = logging.getLogger(__name__)
 MAX_REMEMBERED_FAILURES = 1024
+# how long a first token may hold the next step back while its stream's reader sends it
+FIRST_CHUNK_WAIT_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,8 @@ class DecodeLoop(EngineLoop):
         self._live: dict[str, _Live] = {}
         # request id -> why its transfer failed before a stream was open (told to Generate)
         self._failed: OrderedDict[str, str] = OrderedDict()
+        # streams given their first token since the last step, and when
+        self._first_chunks: list[tuple[OutputStream[RequestOutput], float]] = []
 
     # --- commands -----------------------------------------------------------------
     def _handle_own(self, command: Command) -> object:
@@ -289,6 +297,18 @@ class DecodeLoop(EngineLoop):
             self._abort(rid, grpc.StatusCode.UNAVAILABLE, "no Generate before the deadline")
             self._failed[rid] = "no Generate stream opened before the transfer deadline"
 
+    def _before_step(self) -> None:
+        self._release_first_chunks()
+        super()._before_step()
+
+    def _release_first_chunks(self) -> None:
+        """Wait (bounded, see the module docstring) until each stream given its first token
+        since the last step has handed it on: sleeping here leaves the core to the gRPC
+        side, where the step would otherwise share it with the chunk's sending."""
+        for stream, put_at in self._first_chunks:
+            stream.wait_taken(max(0.0, put_at + FIRST_CHUNK_WAIT_S - time.monotonic()))
+        self._first_chunks.clear()
+
     def _admit(self, attempt_id: str, live: _Live) -> None:
         assert live.trailer is not None
         if pause_points.enabled():
@@ -317,6 +337,8 @@ class DecodeLoop(EngineLoop):
                             out.finish_reason if out.finished else None)
         live.stream.put(out)
         first, live.num_streamed = live.num_streamed, live.num_streamed + len(out.new_token_ids)
+        if first == 0 and live.num_streamed and not out.finished:  # (a last chunk's reader
+            self._first_chunks.append((live.stream, time.monotonic()))  # never asks again)
         if out.finished:
             del self._live[out.request_id]
         if pause_points.enabled():

@@ -4,6 +4,7 @@ task that awaits them (``worker.loop``'s threading model)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
 from typing import Generic, TypeVar
 
@@ -24,7 +25,9 @@ class OutputStream(Generic[T]):
     stream is an item for which the reader's own check says so, or a ``WorkerError``
     (put with ``fail``). Items for a reader whose event loop closed are dropped.
     ``ready()`` takes, without waiting, the items that arrived meanwhile (a reader that
-    fell behind sends them as one message).
+    fell behind sends them as one message). ``wait_taken`` lets the loop thread wait,
+    bounded, until the reader has taken everything put and asks for more (it has handed
+    on what it took).
     """
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -36,6 +39,7 @@ class OutputStream(Generic[T]):
         # monotonic, set by the loop: when what the request waited on outside this worker
         # arrived (a decode stream opened before its KV: the KV's arrival); None: nothing
         self.inputs_arrived_at: float | None = None
+        self._reader_waits = threading.Event()  # set: the reader took all and awaits more
 
     def bound(self, capacity: int) -> None:
         """Set the capacity (the loop thread, when it learns how many items there can be)."""
@@ -45,6 +49,7 @@ class OutputStream(Generic[T]):
         if self._capacity is not None and self._num_put >= self._capacity:
             raise RuntimeError(f"more than {self._capacity} items for one request")
         self._num_put += 1
+        self._reader_waits.clear()
         self._deliver(item)
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
@@ -65,6 +70,7 @@ class OutputStream(Generic[T]):
         """The next item; raises the ``WorkerError`` put by ``fail``, or
         ``WorkerError(DEADLINE_EXCEEDED)`` after ``timeout_s``."""
         if not self._items:
+            self._reader_waits.set()
             self._waiter = self._event_loop.create_future()
             try:
                 await asyncio.wait_for(self._waiter, timeout_s)
@@ -77,6 +83,11 @@ class OutputStream(Generic[T]):
         if isinstance(item, WorkerError):
             raise item
         return item
+
+    def wait_taken(self, timeout_s: float) -> bool:
+        """(Another thread.) Wait up to ``timeout_s`` for the reader to have taken every
+        item put and be awaiting the next; whether it was."""
+        return self._reader_waits.wait(timeout_s)
 
     def ready(self) -> list[T]:
         """The items already here, in order, without waiting; a failure stays for ``get``."""

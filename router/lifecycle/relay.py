@@ -119,6 +119,9 @@ async def prefill_and_relay(attempt: Attempt, placement: Placement
     relayed: AsyncGenerator[OutputChunk, None] | None = None
     first: asyncio.Future[OutputChunk | None] | None = None
     try:
+        # the Prefill goes out first: the prompt's compute waits for it, while the stream
+        # has until the KV arrives to be open
+        await asyncio.sleep(0)
         if pause_points.enabled():
             await pause_points.apause("router.before_generate",
                                       request_id=ctx.client_request_id, attempt_id=attempt.id)

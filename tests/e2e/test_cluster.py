@@ -194,8 +194,9 @@ def test_a_client_that_asks_gets_the_trace(cluster: Cluster) -> None:
     assert trailer["pdserve-request-id"] == chunks[0].request_id
     assert trace["attempts"] == 1
     marks = trace["marks_ms"]
-    # Generate is opened together with the Prefill; the first chunk needs no Prefill reply
-    order = ["admitted", "turn", "first_call", "generate_started", "prefill_started",
+    # the Prefill goes out first and the Generate stream right behind it; the first chunk
+    # needs no Prefill reply
+    order = ["admitted", "turn", "first_call", "prefill_started", "generate_started",
              "first_chunk", "first_sent"]
     assert all(marks[m] is not None and marks[m] >= 0 for m in order + ["prefill_returned"])
     assert [marks[m] for m in order] == sorted(marks[m] for m in order), marks

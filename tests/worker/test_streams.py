@@ -1,17 +1,21 @@
 """``OutputStream``: items put from the engine-loop thread reach the reader in order;
 ``ready()`` takes what already arrived without waiting and leaves a failure for ``get``;
-and ``merge_outputs`` makes those one output (the decode worker's message to a router
-that fell behind)."""
+``wait_taken`` tells the loop thread when the reader has handed on what it took (the decode
+loop waits on it, bounded, before stepping after a first token); and ``merge_outputs``
+makes those one output (the decode worker's message to a router that fell behind)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import threading
+import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
+from decode_worker.engine_loop import FIRST_CHUNK_WAIT_S, DecodeLoop
 from engine.core.engine_core import RequestOutput, merge_outputs
 from engine.sampling_params import TokenLogprobs
 from worker.commands import WorkerError
@@ -66,6 +70,56 @@ def test_get_past_its_timeout_is_deadline_exceeded() -> None:
         return info.value
 
     assert asyncio.run(run()).code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_wait_taken_returns_once_the_reader_handed_on_what_it_took() -> None:
+    """The loop thread's wait ends when the reader, having taken the item and done its work
+    with it, asks for the next; an item nobody takes holds it only until its timeout."""
+    async def run() -> tuple[bool, list[str], bool]:
+        stream: OutputStream[RequestOutput] = OutputStream(4)
+        events: list[str] = []
+
+        async def reader() -> None:
+            await stream.get(5.0)
+            events.append("took")
+            await asyncio.sleep(0.05)  # sending it on
+            events.append("sent")
+            await stream.get(5.0)
+
+        task = asyncio.ensure_future(reader())
+        await asyncio.sleep(0.01)  # the reader waits for its first item
+
+        def loop_thread() -> tuple[bool, list[str]]:
+            stream.put(_out(0))
+            taken = stream.wait_taken(5.0)
+            return taken, list(events)  # what the reader had done when the wait ended
+
+        taken, seen = await asyncio.to_thread(loop_thread)
+        # a second item the reader takes, then never asks again (its stream ended)
+        untaken = await asyncio.to_thread(lambda: (stream.put(_out(1)), stream.wait_taken(0.05))[1])
+        await task
+        return taken, seen, untaken
+
+    taken, seen, untaken = asyncio.run(run())
+    assert taken and seen == ["took", "sent"]
+    assert not untaken
+
+
+def test_the_decode_loop_waits_for_first_chunks_no_longer_than_its_bound() -> None:
+    """A first chunk whose reader never asks again (it left) holds the next step back at
+    most ``FIRST_CHUNK_WAIT_S``, and is forgotten."""
+    async def run() -> tuple[float, int]:
+        stream: OutputStream[RequestOutput] = OutputStream(4)
+        stream.put(_out(0))
+        loop = SimpleNamespace(_first_chunks=[(stream, time.monotonic()),
+                                              (stream, time.monotonic() - 10.0)])
+        start = time.monotonic()
+        DecodeLoop._release_first_chunks(loop)  # type: ignore[arg-type]
+        return time.monotonic() - start, len(loop._first_chunks)
+
+    waited, left = asyncio.run(run())
+    assert FIRST_CHUNK_WAIT_S <= 0.01
+    assert waited < 1.0 and left == 0  # bounded (generously here), and the list cleared
 
 
 def test_merge_outputs_keeps_order_and_takes_the_last_counts_and_finish() -> None:
