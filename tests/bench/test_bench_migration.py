@@ -17,8 +17,10 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_quick_reports_the_stall_against_the_ttft(tmp_path: Path) -> None:
     out = tmp_path / "migration.json"
+    # 192 tokens: the stream must still be on its decode worker when this client has read
+    # 8 of them, however busy the cores are
     assert migration.main(["--quick", "--trials", "1", "--lengths", "48", "--max-tokens",
-                           "64", "--kill-after", "8", "--settle-s", "0",
+                           "192", "--kill-after", "8", "--settle-s", "0",
                            "--faults", "kill", "move", "--json", str(out)]) == 0
     by_fault = json.loads(out.read_text())["by_fault"]
     assert set(by_fault) == {"kill", "move"}
