@@ -8,7 +8,8 @@ the workers report (``router.trace``: the ``pdserve-trace`` trailer).
    of each prompt length sent one at a time (random prompts, no cache hits, 8 output
    tokens). Each request's client-side TTFT is split, exactly, into: ``router_queue``
    (received → first call to a worker: validation, admission, the queue), ``reserve``
-   (the decode worker's Reserve), ``prefill_queue``, ``prefill_compute`` and
+   (first call → the Prefill sent: the decode worker's Reserve when the Prefill waits for
+   its reply, next to nothing when it goes out with it), ``prefill_queue``, ``prefill_compute`` and
    ``exposed_transfer`` (the prefill worker's own clock: queued → first chunk scheduled →
    last layer computed → every decode rank acknowledged the KV, i.e. the transfer left
    after the last layer), ``decode_admission`` (the rest until the Generate stream's first

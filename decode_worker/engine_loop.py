@@ -7,7 +7,11 @@ recorded in one place, the request's ``_Live.phase``:
 - ``Reserve``: blocks reserved in the engine (``reserve_for_kv``: the leading blocks its
   prefix cache holds for the prompt are taken as they are, and the target's
   ``num_cached_blocks`` tells the sender to skip them), the transfer of the rest announced
-  to every rank (``KVReceiveLeader.expect``) — phase RESERVED;
+  to every rank (``KVReceiveLeader.expect``) — phase RESERVED. A Reserve whose Prefill
+  went out ahead of it (``expected_cached_blocks`` set: the sender skips that many) takes
+  exactly those blocks, or is refused — and then its transfer id is refused on every rank
+  (``KVReceiveLeader.refuse``), so that KV already on its way is dropped at once, not
+  parked;
 - the loop polls the leader; once the KV arrived on every rank, with its trailer (the
   first token and the prefill side's cached-token count) on rank 0 — phase ARRIVED;
 - once the KV arrived and a Generate stream is open (``Open``), the request is admitted
@@ -72,6 +76,7 @@ class Reserve(Command[KVTarget | str]):
     wait_s: float | None = None
     client_request_id: str = ""  # for logs
     num_resumed_tokens: int = 0  # output already streamed, ending the prompt (a migration)
+    expected_cached_blocks: int | None = None  # the Prefill went out ahead, skipping these
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,18 @@ class DecodeLoop(EngineLoop):
         return super()._handle_own(command)
 
     def _reserve(self, cmd: Reserve) -> KVTarget | str:
+        if cmd.expected_cached_blocks is None:
+            return self._reserve_now(cmd)
+        try:  # its Prefill went out ahead: KV may be on its way to a refused transfer
+            reserved = self._reserve_now(cmd)
+        except BaseException:
+            self.receiving.refuse(cmd.transfer_id)
+            raise
+        if isinstance(reserved, str):
+            self.receiving.refuse(cmd.transfer_id)
+        return reserved
+
+    def _reserve_now(self, cmd: Reserve) -> KVTarget | str:
         rid = cmd.attempt_id
         if rid in self._live:
             if self.receiving.transfer_id(rid) == cmd.transfer_id:  # a repeated Reserve
@@ -162,12 +179,17 @@ class DecodeLoop(EngineLoop):
             return (f"busy: {len(self._live)} requests held, the worker's limit "
                     "(--max-requests)")
         try:
+            expected = cmd.expected_cached_blocks
             reserved = self.core.reserve_for_kv(rid, cmd.prompt_token_ids, cmd.params,
                                                 num_resumed_tokens=cmd.num_resumed_tokens,
-                                                reuse_prefix=True)
+                                                reuse_prefix=True, max_reused_blocks=expected)
             if reserved is None:
                 usage = self.core.kv_usage()
                 return f"out of KV blocks ({usage.free + usage.cached} of {usage.total} free)"
+            if expected is not None and reserved.num_cached_blocks < expected:
+                self.core.abort_request(rid)
+                return (f"its prefix cache holds {reserved.num_cached_blocks} of the "
+                        f"{expected} leading blocks the Prefill skips")
             # the prefix cache's hits stay as they are: only the blocks after them arrive
             skipped = reserved.num_cached_blocks * self.core.config.cache.block_size
             try:

@@ -49,7 +49,9 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
             target = await self.loop.acall(Reserve(
                 attempt, list(request.prompt_token_ids), params,
                 request.transfer_id, request.wait_ms / 1000 if request.wait_ms else None,
-                request.client_request_id, request.num_resumed_tokens),
+                request.client_request_id, request.num_resumed_tokens,
+                request.expected_cached_blocks if request.HasField("expected_cached_blocks")
+                else None),
                 call_timeout(context))
             if isinstance(target, str):
                 return pb.ReserveResponse(accepted=False, reason=target)

@@ -41,6 +41,7 @@ from router.admission import Admission, Ticket
 from router.config import AdmissionConfig, HandoffConfig
 from router.errors import RouteError
 from router.kv_index import KVIndex
+from router.lifecycle.ahead import AheadGate
 from router.lifecycle.attempt import AttemptIds
 from router.lifecycle.context import RequestContext, SharedDecode
 from router.lifecycle.handoff import Handoff
@@ -100,6 +101,7 @@ class RouterCore:
         # unique per attempt within this router, random across routers; never 0
         self._transfer_ids: Iterator[int] = itertools.count((secrets.randbits(40) << 16) + 1)
         self._prefill_turns: Iterator[int] = itertools.count()  # round-robin routing
+        self._ahead_gate = AheadGate()  # which decode workers get a Prefill with the Reserve
         self.kv_index: KVIndex | None = None  # kv-aware routing's (the server's feed fills it)
         self._background: set[asyncio.Future[object]] = set()
         self._live: set[ServedRequest] = set()  # requests whose chunks are being served
@@ -246,7 +248,8 @@ class RouterCore:
                              layout.hash_seed, shared_decode=shared, choice=choice,
                              kv_index=self.kv_index,
                              received_kv_salt=LOSSY_WIRE_SALT if layout.wire_quantized else "")
-        placement = Placement(ctx, self.attempt_ids, self._transfer_ids, self._prefill_turns)
+        placement = Placement(ctx, self.attempt_ids, self._transfer_ids, self._prefill_turns,
+                              self._ahead_gate)
         return Handoff(ctx, placement, resumed=request.resumed)
 
     @property

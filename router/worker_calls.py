@@ -138,17 +138,22 @@ class WorkerCalls:
         return pb.Lease(key=lease.key, ttl_ms=self._lease_ttl_ms if lease.key else 0)
 
     def start_reserve(self, decode_id: str, attempt_id: str, lease: Lease, transfer_id: int,
-                      timeout_s: float, wait_s: float) -> grpc.aio.UnaryUnaryCall:
+                      timeout_s: float, wait_s: float,
+                      expected_cached_blocks: int | None = None) -> grpc.aio.UnaryUnaryCall:
         """The Reserve call for the attempt on ``decode_id`` (``KeyError`` if it left the
         registry; awaiting it raises ``AioRpcError`` if it failed); its transfer may wait
-        ``wait_s`` to start. ``reserved`` reads the reply."""
+        ``wait_s`` to start; ``expected_cached_blocks``: its Prefill went out ahead,
+        skipping that many blocks. ``reserved`` reads the reply."""
         stub = pb_grpc.DecodeWorkerStub(self._pool.channel(decode_id))
-        return stub.Reserve(pb.ReserveRequest(
+        request = pb.ReserveRequest(
             client_request_id=self._req.request_id, prompt_token_ids=self._prompt,
             num_resumed_tokens=self._num_resumed,
             sampling=self._sampling, transfer_id=transfer_id,
             wait_ms=max(1, int(wait_s * 1000)), attempt_id=attempt_id,
-            lease=self._lease(lease)), timeout=timeout_s)
+            lease=self._lease(lease))
+        if expected_cached_blocks is not None:
+            request.expected_cached_blocks = expected_cached_blocks
+        return stub.Reserve(request, timeout=timeout_s)
 
     @staticmethod
     def reserved(reply: pb.ReserveResponse) -> Reservation:

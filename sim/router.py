@@ -159,14 +159,21 @@ class SimRouter:
         for decode_id in order:
             worker = self._worker(decode_id)
             attempt = f"{request.request_id}#{request.num_attempts}"
-            reserved = worker.reserve(request.engine_request(attempt))
+            # the Prefill goes out with the pass's first Reserve where, by a trusted index,
+            # the decode worker holds none of the prompt (router.lifecycle.placement)
+            ahead = decode_id == order[0] and not request.no_ahead and not held.get(
+                decode_id, 0) and self.kv_index is not None and self.kv_index.trusted()
+            reserved = worker.reserve(request.engine_request(attempt), 0 if ahead else None)
             if reserved is None:
+                request.no_ahead = request.no_ahead or ahead
                 continue
             self._start(request, worker)
             full = num_blocks_for(len(request.sequence()), self.block_size)
             request.kv_bytes = (full - reserved) * self.profile.block_bytes()
-            # the Reserve's reply leaves the decode worker's loop after its step in flight
-            self.events.after(worker.residual_s() + self.profile.handoff_overhead_s / 2,
+            # the Reserve's reply leaves the decode worker's loop after its step in flight;
+            # a Prefill sent with the Reserve does not wait for it
+            self.events.after((0.0 if ahead else worker.residual_s())
+                              + self.profile.handoff_overhead_s / 2,
                               self._prefill, request, request.attempt)
             return True
         return False

@@ -53,6 +53,7 @@ class SimRequest:
     num_attempts: int = 0
     migrations: int = 0  # attempts after its first token (its decode worker died)
     prefilled: bool = False  # the current attempt's prefill is done
+    no_ahead: bool = False  # a Reserve its Prefill went out with was refused
     output_ids: list[int] = field(default_factory=list)  # streamed so far
 
     def sequence(self) -> tuple[int, ...]:

@@ -66,11 +66,11 @@ class SimWorker:
         self._added_at[request.request_id] = self._events.now
         self.kick()
 
-    def reserve(self, request: Request) -> int | None:
+    def reserve(self, request: Request, max_reused: int | None = None) -> int | None:
         """Reserve blocks for ``request``'s prompt KV, written from outside, reusing the
-        leading blocks the prefix cache holds: how many it reused, or None (nothing held)
-        when they do not fit now."""
-        cached = self.scheduler.cached_prefix(request)
+        leading blocks the prefix cache holds (at most ``max_reused``): how many it reused,
+        or None (nothing held) when they do not fit now."""
+        cached = self.scheduler.cached_prefix(request)[:max_reused]
         if self.scheduler.reserve(request, request.num_prompt_tokens, cached) is None:
             return None
         return len(cached)

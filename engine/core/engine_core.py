@@ -196,17 +196,21 @@ class EngineCore:
 
     def reserve_for_kv(self, request_id: str, prompt_token_ids: Sequence[int],
                        params: SamplingParams, *, num_resumed_tokens: int = 0,
-                       reuse_prefix: bool = False) -> KVReservation | None:
+                       reuse_prefix: bool = False,
+                       max_reused_blocks: int | None = None) -> KVReservation | None:
         """Reserve blocks for a prompt whose KV will be written from outside (lossy KV
         keyed apart: ``CacheConfig.received_kv_salt``), or None when they do not fit now —
         then nothing is held. With ``reuse_prefix`` the leading blocks the prefix cache
         holds for the prompt (never its last token's) are taken as they are, and the caller
-        writes only the blocks after them. ``num_resumed_tokens``: as for ``add_request``."""
+        writes only the blocks after them, at most ``max_reused_blocks`` of them (the
+        sender skips exactly those). ``num_resumed_tokens``: as for ``add_request``."""
         request = self._make_request(request_id, prompt_token_ids, params, False,
                                      num_resumed_tokens)
         request.cache_salt = self.config.cache.received_kv_salt
         self.constraints.open(request)  # before anything is held: it may refuse
         cached = self.scheduler.cached_prefix(request) if reuse_prefix else []
+        if max_reused_blocks is not None:
+            cached = cached[:max_reused_blocks]
         block_ids = self.scheduler.reserve(request, request.num_prompt_tokens, cached)
         if block_ids is None:
             self.constraints.close(request_id)

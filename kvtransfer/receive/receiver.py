@@ -168,9 +168,15 @@ class KVReceiver:
         return record.state.is_final or time.monotonic() >= record.deadline
 
     def abort(self, transfer_id: int) -> bool:
-        """Stop a transfer; returns once no block of it is written any more."""
+        """Stop a transfer; returns once no block of it is written any more. A transfer
+        not expected (yet) is refused: its parts are ignored, those parked waiting for its
+        ``expect()`` at once, and ``expect()`` of it raises. False unless it was expected."""
         record = self._expected.get(transfer_id)
         if record is None:
+            with self.cond:
+                if transfer_id not in self._expected and transfer_id not in self._finished:
+                    self._remember(self._finished, transfer_id, False)
+                    self.cond.notify_all()
             return False
         self.fail(record, TransferRejected("aborted by the receiver", transfer_id))
         self._forget(record)

@@ -1,8 +1,9 @@
 """``Attempt``: one try at serving a request on workers, and ``AttemptIds``, the one place
 attempt ids are minted.
 
-An attempt is a Reserve (or a local prefill) and everything that follows it: the Prefill,
-the Generate stream, the Aborts. It has its own id — never the client's request id, which
+An attempt is a Reserve (or a local prefill) and everything that follows it: the Prefill
+(which may go out ahead of the Reserve's reply, ``send_ahead``), the Generate stream, the
+Aborts. It has its own id — never the client's request id, which
 clients may reuse — and every worker call names it, so nothing sent for one attempt (a
 late or timed-out Abort, a late end of a call) can touch another. It has a lease in Redis
 (``cluster.leases``), opened when the attempt is made, before any worker is asked to hold
@@ -15,8 +16,9 @@ States (``AttemptState``), each transition a method here::
          \\________________________\\________________________\\______ end() ______ ENDED
 
 Ownership: the workers own their blocks. ``end()`` — however the attempt ends, once —
-cancels its calls and, unless it FINISHED (then the decode worker freed everything and
-the prefill worker unpins on the decode side's acknowledgement), sends ``Abort`` to the
+cancels its calls (a Prefill sent ahead first) and, unless it FINISHED (then the decode
+worker freed everything and the prefill worker unpins on the decode side's
+acknowledgement), sends ``Abort`` to the
 decode worker (unless ``abort_decode_now`` already did) and to the prefill worker while
 a Prefill call of it is unanswered, from background tasks, so cleanup happens even while
 the request's task is being cancelled; then it closes the lease.
@@ -27,11 +29,14 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import grpc
 
 from cluster.kv_target import KVTarget
 from router.lifecycle.context import RequestContext
+from router.worker_calls import Prefilled
 
 
 class AttemptIds:
@@ -68,6 +73,7 @@ class Attempt:
         self.local = local
         self.target: KVTarget | None = None  # where its KV goes, once reserved
         self.prefill_id: str | None = None  # the prefill worker of its unanswered Prefill
+        self.ahead: asyncio.Future[Prefilled] | None = None  # its Prefill, if sent ahead
         self.state = AttemptState.PLACED if local else AttemptState.RESERVING
         self.lease = ctx.leases.open(attempt_id, ctx.client_request_id)
         self._calls: list[grpc.aio.Call] = []
@@ -75,6 +81,14 @@ class Attempt:
         self.hold(decode_id)
 
     # ----------------------------------------------------------------- transitions
+
+    def send_ahead(self, target: KVTarget,
+                   prefill: Callable[[Attempt], Coroutine[Any, Any, Prefilled]]) -> None:
+        """Its Prefill goes out now, naming ``target``, ahead of its Reserve's reply (which
+        reserves that very target, or refuses); ``ahead`` is that Prefill's task."""
+        self.target = target
+        self.ahead = asyncio.ensure_future(prefill(self))
+        self.ahead.add_done_callback(_retrieve)
 
     def reserved(self, target: KVTarget) -> None:
         """The decode worker holds its reservation: the KV goes to ``target``."""
@@ -123,6 +137,7 @@ class Attempt:
         """Cancels its calls and waits (bounded) for the decode worker's Abort, so that the
         next attempt finds the blocks free. If the request's task is cancelled meanwhile,
         ``end()`` sends the Abort again in the background."""
+        self._cancel_ahead()
         self._cancel_calls()
         call = self.ctx.calls.start_abort(self.decode_id, "decode", self.id)
         if call is not None:
@@ -135,6 +150,7 @@ class Attempt:
             return
         finished = self.state is AttemptState.FINISHED
         self.state = AttemptState.ENDED
+        self._cancel_ahead()
         self._cancel_calls()
         if not finished:
             if not self._decode_aborted:
@@ -142,6 +158,12 @@ class Attempt:
             if self.prefill_id is not None:
                 self._abort_later(self.prefill_id, "prefill")
         self.ctx.leases.close(self.lease)
+
+    def _cancel_ahead(self) -> None:
+        """Cancel a Prefill sent ahead that is still under way: the task first, so that its
+        call's cancellation reads as ours, not as a hung worker's."""
+        if self.ahead is not None and not self.ahead.done():
+            self.ahead.cancel()
 
     def _cancel_calls(self) -> None:
         for call in self._calls:
@@ -161,3 +183,10 @@ class Attempt:
             self.ctx.log.warning("abort of %s on %s failed: %s %s", self.id, worker_id,
                                  exc.code().name, exc.details())
             return None
+
+
+def _retrieve(task: asyncio.Future[Prefilled]) -> None:
+    """A Prefill sent ahead whose attempt ended before reading it: its failure was dealt
+    with (the attempt ended), so it is not reported again as never retrieved."""
+    if not task.cancelled():
+        task.exception()

@@ -32,7 +32,8 @@ attempt's ``end()`` releases everything it held. Every attempt is ended exactly 
 however the request ends (finish, failure, retry, client cancel).
 
 Test-only pause points (``cluster.pause_points``): ``router.queued`` before a request
-waits its turn, ``router.before_prefill`` once its reservation is held,
+waits its turn, ``router.before_prefill`` once its reservation is held (a Prefill that
+went out with the Reserve is under way by then),
 ``router.before_generate`` once its Prefill is under way (the Generate stream not opened).
 """
 
@@ -49,9 +50,10 @@ from router.lifecycle.attempt import Attempt
 from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import Busy, Migrate, Retry
 from router.lifecycle.placement import Placement
-from router.lifecycle.prefill import release_move
+from router.lifecycle.prefill import prefill, release_move
 from router.lifecycle.relay import prefill_and_relay, relay, start_generate
 from router.outputs import OutputChunk
+from router.worker_calls import Prefilled
 
 
 class Handoff:
@@ -172,14 +174,18 @@ class Handoff:
         """The next attempt; the request's first placement waits its turn in the queue."""
         ctx = self.ctx
         if ctx.ticket.placed_at is not None:
-            return await self.placement.place()
+            return await self.placement.place(self._prefill)
         if pause_points.enabled():
             await pause_points.apause("router.queued", request_id=ctx.client_request_id)
         async with ctx.ticket.turn(ctx.deadline):
             ctx.trace.mark("turn")
-            attempt = await self.placement.place()
+            attempt = await self.placement.place(self._prefill)
         ctx.ticket.placed()
         return attempt
+
+    async def _prefill(self, attempt: Attempt) -> Prefilled:
+        """The attempt's Prefill, when it goes out ahead of its Reserve's reply."""
+        return await prefill(attempt, self.placement)
 
     async def _run(self, attempt: Attempt) -> AsyncGenerator[OutputChunk, None]:
         ctx = self.ctx

@@ -9,7 +9,8 @@ and the order in which prefill workers are asked.
   cache holds their prompt). ``reserve`` asks them in
   turn, a new attempt per Reserve; while every reachable one refuses (no room now, or at
   its stream limit) it waits for capacity until the deadline; when none answers at all,
-  UNAVAILABLE.
+  UNAVAILABLE. A pass's first Reserve sends the attempt's Prefill with it, not after its
+  reply, when the router can name the target (``router.lifecycle.ahead``).
 - Local: colocated mode (``local_prefill`` "always"), or "fallback" once no prefill
   worker is left for the request, or a later choice of n > 1 whose first choice's
   decode worker can take it: the attempt prefills on the decode worker.
@@ -25,18 +26,24 @@ and the order in which prefill workers are asked.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
 
 import grpc
 
-from engine.kvcache.block_hash import compute_block_hashes
+from cluster.kv_target import KVTarget
 from router.errors import RouteError
+from router.lifecycle.ahead import AheadGate, ahead_target
 from router.lifecycle.attempt import Attempt, AttemptIds
 from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import reraise_if_we_are_cancelled
+from router.lifecycle.prompt_kv import PromptKV
 from router.policy import choose_prefill, short_tail
-from router.routing import DecodeCandidate, affinity_key, rank_decode, uncached_tokens
-from router.worker_calls import Failure, WorkerCalls
+from router.routing import DecodeCandidate, rank_decode, uncached_tokens
+from router.worker_calls import Failure, Prefilled, WorkerCalls
+
+# starts an attempt's Prefill (``router.lifecycle.prefill.prefill``): what goes ahead
+PrefillStarter = Callable[[Attempt], Coroutine[Any, Any, Prefilled]]
 
 
 class Placement:
@@ -44,14 +51,17 @@ class Placement:
     ``transfer_ids`` its transfers', ``turns`` is the router's round-robin counter."""
 
     def __init__(self, ctx: RequestContext, ids: AttemptIds, transfer_ids: Iterator[int],
-                 turns: Iterator[int] | None = None) -> None:
+                 turns: Iterator[int] | None = None, gate: AheadGate | None = None) -> None:
         self.ctx = ctx
+        self._gate = gate or AheadGate()
         self._ids = ids
         self._transfer_ids = transfer_ids
         self._turns = turns
         self._turn: int | None = None  # this request's round-robin turn, once drawn
-        self._hashes: dict[str, list[bytes]] = {}  # the prompt's block hashes by salt, once used
+        self.prompt_kv = PromptKV(ctx)
         self._prefill_cached: dict[str, int] = {}  # blocks each prefill worker holds
+        self._decode_held: dict[str, int] = {}  # blocks each decode worker holds (index)
+        self._no_ahead = False  # a Reserve with its Prefill sent ahead failed: no more
 
     # ----------------------------------------------------------------- decode
 
@@ -61,6 +71,7 @@ class Placement:
         apart on the worker, are no use to it)."""
         ctx = self.ctx
         order, cached = self._decode_ranking(ctx.received_kv_salt if received else "")
+        self._decode_held = cached
         if not order:
             need = ctx.request.num_blocks(ctx.block_size)
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
@@ -80,7 +91,7 @@ class Placement:
         leading prompt blocks each holds under ``salt``'s keys)."""
         ctx = self.ctx
         records = [r for r in ctx.pool.routable("decode") if r.worker_id not in ctx.excluded]
-        cached = self._cached_blocks([r.worker_id for r in records], salt)
+        cached = self.prompt_kv.cached_blocks([r.worker_id for r in records], salt)
         candidates = [DecodeCandidate(r.worker_id, ctx.pool.cluster_inflight(r.worker_id),
                                       r.free_kv_blocks, r.total_kv_blocks,
                                       cached.get(r.worker_id, 0)) for r in records]
@@ -108,7 +119,7 @@ class Placement:
         worker."""
         ctx = self.ctx
         limit = ctx.config.local_prefill_max_tokens
-        if not limit or ctx.calls.num_resumed or not self._index_trusted():
+        if not limit or ctx.calls.num_resumed or not self.prompt_kv.trusted():
             return False
         order, held = self._decode_ranking()  # the worker a local attempt would take
         return bool(order) and short_tail(limit, len(ctx.request.prompt_token_ids),
@@ -124,11 +135,13 @@ class Placement:
         routable = {r.worker_id for r in ctx.pool.routable("decode")}
         return shared.worker_id if shared.worker_id in routable else None
 
-    async def place(self) -> Attempt:
-        """The next attempt: local, or a reservation (waiting for capacity meanwhile)."""
+    async def place(self, ahead: PrefillStarter | None = None) -> Attempt:
+        """The next attempt: local, or a reservation (waiting for capacity meanwhile). With
+        ``ahead``, a pass's first Reserve sends the attempt's Prefill (``ahead(attempt)``)
+        together with it, when the router can name the target (``router.lifecycle.ahead``)."""
         self.ctx.metrics.attempts.inc()
         self.ctx.trace.attempts += 1
-        return self._local_attempt() if self.prefills_locally() else await self._reserve()
+        return self._local_attempt() if self.prefills_locally() else await self._reserve(ahead)
 
     def _local_attempt(self) -> Attempt:
         ctx = self.ctx
@@ -150,9 +163,9 @@ class Placement:
         if self.ctx.shared_decode is not None and not self.ctx.choice:
             self.ctx.shared_decode.worker_id = decode_id
 
-    async def _reserve(self) -> Attempt:
+    async def _reserve(self, ahead: PrefillStarter | None) -> Attempt:
         while True:
-            attempt, refusals, any_refused = await self._try_reserve()
+            attempt, refusals, any_refused = await self._try_reserve(ahead)
             if attempt is not None:
                 return attempt
             if not any_refused:
@@ -162,7 +175,8 @@ class Placement:
                                  "blocks", detail="; ".join(refusals))
             await self.ctx.ticket.admission.capacity_changed(self.ctx.deadline)
 
-    async def _try_reserve(self) -> tuple[Attempt | None, list[str], bool]:
+    async def _try_reserve(self, ahead: PrefillStarter | None
+                           ) -> tuple[Attempt | None, list[str], bool]:
         """One pass over the decode workers: (the attempt, or None with why each refused
         and whether any answered "no room now")."""
         refusals: list[str] = []
@@ -170,11 +184,15 @@ class Placement:
         for decode_id in self.decode_order():
             attempt = Attempt(self.ctx, self._ids.new(), decode_id,
                               transfer_id=next(self._transfer_ids))
+            target = None if ahead is None or self._no_ahead or not self.prompt_kv.trusted() \
+                else ahead_target(attempt, self._gate, self._decode_held.get(decode_id, 0))
+            starter, ahead = ahead, None  # later choices of the pass wait for their reply
             try:
-                refusal = await self._reserve_on(attempt)
+                refusal = await self._reserve_on(attempt, target, starter)
             except BaseException:
                 attempt.end()  # it may hold a reservation there
                 raise
+            self._no_ahead |= self._gate.answered(attempt, refusal)
             if refusal is None:
                 return attempt, refusals, True
             attempt.end()
@@ -182,16 +200,21 @@ class Placement:
             any_refused = any_refused or refusal[1]
         return None, refusals, any_refused
 
-    async def _reserve_on(self, attempt: Attempt) -> tuple[str, bool] | None:
-        """The attempt's Reserve: None once reserved, else (why not, whether the worker
-        answered "no room now"). A worker that failed is excluded."""
+    async def _reserve_on(self, attempt: Attempt, ahead: KVTarget | None = None,
+                          starter: PrefillStarter | None = None) -> tuple[str, bool] | None:
+        """The attempt's Reserve (and, ``ahead``, its Prefill to that target: ``starter``):
+        None once reserved, else (why not, whether the worker answered "no room now")."""
         ctx, decode_id = self.ctx, attempt.decode_id
         ctx.trace.worker_call()
         try:
             call = ctx.calls.start_reserve(decode_id, attempt.id, attempt.lease,
                                            attempt.transfer_id,
                                            ctx.timeout(ctx.config.reserve_timeout_s),
-                                           wait_s=ctx.timeout())
+                                           wait_s=ctx.timeout(),
+                                           expected_cached_blocks=None if ahead is None
+                                           else ahead.num_cached_blocks)
+            if ahead is not None and starter is not None:
+                attempt.send_ahead(ahead, starter)
             # counted by concurrent choices already; cancelled if the worker is hung
             with ctx.pool.busy(decode_id), ctx.pool.watched(decode_id, call):
                 reply = WorkerCalls.reserved(await call)
@@ -220,6 +243,9 @@ class Placement:
             attempt.decode_holds_nothing()  # refused: nothing is held for it
             return reply.reason, True
         assert reply.target is not None
+        ctx.trace.mark("reserved")
+        if ahead is not None and reply.target != ahead:  # the registry's address is stale
+            return f"it reserved {reply.target}, not the target its Prefill named", True
         attempt.reserved(reply.target)
         self._share(decode_id)
         ctx.metrics.routed.labels("decode", decode_id).inc()
@@ -241,12 +267,12 @@ class Placement:
                  if r.worker_id not in ctx.excluded and r.worker_id != decode_id}
         if mode == "round-robin" and self._turn is None:
             self._turn = next(self._turns) if self._turns is not None else 0
-        trusted = self._index_trusted()
+        trusted = self.prompt_kv.trusted()
         choice = choose_prefill(
-            mode, key=b"" if mode == "round-robin" else self._affinity_key(), loads=loads,
+            mode, key=b"" if mode == "round-robin" else self.prompt_kv.affinity_key(), loads=loads,
             queued_tokens={w: ctx.pool.cluster_tokens(w) for w in loads} if trusted else {},
             num_prompt_tokens=_prefill_len(ctx), block_size=ctx.block_size,
-            cached=self._cached_blocks(list(loads)) if trusted else None,
+            cached=self.prompt_kv.cached_blocks(list(loads)) if trusted else None,
             turn=self._turn or 0, epsilon=ctx.config.load_epsilon)
         self._prefill_cached = dict(choice.cached)
         if choice.order:
@@ -259,39 +285,9 @@ class Placement:
         return uncached_tokens(_prefill_len(self.ctx), self.ctx.block_size,
                                self._prefill_cached.get(prefill_id, 0))
 
-    def _index_trusted(self) -> bool:
-        index = self.ctx.kv_index
-        return self.ctx.config.prefill_routing == "kv-aware" and index is not None \
-            and index.trusted()
-
-    def _cached_blocks(self, worker_ids: list[str], salt: str = "") -> dict[str, int]:
-        """Leading prompt blocks each worker holds, under ``salt``'s keys (kv-aware with a
-        trusted index; else none known)."""
-        if not self._index_trusted():
-            return {}
-        assert self.ctx.kv_index is not None
-        return self.ctx.kv_index.match(self._block_hashes(salt), worker_ids)
-
-    def _block_hashes(self, salt: str = "") -> list[bytes]:
-        if salt not in self._hashes:
-            ctx = self.ctx
-            self._hashes[salt] = compute_block_hashes(ctx.request.prompt_token_ids,
-                                                      ctx.block_size, seed=ctx.hash_seed,
-                                                      salt=salt)
-        return self._hashes[salt]
-
-    def _affinity_key(self) -> bytes:
-        """The prompt's prefill affinity key (hashing only the blocks it needs, unless
-        they are all hashed already)."""
-        ctx = self.ctx
-        prompt = ctx.request.prompt_token_ids
-        hashes = self._hashes[""] if "" in self._hashes else compute_block_hashes(
-            prompt[:ctx.config.affinity_blocks * ctx.block_size], ctx.block_size,
-            seed=ctx.hash_seed)
-        return affinity_key(hashes, prompt, ctx.config.affinity_blocks)
-
 
 def _prefill_len(ctx: RequestContext) -> int:
     """The tokens an attempt's prefill computes at most: the prompt, and a migrated
     stream's tokens sent before it."""
     return len(ctx.request.prompt_token_ids) + ctx.calls.num_resumed
+

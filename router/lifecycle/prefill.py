@@ -1,7 +1,9 @@
 """The Prefill of an attempt: on the first prefill worker in ``Placement.prefill_order``
 that is not busy (while all are, it waits for capacity; the reservation waits
 meanwhile), naming the reservation's KV target. It returns once the decode worker
-acknowledged the KV and the first token (``Prefilled``).
+acknowledged the KV and the first token (``Prefilled``). It may go out together with
+the attempt's Reserve, naming the target the router expects (``Placement``); the decode
+worker's receiver parks KV that arrives before its reservation.
 
 Failures: a worker that failed is excluded and the attempt is retried (``Retry``); one
 that refused what the router sent is INTERNAL (a router bug); no prefill worker left is

@@ -4,7 +4,8 @@
 ``Retry`` (or ``Busy``), after it ``Migrate`` naming how many tokens were streamed (the
 handoff continues the stream elsewhere, or ends it with UNAVAILABLE); a refusal of what
 the router sent (a router bug) is INTERNAL, never migrated.
-``prefill_and_relay`` opens the Generate stream together with the Prefill: the first
+``prefill_and_relay`` opens the Generate stream together with the Prefill (or after
+it, when the Prefill went out with the Reserve: ``Attempt.ahead``): the first
 chunk leaves as soon as the KV has arrived on the decode worker, not after the Prefill
 reply's trip back and a Generate call behind it; until that chunk a failed Prefill fails
 the attempt (the stream is cancelled with it); once the stream is done, the Prefill's
@@ -115,7 +116,8 @@ async def prefill_and_relay(attempt: Attempt, placement: Placement
     """The Prefill and the Generate stream of a reserved attempt (see the module
     docstring)."""
     ctx = attempt.ctx
-    prefill_task = asyncio.ensure_future(prefill(attempt, placement))
+    prefill_task = attempt.ahead if attempt.ahead is not None \
+        else asyncio.ensure_future(prefill(attempt, placement))
     relayed: AsyncGenerator[OutputChunk, None] | None = None
     first: asyncio.Future[OutputChunk | None] | None = None
     try:

@@ -93,17 +93,22 @@ def _until_streaming(c: Cluster) -> None:
 def test_router_killed_between_reserve_and_prefill_frees_decode_within_the_ttl(
         idle: Cluster) -> None:
     c = idle
-    assert c.router is not None
-    pause = PauseDir(c.pause_dir("router"))
+    # a router of its own whose Prefills wait for the Reserve's reply (kv-aware routing
+    # may send the Prefill with the Reserve: then the prefill worker, its call cut by the
+    # router's death, fails the transfer and the decode worker frees the blocks for that)
+    router = c.start_router("--prefill-routing", "affinity", name="router-classic")
+    with Client(router.address) as client:  # it sees the workers
+        client.complete("warm", max_tokens=2, timeout=TIMEOUT_S)
+    pause = PauseDir(c.pause_dir("router-classic"))
     aborted = _decode_info(c).num_lease_aborts
     # 1. the router holds a reservation (lease written), before its Prefill call
     pause.arm("router.before_prefill", request_id="orphan")
     with ThreadPoolExecutor(1) as pool:
-        result = _stream_async(pool, c.address, "orphaned " * 5, 8, "orphan")
+        result = _stream_async(pool, router.address, "orphaned " * 5, 8, "orphan")
         pause.wait_paused("router.before_prefill", 30.0)
-        assert _holds(_decode_info(c))
+        assert _holds(_decode_info(c)) and not _prefill_info(c).attempt_ids
         # 2. the router dies: only the lease's absence speaks for the reservation
-        os.kill(c.router.proc.pid, signal.SIGKILL)
+        os.kill(router.proc.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         took = wait_until(lambda: not _holds(_decode_info(c)), 30.0,
                           "the decode worker to free the orphaned reservation")
@@ -112,7 +117,7 @@ def test_router_killed_between_reserve_and_prefill_frees_decode_within_the_ttl(
     assert excinfo.value.code == grpc.StatusCode.UNAVAILABLE
     assert took < FREED_WITHIN_S, f"freed {time.monotonic() - killed_at:.1f}s after the kill"
     assert _decode_info(c).num_lease_aborts == aborted + 1  # the lease, not a timeout
-    c.router.proc.wait(10)
+    router.proc.wait(10)
     pause.disarm("router.before_prefill")
 
 

@@ -202,6 +202,10 @@ class AgentState:
         assert self.receiver is not None
         return self.receiver.wait(transfer_id, timeout_s)
 
+    def recv_abort(self, transfer_id: int) -> bool:
+        assert self.receiver is not None
+        return self.receiver.abort(transfer_id)
+
     def recv_done(self, transfer_id: int) -> bool:
         assert self.receiver is not None
         return self.receiver.done(transfer_id)

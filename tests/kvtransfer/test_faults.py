@@ -228,6 +228,28 @@ def test_unknown_and_late_parts_are_ignored_and_counted(agents: AgentsFactory) -
     assert sender.call("report")["stats"]["channels_opened"] == 1
 
 
+def test_a_transfer_refused_before_it_was_expected_is_dropped_at_once(
+        agents: AgentsFactory) -> None:
+    # a decode worker refused the Reserve whose Prefill went out ahead of its reply: the
+    # parts already parked for it are ignored at once, not held for the park timeout (they
+    # hold up their channel meanwhile), the id can never be expected, the channel works on
+    config = dataclasses.replace(CONFIG, park_timeout_s=60.0)
+    sender, receiver = agents(2)
+    decode, prefill = make_decode([receiver], config=config), make_prefill([sender], config=config)
+    refused = make_request(86, 40)
+    send(prefill, decode, refused)
+    time.sleep(0.3)  # its first part waits on the receiver for expect()
+    assert receiver.call("recv_abort", 86) is False  # it was never expected
+    _, elapsed = _raises(sender, "send_wait", 86, "TransferRejected")
+    assert elapsed < SLACK_S  # against the 60 s it would have been parked
+    with pytest.raises(RemoteError, match="used before"):
+        expect(decode, refused)
+    req = make_request(87, 40)
+    transfer(prefill, decode, req)
+    assert_received(decode, req)
+    assert receiver.call("report")["stats"]["late_parts"] >= 1
+
+
 def test_unexpected_acknowledgements_are_ignored_and_counted(agents: AgentsFactory) -> None:
     # Row 7, sender side: an acknowledgement naming another transfer and a malformed one
     # arrive before the real one; the sender counts and ignores them and keeps waiting:

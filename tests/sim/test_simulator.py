@@ -180,6 +180,35 @@ def test_a_busy_decode_worker_answers_between_its_steps() -> None:
     assert 0 < wait < 2 * (0.002 + 2e-4 + 1e-7 * 2 * 400)
 
 
+def test_a_prefill_goes_out_with_the_reserve_where_the_router_can_name_its_target(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # as router.lifecycle.placement: kv-aware, to a decode worker that holds none of the
+    # prompt, the Prefill does not wait for the Reserve's reply, which a busy decode worker
+    # sends after its step in flight; with affinity routing it does
+    starts: dict[str, float] = {}
+    prefill = sim_router.SimRouter._prefill
+
+    def spy(self: sim_router.SimRouter, request: SimRequest, attempt: str) -> None:
+        starts.setdefault(request.request_id, self.events.now)
+        prefill(self, request, attempt)
+
+    monkeypatch.setattr(sim_router.SimRouter, "_prefill", spy)
+    waited = {}
+    for routing in ("kv-aware", "affinity"):
+        starts.clear()
+        reqs = [SimRequest("long", 0.0, tuple(range(100, 164)), 300),
+                SimRequest("joins", 0.2, tuple(range(1000, 1064)), 4)]
+        spec = SimSpec(num_prefill=1, num_decode=1,
+                       handoff=HandoffConfig(prefill_routing=routing))
+        result = simulate(small_profile(), spec, reqs)
+        result.check()
+        waited[routing] = starts["joins"] - 0.2
+    profile = small_profile()  # placed after the router's overhead, sent after the dispatch
+    assert waited["kv-aware"] == pytest.approx(profile.router_overhead_s
+                                               + profile.handoff_overhead_s / 2)
+    assert waited["affinity"] > waited["kv-aware"]  # the decode worker was mid-step
+
+
 def test_more_decode_workers_lower_the_time_per_output_token_under_load() -> None:
     def mean_tpot(num_decode: int) -> float:
         res = simulate(small_profile(), SimSpec(num_prefill=2, num_decode=num_decode),

@@ -147,6 +147,11 @@ class KVReceiveLeader:
         self.core.call_ranks(abort_request(Direction.RECEIVE, transfer.transfer_id))
         return True
 
+    def refuse(self, transfer_id: int) -> None:
+        """Refuse a transfer this worker did not take (a refused Reserve whose Prefill went
+        out ahead of it): every rank ignores its parts, those that came early at once."""
+        self.core.call_ranks(abort_request(Direction.RECEIVE, transfer_id))
+
     @property
     def num_pending(self) -> int:
         return len(self._transfers)

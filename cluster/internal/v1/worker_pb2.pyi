@@ -94,7 +94,7 @@ class Lease(_message.Message):
     def __init__(self, key: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("client_request_id", "prompt_token_ids", "sampling", "transfer_id", "wait_ms", "attempt_id", "lease", "num_resumed_tokens")
+    __slots__ = ("client_request_id", "prompt_token_ids", "sampling", "transfer_id", "wait_ms", "attempt_id", "lease", "num_resumed_tokens", "expected_cached_blocks")
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class ReserveRequest(_message.Message):
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     NUM_RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     client_request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -111,7 +112,8 @@ class ReserveRequest(_message.Message):
     attempt_id: str
     lease: Lease
     num_resumed_tokens: int
-    def __init__(self, client_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[int] = ..., wait_ms: _Optional[int] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., num_resumed_tokens: _Optional[int] = ...) -> None: ...
+    expected_cached_blocks: int
+    def __init__(self, client_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[int] = ..., wait_ms: _Optional[int] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., num_resumed_tokens: _Optional[int] = ..., expected_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("accepted", "reason", "num_blocks", "target")

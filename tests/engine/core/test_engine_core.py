@@ -114,7 +114,9 @@ def test_kv_written_from_outside_continues_like_local(llama_dir: Path) -> None:
 def test_reservation_reuses_the_prefix_cache(llama_dir: Path) -> None:
     """A second reservation of a prompt sharing a cached prefix takes those blocks as they
     are (never the last token's block); written only after them, it continues like a
-    local generation, and a refused or aborted one leaves the cache intact."""
+    local generation, and a refused or aborted one leaves the cache intact; with
+    ``max_reused_blocks`` it takes no more than that many (what a Prefill sent ahead of the
+    Reserve's reply skips)."""
     with LLM(llama_dir, num_kv_blocks=64) as prefill, LLM(llama_dir, num_kv_blocks=64) as decode:
         first = list(range(3, 3 + 40))  # 2 full blocks + 8 tokens
         second = first[:32] + list(range(100, 120))  # shares the 2 full blocks
@@ -140,6 +142,13 @@ def test_reservation_reuses_the_prefix_cache(llama_dir: Path) -> None:
         assert decode.core.abort_request("e")
         assert decode.core.scheduler.cached_prefix(
             decode.core._make_request("f", second, GREEDY, False, 0)) == aborted.block_ids[:3]
+        for most in (1, 0):
+            capped = decode.core.reserve_for_kv("g", second, GREEDY, reuse_prefix=True,
+                                                max_reused_blocks=most)
+            assert capped is not None and capped.num_cached_blocks == most
+            assert capped.block_ids[:most] == aborted.block_ids[:most]
+            assert len(capped.blocks_to_write) == len(capped.block_ids) - most
+            assert decode.core.abort_request("g")
         for engine in (prefill, decode):
             engine.core.check_integrity()
             assert engine.core.kv_usage().in_use == 0

@@ -42,7 +42,7 @@ def test_a_cancel_while_the_stream_closes_still_lets_the_prefill_go(
     monkeypatch.setattr(relay_module, "start_generate", lambda attempt: None)
     request = SimpleNamespace(sampling=SimpleNamespace(logprobs=None, prompt_logprobs=None))
     attempt = SimpleNamespace(ctx=SimpleNamespace(client_request_id="r", request=request),
-                              id="a-1",
+                              id="a-1", ahead=None,
                               decode_id="d", is_finished=False)
 
     async def scenario() -> None:

@@ -1,0 +1,64 @@
+"""The Prefill sent together with its Reserve, not after the Reserve's reply (the rooms:
+``router.lifecycle``; ``Placement`` decides, ``Attempt.send_ahead`` sends).
+
+It goes ahead when the router can name the target itself (``ahead_target``): the decode
+worker's registered KV address, and no blocks to skip — routing kv-aware, where a trusted
+index says the worker holds none of the prompt (the Reserve, ``expected_cached_blocks``
+0, then reuses none, which it always can). A worker holding a prefix is asked first: its
+reply says which blocks the sender skips. And only where the Reserve should succeed: the
+worker's registered free blocks hold the request.
+
+``AheadGate`` (one per router) keeps it from costing the prefill workers while a decode
+worker is full: one that refused a Reserve for want of room (its free blocks as the router
+saw them were stale, or it is at its request limit) gets no Prefill ahead of its replies
+until it accepts a Reserve again. A refused Reserve aborts the Prefill that went with it
+(and the decode worker refuses its transfer id, so KV already on its way is dropped), and
+that request's later Reserves wait for their reply.
+"""
+
+from __future__ import annotations
+
+from cluster.kv_target import KVTarget
+from router.lifecycle.attempt import Attempt
+
+
+class AheadGate:
+    """Which decode workers get a Prefill ahead of their Reserve's reply (see the module
+    docstring); fed every Reserve's outcome."""
+
+    def __init__(self) -> None:
+        self._refusing: set[str] = set()  # refused for want of room, not accepted since
+
+    def allows(self, decode_id: str) -> bool:
+        return decode_id not in self._refusing
+
+    def answered(self, attempt: Attempt, refusal: tuple[str, bool] | None) -> bool:
+        """The outcome of ``attempt``'s Reserve (None: reserved; else why not, and whether
+        for want of room); whether it was refused with its Prefill sent ahead (its request
+        sends none ahead from then on)."""
+        if refusal is None:
+            self._refusing.discard(attempt.decode_id)
+            return False
+        if refusal[1]:
+            self._refusing.add(attempt.decode_id)
+        if attempt.ahead is None:
+            return False
+        attempt.ctx.log.info("attempt %s: %s did not reserve (%s); its Prefill, sent ahead, is "
+                             "aborted", attempt.id, attempt.decode_id, refusal[0])
+        return True
+
+
+def ahead_target(attempt: Attempt, gate: AheadGate, held_blocks: int) -> KVTarget | None:
+    """The target a Prefill sent ahead of ``attempt``'s Reserve names, or None (it waits
+    for the reply): ``held_blocks``, the prompt's leading blocks the decode worker holds by
+    a trusted index, must be 0, the gate must allow it, its registered free blocks hold the
+    request, and no planned move be pending (its Prefill goes to the draining worker)."""
+    ctx = attempt.ctx
+    if held_blocks or ctx.pending_move is not None or not gate.allows(attempt.decode_id):
+        return None
+    record = next((r for r in ctx.pool.routable("decode") if r.worker_id == attempt.decode_id),
+                  None)
+    if record is None or not record.kv_address \
+            or record.free_kv_blocks < ctx.request.num_blocks(ctx.block_size):
+        return None
+    return KVTarget(attempt.transfer_id, record.kv_address, record.tensor_parallel_size, 0)
