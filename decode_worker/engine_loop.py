@@ -11,7 +11,8 @@ recorded in one place, the request's ``_Live.phase``:
   went out ahead of it (``expected_cached_blocks`` set: the sender skips that many) takes
   exactly those blocks, or is refused — and then its transfer id is refused on every rank
   (``KVReceiveLeader.refuse``), so that KV already on its way is dropped at once, not
-  parked;
+  parked; as it is when such a Reserve's call fails or is cancelled (``Refuse``: the
+  command may never have run);
 - the loop polls the leader; once the KV arrived on every rank, with its trailer (the
   first token and the prefill side's cached-token count) on rank 0 — phase ARRIVED;
 - once the KV arrived and a Generate stream is open (``Open``), the request is admitted
@@ -77,6 +78,14 @@ class Reserve(Command[KVTarget | str]):
     client_request_id: str = ""  # for logs
     num_resumed_tokens: int = 0  # output already streamed, ending the prompt (a migration)
     expected_cached_blocks: int | None = None  # the Prefill went out ahead, skipping these
+
+
+@dataclass(frozen=True)
+class Refuse(Command[None]):
+    """Refuse ``transfer_id``: its Reserve, whose Prefill went out with it, failed or never
+    ran (its call was cancelled or expired): KV that comes for it is dropped at once."""
+
+    transfer_id: int
 
 
 @dataclass(frozen=True)
@@ -146,6 +155,9 @@ class DecodeLoop(EngineLoop):
             return self._reserve(command)
         if isinstance(command, Open):
             self._open(command)
+            return None
+        if isinstance(command, Refuse):
+            self.receiving.refuse(command.transfer_id)
             return None
         if isinstance(command, Local):
             self._local(command)

@@ -19,7 +19,7 @@ import grpc
 from cluster import pause_points
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
-from decode_worker.engine_loop import Local, Open, Reserve
+from decode_worker.engine_loop import Local, Open, Refuse, Reserve
 from engine.core.engine_core import RequestOutput, merge_outputs
 from engine.tp.sharding import num_blocks_for
 from worker.commands import WorkerError
@@ -42,6 +42,8 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
     async def Reserve(self, request: pb.ReserveRequest,  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
         attempt = await attempt_of(request, context)
+        # its Prefill went out with it: a Reserve that fails or never runs refuses the KV
+        ahead = request.HasField("expected_cached_blocks") and request.transfer_id != 0
         try:
             if request.transfer_id == 0:
                 raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id must not be 0")
@@ -64,10 +66,14 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                                           attempt_id=attempt, transfer_id=request.transfer_id)
         except asyncio.CancelledError:  # the caller left: it may never learn of a reservation
             self.on_call_end(attempt, "the Reserve call was cancelled")
+            if ahead:
+                self.loop.post(Refuse(request.transfer_id))
             raise
         except WorkerError as exc:
             if exc.code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
                 self.on_call_end(attempt, "the Reserve call failed")  # it may hold it
+            if ahead:
+                self.loop.post(Refuse(request.transfer_id))
             await abort_with(context, exc)
         block_size = self.loop.core.config.cache.block_size
         return pb.ReserveResponse(

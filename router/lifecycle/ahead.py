@@ -10,10 +10,11 @@ worker's registered free blocks hold the request.
 
 ``AheadGate`` (one per router) keeps it from costing the prefill workers while a decode
 worker is full: one that refused a Reserve for want of room (its free blocks as the router
-saw them were stale, or it is at its request limit) gets no Prefill ahead of its replies
-until it accepts a Reserve again. A refused Reserve aborts the Prefill that went with it
-(and the decode worker refuses its transfer id, so KV already on its way is dropped), and
-that request's later Reserves wait for their reply.
+saw them were stale, or it is at its request limit; or it is draining, or serves the
+other role now) gets no Prefill ahead of its replies until it accepts a Reserve again. A refused Reserve aborts the Prefill that went with it
+(and the decode worker refuses its transfer id, as it does when such a Reserve's call
+fails or is cancelled, so KV already on its way is dropped; the Prefill's own failure
+then blames no worker), and that request's later Reserves wait for their reply.
 """
 
 from __future__ import annotations

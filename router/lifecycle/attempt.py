@@ -74,6 +74,7 @@ class Attempt:
         self.target: KVTarget | None = None  # where its KV goes, once reserved
         self.prefill_id: str | None = None  # the prefill worker of its unanswered Prefill
         self.ahead: asyncio.Future[Prefilled] | None = None  # its Prefill, if sent ahead
+        self._answered = asyncio.Event()  # its Reserve was answered, or it ended
         self.state = AttemptState.PLACED if local else AttemptState.RESERVING
         self.lease = ctx.leases.open(attempt_id, ctx.client_request_id)
         self._calls: list[grpc.aio.Call] = []
@@ -94,6 +95,14 @@ class Attempt:
         """The decode worker holds its reservation: the KV goes to ``target``."""
         self.target = target
         self.state = AttemptState.PLACED
+        self._answered.set()
+
+    async def reservation_known(self) -> None:
+        """Until its Reserve was answered with a reservation (at once if it was, or it
+        prefills locally). Ended meanwhile (refused), a Prefill sent ahead is cancelled
+        here: its KV was refused, no worker failed."""
+        if self.state is AttemptState.RESERVING:
+            await self._answered.wait()
 
     def streaming(self) -> None:
         if self.state is AttemptState.PLACED:
@@ -150,6 +159,7 @@ class Attempt:
             return
         finished = self.state is AttemptState.FINISHED
         self.state = AttemptState.ENDED
+        self._answered.set()
         self._cancel_ahead()
         self._cancel_calls()
         if not finished:

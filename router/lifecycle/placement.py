@@ -243,9 +243,9 @@ class Placement:
             attempt.decode_holds_nothing()  # refused: nothing is held for it
             return reply.reason, True
         assert reply.target is not None
-        ctx.trace.mark("reserved")
         if ahead is not None and reply.target != ahead:  # the registry's address is stale
             return f"it reserved {reply.target}, not the target its Prefill named", True
+        ctx.trace.mark("reserved")
         attempt.reserved(reply.target)
         self._share(decode_id)
         ctx.metrics.routed.labels("decode", decode_id).inc()

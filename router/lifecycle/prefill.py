@@ -98,6 +98,9 @@ async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int) -> Prefill
         if failure.kind is Failure.ALREADY_EXISTS:  # the worker did not fail
             attempt.prefill_released()  # the id's holder there is not ours to abort
             raise ctx.id_in_use(" on a prefill worker") from None
+        # sent with the Reserve: a refused Reserve refuses the KV too (the wait is then
+        # cancelled, the attempt ending); only a failure with the reservation held counts
+        await attempt.reservation_known()
         ctx.worker_failed(prefill_id, failure)
         why = f"prefill on {prefill_id}: {failure}"
         if failure.kind is Failure.REFUSED:  # the worker refused what the router sent

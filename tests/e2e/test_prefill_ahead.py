@@ -8,7 +8,9 @@ and one decode worker that holds one request at a time, a router routing kv-awar
   tokens are ``engine.LLM``'s;
 - two requests at once: the second's Reserve is refused (the worker holds its one request)
   after its Prefill went out; the Prefill is aborted, the transfer refused, the request is
-  placed again once there is room, and both get ``engine.LLM``'s tokens.
+  placed again once there is room, and both get ``engine.LLM``'s tokens;
+- a Reserve sent with its Prefill that fails refuses its transfer id: KV for it is dropped
+  and the id can never be reserved.
 
 Every test ends with the cluster's leak check.
 """
@@ -24,6 +26,7 @@ from typing import Any
 import grpc
 import pytest
 
+from cluster.internal.v1 import worker_pb2 as wpb
 from engine import LLM, SamplingParams
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
@@ -104,3 +107,22 @@ def test_a_reserve_refused_after_its_prefill_went_out_is_placed_again(
     # one of them was refused (the decode worker holds one request at a time) after its
     # Prefill went out, and was placed again
     assert router.log_path.read_text(errors="replace").count(aborted_ahead) > seen
+
+
+def test_a_failed_reserve_sent_with_its_prefill_refuses_its_transfer(cluster: Cluster) -> None:
+    decode = cluster.stub(cluster.decode[0])
+    sampling = wpb.SamplingParams(max_tokens=1, temperature=0, top_p=1.0, top_k=-1)
+
+    def reserve(attempt: str, prompt: list[int]) -> None:
+        decode.Reserve(wpb.ReserveRequest(
+            client_request_id=attempt, attempt_id=attempt, prompt_token_ids=prompt,
+            sampling=sampling, transfer_id=987_654, wait_ms=5_000, expected_cached_blocks=0),
+            timeout=TIMEOUT_S)
+
+    with pytest.raises(grpc.RpcError) as bad:
+        reserve("ahead-bad", [10**9])  # no such token: refused before anything is held
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as again:  # the transfer id was refused with it
+        reserve("ahead-again", FIRST)
+    assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "was refused here before" in (again.value.details() or ""), again.value.details()

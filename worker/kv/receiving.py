@@ -14,6 +14,7 @@ at any point before: returns once no rank writes the blocks.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +30,8 @@ from worker.kv.messages import (
     decode_address,
 )
 from worker.kv.reports import RankStates, poll_transfers
+
+MAX_REFUSED_REMEMBERED = 4096  # refused transfer ids a leader names as such when reused
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class KVReceiveLeader:
         core.call_ranks(attach_request(self.address))
         self._transfers: dict[str, _Transfer] = {}  # request id -> its pending transfer
         self._num_failed = 0
+        self._refused: OrderedDict[int, None] = OrderedDict()  # the latest refused ids
 
     def expect(self, request_id: str, transfer_id: int, num_tokens: int,
                block_ids: Sequence[int], timeout_s: float | None = None,
@@ -76,6 +80,8 @@ class KVReceiveLeader:
         transfer id in use, or ``RankCallError`` (then no rank writes the blocks)."""
         if any(t.transfer_id == transfer_id for t in self._transfers.values()):
             raise ValueError(f"transfer id {transfer_id} is in use")
+        if transfer_id in self._refused:
+            raise ValueError(f"transfer id {transfer_id} was refused here before")
         timeout = self.timeout_s if timeout_s is None else timeout_s
         start = timeout if start_timeout_s is None else start_timeout_s
         try:
@@ -149,7 +155,13 @@ class KVReceiveLeader:
 
     def refuse(self, transfer_id: int) -> None:
         """Refuse a transfer this worker did not take (a refused Reserve whose Prefill went
-        out ahead of it): every rank ignores its parts, those that came early at once."""
+        out ahead of it): every rank ignores its parts, those that came early at once. A
+        transfer id pending here (another request's) is left alone."""
+        if any(t.transfer_id == transfer_id for t in self._transfers.values()):
+            return
+        self._refused[transfer_id] = None
+        while len(self._refused) > MAX_REFUSED_REMEMBERED:
+            self._refused.popitem(last=False)
         self.core.call_ranks(abort_request(Direction.RECEIVE, transfer_id))
 
     @property
