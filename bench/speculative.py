@@ -9,7 +9,7 @@ built and cached on first use, about 30 minutes here) or ``trained`` (5M paramet
 whose step costs its overhead). The draft model (``--draft`` another checkpoint with the
 same vocabulary) is the ``trained`` preset, a fifth of the target's size, distilled from
 ``trained55m`` on the same text (``engine.testing.distill``: two small models trained
-apart agree on too few tokens; built and cached on first use, about 7 minutes here).
+apart agree on too few tokens; built and cached on first use, about 20 minutes here).
 Greedy, ``--output-len`` [128] tokens per request, at batch 1 and ``--batch`` [8]:
 
 - ``input-grounded``: each prompt is a passage of the held-out standard-library text

@@ -44,6 +44,7 @@ class Trace:
     admitted_at: float | None = None  # validated and admitted: it queues from here
     turn_at: float | None = None  # its turn in the router's queue came
     first_call_at: float | None = None  # the first call to any worker (Reserve, GenerateLocal)
+    reserve_sent_at: float | None = None  # the Reserve's call started
     reserved_at: float | None = None  # the Reserve's reply (accepted)
     prefill_started_at: float | None = None
     prefill_returned_at: float | None = None
@@ -73,8 +74,8 @@ class Trace:
             return None if at is None else round((at - self.received_at) * 1000, 3)
 
         marks = {name: ms(getattr(self, f"{name}_at")) for name in (
-            "admitted", "turn", "first_call", "reserved", "prefill_started", "prefill_returned", "generate_started",
-            "first_chunk", "first_sent")}
+            "admitted", "turn", "first_call", "reserve_sent", "reserved", "prefill_started",
+            "prefill_returned", "generate_started", "first_chunk", "first_sent")}
         p = self.prefill
         return json.dumps({
             "attempts": self.attempts, "marks_ms": marks,

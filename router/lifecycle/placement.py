@@ -207,14 +207,18 @@ class Placement:
         ctx, decode_id = self.ctx, attempt.decode_id
         ctx.trace.worker_call()
         try:
+            if ahead is not None and starter is not None:
+                # the Prefill first: its way to the prefill worker is on the path to the
+                # first token; the Reserve only has to arrive before the KV (parked if not)
+                attempt.send_ahead(ahead, starter)
+                await asyncio.sleep(0)  # its task starts its call before the Reserve's
             call = ctx.calls.start_reserve(decode_id, attempt.id, attempt.lease,
                                            attempt.transfer_id,
                                            ctx.timeout(ctx.config.reserve_timeout_s),
                                            wait_s=ctx.timeout(),
                                            expected_cached_blocks=None if ahead is None
                                            else ahead.num_cached_blocks)
-            if ahead is not None and starter is not None:
-                attempt.send_ahead(ahead, starter)
+            ctx.trace.mark("reserve_sent")
             # counted by concurrent choices already; cancelled if the worker is hung
             with ctx.pool.busy(decode_id), ctx.pool.watched(decode_id, call):
                 reply = WorkerCalls.reserved(await call)

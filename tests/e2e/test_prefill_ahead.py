@@ -1,8 +1,9 @@
 """The Prefill sent together with the Reserve, through real processes (Redis, one prefill
 and one decode worker that holds one request at a time, a router routing kv-aware):
 
-- a prompt the decode worker holds none of: the router sends the Prefill before the
-  Reserve's reply (the trace's marks say so) and the tokens are ``engine.LLM``'s;
+- a prompt the decode worker holds none of: the router starts the Prefill's call, then
+  the Reserve's, before the Reserve's reply (the trace's marks say so) and the tokens
+  are ``engine.LLM``'s;
 - the next turn of that prompt, whose prefix the decode worker holds: the router waits for
   the reply, which says which blocks to skip; the decode worker reuses them and the
   tokens are ``engine.LLM``'s;
@@ -80,7 +81,8 @@ def test_the_prefill_goes_out_with_the_reserve_unless_the_decode_worker_holds_a_
     assert tokens == _expected(llm, FIRST, 6)
     marks = trace["marks_ms"]
     assert trace["attempts"] == 1
-    assert marks["first_call"] <= marks["prefill_started"] < marks["reserved"], marks
+    assert marks["first_call"] <= marks["prefill_started"] <= marks["reserve_sent"] \
+        < marks["reserved"], marks
     # the decode worker now holds FIRST's full blocks (and the router's index says so)
     blocks = f"pdserve:router_kv_index_worker_blocks{{worker={decode.name}}}"
     wait_until(lambda: _metric(router, blocks) >= 2, 30.0, "the index to list decode-0's blocks")
@@ -88,7 +90,8 @@ def test_the_prefill_goes_out_with_the_reserve_unless_the_decode_worker_holds_a_
     tokens, trace = _traced(cluster.address, NEXT, 6)
     assert tokens == _expected(llm, NEXT, 6)
     marks = trace["marks_ms"]
-    assert marks["reserved"] < marks["prefill_started"], marks  # told what to skip first
+    # told what to skip first
+    assert marks["reserve_sent"] < marks["reserved"] < marks["prefill_started"], marks
     assert _metric(decode, "pdserve:kv_blocks_reused_total{}") - reused >= 2
 
 
