@@ -1,7 +1,8 @@
 """Where one request's time went, as the router saw it and as its workers reported it.
 
 ``RouterCore`` makes a ``Trace`` per request; the handoff marks the moments it passes
-(``router.lifecycle``: the first call to a worker, the Prefill call and its return with the
+(``router.lifecycle``: the first call to a worker, the Reserve call and its accepted
+reply, the Prefill call and its return with the
 prefill worker's own timings, the Generate call and its first chunk with the decode
 worker's), and the served request marks each chunk's hop through the router (received from
 the decode worker → handed to the edge, which writes it to the client before asking for
