@@ -11,7 +11,10 @@ same request of ``--output-len`` tokens on three engines with pdserve's own code
 
 - **plain**: no speculation (the baseline);
 - **recompute**: the draft model as a decode worker runs it: the request's draft KV is
-  caught up ``CATCH_UP_TOKENS`` a step, and it guesses nothing until it has caught up;
+  caught up ``CATCH_UP_TOKENS`` a step, and it guesses nothing until it has caught up
+  (the engine prefills the prompt itself, but its drafter leaves the prompt chunks
+  alone, ``DraftModel.with_prompt_chunks``, as if their KV had come from a prefill
+  worker);
 - **ship**: the same engine, with each request's draft KV of its prompt written into its
   blocks before its first step guesses — the draft's forward over the prompt in a prefill
   worker's chunks, timed, then ``DraftModel.written`` — so it guesses from its first
@@ -137,6 +140,9 @@ def measure_engines(target: Path, draft: Path, prompts: dict[int, list[int]], ou
                 speculative_config=config) as spec, \
             LLM(target, num_kv_blocks=512, enable_prefix_caching=False,
                 speculative_config=config) as ship:
+        for llm in (spec, ship):  # prompts prefilled elsewhere: no draft KV beside them
+            assert llm.core.drafter is not None
+            llm.core.drafter.with_prompt_chunks = False
         shipped = ShippedDraftKV(ship)
         engines = (("plain", plain, (1, output_len)), ("spec", spec, (1, output_len)),
                    ("ship", ship, (output_len,)))

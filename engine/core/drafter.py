@@ -13,21 +13,30 @@ verification, the prefix cache — sees an ordinary speculated chunk.
 The draft's own KV lives in a cache of its own, indexed by the target's block ids: a
 request's blocks hold its KV of both models, so the block manager, prefix caching and
 preemption need nothing new. What the draft holds for a request is tracked here: the
-length of its sequence whose draft KV is right (``_Progress``). Each step, the draft first
-catches up from there to the request's last token, then guesses one token per pass. The
-first time that is the whole prompt, which is how a request whose target KV came from a
-prefill worker gets its draft KV (recomputed on the decode worker; nothing extra
-travels): up to ``CATCH_UP_TOKENS`` a step (``CATCH_UP_STEP_TOKENS`` for all requests
-together), the request guessing nothing until it has caught up, so prompts arriving
-stall no step by more than that much draft prefill. A catch-up of at most
+length of its sequence whose draft KV is right (``_Progress``).
+
+A prompt this engine prefills has its draft KV computed in the same steps, a draft chunk
+beside each of the target's prompt chunks (the step grows by the draft's share of that
+chunk: about a fifth for the benchmarks' draft), so its first decode step guesses. A
+prompt found in the prefix cache finds the draft's KV in those blocks too where the draft
+computed it (``engine.core.draft_kv``: the drafter records which blocks hold the draft's
+KV of which content), and the draft computes the rest.
+
+Each decode step, the draft first catches up from where its KV is right to the request's
+last token, then guesses one token per pass. For a request whose target KV came from a
+prefill worker that is the whole prompt (less what the decode worker's prefix cache held,
+draft KV included): recomputed on the decode worker, nothing extra travels, up to
+``CATCH_UP_TOKENS`` a step (``CATCH_UP_STEP_TOKENS`` for all requests together), the
+request guessing nothing until it has caught up, so prompts arriving stall no step by
+more than that much draft prefill. A catch-up of at most
 ``ROWS_CATCH_UP_TOKENS`` that ends the sequence (after a step whose guesses were kept:
 the last guess and the target's next token) runs as decode rows, each attending up to
 itself, so the compiled decoder stack takes it (0.5 ms for two tokens on the benchmarks'
 draft here, against 2.0 ms as a prefill chunk by the per-layer forward). A guess the
 target rejected leaves draft KV past the kept tokens, which the next catch-up
-overwrites; a preempted request starts again from nothing. Two requests sharing
-cached blocks write the same draft KV into them, and a draft KV that is stale only makes
-guesses worse, never a token wrong.
+overwrites; a preempted request starts again from nothing (or from what the prefix cache
+holds). Two requests sharing cached blocks write the same draft KV into them, and a
+draft KV that is stale only makes guesses worse, never a token wrong.
 
 The draft runs in this process (the engine core's, which is rank 0's under tensor
 parallelism), unsharded, on rank 0's device, with the linear kernels measured fastest for
@@ -52,9 +61,11 @@ from engine.config import (
     SchedulerConfig,
     load_model_config,
 )
+from engine.core.draft_kv import DraftBlocks
 from engine.core.request import Request
 from engine.core.runner import ModelRunner
 from engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from engine.core.speculative import speculates
 from engine.kernels.choice import choose_kernel_plan
 from engine.tp.distributed import Group
 
@@ -98,6 +109,7 @@ class _Progress:
     num_preemptions: int
     valid: int
     guessed: int = 0
+    recorded: int = 0  # its first blocks recorded in DraftBlocks
 
 
 class DraftModel:
@@ -122,27 +134,35 @@ class DraftModel:
         except ValueError as exc:  # a kernel forced by the environment it cannot use
             raise ConfigError(f"speculative_config's draft model: {exc}") from None
         self.runner = ModelRunner(draft, Group.single(), num_kv_blocks, plan)
+        self._disable_above = config.scheduler.speculative_disable_by_batch_size
+        # the draft's KV of the prompt chunks this engine prefills, computed in their step
+        # (False: as on a decode worker whose prompts' KV all arrive from a prefill
+        # worker, which bench.draft_kv measures)
+        self.with_prompt_chunks = True
+        self.blocks = DraftBlocks(config.cache.block_size)
         self._progress: weakref.WeakKeyDictionary[Request, _Progress] = (
             weakref.WeakKeyDictionary())
 
     def fill(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> None:
-        """Write the draft's guesses into ``out``'s speculated chunks (in place). A request
-        whose draft KV is more than ``CATCH_UP_TOKENS`` behind catches up by that much this
-        step and guesses nothing (its chunk becomes a plain decode)."""
+        """Write the draft's guesses into ``out``'s speculated chunks (in place), and the
+        draft's KV of its prompt chunks (``_with_prompts``). A request whose draft KV is
+        more than ``CATCH_UP_TOKENS`` behind catches up by that much this step and guesses
+        nothing (its chunk becomes a plain decode)."""
         spec = [(i, chunk, requests[chunk.request_id])
                 for i, chunk in enumerate(out.decodes) if chunk.num_draft_tokens]
-        if not spec:
+        prompts = self._with_prompts(out, requests)
+        if not spec and not prompts:
             return
-        catch_up, guessing, budget = [], [], CATCH_UP_STEP_TOKENS
+        catch_up, guessing, budget = prompts, [], CATCH_UP_STEP_TOKENS
         for i, chunk, request in spec:
-            start = self._start(request)
+            start = self._start(request, chunk.block_ids)
             end = min(request.num_tokens, start + min(CATCH_UP_TOKENS, budget))
             if end < request.num_tokens:  # catching up: no guesses this step
                 out.decodes[i] = chunk._replace(token_ids=chunk.token_ids[:1],
                                          num_draft_tokens=0)
-                self._progress[request] = _Progress(request.num_preemptions, end)
+                self._set(request, start, end)
             else:
-                guessing.append((i, chunk, request))
+                guessing.append((i, chunk, request, start))
             if end > start:
                 budget -= end - start
                 last = end == request.num_tokens
@@ -151,32 +171,61 @@ class DraftModel:
                     chunk.request_id, tuple(request.all_token_ids[start:end]), start,
                     chunk.block_ids, sample=last, num_draft_tokens=rows))
         firsts = iter(self._greedy(catch_up))
-        spec = guessing
-        guesses = [[next(firsts)] for _ in spec]
-        for j in range(1, max((chunk.num_draft_tokens for _, chunk, _ in spec), default=0)):
-            live = [n for n, (_, chunk, _) in enumerate(spec) if chunk.num_draft_tokens > j]
-            step = [ScheduledChunk(spec[n][1].request_id, (guesses[n][-1],),
-                                   spec[n][2].num_tokens + j - 1, spec[n][1].block_ids,
+        guesses = [[next(firsts)] for _ in guessing]
+        for j in range(1, max((chunk.num_draft_tokens for _, chunk, _, _ in guessing),
+                              default=0)):
+            live = [n for n, (_, chunk, _, _) in enumerate(guessing) if chunk.num_draft_tokens > j]
+            step = [ScheduledChunk(guessing[n][1].request_id, (guesses[n][-1],),
+                                   guessing[n][2].num_tokens + j - 1, guessing[n][1].block_ids,
                                    sample=True) for n in live]
             for n, token in zip(live, self._greedy(step), strict=True):
                 guesses[n].append(token)
-        for (i, chunk, request), drafts in zip(spec, guesses, strict=True):
+        for (i, chunk, request, start), drafts in zip(guessing, guesses, strict=True):
             out.decodes[i] = chunk._replace(token_ids=(chunk.token_ids[0], *drafts))
             # the draft wrote KV up to the last guess's position (excluded)
-            self._progress[request] = _Progress(request.num_preemptions, request.num_tokens,
-                                                request.num_tokens + len(drafts) - 1)
+            self._set(request, start, request.num_tokens, request.num_tokens + len(drafts) - 1)
+
+    def _with_prompts(self, out: SchedulerOutput, requests: Mapping[str, Request]
+                      ) -> list[ScheduledChunk]:
+        """The draft's chunks that go with the step's prompt chunks: for each request that
+        will speculate, its draft KV from where it is right up to the target's chunk's end
+        (at most ``CATCH_UP_TOKENS`` more than the chunk: a prompt found in the prefix
+        cache may have no draft KV in its cached blocks), so that a prompt prefilled here
+        is caught up by its first decode step. None in a step of more requests than
+        ``speculative_disable_by_batch_size``, which would not speculate."""
+        if not out.prefills or not self.with_prompt_chunks or (self._disable_above is not None
+                                and len(out.decodes) + len(out.prefills) > self._disable_above):
+            return []
+        chunks = []
+        for chunk in out.prefills:
+            request = requests[chunk.request_id]
+            if request.prefill_only or not speculates(request.params):
+                continue
+            start = min(self._valid(request, chunk.block_ids, chunk.start_position),
+                        chunk.start_position)
+            end = min(chunk.start_position + len(chunk.token_ids),
+                      start + len(chunk.token_ids) + CATCH_UP_TOKENS)
+            chunks.append(ScheduledChunk(chunk.request_id, tuple(request.all_token_ids[start:end]),
+                                         start, chunk.block_ids, sample=False))
+            self._set(request, start, end)
+        return chunks
 
     def settle(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> None:
         """After ``Scheduler.update``: the draft KV of the guesses the target kept is right
-        (it was computed from those very tokens), the rest is not."""
-        for chunk in out.decodes:
+        (it was computed from those very tokens), the rest is not. The whole blocks of
+        draft KV that are right go on record (``DraftBlocks``)."""
+        for chunk in out.chunks:
             request = requests.get(chunk.request_id)
             if request is None:
                 continue  # finished and forgotten, or aborted
             progress = self._progress.get(request)
-            if progress is not None and progress.guessed:
+            if progress is None or progress.num_preemptions != request.num_preemptions:
+                continue
+            if progress.guessed:
                 progress.valid = min(request.num_computed_tokens, progress.guessed)
                 progress.guessed = 0
+            progress.recorded = self.blocks.record(request, chunk.block_ids, progress.recorded,
+                                                   progress.valid)
 
     def written(self, request: Request, num_tokens: int) -> None:
         """The draft's KV of ``request``'s first ``num_tokens`` tokens is in its blocks
@@ -185,13 +234,29 @@ class DraftModel:
         ``bench.draft_kv`` measures that way against the catch-up from nothing."""
         self._progress[request] = _Progress(request.num_preemptions, num_tokens)
 
-    def _start(self, request: Request) -> int:
+    def _start(self, request: Request, block_ids: Sequence[int]) -> int:
         """Where the request's catch-up chunk starts: its draft KV's right length, short of
         its last token (whose logits give the first guess)."""
+        return min(self._valid(request, block_ids, request.num_tokens - 1),
+                   request.num_tokens - 1)
+
+    def _valid(self, request: Request, block_ids: Sequence[int], limit: int) -> int:
+        """The length of ``request``'s sequence whose draft KV is right: as the drafter
+        left it, else (new, or preempted since) the whole blocks at its start, up to
+        ``limit`` tokens, that hold the draft's KV of their content (``DraftBlocks``)."""
         progress = self._progress.get(request)
         if progress is None or progress.num_preemptions != request.num_preemptions:
-            return 0
-        return min(progress.valid, request.num_tokens - 1)
+            return self.blocks.prefix(request, block_ids, limit)
+        return progress.valid
+
+    def _set(self, request: Request, start: int, valid: int, guessed: int = 0) -> None:
+        """The draft writes ``request``'s KV from ``start`` this step; right up to
+        ``valid`` after it (``guessed``: as ``_Progress`` says)."""
+        progress = self._progress.get(request)
+        recorded = 0 if progress is None or (
+            progress.num_preemptions != request.num_preemptions) else min(
+                progress.recorded, start // self.blocks.block_size)
+        self._progress[request] = _Progress(request.num_preemptions, valid, guessed, recorded)
 
     def _greedy(self, chunks: Sequence[ScheduledChunk]) -> list[int]:
         """The draft's argmax after each sampling chunk, in ``chunks``' order (chunks that
@@ -200,6 +265,7 @@ class DraftModel:
         others, as the scheduler orders a step: they run first."""
         order = sorted(range(len(chunks)),
                        key=lambda n: not (chunks[n].is_decode or chunks[n].num_draft_tokens))
+        self.blocks.writing(chunks)
         logits = self.runner.execute([chunks[n] for n in order])
         drawn = iter(torch.argmax(logits, dim=-1).tolist())
         by_chunk = {}

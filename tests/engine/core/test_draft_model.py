@@ -95,11 +95,12 @@ def test_short_catch_ups_run_as_decode_rows_and_write_the_right_draft_kv(
     """After a step whose guesses were all kept, the draft catches up its last guess and
     the target's next token: two tokens, run as decode rows, which the draft's compiled
     stack takes (its weights on a kernel with panels, here forced), and in a step beside a
-    long prompt's catch-up run as a prefill chunk. The target as its own draft still has
+    long prompt's chunk (chunked prefill: 64 tokens a step) run beside the draft's KV of
+    that chunk, a prefill chunk, in one forward. The target as its own draft still has
     every greedy guess kept, which it only can if those rows wrote the right KV and the
     last row's logits gave the guess."""
     prompts = [[5, 6, 7, 8] * 5, list(range(3, 203))]
-    with LLM(llama_dir) as plain:
+    with LLM(llama_dir, max_num_batched_tokens=64) as plain:
         expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
     stacked: list[tuple[int, int]] = []  # (id of the layers, rows) of each compiled step
     real = NativeKernels.decoder_step
@@ -109,8 +110,8 @@ def test_short_catch_ups_run_as_decode_rows_and_write_the_right_draft_kv(
         return real(self, layers, token_ids, *args)
 
     monkeypatch.setattr(NativeKernels, "decoder_step", counted)
-    with LLM(llama_dir, speculative_config=draft(llama_dir),
-             linear_kernel="packed_gemm") as spec:
+    with LLM(llama_dir, speculative_config=draft(llama_dir), linear_kernel="packed_gemm",
+             max_num_batched_tokens=64) as spec:
         runner = spec.core.drafter.runner
         calls: list[list[ScheduledChunk]] = []
         execute = runner.execute
@@ -130,7 +131,7 @@ def test_short_catch_ups_run_as_decode_rows_and_write_the_right_draft_kv(
                         for c in rows)
     assert any(any(c.num_draft_tokens for c in call)
                and any(len(c.token_ids) > 8 and not c.num_draft_tokens for c in call)
-               for call in calls)  # rows beside a prompt's catch-up, in one forward
+               for call in calls)  # rows beside a prompt's chunk, in one forward
     assert any(layers == draft_layers and n >= 2 for layers, n in stacked)
     assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens > 100
 
@@ -196,62 +197,108 @@ def test_an_abort_mid_speculation_frees_every_block(llama_dir: Path) -> None:
             core.shutdown()
 
 
-def test_a_long_prompts_draft_kv_is_caught_up_a_chunk_a_step(llama_dir: Path) -> None:
-    """A 200-token prompt: its draft KV is computed ``CATCH_UP_TOKENS`` a step (no guesses
-    meanwhile: each of those steps stays short for the other streams), then every greedy
-    guess of the target as its own draft is kept; the tokens are the plain ones."""
-    prompt = list(range(3, 203))
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    with LLM(llama_dir) as plain:
-        expected = plain.generate([prompt], params)[0].token_ids
-    with LLM(llama_dir, max_num_batched_tokens=256, speculative_config=draft(llama_dir)) as llm:
-        core = llm.core
-        core.add_request("r", prompt, params)
-        guessed, tokens = [], []
-        while core.has_unfinished():
-            out = core.scheduler.schedule()
-            sampled = core._execute(out)  # the draft fills (or withdraws) the guesses here
-            guessed.append(sum(c.num_draft_tokens for c in out.chunks))
-            for update in core.scheduler.update(out, sampled):
-                tokens.append(update.new_token_id)
-            core.drafter.settle(out, core.scheduler.requests)  # as EngineCore.step does
-        stats = llm.stats
-    catching_up = -(-len(prompt) // CATCH_UP_TOKENS) - 1  # steps before the last chunk
-    assert guessed[:1 + catching_up] == [0] * (1 + catching_up)  # the prefill, then those
-    assert guessed[1 + catching_up] > 0
-    assert tokens == expected
-    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
-
-
-def test_a_request_whose_draft_kv_was_written_elsewhere_guesses_at_once(
+def test_a_prompt_prefilled_here_or_found_cached_guesses_at_its_first_decode_step(
         llama_dir: Path) -> None:
-    """``DraftModel.written``: the prompt's draft KV computed outside the drafter (as a
-    prefill worker's would be) and declared: the first decode step guesses, with no
-    catch-up steps, and the guesses of the target as its own draft are kept (the KV is
-    right); the tokens are the plain ones."""
+    """The draft computes a prompt's KV in the step that prefills it (its chunk beside the
+    target's), so the first decode step guesses; the same prompt again finds its blocks in
+    the prefix cache, and the draft's KV in them (``DraftBlocks``): it computes only the
+    uncached rest, and guesses at once too. The target as its own draft has every greedy
+    guess kept, which it only can if that KV is right; the tokens are the plain ones."""
     prompt = list(range(3, 203))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     with LLM(llama_dir) as plain:
         expected = plain.generate([prompt], params)[0].token_ids
     with LLM(llama_dir, speculative_config=draft(llama_dir)) as llm:
-        core, guessed, tokens = llm.core, [], []
-        core.add_request("r", prompt, params)
-        while core.has_unfinished():
-            out = core.scheduler.schedule()
-            request = core.scheduler.requests["r"]
-            if out.decodes and not guessed[1:]:  # the first decode step: its KV arrives
-                blocks = out.decodes[0].block_ids
-                core.drafter.runner.execute([ScheduledChunk("r", tuple(prompt), 0, blocks,
-                                                            sample=False)])
-                core.drafter.written(request, len(prompt))
-            sampled = core._execute(out)
-            guessed.append(sum(c.num_draft_tokens for c in out.chunks))
-            for update in core.scheduler.update(out, sampled):
-                tokens.append(update.new_token_id)
-            core.drafter.settle(out, core.scheduler.requests)
+        core, runner = llm.core, llm.core.drafter.runner
+        drafted: list[list[ScheduledChunk]] = []
+        execute = runner.execute
+
+        def spy(chunks: list[ScheduledChunk], *args: Any) -> Any:
+            drafted.append(list(chunks))
+            return execute(chunks, *args)
+
+        runner.execute = spy  # type: ignore[method-assign]
+        for rid in ("first", "again"):
+            drafted.clear()
+            core.add_request(rid, prompt, params)
+            guessed, tokens = _run(core)
+            assert guessed[0] == 0 and guessed[1] > 0, rid  # the prefill, then guesses
+            assert tokens == expected, rid
+            prompt_chunks = [c for c in drafted[0] if not c.sample]
+            assert [(c.start_position, len(c.token_ids)) for c in prompt_chunks] == (
+                [(0, 200)] if rid == "first" else [(192, 8)])  # 12 blocks found cached
         stats = llm.stats
-    assert guessed[0] == 0 and guessed[1] > 0  # the prefill, then a guessing step at once
-    assert tokens == expected
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
+
+
+def _admitted_with_kv_from(prefill: LLM, core: EngineCore, prompt: list[int],
+                           params: SamplingParams) -> tuple[list[int], list[int]]:
+    """Request "r"'s prompt prefilled by ``prefill`` (prefill only), its KV copied into
+    the blocks ``core`` reserved, admitted there (as a prefill worker's KV arrives):
+    its block ids on ``core`` and its first token."""
+    prefill.core.add_request("r", prompt, params, prefill_only=True)
+    while not (done := prefill.core.step()):
+        pass
+    reserved = core.reserve_for_kv("r", prompt, params)
+    assert reserved is not None
+    core.executor.runner.kv_cache[:, :, reserved.block_ids] = (
+        prefill.core.executor.runner.kv_cache[:, :, list(done[0].block_ids)])
+    assert prefill.core.release_pinned("r")
+    first = core.admit_with_kv("r", done[0].new_token_ids[0])
+    return list(reserved.block_ids), list(first.new_token_ids)
+
+
+def _run(core: EngineCore) -> tuple[list[int], list[int]]:
+    """Step ``core`` until done: the guesses each step computed, the tokens sampled."""
+    guessed, tokens = [], []
+    while core.has_unfinished():
+        out = core.scheduler.schedule()
+        sampled = core._execute(out)  # the draft fills (or withdraws) the guesses here
+        guessed.append(sum(c.num_draft_tokens for c in out.chunks))
+        tokens += [u.new_token_id for u in core.scheduler.update(out, sampled)]
+        core.drafter.settle(out, core.scheduler.requests)  # as EngineCore.step does
+    return guessed, tokens
+
+
+def test_a_long_prompts_draft_kv_is_caught_up_a_chunk_a_step(llama_dir: Path) -> None:
+    """A 200-token prompt whose KV was prefilled by another engine (as a prefill worker's
+    arrives): its draft KV is computed ``CATCH_UP_TOKENS`` a step (no guesses meanwhile:
+    each of those steps stays short for the other streams), then every greedy guess of
+    the target as its own draft is kept; the tokens are the plain ones."""
+    prompt = list(range(3, 203))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir) as prefill, LLM(llama_dir, max_num_batched_tokens=256,
+                                         speculative_config=draft(llama_dir)) as llm:
+        expected = prefill.generate([prompt], params)[0].token_ids
+        _, first = _admitted_with_kv_from(prefill, llm.core, prompt, params)
+        guessed, tokens = _run(llm.core)
+        stats = llm.stats
+    catching_up = -(-len(prompt) // CATCH_UP_TOKENS) - 1  # steps before the last chunk
+    assert guessed[:catching_up] == [0] * catching_up
+    assert guessed[catching_up] > 0
+    assert first + tokens == expected
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
+
+
+def test_a_request_whose_draft_kv_was_written_elsewhere_guesses_at_once(
+        llama_dir: Path) -> None:
+    """``DraftModel.written``: a prompt's KV from another engine, its draft KV computed
+    outside the drafter (as a prefill worker's would be) and declared: the first decode
+    step guesses, with no catch-up steps, and the guesses of the target as its own draft
+    are kept (the KV is right); the tokens are the plain ones."""
+    prompt = list(range(3, 203))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir) as prefill, LLM(llama_dir, speculative_config=draft(llama_dir)) as llm:
+        expected = prefill.generate([prompt], params)[0].token_ids
+        core = llm.core
+        blocks, first = _admitted_with_kv_from(prefill, core, prompt, params)
+        core.drafter.runner.execute([ScheduledChunk("r", tuple(prompt), 0, tuple(blocks),
+                                                    sample=False)])
+        core.drafter.written(core.scheduler.requests["r"], len(prompt))
+        guessed, tokens = _run(core)
+        stats = llm.stats
+    assert guessed[0] > 0  # the first decode step guesses
+    assert first + tokens == expected
     assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
 
 
