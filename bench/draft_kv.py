@@ -121,7 +121,7 @@ class ShippedDraftKV:
                 prompt = request.prompt_token_ids
                 prefill_draft_kv(self.drafter.runner, chunk.request_id, prompt,
                                  chunk.block_ids)
-                self.drafter.written(request, len(prompt))
+                self.drafter.written(request, len(prompt), chunk.block_ids)
         self._fill(out, requests)
 
 
@@ -165,6 +165,7 @@ def measure_engines(target: Path, draft: Path, prompts: dict[int, list[int]], ou
             row["ship_requests"], shipped.num_requests = shipped.num_requests, 0
             row["draft_prefill_ms"] = forward_ms(spec.core.drafter.runner, prompt,
                                                  block_size, repeats)
+            spec.core.drafter.blocks.forget(range(math.ceil(len(prompt) / block_size)))
             found[length] = row
             n = output_len
             print(f"  {length}-token prompt: {n} tokens plain {row[f'plain_{n}']:.0f} ms, "

@@ -7,7 +7,9 @@ KV of those tokens, but the draft's KV in it is right only if the draft computed
 very content there and nothing has written over it since. ``DraftBlocks`` records, per
 block id, the hash of the content whose draft KV the block holds in full (the prefix
 cache's chained block hash: the same hash, the same tokens after the same prefix, so the
-same draft KV), and forgets a block as soon as the draft writes into it again. A block
+same draft KV), and forgets a block as soon as the draft writes into it again: the
+drafter says so before each of its forwards, and whoever writes the draft's cache another
+way says which blocks it wrote (``DraftModel.written``). A block
 reused for other content carries another hash, so the record no longer matches it; a
 block filled by a request that never ran the draft (a prefill-only request, one that
 does not speculate) keeps whatever draft KV it held, which the record still describes
@@ -40,8 +42,12 @@ class DraftBlocks:
         for chunk in chunks:
             first = chunk.start_position // bs
             last = (chunk.start_position + len(chunk.token_ids) - 1) // bs
-            for block_id in chunk.block_ids[first:last + 1]:
-                self._held.pop(block_id, None)
+            self.forget(chunk.block_ids[first:last + 1])
+
+    def forget(self, block_ids: Iterable[int]) -> None:
+        """The draft's KV in ``block_ids`` is being written: their records go."""
+        for block_id in block_ids:
+            self._held.pop(block_id, None)
 
     def record(self, request: Request, block_ids: Sequence[int], start: int, valid: int) -> int:
         """The draft's KV of ``request``'s first ``valid`` tokens is in ``block_ids`` (its

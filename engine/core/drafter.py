@@ -20,7 +20,8 @@ beside each of the target's prompt chunks (the step grows by the draft's share o
 chunk: about a fifth for the benchmarks' draft), so its first decode step guesses. A
 prompt found in the prefix cache finds the draft's KV in those blocks too where the draft
 computed it (``engine.core.draft_kv``: the drafter records which blocks hold the draft's
-KV of which content), and the draft computes the rest.
+KV of which content), and the draft computes the rest: a draft chunk may run up to
+``CATCH_UP_TOKENS`` longer than the target's, catching up cached blocks without draft KV.
 
 Each decode step, the draft first catches up from where its KV is right to the request's
 last token, then guesses one token per pass. For a request whose target KV came from a
@@ -188,19 +189,22 @@ class DraftModel:
     def _with_prompts(self, out: SchedulerOutput, requests: Mapping[str, Request]
                       ) -> list[ScheduledChunk]:
         """The draft's chunks that go with the step's prompt chunks: for each request that
-        will speculate, its draft KV from where it is right up to the target's chunk's end
-        (at most ``CATCH_UP_TOKENS`` more than the chunk: a prompt found in the prefix
+        may speculate (its sampling parameters allow it, and its ``max_tokens`` leaves
+        room for a guess), its draft KV from where it is right up to the target's chunk's
+        end (at most ``CATCH_UP_TOKENS`` more than the chunk: a prompt found in the prefix
         cache may have no draft KV in its cached blocks), so that a prompt prefilled here
-        is caught up by its first decode step. None in a step of more requests than
-        ``speculative_disable_by_batch_size``, which would not speculate."""
+        is caught up by its first decode step. None in a step of more chunks than
+        ``speculative_disable_by_batch_size`` (the scheduler's test is on the running
+        requests: a step that large would likely not speculate)."""
         if not out.prefills or not self.with_prompt_chunks or (self._disable_above is not None
                                 and len(out.decodes) + len(out.prefills) > self._disable_above):
             return []
         chunks = []
         for chunk in out.prefills:
             request = requests[chunk.request_id]
-            if request.prefill_only or not speculates(request.params):
-                continue
+            if (request.prefill_only or not speculates(request.params)
+                    or request.params.max_tokens < request.num_output_tokens + 3):
+                continue  # never a guess: after its first token, no room for one
             start = min(self._valid(request, chunk.block_ids, chunk.start_position),
                         chunk.start_position)
             end = min(chunk.start_position + len(chunk.token_ids),
@@ -227,11 +231,14 @@ class DraftModel:
             progress.recorded = self.blocks.record(request, chunk.block_ids, progress.recorded,
                                                    progress.valid)
 
-    def written(self, request: Request, num_tokens: int) -> None:
+    def written(self, request: Request, num_tokens: int, block_ids: Sequence[int]) -> None:
         """The draft's KV of ``request``'s first ``num_tokens`` tokens is in its blocks
-        already, written by something other than this drafter's catch-up (as a prefill
-        worker's, were it shipped with the target's): it catches up from there.
-        ``bench.draft_kv`` measures that way against the catch-up from nothing."""
+        ``block_ids`` (its block table) already, written by something other than this
+        drafter (as a prefill worker's, were it shipped with the target's): it catches up
+        from there, and the blocks' records go (``DraftBlocks``: they are recorded again
+        once the request's steps settle). ``bench.draft_kv`` measures that way against
+        the catch-up from nothing."""
+        self.blocks.forget(block_ids[:-(-num_tokens // self.blocks.block_size)])
         self._progress[request] = _Progress(request.num_preemptions, num_tokens)
 
     def _start(self, request: Request, block_ids: Sequence[int]) -> int:

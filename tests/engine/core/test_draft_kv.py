@@ -45,3 +45,6 @@ def test_a_write_into_a_block_forgets_it_until_recorded_again() -> None:
     # block 3 reused for other content: its record stays, but no longer matches
     reused = _request("b", list(range(4)) + [60, 61, 62, 63] + list(range(8, 12)))
     assert blocks.prefix(reused, table, limit=12) == 4
+    # a write made around the drafter names its blocks: their records go
+    blocks.forget([3])
+    assert blocks.prefix(request, table, limit=12) == 4

@@ -138,7 +138,8 @@ def test_short_catch_ups_run_as_decode_rows_and_write_the_right_draft_kv(
 
 def test_under_preemption_the_draft_starts_again_and_no_token_changes(llama_dir: Path) -> None:
     """16 blocks of 16 for two 150-token sequences: one is preempted and recomputed; its
-    draft KV is caught up again from nothing."""
+    draft KV starts again from what its blocks hold (``DraftBlocks``: nothing, or what
+    the prefix cache kept)."""
     prompts = [list(range(3, 40)) * 2, list(range(50, 80)) * 2]
     params = SamplingParams(max_tokens=110, temperature=0.0, ignore_eos=True)
     stats = same_tokens(llama_dir, prompts, params, draft(llama_dir), num_kv_blocks=16,
@@ -231,6 +232,35 @@ def test_a_prompt_prefilled_here_or_found_cached_guesses_at_its_first_decode_ste
     assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
 
 
+def test_no_draft_kv_is_computed_for_a_prompt_that_never_guesses(llama_dir: Path) -> None:
+    """Prompts whose requests cannot guess (a ``max_tokens`` of 2: no room after the first
+    token; logprobs asked for: such requests never speculate) get no draft chunk beside
+    their prefill; one that may guess does."""
+    prompt = list(range(3, 43))
+    with LLM(llama_dir, speculative_config=draft(llama_dir)) as llm:
+        core, runner = llm.core, llm.core.drafter.runner
+        drafted: list[list[ScheduledChunk]] = []
+        execute = runner.execute
+
+        def spy(chunks: list[ScheduledChunk], *args: Any) -> Any:
+            drafted.append(list(chunks))
+            return execute(chunks, *args)
+
+        runner.execute = spy  # type: ignore[method-assign]
+        for rid, params in (("short", SamplingParams(max_tokens=2, temperature=0.0)),
+                            ("logprobs", SamplingParams(max_tokens=8, temperature=0.0,
+                                                        logprobs=2)),
+                            ("guesses", SamplingParams(max_tokens=8, temperature=0.0))):
+            drafted.clear()
+            core.add_request(rid, prompt, params)
+            out = core.scheduler.schedule()
+            assert [c.request_id for c in out.prefills] == [rid]
+            core.scheduler.update(out, core._execute(out))
+            assert drafted == ([] if rid != "guesses" else [[ScheduledChunk(
+                rid, tuple(prompt), 0, out.prefills[0].block_ids, sample=False)]]), rid
+            core.abort_request(rid)
+
+
 def _admitted_with_kv_from(prefill: LLM, core: EngineCore, prompt: list[int],
                            params: SamplingParams) -> tuple[list[int], list[int]]:
     """Request "r"'s prompt prefilled by ``prefill`` (prefill only), its KV copied into
@@ -294,7 +324,7 @@ def test_a_request_whose_draft_kv_was_written_elsewhere_guesses_at_once(
         blocks, first = _admitted_with_kv_from(prefill, core, prompt, params)
         core.drafter.runner.execute([ScheduledChunk("r", tuple(prompt), 0, tuple(blocks),
                                                     sample=False)])
-        core.drafter.written(core.scheduler.requests["r"], len(prompt))
+        core.drafter.written(core.scheduler.requests["r"], len(prompt), blocks)
         guessed, tokens = _run(core)
         stats = llm.stats
     assert guessed[0] > 0  # the first decode step guesses
