@@ -198,6 +198,22 @@ def test_an_abort_mid_speculation_frees_every_block(llama_dir: Path) -> None:
             core.shutdown()
 
 
+def _forwards(core: EngineCore) -> list[list[ScheduledChunk]]:
+    """The chunks of every forward ``core``'s draft makes from now on (appended as it
+    makes them)."""
+    assert core.drafter is not None
+    runner = core.drafter.runner
+    forwards: list[list[ScheduledChunk]] = []
+    execute = runner.execute
+
+    def spy(chunks: list[ScheduledChunk], *args: Any) -> Any:
+        forwards.append(list(chunks))
+        return execute(chunks, *args)
+
+    runner.execute = spy  # type: ignore[method-assign]
+    return forwards
+
+
 def test_a_prompt_prefilled_here_or_found_cached_guesses_at_its_first_decode_step(
         llama_dir: Path) -> None:
     """The draft computes a prompt's KV in the step that prefills it (its chunk beside the
@@ -210,15 +226,8 @@ def test_a_prompt_prefilled_here_or_found_cached_guesses_at_its_first_decode_ste
     with LLM(llama_dir) as plain:
         expected = plain.generate([prompt], params)[0].token_ids
     with LLM(llama_dir, speculative_config=draft(llama_dir)) as llm:
-        core, runner = llm.core, llm.core.drafter.runner
-        drafted: list[list[ScheduledChunk]] = []
-        execute = runner.execute
-
-        def spy(chunks: list[ScheduledChunk], *args: Any) -> Any:
-            drafted.append(list(chunks))
-            return execute(chunks, *args)
-
-        runner.execute = spy  # type: ignore[method-assign]
+        core = llm.core
+        drafted = _forwards(core)
         for rid in ("first", "again"):
             drafted.clear()
             core.add_request(rid, prompt, params)
@@ -238,15 +247,8 @@ def test_no_draft_kv_is_computed_for_a_prompt_that_never_guesses(llama_dir: Path
     their prefill; one that may guess does."""
     prompt = list(range(3, 43))
     with LLM(llama_dir, speculative_config=draft(llama_dir)) as llm:
-        core, runner = llm.core, llm.core.drafter.runner
-        drafted: list[list[ScheduledChunk]] = []
-        execute = runner.execute
-
-        def spy(chunks: list[ScheduledChunk], *args: Any) -> Any:
-            drafted.append(list(chunks))
-            return execute(chunks, *args)
-
-        runner.execute = spy  # type: ignore[method-assign]
+        core = llm.core
+        drafted = _forwards(core)
         for rid, params in (("short", SamplingParams(max_tokens=2, temperature=0.0)),
                             ("logprobs", SamplingParams(max_tokens=8, temperature=0.0,
                                                         logprobs=2)),
