@@ -196,8 +196,8 @@ class DraftModel:
         is caught up by its first decode step. None in a step of more chunks than
         ``speculative_disable_by_batch_size`` (the scheduler's test is on the running
         requests: a step that large would likely not speculate)."""
-        if not out.prefills or not self.with_prompt_chunks or (self._disable_above is not None
-                                and len(out.decodes) + len(out.prefills) > self._disable_above):
+        crowded = self._disable_above is not None and len(out.chunks) > self._disable_above
+        if not out.prefills or not self.with_prompt_chunks or crowded:
             return []
         chunks = []
         for chunk in out.prefills:
