@@ -66,7 +66,7 @@ from engine.core.draft_kv import DraftBlocks
 from engine.core.request import Request
 from engine.core.runner import ModelRunner
 from engine.core.scheduler import ScheduledChunk, SchedulerOutput
-from engine.core.speculative import speculates
+from engine.core.speculative import may_speculate
 from engine.kernels.choice import choose_kernel_plan
 from engine.tp.distributed import Group
 
@@ -202,7 +202,7 @@ class DraftModel:
         chunks = []
         for chunk in out.prefills:
             request = requests[chunk.request_id]
-            if (request.prefill_only or not speculates(request.params)
+            if (not may_speculate(request)
                     or request.params.max_tokens < request.num_output_tokens + 3):
                 continue  # never a guess: after its first token, no room for one
             start = min(self._valid(request, chunk.block_ids, chunk.start_position),

@@ -96,9 +96,8 @@ def drafts_for(request: Request, config: SchedulerConfig, blocks: BlockManager, 
     scheduled (a guess never preempts or starves another request), its ``max_tokens``
     and the context. None for a request that does not speculate, or whose last token is
     still its prompt's (the first output token is the prefill's, alone)."""
-    if (not config.speculative_method or request.prefill_only
-            or request.num_computed_tokens < request.num_prompt_tokens
-            or not speculates(request.params)):
+    if (not config.speculative_method or not may_speculate(request)
+            or request.num_computed_tokens < request.num_prompt_tokens):
         return []
     held = len(blocks.block_table(request.request_id)) if blocks.has_request(
         request.request_id) else 0
@@ -113,6 +112,12 @@ def drafts_for(request: Request, config: SchedulerConfig, blocks: BlockManager, 
         return [DRAFT_PLACEHOLDER] * room
     return propose_ngram(request.all_token_ids, room, config.prompt_lookup_max,
                          config.prompt_lookup_min)
+
+
+def may_speculate(request: Request) -> bool:
+    """Whether ``request`` may ever guess: it decodes here (not prefill-only) and its
+    sampling parameters allow it (``speculates``)."""
+    return not request.prefill_only and speculates(request.params)
 
 
 def speculates(params: SamplingParams) -> bool:
