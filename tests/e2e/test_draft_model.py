@@ -11,15 +11,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from engine import SamplingParams
+from engine import LLM, SamplingParams
 from pdserve import Client
-from tests.e2e.cluster import Cluster, start_cluster
-from tests.e2e.test_speculative import assert_streams_as_plain, guess_counters
+from tests.e2e.cluster import Cluster, scrape_metrics, start_cluster
+from tests.e2e.test_speculative import DRAFTS, assert_streams_as_plain, guess_counters
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -47,6 +48,35 @@ def test_a_decode_worker_with_a_draft_model_streams_the_tokens_of_plain_decoding
     # the greedy streams' guesses (about 2 × 47 tokens' worth) are all kept: the draft
     # KV the decode worker computed for the prompt it received is right
     assert drafted >= kept >= 80
+
+
+def test_a_prompt_the_decode_worker_prefills_itself_guesses_at_its_first_step(
+        cluster: Cluster, llama_dir: Path) -> None:
+    """A router that prefills on the decode worker (``--local-prefill always``): the
+    draft computes the prompt's KV in the steps that prefill it, so a 4-token request of a
+    long prompt guesses at its first decode step (caught up 64 tokens a step, its three
+    decode steps would guess nothing); its tokens are plain decoding's."""
+    prompt = " ".join(f"w{i}" for i in range(120))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir) as llm:
+        assert len(llm.encode(prompt)) > 3 * 64
+        expected = llm.generate([prompt], params)[0].token_ids
+    drafted_before = scrape_metrics(cluster.decode[0].ready["metrics_address"])[DRAFTS]
+    router = cluster.start_router("--local-prefill", "always", name="router-colocated")
+    try:
+        with Client(router.address) as client:
+            got = client.complete(prompt, max_tokens=4, temperature=0.0, ignore_eos=True,
+                                  timeout=60)
+    finally:
+        router.stop()
+        cluster.routers.remove(router)
+    assert list(got.token_ids) == expected
+    for _ in range(40):  # the worker refreshes its counters as its loop goes idle
+        drafted = scrape_metrics(cluster.decode[0].ready["metrics_address"])[DRAFTS]
+        if drafted > drafted_before:
+            break
+        time.sleep(0.05)
+    assert drafted > drafted_before
 
 
 def test_a_decode_worker_given_a_draft_it_cannot_use_exits_2_before_loading(
