@@ -107,15 +107,26 @@ static inline void prefetch_run(const char *k_cache, const char *v_cache, const 
         }
 }
 
-/* One query token per sequence against the keys and values of its blocks, read where
- * they lie in the paged cache (no gather). A task is one sequence and a range of its KV
- * heads (all of them when there are enough sequences to keep every thread busy, so a
- * task reads each token's K and V contiguously); its query rows are the query heads
- * sharing those KV heads. For each row, LANES keys at a time are scored into one vector
- * (lane_sums) and folded into an online softmax (running max and sum, the
- * accumulator rescaled when the max grows). head_dim must be a multiple of 16.
+/* Whether decode rows a and b read the same blocks: equal table rows (the rows of one
+ * speculated chunk, which attend up to successive positions of one sequence) */
+static inline int same_table(const int64_t *tables, int64_t max_blocks, int64_t a, int64_t b) {
+    return memcmp(tables + a * max_blocks, tables + b * max_blocks,
+                  (size_t)max_blocks * sizeof *tables) == 0;
+}
+
+/* One query token per decode row against the keys and values of its blocks, read where
+ * they lie in the paged cache (no gather). Consecutive rows with the same block table (a
+ * speculated chunk's tokens, each attending up to its own position) form one group, up to
+ * the rows one task holds: a task is one group and a range of its KV heads (all of them
+ * when there are enough groups to keep every thread busy, so a task reads each token's K
+ * and V contiguously), and its query rows are the query heads sharing those KV heads, for
+ * every row of the group, so each run of keys and values is read once for all of them
+ * rather than once per row. For each row, LANES keys at a time are scored into one vector
+ * (lane_sums) and folded into an online softmax (running max and sum, the accumulator
+ * rescaled when the max grows); a row skips the positions past its own context. Each
+ * row's arithmetic is the same whatever group it is in. head_dim must be a multiple of 16.
  *
- * q        [B, Hk * G, D], token i's heads at q + i * q_stride   out [B, Hk * G, D]
+ * q        [B, Hk * G, D], row i's heads at q + i * q_stride   out [B, Hk * G, D]
  * k_cache, v_cache: token t of block b, KV head h's slot at ((b * S + t) * Hk + h) * W
  *          elements: fp32 (W = D), or int8 (W = D + 4 bytes: D int8 values, then their fp32
  *          scale; engine/attention/kv_quant.py), the int8 values widened in registers and
@@ -142,15 +153,29 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
             if (id < 0 || id >= num_cache_blocks) return -3;
         }
     }
-    /* KV heads per task: as many as the accumulators hold, fewer when splitting the
-     * heads is what gives every thread two tasks */
-    int64_t fit = ATTN_MAX_ACC / (group * head_dim);
-    fit = fit < ATTN_MAX_ROWS / group ? fit : ATTN_MAX_ROWS / group;
-    const int64_t splits = num_seqs >= 2 * num_threads ? 1
-                         : (2 * num_threads + num_seqs - 1) / (num_seqs ? num_seqs : 1);
+    /* the groups: rows firsts[g] .. firsts[g + 1] - 1, at most max_rows each (one KV
+     * head's query rows for every row of a group fit one task) */
+    int64_t max_rows = ATTN_MAX_ROWS / group;
+    max_rows = max_rows < ATTN_MAX_ACC / (group * head_dim) ? max_rows
+             : ATTN_MAX_ACC / (group * head_dim);
+    int64_t firsts[num_seqs + 1], num_groups = 0, widest = 1;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        if (num_groups == 0 || s - firsts[num_groups - 1] == max_rows
+            || !same_table(tables, max_blocks, s - 1, s))
+            firsts[num_groups++] = s;
+        const int64_t m = s + 1 - firsts[num_groups - 1];
+        widest = m > widest ? m : widest;
+    }
+    firsts[num_groups] = num_seqs;
+    /* KV heads per task: as many as the accumulators hold for the widest group, fewer
+     * when splitting the heads is what gives every thread two tasks */
+    int64_t fit = ATTN_MAX_ACC / (widest * group * head_dim);
+    fit = fit < ATTN_MAX_ROWS / (widest * group) ? fit : ATTN_MAX_ROWS / (widest * group);
+    const int64_t splits = num_groups >= 2 * num_threads ? 1
+                         : (2 * num_threads + num_groups - 1) / (num_groups ? num_groups : 1);
     int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
     heads_per_task = heads_per_task < fit ? heads_per_task : fit;
-    const int64_t tasks_per_seq = (num_kv_heads + heads_per_task - 1) / heads_per_task;
+    const int64_t tasks_per_group = (num_kv_heads + heads_per_task - 1) / heads_per_task;
     const int64_t slot = int8 ? head_dim + 4 : head_dim; /* elements of one token-head */
     const int64_t elem = kind != KV_F32 ? 1 : (int64_t)sizeof(float);
     const int64_t hq = num_kv_heads * group, token_stride = num_kv_heads * slot;
@@ -161,12 +186,15 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
     const iv lane_index = {0, 1, 2, 3, 4, 5, 6, 7};
 #endif
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t task = 0; task < num_seqs * tasks_per_seq; task++) {
-        const int64_t s = task / tasks_per_seq, ctx = context_lens[s];
-        const int64_t h0 = task % tasks_per_seq * heads_per_task;
+    for (int64_t task = 0; task < num_groups * tasks_per_group; task++) {
+        const int64_t g = task / tasks_per_group, s0 = firsts[g], m = firsts[g + 1] - s0;
+        const int64_t h0 = task % tasks_per_group * heads_per_task;
         const int64_t h1 = h0 + heads_per_task < num_kv_heads ? h0 + heads_per_task : num_kv_heads;
-        const int64_t rows = (h1 - h0) * group; /* query heads h0 * group .. h1 * group - 1 */
-        const float *q_rows = q + s * q_stride + h0 * group * head_dim;
+        const int64_t head_rows = (h1 - h0) * group; /* query heads h0 * group .. h1 * group - 1 */
+        const int64_t rows = m * head_rows; /* row r: decode row s0 + r / head_rows */
+        int64_t ctx = 0; /* the group's longest context */
+        for (int64_t j = 0; j < m; j++) ctx = context_lens[s0 + j] > ctx ? context_lens[s0 + j] : ctx;
+        const int64_t *table = tables + s0 * max_blocks;
         float acc[ATTN_MAX_ACC], run_max[ATTN_MAX_ROWS], run_sum[ATTN_MAX_ROWS];
         float weights[ATTN_MAX_ROWS * LANES]; /* [rows][LANES]: one run of keys */
         for (int64_t i = 0; i < rows * head_dim; i++) acc[i] = 0.f;
@@ -177,16 +205,20 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
         for (int64_t pos = 0; pos < ctx;) { /* one run of run_length positions a turn */
             const int64_t blk = pos / block_size, off = pos % block_size;
             const int64_t n = run_length(pos, block_size, ctx);
-            const int64_t first = (tables[s * max_blocks + blk] * block_size + off) * token_stride;
-            const iv valid = lane_index < (iv){0} + (int32_t)n;
+            const int64_t first = (table[blk] * block_size + off) * token_stride;
             if (pos + n < ctx) /* the next run's keys and values start on their way */
-                prefetch_run((const char *)k_cache, (const char *)v_cache,
-                             tables + s * max_blocks, block_size, token_stride * elem,
-                             h0 * slot * elem, (h1 - h0) * slot * elem, pos + n, ctx);
+                prefetch_run((const char *)k_cache, (const char *)v_cache, table, block_size,
+                             token_stride * elem, h0 * slot * elem, (h1 - h0) * slot * elem,
+                             pos + n, ctx);
             for (int64_t r = 0; r < rows; r++) {
-                const int64_t at = first + (h0 + r / group) * slot;
+                const int64_t s = s0 + r / head_rows, hr = r % head_rows;
+                const int64_t nr = context_lens[s] - pos < n ? context_lens[s] - pos : n;
+                if (nr <= 0) continue; /* past this row's context */
+                const iv valid = lane_index < (iv){0} + (int32_t)nr;
+                const int64_t at = first + (h0 + hr / group) * slot;
                 const void *kb = (const char *)k_cache + at * elem;
-                fv sc = score_run(q_rows + r * head_dim, kb, token_stride, chunks, n, kind) * scale;
+                fv sc = score_run(q + s * q_stride + (h0 * group + hr) * head_dim, kb,
+                                  token_stride, chunks, nr, kind) * scale;
                 sc = selectv(valid, sc, (fv){0} - INFINITY);
                 const float new_max = max_lanes(sc) > run_max[r] ? max_lanes(sc) : run_max[r];
                 const fv p = selectv(valid, exp_nonpositive(sc - new_max), (fv){0});
@@ -203,33 +235,37 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                 storev(weights + r * LANES, p);
             }
             for (int64_t r = 0; r < rows; r++) {
-                const int64_t at = first + (h0 + r / group) * slot;
+                const int64_t s = s0 + r / head_rows, hr = r % head_rows;
+                const int64_t nr = context_lens[s] - pos < n ? context_lens[s] - pos : n;
+                if (nr <= 0) continue;
+                const int64_t at = first + (h0 + hr / group) * slot;
                 const void *vb = (const char *)v_cache + at * elem;
                 float wr[LANES]; /* each value's weight (times its scale: int8) */
                 for (int t = 0; t < LANES; t++)
                     wr[t] = weights[r * LANES + t]
-                            * (int8 && t < n ? slot_scale(vb, t * token_stride, head_dim) : 1.f);
+                            * (int8 && t < nr ? slot_scale(vb, t * token_stride, head_dim) : 1.f);
                 for (int64_t c = 0; c < chunks; c++) {
                     float *ar = acc + r * head_dim + c * LANES;
                     const int64_t vc = c * LANES;
                     /* four sums: one FMA chain would wait on its own latency */
                     fv a0 = loadv(ar), a1 = {0}, a2 = {0}, a3 = {0};
                     int t = 0;
-                    for (; t + 4 <= n; t += 4) {
+                    for (; t + 4 <= nr; t += 4) {
                         a0 += wr[t] * load_kv(vb, vc + t * token_stride, kind);
                         a1 += wr[t + 1] * load_kv(vb, vc + (t + 1) * token_stride, kind);
                         a2 += wr[t + 2] * load_kv(vb, vc + (t + 2) * token_stride, kind);
                         a3 += wr[t + 3] * load_kv(vb, vc + (t + 3) * token_stride, kind);
                     }
-                    for (; t < n; t++) a0 += wr[t] * load_kv(vb, vc + t * token_stride, kind);
+                    for (; t < nr; t++) a0 += wr[t] * load_kv(vb, vc + t * token_stride, kind);
                     storev(ar, (a0 + a1) + (a2 + a3));
                 }
             }
             pos += n;
         }
         for (int64_t r = 0; r < rows; r++) {
+            const int64_t s = s0 + r / head_rows, hr = r % head_rows;
             const float inv = 1.f / run_sum[r];
-            float *o = out + (s * hq + h0 * group + r) * head_dim;
+            float *o = out + (s * hq + h0 * group + hr) * head_dim;
             const float *ar = acc + r * head_dim;
             for (int64_t d = 0; d < head_dim; d++) o[d] = ar[d] * inv;
         }

@@ -88,6 +88,32 @@ def test_compiled_decode_attention_with_many_sequences(block_size: int) -> None:
                             head_dim=32, num_seqs=9)
 
 
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+def test_compiled_decode_attention_reads_a_speculated_chunks_rows_as_one(kind: str) -> None:
+    """Rows with the same block table (a speculated chunk's tokens, each up to its own
+    position) are attended in one task, each run of keys read once for all of them: the
+    output is bitwise each row's alone. 18 rows of one table are more than a task holds
+    (16 at 4 query heads per KV head and head_dim 64), then a row of another table, then
+    two more of the first; contexts end mid-run, on a block's end and past the others'."""
+    from engine.attention.kv_quant import quantize
+
+    torch.manual_seed(7)
+    kernels = _compiled().kernels
+    hq, hk, d, bs, num_blocks = 8, 2, 64, 16, 12
+    cache = torch.randn(2, num_blocks, bs, hk, d)
+    if kind == "int8":
+        cache = quantize(cache)
+    table, other = [3, 7, 1, 9, 0], [5, 2, 11, 0, 0]
+    lens = [40 + i for i in range(18)] + [33, 64, 65]
+    tables = torch.tensor([table] * 18 + [other] + [table] * 2)
+    q = torch.randn(len(lens), hq, d)
+    together = kernels.paged_decode_attention(q, cache, tables, torch.tensor(lens), 0.125)
+    for i, n in enumerate(lens):
+        alone = kernels.paged_decode_attention(q[i:i + 1], cache, tables[i:i + 1],
+                                               torch.tensor([n]), 0.125)
+        assert torch.equal(together[i], alone[0]), i
+
+
 def test_compiled_backend_runs_a_mixed_step_as_the_torch_backend() -> None:
     """Two decodes, a fresh prefill chunk and one over cached keys in one forward: the
     same output and the same cache as the torch backend, each token's K/V written
