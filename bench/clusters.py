@@ -1,8 +1,9 @@
 """Clusters the serving benchmarks start on this machine, and the load they send them.
 
 A cluster is ``pdserve up`` as a library (``deploy.local.LocalLauncher``) on
-loopback with free ports, no HTTP API, its logs in a temporary folder (kept when it fails
-to start: the error names it). The load goes through ``bench.serving`` over gRPC.
+loopback with free ports, no HTTP API, its logs in a temporary folder (``log_folder``:
+removed when the benchmark is done with it, kept and named when it fails). The load goes
+through ``bench.serving`` over gRPC.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
+import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -21,6 +25,20 @@ from deploy.local import LocalLauncher
 from deploy.spec import ClusterSpec
 from loadtest.workloads import Request
 from sim.metrics import Outcome
+
+
+@contextlib.contextmanager
+def log_folder() -> Iterator[Path]:
+    """A temporary folder for one benchmark cluster's logs (``ClusterSpec.log_dir``):
+    removed when the block ends, kept when it raises (its path on stderr, for the
+    post-mortem), so benchmarks and the tests that run them leave nothing behind."""
+    path = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
+    try:
+        yield path
+    except BaseException:
+        print(f"the cluster's logs are kept in {path}", file=sys.stderr)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def bench_model(quick: bool) -> Path:
@@ -52,14 +70,14 @@ def cluster(model_dir: Path, *, num_prefill: int, num_decode: int,
             decode_args: Sequence[str] = ()) -> Iterator[LocalLauncher]:
     """A running ``LocalLauncher`` of these processes (stopped on exit); with
     ``planner_args``, the planner too; ``decode_args``: the decode workers' own flags."""
-    config = ClusterSpec(
+    with log_folder() as logs, LocalLauncher(ClusterSpec(
         model_dir=model_dir, num_prefill=num_prefill, num_decode=num_decode, port=0,
         http_port=None, local_prefill=local_prefill, cpu_affinity=dict(cpu_affinity or {}),
         num_kv_blocks=num_kv_blocks, router_args=tuple(router_args),
         worker_args=tuple(worker_args), decode_args=tuple(decode_args), max_inflight=4096,
         num_routers=num_routers,
-        planner_args=None if planner_args is None else tuple(planner_args))
-    with LocalLauncher(config, progress=lambda line: None) as running:
+        planner_args=None if planner_args is None else tuple(planner_args), log_dir=logs),
+            progress=lambda line: None) as running:
         yield running
 
 

@@ -27,6 +27,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -34,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.burst import PROBES, burst, lag_buckets, lag_burst
+from bench.clusters import log_folder
 from bench.common import format_table, machine_info, percentile, write_json
 from deploy.local import LocalLauncher
 from deploy.spec import ClusterSpec
@@ -154,8 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "levels": []}
     print("starting pdserve up (tiny model, 1 prefill + 1 decode worker) ...", flush=True)
     config = ClusterSpec(port=0, http_port=0, max_inflight=max(levels) + 64,
-                                router_args=("--metrics-port", "0"))
-    with LocalLauncher(config, progress=lambda line: None) as cluster:
+                         router_args=("--metrics-port", "0"))
+    with log_folder() as logs, LocalLauncher(replace(config, log_dir=logs),
+                                             progress=lambda line: None) as cluster:
         assert cluster.router is not None and cluster.router.ready is not None
         metrics_url = f"http://{cluster.router.ready['metrics_address']}/metrics"
         for level in levels:
@@ -176,9 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["max_concurrency_without_failures"] = max(held) if held else 0
     print(f"burst: {10 * args.burst_limit} requests at --max-inflight {args.burst_limit} "
           f"from {args.burst_clients} client processes ...", flush=True)
-    with LocalLauncher(ClusterSpec(port=0, http_port=0, max_inflight=args.burst_limit,
-                                   router_args=("--metrics-port", "0")),
-                       progress=lambda line: None) as cluster:
+    with log_folder() as logs, LocalLauncher(
+            ClusterSpec(port=0, http_port=0, max_inflight=args.burst_limit,
+                        router_args=("--metrics-port", "0"), log_dir=logs),
+            progress=lambda line: None) as cluster:
         assert cluster.router is not None and cluster.router.ready is not None
         metrics_url = f"http://{cluster.router.ready['metrics_address']}/metrics"
         lag_before = lag_buckets(metrics_url)

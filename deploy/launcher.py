@@ -4,7 +4,7 @@ of ``pdserve up`` around any of them.
 ``Launcher.start`` runs the one start order — the router's ports checked (a taken one fails
 before anything starts) → ``_prepare`` (log directory, model) → the cluster token
 (``deploy.spec.cluster_token``; a generated one is written to ``LOG_DIR/cluster.token``,
-mode 0600, for processes of your own) → Redis (a private one unless
+mode 0600, for processes of your own, and removed by ``stop``) → Redis (a private one unless
 ``ClusterSpec.redis_url`` names one) → every worker, each ready once it has registered →
 the router — and on any failure stops what it started, then re-raises. ``stop`` runs the
 reverse (router: stops accepting and finishes its streams; workers: drain and deregister;
@@ -45,6 +45,7 @@ class Launcher(ABC):
         self.log_dir: Path | None = Path(spec.log_dir) if spec.log_dir is not None else None
         self.redis_url: str | None = spec.redis_url
         self.cluster_token: str | None = None  # what every child gets in its environment
+        self._token_file: Path | None = None  # where a generated token was written
 
     def __enter__(self) -> Launcher:
         return self.start()
@@ -79,6 +80,9 @@ class Launcher(ABC):
         if started:
             self.progress("stopping ...")
         self._stop_processes()
+        if self._token_file is not None:  # the token of a cluster that is gone
+            self._token_file.unlink(missing_ok=True)
+            self._token_file = None
         if started:
             self.progress("all processes stopped")
 
@@ -188,6 +192,7 @@ class Launcher(ABC):
             path.unlink(missing_ok=True)
             with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 f.write(token + "\n")
+            self._token_file = path
             where = f" ({path}, for processes of your own: --cluster-token-file)"
         self.progress(f"generated the cluster token{where}")
 

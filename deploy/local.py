@@ -7,8 +7,9 @@ children in order) and SIGKILLed by the kernel when the supervisor dies, however
 Worker rank processes die with their worker. The start and stop order is the launcher
 skeleton's (``deploy.launcher``); the private Redis listens on a free loopback port and
 has a generated password. Each child's stdout/stderr goes to ``LOG_DIR/NAME.log``;
-failures quote its tail. The Redis URL and the cluster token reach the children in their
-environment only.
+failures quote its tail; the logs stay when the cluster stops. The Redis URL and the cluster
+token reach the children in their environment only (``LOG_DIR/redis.url`` and a generated
+``LOG_DIR/cluster.token``, for processes of your own, go when it stops).
 
 Pinning (``ClusterSpec.cpu_affinity``, for benchmarks; off by default): a child named
 there (``prefill-0``, ``decode-1``, ``router``) runs on those CPUs only, and so does
@@ -142,6 +143,8 @@ class LocalLauncher(Launcher):
             terminate_all([w.proc for w in workers], grace)
         if redis_server is not None:
             redis_server.stop()
+            if self.log_dir is not None:  # its URL, password included, no longer serves
+                (self.log_dir / "redis.url").unlink(missing_ok=True)
         for child in [*workers, *routers, *planners]:
             child.ready_path.unlink(missing_ok=True)  # it no longer tells the truth
 

@@ -277,6 +277,10 @@ def test_sigint_stops_every_child_with_exit_code_0(served: Up) -> None:
     assert served.exit_code() == 0, served.output
     assert "all processes stopped" in served.output
     assert served.survivors() == []
+    # the logs stay; the stopped cluster's Redis URL (with its password) and token go
+    assert (served.log_dir / "decode-0.log").exists()
+    assert not (served.log_dir / "redis.url").exists()
+    assert not (served.log_dir / "cluster.token").exists()
 
 
 def test_sigterm_while_starting_stops_everything(llama_dir: Path, tmp_path: Path) -> None:
