@@ -12,18 +12,35 @@ still serves), on the same seeded arrivals:
 - ``planner``: starts 1 + 1, with ``pdserve planner`` (``--min-prefill 0``) switching
   roles live.
 
-The workload: ``long-prompt`` (512 → 64 tokens), then ``sharegpt-like`` (decode-heavy,
-outputs up to 128 tokens), then ``long-prompt`` again, ``--phase-seconds`` each (Poisson
+The workload: ``long-prompt`` (1,024 → 64 tokens), then ``sharegpt-like`` made
+decode-heavy (ShareGPT's length distribution clipped to prompts of at most 256 and outputs
+of at most 256 tokens), then ``long-prompt`` again, ``--phase-seconds`` each (Poisson
 arrivals). Before the arms, the disaggregated layout serves a few requests of each mix one
-at a time: the unloaded latencies give the SLO (TTFT ≤ ``--ttft-slo-factor`` × the
-long prompts' unloaded TTFT, TPOT ≤ ``--tpot-slo-factor`` × the larger unloaded TPOT;
-``--ttft-slo-ms`` / ``--tpot-slo-ms`` instead) and the capacity ``1 / unloaded TTFT`` of
-one prefill core the rates are fractions of (``--long-fraction``, ``--sharegpt-fraction``:
-at the defaults, 0.5 and 0.6, the static arms came out 0.23, 0.09 and 0.56 apart by phase
-here, disaggregation ahead in all three; the JSON says how far apart they came out). Each
-seed runs the arms in another order (``order`` in the JSON): on this machine an arm's place
-in the run moved an identical layout's attainment by 0.1-0.4. The planner's capacity model
-is a ``bench.profile`` of the same model measured first (``--profile`` to reuse one).
+at a time: the unloaded latencies give the SLO (TTFT ≤ ``--ttft-slo-factor`` × the long
+prompts' unloaded TTFT, TPOT ≤ ``--tpot-slo-factor`` × the larger unloaded TPOT;
+``--ttft-slo-ms`` / ``--tpot-slo-ms`` instead), and with ``STREAMS`` streams decoding at
+once, the two capacities the rates are fractions of:
+
+- one prefill worker's, ``1 / unloaded TTFT`` of the long prompts: their rate is
+  ``--long-fraction`` [0.6] of it. One prefill worker keeps up, and the decode worker's
+  streams never wait for a prefill; a colocated worker stops its streams for each
+  1,024-token prefill it takes;
+- one decode worker's, on the decode-heavy mix: the streams it holds within the TPOT SLO
+  (1 + the SLO's slack over the unloaded TPOT ÷ what each further stream adds to a step,
+  measured with ``STREAMS`` at once through the cluster) times the tokens a second that
+  makes, over the mix's mean output length. Its rate is ``--sharegpt-fraction`` [0.8] of
+  it: the estimate counts streams at the mean TPOT of short requests, where the mix's long
+  outputs decode over longer contexts, so one decode worker falls behind below it (at 1.25
+  of it, 3.27 req/s here, two colocated workers fell behind too: 0.02 and 0.05 of that
+  phase's requests met the SLO) while two colocated ones keep up.
+
+So each phase has its own better static arm. With the earlier workload and rates
+(512-token prompts at 0.5 of the prefill capacity, ShareGPT-like up to 1,024 → 128 tokens
+at 0.6 of it) disaggregation was ahead in all three phases, by 0.23, 0.09 and 0.56; the
+JSON says how far apart the arms came out. Each seed runs the arms in another order
+(``order`` in the JSON): on this machine an arm's place in the run moved an identical
+layout's attainment by 0.1-0.4. The planner's capacity model is a ``bench.profile`` of
+the same model measured first (``--profile`` to reuse one).
 
 A request meets the SLO when it completes within both targets; attainment is the share of
 the requests sent that did (one unfinished ``--cut-off-factor`` times the longest it could
@@ -74,8 +91,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--profile", type=Path, help="reuse this bench.profile JSON")
     p.add_argument("--phase-seconds", type=float)
-    p.add_argument("--long-fraction", type=float, default=0.5)
-    p.add_argument("--sharegpt-fraction", type=float, default=0.6)
+    p.add_argument("--long-fraction", type=float, default=0.6,
+                   help="the long prompts' rate, of one prefill worker's capacity")
+    p.add_argument("--sharegpt-fraction", type=float, default=0.8,
+                   help="the decode-heavy mix's rate, of one decode worker's capacity")
     p.add_argument("--ttft-slo-factor", type=float, default=5.0)
     p.add_argument("--tpot-slo-factor", type=float, default=1.5)
     p.add_argument("--ttft-slo-ms", type=float)
@@ -93,10 +112,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def workload_spec(name: str, quick: bool) -> WorkloadSpec:
     if name == "long-prompt":
-        return WorkloadSpec("random", input_len=128 if quick else 512,
+        return WorkloadSpec("random", input_len=128 if quick else 1024,
                             output_len=16 if quick else 64)
-    return WorkloadSpec("sharegpt-like", max_input_len=256 if quick else 1024,
-                        max_output_len=32 if quick else 128)
+    return WorkloadSpec("sharegpt-like", max_input_len=128 if quick else 256,
+                        max_output_len=32 if quick else 256)
 
 
 def arm_layout(arm: str, cpus: tuple[int, int]) -> dict[str, Any]:
@@ -120,7 +139,9 @@ def measure_profile(args: argparse.Namespace, model_dir: Path, out: Path) -> Pat
 
 def calibrate(args: argparse.Namespace, model_dir: Path, vocab: int, cpus: tuple[int, int]
               ) -> dict[str, Any]:
-    """Unloaded latencies of both mixes on the disaggregated layout: the SLO and rates."""
+    """Unloaded latencies of both mixes on the disaggregated layout, and the cost of a
+    stream in a decode step there: the SLO, and the capacities the rates are fractions of
+    (the module docstring)."""
     alone: dict[str, dict[str, float]] = {}
     with cluster(model_dir, num_kv_blocks=args.num_kv_blocks,
                  **arm_layout("disaggregated", cpus)) as running:
@@ -133,13 +154,49 @@ def calibrate(args: argparse.Namespace, model_dir: Path, vocab: int, cpus: tuple
                 raise SystemExit(f"bench.planner: unloaded {name} requests failed")
             alone[name] = {"ttft_ms": 1000 * statistics.median(o.ttft for o in done),
                            "tpot_ms": 1000 * statistics.median(o.tpot or 0.0 for o in done)}
+        per_stream_ms = stream_cost_ms(running.router_address, vocab, args.quick)
     slo = {"ttft": args.ttft_slo_ms or args.ttft_slo_factor * alone["long-prompt"]["ttft_ms"],
            "tpot": args.tpot_slo_ms or args.tpot_slo_factor * max(
                a["tpot_ms"] for a in alone.values())}
-    capacity = 1000.0 / alone["long-prompt"]["ttft_ms"]
-    rates = {"long-prompt": round(args.long_fraction * capacity, 2),
-             "sharegpt-like": round(args.sharegpt_fraction * capacity, 2)}
-    return {"unloaded": alone, "slo_ms": slo, "capacity_req_s": capacity, "rates": rates}
+    capacity = {"prefill": 1000.0 / alone["long-prompt"]["ttft_ms"],
+                "decode": decode_capacity(args, vocab, per_stream_ms,
+                                          alone["sharegpt-like"]["tpot_ms"], slo["tpot"])}
+    rates = {"long-prompt": round(args.long_fraction * capacity["prefill"], 2),
+             "sharegpt-like": round(args.sharegpt_fraction * capacity["decode"], 2)}
+    return {"unloaded": alone, "slo_ms": slo, "stream_cost_ms": per_stream_ms,
+            "capacity_req_s": capacity, "rates": rates}
+
+
+STREAMS = 4  # streams decoding at once for the cost of each one in a step
+
+
+def stream_cost_ms(address: str, vocab: int, quick: bool) -> float:
+    """What each stream beyond the first adds to a decode step, through the cluster (the
+    engine's step and the worker's loop streaming each token): the median TPOT of
+    ``STREAMS`` equal requests sent at once, less that of one alone, over ``STREAMS - 1``."""
+    spec = WorkloadSpec("random", input_len=32, output_len=24 if quick else 96)
+    alone = [o for o in one_by_one(address, Workload(spec, vocab, seed=5).take(2)) if o.success]
+    together, _ = send(address, Workload(spec, vocab, seed=6).take(STREAMS),
+                       request_rate=float("inf"))
+    done = [o for o in together if o.success]
+    if not alone or not done:
+        raise SystemExit("bench.planner: the decode step's cost per stream could not be "
+                         "measured (requests failed)")
+    one = statistics.median(o.tpot or 0.0 for o in alone)
+    many = statistics.median(o.tpot or 0.0 for o in done)
+    return max(0.0, 1000 * (many - one) / (STREAMS - 1))
+
+
+def decode_capacity(args: argparse.Namespace, vocab: int, per_stream_ms: float,
+                    unloaded_tpot_ms: float, tpot_slo_ms: float) -> float:
+    """Requests a second of the decode-heavy mix one decode worker serves within the TPOT
+    SLO: the streams a step holds when it takes the SLO (the unloaded TPOT, plus
+    ``per_stream_ms`` for each further stream), times the steps a second, over the mix's
+    mean output length (of a sample of it)."""
+    sample = Workload(workload_spec("sharegpt-like", args.quick), vocab, seed=7).take(200)
+    output = statistics.fmean(r.max_tokens for r in sample)
+    streams = 1 + max(0.0, tpot_slo_ms - unloaded_tpot_ms) / max(per_stream_ms, 1e-3)
+    return streams * (1000 / tpot_slo_ms) / output
 
 
 def phased_requests(args: argparse.Namespace, vocab: int, rates: dict[str, float],
@@ -291,8 +348,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     profile = args.profile or measure_profile(args, model_dir, out_dir / "planner-profile.json")
     plan = {"vocab_size": facts["vocab_size"], **calibrate(args, model_dir, facts["vocab_size"],
                                                            cpus)}
+    capacity = plan["capacity_req_s"]
     print(f"SLO: TTFT <= {plan['slo_ms']['ttft']:.0f} ms, TPOT <= {plan['slo_ms']['tpot']:.1f} ms;"
-          f" rates {plan['rates']} (capacity {plan['capacity_req_s']:.2f} req/s)", flush=True)
+          f" rates {plan['rates']} (capacity: one prefill worker {capacity['prefill']:.2f} "
+          f"req/s of long prompts, one decode worker {capacity['decode']:.2f} of the "
+          f"decode-heavy mix, each stream {plan['stream_cost_ms']:.1f} ms of a step)", flush=True)
     runs = []
     for seed in range(args.seed, args.seed + args.seeds):
         k = (seed - args.seed) % len(ARMS)  # each seed runs the arms in another order:

@@ -121,6 +121,18 @@ class CapacityModel:
         batch = demand * scale * c.base_s / room
         return scale * c.base_s + batch * per_seq
 
+    def inter_token_s(self, traffic: Traffic, num_prefill: int, num_decode: int,
+                      scale: float = 1.0) -> float:
+        """The split's predicted mean inter-token latency: its decode step (``scale`` as
+        ``decode_step`` takes it), stretched by the share of time its decode workers spend
+        prefilling when they prefill (``p = 0``). What ``predict`` judges the TPOT by, and
+        what an observed mean ITL of that split is compared with."""
+        step = self.decode_step(traffic, num_decode, scale)
+        if num_prefill == 0 and num_decode > 0:
+            busy = traffic.rate * self.prefill_s(traffic.prompt_tokens) / num_decode
+            step = step / (1 - busy) if busy < 1 else math.inf
+        return step
+
     def kv_fits(self, traffic: Traffic, num_decode: int, step_s: float) -> bool:
         """The decode batch's KV fits in the decode workers' pools (90% of them)."""
         if math.isinf(step_s) or num_decode <= 0:
@@ -141,10 +153,7 @@ class CapacityModel:
         service = self.prefill_s(traffic.prompt_tokens)
         budget = ttft_slo_s - (self.handoff_s if num_prefill > 0 else 0.0)
         ttft = 0.0 if load >= 1 or budget <= 0 else 1 - math.exp(-budget * (1 - load) / service)
-        step = self.decode_step(traffic, num_decode, decode_scale)
-        if num_prefill == 0 and num_decode > 0:  # the decode workers prefill too: their
-            busy = traffic.rate * service / num_decode  # share of time spent prefilling
-            step = step / (1 - busy) if busy < 1 else math.inf
+        step = self.inter_token_s(traffic, num_prefill, num_decode, decode_scale)
         tpot = 0.0 if not self.kv_fits(traffic, num_decode, step) else _normal_cdf(
             (tpot_slo_s - step) / (TPOT_SPREAD * step))
         return Prediction(num_prefill, num_decode, ttft, tpot, load, step)

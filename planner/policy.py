@@ -175,7 +175,8 @@ class Planner:
         rate = min(self.model.prefill_rate(obs.traffic.prompt_tokens), measured)
         scale = 1.0
         if obs.itl_s is not None and decode:
-            predicted = self.model.decode_step(obs.traffic, len(decode))
+            # the current split's own prediction: a colocated one's includes its prefills
+            predicted = self.model.inter_token_s(obs.traffic, len(prefill), len(decode))
             if math.isfinite(predicted) and predicted > 0:
                 scale = min(4.0, max(0.5, obs.itl_s / predicted))
         c = self.config

@@ -77,3 +77,21 @@ def test_quick_runs_every_arm(tmp_path: Path) -> None:
         assert change["to"] in ("prefill", "decode") and "req/s" in change["reason"]
     assert result["verdict"].keys() >= {"goal_met", "planner_minus_best_static"}
     assert (tmp_path / "plots" / "planner-attainment.png").is_file()
+
+
+
+def test_the_decode_heavy_rate_is_a_share_of_what_one_decode_worker_holds_within_the_slo(
+        ) -> None:
+    """The streams a step holds within the TPOT SLO (1 + the slack over the unloaded TPOT
+    ÷ each further stream's cost), at SLO-long steps, over the mix's mean output."""
+    from argparse import Namespace
+
+    def capacity(per_stream_ms: float, unloaded_ms: float, slo_ms: float) -> float:
+        return bench.decode_capacity(Namespace(quick=True), 4160, per_stream_ms, unloaded_ms,
+                                     slo_ms)
+
+    one_stream = capacity(2.0, 20.0, 20.0)  # no slack: one stream, 50 tokens a second
+    assert capacity(2.0, 10.0, 20.0) == pytest.approx(6 * one_stream)  # 1 + 10 / 2 streams
+    assert capacity(1.0, 10.0, 20.0) == pytest.approx(11 * one_stream)
+    assert capacity(2.0, 30.0, 20.0) == pytest.approx(one_stream)  # never below one
+    assert 50 / 32 <= one_stream <= 50  # outputs of 1 to 32 tokens (--quick's mix)

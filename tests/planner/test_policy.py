@@ -102,3 +102,23 @@ def test_bad_settings_are_refused() -> None:
         PlannerConfig(ttft_slo_s=0, tpot_slo_s=0.01)
     with pytest.raises(ValueError, match="min_decode"):
         PlannerConfig(ttft_slo_s=1, tpot_slo_s=0.01, min_decode=0)
+
+
+def test_a_colocated_splits_observed_itl_is_judged_against_its_own_prediction() -> None:
+    """Workers that prefill their own prompts (0P) stretch their decode steps by the time
+    they spend prefilling: an observed ITL equal to that stretched prediction says the
+    model is right (no correction), where against the bare decode step it would read as
+    decoding too slow, and every split's decode costs would be scaled up."""
+    model = _model()
+    mix = Traffic(rate=24, prompt_tokens=2000, output_tokens=64)
+    bare, stretched = model.decode_step(mix, 4), model.inter_token_s(mix, 0, 4)
+    assert stretched > 1.2 * bare  # a fifth of their time and more goes to prefills
+    assert model.inter_token_s(mix, 1, 3) == model.decode_step(mix, 3)  # no stretch with 1P
+    config = PlannerConfig(ttft_slo_s=0.5, tpot_slo_s=0.01, min_prefill=0)
+    planner = Planner(config, model, _Clock())
+    observed = Observation(_observe(0, mix).workers, mix, itl_s=stretched)
+    got = {p.num_prefill: p for p in planner.predictions(observed)}
+    for p in (0, 1, 2):
+        want = model.predict(mix, p, 4 - p, ttft_slo_s=0.5, tpot_slo_s=0.01,
+                             prefill_rate=model.prefill_rate(2000))
+        assert got[p].decode_step_s == pytest.approx(want.decode_step_s), p
