@@ -168,6 +168,7 @@ def calibrate(args: argparse.Namespace, model_dir: Path, vocab: int, cpus: tuple
 
 
 STREAMS = 4  # streams decoding at once for the cost of each one in a step
+MAX_STREAMS = 64  # the most a decode step is taken to hold (a measured cost near 0)
 
 
 def stream_cost_ms(address: str, vocab: int, quick: bool) -> float:
@@ -191,11 +192,12 @@ def decode_capacity(args: argparse.Namespace, vocab: int, per_stream_ms: float,
                     unloaded_tpot_ms: float, tpot_slo_ms: float) -> float:
     """Requests a second of the decode-heavy mix one decode worker serves within the TPOT
     SLO: the streams a step holds when it takes the SLO (the unloaded TPOT, plus
-    ``per_stream_ms`` for each further stream), times the steps a second, over the mix's
-    mean output length (of a sample of it)."""
+    ``per_stream_ms`` for each further stream; at most ``MAX_STREAMS``), times the steps a
+    second, over the mix's mean output length (of a sample of it)."""
     sample = Workload(workload_spec("sharegpt-like", args.quick), vocab, seed=7).take(200)
     output = statistics.fmean(r.max_tokens for r in sample)
-    streams = 1 + max(0.0, tpot_slo_ms - unloaded_tpot_ms) / max(per_stream_ms, 1e-3)
+    streams = min(MAX_STREAMS, 1 + max(0.0, tpot_slo_ms - unloaded_tpot_ms)
+                  / max(per_stream_ms, 1e-3))
     return streams * (1000 / tpot_slo_ms) / output
 
 

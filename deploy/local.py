@@ -142,9 +142,11 @@ class LocalLauncher(Launcher):
         if workers:
             terminate_all([w.proc for w in workers], grace)
         if redis_server is not None:
-            redis_server.stop()
-            if self.log_dir is not None:  # its URL, password included, no longer serves
-                (self.log_dir / "redis.url").unlink(missing_ok=True)
+            try:
+                redis_server.stop()
+            finally:
+                if self.log_dir is not None:  # its URL, password included, no longer serves
+                    (self.log_dir / "redis.url").unlink(missing_ok=True)
         for child in [*workers, *routers, *planners]:
             child.ready_path.unlink(missing_ok=True)  # it no longer tells the truth
 

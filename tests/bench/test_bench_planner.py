@@ -79,7 +79,6 @@ def test_quick_runs_every_arm(tmp_path: Path) -> None:
     assert (tmp_path / "plots" / "planner-attainment.png").is_file()
 
 
-
 def test_the_decode_heavy_rate_is_a_share_of_what_one_decode_worker_holds_within_the_slo(
         ) -> None:
     """The streams a step holds within the TPOT SLO (1 + the slack over the unloaded TPOT
@@ -94,4 +93,5 @@ def test_the_decode_heavy_rate_is_a_share_of_what_one_decode_worker_holds_within
     assert capacity(2.0, 10.0, 20.0) == pytest.approx(6 * one_stream)  # 1 + 10 / 2 streams
     assert capacity(1.0, 10.0, 20.0) == pytest.approx(11 * one_stream)
     assert capacity(2.0, 30.0, 20.0) == pytest.approx(one_stream)  # never below one
+    assert capacity(0.0, 10.0, 20.0) == pytest.approx(bench.MAX_STREAMS * one_stream)
     assert 50 / 32 <= one_stream <= 50  # outputs of 1 to 32 tokens (--quick's mix)

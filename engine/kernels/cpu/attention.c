@@ -154,10 +154,14 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
         }
     }
     /* the groups: rows firsts[g] .. firsts[g + 1] - 1, at most max_rows each (one KV
-     * head's query rows for every row of a group fit one task) */
+     * head's query rows for every row of a group fit one task), and small enough that
+     * there are tasks for every thread (a group's tasks are at most one per KV head) */
     int64_t max_rows = ATTN_MAX_ROWS / group;
     max_rows = max_rows < ATTN_MAX_ACC / (group * head_dim) ? max_rows
              : ATTN_MAX_ACC / (group * head_dim);
+    const int64_t groups_wanted = (num_threads + num_kv_heads - 1) / num_kv_heads;
+    const int64_t spread = num_seqs / groups_wanted > 1 ? num_seqs / groups_wanted : 1;
+    max_rows = spread < max_rows ? spread : max_rows;
     int64_t firsts[num_seqs + 1], num_groups = 0, widest = 1;
     for (int64_t s = 0; s < num_seqs; s++) {
         if (num_groups == 0 || s - firsts[num_groups - 1] == max_rows
