@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,15 @@ def log_folder() -> Iterator[Path]:
         print(f"the cluster's logs are kept in {path}", file=sys.stderr)
         raise
     shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def launched(spec: ClusterSpec) -> Iterator[LocalLauncher]:
+    """``spec`` running (``LocalLauncher``, no progress lines), its logs in a
+    ``log_folder``; stopped, and the folder gone, when the block ends."""
+    with log_folder() as logs, LocalLauncher(replace(spec, log_dir=logs),
+                                             progress=lambda line: None) as running:
+        yield running
 
 
 def bench_model(quick: bool) -> Path:
@@ -70,14 +80,13 @@ def cluster(model_dir: Path, *, num_prefill: int, num_decode: int,
             decode_args: Sequence[str] = ()) -> Iterator[LocalLauncher]:
     """A running ``LocalLauncher`` of these processes (stopped on exit); with
     ``planner_args``, the planner too; ``decode_args``: the decode workers' own flags."""
-    with log_folder() as logs, LocalLauncher(ClusterSpec(
+    with launched(ClusterSpec(
         model_dir=model_dir, num_prefill=num_prefill, num_decode=num_decode, port=0,
         http_port=None, local_prefill=local_prefill, cpu_affinity=dict(cpu_affinity or {}),
         num_kv_blocks=num_kv_blocks, router_args=tuple(router_args),
         worker_args=tuple(worker_args), decode_args=tuple(decode_args), max_inflight=4096,
         num_routers=num_routers,
-        planner_args=None if planner_args is None else tuple(planner_args), log_dir=logs),
-            progress=lambda line: None) as running:
+        planner_args=None if planner_args is None else tuple(planner_args))) as running:
         yield running
 
 

@@ -27,7 +27,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -35,9 +34,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.burst import PROBES, burst, lag_buckets, lag_burst
-from bench.clusters import log_folder
+from bench.clusters import launched
 from bench.common import format_table, machine_info, percentile, write_json
-from deploy.local import LocalLauncher
 from deploy.spec import ClusterSpec
 from pdserve import AsyncClient, PdserveError
 
@@ -157,8 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("starting pdserve up (tiny model, 1 prefill + 1 decode worker) ...", flush=True)
     config = ClusterSpec(port=0, http_port=0, max_inflight=max(levels) + 64,
                          router_args=("--metrics-port", "0"))
-    with log_folder() as logs, LocalLauncher(replace(config, log_dir=logs),
-                                             progress=lambda line: None) as cluster:
+    with launched(config) as cluster:
         assert cluster.router is not None and cluster.router.ready is not None
         metrics_url = f"http://{cluster.router.ready['metrics_address']}/metrics"
         for level in levels:
@@ -179,10 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["max_concurrency_without_failures"] = max(held) if held else 0
     print(f"burst: {10 * args.burst_limit} requests at --max-inflight {args.burst_limit} "
           f"from {args.burst_clients} client processes ...", flush=True)
-    with log_folder() as logs, LocalLauncher(
-            ClusterSpec(port=0, http_port=0, max_inflight=args.burst_limit,
-                        router_args=("--metrics-port", "0"), log_dir=logs),
-            progress=lambda line: None) as cluster:
+    with launched(ClusterSpec(port=0, http_port=0, max_inflight=args.burst_limit,
+                              router_args=("--metrics-port", "0"))) as cluster:
         assert cluster.router is not None and cluster.router.ready is not None
         metrics_url = f"http://{cluster.router.ready['metrics_address']}/metrics"
         lag_before = lag_buckets(metrics_url)

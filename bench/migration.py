@@ -35,11 +35,10 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 
 import grpc
 
-from bench.clusters import bench_model, log_folder
+from bench.clusters import bench_model, launched
 from bench.common import format_table, machine_info, percentile, write_json
 from cluster.internal.v1 import worker_pb2 as wpb
 from cluster.internal.v1 import worker_pb2_grpc as wpb_grpc
@@ -138,8 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            http_port=None, num_kv_blocks=512, worker_args=WORKER_ARGS[fault])
         by_length: dict[str, dict[str, object]] = {}
         results[fault] = by_length
-        with log_folder() as logs, \
-                LocalLauncher(replace(spec, log_dir=logs), progress=lambda line: None) as launcher, \
+        with launched(spec) as launcher, \
                 Client(launcher.router_address, max_resumes=0) as client:
             vocab = client.model_info(timeout=30).vocab_size
             ttft_s(client, _prompt(rng, 8, vocab))  # warm-up

@@ -73,14 +73,12 @@ def target(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         yield {"address": args.address, "base_url": args.base_url, "model_dir": model,
                "cluster": None}
         return
-    from bench.clusters import log_folder
-    from deploy.local import LocalLauncher
+    from bench.clusters import launched
     from deploy.spec import ClusterSpec
 
     print("starting pdserve up (1 prefill + 1 decode worker) ...", flush=True)
-    with log_folder() as logs, LocalLauncher(ClusterSpec(
-            model_dir=Path(args.model) if args.model else None, port=0, http_port=None,
-            log_dir=logs), progress=lambda line: None) as cluster:
+    with launched(ClusterSpec(model_dir=Path(args.model) if args.model else None, port=0,
+                              http_port=None)) as cluster:
         yield {"address": cluster.router_address, "base_url": None,
                "model_dir": cluster.model_dir,
                "cluster": {"num_prefill": 1, "num_decode": 1,
