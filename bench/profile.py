@@ -122,8 +122,27 @@ def features(out: SchedulerOutput) -> list[float]:
         n = len(chunk.token_ids)
         prefill += n
         attention += n * (chunk.start_position + n / 2)
-    return [1.0, prefill, attention, float(len(out.decodes)),
+    return [1.0, float(prefill + len(out.decodes) > 1), float(bool(out.prefills)), prefill,
+            attention, float(len(out.decodes)),
             float(sum(c.start_position + 1 for c in out.decodes))]
+
+
+def decode_steps(rec: StepRecorder, prompts: dict[str, list[int]], params: Any,
+                 repeats: int) -> list[tuple[SchedulerOutput, float]]:
+    """``repeats`` timed decode steps of all of ``prompts`` (by request id) once every
+    prompt is in (after one untimed), the requests then aborted: the rest of their tokens
+    would only take time. A step that prefilled or decoded fewer is left out."""
+    core = rec.core
+    for name, prompt in prompts.items():
+        core.add_request(name, prompt, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens
+              for r in core.scheduler.running + list(core.scheduler.waiting)):
+        core.step()
+    steps = [rec.step() for _ in range(repeats + 1)][1:]
+    for name in prompts:
+        core.abort_request(name)
+    return [(out, seconds) for out, seconds in steps
+            if not out.prefills and len(out.decodes) == len(prompts)]
 
 
 def measure_steps(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
@@ -133,9 +152,11 @@ def measure_steps(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     max_len = max(args.contexts) + max(args.prefill_lens) + 64
-    llm = LLM(model_dir, max_num_batched_tokens=max(max(args.prefill_lens), max(args.batches)),
+    max_batched = max(max(args.prefill_lens), max(args.batches))
+    llm = LLM(model_dir, max_num_batched_tokens=max_batched,
               max_num_seqs=max(args.batches))
     core, rec = llm.core, StepRecorder(llm.core)
+    pool_tokens = int(core.executor.num_kv_blocks) * llm.config.cache.block_size
     vocab = llm.config.model.vocab_size
     workload = Workload(WorkloadSpec("random", input_len=max_len, output_len=1), vocab, seed=1)
     points: list[dict[str, Any]] = []
@@ -158,24 +179,27 @@ def measure_steps(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
                 out, seconds = rec.step()
                 drain()
                 if rep:
-                        points.append({"kind": "prefill", "context": context, "tokens": n,
+                    points.append({"kind": "prefill", "context": context, "tokens": n,
                                    "features": features(out), "seconds": seconds})
     for context in args.contexts:  # decode steps of `batch` sequences at `context`
         for batch in args.batches:
             prompts = [list(r.prompt_token_ids)[:max(context, 1)]
                        for r in workload.take(batch)]
-            for prompt in prompts:
-                core.add_request(f"d{next(ids)}", prompt,
-                                 SamplingParams(max_tokens=args.repeats + 3, ignore_eos=True))
-            while any(r.num_computed_tokens < r.num_prompt_tokens
-                      for r in core.scheduler.running + list(core.scheduler.waiting)):
-                core.step()
-            for rep in range(args.repeats + 1):
-                out, seconds = rec.step()
-                if not rep or out.prefills or len(out.decodes) != batch:
-                    continue
-                points.append({"kind": "decode", "context": context, "batch": batch,
-                               "features": features(out), "seconds": seconds})
+            # long enough that none ends before the last one's prompt is in: the first
+            # ones decode while the later ones' prompts are prefilled, chunk by chunk
+            prefill_steps = -(-batch * max(context, 1) // max_batched) + batch
+            if batch * (context + args.repeats + 3 + prefill_steps) > 0.9 * pool_tokens:
+                print(f"  decode at batch {batch}, context {context}: skipped (more KV "
+                      f"than the pool's {pool_tokens} tokens)", flush=True)
+                continue
+            names = [f"d{next(ids)}" for _ in prompts]
+            params = SamplingParams(max_tokens=args.repeats + 3 + prefill_steps,
+                                    ignore_eos=True)
+            points += [{"kind": "decode", "context": context, "batch": batch,
+                        "features": features(out), "seconds": seconds}
+                       for out, seconds in decode_steps(rec, dict(zip(names, prompts,
+                                                                      strict=True)),
+                                                        params, args.repeats)]
             drain()
     model = llm.config.model
     layers, kv_heads, head_dim = model.kv_layout
@@ -212,8 +236,8 @@ def fit(points: Sequence[dict[str, Any]]) -> tuple[dict[str, float], list[float]
 def light_rate(coef: dict[str, float], lengths: Sequence[int]) -> float:
     """A quarter of one prefill worker's capacity at the mean length, at most 4/s."""
     n = statistics.fmean(lengths)
-    prefill_s = coef["base_s"] + coef["per_prefill_token_s"] * n \
-        + coef["per_prefill_attention_s"] * n * n / 2
+    prefill_s = coef["base_s"] + coef["multi_token_s"] + coef["prefill_step_s"] \
+        + coef["per_prefill_token_s"] * n + coef["per_prefill_attention_s"] * n * n / 2
     return min(4.0, 0.25 / prefill_s)
 
 
@@ -272,24 +296,41 @@ def fit_transfer(samples: Sequence[dict[str, Any]], kv_bytes_per_token: int
             "bytes_per_s": 1.0 / slope if slope > 0 else 1e12}  # 1e12: it did not grow
 
 
-def prefill_scale(coef: dict[str, float], samples: Sequence[dict[str, Any]],
-                  chunk: int = WORKER_MAX_BATCHED_TOKENS) -> float:
-    """How much slower a prefill worker in the cluster computes a prompt than the fit says
-    (its own clock's ``prefill_compute`` over the fitted steps of its chunks, per-token
-    costs only; median over the handoff's requests, >= 0.5): the worker's loop, its KV
-    sends and events beside the engine's steps. It multiplies the per-token terms."""
-    ratios = []
+def prefill_in_cluster(coef: dict[str, float], samples: Sequence[dict[str, Any]],
+                       chunk: int = WORKER_MAX_BATCHED_TOKENS) -> tuple[float, float]:
+    """How a prefill worker in the cluster computes a prompt against the fitted steps of its
+    chunks: ``(scale, extra_s)``, its own clock's ``prefill_compute`` taken as ``fixed +
+    scale × per-token costs + extra_s × chunks`` (the worker's loop, its KV sends layer by
+    layer and its events beside the engine's steps: some grow with the tokens, some come
+    once a chunk). Fitted to each prompt length's median (relative least squares); one
+    length, or a negative ``extra_s``, gives the ratio alone (``extra_s`` 0); ``scale`` >=
+    0.5. ``scale`` multiplies the per-token terms, ``extra_s`` is added to a prefill
+    step's."""
+    by_len: dict[int, list[float]] = {}
     for s in samples:
-        left, start, fixed, variable = s["prompt_len"], 0, 0.0, 0.0
+        if s["prefill_compute"] > 0:
+            by_len.setdefault(s["prompt_len"], []).append(s["prefill_compute"] / 1000)
+    rows = []
+    for length, seconds in sorted(by_len.items()):
+        left, start, fixed, variable, chunks = length, 0, 0.0, 0.0, 0
         while left > 0:
             n = min(left, chunk)
-            fixed += coef["base_s"]
+            fixed += coef["base_s"] + coef["prefill_step_s"] + coef["multi_token_s"] * (n > 1)
             variable += (coef["per_prefill_token_s"] * n
                          + coef["per_prefill_attention_s"] * n * (start + n / 2))
-            start, left = start + n, left - n
-        if variable > 0 and s["prefill_compute"] > 0:
-            ratios.append((s["prefill_compute"] / 1000 - fixed) / variable)
-    return max(0.5, statistics.median(ratios)) if ratios else 1.0
+            start, left, chunks = start + n, left - n, chunks + 1
+        if variable > 0:
+            rows.append((variable, chunks, statistics.median(seconds) - fixed,
+                         statistics.median(seconds)))
+    if not rows:
+        return 1.0, 0.0
+    if len(rows) >= 2:
+        w = np.array([1 / r[3] for r in rows])
+        x = np.array([[r[0], r[1]] for r in rows]) * w[:, None]
+        (scale, extra), *_ = np.linalg.lstsq(x, np.array([r[2] for r in rows]) * w, rcond=None)
+        if extra >= 0:
+            return max(0.5, float(scale)), float(extra)
+    return max(0.5, statistics.median(r[2] / r[0] for r in rows)), 0.0
 
 
 def loop_overhead(coef: dict[str, float], tpots: Sequence[tuple[int, float]]) -> float:
@@ -334,10 +375,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                   steps["model"]["kv_bytes_per_token"], rate)
         cores = ", one core each" if handoff["pinned"] else ""
         where = f"handoff measured through pdserve up (1 prefill + 1 decode{cores})"
-        scale = prefill_scale(coef, handoff["samples"])
+        scale, extra = prefill_in_cluster(coef, handoff["samples"])
         coef["per_prefill_token_s"] *= scale
         coef["per_prefill_attention_s"] *= scale
-        print(f"prefill in the cluster: {scale:.2f}x the fitted step's per-token costs")
+        coef["prefill_step_s"] += extra
+        print(f"prefill in the cluster: {scale:.2f}x the fitted step's per-token costs, "
+              f"{extra * 1000:.1f} ms more a chunk")
         coef["base_s"] += loop_overhead(coef, handoff["tpot_s"])
         print(f"worker loop: {coef['base_s'] * 1000:.3f} ms per step with the loop's own cost")
         print(f"transfer: {handoff['transfer']['latency_s'] * 1000:.2f} ms + bytes at "

@@ -40,6 +40,10 @@ class StepCosts(Protocol):
     @property
     def base_s(self) -> float: ...
     @property
+    def multi_token_s(self) -> float: ...
+    @property
+    def prefill_step_s(self) -> float: ...
+    @property
     def per_prefill_token_s(self) -> float: ...
     @property
     def per_prefill_attention_s(self) -> float: ...
@@ -96,10 +100,16 @@ class CapacityModel:
         c, left, start, total = self.costs, max(1.0, prompt_tokens), 0.0, 0.0
         while left > 0:
             n = min(left, float(self.max_num_batched_tokens))
-            total += (c.base_s + c.per_prefill_token_s * n
+            total += (self._prefill_fixed_s + c.per_prefill_token_s * n
                       + c.per_prefill_attention_s * n * (start + n / 2))
             start, left = start + n, left - n
         return total
+
+    @property
+    def _prefill_fixed_s(self) -> float:
+        """A prefill step's fixed cost."""
+        c = self.costs
+        return c.base_s + c.multi_token_s + c.prefill_step_s
 
     def prefill_rate(self, prompt_tokens: float) -> float:
         """Prompts per second a saturated prefill worker finishes (full steps: the fixed
@@ -107,7 +117,7 @@ class CapacityModel:
         c, p = self.costs, max(1.0, prompt_tokens)
         steps = p / self.max_num_batched_tokens
         attention = c.per_prefill_attention_s * p * p / 2
-        return 1.0 / (c.base_s * steps + c.per_prefill_token_s * p + attention)
+        return 1.0 / (self._prefill_fixed_s * steps + c.per_prefill_token_s * p + attention)
 
     def decode_step(self, traffic: Traffic, num_decode: int, scale: float = 1.0) -> float:
         """The decode workers' predicted step seconds (``inf``: they cannot keep up);
@@ -118,8 +128,10 @@ class CapacityModel:
         room = num_decode - demand * per_seq
         if num_decode <= 0 or room <= 0:
             return math.inf
-        batch = demand * scale * c.base_s / room
-        return scale * c.base_s + batch * per_seq
+        # a loaded decode worker's steps compute more than one token
+        fixed = c.base_s + c.multi_token_s
+        batch = demand * scale * fixed / room
+        return scale * fixed + batch * per_seq
 
     def inter_token_s(self, traffic: Traffic, num_prefill: int, num_decode: int,
                       scale: float = 1.0) -> float:

@@ -8,9 +8,10 @@ Schema (``SCHEMA``; every time in seconds, every size in bytes)::
      "description": "free text: machine, model, how it was made",
      "model": {"name": str, "num_layers": int, "kv_bytes_per_token": int,
                "block_size": int, "max_model_len": int},
-     "steps": {"<tp>": {"base_s": f, "per_prefill_token_s": f,
-                        "per_prefill_attention_s": f, "per_decode_seq_s": f,
-                        "per_decode_context_s": f, "num_kv_blocks": int}, ...},
+     "steps": {"<tp>": {"base_s": f, "multi_token_s": f, "prefill_step_s": f,
+                        "per_prefill_token_s": f, "per_prefill_attention_s": f,
+                        "per_decode_seq_s": f, "per_decode_context_s": f,
+                        "num_kv_blocks": int}, ...},
      "transfer": {"latency_s": f, "bytes_per_s": f},
      "router": {"overhead_s": f},   # validate, tokenize, admit: per request
      "handoff": {"overhead_s": f},  # the attempt's calls (reserve, prefill, admit)
@@ -19,14 +20,19 @@ Schema (``SCHEMA``; every time in seconds, every size in bytes)::
 One step of a worker computing a ``SchedulerOutput`` takes::
 
     base_s                                    # weights read once per step, launch costs
+    + multi_token_s      if it computes more than one token (matrix products, where one
+                         token's are matrix-vector ones: a CPU's differ by a fixed cost)
+    + prefill_step_s     if it holds a prefill chunk (the prefill path's fixed costs)
     + per_prefill_token_s     * prefill tokens
     + per_prefill_attention_s * Σ chunk tokens × (tokens before them + half the chunk)
     + per_decode_seq_s        * decode sequences
     + per_decode_context_s    * Σ decode sequences' context (their KV read)
 
 (``StepModel.step_s``): a linear model in the quantities a forward pass's cost grows
-with. ``bench.profile`` fits it to measured steps by least squares; ``sim.roofline``
-derives it from bandwidth and FLOP figures. ``steps`` is keyed by tensor-parallel size.
+with, and two fixed costs of a step's kind. ``bench.profile`` fits it to measured steps by
+least squares; ``sim.roofline`` derives it from bandwidth and FLOP figures (its two fixed
+costs 0). ``steps`` is keyed by tensor-parallel size; ``multi_token_s`` and
+``prefill_step_s`` may be left out (0: profiles written before them).
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ from engine.core.scheduler import SchedulerOutput
 
 SCHEMA = "pdserve.sim.profile/1"
 SOURCES = ("measured", "derived")
-STEP_TERMS = ("base_s", "per_prefill_token_s", "per_prefill_attention_s", "per_decode_seq_s",
-              "per_decode_context_s")
+STEP_TERMS = ("base_s", "multi_token_s", "prefill_step_s", "per_prefill_token_s",
+              "per_prefill_attention_s", "per_decode_seq_s", "per_decode_context_s")
+OPTIONAL_TERMS = ("multi_token_s", "prefill_step_s")  # 0 where a profile has none
 
 
 class ProfileError(ValueError):
@@ -59,6 +66,8 @@ class StepModel:
     per_decode_seq_s: float
     per_decode_context_s: float
     num_kv_blocks: int
+    multi_token_s: float = 0.0
+    prefill_step_s: float = 0.0
 
     def step_s(self, out: SchedulerOutput) -> float:
         """Seconds the step ``out`` takes on this worker."""
@@ -68,7 +77,12 @@ class StepModel:
             prefill_tokens += n
             attention += n * (chunk.start_position + n / 2)
         context = sum(chunk.start_position + 1 for chunk in out.decodes)
-        return (self.base_s + self.per_prefill_token_s * prefill_tokens
+        fixed = self.base_s
+        if out.prefills:
+            fixed += self.prefill_step_s
+        if prefill_tokens + len(out.decodes) > 1:
+            fixed += self.multi_token_s
+        return (fixed + self.per_prefill_token_s * prefill_tokens
                 + self.per_prefill_attention_s * attention
                 + self.per_decode_seq_s * len(out.decodes)
                 + self.per_decode_context_s * context)
@@ -158,7 +172,8 @@ def from_json(data: Any) -> Profile:
             raise ProfileError(f"steps is keyed by TP size (1, 2, ...), got {key!r}")
         where = f"steps.{key}"
         s = _mapping(value, where)
-        seconds = {name: _seconds(s, name, where) for name in STEP_TERMS}
+        seconds = {name: _seconds(s, name, where) for name in STEP_TERMS
+                   if name in s or name not in OPTIONAL_TERMS}
         steps[int(key)] = StepModel(**seconds, num_kv_blocks=_int(s, "num_kv_blocks", where))
     transfer = _mapping(obj.get("transfer"), "transfer")
     bandwidth = _seconds(transfer, "bytes_per_s", "transfer")

@@ -13,6 +13,7 @@ roofline arithmetic, never a measurement — for a dense Llama-family model of `
 - ``per_decode_seq_s``: the same ``2 × parameters`` FLOPs per decoded token (hidden under
   the weight read at small batches, it is what grows a large batch);
 - ``per_decode_context_s``: one token's KV bytes read per step at the same bandwidth;
+- ``multi_token_s``, ``prefill_step_s``: 0 (a roofline has no fixed cost of a step's kind);
 - ``num_kv_blocks``: the group's memory at ``MEMORY_UTILIZATION`` less the weights, in
   blocks;
 - the KV transfer: ``NETWORK_BYTES_PER_S`` (a 400 Gb/s NIC per GPU of the prefill group)

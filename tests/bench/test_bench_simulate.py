@@ -35,6 +35,9 @@ def test_quick_profile_is_measured_and_loads(measured: tuple[Path, dict[str, Any
     assert loaded.handoff_overhead_s > 0 and loaded.router_overhead_s > 0
     points = written["points"]
     assert {p["kind"] for p in points["steps"]} == {"prefill", "decode"}
+    # every batch at every context: none of a batch ends while its last prompt prefills
+    assert {(p["context"], p["batch"]) for p in points["steps"] if p["kind"] == "decode"} \
+        == {(c, b) for c in (0, 256) for b in (1, 8, 32)}
     assert len(points["handoff"]) >= 8
     # one torch thread: the handoff's two workers pinned to a core each, as the validation
     assert ("one core each" in written["description"]) == (len(os.sched_getaffinity(0)) >= 2)
@@ -98,10 +101,20 @@ def test_the_transfer_fit_counts_a_late_acknowledgement_once_and_ignores_a_few()
     assert fit["bytes_per_s"] == pytest.approx(256_000 / 0.001, rel=1e-6)  # 1 ms a 256 tokens
 
 
-def test_the_prefill_scale_is_the_clusters_prefill_over_the_fitted_steps() -> None:
-    coef = {"base_s": 0.005, "per_prefill_token_s": 1e-4, "per_prefill_attention_s": 0.0}
-    # 1000 tokens: chunks of 512 and 488, 2 fixed costs; the cluster took 1.2x the rest
-    samples = [{"prompt_len": 1000, "prefill_compute": 1000 * (0.010 + 1.2 * 0.1)}] * 3
-    assert profile.prefill_scale(coef, samples) == pytest.approx(1.2)
-    assert profile.prefill_scale(coef, []) == 1.0
-    assert profile.prefill_scale(coef, [{"prompt_len": 64, "prefill_compute": 1.0}]) == 0.5
+def test_the_clusters_prefill_is_the_fitted_steps_scaled_plus_a_cost_a_chunk() -> None:
+    coef = {"base_s": 0.003, "multi_token_s": 0.0005, "prefill_step_s": 0.0015,
+            "per_prefill_token_s": 1e-4, "per_prefill_attention_s": 0.0}
+    # chunks of at most 512, each with 5 ms of fixed costs (base, more than one token, a
+    # prefill); the cluster took 1.2x the per-token part and 8 ms more a chunk
+    def took(n: int, chunks: int) -> dict[str, float]:
+        return {"prompt_len": n, "prefill_compute": 1000 * (chunks * 0.013 + 1.2 * n * 1e-4)}
+
+    samples = [took(64, 1), took(256, 1), took(1000, 2)] * 3
+    scale, extra = profile.prefill_in_cluster(coef, samples)
+    assert scale == pytest.approx(1.2) and extra == pytest.approx(0.008)
+    # one length: the ratio alone
+    assert profile.prefill_in_cluster(coef, [took(1000, 2)]) == (
+        pytest.approx((0.026 + 0.12 - 0.010) / 0.1), 0.0)
+    assert profile.prefill_in_cluster(coef, []) == (1.0, 0.0)
+    assert profile.prefill_in_cluster(coef, [{"prompt_len": 64, "prefill_compute": 1.0}]) \
+        == (0.5, 0.0)

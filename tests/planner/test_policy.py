@@ -51,6 +51,19 @@ def test_the_model_gives_each_mix_the_split_it_needs() -> None:
     assert math.isinf(model.decode_step(CHAT, 1)) and model.decode_step(CHAT, 3) < 0.01
 
 
+def test_the_model_counts_the_fixed_costs_of_prefill_and_batched_steps() -> None:
+    import dataclasses
+
+    plain = small_profile().step(1)
+    costs = dataclasses.replace(plain, multi_token_s=0.001, prefill_step_s=0.003)
+    before, after = _model(), CapacityModel(costs, max_num_batched_tokens=512, handoff_s=0.005)
+    # 1,000 tokens: two chunks, each a step of more than one token that prefills
+    assert after.prefill_s(1000) == pytest.approx(before.prefill_s(1000) + 2 * 0.004)
+    assert 1 / after.prefill_rate(1024) == pytest.approx(1 / before.prefill_rate(1024) + 0.008)
+    # a loaded decode worker's step computes several tokens: its fixed cost is both
+    assert after.decode_step(CHAT, 3) > before.decode_step(CHAT, 3) + 0.001
+
+
 def test_a_measured_queue_wait_implies_the_rate_that_explains_it() -> None:
     lam, pooled = 10.0, 12.0
     wait = lam / (pooled * (pooled - lam))  # M/M/1 queue wait at rate 12

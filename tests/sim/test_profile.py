@@ -24,12 +24,30 @@ def test_a_profile_round_trips_through_its_json(tmp_path: Path) -> None:
 
 
 def test_the_step_model_adds_up_its_parts() -> None:
-    step = from_json(profile_json()).step(1)
+    data = profile_json()
+    data["steps"]["1"].update(multi_token_s=3e-4, prefill_step_s=5e-4)
+    step = from_json(data).step(1)
     out = SchedulerOutput(
         decodes=[ScheduledChunk("a", (1,), 99, (), True), ScheduledChunk("b", (1,), 9, (), True)],
         prefills=[ScheduledChunk("c", tuple(range(32)), 64, (), True)])
-    expected = 0.002 + 2e-5 * 32 + 1e-9 * 32 * (64 + 16) + 1e-4 * 2 + 1e-7 * (100 + 10)
+    expected = 0.002 + 3e-4 + 5e-4 + 2e-5 * 32 + 1e-9 * 32 * (64 + 16) + 1e-4 * 2 \
+        + 1e-7 * (100 + 10)
     assert step.step_s(out) == pytest.approx(expected)
+    # one decode sequence alone: one token, no prefill, neither fixed cost
+    one = SchedulerOutput(decodes=[ScheduledChunk("a", (1,), 99, (), True)])
+    assert step.step_s(one) == pytest.approx(0.002 + 1e-4 + 1e-7 * 100)
+    two = SchedulerOutput(decodes=[ScheduledChunk("a", (1,), 99, (), True),
+                                   ScheduledChunk("b", (1,), 99, (), True)])
+    assert step.step_s(two) == pytest.approx(0.002 + 3e-4 + 2e-4 + 2e-7 * 100)
+
+
+def test_a_profile_without_the_fixed_costs_of_a_steps_kind_reads_them_as_zero() -> None:
+    step = from_json(profile_json()).step(1)  # written before multi_token_s, prefill_step_s
+    assert step.multi_token_s == 0.0 and step.prefill_step_s == 0.0
+    broken = profile_json()
+    broken["steps"]["1"]["prefill_step_s"] = -1
+    with pytest.raises(ProfileError, match="steps.1.prefill_step_s must be a finite number"):
+        from_json(broken)
 
 
 def _broken(path: str, value: Any) -> dict[str, Any]:
