@@ -8,10 +8,12 @@ Two parts, both on this machine:
    ``--quick``: the built-in tiny model) with ``--threads`` torch threads (1: a worker of
    ``bench.disagg``'s, pinned to one core). Prefill steps of each length in
    ``--prefill-lens`` after a cached prefix of each of ``--contexts`` tokens; decode steps
-   of each batch in ``--batches`` at each context. Each step is timed around
-   ``EngineCore.step()`` with the scheduler's own output recorded, and
-   ``sim.profile.StepModel`` is fitted to them by least squares (coefficients kept >= 0);
-   the fit's error per point is printed and kept under ``points``.
+   of each batch in ``--batches`` at each context, once every prompt of the batch is in
+   (a batch whose KV would take more than 90% of the pool is skipped, and says so). Each
+   step is timed around ``EngineCore.step()`` with the scheduler's own output recorded,
+   and ``sim.profile.StepModel`` (its two fixed costs of a step's kind among its terms) is
+   fitted to them by least squares (coefficients kept >= 0); the fit's error per point is
+   printed and kept under ``points``.
 2. The handoff, through a real cluster (``pdserve up``: one prefill, one decode worker,
    with ``--threads 1`` each pinned to a core of its own, as ``bench.disagg`` and the
    validation start them, so a prefill worker's KV sends take from its own core's
@@ -22,6 +24,9 @@ Two parts, both on this machine:
    ``router.overhead_s``; reserve, decode admission, relay and delivery together are
    ``handoff.overhead_s`` (medians). The same requests' time per output token, less the
    fitted decode step, is what a worker's loop adds to each step (``base_s`` includes it).
+   The prefill worker's own prefill time against the fitted steps of its chunks gives a
+   scale of the per-token prefill terms and a cost added to a prefill step
+   (``prefill_in_cluster``).
 
 The JSON is the profile (``source: measured``), loadable with ``sim.profile.load``.
 
@@ -99,6 +104,7 @@ class StepRecorder:
     def __init__(self, core: Any) -> None:
         self.core = core
         self.last: SchedulerOutput | None = None
+        self.timed: list[tuple[SchedulerOutput, float]] = []
         schedule = core.scheduler.schedule
 
         def recorded() -> SchedulerOutput:
@@ -106,6 +112,11 @@ class StepRecorder:
             return self.last
 
         core.scheduler.schedule = recorded
+
+    def took(self, seconds: float) -> None:
+        """A step timed elsewhere took ``seconds``: kept, with its output, in ``timed``."""
+        assert self.last is not None
+        self.timed.append((self.last, seconds))
 
     def step(self) -> tuple[SchedulerOutput, float]:
         start = time.perf_counter()
@@ -122,32 +133,15 @@ def features(out: SchedulerOutput) -> list[float]:
         n = len(chunk.token_ids)
         prefill += n
         attention += n * (chunk.start_position + n / 2)
-    return [1.0, float(prefill + len(out.decodes) > 1), float(bool(out.prefills)), prefill,
-            attention, float(len(out.decodes)),
-            float(sum(c.start_position + 1 for c in out.decodes))]
-
-
-def decode_steps(rec: StepRecorder, prompts: dict[str, list[int]], params: Any,
-                 repeats: int) -> list[tuple[SchedulerOutput, float]]:
-    """``repeats`` timed decode steps of all of ``prompts`` (by request id) once every
-    prompt is in (after one untimed), the requests then aborted: the rest of their tokens
-    would only take time. A step that prefilled or decoded fewer is left out."""
-    core = rec.core
-    for name, prompt in prompts.items():
-        core.add_request(name, prompt, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens
-              for r in core.scheduler.running + list(core.scheduler.waiting)):
-        core.step()
-    steps = [rec.step() for _ in range(repeats + 1)][1:]
-    for name in prompts:
-        core.abort_request(name)
-    return [(out, seconds) for out, seconds in steps
-            if not out.prefills and len(out.decodes) == len(prompts)]
+    multi_token = prefill + len(out.decodes) > 1
+    return [1.0, float(multi_token), float(bool(out.prefills)), prefill, attention,
+            float(len(out.decodes)), float(sum(c.start_position + 1 for c in out.decodes))]
 
 
 def measure_steps(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     import torch
 
+    from bench.step_profile import decode_steps
     from engine import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
@@ -156,7 +150,7 @@ def measure_steps(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     llm = LLM(model_dir, max_num_batched_tokens=max_batched,
               max_num_seqs=max(args.batches))
     core, rec = llm.core, StepRecorder(llm.core)
-    pool_tokens = int(core.executor.num_kv_blocks) * llm.config.cache.block_size
+    num_blocks, block_size = int(core.executor.num_kv_blocks), llm.config.cache.block_size
     vocab = llm.config.model.vocab_size
     workload = Workload(WorkloadSpec("random", input_len=max_len, output_len=1), vocab, seed=1)
     points: list[dict[str, Any]] = []
@@ -172,10 +166,10 @@ def measure_steps(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
                 prompt = list(workload.take(1)[0].prompt_token_ids)
                 if context:
                     core.add_request(f"p{next(ids)}", prompt[:context],
-                                     SamplingParams(max_tokens=1))
+                                     SamplingParams(max_tokens=1, temperature=0.0))
                     drain()
                 core.add_request(f"p{next(ids)}", prompt[:context + n],
-                                 SamplingParams(max_tokens=1))
+                                 SamplingParams(max_tokens=1, temperature=0.0))
                 out, seconds = rec.step()
                 drain()
                 if rep:
@@ -183,24 +177,20 @@ def measure_steps(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
                                    "features": features(out), "seconds": seconds})
     for context in args.contexts:  # decode steps of `batch` sequences at `context`
         for batch in args.batches:
+            # step_profile.decode_steps gives each enough tokens to outlast the batch's
+            # prefill (its first ones decode while the later prompts are prefilled)
+            max_tokens = args.repeats + 2 + batch + -(-batch * max(context, 1) // max_batched)
+            if batch * -(-(context + max_tokens) // block_size) > 0.9 * num_blocks:
+                print(f"  decode at batch {batch}, context {context}: skipped (more KV "
+                      f"than 90% of the pool's {num_blocks} blocks)", flush=True)
+                continue
             prompts = [list(r.prompt_token_ids)[:max(context, 1)]
                        for r in workload.take(batch)]
-            # long enough that none ends before the last one's prompt is in: the first
-            # ones decode while the later ones' prompts are prefilled, chunk by chunk
-            prefill_steps = -(-batch * max(context, 1) // max_batched) + batch
-            if batch * (context + args.repeats + 3 + prefill_steps) > 0.9 * pool_tokens:
-                print(f"  decode at batch {batch}, context {context}: skipped (more KV "
-                      f"than the pool's {pool_tokens} tokens)", flush=True)
-                continue
-            names = [f"d{next(ids)}" for _ in prompts]
-            params = SamplingParams(max_tokens=args.repeats + 3 + prefill_steps,
-                                    ignore_eos=True)
+            rec.timed.clear()
+            decode_steps(llm, prompts, args.repeats + 1, rec.took)  # the first warms up
             points += [{"kind": "decode", "context": context, "batch": batch,
                         "features": features(out), "seconds": seconds}
-                       for out, seconds in decode_steps(rec, dict(zip(names, prompts,
-                                                                      strict=True)),
-                                                        params, args.repeats)]
-            drain()
+                       for out, seconds in rec.timed[1:]]
     model = llm.config.model
     layers, kv_heads, head_dim = model.kv_layout
     facts = {"name": model_dir.name, "num_layers": layers,
@@ -218,7 +208,10 @@ def fit(points: Sequence[dict[str, Any]]) -> tuple[dict[str, float], list[float]
     y = np.array([p["seconds"] for p in points], dtype=float)
     # weighted by 1/y: the fit minimises relative error, so fast steps count as much
     w = 1.0 / y
-    active = list(range(x.shape[1]))
+    # a fixed cost of a step's kind that every point (or none) has cannot be told from the
+    # base (e.g. --batches without 1: every step computes more than one token): left at 0
+    active = [i for i in range(x.shape[1])
+              if i == 0 or not np.all(x[:, i] == x[0, i]) or x[0, i] not in (0.0, 1.0)]
     coef = np.zeros(x.shape[1])
     while active:
         sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
@@ -303,8 +296,8 @@ def prefill_in_cluster(coef: dict[str, float], samples: Sequence[dict[str, Any]]
     scale × per-token costs + extra_s × chunks`` (the worker's loop, its KV sends layer by
     layer and its events beside the engine's steps: some grow with the tokens, some come
     once a chunk). Fitted to each prompt length's median (relative least squares); one
-    length, or a negative ``extra_s``, gives the ratio alone (``extra_s`` 0); ``scale`` >=
-    0.5. ``scale`` multiplies the per-token terms, ``extra_s`` is added to a prefill
+    length, a negative ``extra_s`` or a ``scale`` under 0.5 gives the median ratio alone
+    (``extra_s`` 0, ``scale`` >= 0.5). ``scale`` multiplies the per-token terms, ``extra_s`` is added to a prefill
     step's."""
     by_len: dict[int, list[float]] = {}
     for s in samples:
@@ -328,8 +321,8 @@ def prefill_in_cluster(coef: dict[str, float], samples: Sequence[dict[str, Any]]
         w = np.array([1 / r[3] for r in rows])
         x = np.array([[r[0], r[1]] for r in rows]) * w[:, None]
         (scale, extra), *_ = np.linalg.lstsq(x, np.array([r[2] for r in rows]) * w, rcond=None)
-        if extra >= 0:
-            return max(0.5, float(scale)), float(extra)
+        if extra >= 0 and scale >= 0.5:
+            return float(scale), float(extra)
     return max(0.5, statistics.median(r[2] / r[0] for r in rows)), 0.0
 
 
@@ -375,14 +368,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                   steps["model"]["kv_bytes_per_token"], rate)
         cores = ", one core each" if handoff["pinned"] else ""
         where = f"handoff measured through pdserve up (1 prefill + 1 decode{cores})"
+        # the loop's cost first: a prefill worker's every step has it too, and what its
+        # prefill takes beyond that is the prefill's own
+        coef["base_s"] += loop_overhead(coef, handoff["tpot_s"])
+        print(f"worker loop: {coef['base_s'] * 1000:.3f} ms per step with the loop's own cost")
         scale, extra = prefill_in_cluster(coef, handoff["samples"])
         coef["per_prefill_token_s"] *= scale
         coef["per_prefill_attention_s"] *= scale
         coef["prefill_step_s"] += extra
         print(f"prefill in the cluster: {scale:.2f}x the fitted step's per-token costs, "
               f"{extra * 1000:.1f} ms more a chunk")
-        coef["base_s"] += loop_overhead(coef, handoff["tpot_s"])
-        print(f"worker loop: {coef['base_s'] * 1000:.3f} ms per step with the loop's own cost")
         print(f"transfer: {handoff['transfer']['latency_s'] * 1000:.2f} ms + bytes at "
               f"{handoff['transfer']['bytes_per_s'] / 1e9:.2f} GB/s; router "
               f"{handoff['router']['overhead_s'] * 1000:.2f} ms, handoff "

@@ -193,7 +193,7 @@ class SimRouter:
         workers = live(self.decode)
         held = self.shared.cached(request, [w.worker_id for w in workers])
         candidates = [DecodeCandidate(w.worker_id, self.inflight[w.worker_id],
-                                      w.blocks.num_free_blocks, w.blocks.num_blocks,
+                                      w.reported_free_blocks(), w.blocks.num_blocks,
                                       held.get(w.worker_id, 0)) for w in workers]
         return rank_decode(candidates, self._num_blocks(request),
                            self.handoff.load_epsilon), held

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from cluster.registry import DEFAULT_HEARTBEAT_S
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.request import FinishReason, Request
 from engine.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
@@ -57,8 +58,27 @@ class SimWorker:
         self.dead = False  # killed (a fault): it does nothing more
         self._added_at: dict[str, float] = {}  # queued here, no chunk computed yet
         self.queue_waits: list[tuple[float, float]] = []  # (started at, waited) per request
+        self._heartbeat_s = DEFAULT_HEARTBEAT_S  # a real worker's default
+        self._next_beat_s = events.now + self._heartbeat_s
+        self._reported_free = self.blocks.num_free_blocks
 
     # ------------------------------------------------------------------ requests
+
+    def reported_free_blocks(self) -> int:
+        """The pool's free blocks as the worker's last heartbeat reported them: what a real
+        router ranks decode workers by (``DecodeCandidate.free_kv_blocks``, read from the
+        registry), not the count now."""
+        self._beat()
+        return self._reported_free
+
+    def _beat(self) -> None:
+        """Called before anything changes the pool: a heartbeat that fell since the last
+        change saw the pool as it still is."""
+        now = self._events.now
+        if now >= self._next_beat_s:
+            self._reported_free = self.blocks.num_free_blocks
+            beats = int((now - self._next_beat_s) // self._heartbeat_s) + 1
+            self._next_beat_s += beats * self._heartbeat_s
 
     def add(self, request: Request) -> None:
         """Queue a request to compute here (a prefill-only one, or a local attempt)."""
@@ -70,6 +90,7 @@ class SimWorker:
         """Reserve blocks for ``request``'s prompt KV, written from outside, reusing the
         leading blocks the prefix cache holds (at most ``max_reused``): how many it reused,
         or None (nothing held) when they do not fit now."""
+        self._beat()
         cached = self.scheduler.cached_prefix(request)[:max_reused]
         if self.scheduler.reserve(request, request.num_prompt_tokens, cached) is None:
             return None
@@ -78,6 +99,7 @@ class SimWorker:
     def admit_with_kv(self, request_id: str, first_token_id: int) -> StepUpdate:
         """The reserved request's prompt KV arrived and its first token was sampled by the
         prefill worker: it joins the running batch."""
+        self._beat()
         request = self.scheduler.reserved[request_id]
         update = self.scheduler.admit_with_kv(request_id, request.num_prompt_tokens,
                                               first_token_id)
@@ -88,12 +110,14 @@ class SimWorker:
 
     def release_pinned(self, request_id: str) -> None:
         """A prefill-only request's KV has been received: its blocks stay cached."""
+        self._beat()
         self.blocks.unpin(request_id)
         self.kick()  # freed room may let a waiting request in
 
     def abort(self, request_id: str) -> None:
         """The router gave up the attempt ``request_id``: whatever it holds here is freed
         (queued, running, reserved or pinned)."""
+        self._beat()
         self._added_at.pop(request_id, None)
         self.scheduler.finish(request_id, FinishReason.ABORT)
         self.scheduler.forget([request_id])
@@ -111,6 +135,7 @@ class SimWorker:
         """Start a step if none is running and there is work."""
         if self.dead or self._stepping or not self.scheduler.has_unfinished():
             return
+        self._beat()
         out = self.scheduler.schedule()
         if not (out.decodes or out.prefills):  # waiting for room (blocks held for KV on its way, or pinned)
             return
@@ -132,6 +157,7 @@ class SimWorker:
         sampled = [FIRST_TOKEN_ID + (_id_sum(c.request_id) * 7919
                                      + (c.start_position + len(c.token_ids)) * 104729)
                    % NUM_TOKEN_IDS for c in out.chunks if c.sample]
+        self._beat()
         updates = self.scheduler.update(out, sampled)
         finished = [u.request.request_id for u in updates if u.finished]
         if finished:

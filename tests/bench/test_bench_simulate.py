@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench import profile, simulate
-from sim.profile import load
+from engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from sim.profile import STEP_TERMS, StepModel, load
 from tests.sim.profiles import profile_json
 
 pytestmark = pytest.mark.timeout(300)
@@ -118,3 +120,40 @@ def test_the_clusters_prefill_is_the_fitted_steps_scaled_plus_a_cost_a_chunk() -
     assert profile.prefill_in_cluster(coef, []) == (1.0, 0.0)
     assert profile.prefill_in_cluster(coef, [{"prompt_len": 64, "prefill_compute": 1.0}]) \
         == (0.5, 0.0)
+
+
+def _step(decodes: Sequence[int], prefills: Sequence[tuple[int, int]]) -> SchedulerOutput:
+    """A step of decode sequences at these contexts and prefill chunks of (tokens, start)."""
+    return SchedulerOutput(
+        decodes=[ScheduledChunk(f"d{i}", (1,), c, (), True) for i, c in enumerate(decodes)],
+        prefills=[ScheduledChunk(f"p{i}", tuple(range(n)), start, (), True)
+                  for i, (n, start) in enumerate(prefills)])
+
+
+STEPS = [_step([10], []), _step([10, 500], []), _step([300] * 8, []), _step([], [(64, 0)]),
+         _step([], [(512, 256)]), _step([40], [(128, 0)]), _step([], [(1, 0)]),
+         _step([20] * 3, [(32, 64)]), _step([1000] * 4, []), _step([], [(256, 0)])]
+TERMS = dict(zip(STEP_TERMS, (0.01, 0.002, 0.004, 3e-4, 2e-7, 1.2e-3, 1e-6), strict=True))
+
+
+def test_the_fitted_quantities_are_the_step_models() -> None:
+    step = StepModel(**TERMS, num_kv_blocks=1)
+    for out in STEPS:
+        features = profile.features(out)
+        assert sum(f * TERMS[k] for f, k in zip(features, STEP_TERMS, strict=True)) \
+            == pytest.approx(step.step_s(out))
+
+
+def test_the_fit_finds_both_fixed_costs_and_leaves_one_it_cannot_tell_at_zero() -> None:
+    step = StepModel(**TERMS, num_kv_blocks=1)
+    points = [{"features": profile.features(out), "seconds": step.step_s(out)}
+              for out in STEPS]
+    coef, errors = profile.fit(points)
+    assert coef == pytest.approx(TERMS) and max(map(abs, errors)) < 1e-9
+    # no step of one token: "more than one token" is every step's, the base's
+    batched = [p for p, out in zip(points, STEPS, strict=True)
+               if len(out.decodes) + sum(len(c.token_ids) for c in out.prefills) > 1]
+    coef, errors = profile.fit(batched)
+    assert coef["multi_token_s"] == 0.0
+    assert coef["base_s"] == pytest.approx(TERMS["base_s"] + TERMS["multi_token_s"])
+    assert max(map(abs, errors)) < 1e-9

@@ -60,8 +60,12 @@ def test_the_model_counts_the_fixed_costs_of_prefill_and_batched_steps() -> None
     # 1,000 tokens: two chunks, each a step of more than one token that prefills
     assert after.prefill_s(1000) == pytest.approx(before.prefill_s(1000) + 2 * 0.004)
     assert 1 / after.prefill_rate(1024) == pytest.approx(1 / before.prefill_rate(1024) + 0.008)
-    # a loaded decode worker's step computes several tokens: its fixed cost is both
+    # a loaded decode worker's step computes several tokens: its fixed cost is both; one
+    # that holds about one stream at a time computes one token a step
+    assert before.decode_step(CHAT, 3) * CHAT.rate * CHAT.output_tokens / 3 > 1
     assert after.decode_step(CHAT, 3) > before.decode_step(CHAT, 3) + 0.001
+    light = Traffic(rate=0.5, prompt_tokens=200, output_tokens=100)
+    assert after.decode_step(light, 3) == before.decode_step(light, 3)
 
 
 def test_a_measured_queue_wait_implies_the_rate_that_explains_it() -> None:

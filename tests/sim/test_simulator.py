@@ -305,3 +305,31 @@ def test_a_run_collects_garbage_less_often_and_leaves_the_collector_as_it_was() 
     assert result["completed"] == 5
     assert seen == [(100 * before[0], *before[1:])]
     assert gc.get_threshold() == before
+
+
+def test_a_router_ranks_decode_workers_by_the_free_blocks_their_last_heartbeat_reported(
+        ) -> None:
+    # as a real router reads them from the registry: a worker's pool is seen as it was at
+    # its last heartbeat (every 3 s), not as it is now
+    from engine.core.request import Request as EngineRequest
+    from engine.sampling_params import SamplingParams
+    from sim.events import EventQueue
+    from sim.worker import SimWorker
+
+    events = EventQueue()
+    worker = SimWorker("decode-0", "decode", small_profile().step(1), block_size=16,
+                       max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=512,
+                       events=events, on_outputs=lambda w, updates: None)
+    free = worker.blocks.num_free_blocks
+    assert worker.reported_free_blocks() == free
+    events.at(1.0, worker.add, EngineRequest("a", list(range(16, 16 + 320)),
+                                             SamplingParams(max_tokens=3500, ignore_eos=True)))
+    seen: dict[float, tuple[int, int]] = {}
+    for t in (2.9, 3.1, 5.0, 6.2):
+        events.at(t, lambda t=t: seen.update({t: (worker.reported_free_blocks(),
+                                                  worker.blocks.num_free_blocks)}))
+    events.run(until=6.5)
+    assert seen[2.9][0] == free > seen[2.9][1]  # taken at 1 s, not yet reported
+    assert seen[3.1][0] < free and seen[3.1][0] == seen[5.0][0]  # the 3 s heartbeat's
+    assert seen[5.0][1] < seen[5.0][0]  # its decoding took more since
+    assert seen[6.2][0] < seen[5.0][0]  # the 6 s heartbeat's
