@@ -70,7 +70,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contexts", default="0,256,1024")
     p.add_argument("--batches", default="1,4,16,32,64")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--handoff-lens", default="64,256,1024")
+    p.add_argument("--handoff-lens", default="64,256,512,1024")
     p.add_argument("--handoff-requests", type=int, default=12)
     p.add_argument("--handoff-rate", type=float,
                    help="requests per second (Poisson) of the handoff part (default: a light "

@@ -7,7 +7,8 @@ reservations for KV written from outside (``reserve`` / ``admit_with_kv``) and p
 requests pinned until their KV has travelled. What is not run is the model: a sampled
 token is a made-up id (outputs are fixed-length, ``ignore_eos``, as in ``bench.serve``).
 The pool publishes its KV events into a ``KVEventLog``, as a real worker's does, for the
-router's KV index.
+router's KV index, and reports its free blocks at each heartbeat (``reported_free_blocks``),
+as a real worker's registry record does, for the routers' ranking of decode workers.
 """
 
 from __future__ import annotations
