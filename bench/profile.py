@@ -180,14 +180,19 @@ def measure_steps(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             # step_profile.decode_steps gives each enough tokens to outlast the batch's
             # prefill (its first ones decode while the later prompts are prefilled)
             max_tokens = args.repeats + 2 + batch + -(-batch * max(context, 1) // max_batched)
-            if batch * -(-(context + max_tokens) // block_size) > 0.9 * num_blocks:
+            if batch * -(-(max(context, 1) + max_tokens) // block_size) > 0.9 * num_blocks:
                 print(f"  decode at batch {batch}, context {context}: skipped (more KV "
                       f"than 90% of the pool's {num_blocks} blocks)", flush=True)
                 continue
             prompts = [list(r.prompt_token_ids)[:max(context, 1)]
                        for r in workload.take(batch)]
             rec.timed.clear()
-            decode_steps(llm, prompts, args.repeats + 1, rec.took)  # the first warms up
+            try:
+                decode_steps(llm, prompts, args.repeats + 1, rec.took)  # the first warms up
+            except RuntimeError as exc:  # a step that did not decode the whole batch
+                print(f"  decode at batch {batch}, context {context}: skipped ({exc})",
+                      flush=True)
+                continue
             points += [{"kind": "decode", "context": context, "batch": batch,
                         "features": features(out), "seconds": seconds}
                        for out, seconds in rec.timed[1:]]
@@ -201,6 +206,21 @@ def measure_steps(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             "num_kv_blocks": int(core.executor.num_kv_blocks)}
 
 
+def _telling(x: np.ndarray) -> list[int]:
+    """The features the points can tell apart: each kept only if it is not a combination
+    of those kept before it, in the order base, the per-token terms, then the fixed costs
+    of a step's kind (the prefill's before the batched one's). E.g. without a batch of 1
+    every step computes more than one token, so ``multi_token_s`` is the base's and left
+    at 0; with only batches of 1 it is the prefill step's."""
+    order = [0, *range(3, x.shape[1]), 2, 1]
+    scaled = x / np.maximum(np.abs(x).max(axis=0), 1e-300)  # ranks alike at any unit
+    kept: list[int] = []
+    for i in order:
+        if np.linalg.matrix_rank(scaled[:, [*kept, i]]) > len(kept):
+            kept.append(i)
+    return sorted(kept)
+
+
 def fit(points: Sequence[dict[str, Any]]) -> tuple[dict[str, float], list[float]]:
     """Least squares of step seconds on the features, coefficients >= 0 (a negative one
     is dropped and the rest refitted); the coefficients and each point's relative error."""
@@ -208,10 +228,7 @@ def fit(points: Sequence[dict[str, Any]]) -> tuple[dict[str, float], list[float]
     y = np.array([p["seconds"] for p in points], dtype=float)
     # weighted by 1/y: the fit minimises relative error, so fast steps count as much
     w = 1.0 / y
-    # a fixed cost of a step's kind that every point (or none) has cannot be told from the
-    # base (e.g. --batches without 1: every step computes more than one token): left at 0
-    active = [i for i in range(x.shape[1])
-              if i == 0 or not np.all(x[:, i] == x[0, i]) or x[0, i] not in (0.0, 1.0)]
+    active = _telling(x)
     coef = np.zeros(x.shape[1])
     while active:
         sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)

@@ -14,8 +14,9 @@ The model, per window of traffic (arrival rate λ, mean prompt P and output O to
   sequences, ``t`` the step time at that batch, ``t = base + b·(per_seq + per_context·C)``
   with ``C = P + O/2`` the mean context: ``b = λ·O·base / (d - λ·O·(per_seq +
   per_context·C))``, no fixed point (overload) when that is not positive; ``base`` is
-  the step's fixed cost, with ``multi_token`` in it where ``b > 1`` (a prefill step's
-  has both fixed costs of a step's kind, ``multi_token`` and ``prefill_step``). The requests'
+  the step's fixed cost, with ``multi_token`` in it in full from ``b = 2`` and in part
+  between 1 and 2 (a prefill step's has both fixed costs of a step's kind,
+  ``multi_token`` and ``prefill_step``). The requests'
   TPOTs spread about ``t`` (normal, ``TPOT_SPREAD`` of it): attainment is the share of
   them within ``tpot_slo``; 0 when the batch's KV does not fit in the workers' pools.
 - without prefill workers (``p = 0``) the decode workers prefill too: the prefill queue
@@ -130,11 +131,12 @@ class CapacityModel:
         room = num_decode - demand * per_seq
         if num_decode <= 0 or room <= 0:
             return math.inf
-        batch = demand * scale * c.base_s / room
-        if batch > 1:  # its steps compute more than one token: their fixed cost too
-            batch = demand * scale * (c.base_s + c.multi_token_s) / room
-            return scale * (c.base_s + c.multi_token_s) + batch * per_seq
-        return scale * c.base_s + batch * per_seq
+        # steps of more than one token pay multi_token too: in full from a batch of two,
+        # in part between one and two (continuous in the traffic)
+        alone = demand * scale * c.base_s / room
+        fixed = c.base_s + c.multi_token_s * min(1.0, max(0.0, alone - 1))
+        batch = demand * scale * fixed / room
+        return scale * fixed + batch * per_seq
 
     def inter_token_s(self, traffic: Traffic, num_prefill: int, num_decode: int,
                       scale: float = 1.0) -> float:

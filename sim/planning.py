@@ -80,7 +80,9 @@ class SimPlanner:
     def _tick(self) -> None:
         for change in self.planner.decide(self.observe()):
             if isinstance(change, RoleChange):
-                self._by_id(change.worker_id).role = change.to_role
+                worker = self._by_id(change.worker_id)
+                worker.role = change.to_role
+                worker.beat_now()  # as a real worker's role change sends one at once
             elif change.action == ADD:
                 self._events.after(self.settings.startup_s, self._add, change.role)
             else:

@@ -160,9 +160,11 @@ class SimRouter:
             worker = self._worker(decode_id)
             attempt = f"{request.request_id}#{request.num_attempts}"
             # the Prefill goes out with the pass's first Reserve where, by a trusted index,
-            # the decode worker holds none of the prompt (router.lifecycle.placement)
+            # the decode worker holds none of the prompt and its registered free blocks
+            # hold the request (router.lifecycle.ahead.ahead_target)
             ahead = decode_id == order[0] and not request.no_ahead and not held.get(
-                decode_id, 0) and self.kv_index is not None and self.kv_index.trusted()
+                decode_id, 0) and self.kv_index is not None and self.kv_index.trusted() \
+                and worker.reported_free_blocks() >= self._num_blocks(request)
             reserved = worker.reserve(request.engine_request(attempt), 0 if ahead else None)
             if reserved is None:
                 request.no_ahead = request.no_ahead or ahead

@@ -72,6 +72,10 @@ class SimWorker:
         self._beat()
         return self._reported_free
 
+    def beat_now(self) -> None:
+        """A heartbeat out of turn (a real worker sends one when its role changes)."""
+        self._reported_free = self.blocks.num_free_blocks
+
     def _beat(self) -> None:
         """Called before anything changes the pool: a heartbeat that fell since the last
         change saw the pool as it still is."""

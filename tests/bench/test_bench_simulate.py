@@ -132,7 +132,8 @@ def _step(decodes: Sequence[int], prefills: Sequence[tuple[int, int]]) -> Schedu
 
 STEPS = [_step([10], []), _step([10, 500], []), _step([300] * 8, []), _step([], [(64, 0)]),
          _step([], [(512, 256)]), _step([40], [(128, 0)]), _step([], [(1, 0)]),
-         _step([20] * 3, [(32, 64)]), _step([1000] * 4, []), _step([], [(256, 0)])]
+         _step([20] * 3, [(32, 64)]), _step([1000] * 4, []), _step([], [(256, 0)]),
+         _step([700], []), _step([], [(32, 500)]), _step([5], [(300, 100)])]
 TERMS = dict(zip(STEP_TERMS, (0.01, 0.002, 0.004, 3e-4, 2e-7, 1.2e-3, 1e-6), strict=True))
 
 
@@ -157,3 +158,11 @@ def test_the_fit_finds_both_fixed_costs_and_leaves_one_it_cannot_tell_at_zero() 
     assert coef["multi_token_s"] == 0.0
     assert coef["base_s"] == pytest.approx(TERMS["base_s"] + TERMS["multi_token_s"])
     assert max(map(abs, errors)) < 1e-9
+    # decode steps of one sequence only and prefills of many tokens (as --batches 1):
+    # every step of more than one token prefills, so the prefill step's cost takes both
+    single = [p for p, out in zip(points, STEPS, strict=True) if len(out.decodes) <= 1
+              and all(len(c.token_ids) > 1 for c in out.prefills)]
+    coef, errors = profile.fit(single)
+    assert coef["multi_token_s"] == 0.0
+    assert coef["prefill_step_s"] == pytest.approx(TERMS["prefill_step_s"]
+                                                   + TERMS["multi_token_s"])

@@ -67,6 +67,17 @@ def test_the_model_counts_the_fixed_costs_of_prefill_and_batched_steps() -> None
     light = Traffic(rate=0.5, prompt_tokens=200, output_tokens=100)
     assert after.decode_step(light, 3) == before.decode_step(light, 3)
 
+    def near(batch: float) -> Traffic:  # the rate at which 3 workers hold about `batch` each
+        step = before.decode_step(CHAT, 3)
+        return Traffic(rate=CHAT.rate * batch / (step * CHAT.rate * CHAT.output_tokens / 3),
+                       prompt_tokens=CHAT.prompt_tokens, output_tokens=CHAT.output_tokens)
+
+    # no jump where the batch passes one: multi_token comes in over the second sequence
+    assert after.decode_step(near(0.999), 3) == pytest.approx(before.decode_step(near(0.999), 3),
+                                                               rel=0.01)
+    assert after.decode_step(near(1.001), 3) == pytest.approx(after.decode_step(near(0.999), 3),
+                                                               rel=0.01)
+
 
 def test_a_measured_queue_wait_implies_the_rate_that_explains_it() -> None:
     lam, pooled = 10.0, 12.0

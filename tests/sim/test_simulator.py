@@ -325,11 +325,37 @@ def test_a_router_ranks_decode_workers_by_the_free_blocks_their_last_heartbeat_r
     events.at(1.0, worker.add, EngineRequest("a", list(range(16, 16 + 320)),
                                              SamplingParams(max_tokens=3500, ignore_eos=True)))
     seen: dict[float, tuple[int, int]] = {}
-    for t in (2.9, 3.1, 5.0, 6.2):
+    for t in (2.9, 2.999, 3.1, 5.0, 6.2):
         events.at(t, lambda t=t: seen.update({t: (worker.reported_free_blocks(),
                                                   worker.blocks.num_free_blocks)}))
     events.run(until=6.5)
     assert seen[2.9][0] == free > seen[2.9][1]  # taken at 1 s, not yet reported
-    assert seen[3.1][0] < free and seen[3.1][0] == seen[5.0][0]  # the 3 s heartbeat's
+    assert seen[3.1][0] < free and seen[3.1][0] == seen[5.0][0]  # the 3 s heartbeat's:
+    assert seen[3.1][0] == seen[2.999][1] != seen[3.1][1]  # the pool then, not at 3.1 s
     assert seen[5.0][1] < seen[5.0][0]  # its decoding took more since
     assert seen[6.2][0] < seen[5.0][0]  # the 6 s heartbeat's
+
+
+def test_the_simulated_router_ranks_by_the_reported_free_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sim.worker import SimWorker
+
+    reported: list[tuple[int, int]] = []  # (reported, live) per read
+    ranked: list[int] = []  # the free blocks each candidate was ranked with
+    report, rank = SimWorker.reported_free_blocks, sim_router.rank_decode
+
+    def reading(worker: SimWorker) -> int:
+        reported.append((report(worker), worker.blocks.num_free_blocks))
+        return reported[-1][0]
+
+    def ranking(candidates: list[object], *args: object) -> list[str]:
+        ranked.extend(c.free_kv_blocks for c in candidates)  # type: ignore[attr-defined]
+        return rank(candidates, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SimWorker, "reported_free_blocks", reading)
+    monkeypatch.setattr(sim_router, "rank_decode", ranking)
+    spec = SimSpec(num_prefill=0, num_decode=2,
+                   handoff=HandoffConfig(local_prefill="always"))
+    simulate(small_profile(), spec, requests(200, rate=40, output=200))
+    assert ranked and ranked == [r for r, _ in reported][:len(ranked)]
+    assert any(r != live for r, live in reported)  # the heartbeat's were not the pool's
