@@ -12,8 +12,10 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,18 +30,53 @@ from loadtest.workloads import Request
 from sim.metrics import Outcome
 
 
+class Terminated(SystemExit):
+    """SIGTERM arrived while a benchmark cluster ran (``log_folder``): the exit status is
+    a SIGTERM'd process's, 143."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def log_folder() -> Iterator[Path]:
     """A temporary folder for one benchmark cluster's logs (``ClusterSpec.log_dir``):
     removed when the block ends, kept when it raises (its path on stderr, for the
-    post-mortem), so benchmarks and the tests that run them leave nothing behind."""
+    post-mortem), so benchmarks and the tests that run them leave nothing behind.
+
+    SIGTERM in the block raises ``Terminated`` (where the main thread's handler for it is
+    still the default), as Ctrl-C raises ``KeyboardInterrupt``: the blocks around unwind,
+    so the cluster is stopped the way ``LocalLauncher`` stops it (the Redis URL and a
+    generated cluster token removed from the folder, the logs kept and named)."""
     path = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
-    try:
-        yield path
-    except BaseException:
-        print(f"the cluster's logs are kept in {path}", file=sys.stderr)
-        raise
+    with _sigterm_raises():
+        try:
+            yield path
+        except BaseException:
+            print(f"the cluster's logs are kept in {path}", file=sys.stderr)
+            raise
     shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` in the main thread while the block runs, unless the
+    program handles SIGTERM itself (or this is not the main thread)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is terminated:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager

@@ -44,7 +44,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -53,7 +53,14 @@ from bench.common import machine_info, write_json
 from bench.handoff import breakdown, send_traced
 from engine.core.scheduler import SchedulerOutput
 from loadtest.workloads import Workload, WorkloadSpec
-from sim.profile import SCHEMA, STEP_TERMS, from_json
+from sim.profile import (
+    FIXED_TERMS,
+    SCHEMA,
+    STEP_TERMS,
+    chunk_quantities,
+    from_json,
+    step_quantities,
+)
 from sim.roofline import GPUS, MODELS, derive
 
 HANDOFF_OUTPUT_LEN = 8
@@ -127,15 +134,8 @@ class StepRecorder:
 
 
 def features(out: SchedulerOutput) -> list[float]:
-    """The step model's quantities of one step (``sim.profile.StepModel.step_s``)."""
-    prefill = attention = 0.0
-    for chunk in out.prefills:
-        n = len(chunk.token_ids)
-        prefill += n
-        attention += n * (chunk.start_position + n / 2)
-    multi_token = prefill + len(out.decodes) > 1
-    return [1.0, float(multi_token), float(bool(out.prefills)), prefill, attention,
-            float(len(out.decodes)), float(sum(c.start_position + 1 for c in out.decodes))]
+    """The step model's quantities of one step, in ``FEATURES`` order."""
+    return list(step_quantities(out))
 
 
 def measure_steps(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
@@ -245,10 +245,16 @@ def fit(points: Sequence[dict[str, Any]]) -> tuple[dict[str, float], list[float]
 
 def light_rate(coef: dict[str, float], lengths: Sequence[int]) -> float:
     """A quarter of one prefill worker's capacity at the mean length, at most 4/s."""
-    n = statistics.fmean(lengths)
-    prefill_s = coef["base_s"] + coef["multi_token_s"] + coef["prefill_step_s"] \
-        + coef["per_prefill_token_s"] * n + coef["per_prefill_attention_s"] * n * n / 2
-    return min(4.0, 0.25 / prefill_s)
+    n = round(statistics.fmean(lengths))
+    return min(4.0, 0.25 / _weigh(coef, chunk_quantities(n)))
+
+
+def _weigh(coef: dict[str, float], quantities: Sequence[float],
+           terms: Sequence[str] = FEATURES) -> float:
+    """The seconds ``coef``'s ``terms`` give ``quantities`` (``step_quantities`` order; a
+    term whose quantity is 0 need not be in ``coef``)."""
+    return sum(coef[t] * q for t, q in zip(FEATURES, quantities, strict=True)
+               if q and t in terms)
 
 
 def measure_handoff(args: argparse.Namespace, model_dir: Path, vocab: int,
@@ -320,27 +326,38 @@ def prefill_in_cluster(coef: dict[str, float], samples: Sequence[dict[str, Any]]
     for s in samples:
         if s["prefill_compute"] > 0:
             by_len.setdefault(s["prompt_len"], []).append(s["prefill_compute"] / 1000)
+    per_token = [t for t in FEATURES if t not in FIXED_TERMS]
     rows = []
     for length, seconds in sorted(by_len.items()):
-        left, start, fixed, variable, chunks = length, 0, 0.0, 0.0, 0
-        while left > 0:
-            n = min(left, chunk)
-            fixed += coef["base_s"] + coef["prefill_step_s"] + coef["multi_token_s"] * (n > 1)
-            variable += (coef["per_prefill_token_s"] * n
-                         + coef["per_prefill_attention_s"] * n * (start + n / 2))
-            start, left, chunks = start + n, left - n, chunks + 1
+        fixed = variable = 0.0
+        chunks = range(0, length, chunk)
+        for start in chunks:
+            quantities = chunk_quantities(min(chunk, length - start), start)
+            fixed += _weigh(coef, quantities, FIXED_TERMS)
+            variable += _weigh(coef, quantities, per_token)
         if variable > 0:
-            rows.append((variable, chunks, statistics.median(seconds) - fixed,
-                         statistics.median(seconds)))
+            measured = statistics.median(seconds)
+            rows.append(_LengthRow(variable, len(chunks), measured - fixed, measured))
     if not rows:
         return 1.0, 0.0
     if len(rows) >= 2:
-        w = np.array([1 / r[3] for r in rows])
-        x = np.array([[r[0], r[1]] for r in rows]) * w[:, None]
-        (scale, extra), *_ = np.linalg.lstsq(x, np.array([r[2] for r in rows]) * w, rcond=None)
+        w = np.array([1 / r.measured_s for r in rows])
+        x = np.array([[r.per_token_s, r.chunks] for r in rows]) * w[:, None]
+        y = np.array([r.beyond_fixed_s for r in rows]) * w
+        (scale, extra), *_ = np.linalg.lstsq(x, y, rcond=None)
         if extra >= 0 and scale >= 0.5:
             return float(scale), float(extra)
-    return max(0.5, statistics.median(r[2] / r[0] for r in rows)), 0.0
+    return max(0.5, statistics.median(r.beyond_fixed_s / r.per_token_s for r in rows)), 0.0
+
+
+class _LengthRow(NamedTuple):
+    """One prompt length in ``prefill_in_cluster``: its chunks' fitted per-token seconds,
+    how many chunks, the measured median less the chunks' fixed costs, the median."""
+
+    per_token_s: float
+    chunks: int
+    beyond_fixed_s: float
+    measured_s: float
 
 
 def loop_overhead(coef: dict[str, float], tpots: Sequence[tuple[int, float]]) -> float:

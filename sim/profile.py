@@ -38,7 +38,7 @@ costs 0). ``steps`` is keyed by tensor-parallel size; ``multi_token_s`` and
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ SOURCES = ("measured", "derived")
 STEP_TERMS = ("base_s", "multi_token_s", "prefill_step_s", "per_prefill_token_s",
               "per_prefill_attention_s", "per_decode_seq_s", "per_decode_context_s")
 OPTIONAL_TERMS = ("multi_token_s", "prefill_step_s")  # 0 where a profile has none
+FIXED_TERMS = ("base_s", "multi_token_s", "prefill_step_s")  # a step's, whatever its size
 
 
 class ProfileError(ValueError):
@@ -71,21 +72,41 @@ class StepModel:
 
     def step_s(self, out: SchedulerOutput) -> float:
         """Seconds the step ``out`` takes on this worker."""
-        prefill_tokens = attention = 0.0
-        for chunk in out.prefills:
-            n = len(chunk.token_ids)
-            prefill_tokens += n
-            attention += n * (chunk.start_position + n / 2)
-        context = sum(chunk.start_position + 1 for chunk in out.decodes)
-        fixed = self.base_s
-        if out.prefills:
-            fixed += self.prefill_step_s
-        if prefill_tokens + len(out.decodes) > 1:
-            fixed += self.multi_token_s
-        return (fixed + self.per_prefill_token_s * prefill_tokens
-                + self.per_prefill_attention_s * attention
-                + self.per_decode_seq_s * len(out.decodes)
-                + self.per_decode_context_s * context)
+        return self.time_s(step_quantities(out))
+
+    def prefill_chunk_s(self, num_tokens: int, start: int = 0) -> float:
+        """Seconds a step holding one prefill chunk alone takes: ``num_tokens`` tokens
+        after ``start`` computed ones."""
+        return self.time_s(chunk_quantities(num_tokens, start))
+
+    def time_s(self, quantities: Sequence[float]) -> float:
+        """Seconds a step of ``quantities`` (one per ``STEP_TERMS``, in that order) takes."""
+        b, m, p, t, a, s, c = quantities
+        return (self.base_s * b + self.multi_token_s * m + self.prefill_step_s * p
+                + self.per_prefill_token_s * t + self.per_prefill_attention_s * a
+                + self.per_decode_seq_s * s + self.per_decode_context_s * c)
+
+
+def step_quantities(out: SchedulerOutput) -> tuple[float, ...]:
+    """What the step ``out``'s time grows with: the multiplier of each of ``STEP_TERMS``,
+    in that order (the module doc's formula). ``StepModel.step_s`` weighs them;
+    ``bench.profile`` fits the weights to measured steps."""
+    prefill_tokens = attention = 0.0
+    for chunk in out.prefills:
+        n = len(chunk.token_ids)
+        prefill_tokens += n
+        attention += n * (chunk.start_position + n / 2)
+    decodes = out.decodes
+    context = sum(chunk.start_position + 1 for chunk in decodes)
+    return (1.0, float(prefill_tokens + len(decodes) > 1), float(bool(out.prefills)),
+            prefill_tokens, attention, float(len(decodes)), float(context))
+
+
+def chunk_quantities(num_tokens: int, start: int = 0) -> tuple[float, ...]:
+    """``step_quantities`` of a step holding one prefill chunk alone (``num_tokens``
+    tokens after ``start`` computed ones)."""
+    n = float(num_tokens)
+    return (1.0, float(n > 1), 1.0, n, n * (start + n / 2), 0.0, 0.0)
 
 
 @dataclass(frozen=True)
