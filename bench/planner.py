@@ -27,7 +27,8 @@ once, the two capacities the rates are fractions of:
   1,024-token prefill it takes;
 - one decode worker's, on the decode-heavy mix: the streams it holds within the TPOT SLO
   (1 + the SLO's slack over the unloaded TPOT ÷ what each further stream adds to a step,
-  measured with ``STREAMS`` at once through the cluster) times the tokens a second that
+  measured with ``STREAMS`` at once through the cluster, the median of ``STREAM_ROUNDS``
+  rounds) times the tokens a second that
   makes, over the mix's mean output length. Its rate is ``--sharegpt-fraction`` [0.8] of
   it: the estimate counts streams at the mean TPOT of short requests, where the mix's long
   outputs decode over longer contexts, so one decode worker falls behind below it (at 1.25
@@ -168,24 +169,32 @@ def calibrate(args: argparse.Namespace, model_dir: Path, vocab: int, cpus: tuple
 
 
 STREAMS = 4  # streams decoding at once for the cost of each one in a step
+STREAM_ROUNDS = 3  # that cost is the median of this many rounds (one round alone moved it
+# from 2.2 to 1.5 ms, and a phase's rate with it, between two runs)
 MAX_STREAMS = 64  # the most a decode step is taken to hold (a measured cost near 0)
 
 
 def stream_cost_ms(address: str, vocab: int, quick: bool) -> float:
     """What each stream beyond the first adds to a decode step, through the cluster (the
-    engine's step and the worker's loop streaming each token): the median TPOT of
-    ``STREAMS`` equal requests sent at once, less that of one alone, over ``STREAMS - 1``."""
+    engine's step and the worker's loop streaming each token): in each of
+    ``STREAM_ROUNDS`` rounds, the median TPOT of ``STREAMS`` equal requests sent at once,
+    less that of two sent one at a time just before, over ``STREAMS - 1``; the median of
+    the rounds."""
     spec = WorkloadSpec("random", input_len=32, output_len=24 if quick else 96)
-    alone = [o for o in one_by_one(address, Workload(spec, vocab, seed=5).take(2)) if o.success]
-    together, _ = send(address, Workload(spec, vocab, seed=6).take(STREAMS),
-                       request_rate=float("inf"))
-    done = [o for o in together if o.success]
-    if not alone or not done:
-        raise SystemExit("bench.planner: the decode step's cost per stream could not be "
-                         "measured (requests failed)")
-    one = statistics.median(o.tpot or 0.0 for o in alone)
-    many = statistics.median(o.tpot or 0.0 for o in done)
-    return max(0.0, 1000 * (many - one) / (STREAMS - 1))
+    costs = []
+    for i in range(STREAM_ROUNDS):
+        alone = [o for o in one_by_one(address, Workload(spec, vocab, seed=5 + 2 * i).take(2))
+                 if o.success]
+        together, _ = send(address, Workload(spec, vocab, seed=6 + 2 * i).take(STREAMS),
+                           request_rate=float("inf"))
+        done = [o for o in together if o.success]
+        if not alone or not done:
+            raise SystemExit("bench.planner: the decode step's cost per stream could not be "
+                             "measured (requests failed)")
+        one = statistics.median(o.tpot or 0.0 for o in alone)
+        many = statistics.median(o.tpot or 0.0 for o in done)
+        costs.append(max(0.0, 1000 * (many - one) / (STREAMS - 1)))
+    return statistics.median(costs)
 
 
 def decode_capacity(args: argparse.Namespace, vocab: int, per_stream_ms: float,

@@ -12,17 +12,11 @@ the real cluster's request throughput fell below 90% of the rate sent (reported,
 of the MAPE). ``--quick``: the tiny model, the disaggregated layout, one small workload at
 one rate (the test suite's point).
 
-A speed probe before each point: ``PROBE_REQUESTS`` requests of the point's workload
-(prompts of their own), each sent alone through the same real cluster, and simulated
-alone. A shared host's speed drifts between the profile and a point, and between points,
-by more than the goal's margins. So each point is also simulated on the profile scaled
-(``Profile.scaled``) until those lone requests' median TTFT and TPOT match the real
-ones: the prefill's own costs by one factor, the rest of a step by another (each within
-``1 / MAX_SCALE .. MAX_SCALE``). The factors say how fast the machine ran against its
-profile; what the probed simulation is left to get right is what load does (queues,
-batching, routing). Each point reports both: ``errors`` on the profile as measured,
-``errors_probed`` on the probed one; the MAPE and the goal likewise (``mape``,
-``mape_probed``).
+Lone requests before each point: ``LONE_REQUESTS`` requests of the point's workload
+(prompts of their own), each sent alone through the same real cluster and simulated
+alone (``lone``: their median TTFT and TPOT, real and simulated, and the errors). They
+tell the profile's error at no load, or the machine's drift since it was profiled, from
+the error that load adds (queues, batching, routing), which the point's own errors mix.
 """
 
 from __future__ import annotations
@@ -48,11 +42,8 @@ WORKLOADS = {"long-prompt": WorkloadSpec("random", input_len=512, output_len=32)
 QUICK_WORKLOAD = WorkloadSpec("random", input_len=128, output_len=16)
 LAYOUTS = ("disaggregated", "colocated")
 SATURATED = 0.9  # real throughput below this share of the rate sent: past saturation
-PROBE_REQUESTS = 3  # lone requests before each point (the speed probe)
-PROBE_ROUNDS = 4  # scale, re-simulate: the fixed overheads make one round fall short
-MAX_SCALE = 2.0
-LONE_GAP_S = 1000.0  # virtual seconds between the simulated probe requests: each alone
-
+LONE_REQUESTS = 3  # sent alone before each point
+LONE_GAP_S = 1000.0  # virtual seconds between the simulated lone requests: each alone
 
 def layout(name: str) -> dict[str, Any]:
     first, last = two_cpus()
@@ -103,61 +94,44 @@ def validate(profile: Profile, model_dir: Path | None, *, quick: bool, rates: Se
                     # the earlier points' prompts, the simulator starts empty
                     requests = Workload(spec, vocab, seed=seed + 100 * w + r).take(num_prompts)
                     times = arrival_times(len(requests), rate, seed)
-                    probe = Workload(spec, vocab, seed=seed + 100 * w + 50 + r).take(
-                        1 if quick else PROBE_REQUESTS)
-                    scales = speed_probe(running.router_address, profile, sim_spec(shape),
-                                         probe, seed)
+                    lone_requests = Workload(spec, vocab, seed=seed + 100 * w + 50 + r).take(
+                        1 if quick else LONE_REQUESTS)
+                    lone = lone_figures(running.router_address, profile, sim_spec(shape),
+                                        lone_requests, seed)
                     real = real_run(running.router_address, requests, times, rate, seed)
                     sim = sim_run(profile, sim_spec(shape), requests, times)
-                    probed = sim_run(profile.scaled(scales["prefill_scale"],
-                                                    scales["decode_scale"]),
-                                     sim_spec(shape), requests, times)
                     saturated = real["request_throughput"] < SATURATED * min(
                         rate, len(requests) / max(times[-1], 1e-9))
                     kept = (*METRIC_KEYS, "request_throughput")
                     point = {"layout": name, "workload": workload, "rate": rate,
                              "saturated": saturated, "errors": _errors(sim, real),
-                             "errors_probed": _errors(probed, real), "speed_probe": scales,
                              "real": {k: real[k] for k in kept},
-                             "simulated": {k: sim[k] for k in kept},
-                             "simulated_probed": {k: probed[k] for k in kept}}
+                             "simulated": {k: sim[k] for k in kept}, "lone": lone}
                     points.append(point)
                     print(_line(point), flush=True)
     below = [p for p in points if not p["saturated"]]
     return {"points": points,
-            "mape": _mape(below, "errors"), "goal_met_below_saturation": _goal(below, "errors"),
-            "mape_probed": _mape(below, "errors_probed"),
-            "goal_met_below_saturation_probed": _goal(below, "errors_probed"),
+            "mape": _mape(below), "goal_met_below_saturation": _goal(below),
             "goal": "median TTFT/TPOT within 15%, p90 within 25%, at every point below "
                     "saturation", "model_dir": str(model), "profile_source": profile.source}
 
 
-def speed_probe(address: str, profile: Profile, spec: SimSpec, requests: Sequence[Request],
-                seed: int) -> dict[str, float]:
-    """The speed probe (see the module doc): ``requests`` each alone through the real
-    cluster at ``address`` and through the simulator; the factors that make the simulated
-    median TTFT and TPOT the real ones (``prefill_scale``, ``decode_scale``), and the
-    figures they came from."""
-    lone = [real_run(address, [r], [0.0], float("inf"), seed) for r in requests]
-    real_ttft = statistics.median(m["median_ttft_ms"] for m in lone)
-    tpots = [m["median_tpot_ms"] for m in lone if m["median_tpot_ms"]]
-    real_tpot = statistics.median(tpots) if tpots else 0.0
-    times = [i * LONE_GAP_S for i in range(len(requests))]
-    prefill = decode = 1.0
-    first: dict[str, Any] = {}
-    for _ in range(PROBE_ROUNDS):
-        sim = sim_run(profile.scaled(prefill, decode), spec, requests, times)
-        first = first or sim
-        prefill = _clamp(prefill * real_ttft / sim["median_ttft_ms"])
-        if real_tpot and sim["median_tpot_ms"]:
-            decode = _clamp(decode * real_tpot / sim["median_tpot_ms"])
-    return {"prefill_scale": prefill, "decode_scale": decode, "real_ttft_ms": real_ttft,
-            "real_tpot_ms": real_tpot, "simulated_ttft_ms": first["median_ttft_ms"],
-            "simulated_tpot_ms": first["median_tpot_ms"]}
-
-
-def _clamp(scale: float) -> float:
-    return min(MAX_SCALE, max(1 / MAX_SCALE, scale))
+def lone_figures(address: str, profile: Profile, spec: SimSpec,
+                 requests: Sequence[Request], seed: int) -> dict[str, float | None]:
+    """``requests`` each alone through the real cluster at ``address`` and through the
+    simulator: their median TTFT and TPOT (ms), real and simulated, and the errors."""
+    alone = [real_run(address, [r], [0.0], float("inf"), seed) for r in requests]
+    tpots = [m["median_tpot_ms"] for m in alone if m["median_tpot_ms"]]
+    real = {"median_ttft_ms": statistics.median(m["median_ttft_ms"] for m in alone),
+            "median_tpot_ms": statistics.median(tpots) if tpots else 0.0}
+    sim = sim_run(profile, spec, requests, [i * LONE_GAP_S for i in range(len(requests))])
+    figures: dict[str, float | None] = {}
+    for key in real:
+        name = key.replace("median_", "").replace("_ms", "")
+        figures[f"real_{name}_ms"] = real[key]
+        figures[f"simulated_{name}_ms"] = sim[key]
+        figures[f"{name}_error"] = (sim[key] - real[key]) / real[key] if real[key] else None
+    return figures
 
 
 def _errors(sim: dict[str, Any], real: dict[str, Any]) -> dict[str, float | None]:
@@ -165,27 +139,25 @@ def _errors(sim: dict[str, Any], real: dict[str, Any]) -> dict[str, float | None
     return {k: (sim[k] - real[k]) / real[k] if real[k] else None for k in METRIC_KEYS}
 
 
-def _mape(points: Sequence[dict[str, Any]], errors: str) -> dict[str, float | None]:
-    return {k: statistics.fmean(abs(p[errors][k]) for p in points
-                                if p[errors][k] is not None) if points else None
+def _mape(points: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    return {k: statistics.fmean(abs(p["errors"][k]) for p in points
+                                if p["errors"][k] is not None) if points else None
             for k in METRIC_KEYS}
 
 
-def _goal(points: Sequence[dict[str, Any]], errors: str) -> bool:
-    return all(abs(p[errors][k] or 0) <= (0.15 if k.startswith("median") else 0.25)
+def _goal(points: Sequence[dict[str, Any]]) -> bool:
+    return all(abs(p["errors"][k] or 0) <= (0.15 if k.startswith("median") else 0.25)
                for p in points for k in METRIC_KEYS)
 
 
 def _line(p: dict[str, Any]) -> str:
-    def errs(key: str) -> str:
-        return " ".join(f"{k.replace('_ms', '')} {v:+.0%}" for k, v in p[key].items()
-                        if v is not None)
-
+    errs = " ".join(f"{k.replace('_ms', '')} {v:+.0%}" for k, v in p["errors"].items()
+                    if v is not None)
     flag = " (saturated)" if p["saturated"] else ""
-    probe = p["speed_probe"]
-    return (f"  {p['layout']:<14} {p['workload']:<14} {p['rate']:>6.2f}/s{flag}: "
-            f"{errs('errors')}\n{'':<40}probed (prefill x{probe['prefill_scale']:.2f}, "
-            f"decode x{probe['decode_scale']:.2f}): {errs('errors_probed')}")
+    lone = " ".join(f"{k} {p['lone'][k + '_error']:+.0%}" for k in ("ttft", "tpot")
+                    if p["lone"][k + "_error"] is not None)
+    return (f"  {p['layout']:<14} {p['workload']:<14} {p['rate']:>6.2f}/s{flag}: {errs} "
+            f"(alone: {lone})")
 
 
 def _vocab(model_dir: Path) -> int:

@@ -12,13 +12,10 @@ from typing import Any
 
 import pytest
 
-from bench import profile, sim_validation, simulate
+from bench import profile, simulate
 from engine.core.scheduler import ScheduledChunk, SchedulerOutput
-from loadtest.workloads import Request, Workload, WorkloadSpec
-from sim.cluster import SimSpec
-from sim.profile import PREFILL_TERMS, STEP_TERMS, StepModel, load
-from sim.runs import run as sim_run
-from tests.sim.profiles import profile_json, small_profile
+from sim.profile import STEP_TERMS, StepModel, load
+from tests.sim.profiles import profile_json
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,43 +79,12 @@ def test_a_quick_validation_point_compares_with_a_real_cluster(
     for key in ("median_ttft_ms", "median_tpot_ms"):
         ratio = point["simulated"][key] / point["real"][key]
         assert 1 / 3 < ratio < 3, (key, point)
-    # the speed probe: a lone request through the same cluster, its factors within bounds,
-    # and the point simulated on the scaled profile too
-    probe = point["speed_probe"]
-    assert probe["real_ttft_ms"] > 0 and probe["real_tpot_ms"] > 0
-    for key in ("prefill_scale", "decode_scale"):
-        assert 1 / sim_validation.MAX_SCALE <= probe[key] <= sim_validation.MAX_SCALE
-    assert set(point["errors_probed"]) == set(point["errors"])
-    assert set(report["mape_probed"]) == set(report["mape"])
-
-
-def test_the_speed_probe_finds_how_much_slower_the_machine_runs(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The probe's lone requests, "real" here from the same profile with its prefill 1.3x
-    and the rest 0.8x as slow, give those factors back."""
-    truth = small_profile().scaled(prefill=1.3, decode=0.8)
-    spec = SimSpec(num_prefill=1, num_decode=1)
-
-    def real_run(address: str, requests: Sequence[Request], times: Sequence[float],
-                 rate: float, seed: int) -> dict[str, Any]:
-        return sim_run(truth, spec, requests, times)
-
-    monkeypatch.setattr(sim_validation, "real_run", real_run)
-    requests = Workload(WorkloadSpec("random", input_len=300, output_len=24), 1000,
-                        seed=3).take(3)
-    scales = sim_validation.speed_probe("unused", small_profile(), spec, requests, seed=0)
-    assert scales["prefill_scale"] == pytest.approx(1.3, rel=0.02)
-    assert scales["decode_scale"] == pytest.approx(0.8, rel=0.02)
-    assert scales["simulated_ttft_ms"] < scales["real_ttft_ms"]  # before scaling
-
-
-def test_a_scaled_step_model_scales_the_prefills_own_terms_apart() -> None:
-    step = small_profile().step(1)
-    scaled = step.scaled(prefill=2.0, decode=3.0)
-    for term in STEP_TERMS:
-        factor = 2.0 if term in PREFILL_TERMS else 3.0
-        assert getattr(scaled, term) == pytest.approx(getattr(step, term) * factor), term
-    assert scaled.num_kv_blocks == step.num_kv_blocks
+    # a lone request before the point, through the same cluster and the simulator
+    lone = point["lone"]
+    assert lone["real_ttft_ms"] > 0 and lone["simulated_ttft_ms"] > 0
+    assert lone["ttft_error"] == pytest.approx(
+        (lone["simulated_ttft_ms"] - lone["real_ttft_ms"]) / lone["real_ttft_ms"])
+    assert lone["real_tpot_ms"] > 0 and lone["tpot_error"] is not None
 
 
 def test_simulate_names_what_the_profile_lacks(tmp_path: Path) -> None:
