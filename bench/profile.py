@@ -26,9 +26,7 @@ Two parts, both on this machine:
    fitted decode step, is what a worker's loop adds to each step (``base_s`` includes it).
    The prefill worker's own prefill time against the fitted steps of its chunks gives a
    scale of the per-token prefill terms and a cost added to a prefill step
-   (``prefill_in_cluster``). Then a few lone requests of the validation's long-prompt
-   shape through each of its layouts (``lone_reference``): the host's speed when it was
-   profiled, which ``bench.simulate --validate`` measures its drift against.
+   (``prefill_in_cluster``).
 
 The JSON is the profile (``source: measured``), loadable with ``sim.profile.load``.
 
@@ -54,7 +52,6 @@ import numpy as np
 from bench.clusters import bench_model, cluster
 from bench.common import machine_info, write_json
 from bench.handoff import breakdown, send_traced
-from bench.sim_validation import lone_reference
 from engine.core.scheduler import SchedulerOutput
 from loadtest.workloads import Request, Workload, WorkloadSpec
 from sim.profile import (
@@ -401,7 +398,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                    "router": {"overhead_s": 0.0},
                                    "handoff": {"overhead_s": 0.0}, "samples": []}
         where = "handoff not measured (--no-handoff: zero overheads, 1 GB/s transfer)"
-        lone: dict[str, dict[str, float]] = {}
     else:
         import json
 
@@ -425,9 +421,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"{handoff['transfer']['bytes_per_s'] / 1e9:.2f} GB/s; router "
               f"{handoff['router']['overhead_s'] * 1000:.2f} ms, handoff "
               f"{handoff['handoff']['overhead_s'] * 1000:.2f} ms per request")
-        print("lone requests, the validation's reference of this host's speed ...", flush=True)
-        lone = lone_reference(Path(model_dir), vocab, quick=args.quick,
-                              pinned=handoff["pinned"])
     machine = machine_info()
     profile = {
         "schema": SCHEMA, "source": "measured",
@@ -438,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "transfer": handoff["transfer"], "router": handoff["router"],
         "handoff": handoff["handoff"],
         "points": {"steps": steps["points"], "handoff": handoff["samples"],
-                   "lone_reference": lone, "machine": machine, "threads": args.threads}}
+                   "machine": machine, "threads": args.threads}}
     from_json(profile)  # what the simulator will read
     write_json(args.json, profile)
     print(f"wrote {args.json}")

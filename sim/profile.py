@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,6 @@ STEP_TERMS = ("base_s", "multi_token_s", "prefill_step_s", "per_prefill_token_s"
               "per_prefill_attention_s", "per_decode_seq_s", "per_decode_context_s")
 OPTIONAL_TERMS = ("multi_token_s", "prefill_step_s")  # 0 where a profile has none
 FIXED_TERMS = ("base_s", "multi_token_s", "prefill_step_s")  # a step's, whatever its size
-PREFILL_TERMS = ("prefill_step_s", "per_prefill_token_s", "per_prefill_attention_s")
 
 
 class ProfileError(ValueError):
@@ -70,14 +69,6 @@ class StepModel:
     num_kv_blocks: int
     multi_token_s: float = 0.0
     prefill_step_s: float = 0.0
-
-    def scaled(self, prefill: float = 1.0, decode: float = 1.0) -> StepModel:
-        """This step model on a machine ``prefill`` times as slow at a prefill's own costs
-        (``PREFILL_TERMS``) and ``decode`` times as slow at the rest (a step's base, its
-        fixed cost of several tokens, the decode terms); the KV pool unchanged."""
-        terms = {t: getattr(self, t) * (prefill if t in PREFILL_TERMS else decode)
-                 for t in STEP_TERMS}
-        return StepModel(**terms, num_kv_blocks=self.num_kv_blocks)
 
     def step_s(self, out: SchedulerOutput) -> float:
         """Seconds the step ``out`` takes on this worker."""
@@ -148,12 +139,6 @@ class Profile:
             raise ProfileError(f"the profile has no steps at TP {tp} (it has TP "
                                f"{', '.join(map(str, sorted(self.steps)))})")
         return self.steps[tp]
-
-    def scaled(self, prefill: float = 1.0, decode: float = 1.0) -> Profile:
-        """The profile with every TP size's steps ``StepModel.scaled`` (the machine slower,
-        or faster, than when it was profiled); the rest unchanged."""
-        return replace(self, steps={tp: s.scaled(prefill, decode)
-                                    for tp, s in self.steps.items()})
 
     def transfer_s(self, num_bytes: int) -> float:
         """Seconds to move ``num_bytes`` of KV from a prefill to a decode worker."""
