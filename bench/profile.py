@@ -17,9 +17,9 @@ Two parts, both on this machine:
 2. The handoff, through a real cluster (``pdserve up``: one prefill, one decode worker,
    with ``--threads 1`` each pinned to a core of its own, as ``bench.disagg`` and the
    validation start them, so a prefill worker's KV sends take from its own core's
-   compute as they do there): requests of each prompt length in ``--handoff-lens``, the
-   lengths mixed in one random order, at ``--handoff-rate`` per second (Poisson) with the
-   router's trace (``bench.handoff``'s breakdown). The exposed KV transfer against its
+   compute as they do there): requests of each prompt length in ``--handoff-lens`` at
+   ``--handoff-rate`` per second (Poisson) with the router's trace (``bench.handoff``'s
+   breakdown). The exposed KV transfer against its
    bytes gives ``transfer`` (latency + bytes / bandwidth); ``router_queue`` is
    ``router.overhead_s``; reserve, decode admission, relay and delivery together are
    ``handoff.overhead_s`` (medians). The same requests' time per output token, less the
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import statistics
 import time
 from collections.abc import Sequence
@@ -53,7 +52,7 @@ from bench.clusters import bench_model, cluster
 from bench.common import machine_info, write_json
 from bench.handoff import breakdown, send_traced
 from engine.core.scheduler import SchedulerOutput
-from loadtest.workloads import Request, Workload, WorkloadSpec
+from loadtest.workloads import Workload, WorkloadSpec
 from sim.profile import (
     FIXED_TERMS,
     SCHEMA,
@@ -265,23 +264,19 @@ def measure_handoff(args: argparse.Namespace, model_dir: Path, vocab: int,
     cpus = sorted(os.sched_getaffinity(0))
     pinned = {"prefill-0": (cpus[0],), "decode-0": (cpus[-1],)} \
         if args.threads == 1 and len(cpus) >= 2 else None
-    requests: list[Request] = []
     with cluster(model_dir, num_prefill=1, num_decode=1, cpu_affinity=pinned) as running:
-        for length in args.handoff_lens:  # one of each length first, to warm up
+        for length in args.handoff_lens:
             spec = WorkloadSpec("random", input_len=length, output_len=HANDOFF_OUTPUT_LEN)
             asyncio.run(send_traced(running.router_address,
                                     Workload(spec, vocab, seed=7 + length).take(1), None))
-            requests += Workload(spec, vocab, seed=length).take(args.handoff_requests)
-        # the lengths interleaved: a spell of a shared host's slowness is spread over
-        # every length rather than bending one length's median (and the fits with it)
-        random.Random(0).shuffle(requests)
-        print(f"  handoff: {len(requests)} requests, the lengths mixed ...", flush=True)
-        results, _ = asyncio.run(send_traced(running.router_address, requests, rate))
-        for r in results:
-            if r["trace"]["prefill_ms"]:
-                tpot = (r["e2e_ms"] - r["ttft_ms"]) / (HANDOFF_OUTPUT_LEN - 1)
-                samples.append({"prompt_len": r["prompt_tokens"], "tpot": tpot, **breakdown(r)})
-        print(f"  handoff: {len(results)} traced", flush=True)
+            requests = Workload(spec, vocab, seed=length).take(args.handoff_requests)
+            results, _ = asyncio.run(send_traced(running.router_address, requests,
+                                                 rate, seed=length))
+            for r in results:
+                if r["trace"]["prefill_ms"]:
+                    tpot = (r["e2e_ms"] - r["ttft_ms"]) / (HANDOFF_OUTPUT_LEN - 1)
+                    samples.append({"prompt_len": length, "tpot": tpot, **breakdown(r)})
+            print(f"  handoff, {length}-token prompts: {len(results)} traced", flush=True)
     if not samples:
         raise SystemExit("bench.profile: no traced request had the prefill timings")
     transfer = fit_transfer(samples, kv_bytes_per_token)
