@@ -22,8 +22,9 @@ Two parts, both on this machine:
    breakdown). The exposed KV transfer against its
    bytes gives ``transfer`` (latency + bytes / bandwidth); ``router_queue`` is
    ``router.overhead_s``; reserve, decode admission, relay and delivery together are
-   ``handoff.overhead_s`` (medians). The same requests' time per output token, less the
-   fitted decode step, is what a worker's loop adds to each step (``base_s`` includes it).
+   ``handoff.overhead_s`` (medians). The time per output token of a few requests sent
+   alone, less the fitted decode step, is what a worker's loop adds to each step
+   (``base_s`` includes it).
    The prefill worker's own prefill time against the fitted steps of its chunks gives a
    scale of the per-token prefill terms and a cost added to a prefill step
    (``prefill_in_cluster``).
@@ -64,6 +65,7 @@ from sim.profile import (
 from sim.roofline import GPUS, MODELS, derive
 
 HANDOFF_OUTPUT_LEN = 8
+LOOP_REQUESTS, LOOP_PROMPT_LEN, LOOP_OUTPUT_LEN = 4, 64, 32  # sent alone: the loop's cost
 WORKER_MAX_BATCHED_TOKENS = 512  # the workers' default --max-num-batched-tokens: their chunks
 FEATURES = STEP_TERMS  # the fitted coefficients, in ``features`` order
 
@@ -277,6 +279,16 @@ def measure_handoff(args: argparse.Namespace, model_dir: Path, vocab: int,
                     tpot = (r["e2e_ms"] - r["ttft_ms"]) / (HANDOFF_OUTPUT_LEN - 1)
                     samples.append({"prompt_len": length, "tpot": tpot, **breakdown(r)})
             print(f"  handoff, {length}-token prompts: {len(results)} traced", flush=True)
+        # the loop's cost from requests alone: at the handoff's rate a stream's steps
+        # share the decode worker's core with the next requests' KV arriving
+        spec = WorkloadSpec("random", input_len=LOOP_PROMPT_LEN, output_len=LOOP_OUTPUT_LEN)
+        alone, _ = asyncio.run(send_traced(running.router_address,
+                                           Workload(spec, vocab, seed=3).take(LOOP_REQUESTS),
+                                           None))
+        loop_tpots = [(LOOP_PROMPT_LEN + LOOP_OUTPUT_LEN / 2,
+                       (r["e2e_ms"] - r["ttft_ms"]) / (LOOP_OUTPUT_LEN - 1) / 1000)
+                      for r in alone]
+        print(f"  {len(alone)} requests alone, for the loop's cost", flush=True)
     if not samples:
         raise SystemExit("bench.profile: no traced request had the prefill timings")
     transfer = fit_transfer(samples, kv_bytes_per_token)
@@ -284,7 +296,7 @@ def measure_handoff(args: argparse.Namespace, model_dir: Path, vocab: int,
     overhead = [sum(max(0.0, s[k]) for k in ("reserve", "decode_admission", "router_relay",
                                               "delivery")) / 1000 for s in samples]
     return {"transfer": transfer, "pinned": pinned is not None,
-            "tpot_s": [(s["prompt_len"], s["tpot"] / 1000) for s in samples],
+            "tpot_s": loop_tpots,
             "router": {"overhead_s": statistics.median(max(0.0, s["router_queue"]) / 1000
                                                        for s in samples)},
             "handoff": {"overhead_s": statistics.median(overhead)},
@@ -360,14 +372,14 @@ class _LengthRow(NamedTuple):
     measured_s: float
 
 
-def loop_overhead(coef: dict[str, float], tpots: Sequence[tuple[int, float]]) -> float:
+def loop_overhead(coef: dict[str, float], tpots: Sequence[tuple[float, float]]) -> float:
     """What a real worker's step costs beyond ``EngineCore.step()`` (its engine loop: the
     outputs streamed, the KV events, the commands): the cluster's time per output token of
-    one request at a time, less the fitted batch-1 decode step at its context (median,
-    >= 0). It is added to ``base_s``."""
+    requests sent alone (``(mean context, seconds)`` each), less the fitted batch-1 decode
+    step at that context (median, >= 0). It is added to ``base_s``."""
     gaps = [tpot - (coef["base_s"] + coef["per_decode_seq_s"]
-                    + coef["per_decode_context_s"] * (length + HANDOFF_OUTPUT_LEN / 2))
-            for length, tpot in tpots]
+                    + coef["per_decode_context_s"] * context)
+            for context, tpot in tpots]
     return max(0.0, statistics.median(gaps))
 
 
@@ -391,7 +403,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.no_handoff:
         handoff: dict[str, Any] = {"transfer": {"latency_s": 0.0, "bytes_per_s": 1e9},
                                    "router": {"overhead_s": 0.0},
-                                   "handoff": {"overhead_s": 0.0}, "samples": []}
+                                   "handoff": {"overhead_s": 0.0}, "samples": [],
+                                   "tpot_s": []}
         where = "handoff not measured (--no-handoff: zero overheads, 1 GB/s transfer)"
     else:
         import json
@@ -426,7 +439,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "transfer": handoff["transfer"], "router": handoff["router"],
         "handoff": handoff["handoff"],
         "points": {"steps": steps["points"], "handoff": handoff["samples"],
-                   "machine": machine, "threads": args.threads}}
+                   "alone_tpot_s": handoff["tpot_s"], "machine": machine,
+                   "threads": args.threads}}
     from_json(profile)  # what the simulator will read
     write_json(args.json, profile)
     print(f"wrote {args.json}")
