@@ -9,7 +9,8 @@ Two parts, both on this machine:
    ``bench.disagg``'s, pinned to one core). Prefill steps of each length in
    ``--prefill-lens`` after a cached prefix of each of ``--contexts`` tokens; decode steps
    of each batch in ``--batches`` at each context, once every prompt of the batch is in
-   (a batch whose KV would take more than 90% of the pool is skipped, and says so). Each
+   and ``DECODE_WARMUP_STEPS`` steps after (a batch whose KV would take more than 90% of
+   the pool is skipped, and says so). Each
    step is timed around ``EngineCore.step()`` with the scheduler's own output recorded,
    and ``sim.profile.StepModel`` (its two fixed costs of a step's kind among its terms) is
    fitted to them by least squares (coefficients kept >= 0); the fit's error per point is
@@ -66,6 +67,9 @@ from sim.roofline import GPUS, MODELS, derive
 
 HANDOFF_OUTPUT_LEN = 8
 LOOP_REQUESTS, LOOP_PROMPT_LEN, LOOP_OUTPUT_LEN = 4, 64, 32  # sent alone: the loop's cost
+# decode steps right after a batch's prefill run slow while the caches refill (bench55m,
+# batch 1: 11.2, 8.8, 7.2, 6.7, then 6.5 ms): this many are left out of each batch's points
+DECODE_WARMUP_STEPS = 4
 WORKER_MAX_BATCHED_TOKENS = 512  # the workers' default --max-num-batched-tokens: their chunks
 FEATURES = STEP_TERMS  # the fitted coefficients, in ``features`` order
 
@@ -181,7 +185,8 @@ def measure_steps(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         for batch in args.batches:
             # step_profile.decode_steps gives each enough tokens to outlast the batch's
             # prefill (its first ones decode while the later prompts are prefilled)
-            max_tokens = args.repeats + 2 + batch + -(-batch * max(context, 1) // max_batched)
+            max_tokens = (DECODE_WARMUP_STEPS + args.repeats + 1 + batch
+                          + -(-batch * max(context, 1) // max_batched))
             if batch * -(-(max(context, 1) + max_tokens) // block_size) > 0.9 * num_blocks:
                 print(f"  decode at batch {batch}, context {context}: skipped (more KV "
                       f"than 90% of the pool's {num_blocks} blocks)", flush=True)
@@ -190,14 +195,14 @@ def measure_steps(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
                        for r in workload.take(batch)]
             rec.timed.clear()
             try:
-                decode_steps(llm, prompts, args.repeats + 1, rec.took)  # the first warms up
+                decode_steps(llm, prompts, DECODE_WARMUP_STEPS + args.repeats, rec.took)
             except RuntimeError as exc:  # a step that did not decode the whole batch
                 print(f"  decode at batch {batch}, context {context}: skipped ({exc})",
                       flush=True)
                 continue
             points += [{"kind": "decode", "context": context, "batch": batch,
                         "features": features(out), "seconds": seconds}
-                       for out, seconds in rec.timed[1:]]
+                       for out, seconds in rec.timed[DECODE_WARMUP_STEPS:]]
     model = llm.config.model
     layers, kv_heads, head_dim = model.kv_layout
     facts = {"name": model_dir.name, "num_layers": layers,
