@@ -23,8 +23,10 @@ Two parts, both on this machine:
    breakdown). The exposed KV transfer against its
    bytes gives ``transfer`` (latency + bytes / bandwidth); ``router_queue`` is
    ``router.overhead_s``; reserve, decode admission, relay and delivery together are
-   ``handoff.overhead_s`` (medians). The time per output token of a few requests sent
-   alone, less the fitted decode step, is what a worker's loop adds to each step
+   ``handoff.overhead_s`` (medians). Then a few requests sent alone and a few at once:
+   what each stream at once adds to their time per output token beyond the fitted step's
+   terms is the loop's cost per stream (``per_decode_seq_s`` includes it), and the time
+   per output token alone, less the fitted decode step, what it adds to each step
    (``base_s`` includes it).
    The prefill worker's own prefill time against the fitted steps of its chunks gives a
    scale of the per-token prefill terms and a cost added to a prefill step
@@ -67,6 +69,7 @@ from sim.roofline import GPUS, MODELS, derive
 
 HANDOFF_OUTPUT_LEN = 8
 LOOP_REQUESTS, LOOP_PROMPT_LEN, LOOP_OUTPUT_LEN = 4, 64, 32  # sent alone: the loop's cost
+LOOP_STREAMS = 4  # sent at once: the loop's cost per stream
 # decode steps right after a batch's prefill run slow while the caches refill (bench55m,
 # batch 1: 11.2, 8.8, 7.2, 6.7, then 6.5 ms): this many are left out of each batch's points
 DECODE_WARMUP_STEPS = 4
@@ -293,7 +296,14 @@ def measure_handoff(args: argparse.Namespace, model_dir: Path, vocab: int,
         loop_tpots = [(LOOP_PROMPT_LEN + LOOP_OUTPUT_LEN / 2,
                        (r["e2e_ms"] - r["ttft_ms"]) / (LOOP_OUTPUT_LEN - 1) / 1000)
                       for r in alone]
-        print(f"  {len(alone)} requests alone, for the loop's cost", flush=True)
+        # ... and what each stream adds: LOOP_STREAMS sent at once
+        together, _ = asyncio.run(send_traced(
+            running.router_address, Workload(spec, vocab, seed=4).take(LOOP_STREAMS),
+            float("inf")))
+        stream_tpots = [(r["e2e_ms"] - r["ttft_ms"]) / (LOOP_OUTPUT_LEN - 1) / 1000
+                        for r in together]
+        print(f"  {len(alone)} requests alone and {len(together)} at once, for the loop's "
+              "cost", flush=True)
     if not samples:
         raise SystemExit("bench.profile: no traced request had the prefill timings")
     transfer = fit_transfer(samples, kv_bytes_per_token)
@@ -301,7 +311,7 @@ def measure_handoff(args: argparse.Namespace, model_dir: Path, vocab: int,
     overhead = [sum(max(0.0, s[k]) for k in ("reserve", "decode_admission", "router_relay",
                                               "delivery")) / 1000 for s in samples]
     return {"transfer": transfer, "pinned": pinned is not None,
-            "tpot_s": loop_tpots,
+            "tpot_s": loop_tpots, "streams_tpot_s": stream_tpots,
             "router": {"overhead_s": statistics.median(max(0.0, s["router_queue"]) / 1000
                                                        for s in samples)},
             "handoff": {"overhead_s": statistics.median(overhead)},
@@ -377,6 +387,25 @@ class _LengthRow(NamedTuple):
     measured_s: float
 
 
+def loop_per_stream(coef: dict[str, float], alone: Sequence[tuple[float, float]],
+                    together: Sequence[float]) -> float:
+    """What a real worker's loop costs a step for each stream in it beyond the engine's own
+    ``per_decode_seq_s`` (each token streamed out, through the router, to the client, on
+    the cores the workers share): ``LOOP_STREAMS`` requests decoding at once against one
+    alone (``alone``: ``(mean context, seconds per token)`` each; ``together``: seconds per
+    token of each at once), less what the fitted step adds for the other streams (their
+    sequences and context, the fixed cost of several tokens), over those streams (>= 0;
+    0 without both)."""
+    if not alone or not together:
+        return 0.0
+    one, many = statistics.median(t for _, t in alone), statistics.median(together)
+    context = statistics.median(c for c, _ in alone)
+    others = LOOP_STREAMS - 1
+    engine = (coef["multi_token_s"] + coef["per_decode_seq_s"] * others
+              + coef["per_decode_context_s"] * context * others)
+    return max(0.0, (many - one - engine) / others)
+
+
 def loop_overhead(coef: dict[str, float], tpots: Sequence[tuple[float, float]]) -> float:
     """What a real worker's step costs beyond ``EngineCore.step()`` (its engine loop: the
     outputs streamed, the KV events, the commands): the cluster's time per output token of
@@ -409,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         handoff: dict[str, Any] = {"transfer": {"latency_s": 0.0, "bytes_per_s": 1e9},
                                    "router": {"overhead_s": 0.0},
                                    "handoff": {"overhead_s": 0.0}, "samples": [],
-                                   "tpot_s": []}
+                                   "tpot_s": [], "streams_tpot_s": []}
         where = "handoff not measured (--no-handoff: zero overheads, 1 GB/s transfer)"
     else:
         import json
@@ -422,8 +451,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         where = f"handoff measured through pdserve up (1 prefill + 1 decode{cores})"
         # the loop's cost first: a prefill worker's every step has it too, and what its
         # prefill takes beyond that is the prefill's own
+        per_stream = loop_per_stream(coef, handoff["tpot_s"], handoff["streams_tpot_s"])
+        coef["per_decode_seq_s"] += per_stream
         coef["base_s"] += loop_overhead(coef, handoff["tpot_s"])
-        print(f"worker loop: {coef['base_s'] * 1000:.3f} ms per step with the loop's own cost")
+        print(f"worker loop: {coef['base_s'] * 1000:.3f} ms per step, "
+              f"{coef['per_decode_seq_s'] * 1000:.3f} ms per stream in it "
+              f"({per_stream * 1000:.3f} of it the loop's) with the loop's own cost")
         scale, extra = prefill_in_cluster(coef, handoff["samples"])
         coef["per_prefill_token_s"] *= scale
         coef["per_prefill_attention_s"] *= scale
@@ -444,7 +477,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "transfer": handoff["transfer"], "router": handoff["router"],
         "handoff": handoff["handoff"],
         "points": {"steps": steps["points"], "handoff": handoff["samples"],
-                   "alone_tpot_s": handoff["tpot_s"], "machine": machine,
+                   "alone_tpot_s": handoff["tpot_s"],
+                   "streams_tpot_s": handoff["streams_tpot_s"], "machine": machine,
                    "threads": args.threads}}
     from_json(profile)  # what the simulator will read
     write_json(args.json, profile)

@@ -172,3 +172,15 @@ def test_the_fit_finds_both_fixed_costs_and_leaves_one_it_cannot_tell_at_zero() 
     assert coef["multi_token_s"] == 0.0
     assert coef["prefill_step_s"] == pytest.approx(TERMS["prefill_step_s"]
                                                    + TERMS["multi_token_s"])
+
+
+def test_the_loops_cost_per_stream_is_what_streams_at_once_add_beyond_the_fitted_step(
+        ) -> None:
+    coef = {"multi_token_s": 0.001, "per_decode_seq_s": 0.0005, "per_decode_context_s": 0.0}
+    alone = [(80.0, 0.010)] * 3
+    # each of the 3 other streams: 0.5 ms of the engine's and 2 ms of the loop's, plus
+    # the engine's 1 ms for a step of several tokens
+    together = [0.010 + 0.001 + 3 * (0.0005 + 0.002)] * 4
+    assert profile.loop_per_stream(coef, alone, together) == pytest.approx(0.002)
+    assert profile.loop_per_stream(coef, alone, [0.009] * 4) == 0.0  # never negative
+    assert profile.loop_per_stream(coef, [], together) == 0.0
