@@ -74,11 +74,6 @@ class StepModel:
         """Seconds the step ``out`` takes on this worker."""
         return self.time_s(step_quantities(out))
 
-    def prefill_chunk_s(self, num_tokens: int, start: int = 0) -> float:
-        """Seconds a step holding one prefill chunk alone takes: ``num_tokens`` tokens
-        after ``start`` computed ones."""
-        return self.time_s(chunk_quantities(num_tokens, start))
-
     def time_s(self, quantities: Sequence[float]) -> float:
         """Seconds a step of ``quantities`` (one per ``STEP_TERMS``, in that order) takes."""
         b, m, p, t, a, s, c = quantities
