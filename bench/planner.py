@@ -18,22 +18,23 @@ of at most 256 tokens), then ``long-prompt`` again, ``--phase-seconds`` each (Po
 arrivals). Before the arms, the disaggregated layout serves a few requests of each mix one
 at a time: the unloaded latencies give the SLO (TTFT ≤ ``--ttft-slo-factor`` × the long
 prompts' unloaded TTFT, TPOT ≤ ``--tpot-slo-factor`` × the larger unloaded TPOT;
-``--ttft-slo-ms`` / ``--tpot-slo-ms`` instead), and with ``STREAMS`` streams decoding at
-once, the two capacities the rates are fractions of:
+``--ttft-slo-ms`` / ``--tpot-slo-ms`` instead), and the two capacities the rates are
+fractions of:
 
 - one prefill worker's, ``1 / unloaded TTFT`` of the long prompts: their rate is
   ``--long-fraction`` [0.6] of it. One prefill worker keeps up, and the decode worker's
   streams never wait for a prefill; a colocated worker stops its streams for each
   1,024-token prefill it takes;
-- one decode worker's, on the decode-heavy mix: the streams it holds within the TPOT SLO
-  (1 + the SLO's slack over the unloaded TPOT ÷ what each further stream adds to a step,
-  measured with ``STREAMS`` at once through the cluster, the median of ``STREAM_ROUNDS``
-  rounds) times the tokens a second that
-  makes, over the mix's mean output length. Its rate is ``--sharegpt-fraction`` [0.8] of
-  it: the estimate counts streams at the mean TPOT of short requests, where the mix's long
-  outputs decode over longer contexts, so one decode worker falls behind below it (at 1.25
-  of it, 3.27 req/s here, two colocated workers fell behind too: 0.02 and 0.05 of that
-  phase's requests met the SLO) while two colocated ones keep up.
+- one decode worker's, on the decode-heavy mix itself: the streams at which its median
+  TPOT reaches the SLO, read between closed-loop probes of the mix through the cluster
+  (``PROBES`` of them, each keeping a number of requests in flight, the first
+  ``PROBE_STREAMS``, each next one where the points so far put the SLO), over a
+  request's mean latency there (Little's law). Its rate is ``--sharegpt-fraction``
+  [1.0] of it: one decode worker runs at its SLO's edge and, with Poisson arrivals,
+  past it, while two colocated workers share it. (Before, this capacity was extrapolated
+  from four short streams' cost in a step, taken as linear up to the streams the SLO
+  allows: one run set the mix at 6.91 req/s from it, and every arm missed that whole
+  phase.)
 
 So each phase has its own better static arm. With the earlier workload and rates
 (512-token prompts at 0.5 of the prefill capacity, ShareGPT-like up to 1,024 → 128 tokens
@@ -67,6 +68,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -94,7 +96,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phase-seconds", type=float)
     p.add_argument("--long-fraction", type=float, default=0.6,
                    help="the long prompts' rate, of one prefill worker's capacity")
-    p.add_argument("--sharegpt-fraction", type=float, default=0.8,
+    p.add_argument("--sharegpt-fraction", type=float, default=1.0,
                    help="the decode-heavy mix's rate, of one decode worker's capacity")
     p.add_argument("--ttft-slo-factor", type=float, default=5.0)
     p.add_argument("--tpot-slo-factor", type=float, default=1.5)
@@ -155,59 +157,108 @@ def calibrate(args: argparse.Namespace, model_dir: Path, vocab: int, cpus: tuple
                 raise SystemExit(f"bench.planner: unloaded {name} requests failed")
             alone[name] = {"ttft_ms": 1000 * statistics.median(o.ttft for o in done),
                            "tpot_ms": 1000 * statistics.median(o.tpot or 0.0 for o in done)}
-        per_stream_ms = stream_cost_ms(running.router_address, vocab, args.quick)
-    slo = {"ttft": args.ttft_slo_ms or args.ttft_slo_factor * alone["long-prompt"]["ttft_ms"],
-           "tpot": args.tpot_slo_ms or args.tpot_slo_factor * max(
-               a["tpot_ms"] for a in alone.values())}
+        slo = {"ttft": args.ttft_slo_ms or args.ttft_slo_factor * alone["long-prompt"]["ttft_ms"],
+               "tpot": args.tpot_slo_ms or args.tpot_slo_factor * max(
+                   a["tpot_ms"] for a in alone.values())}
+        streams, probes = decode_streams(running.router_address, vocab, args.quick,
+                                         alone["sharegpt-like"]["tpot_ms"], slo["tpot"])
     capacity = {"prefill": 1000.0 / alone["long-prompt"]["ttft_ms"],
-                "decode": decode_capacity(args, vocab, per_stream_ms,
-                                          alone["sharegpt-like"]["tpot_ms"], slo["tpot"])}
+                "decode": decode_capacity(args, vocab, streams, probes, slo["tpot"])}
     rates = {"long-prompt": round(args.long_fraction * capacity["prefill"], 2),
              "sharegpt-like": round(args.sharegpt_fraction * capacity["decode"], 2)}
-    return {"unloaded": alone, "slo_ms": slo, "stream_cost_ms": per_stream_ms,
-            "capacity_req_s": capacity, "rates": rates}
+    return {"unloaded": alone, "slo_ms": slo, "decode_streams": streams,
+            "decode_probes": [asdict(p) for p in probes], "capacity_req_s": capacity,
+            "rates": rates}
 
 
-STREAMS = 4  # streams decoding at once for the cost of each one in a step
-STREAM_ROUNDS = 3  # that cost is the median of this many rounds (one round alone moved it
-# from 2.2 to 1.5 ms, and a phase's rate with it, between two runs)
-MAX_STREAMS = 64  # the most a decode step is taken to hold (a measured cost near 0)
+PROBE_STREAMS = 8  # the first closed-loop probe of the decode-heavy mix (--quick: 4)
+PROBES = 3  # closed-loop probes in all, each near where the last ones put the SLO
+REQUESTS_PER_STREAM = 3  # a probe sends this many requests per stream it keeps open
+MAX_STREAMS = 64  # the most a decode step is taken to hold
 
 
-def stream_cost_ms(address: str, vocab: int, quick: bool) -> float:
-    """What each stream beyond the first adds to a decode step, through the cluster (the
-    engine's step and the worker's loop streaming each token): in each of
-    ``STREAM_ROUNDS`` rounds, the median TPOT of ``STREAMS`` equal requests sent at once,
-    less that of two sent one at a time just before, over ``STREAMS - 1``; the median of
-    the rounds."""
-    spec = WorkloadSpec("random", input_len=32, output_len=24 if quick else 96)
-    costs = []
-    for i in range(STREAM_ROUNDS):
-        alone = [o for o in one_by_one(address, Workload(spec, vocab, seed=5 + 2 * i).take(2))
-                 if o.success]
-        together, _ = send(address, Workload(spec, vocab, seed=6 + 2 * i).take(STREAMS),
-                           request_rate=float("inf"))
-        done = [o for o in together if o.success]
-        if not alone or not done:
-            raise SystemExit("bench.planner: the decode step's cost per stream could not be "
-                             "measured (requests failed)")
-        one = statistics.median(o.tpot or 0.0 for o in alone)
-        many = statistics.median(o.tpot or 0.0 for o in done)
-        costs.append(max(0.0, 1000 * (many - one) / (STREAMS - 1)))
-    return statistics.median(costs)
+@dataclass(frozen=True)
+class Probe:
+    """The decode-heavy mix through the cluster with ``streams`` requests kept in flight
+    (the next sent as one finishes): their median TPOT, mean TTFT, and the requests
+    finished a second."""
+
+    streams: int
+    tpot_ms: float
+    ttft_ms: float
+    req_s: float
 
 
-def decode_capacity(args: argparse.Namespace, vocab: int, per_stream_ms: float,
-                    unloaded_tpot_ms: float, tpot_slo_ms: float) -> float:
+def probe(address: str, vocab: int, quick: bool, streams: int, seed: int) -> Probe:
+    """One closed-loop probe of the decode-heavy mix at ``streams`` in flight."""
+    requests = Workload(workload_spec("sharegpt-like", quick), vocab, seed=seed).take(
+        REQUESTS_PER_STREAM * streams)
+    outcomes, duration = send(address, requests, request_rate=float("inf"),
+                              max_concurrency=streams)
+    tpots = [o.tpot for o in outcomes if o.tpot is not None]
+    if not tpots:
+        raise SystemExit(f"bench.planner: the decode-heavy mix at {streams} streams could not "
+                         "be measured (requests failed)")
+    done = [o for o in outcomes if o.success]
+    return Probe(streams, 1000 * statistics.median(tpots),
+                 1000 * statistics.fmean(o.ttft for o in done), len(done) / duration)
+
+
+def streams_at(points: Sequence[tuple[float, float]], tpot_slo_ms: float) -> float:
+    """The streams at which the median TPOT reaches the SLO, from measured ``(streams,
+    median TPOT ms)`` points: on the line through the two points that bracket the SLO
+    most closely (else the two nearest it), within 1 .. ``MAX_STREAMS`` and, past the
+    points, at most twice the most streams measured. A line that does not rise gives the
+    side of the SLO the points are on."""
+    points = sorted(set(points))
+    below = [p for p in points if p[1] <= tpot_slo_ms]
+    above = [p for p in points if p[1] > tpot_slo_ms]
+    if below and above:
+        pair = [max(below, key=lambda p: p[1]), min(above, key=lambda p: p[1])]
+    else:
+        pair = sorted(points, key=lambda p: abs(p[1] - tpot_slo_ms))[:2]
+    ceiling = min(MAX_STREAMS, 2 * max(p[0] for p in points))
+    if len(pair) < 2 or pair[0][0] == pair[1][0]:
+        return ceiling if not above else 1.0
+    (n0, t0), (n1, t1) = pair
+    slope = (t1 - t0) / (n1 - n0)
+    if slope <= 0:
+        return ceiling if not above else 1.0
+    return min(ceiling, max(1.0, n0 + (tpot_slo_ms - t0) / slope))
+
+
+def decode_streams(address: str, vocab: int, quick: bool, unloaded_tpot_ms: float,
+                   tpot_slo_ms: float) -> tuple[float, list[Probe]]:
+    """The streams one decode worker holds within the TPOT SLO on the decode-heavy mix,
+    measured through the cluster: from the unloaded TPOT (one stream) and ``PROBES``
+    closed-loop probes, the first at ``PROBE_STREAMS``, each next one where the points so
+    far put the SLO (``streams_at``)."""
+    points = [(1.0, unloaded_tpot_ms)]
+    probes: list[Probe] = []
+    streams = PROBE_STREAMS // 2 if quick else PROBE_STREAMS
+    for i in range(PROBES):
+        measured = probe(address, vocab, quick, streams, seed=11 + i)
+        probes.append(measured)
+        points.append((float(measured.streams), measured.tpot_ms))
+        print(f"  decode-heavy mix, {measured.streams} streams: median TPOT "
+              f"{measured.tpot_ms:.1f} ms, mean TTFT {measured.ttft_ms:.0f} ms, "
+              f"{measured.req_s:.2f} req/s", flush=True)
+        streams = max(2, round(streams_at(points, tpot_slo_ms)))
+        if streams in {p.streams for p in probes}:
+            break
+    return streams_at(points, tpot_slo_ms), probes
+
+
+def decode_capacity(args: argparse.Namespace, vocab: int, streams: float,
+                    probes: Sequence[Probe], tpot_slo_ms: float) -> float:
     """Requests a second of the decode-heavy mix one decode worker serves within the TPOT
-    SLO: the streams a step holds when it takes the SLO (the unloaded TPOT, plus
-    ``per_stream_ms`` for each further stream; at most ``MAX_STREAMS``), times the steps a
-    second, over the mix's mean output length (of a sample of it)."""
+    SLO, by Little's law: ``streams`` (``decode_streams``) over a request's mean latency
+    there, the mean TTFT of the probe nearest ``streams`` plus the mix's mean output (of a
+    sample of it) less one token at the SLO's TPOT."""
     sample = Workload(workload_spec("sharegpt-like", args.quick), vocab, seed=7).take(200)
     output = statistics.fmean(r.max_tokens for r in sample)
-    streams = min(MAX_STREAMS, 1 + max(0.0, tpot_slo_ms - unloaded_tpot_ms)
-                  / max(per_stream_ms, 1e-3))
-    return streams * (1000 / tpot_slo_ms) / output
+    nearest = min(probes, key=lambda p: abs(p.streams - streams))
+    return 1000 * streams / (nearest.ttft_ms + max(0.0, output - 1) * tpot_slo_ms)
 
 
 def phased_requests(args: argparse.Namespace, vocab: int, rates: dict[str, float],
@@ -363,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"SLO: TTFT <= {plan['slo_ms']['ttft']:.0f} ms, TPOT <= {plan['slo_ms']['tpot']:.1f} ms;"
           f" rates {plan['rates']} (capacity: one prefill worker {capacity['prefill']:.2f} "
           f"req/s of long prompts, one decode worker {capacity['decode']:.2f} of the "
-          f"decode-heavy mix, each stream {plan['stream_cost_ms']:.1f} ms of a step)", flush=True)
+          f"decode-heavy mix, {plan['decode_streams']:.1f} streams within the TPOT SLO)", flush=True)
     runs = []
     for seed in range(args.seed, args.seed + args.seeds):
         k = (seed - args.seed) % len(ARMS)  # each seed runs the arms in another order:

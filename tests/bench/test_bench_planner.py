@@ -79,19 +79,34 @@ def test_quick_runs_every_arm(tmp_path: Path) -> None:
     assert (tmp_path / "plots" / "planner-attainment.png").is_file()
 
 
-def test_the_decode_heavy_rate_is_a_share_of_what_one_decode_worker_holds_within_the_slo(
-        ) -> None:
-    """The streams a step holds within the TPOT SLO (1 + the slack over the unloaded TPOT
-    ÷ each further stream's cost), at SLO-long steps, over the mix's mean output."""
+def test_the_streams_within_the_slo_are_read_between_the_points_that_bracket_it() -> None:
+    """The line through the closest points either side of the SLO; past the points, no
+    further than twice the most streams measured; a flat or falling line gives the side
+    of the SLO the points are on."""
+    assert bench.streams_at([(1, 10.0), (8, 24.0)], 17.0) == pytest.approx(4.5)
+    # the pair nearest the SLO either side, not the outer points
+    assert bench.streams_at([(1, 10.0), (4, 14.0), (6, 18.0), (8, 30.0)], 16.0) == \
+        pytest.approx(5.0)
+    # all below: extrapolated along the nearest two, capped at twice the most measured
+    assert bench.streams_at([(1, 10.0), (8, 12.0)], 13.0) == pytest.approx(11.5)
+    assert bench.streams_at([(1, 10.0), (8, 11.0)], 30.0) == 16
+    assert bench.streams_at([(1, 10.0), (8, 30.0)], 5.0) == 1.0  # never below one
+    assert bench.streams_at([(1, 10.0), (8, 9.0)], 20.0) == 16  # noise: flat, all below
+    assert bench.streams_at([(1, 30.0), (8, 20.0)], 15.0) == 1.0  # flat, all above
+
+
+def test_the_decode_heavy_rate_is_what_the_streams_within_the_slo_finish_a_second() -> None:
+    """Little's law: the streams over a request's mean latency at the SLO's TPOT (the
+    nearest probe's TTFT, then the mix's mean output less one token)."""
     from argparse import Namespace
 
-    def capacity(per_stream_ms: float, unloaded_ms: float, slo_ms: float) -> float:
-        return bench.decode_capacity(Namespace(quick=True), 4160, per_stream_ms, unloaded_ms,
-                                     slo_ms)
+    from loadtest.workloads import Workload
 
-    one_stream = capacity(2.0, 20.0, 20.0)  # no slack: one stream, 50 tokens a second
-    assert capacity(2.0, 10.0, 20.0) == pytest.approx(6 * one_stream)  # 1 + 10 / 2 streams
-    assert capacity(1.0, 10.0, 20.0) == pytest.approx(11 * one_stream)
-    assert capacity(2.0, 30.0, 20.0) == pytest.approx(one_stream)  # never below one
-    assert capacity(0.0, 10.0, 20.0) == pytest.approx(bench.MAX_STREAMS * one_stream)
-    assert 50 / 32 <= one_stream <= 50  # outputs of 1 to 32 tokens (--quick's mix)
+    probes = [bench.Probe(4, 12.0, ttft_ms=100.0, req_s=1.0),
+              bench.Probe(8, 20.0, ttft_ms=300.0, req_s=1.0)]
+    sample = Workload(bench.workload_spec("sharegpt-like", True), 4160, seed=7).take(200)
+    output = sum(r.max_tokens for r in sample) / len(sample)
+    got = bench.decode_capacity(Namespace(quick=True), 4160, 5.0, probes, 16.0)
+    assert got == pytest.approx(1000 * 5.0 / (100.0 + (output - 1) * 16.0))
+    assert bench.decode_capacity(Namespace(quick=True), 4160, 7.0, probes, 16.0) == \
+        pytest.approx(1000 * 7.0 / (300.0 + (output - 1) * 16.0))
