@@ -24,8 +24,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 
 _DTYPES = ("float32", "float16", "bfloat16")
 # engine.kernels.linear.KERNELS' names (kept here, torch-free, to validate configs).
-LINEAR_KERNELS = ("auto", "onednn", "torch", "mm_t", "onednn_gemv", "packed", "int8_torch",
-                  "int8_packed", "packed_gemm", "int8_packed_gemm")
+LINEAR_KERNELS = ("auto", "onednn", "torch", "mm_t", "onednn_gemv", "packed", "int8_woq",
+                  "int8_torch", "int8_packed", "packed_gemm", "int8_packed_gemm")
 # weight quantisations EngineConfig.quantization takes besides None (engine.kernels.quant)
 QUANTIZATIONS = ("int8",)
 # CacheConfig.kv_cache_dtype: "auto" (the model's dtype), int8, or fp8 (vLLM's names: "fp8"
@@ -299,7 +299,8 @@ class EngineConfig:
             raise ConfigError(f"linear_kernel={self.linear_kernel!r} does not multiply "
                               f"{'int8' if self.quantization else 'unquantised'} weights "
                               f"(quantization={self.quantization!r}); int8 weights take "
-                              "int8_packed, int8_packed_gemm or int8_torch, the others "
+                              "int8_packed, int8_packed_gemm, int8_woq or int8_torch, the "
+                              "others "
                               "the rest")
         tp = self.parallel.tensor_parallel_size
         m = self.model

@@ -159,8 +159,10 @@ def choose_kernel_plan(config: EngineConfig, threads: int, *,
     gemm_only = "int8_packed_gemm" if config.quantization == "int8" else "packed_gemm"
     if speculates_past_gemv(config) and gemm_only in candidates:
         return KernelPlan.uniform(pairs, gemm_only, "speculative")
+    if device.type != "cpu":  # the first that runs there: torch's (int8_woq, else int8_torch)
+        return KernelPlan.uniform(pairs, candidates[0], "default")
     candidates = [name for name in candidates if KERNELS[name].measured]
-    if device.type != "cpu" or len(candidates) == 1:  # torch's (int8_torch's) own
+    if len(candidates) == 1:  # torch's (int8_torch's) own
         return KernelPlan.uniform(pairs, candidates[0], "default")
     cache = KernelCache(cache_path or default_cache_path(), machine_key(dtype, threads, candidates))
     chosen = {s: cache.get(s, candidates) for s in shapes}

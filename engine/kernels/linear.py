@@ -29,6 +29,13 @@ With ``quantization="int8"`` (``engine.kernels.quant``) a layer multiplies by it
 weight quantised to int8 with a scale per output feature, by one of the kernels of their
 own (``LinearKernel.quantization``), ``y = (x q^T) * scale + b``:
 
+- ``int8_woq``: torch's own weight-only int8 matmul (``torch._weight_int8pack_mm``: the
+  int8 weight and its scales in, the sum scaled per output), wherever torch has that op
+  for the device and ``x`` is fp32, fp16 or bf16. The plan's default off the CPU where
+  torch has it there (a CUDA kernel in recent torch builds), else ``int8_torch``. On the
+  CPU only where a plan names it: not a candidate of the measured choice, as torch's
+  CPU kernel took fp32 rows 13× (1 row) to 68× (32 rows) longer than ``int8_packed``
+  (a [2048, 512] weight, 2 threads, an Intel Xeon).
 - ``int8_torch``: ``F.linear`` on the int8 weight widened to ``x``'s dtype, then the
   scales; any device (a fallback: it widens the whole weight every call).
 - ``int8_packed``: ``packed`` over the int8 weight: the GEMV on ``q`` itself, the GEMM on
@@ -178,6 +185,29 @@ def _int8_torch_apply(x: torch.Tensor, weight: Int8Weight,
     return y if bias is None else y + bias
 
 
+_WOQ_OP = "aten::_weight_int8pack_mm"
+_WOQ_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+def _woq_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch has ``_weight_int8pack_mm`` for ``device`` (its dispatcher is asked,
+    nothing is run) and ``dtype`` is one it takes."""
+    key = _DISPATCH_KEYS.get(device.type)
+    return (dtype in _WOQ_DTYPES and key is not None and hasattr(torch, "_weight_int8pack_mm")
+            and torch._C._dispatch_has_kernel_for_dispatch_key(_WOQ_OP, key))
+
+
+def _woq_apply(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    if flat.shape[0] == 0:
+        y = flat.new_empty(0, weight.q.shape[0])
+    else:
+        y = torch._weight_int8pack_mm(flat, weight.q, weight.scales.to(x.dtype))
+    y = y.view(*x.shape[:-1], weight.q.shape[0])
+    return y if bias is None else y + bias
+
+
 @dataclass(frozen=True)
 class _Int8Prepared:
     """``int8_packed``'s copies: the int8 weight and scales for the GEMV, its int8
@@ -233,6 +263,8 @@ KERNELS: dict[str, LinearKernel] = {
                                 _onednn_gemv_available, uses_native=True),
     "packed": LinearKernel("packed", _packed_prepare, _packed_apply, _packed_available,
                            uses_native=True),
+    "int8_woq": LinearKernel("int8_woq", _as_int8, _woq_apply, _woq_available,
+                             quantization="int8", measured=False),
     "int8_torch": LinearKernel("int8_torch", _as_int8, _int8_torch_apply,
                                lambda device, dtype: True, quantization="int8"),
     "int8_packed": LinearKernel("int8_packed", _int8_packed_prepare, _int8_packed_apply,

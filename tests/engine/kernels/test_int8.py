@@ -124,14 +124,13 @@ def test_int8_weights_take_the_int8_kernels_and_only_those(llama_dir: Path,
                                                          monkeypatch: pytest.MonkeyPatch,
                                                          tmp_path: Path) -> None:
     cpu = torch.device("cpu")
-    assert available_kernels(cpu, torch.float32, "int8") == ["int8_torch", "int8_packed",
-                                                             "int8_packed_gemm"]
-    assert not {"int8_torch", "int8_packed", "int8_packed_gemm"} & set(
-        available_kernels(cpu, torch.float32))
+    int8 = ["int8_woq", "int8_torch", "int8_packed", "int8_packed_gemm"]
+    assert available_kernels(cpu, torch.float32, "int8") == int8
+    assert not set(int8) & set(available_kernels(cpu, torch.float32))
     model = load_model_config(llama_dir)
     with pytest.raises(ConfigError, match="quantization must be None or one of"):
         EngineConfig(model=model, quantization="int4")
-    with pytest.raises(ConfigError, match="int8 weights take int8_packed, int8_packed_gemm or int8_torch"):
+    with pytest.raises(ConfigError, match="int8 weights take int8_packed, int8_packed_gemm, int8_woq or int8_torch"):
         EngineConfig(model=model, quantization="int8", linear_kernel="packed")
     with pytest.raises(ConfigError, match="does not multiply unquantised weights"):
         EngineConfig(model=model, linear_kernel="int8_packed")
@@ -150,6 +149,29 @@ def test_int8_weights_take_the_int8_kernels_and_only_those(llama_dir: Path,
     plan = choose_kernel_plan(config, 1, cache_path=tmp_path / "cache.json", measure=measure)
     assert set(timed) == {("int8_torch", "int8_packed")}
     assert plan.summary == "int8_packed" and plan.source == "measured"
+
+
+def test_off_the_cpu_int8_weights_take_torchs_weight_only_matmul_where_torch_has_one(
+        llama_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A CUDA engine's plan is ``int8_woq`` where torch has ``_weight_int8pack_mm`` for
+    CUDA, else ``int8_torch``; nothing is measured there. (This CPU-only torch has no
+    CUDA kernels: the availability is what is faked; tests/engine/test_gpu.py runs it.)"""
+    import dataclasses
+
+    config = EngineConfig(model=load_model_config(llama_dir), quantization="int8",
+                          device="cuda")
+
+    def measure(*args: object) -> choice.Timings:
+        raise AssertionError("nothing is measured off the CPU")
+
+    for woq_on_cuda, expected in ((True, "int8_woq"), (False, "int8_torch")):
+        monkeypatch.setitem(KERNELS, "int8_woq", dataclasses.replace(
+            KERNELS["int8_woq"], available=lambda device, dtype, on=woq_on_cuda: on))
+        plan = choose_kernel_plan(config, 1, cache_path=tmp_path / "cache.json",
+                                  measure=measure)
+        assert (plan.summary, plan.source) == (expected, "default")
+    # on the CPU it is there to force, never measured: torch's CPU kernel is far slower
+    assert not KERNELS["int8_woq"].measured
 
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
