@@ -142,9 +142,9 @@ def measure_profile(args: argparse.Namespace, model_dir: Path, out: Path) -> Pat
 
 def calibrate(args: argparse.Namespace, model_dir: Path, vocab: int, cpus: tuple[int, int]
               ) -> dict[str, Any]:
-    """Unloaded latencies of both mixes on the disaggregated layout, and the cost of a
-    stream in a decode step there: the SLO, and the capacities the rates are fractions of
-    (the module docstring)."""
+    """Unloaded latencies of both mixes on the disaggregated layout, and the streams its
+    decode worker holds within the TPOT SLO on the decode-heavy mix: the SLO, and the
+    capacities the rates are fractions of (the module docstring)."""
     alone: dict[str, dict[str, float]] = {}
     with cluster(model_dir, num_kv_blocks=args.num_kv_blocks,
                  **arm_layout("disaggregated", cpus)) as running:
