@@ -50,6 +50,7 @@ and the batch size, so ``engine.kernels.choice`` times them and writes a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -191,11 +192,24 @@ _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 
 def _woq_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch has ``_weight_int8pack_mm`` for ``device`` (its dispatcher is asked,
-    nothing is run) and ``dtype`` is one it takes."""
+    """Whether torch has ``_weight_int8pack_mm`` for ``device`` and it multiplies ``dtype``
+    rows there: its dispatcher is asked, then one small product is tried (once per device
+    and dtype), so a build whose kernel refuses these inputs is never planned for."""
     key = _DISPATCH_KEYS.get(device.type)
     return (dtype in _WOQ_DTYPES and key is not None and hasattr(torch, "_weight_int8pack_mm")
-            and torch._C._dispatch_has_kernel_for_dispatch_key(_WOQ_OP, key))
+            and torch._C._dispatch_has_kernel_for_dispatch_key(_WOQ_OP, key)
+            and _woq_runs(str(device), dtype))
+
+
+@functools.cache
+def _woq_runs(device: str, dtype: torch.dtype) -> bool:
+    try:
+        x = torch.ones(2, 64, dtype=dtype, device=device)
+        q = torch.ones(32, 64, dtype=torch.int8, device=device)
+        y = torch._weight_int8pack_mm(x, q, torch.full((32,), 0.5, dtype=dtype, device=device))
+        return bool(torch.all(y == 32))
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _woq_apply(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:

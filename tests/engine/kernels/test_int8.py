@@ -174,6 +174,28 @@ def test_off_the_cpu_int8_weights_take_torchs_weight_only_matmul_where_torch_has
     assert not KERNELS["int8_woq"].measured
 
 
+def test_int8_woq_is_available_only_where_torchs_op_runs(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """The dispatcher's word is not enough: one small product is tried, so a torch whose
+    kernel refuses the inputs (or a device that is not there) never gets a plan."""
+    from engine.kernels import linear
+
+    cpu, woq = torch.device("cpu"), KERNELS["int8_woq"]
+    assert woq.available(cpu, torch.float32) and not woq.available(cpu, torch.int32)
+    linear._woq_runs.cache_clear()
+
+    def refuses(*args: object) -> torch.Tensor:
+        raise RuntimeError("expected scales to be bfloat16")
+
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", refuses)
+    try:
+        assert not woq.available(cpu, torch.float32)
+    finally:
+        linear._woq_runs.cache_clear()
+    if not torch.cuda.is_available():
+        assert not woq.available(torch.device("cuda"), torch.float32)
+
+
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # On the tiny random-weight models (hidden 64: few weights per scale, near-tied logits)
 # the worst logit of any step moved by 6.5-10% of the largest logit; quality on a trained
