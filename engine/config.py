@@ -300,8 +300,7 @@ class EngineConfig:
                               f"{'int8' if self.quantization else 'unquantised'} weights "
                               f"(quantization={self.quantization!r}); int8 weights take "
                               "int8_packed, int8_packed_gemm, int8_woq or int8_torch, the "
-                              "others "
-                              "the rest")
+                              "others the rest")
         tp = self.parallel.tensor_parallel_size
         m = self.model
         for name, value in (("num_attention_heads", m.num_heads), ("intermediate_size", m.intermediate_size)):
