@@ -43,10 +43,18 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
+# Line breaks to Python's str.splitlines (and clients whose SSE readers split with it,
+# httpx's iter_lines among them) that JSON leaves unescaped: a token's text holding one
+# would cut its event's data line in two. Escaped, the JSON decodes to the same text.
+_LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: dict[str, Any], event: str | None = None, event_id: str | None = None) -> bytes:
-    """One server-sent event (``event:`` and ``id:`` lines only when given)."""
+    """One server-sent event (``event:`` and ``id:`` lines only when given); its data is
+    one line to any line splitter (``_LINE_BREAKS``)."""
     head = (f"event: {event}\n" if event else "") + (f"id: {event_id}\n" if event_id else "")
-    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    body = json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS)
+    return f"{head}data: {body}\n\n".encode()
 
 
 @dataclass(frozen=True)

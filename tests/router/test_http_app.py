@@ -397,3 +397,16 @@ def test_a_chat_request_is_gated_before_its_template_renders(fake: FakeRouterCor
         long = {"messages": [{"role": "user", "content": "hi"}] * 20, "max_tokens": 2}
         assert client.post("/v1/chat/completions", json=long).status_code == 200
         assert template.renders == 1
+
+
+def test_an_sse_event_is_one_line_to_any_line_splitter() -> None:
+    """A token's text may hold U+0085, U+2028 or U+2029, which JSON leaves as they are and
+    str.splitlines (httpx's iter_lines) breaks on: the event escapes them, and its data
+    still decodes to the same text."""
+    from router.http.responses import sse
+
+    text = "a\u0085b\u2028c\u2029d\x1ce\n"
+    event = sse({"content": text}).decode()
+    lines = [line for line in event.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("data: ")
+    assert json.loads(lines[0].removeprefix("data: ")) == {"content": text}
