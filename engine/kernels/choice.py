@@ -13,7 +13,9 @@ message, so every rank runs the same kernels). In order of precedence:
    weights; ``engine.kernels.linear`` says why), so that its steps of a few rows and its
    verifying steps read one copy of each weight, and all of them run in the compiled
    decoder stack (``engine.models.decoder_stack``);
-4. not a CPU, or only one kernel available: ``torch`` (``F.linear``);
+4. not a CPU, or only one kernel available: ``torch`` (``F.linear``; ``int8_torch``, its
+   int8 form, for int8 weights): nothing is measured off the CPU, and a kernel that is
+   no candidate of the measured choice (``int8_woq``, ``packed_gemm``) is never a default;
 5. the cache (``$XDG_CACHE_HOME/pdserve/linear_kernels.json``, else
    ``~/.cache/pdserve/``), keyed by CPU model, torch version and CPU capability,
    thread count, dtype and the candidate kernels, then by weight shape and timed batch
@@ -159,10 +161,8 @@ def choose_kernel_plan(config: EngineConfig, threads: int, *,
     gemm_only = "int8_packed_gemm" if config.quantization == "int8" else "packed_gemm"
     if speculates_past_gemv(config) and gemm_only in candidates:
         return KernelPlan.uniform(pairs, gemm_only, "speculative")
-    if device.type != "cpu":  # the first that runs there: torch's (int8_woq, else int8_torch)
-        return KernelPlan.uniform(pairs, candidates[0], "default")
     candidates = [name for name in candidates if KERNELS[name].measured]
-    if len(candidates) == 1:  # torch's (int8_torch's) own
+    if device.type != "cpu" or len(candidates) == 1:  # torch's (int8_torch's) own
         return KernelPlan.uniform(pairs, candidates[0], "default")
     cache = KernelCache(cache_path or default_cache_path(), machine_key(dtype, threads, candidates))
     chosen = {s: cache.get(s, candidates) for s in shapes}

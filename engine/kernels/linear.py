@@ -31,11 +31,13 @@ own (``LinearKernel.quantization``), ``y = (x q^T) * scale + b``:
 
 - ``int8_woq``: torch's own weight-only int8 matmul (``torch._weight_int8pack_mm``: the
   int8 weight and its scales in, the sum scaled per output), wherever torch has that op
-  for the device and ``x`` is fp32, fp16 or bf16. The plan's default off the CPU where
-  torch has it there (a CUDA kernel in recent torch builds), else ``int8_torch``. On the
-  CPU only where a plan names it: not a candidate of the measured choice, as torch's
-  CPU kernel took fp32 rows 13× (1 row) to 68× (32 rows) longer than ``int8_packed``
-  (a [2048, 512] weight, 2 threads, an Intel Xeon).
+  for the device and ``x`` is fp32, fp16 or bf16. Only where a plan names it
+  (``linear_kernel="int8_woq"``), never a default: torch's CPU kernel took fp32 rows 13×
+  (1 row) to 68× (32 rows) longer than ``int8_packed`` (a [2048, 512] weight, 2 threads,
+  an Intel Xeon), and its CUDA kernel, in torch's source as read in December 2026, gives each output its own
+  thread, which walks its weight row alone (no tiling, no tensor cores, the weight reads
+  not coalesced): a prefill chunk's rows would each read every weight again. Off the CPU
+  the default is ``int8_torch``, on cuBLAS.
 - ``int8_torch``: ``F.linear`` on the int8 weight widened to ``x``'s dtype, then the
   scales; any device (a fallback: it widens the whole weight every call).
 - ``int8_packed``: ``packed`` over the int8 weight: the GEMV on ``q`` itself, the GEMM on
@@ -208,7 +210,7 @@ def _woq_runs(device: str, dtype: torch.dtype) -> bool:
         q = torch.ones(32, 64, dtype=torch.int8, device=device)
         y = torch._weight_int8pack_mm(x, q, torch.full((32,), 0.5, dtype=dtype, device=device))
         return bool(torch.all(y == 32))
-    except (RuntimeError, NotImplementedError):
+    except Exception:  # any refusal (the device missing, the inputs refused): not here
         return False
 
 

@@ -1,5 +1,5 @@
-"""GPU paths (CUDA SDPA over gathered KV; int8 weights through torch's weight-only int8
-matmul; flash-attn when installed). Skipped without CUDA."""
+"""GPU paths (CUDA SDPA over gathered KV; int8 weights through cuBLAS and, forced,
+torch's weight-only int8 matmul; flash-attn when installed). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -29,22 +29,26 @@ def test_cuda_matches_cpu(llama_dir: Path) -> None:
     assert [r.token_ids for r in out] == [r.token_ids for r in ref]
 
 
-def test_int8_weights_on_cuda_run_torchs_weight_only_int8_matmul(llama_dir: Path) -> None:
-    """``quantization="int8"`` on CUDA multiplies by the int8 weights with torch's fused
-    op (``int8_woq``) where torch has it for CUDA, and gives the CPU's int8 tokens."""
+def test_int8_weights_on_cuda_give_the_cpus_int8_tokens(llama_dir: Path) -> None:
+    """``quantization="int8"`` on CUDA multiplies by the int8 weights with ``int8_torch``
+    by default, and with torch's fused op (``int8_woq``) where forced and torch has it for
+    CUDA; each gives the CPU's int8 tokens."""
     import torch
 
     from engine.kernels.linear import KERNELS
 
-    if not KERNELS["int8_woq"].available(torch.device("cuda"), torch.float32):
-        pytest.skip("this torch has no CUDA kernel for _weight_int8pack_mm")
     with LLM(llama_dir, num_kv_blocks=128, quantization="int8", linear_kernel="int8_torch") as cpu:
         ref = cpu.generate(PROMPTS[:6], GREEDY)
-    with LLM(llama_dir, num_kv_blocks=128, device="cuda", quantization="int8") as gpu:
-        assert gpu.core.executor.runner.linear_kernel == "int8_woq"
-        out = gpu.generate(PROMPTS[:6], GREEDY)
-        gpu.core.check_integrity()
-    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+    kernels = ["auto"] + (["int8_woq"] if KERNELS["int8_woq"].available(
+        torch.device("cuda"), torch.float32) else [])
+    for kernel in kernels:
+        with LLM(llama_dir, num_kv_blocks=128, device="cuda", quantization="int8",
+                 linear_kernel=kernel) as gpu:
+            expected = "int8_torch" if kernel == "auto" else kernel
+            assert gpu.core.executor.runner.linear_kernel == expected
+            out = gpu.generate(PROMPTS[:6], GREEDY)
+            gpu.core.check_integrity()
+        assert [r.token_ids for r in out] == [r.token_ids for r in ref], kernel
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn not installed")

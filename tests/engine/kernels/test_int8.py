@@ -151,11 +151,12 @@ def test_int8_weights_take_the_int8_kernels_and_only_those(llama_dir: Path,
     assert plan.summary == "int8_packed" and plan.source == "measured"
 
 
-def test_off_the_cpu_int8_weights_take_torchs_weight_only_matmul_where_torch_has_one(
+def test_off_the_cpu_int8_weights_take_int8_torch_even_where_torch_has_weight_only_matmul(
         llama_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A CUDA engine's plan is ``int8_woq`` where torch has ``_weight_int8pack_mm`` for
-    CUDA, else ``int8_torch``; nothing is measured there. (This CPU-only torch has no
-    CUDA kernels: the availability is what is faked; tests/engine/test_gpu.py runs it.)"""
+    """A CUDA engine's plan is ``int8_torch`` (cuBLAS) whether or not torch has
+    ``_weight_int8pack_mm`` for CUDA, whose kernel is one thread per output; nothing is
+    measured there. (This CPU-only torch has no CUDA kernels: the availability is what is
+    faked; tests/engine/test_gpu.py runs ``int8_woq`` forced.)"""
     import dataclasses
 
     config = EngineConfig(model=load_model_config(llama_dir), quantization="int8",
@@ -164,14 +165,18 @@ def test_off_the_cpu_int8_weights_take_torchs_weight_only_matmul_where_torch_has
     def measure(*args: object) -> choice.Timings:
         raise AssertionError("nothing is measured off the CPU")
 
-    for woq_on_cuda, expected in ((True, "int8_woq"), (False, "int8_torch")):
+    for woq_on_cuda in (False, True):
         monkeypatch.setitem(KERNELS, "int8_woq", dataclasses.replace(
             KERNELS["int8_woq"], available=lambda device, dtype, on=woq_on_cuda: on))
         plan = choose_kernel_plan(config, 1, cache_path=tmp_path / "cache.json",
                                   measure=measure)
-        assert (plan.summary, plan.source) == (expected, "default")
-    # on the CPU it is there to force, never measured: torch's CPU kernel is far slower
+        assert (plan.summary, plan.source) == ("int8_torch", "default")
+    # int8_woq is available here (the last loop) but only to force, never measured nor a
+    # default: torch's kernels are far slower
     assert not KERNELS["int8_woq"].measured
+    forced = dataclasses.replace(config, linear_kernel="int8_woq")
+    plan = choose_kernel_plan(forced, 1, cache_path=tmp_path / "cache.json", measure=measure)
+    assert (plan.summary, plan.source) == ("int8_woq", "config")
 
 
 def test_int8_woq_is_available_only_where_torchs_op_runs(monkeypatch: pytest.MonkeyPatch
