@@ -27,9 +27,11 @@ fractions of:
   1,024-token prefill it takes;
 - one decode worker's, on the decode-heavy mix itself: the streams at which its median
   TPOT reaches the SLO, read between closed-loop probes of the mix through the cluster
-  (``PROBES`` of them, each keeping a number of requests in flight, the first
-  ``PROBE_STREAMS``, each next one where the points so far put the SLO), over a
-  request's mean latency there (Little's law). Its rate is ``--sharegpt-fraction``
+  (``PROBES`` of them at most, each keeping a number of requests in flight, the first
+  ``PROBE_STREAMS`` (half with ``--quick``), each next one where the points so far put
+  the SLO; of each, the requests that ended before its last one was sent, so every one
+  ran with every stream busy, a failed one counting as past the SLO), over a request's
+  mean latency there (Little's law). Its rate is ``--sharegpt-fraction``
   [1.0] of it: one decode worker runs at its SLO's edge and, with Poisson arrivals,
   past it, while two colocated workers share it. (Before, this capacity was extrapolated
   from four short streams' cost in a step, taken as linear up to the streams the SLO
@@ -61,6 +63,7 @@ time (10 s bins) with the role changes marked. About 11 minutes by default; ``--
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import statistics
 import subprocess
@@ -180,8 +183,9 @@ MAX_STREAMS = 64  # the most a decode step is taken to hold
 @dataclass(frozen=True)
 class Probe:
     """The decode-heavy mix through the cluster with ``streams`` requests kept in flight
-    (the next sent as one finishes): their median TPOT, mean TTFT, and the requests
-    finished a second."""
+    (the next sent as one finishes): the median TPOT and mean TTFT of the requests that
+    finished while that many were in flight (``full_load``), and the requests finished a
+    second."""
 
     streams: int
     tpot_ms: float
@@ -195,26 +199,43 @@ def probe(address: str, vocab: int, quick: bool, streams: int, seed: int) -> Pro
         REQUESTS_PER_STREAM * streams)
     outcomes, duration = send(address, requests, request_rate=float("inf"),
                               max_concurrency=streams)
-    tpots = [o.tpot for o in outcomes if o.tpot is not None]
-    if not tpots:
+    done = [o for o in outcomes if o.success]
+    if not done:
         raise SystemExit(f"bench.planner: the decode-heavy mix at {streams} streams could not "
                          "be measured (requests failed)")
-    done = [o for o in outcomes if o.success]
+    loaded = full_load(outcomes)
+    # a request that failed counts as past the SLO (infinite TPOT), not as absent
+    tpots = [math.inf if not o.success else o.tpot or 0.0 for o in loaded]
     return Probe(streams, 1000 * statistics.median(tpots),
-                 1000 * statistics.fmean(o.ttft for o in done), len(done) / duration)
+                 1000 * statistics.fmean(o.ttft for o in loaded if o.success),
+                 len(done) / duration)
+
+
+def full_load(outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """The requests of a closed-loop run that ended before its last request was sent:
+    each ran with every stream busy (after that, fewer run, and faster). At least the
+    one that ended first."""
+    last_sent = max(o.sent_at for o in outcomes)
+    ended = sorted(outcomes, key=lambda o: o.sent_at + o.latency)
+    return [o for o in ended if o.sent_at + o.latency <= last_sent] or ended[:1]
 
 
 def streams_at(points: Sequence[tuple[float, float]], tpot_slo_ms: float) -> float:
     """The streams at which the median TPOT reaches the SLO, from measured ``(streams,
-    median TPOT ms)`` points: on the line through the two points that bracket the SLO
-    most closely (else the two nearest it), within 1 .. ``MAX_STREAMS`` and, past the
-    points, at most twice the most streams measured. A line that does not rise gives the
-    side of the SLO the points are on."""
+    median TPOT ms)`` points: on the line from the most streams within the SLO to the
+    fewest past it with more streams (where noise put every point past the SLO at fewer
+    streams, the most streams within it), else through the two points nearest the SLO;
+    within 1 .. ``MAX_STREAMS`` and, past the points, at most twice the most streams
+    measured. A line that does not rise gives the side of the SLO the points are on."""
     points = sorted(set(points))
     below = [p for p in points if p[1] <= tpot_slo_ms]
     above = [p for p in points if p[1] > tpot_slo_ms]
     if below and above:
-        pair = [max(below, key=lambda p: p[1]), min(above, key=lambda p: p[1])]
+        low = max(below)
+        higher = [p for p in above if p[0] > low[0]]
+        if not higher:
+            return low[0]
+        pair = [low, min(higher)]
     else:
         pair = sorted(points, key=lambda p: abs(p[1] - tpot_slo_ms))[:2]
     ceiling = min(MAX_STREAMS, 2 * max(p[0] for p in points))

@@ -93,6 +93,34 @@ def test_the_streams_within_the_slo_are_read_between_the_points_that_bracket_it(
     assert bench.streams_at([(1, 10.0), (8, 30.0)], 5.0) == 1.0  # never below one
     assert bench.streams_at([(1, 10.0), (8, 9.0)], 20.0) == 16  # noise: flat, all below
     assert bench.streams_at([(1, 30.0), (8, 20.0)], 15.0) == 1.0  # flat, all above
+    # noise: a point past the SLO between points within it; the line runs from the most
+    # streams within it to the fewest past it with more, else stops at the most within it
+    assert bench.streams_at([(1, 10.0), (6, 17.0), (8, 15.0), (12, 20.0)], 16.0) == \
+        pytest.approx(8.8)
+    assert bench.streams_at([(1, 10.0), (8, 14.5), (12, 15.5), (16, 14.9)], 15.0) == 16
+
+
+def test_a_probe_reads_the_requests_that_ran_at_full_load_and_counts_failures_past_the_slo(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the requests that ended before the last one was sent ran with every stream
+    busy; of those, one that failed counts as past the SLO (not as absent)."""
+    def outcome(sent: float, latency: float, tpot_ms: float | None, ttft: float = 0.1
+                ) -> Outcome:
+        o = Outcome(prompt_len=8, max_tokens=11, sent_at=sent, success=tpot_ms is not None,
+                    output_len=11, ttft=ttft, latency=latency)
+        if tpot_ms is not None:
+            o.latency = ttft + 10 * tpot_ms / 1000
+        return o
+
+    ran = [outcome(0.0, 0, 10.0), outcome(0.0, 0, 12.0), outcome(0.11, 0.05, None),
+           outcome(0.2, 0, 30.0, ttft=0.3),  # sent before the last, ended after it
+           outcome(0.3, 0, 2.0), outcome(0.4, 0, 2.0)]  # the ramp-down: fewer in flight
+    monkeypatch.setattr(bench, "send", lambda *a, **k: (ran, 1.0))
+    got = bench.probe("unused", 4160, True, 2, seed=0)
+    # ended by 0.4 s: 10 ms, 12 ms and the failure (infinite): median 12 ms
+    assert got.tpot_ms == pytest.approx(12.0)
+    assert got.ttft_ms == pytest.approx(100.0)  # the two that succeeded among them
+    assert got.req_s == pytest.approx(5.0)  # every request that succeeded, over the run
 
 
 def test_the_decode_heavy_rate_is_what_the_streams_within_the_slo_finish_a_second() -> None:
