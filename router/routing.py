@@ -73,9 +73,12 @@ def pick_prefill(key: bytes, loads: Mapping[str, int],
 
 
 def uncached_tokens(num_prompt_tokens: int, block_size: int, cached_blocks: int) -> int:
-    """Prompt tokens a worker holding ``cached_blocks`` leading blocks still computes (the
-    last token always: its logits sample the first token)."""
-    return max(1, num_prompt_tokens - cached_blocks * block_size)
+    """Prompt tokens a worker holding ``cached_blocks`` leading blocks still computes. Its
+    cache serves at most the full blocks before the last token's (whose logits sample the
+    first token), as the engine's ``Scheduler.cached_prefix`` takes them: a prompt of
+    whole blocks, all cached, still computes its last block."""
+    usable = max(0, min(cached_blocks, (num_prompt_tokens - 1) // block_size))
+    return num_prompt_tokens - usable * block_size
 
 
 def rank_by_cost(key: bytes, costs: Mapping[str, int]) -> list[str]:

@@ -259,10 +259,16 @@ def test_round_robin_takes_workers_in_turn_whatever_the_prompt() -> None:
 # --- kv-aware ---------------------------------------------------------------------
 
 
-def test_uncached_tokens_always_leave_the_last_token_to_compute() -> None:
+def test_uncached_tokens_are_what_the_engine_computes() -> None:
+    """The engine's cache serves at most the full blocks before the last token's
+    (``Scheduler.cached_prefix``): a prompt of whole blocks, all cached, computes its last
+    block again."""
     assert uncached_tokens(100, 16, 0) == 100
     assert uncached_tokens(100, 16, 2) == 68
-    assert uncached_tokens(32, 16, 2) == 1  # a whole-block prompt: its last token still
+    assert uncached_tokens(33, 16, 2) == 1  # the last token alone, in a block of its own
+    assert uncached_tokens(32, 16, 2) == 16  # the last block, not its last token alone
+    assert uncached_tokens(32, 16, 1) == 16
+    assert uncached_tokens(100, 16, 50) == 4  # more held than the prompt has: 6 blocks
 
 
 @given(key=keys, workers=st.lists(worker_ids, min_size=1, max_size=8, unique=True),
