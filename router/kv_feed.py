@@ -53,6 +53,9 @@ class KVFeed:
         self._snapshots: set[asyncio.Task[None]] = set()
         self._failing = False
         self._shown: set[str] = set()  # workers with a kv_index_worker_blocks sample
+        # snapshots are asked for once the stream's position is read: one taken before
+        # would miss the batches published between it and that position
+        self._positioned = False
 
     def watch(self, records: list[WorkerRecord]) -> None:
         """The live workers (every role); the index forgets the others, and what it knew
@@ -64,7 +67,8 @@ class KVFeed:
                 self.index.restarted(record.worker_id)
         self._records = {r.worker_id: r for r in records}
         self.index.watch(self._records)
-        self._ask_snapshots()
+        if self._positioned:
+            self._ask_snapshots()
 
     async def run(self) -> None:
         """Read and apply events until cancelled."""
@@ -76,6 +80,8 @@ class KVFeed:
                     after = await loop.run_in_executor(self._thread,
                                                        self._registry.kv_events_tail)
                     self.index.heard()  # reading from here on: the snapshots are current
+                    self._positioned = True
+                    self._ask_snapshots()
                 entries = await loop.run_in_executor(self._thread, partial(
                     self._registry.read_kv_events, after, block_ms=READ_BLOCK_MS,
                     count=READ_COUNT))

@@ -19,7 +19,8 @@ Per worker it keeps an epoch and the last sequence number applied:
 
 A worker first watched wants a snapshot. ``watch`` with the live workers forgets the
 rest. Memory is bounded: a block no worker holds is forgotten, and past ``max_blocks``
-distinct blocks the least recently stored or matched ones are dropped (LRU).
+distinct blocks the least recently stored or matched ones are dropped (LRU; of a chain,
+its later blocks before the ones they follow).
 
 ``trusted()`` is False until the feed read the stream once, and after ``stale_after_s``
 without a successful read (Redis down): routing then falls back to rendezvous hashing.
@@ -142,8 +143,10 @@ class KVIndex:
         if epoch < state.epoch:  # still asked: the caller waits, then ``snapshot_failed``
             return EPOCH_BACKWARDS
         state.asked = False
-        if state.synced and epoch == state.epoch and seq <= state.seq:
-            return DUPLICATE  # the batches applied meanwhile are ahead of it
+        if epoch == state.epoch and (seq < state.seq or state.synced and seq == state.seq):
+            # the batches applied meanwhile are ahead of it (past a gap since, it would
+            # roll the worker back: it stays wanted, and is asked for again)
+            return DUPLICATE
         self._clear(worker_id)
         pending = sorted(state.pending, key=lambda b: (b.epoch, b.seq))
         state.epoch, state.seq, state.synced, state.wanted, state.pending = \
@@ -175,6 +178,7 @@ class KVIndex:
         """For each of ``worker_ids``: how many leading blocks of ``block_hashes`` it holds."""
         found = {w: 0 for w in worker_ids}
         alive = set(found)
+        matched = 0
         for index, block_hash in enumerate(block_hashes):
             holders = self._holders.get(block_hash)
             if holders is None:
@@ -182,9 +186,10 @@ class KVIndex:
             alive &= holders
             if not alive:
                 break
-            self._holders.move_to_end(block_hash)
+            matched = index + 1
             for worker_id in alive:
-                found[worker_id] = index + 1
+                found[worker_id] = matched
+        self._touch(block_hashes[:matched])
         return found
 
     @property
@@ -220,7 +225,16 @@ class KVIndex:
                 self._store(worker_id, state, block_hash)
             else:
                 self._remove(worker_id, state, block_hash)
+        self._touch([h for op, h in batch.ops if op == STORED])
         state.seq = batch.seq
+
+    def _touch(self, chain: Sequence[bytes]) -> None:
+        """Mark ``chain``'s blocks most recently used, its first block last: a prefix is
+        matched from its first block, so the LRU drops a chain's later blocks before the
+        ones they follow (dropping the first would leave the rest unmatchable)."""
+        for block_hash in reversed(chain):
+            if block_hash in self._holders:
+                self._holders.move_to_end(block_hash)
 
     def _store(self, worker_id: str, state: _Worker, block_hash: bytes) -> None:
         holders = self._holders.get(block_hash)

@@ -8,7 +8,9 @@ batch, so ``snapshot()`` is exactly what a router that applied batches 1..seq kn
 worker serves it (``KVSnapshot`` RPC) to a router that must resynchronise.
 
 Redis down: a batch that cannot be published is dropped (its sequence number is used),
-so every router sees a gap at the next batch that gets through and resynchronises. The
+so every router sees a gap at the next batch that gets through and resynchronises. While
+the last batch did not get through, an empty one is sent every period, so that gap shows
+as soon as Redis answers again, even from a worker whose cache then stays unchanged. The
 publisher never blocks the engine: it only drains a deque.
 """
 
@@ -73,12 +75,16 @@ class KVEventPublisher:
             return KVSnapshot(self.epoch, self._seq, tuple(self._mirror))
 
     def publish_once(self) -> int:
-        """Publish what the log holds now (in batches of at most ``MAX_OPS_PER_BATCH``),
-        or, the first time, at least an empty batch 1 (it announces the epoch: routers
-        forget what an earlier process of this worker id held); returns how many batches
-        were made."""
+        """Publish what the log holds now (in batches of at most ``MAX_OPS_PER_BATCH``);
+        with nothing to publish, an empty batch the first time (batch 1 announces the
+        epoch: routers forget what an earlier process of this worker id held) and while
+        the last batch did not get through (its gap must reach the routers); returns how
+        many batches were made."""
         made = 0
-        while (ops := self._events.drain(MAX_OPS_PER_BATCH)) or not self._seq:
+        while True:
+            ops = self._events.drain(MAX_OPS_PER_BATCH)
+            if not ops and (made or (self._seq and not self._failing)):
+                return made
             with self._lock:
                 self._seq += 1
                 for op, block_hash in ops:
@@ -90,7 +96,6 @@ class KVEventPublisher:
                                    time.time())
             self._send(batch)
             made += 1
-        return made
 
     def _send(self, batch: EventBatch) -> None:
         try:

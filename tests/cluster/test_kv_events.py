@@ -13,7 +13,7 @@ from cluster.kv_events import (
     pack_hashes,
     unpack_hashes,
 )
-from cluster.registry import Registry
+from cluster.registry import Registry, RegistryUnavailable
 from deploy.redis_server import RedisServer
 from engine.kvcache.block_hash import compute_block_hashes
 from engine.kvcache.block_manager import BlockManager
@@ -99,3 +99,40 @@ def test_a_batch_redis_does_not_take_is_dropped_and_leaves_a_gap() -> None:
     assert (publisher.published, publisher.dropped) == (0, 1)
     assert publisher.snapshot().seq == 1  # the snapshot has it: a router resyncs to it
     publisher.stop()
+
+
+def test_while_batches_are_dropped_an_empty_one_goes_each_period_so_routers_see_the_gap(
+        redis_server: RedisServer) -> None:
+    """A worker whose cache stops changing during an outage still shows its gap once
+    Redis answers: an empty batch goes every period until one gets through."""
+    real = Registry(redis_server.url, cluster="kvgap")
+    reader = Registry(redis_server.url, cluster="kvgap")
+
+    class Outage:  # the publisher's registry: Redis refuses while ``down``
+        down = True
+
+        def publish_kv_events(self, fields: object, maxlen: int) -> None:
+            if self.down:
+                raise RegistryUnavailable("Redis is down")
+            real.publish_kv_events(fields, maxlen)
+
+        def close(self) -> None:
+            real.close()
+
+    registry = Outage()
+    events = KVEventLog()
+    publisher = KVEventPublisher(registry, "w-1", events)  # type: ignore[arg-type]
+    try:
+        tail = reader.kv_events_tail()
+        events.stored(HASHES[0])
+        assert publisher.publish_once() == 1  # batch 1, dropped
+        assert publisher.publish_once() == 1  # nothing new, still down: an empty batch 2
+        registry.down = False
+        assert publisher.publish_once() == 1  # an empty batch 3 gets through
+        assert publisher.publish_once() == 0  # through: nothing more to say
+        batches = [decode(f) for _, f in reader.read_kv_events(tail, block_ms=100, count=10)]
+        assert [(b.seq, b.ops) for b in batches] == [(3, ())]  # a router sees 1..2 missing
+        assert (publisher.published, publisher.dropped) == (1, 2)
+    finally:
+        publisher.stop()
+        reader.close()

@@ -90,6 +90,14 @@ def test_a_snapshot_older_than_what_was_applied_is_ignored() -> None:
     index.apply(stored("a", 2, HASHES[2:3]))
     assert index.load_snapshot("a", 1, 1, HASHES[:2]) == DUPLICATE
     assert index.match(HASHES, ["a"]) == {"a": 3}
+    # past a gap too: a snapshot asked for before it, older than what was applied, would
+    # roll the worker back; it is refused, and one is asked for again
+    assert index.apply(stored("a", 4, HASHES[4:5])) == GAP
+    assert index.wanted() == ["a"]
+    assert index.load_snapshot("a", 1, 1, HASHES[:2]) == DUPLICATE
+    assert not index.is_synced("a") and index.wanted() == ["a"]
+    assert index.load_snapshot("a", 1, 3, HASHES[:4]) == APPLIED  # then batch 4 follows on
+    assert index.seq_of("a") == 4 and index.match(HASHES, ["a"]) == {"a": 5}
 
 
 def test_watch_forgets_departed_workers_and_blocks_nobody_holds() -> None:
@@ -103,13 +111,18 @@ def test_watch_forgets_departed_workers_and_blocks_nobody_holds() -> None:
 
 
 def test_size_cap_drops_the_least_recently_used_blocks() -> None:
+    """Of a chain stored or matched together, the later blocks go first: a chain whose
+    first block went could match nothing while its other blocks took room."""
     index = KVIndex(max_blocks=4)
-    index.watch(["a"])
+    index.watch(["a", "b"])
     index.apply(stored("a", 1, HASHES[:4]))
-    index.match(HASHES[:1], ["a"])  # block 0 is used: block 1 is now the oldest
-    index.apply(stored("a", 2, HASHES[4:5]))
+    index.apply(stored("a", 2, HASHES[4:5]))  # one past the cap: block 3 goes, not 0
     assert index.num_blocks == 4 and index.num_blocks_of("a") == 4
-    assert index.match(HASHES, ["a"]) == {"a": 1}  # block 1 is gone, so the chain stops
+    assert index.match(HASHES, ["a"]) == {"a": 3}  # blocks 0-2 matched, 2 now the oldest
+    other = compute_block_hashes(list(range(1000, 1032)), 16)
+    index.apply(stored("b", 1, other))  # two newer blocks: block 4, then block 2 go
+    assert index.match(HASHES, ["a"]) == {"a": 2}
+    assert index.match(other, ["b"]) == {"b": 2}
 
 
 def test_trust_needs_a_recent_read() -> None:
