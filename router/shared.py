@@ -9,15 +9,25 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from cluster.registry import Registry, RegistryError
-from cluster.router_loads import RouterLoads
+from cluster.registry import DEFAULT_TIMEOUT_S, Registry, RegistryError
+from cluster.router_loads import DEFAULT_TTL_S, RouterLoads
 from router.config import RouterConfig
 from router.core import RouterCore
 from router.kv_feed import KVFeed
 from router.kv_index import KVIndex
-from router.workers import WorkerPool
+from router.workers import HEALTH_TIMEOUT_S, WorkerPool
 
 logger = logging.getLogger(__name__)
+
+
+def load_ttl_s(refresh_interval_s: float, health_timeout_s: float = HEALTH_TIMEOUT_S,
+               redis_timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
+    """How long a router's shared load outlives its last write: two of its slowest refresh
+    cycles (the interval, the registry read, a hung worker's health check, the exchange
+    itself), so that one slow cycle never lets the key of a live router expire, which the
+    other routers would read as its load gone to nothing."""
+    cycle = refresh_interval_s + health_timeout_s + 2 * redis_timeout_s
+    return max(DEFAULT_TTL_S, 2 * cycle)
 
 
 class SharedState:
@@ -26,7 +36,8 @@ class SharedState:
     def __init__(self, config: RouterConfig, pool: WorkerPool, core: RouterCore) -> None:
         d = config.discovery
         self._pool = pool
-        self.loads = RouterLoads(d.redis_url, cluster=d.cluster, router_id=core.router_id)
+        self.loads = RouterLoads(d.redis_url, cluster=d.cluster, router_id=core.router_id,
+                                 ttl_s=load_ttl_s(d.refresh_interval_s))
         self.kv_feed: KVFeed | None = None
         if config.handoff.prefill_routing == "kv-aware":  # on a Redis connection of its own
             core.kv_index = KVIndex()

@@ -43,3 +43,16 @@ def test_redis_down_is_unavailable() -> None:
     with pytest.raises(RegistryUnavailable):
         loads.exchange({"w": (1, 1)})
     loads.close()
+
+
+def test_a_routers_load_outlives_its_slowest_refresh_cycle() -> None:
+    """The key's TTL covers two refresh cycles at their slowest (the interval, a hung
+    worker's health check, the registry read and the exchange), so a slow cycle never lets
+    a live router's load vanish from the other routers' view."""
+    from cluster.registry import DEFAULT_TIMEOUT_S
+    from router.shared import load_ttl_s
+    from router.workers import HEALTH_TIMEOUT_S
+
+    slowest = 0.5 + HEALTH_TIMEOUT_S + 2 * DEFAULT_TIMEOUT_S
+    assert load_ttl_s(0.5) == pytest.approx(2 * slowest) == pytest.approx(9.0)
+    assert load_ttl_s(0.0, 0.0, 0.1) == 2.0  # never below the key's own default
