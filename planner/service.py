@@ -8,10 +8,13 @@ requests), scrapes every worker's ``/metrics``, and once it has a window
 policy decides is made with ``SetRole`` on that worker (``cluster.worker_control``),
 logged with its reason and counted (``planner.metrics``). A scale step (``--max-workers``)
 is written as the cluster's scale target (``cluster.scale``) for the launcher that adds and
-removes workers to act on. A worker that does not answer
-a scrape is left out of that window; a switch a worker refuses is logged and counted,
-and the policy's dwell time still applies. SIGTERM/SIGINT: resign the lock (the next
-planner takes over at its next tick) and exit 0.
+removes workers to act on. Draining workers (leaving) are left out. A round in which a
+registered worker's ``/metrics`` did not answer (or answered what could not be parsed)
+decides nothing and is not kept in the window: the policy would read that worker as gone
+(its role short of a worker, its counters from nothing at the next round). A switch a
+worker refuses is logged and counted, and the policy's dwell time still applies. A round
+that fails in any other way is logged, and the next goes on. SIGTERM/SIGINT: resign the
+lock (the next planner takes over at its next tick) and exit 0.
 """
 
 from __future__ import annotations
@@ -86,13 +89,16 @@ class PlannerService:
             return []
         self.metrics.leader.set(1)
         try:
-            records = self.registry.list_workers()
+            # a draining worker is leaving: neither capacity nor one to switch
+            records = [r for r in self.registry.list_workers() if not r.draining]
         except RegistryError as exc:
             log.warning("cannot read the registry: %s", exc)
             return []
         now, samples = self._clock(), self._sample(records)
         for role in ROLES:
             self.metrics.workers.labels(role).set(sum(1 for r in records if r.role == role))
+        if samples is None:
+            return []
         self._history.append((now, samples))
         while len(self._history) > 2 and now - self._history[1][0] >= self.window_s:
             self._history.popleft()
@@ -101,6 +107,12 @@ class PlannerService:
             return []
         changes = self.planner.decide(observation(first, samples, now - start))
         self._record()
+        if changes and not self.election.lead():  # the round outlasted the lock: not ours
+            log.warning("lost the planner lock during this round; %d change(s) not made",
+                        len(changes))
+            self.metrics.leader.set(0)
+            self._history.clear()
+            return []
         by_id = {r.worker_id: r for r in records}
         for change in changes:
             if isinstance(change, RoleChange):
@@ -109,17 +121,21 @@ class PlannerService:
                 self._scale(change)
         return changes
 
-    def _sample(self, records: list[WorkerRecord]) -> list[WorkerSample]:
-        samples = []
+    def _sample(self, records: list[WorkerRecord]) -> list[WorkerSample] | None:
+        """Every registered worker's scrape, or None when one did not answer."""
+        samples, missing = [], []
         for record in records:
             try:
                 metrics = scrape(record.metrics_address) if record.metrics_address else {}
-            except OSError as exc:
-                log.info("left %s out of this window: /metrics did not answer: %s",
-                         record.worker_id, exc)
+            except Exception as exc:  # noqa: BLE001 - unreachable, cut short or unparsable
+                missing.append(f"{record.worker_id} ({exc})")
                 continue
             samples.append(WorkerSample(record.worker_id, record.role,
                                         record.num_running + record.num_waiting, metrics))
+        if missing:
+            log.info("no decision this round: /metrics did not answer from %s",
+                     ", ".join(missing))
+            return None
         return samples
 
     def _record(self) -> None:
@@ -204,7 +220,10 @@ def main(args: Any, costs: StepCosts, *, block_size: int, handoff_s: float) -> i
              holder, args.ttft_slo_ms, args.tpot_slo_ms, args.interval, args.window)
     try:
         while not stop.is_set():
-            service.tick()
+            try:
+                service.tick()
+            except Exception:  # noqa: BLE001 - the planner outlives any bad round
+                log.exception("a planner round failed; the next one goes on")
             stop.wait(args.interval)
     finally:
         election.close()

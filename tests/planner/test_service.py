@@ -1,0 +1,116 @@
+"""``planner.service``: a draining worker is left out; a round in which a registered
+worker's ``/metrics`` did not answer decides nothing and stays out of the window (the
+policy would read the worker as gone). The registry, the lock, the scrapes and the policy
+are stand-ins: this is the service's own bookkeeping (the planner through real processes:
+tests/e2e/test_planner.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from planner import service
+from planner.metrics import PlannerMetrics
+from planner.policy import Observation
+from tests.router.test_workers import make_record
+
+RECORDS = [make_record("prefill-0", "prefill", "127.0.0.1:1", metrics_address="127.0.0.1:11"),
+           make_record("decode-0", "decode", "127.0.0.1:2", metrics_address="127.0.0.1:12"),
+           # leaving: neither capacity nor one to switch (nor scraped)
+           make_record("decode-1", "decode", "127.0.0.1:3", metrics_address="127.0.0.1:13",
+                       draining=True)]
+
+
+class Registry:
+    def list_workers(self) -> list[Any]:
+        return RECORDS
+
+
+class Election:
+    def __init__(self, answers: list[bool] | None = None) -> None:
+        self.answers = answers
+
+    def lead(self) -> bool:
+        return self.answers.pop(0) if self.answers else True
+
+
+class Policy:
+    """Records what it was asked to decide on; decides nothing."""
+
+    held, current, wanted = "", None, None
+
+    def __init__(self) -> None:
+        self.seen: list[Observation] = []
+
+    def decide(self, obs: Observation) -> list[Any]:
+        self.seen.append(obs)
+        return []
+
+
+def test_an_unscraped_round_decides_nothing_and_stays_out_of_the_window(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]
+    policy = Policy()
+    planner = service.PlannerService(policy, Registry(), Election(),  # type: ignore[arg-type]
+                                     PlannerMetrics(), window_s=10.0, clock=lambda: now[0])
+    served = {"prefill_tokens": 0.0}
+    failing: set[str] = set()
+
+    def scrape(address: str) -> dict[str, float]:
+        assert address != "127.0.0.1:13", "a draining worker was scraped"
+        if address in failing:
+            raise ValueError("a reply that does not parse")  # not only OSError
+        served["prefill_tokens"] += 100.0
+        return {"vllm:prompt_tokens_total{}": served["prefill_tokens"],
+                "vllm:request_success_total{finished_reason=prefilled}":
+                    served["prefill_tokens"] / 100}
+
+    monkeypatch.setattr(service, "scrape", scrape)
+    failing.add("127.0.0.1:12")  # the decode worker does not answer the first round
+    assert planner.tick() == [] and not policy.seen
+    failing.clear()
+    for t in (1.0, 6.0):
+        now[0] = t
+        planner.tick()
+    assert len(policy.seen) == 1  # the first complete round opened the window
+    obs = policy.seen[0]
+    assert sorted(w.worker_id for w in obs.workers) == ["decode-0", "prefill-0"]
+    # counted from the first complete round (t = 1), not from nothing: 2 prompts more at
+    # each worker over 5 s
+    assert obs.traffic.rate == pytest.approx(4 / 5.0)
+    failing.add("127.0.0.1:11")  # the prefill worker stops answering: no decision
+    now[0] = 7.0
+    assert planner.tick() == [] and len(policy.seen) == 1
+
+
+def test_a_change_is_made_only_while_the_lock_is_still_held(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lock is renewed before acting: a round that outlasted it (slow scrapes, a
+    pause) makes no change, which the new leader may be making already."""
+    from planner.policy import RoleChange
+
+    class Decides(Policy):
+        def decide(self, obs: Observation) -> list[Any]:
+            super().decide(obs)
+            return [RoleChange(0.0, "decode-0", "decode", "prefill", "test", 0.1, 0.9)]
+
+    switched: list[str] = []
+
+    async def set_role(address: str, role: str, **kwargs: Any) -> None:
+        switched.append(role)
+
+    monkeypatch.setattr(service, "scrape", lambda address: {})
+    monkeypatch.setattr(service, "set_role", set_role)
+    now = [0.0]
+    # rounds at 0 and 6 s lead; the second round's renewal before acting fails
+    election = Election([True, True, False])
+    planner = service.PlannerService(Decides(), Registry(), election,  # type: ignore[arg-type]
+                                     PlannerMetrics(), window_s=10.0, clock=lambda: now[0])
+    planner.tick()
+    now[0] = 6.0
+    assert planner.tick() == [] and switched == []
+    now[0], election.answers = 7.0, None  # leading again: a fresh window first
+    assert planner.tick() == [] and switched == []
+    now[0] = 13.0
+    assert len(planner.tick()) == 1 and switched == ["prefill"]
