@@ -97,7 +97,7 @@ class Heartbeat:
             raise RuntimeError("a Heartbeat starts once")
         self._started_at = self._progress_at = self._clock()
         try:
-            self._write(self._current_record())
+            self._write()
         except RegistryUnavailable as exc:  # not an auth or fingerprint error: wait to join
             self.failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
@@ -114,7 +114,7 @@ class Heartbeat:
     def beat(self) -> bool:
         """One beat now; True when the record was written. Never raises for Redis errors."""
         try:
-            if not self._write(self._current_record()):
+            if not self._write():
                 return False
         except Exception as exc:  # a beat must not kill the thread: log, retry next beat
             self._failed(exc)
@@ -174,11 +174,13 @@ class Heartbeat:
             return self._record
         return self._record.with_load(self._load_fn())
 
-    def _write(self, record: WorkerRecord) -> bool:
+    def _write(self) -> bool:
+        """Register the record as it is now, built under the lock: a beat that began before
+        a ``set_role`` cannot write the role it replaced after that one's beat."""
         with self._lock:
             if self._stopping.is_set():
                 return False
-            self._registry.register(record)
+            self._registry.register(self._current_record())
             return True
 
     def _run(self) -> None:

@@ -61,6 +61,9 @@ class LoopServicerMixin:
     def __init__(self, loop: EngineLoop, identity: Identity) -> None:
         self.loop = loop
         self.identity = identity
+        # one SetRole at a time, its listeners and moves included: two that overlapped
+        # could leave the registration (and metrics) on the role the loop no longer has
+        self._switching = asyncio.Lock()
 
     def on_call_end(self, attempt_id: str, reason: str) -> None:
         """However a call that holds ``attempt_id`` ends (finished, failed, cancelled by
@@ -98,23 +101,26 @@ class LoopServicerMixin:
     async def SetRole(self, request: pb.SetRoleRequest,  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> pb.SetRoleReply:
         """The loop switches first (new work of the new role from its next command on);
-        then the role's listeners (registration, metrics) learn of it, off the event loop."""
-        try:
-            previous = await self.loop.acall(SetRole(request.role), call_timeout(context))
-        except WorkerError as exc:
-            await abort_with(context, exc)
-        for listener in self.loop.role_listeners:
-            await asyncio.to_thread(listener, request.role)
-        if request.move_decoding and request.role != "decode":  # after the record says so
+        then the role's listeners (registration, metrics) learn of it, off the event loop.
+        Calls that overlap take turns, so the listeners hear the roles in the loop's order."""
+        async with self._switching:
             try:
-                await self.loop.acall(OfferMoves(SWITCH_MOVE_WAIT_S, draining=False),
-                                      call_timeout(context))
-            except (WorkerError, TypeError) as exc:  # TypeError: a loop that cannot move
-                await abort_with(context, WorkerError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"switched to {request.role}, but its decoding requests cannot move: {exc}"))
-        return pb.SetRoleReply(role=request.role, previous_role=previous,
-                               roles=list(self.loop.roles))
+                previous = await self.loop.acall(SetRole(request.role), call_timeout(context))
+            except WorkerError as exc:
+                await abort_with(context, exc)
+            for listener in self.loop.role_listeners:
+                await asyncio.to_thread(listener, request.role)
+            if request.move_decoding and request.role != "decode":  # after the record says so
+                try:
+                    await self.loop.acall(OfferMoves(SWITCH_MOVE_WAIT_S, draining=False),
+                                          call_timeout(context))
+                except (WorkerError, TypeError) as exc:  # TypeError: a loop that cannot move
+                    await abort_with(context, WorkerError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"switched to {request.role}, but its decoding requests cannot move: "
+                        f"{exc}"))
+            return pb.SetRoleReply(role=request.role, previous_role=previous,
+                                   roles=list(self.loop.roles))
 
     async def KVSnapshot(self, request: pb.KVSnapshotRequest,  # noqa: N802 - gRPC name
                          context: grpc.aio.ServicerContext) -> pb.KVSnapshotReply:

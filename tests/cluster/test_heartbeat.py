@@ -167,3 +167,35 @@ def _fingerprint_json(layout: object) -> str:
     from cluster.records import layout_to_json
 
     return layout_to_json(layout)  # type: ignore[arg-type]
+
+
+def test_a_beat_begun_before_a_role_switch_does_not_write_the_old_role_after_it(
+        registry: Registry) -> None:
+    """A periodic beat still reading the load when ``set_role`` comes must not register
+    the role it replaced after the switch's own beat (routers would send it the wrong
+    work until the next beat)."""
+    import threading
+
+    from cluster.records import WorkerLoad
+
+    reading, go_on = threading.Event(), threading.Event()
+
+    def load() -> WorkerLoad:
+        if threading.current_thread().name == "slow-beat":
+            reading.set()
+            go_on.wait(5.0)
+        return WorkerLoad(10, 12, 0, 0)
+
+    heartbeat = Heartbeat(registry, make_record("switching-0", "decode"), load)
+    slow = threading.Thread(target=heartbeat.beat, name="slow-beat")
+    slow.start()
+    assert reading.wait(5.0)
+    switch = threading.Thread(target=heartbeat.set_role, args=("prefill",))
+    switch.start()
+    switch.join(0.3)  # with the beat holding the record's lock, the switch waits for it
+    go_on.set()
+    slow.join(5.0)
+    switch.join(5.0)
+    assert [r.role for r in registry.list_workers() if r.worker_id == "switching-0"] == \
+        ["prefill"]
+    heartbeat.stop()

@@ -48,3 +48,44 @@ def test_work_of_the_role_not_served_is_refused_as_busy() -> None:
         both.refuse_unless("prefill", "new prefills")
     assert busy.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert busy.value.message == "busy: this worker serves decode now, it takes no new prefills"
+
+
+def test_overlapping_switches_reach_the_listeners_in_the_loops_order() -> None:
+    """Two SetRole calls at once take turns: the registration (a listener) ends on the
+    role the loop has, even where the first call's listener is the slower one."""
+    import asyncio
+    import time
+    from typing import Any
+
+    from cluster.internal.v1 import worker_pb2 as pb
+    from worker.servicer import LoopServicerMixin
+
+    class Loop:
+        roles = ("decode", "prefill")
+
+        def __init__(self) -> None:
+            self.role, self.heard = "decode", []
+            self.role_listeners = [self.listen]
+
+        async def acall(self, command: Any, timeout_s: float | None = None) -> str:
+            previous, self.role = self.role, command.role
+            return previous
+
+        def listen(self, role: str) -> None:
+            time.sleep(0.2 if role == "prefill" else 0.0)  # the first call's is slower
+            self.heard.append(role)
+
+    class Context:
+        def time_remaining(self) -> float:
+            return 5.0
+
+    loop = Loop()
+    servicer = LoopServicerMixin(loop, None)  # type: ignore[arg-type]
+
+    async def both() -> None:
+        await asyncio.gather(
+            servicer.SetRole(pb.SetRoleRequest(role="prefill"), Context()),  # type: ignore[arg-type]
+            servicer.SetRole(pb.SetRoleRequest(role="decode"), Context()))  # type: ignore[arg-type]
+
+    asyncio.run(both())
+    assert loop.role == "decode" and loop.heard == ["prefill", "decode"]
