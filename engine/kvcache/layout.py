@@ -31,7 +31,7 @@ QUANTIZED_CACHE_DTYPES = {"int8": "uint8", "fp8_e4m3": "float8_e4m3fn",
 """``kv_cache_dtype`` → the cache tensor's dtype (torch's name), one byte per element: int8
 slots (values and scale) as uint8, fp8 values as torch's fp8 dtypes."""
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Version of what workers and the router exchange: the internal gRPC API
 (``proto/cluster/internal/v1``), the KV wire protocol (``kvtransfer.wire.protocol``) and the
 cluster records. Bump it with any change an older process would misread: it is part of

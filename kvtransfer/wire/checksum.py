@@ -2,8 +2,11 @@
 
 XXH3 runs at tens of GB/s on one core, so verifying a payload costs a small fraction of
 moving it. CUDA payloads are summed on the device instead (copying them to the host
-would cost more than the transfer): ``sum(w_i * (i + 1)) + sum(w_i)`` over the payload
-as int64 words, modulo 2**64, which catches any single flipped bit and reordered words.
+would cost more than the transfer): ``sum(w_i * (2i + 1))`` over the payload as int64
+words, modulo 2**64. Each weight is odd, so flipping bit ``b`` of any word moves the sum
+by ``2**b`` times an odd number, never a multiple of 2**64: any single flipped bit is
+caught (an even weight missed the top bits of some words: ``i + 2`` weights, as before,
+let a flipped sign bit of every other word through), and so are most reorderings.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ def checksum(payload: torch.Tensor, algo: ChecksumAlgo) -> int:
 def _sum64(payload: torch.Tensor) -> int:
     tail = payload.numel() % 8
     words = payload[: payload.numel() - tail].view(torch.int64)
-    weights = torch.arange(1, words.numel() + 1, device=payload.device, dtype=torch.int64)
-    total = (words * weights).sum() + words.sum()  # int64 arithmetic wraps modulo 2**64
+    weights = torch.arange(1, 2 * words.numel() + 1, 2, device=payload.device,
+                           dtype=torch.int64)  # 1, 3, 5, ...: odd
+    total = (words * weights).sum()  # int64 arithmetic wraps modulo 2**64
     if tail:
         rest = payload[payload.numel() - tail :].to(torch.int64)
         total = total + (rest * torch.arange(1, tail + 1, device=payload.device) * 1_000_003).sum()

@@ -88,3 +88,16 @@ def test_position_sum_catches_swapped_words() -> None:
     swapped[[3, 9]] = swapped[[9, 3]]
     algo = ChecksumAlgo.TORCH_SUM64
     assert checksum(payload.view(torch.uint8), algo) != checksum(swapped.view(torch.uint8), algo)
+
+
+def test_position_sum_catches_any_single_flipped_bit() -> None:
+    """Every bit of every word, the top ones included (an int8 KV scale's sign bit can
+    be the top bit of a word: a flip there negates a token's K or V), and the tail's."""
+    algo = ChecksumAlgo.TORCH_SUM64
+    payload = torch.arange(8 * 40 + 5, dtype=torch.uint8)
+    clean = checksum(payload, algo)
+    for byte in range(payload.numel()):
+        for bit in range(8):
+            flipped = payload.clone()
+            flipped[byte] ^= 1 << bit
+            assert checksum(flipped, algo) != clean, (byte, bit)
