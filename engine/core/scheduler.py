@@ -282,7 +282,8 @@ class Scheduler:
             request.append_output(token)
             reason = request.check_token_stop(self.max_model_len)
             updates.append(StepUpdate(request, token, reason is not None))
-            if reason is not None:
+            if reason is not None:  # the blocks this step filled are keyed first
+                self._cache_blocks(request)
                 self.running.remove(request)
                 self._finish(request, reason)
                 return updates

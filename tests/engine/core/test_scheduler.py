@@ -590,3 +590,26 @@ def test_scheduler_modules_import_without_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_a_speculated_last_step_caches_the_blocks_it_filled() -> None:
+    """A request that ends in a speculated step (a stop token among the tokens it kept)
+    keys the blocks that step filled, as a one-token step does before its stop check
+    (found in review: they were left out of the prefix cache)."""
+    cache = CacheConfig(block_size=BLOCK_SIZE)
+    blocks = BlockManager(32, BLOCK_SIZE)
+    sched = Scheduler(SchedulerConfig(speculative_method="ngram", num_speculative_tokens=3,
+                                      prompt_lookup_max=2), cache, blocks, 1024)
+    prompt = [5, 6, 7, 5, 6, 7, 5]
+    sched.add(make_request("r0", prompt=prompt, max_tokens=16, stop_token_ids=(9,)))
+    sched.update(sched.schedule(), [6])  # the prefill: 7 tokens computed, 6 sampled
+    out = sched.schedule()
+    (chunk,) = out.chunks
+    assert list(chunk.token_ids) == [6, 7, 5, 6]  # its last token and the three guesses
+    # the first two guesses kept, then 9 (a stop token) in the third's place: 3 more
+    # tokens computed, 10 in all, so the block of tokens 4..7 filled in this step
+    updates = sched.update(out, [(7, 5, 9, 11)])
+    assert [u.new_token_id for u in updates] == [7, 5, 9] and updates[-1].finished
+    text = prompt + [6, 7, 5, 9]
+    again = make_request("r1", prompt=text)
+    assert len(sched.cached_prefix(again)) == (len(text) - 1) // BLOCK_SIZE == 2
