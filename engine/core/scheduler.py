@@ -21,7 +21,7 @@ from typing import cast
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.chunks import ScheduledChunk, blocks_completed, next_block_hash, next_chunk
 from engine.core.request import FinishReason, Request, RequestStatus
-from engine.core.speculative import accepted, drafts_for
+from engine.core.speculative import accepted, blocks_wanted_after, drafts_for
 from engine.kvcache import BlockManager
 
 
@@ -106,7 +106,7 @@ class Scheduler:
         ends it)."""
         request = self.reserved.pop(request_id)
         request.num_computed_tokens = num_computed_tokens
-        self._cache_blocks(request)
+        key_full_blocks(request, self.blocks, self.cache)
         request.append_output(first_token_id)
         reason = request.check_token_stop(self.max_model_len)
         if reason is not None:
@@ -151,11 +151,12 @@ class Scheduler:
         limit = self.config.speculative_disable_by_batch_size
         speculate = bool(self.config.speculative_method) and (
             limit is None or len(self.running) <= limit)
+        later_blocks = blocks_wanted_after(self.running, self.blocks, budget) if speculate else []
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = drafts_for(request, self.config, self.blocks, budget, self.max_model_len,
-                                len(self.running) - i - 1) if (
+                                len(self.running) - i - 1, later_blocks[i]) if (
                 num_new == 1 and speculate) else []
             num_new += len(drafts)
             while self.blocks.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
@@ -257,7 +258,7 @@ class Scheduler:
             assert not isinstance(token, tuple | list)  # concrete types: ABCs cost per token
             token = cast(int | None, token)
             request.num_computed_tokens += len(chunk.token_ids)
-            self._cache_blocks(request)
+            key_full_blocks(request, self.blocks, self.cache)
             if token is None:
                 continue
             request.append_output(token)
@@ -283,21 +284,12 @@ class Scheduler:
             reason = request.check_token_stop(self.max_model_len)
             updates.append(StepUpdate(request, token, reason is not None))
             if reason is not None:  # the blocks this step filled are keyed first
-                self._cache_blocks(request)
+                key_full_blocks(request, self.blocks, self.cache)
                 self.running.remove(request)
                 self._finish(request, reason)
                 return updates
-        self._cache_blocks(request)
+        key_full_blocks(request, self.blocks, self.cache)
         return updates
-
-    def _cache_blocks(self, request: Request) -> None:
-        if not self.cache.enable_prefix_caching:
-            return
-        num_full = request.num_computed_tokens // self.blocks.block_size
-        if num_full <= self.blocks.num_keyed_blocks(request.request_id):
-            return  # no block filled up since the last call (most decode steps)
-        hashes = request.full_block_hashes(num_full, self.blocks.block_size, self.cache.hash_seed)
-        self.blocks.cache_full_blocks(request.request_id, hashes)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
@@ -314,3 +306,14 @@ class Scheduler:
             if request is not None and request.is_finished:
                 del self.requests[rid]
 
+
+def key_full_blocks(request: Request, blocks: BlockManager, cache: CacheConfig) -> None:
+    """Key ``request``'s blocks whose KV is all computed in the prefix cache (where it is
+    on), so later prompts sharing them find them."""
+    if not cache.enable_prefix_caching:
+        return
+    num_full = request.num_computed_tokens // blocks.block_size
+    if num_full <= blocks.num_keyed_blocks(request.request_id):
+        return  # no block filled up since the last call (most decode steps)
+    hashes = request.full_block_hashes(num_full, blocks.block_size, cache.hash_seed)
+    blocks.cache_full_blocks(request.request_id, hashes)

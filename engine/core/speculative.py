@@ -89,19 +89,20 @@ def propose_ngram(tokens: Sequence[int], k: int, n_max: int, n_min: int) -> list
 
 
 def drafts_for(request: Request, config: SchedulerConfig, blocks: BlockManager, budget: int,
-               max_model_len: int, later: int) -> list[int]:
+               max_model_len: int, later: int, later_blocks: int) -> list[int]:
     """The guesses a decoding request computes this step: as many as ``config`` asks and
-    the rest of the step leaves room for — the token ``budget`` and the free blocks less
-    one token and one block for each of the ``later`` running requests still to be
-    scheduled (a guess never preempts or starves another request), its ``max_tokens``
-    and the context. None for a request that does not speculate, or whose last token is
-    still its prompt's (the first output token is the prefill's, alone)."""
+    the rest of the step leaves room for — the token ``budget`` less one token for each of
+    the ``later`` running requests still to be scheduled, and the free blocks less the
+    ``later_blocks`` their next chunks may take (a guess never preempts or starves another
+    request) — its ``max_tokens`` and the context. None for a request that does not
+    speculate, or whose last token is still its prompt's (the first output token is the
+    prefill's, alone)."""
     if (not config.speculative_method or not may_speculate(request)
             or request.num_computed_tokens < request.num_prompt_tokens):
         return []
     held = len(blocks.block_table(request.request_id)) if blocks.has_request(
         request.request_id) else 0
-    spare = (held + max(0, blocks.num_free_blocks - later)) * blocks.block_size
+    spare = (held + max(0, blocks.num_free_blocks - later_blocks)) * blocks.block_size
     room = min(config.num_speculative_tokens, budget - later - 1,
                spare - request.num_tokens,
                request.params.max_tokens - request.num_output_tokens - 1,
@@ -112,6 +113,21 @@ def drafts_for(request: Request, config: SchedulerConfig, blocks: BlockManager, 
         return [DRAFT_PLACEHOLDER] * room
     return propose_ngram(request.all_token_ids, room, config.prompt_lookup_max,
                          config.prompt_lookup_min)
+
+
+def blocks_wanted_after(running: Sequence[Request], blocks: BlockManager, budget: int
+                        ) -> list[int]:
+    """For each of the ``running`` requests, the free blocks the ones after it may take
+    this step: each one's next chunk, of at most ``budget`` tokens, and at least one block
+    (what a guess must leave them)."""
+    after, total = [0] * len(running), 0
+    for i in range(len(running) - 1, -1, -1):
+        after[i] = total
+        r = running[i]
+        upto = r.num_computed_tokens + min(r.num_tokens - r.num_computed_tokens, budget)
+        held = len(blocks.block_table(r.request_id)) if blocks.has_request(r.request_id) else 0
+        total += max(1, -(-upto // blocks.block_size) - held)
+    return after
 
 
 def may_speculate(request: Request) -> bool:

@@ -613,3 +613,24 @@ def test_a_speculated_last_step_caches_the_blocks_it_filled() -> None:
     text = prompt + [6, 7, 5, 9]
     again = make_request("r1", prompt=text)
     assert len(sched.cached_prefix(again)) == (len(text) - 1) // BLOCK_SIZE == 2
+
+
+def test_a_guess_never_takes_the_blocks_a_later_prefill_needs() -> None:
+    """A decoding request guesses only with the blocks the running requests after it
+    leave: here B, mid-prefill, needs both free blocks for the rest of its prompt, so A
+    does not guess (found in review: A's guesses took one of them and B was preempted)."""
+    cache = CacheConfig(block_size=BLOCK_SIZE)
+    blocks = BlockManager(7, BLOCK_SIZE)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=12, speculative_method="ngram",
+                                      num_speculative_tokens=3, prompt_lookup_max=2),
+                      cache, blocks, 1024)
+    sched.add(make_request("a", prompt=[5, 6, 7, 5, 6, 7, 5], max_tokens=32))
+    sched.update(sched.schedule(), [6])  # A's prefill: 2 blocks
+    sched.add(make_request("b", num_prompt_tokens=13))
+    out = sched.schedule()  # A guesses 3 (a third block); B starts: 8 tokens, 2 blocks
+    assert [len(c.token_ids) for c in out.chunks] == [4, 8]
+    sched.update(out, [(7, 5, 6, 7)])  # every guess kept; B's chunk samples nothing
+    assert blocks.num_free_blocks == 2
+    out = sched.schedule()
+    assert out.preempted == []
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 1), ("b", 5)]
