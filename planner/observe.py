@@ -8,8 +8,10 @@ worker had (a role may change within it):
 - arrivals per second: the prompts prefilled (``vllm:request_success_total`` with
   ``finished_reason="prefilled"``) or the requests finished, whichever is more;
 - the mean prompt: prompt tokens computed (``vllm:prompt_tokens_total``; the prefix
-  cache's hits cost nothing) per prompt; the mean output: tokens generated per finished
-  request;
+  cache's hits cost nothing) per prompt; the mean output: tokens generated per prompt, so
+  that rate × output is the window's decode demand as generated. (Per *finished* request
+  it read 0 in a window where outputs outlast the window and nothing finished, and many
+  times the demand while a burst's requests were still decoding.)
 - the mean inter-token latency and TTFT (``vllm:inter_token_latency_seconds``,
   ``vllm:time_to_first_token_seconds``: sum over count);
 - per worker, the mean prefill queue wait (``pdserve:prefill_queue_seconds``) and the
@@ -67,7 +69,7 @@ def observation(before: Sequence[WorkerSample], after: Sequence[WorkerSample],
     prefilled, finished = total(PREFILLED), sum(total(name) for name in FINISHED)
     prompts = max(prefilled, finished)
     traffic = Traffic(prompts / seconds, total(PROMPT_TOKENS) / prompts if prompts else 0.0,
-                      total(GENERATED) / finished if finished else 0.0)
+                      total(GENERATED) / prompts if prompts else 0.0)
     workers = tuple(WorkerState(s.worker_id, s.role, s.held, mean_of(QUEUE, [s]) or 0.0)
                     for s in after)
     return Observation(workers, traffic, itl_s=mean_of(ITL, after), ttft_s=mean_of(TTFT, after))

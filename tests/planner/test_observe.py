@@ -40,7 +40,7 @@ def test_a_window_is_the_difference_of_two_scrapes() -> None:
     obs = observation(before, after, 10.0)
     assert obs.traffic.rate == pytest.approx(2.0)  # 20 prompts in 10 s
     assert obs.traffic.prompt_tokens == pytest.approx(200.0)  # 4000 tokens / 20 prompts
-    assert obs.traffic.output_tokens == pytest.approx(100.0)  # 2000 tokens / 20 finished
+    assert obs.traffic.output_tokens == pytest.approx(100.0)  # 2000 tokens / 20 prompts
     assert obs.itl_s == pytest.approx(0.01) and obs.ttft_s == pytest.approx(0.5)
     waits = {w.worker_id: (w.role, w.held, w.queue_wait_s) for w in obs.workers}
     assert waits == {"prefill-0": ("prefill", 3, pytest.approx(0.5)),
@@ -55,3 +55,14 @@ def test_a_worker_that_joined_counts_from_zero_and_idle_windows_have_no_latency(
     assert idle.traffic.rate == 0.0 and idle.traffic.prompt_tokens == 0.0
     with pytest.raises(ValueError, match="more than 0 seconds"):
         observation([], [], 0.0)
+
+
+def test_the_output_is_the_windows_generated_tokens_per_prompt() -> None:
+    """Decode demand as generated (rate × output = tokens generated a second), whether or
+    not the requests finished within the window (found in review: per finished request it
+    read 0 when outputs outlast the window, and 100 times the demand early in a burst)."""
+    long_outputs = observation([], [_prefill({PREFILLED: 10}), _decode({GENERATED: 500})], 10.0)
+    assert long_outputs.traffic.rate == 1.0 and long_outputs.traffic.output_tokens == 50.0
+    burst = observation([], [_prefill({PREFILLED: 100}), _decode({STOP: 1, GENERATED: 1000})],
+                        10.0)
+    assert burst.traffic.rate * burst.traffic.output_tokens == pytest.approx(100.0)  # tok/s
