@@ -52,6 +52,9 @@ id of one attempt). Points, in the order of a request's life (what pauses where)
 - ``decode.admitted`` (pause, record; attempt_id, transfer_id): the attempt's KV arrived
   and its Generate stream is open: it enters the decode batch (the decode loop thread
   is held before its first token is streamed).
+- ``kv_events.publish`` (pause; ops): a worker's KV event publisher is about to publish a
+  batch of ``ops`` events (``worker.kv_events``); its thread is held, so the routers'
+  indexes miss this batch and every later one until it is released.
 - ``decode.token`` (pause, record; attempt_id, n): the decode loop streamed the
   attempt's ``n``-th token (1: the prefill-sampled first token); the loop thread is
   held before the next step.

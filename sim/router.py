@@ -43,6 +43,7 @@ from router.admission import RETRY_PLACEMENT_S, Admission
 from router.config import AdmissionConfig, HandoffConfig
 from router.errors import RouteError
 from router.policy import choose_prefill, short_tail
+from router.recent_kv import RecentKV
 from router.routing import DecodeCandidate, affinity_key, rank_decode, uncached_tokens
 from sim.events import EventQueue
 from sim.profile import Profile
@@ -70,6 +71,7 @@ class SimRouter:
         shared.routers.append(self)
         self.inflight, self.queued_tokens = shared.inflight, shared.queued_tokens
         self.kv_index = shared.kv_index
+        self.recent = RecentKV(events.clock)  # KV seen landing, maybe not indexed yet
         self.attempts: dict[str, SimRequest] = {}
         self.unfinished = 0
         self._turns = itertools.count()
@@ -161,10 +163,12 @@ class SimRouter:
             attempt = f"{request.request_id}#{request.num_attempts}"
             # the Prefill goes out with the pass's first Reserve where, by a trusted index,
             # the decode worker holds none of the prompt and its registered free blocks
-            # hold the request (router.lifecycle.ahead.ahead_target)
+            # hold the request, and no KV of a prompt starting as this one was seen landing
+            # there lately (router.lifecycle.ahead.ahead_target)
             ahead = decode_id == order[0] and not request.no_ahead and not held.get(
                 decode_id, 0) and self.kv_index is not None and self.kv_index.trusted() \
-                and worker.reported_free_blocks() >= self._num_blocks(request)
+                and worker.reported_free_blocks() >= self._num_blocks(request) \
+                and not self.recent.may_hold(decode_id, request.block_hashes)
             reserved = worker.reserve(request.engine_request(attempt), 0 if ahead else None)
             if reserved is None:
                 request.no_ahead = request.no_ahead or ahead
@@ -282,6 +286,8 @@ class SimRouter:
     def _token(self, request: SimRequest, token_id: int, finished: bool) -> None:
         now = self.events.now
         assert request.ticket is not None
+        if (request.first_token_s is None or finished) and request.decode_worker is not None:
+            self.recent.landed(request.decode_worker, request.block_hashes)
         if request.first_token_s is None:
             request.first_token_s = now
             request.ticket.first_token()

@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from cluster import pause_points
 from cluster.kv_events import MAX_OPS_PER_BATCH, STREAM_MAXLEN, EventBatch, encode
 from cluster.registry import Registry, RegistryError
 from engine.kvcache.events import STORED, KVEventLog
@@ -85,6 +86,8 @@ class KVEventPublisher:
             ops = self._events.drain(MAX_OPS_PER_BATCH)
             if not ops and (made or (self._seq and not self._failing)):
                 return made
+            if ops and pause_points.enabled():
+                pause_points.pause("kv_events.publish", ops=len(ops))
             with self._lock:
                 self._seq += 1
                 for op, block_hash in ops:

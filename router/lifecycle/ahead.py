@@ -5,7 +5,9 @@ It goes ahead when the router can name the target itself (``ahead_target``): the
 worker's registered KV address, and no blocks to skip — routing kv-aware, where a trusted
 index says the worker holds none of the prompt (the Reserve, ``expected_cached_blocks``
 0, then reuses none, which it always can). A worker holding a prefix is asked first: its
-reply says which blocks the sender skips. And only where the Reserve should succeed: the
+reply says which blocks the sender skips; so is one whose KV for a prompt with the same
+first block this router saw land there in the last seconds (``router.recent_kv``: the
+index may not list those blocks yet). And only where the Reserve should succeed: the
 worker's registered free blocks hold the request.
 
 ``AheadGate`` (one per router) keeps it from costing the prefill workers while a decode
@@ -19,19 +21,26 @@ then blames no worker), and that request's later Reserves wait for their reply.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
+
 from cluster.kv_target import KVTarget
 from router.lifecycle.attempt import Attempt
+from router.recent_kv import RecentKV
 
 
 class AheadGate:
     """Which decode workers get a Prefill ahead of their Reserve's reply (see the module
-    docstring); fed every Reserve's outcome."""
+    docstring); fed every Reserve's outcome and where KV landed (``recent``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._refusing: set[str] = set()  # refused for want of room, not accepted since
+        self.recent = RecentKV(clock)
 
-    def allows(self, decode_id: str) -> bool:
-        return decode_id not in self._refusing
+    def allows(self, decode_id: str, block_hashes: Sequence[bytes] = ()) -> bool:
+        """Whether a prompt with these full-block hashes may go ahead to ``decode_id``."""
+        return decode_id not in self._refusing \
+            and not self.recent.may_hold(decode_id, block_hashes)
 
     def answered(self, attempt: Attempt, refusal: tuple[str, bool] | None) -> bool:
         """The outcome of ``attempt``'s Reserve (None: reserved; else why not, and whether
@@ -49,13 +58,16 @@ class AheadGate:
         return True
 
 
-def ahead_target(attempt: Attempt, gate: AheadGate, held_blocks: int) -> KVTarget | None:
+def ahead_target(attempt: Attempt, gate: AheadGate, held_blocks: int,
+                 block_hashes: Sequence[bytes] = ()) -> KVTarget | None:
     """The target a Prefill sent ahead of ``attempt``'s Reserve names, or None (it waits
     for the reply): ``held_blocks``, the prompt's leading blocks the decode worker holds by
-    a trusted index, must be 0, the gate must allow it, its registered free blocks hold the
-    request, and no planned move be pending (its Prefill goes to the draining worker)."""
+    a trusted index, must be 0, the gate must allow it (``block_hashes``: the prompt's, as
+    the worker would key them), its registered free blocks hold the request, and no planned
+    move be pending (its Prefill goes to the draining worker)."""
     ctx = attempt.ctx
-    if held_blocks or ctx.pending_move is not None or not gate.allows(attempt.decode_id):
+    if held_blocks or ctx.pending_move is not None \
+            or not gate.allows(attempt.decode_id, block_hashes):
         return None
     record = next((r for r in ctx.pool.routable("decode") if r.worker_id == attempt.decode_id),
                   None)

@@ -103,6 +103,8 @@ class Handoff:
                 async with aclosing(self._run(attempt)) as relayed:
                     async for chunk in relayed:
                         self._relayed(chunk)
+                        if chunk.worker_s is not None or chunk.finish_reason is not None:
+                            self.placement.kv_landed(attempt)
                         yield chunk
                 return
             except Migrate as migrate:

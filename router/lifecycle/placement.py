@@ -158,6 +158,13 @@ class Placement:
         ctx.log.info("attempt %s: prefilling locally on %s (%s)", attempt.id, decode_id, why)
         return attempt
 
+    def kv_landed(self, attempt: Attempt) -> None:
+        """``attempt``'s decode worker streamed its first token or finished: it holds the
+        prompt's blocks, which the KV index may not list yet (``router.recent_kv``)."""
+        if self.prompt_kv.trusted():  # else nothing goes ahead
+            salt = "" if attempt.local else self.ctx.received_kv_salt
+            self._gate.recent.landed(attempt.decode_id, self.prompt_kv.block_hashes(salt))
+
     def _share(self, decode_id: str) -> None:
         """Choice 0 of n > 1 runs on ``decode_id``: the later choices go there."""
         if self.ctx.shared_decode is not None and not self.ctx.choice:
@@ -185,7 +192,8 @@ class Placement:
             attempt = Attempt(self.ctx, self._ids.new(), decode_id,
                               transfer_id=next(self._transfer_ids))
             target = None if ahead is None or self._no_ahead or not self.prompt_kv.trusted() \
-                else ahead_target(attempt, self._gate, self._decode_held.get(decode_id, 0))
+                else ahead_target(attempt, self._gate, self._decode_held.get(decode_id, 0),
+                                  self.prompt_kv.block_hashes(self.ctx.received_kv_salt))
             starter, ahead = ahead, None  # later choices of the pass wait for their reply
             try:
                 refusal = await self._reserve_on(attempt, target, starter)

@@ -7,6 +7,9 @@ and one decode worker that holds one request at a time, a router routing kv-awar
 - the next turn of that prompt, whose prefix the decode worker holds: the router waits for
   the reply, which says which blocks to skip; the decode worker reuses them and the
   tokens are ``engine.LLM``'s;
+- a next turn sent before the router's KV index lists its prefix (the decode worker's KV
+  events held back): the router saw that KV land, waits for the reply, and the decode
+  worker reuses the blocks;
 - two requests at once: the second's Reserve is refused (the worker holds its one request)
   after its Prefill went out; the Prefill is aborted, the transfer refused, the request is
   placed again once there is room, and both get ``engine.LLM``'s tokens;
@@ -28,6 +31,7 @@ import grpc
 import pytest
 
 from cluster.internal.v1 import worker_pb2 as wpb
+from cluster.pause_points import PauseDir
 from engine import LLM, SamplingParams
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
@@ -71,6 +75,19 @@ def _expected(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
     return list(llm.generate([prompt], params)[0].token_ids)
 
 
+def _asks_what_to_skip_and_reuses(cluster: Cluster, llm: LLM, prompt: list[int]) -> None:
+    """``prompt``, whose first two blocks the decode worker holds, through the router: the
+    Reserve's reply (what to skip) comes before the Prefill goes out, the worker reuses
+    them, and the tokens are ``engine.LLM``'s."""
+    decode = cluster.decode[0]
+    reused = _metric(decode, "pdserve:kv_blocks_reused_total{}")
+    tokens, trace = _traced(cluster.address, prompt, 6)
+    assert tokens == _expected(llm, prompt, 6)
+    marks = trace["marks_ms"]
+    assert marks["reserve_sent"] < marks["reserved"] < marks["prefill_started"], marks
+    assert _metric(decode, "pdserve:kv_blocks_reused_total{}") - reused >= 2
+
+
 def test_the_prefill_goes_out_with_the_reserve_unless_the_decode_worker_holds_a_prefix(
         cluster: Cluster, llm: LLM) -> None:
     router, decode = cluster.router, cluster.decode[0]
@@ -86,13 +103,28 @@ def test_the_prefill_goes_out_with_the_reserve_unless_the_decode_worker_holds_a_
     # the decode worker now holds FIRST's full blocks (and the router's index says so)
     blocks = f"pdserve:router_kv_index_worker_blocks{{worker={decode.name}}}"
     wait_until(lambda: _metric(router, blocks) >= 2, 30.0, "the index to list decode-0's blocks")
-    reused = _metric(decode, "pdserve:kv_blocks_reused_total{}")
-    tokens, trace = _traced(cluster.address, NEXT, 6)
-    assert tokens == _expected(llm, NEXT, 6)
-    marks = trace["marks_ms"]
-    # told what to skip first
-    assert marks["reserve_sent"] < marks["reserved"] < marks["prefill_started"], marks
-    assert _metric(decode, "pdserve:kv_blocks_reused_total{}") - reused >= 2
+    _asks_what_to_skip_and_reuses(cluster, llm, NEXT)
+
+
+def test_a_next_turn_the_index_does_not_list_yet_still_reuses_the_decode_workers_blocks(
+        cluster: Cluster, llm: LLM) -> None:
+    router, decode = cluster.router, cluster.decode[0]
+    assert router is not None
+    first = [(5 * i + 2) % 300 + 5 for i in range(40)]  # 2 full blocks, none held yet
+    following = first + [(3 * i + 8) % 300 + 5 for i in range(30)]
+    wait_until(lambda: _metric(router, "pdserve:router_kv_index_trusted{}") == 1, 30.0,
+               "the router to trust its KV index")
+    events = PauseDir(cluster.pause_dir(decode.name))
+    events.arm("kv_events.publish")  # the decode worker's next batch (first's blocks) waits
+    try:
+        tokens, _ = _traced(cluster.address, first, 6)
+        assert tokens == _expected(llm, first, 6)
+        events.wait_paused("kv_events.publish", TIMEOUT_S)
+        # by the index the worker holds none of it, but the router saw first's KV land
+        _asks_what_to_skip_and_reuses(cluster, llm, following)
+    finally:
+        events.disarm("kv_events.publish")
+        events.release("kv_events.publish")
 
 
 def test_a_reserve_refused_after_its_prefill_went_out_is_placed_again(

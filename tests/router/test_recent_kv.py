@@ -1,0 +1,73 @@
+"""``RecentKV`` on a stand-in clock: what a router saw land on a decode worker keeps the
+Prefill from going ahead there for a while; the gate and ``ahead_target`` read it. The
+real processes: tests/e2e/test_prefill_ahead.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from router.lifecycle.ahead import AheadGate, ahead_target
+from router.recent_kv import RecentKV
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_prompt_starting_with_a_landed_block_may_be_held_there_for_the_window() -> None:
+    clock = Clock()
+    recent = RecentKV(clock, window_s=2.0)
+    recent.landed("d-0", [b"a", b"b"])
+    assert recent.may_hold("d-0", [b"a"])  # the same first block: a prefix of it
+    assert recent.may_hold("d-0", [b"a", b"x", b"y"])
+    assert not recent.may_hold("d-1", [b"a"])  # another worker
+    assert not recent.may_hold("d-0", [b"b"])  # another first block
+    assert not recent.may_hold("d-0", [])  # no full block: nothing to reuse
+    recent.landed("d-0", [])  # nor to note
+    assert len(recent) == 1
+    clock.now += 1.5
+    recent.landed("d-0", [b"a"])  # landed again (its finish): the window starts again
+    clock.now += 1.5
+    assert recent.may_hold("d-0", [b"a"])
+    clock.now += 0.5
+    assert not recent.may_hold("d-0", [b"a"])
+
+
+def test_notes_past_the_window_or_the_cap_are_dropped_oldest_first() -> None:
+    clock = Clock()
+    recent = RecentKV(clock, window_s=2.0, max_notes=3)
+    for i in range(3):
+        recent.landed("d-0", [bytes([i])])
+    recent.landed("d-0", [b"\x00"])  # refreshed: now the newest
+    recent.landed("d-0", [b"\x09"])  # past the cap: the oldest (1) goes
+    assert [recent.may_hold("d-0", [bytes([i])]) for i in (0, 1, 2, 9)] == [
+        True, False, True, True]
+    clock.now += 2.0
+    recent.landed("d-1", [b"z"])  # every older note expired: dropped on the way
+    assert len(recent) == 1
+
+
+def _attempt(decode_id: str = "d-0") -> SimpleNamespace:
+    record = SimpleNamespace(worker_id=decode_id, kv_address="127.0.0.1:1",
+                             tensor_parallel_size=1, free_kv_blocks=64)
+    ctx = SimpleNamespace(pending_move=None, block_size=16,
+                          request=SimpleNamespace(num_blocks=lambda _: 4),
+                          pool=SimpleNamespace(routable=lambda role: [record]))
+    return SimpleNamespace(ctx=ctx, decode_id=decode_id, transfer_id=7)
+
+
+def test_the_prefill_waits_for_the_reply_where_the_router_saw_the_prompt_land() -> None:
+    clock = Clock()
+    gate = AheadGate(clock)
+    hashes = [b"a", b"b", b"c"]
+    target = ahead_target(_attempt(), gate, 0, hashes)  # type: ignore[arg-type]
+    assert target is not None and target.num_cached_blocks == 0
+    gate.recent.landed("d-0", hashes[:2])  # an earlier turn's KV landed there
+    assert ahead_target(_attempt(), gate, 0, hashes) is None  # type: ignore[arg-type]
+    assert ahead_target(_attempt(), gate, 0, [b"q"]) is not None  # type: ignore[arg-type]
+    clock.now += 5.0  # the index has long listed it (held_blocks would say so)
+    assert ahead_target(_attempt(), gate, 0, hashes) is not None  # type: ignore[arg-type]
