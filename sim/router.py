@@ -168,7 +168,7 @@ class SimRouter:
             ahead = decode_id == order[0] and not request.no_ahead and not held.get(
                 decode_id, 0) and self.kv_index is not None and self.kv_index.trusted() \
                 and worker.reported_free_blocks() >= self._num_blocks(request) \
-                and not self.recent.may_hold(decode_id, request.block_hashes)
+                and not self.recent.may_hold(decode_id, self._prompt_block(request))
             reserved = worker.reserve(request.engine_request(attempt), 0 if ahead else None)
             if reserved is None:
                 request.no_ahead = request.no_ahead or ahead
@@ -234,6 +234,11 @@ class SimRouter:
         worker.add(Request(request.attempt, list(request.sequence()),
                            SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True))
 
+    def _prompt_block(self, request: SimRequest) -> list[bytes]:
+        """The hash of the prompt's first full block, if it has one (the router hashes the
+        prompt; a migrated attempt's hashes cover the tokens streamed too)."""
+        return request.block_hashes[:1] if request.prompt_len >= self.block_size else []
+
     def _num_blocks(self, request: SimRequest) -> int:
         return num_blocks_for(request.prompt_len + request.max_tokens, self.block_size)
 
@@ -286,8 +291,10 @@ class SimRouter:
     def _token(self, request: SimRequest, token_id: int, finished: bool) -> None:
         now = self.events.now
         assert request.ticket is not None
-        if (request.first_token_s is None or finished) and request.decode_worker is not None:
-            self.recent.landed(request.decode_worker, request.block_hashes)
+        if (request.landed != request.attempt or finished) and self.kv_index is not None \
+                and request.decode_worker is not None:  # as Placement.kv_landed
+            request.landed = request.attempt
+            self.recent.landed(request.decode_worker, self._prompt_block(request))
         if request.first_token_s is None:
             request.first_token_s = now
             request.ticket.first_token()

@@ -54,6 +54,7 @@ class SimRequest:
     migrations: int = 0  # attempts after its first token (its decode worker died)
     prefilled: bool = False  # the current attempt's prefill is done
     no_ahead: bool = False  # a Reserve its Prefill went out with was refused
+    landed: str = ""  # the attempt whose KV was last seen landing (router.recent_kv)
     output_ids: list[int] = field(default_factory=list)  # streamed so far
 
     def sequence(self) -> tuple[int, ...]:

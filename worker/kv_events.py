@@ -120,4 +120,7 @@ class KVEventPublisher:
                 self.publish_once()
             except Exception:  # noqa: BLE001 - a publisher bug must not kill the worker
                 log.exception("publishing KV events failed")
-        self.publish_once()
+        try:
+            self.publish_once()
+        except Exception:  # noqa: BLE001 - stopping (the registry may be closed meanwhile)
+            log.exception("publishing the last KV events failed")

@@ -161,7 +161,7 @@ class Placement:
     def kv_landed(self, attempt: Attempt) -> None:
         """``attempt``'s decode worker streamed its first token or finished: it holds the
         prompt's blocks, which the KV index may not list yet (``router.recent_kv``)."""
-        if self.prompt_kv.trusted():  # else nothing goes ahead
+        if self.ctx.config.prefill_routing == "kv-aware":  # else nothing goes ahead
             salt = "" if attempt.local else self.ctx.received_kv_salt
             self._gate.recent.landed(attempt.decode_id, self.prompt_kv.block_hashes(salt))
 

@@ -75,14 +75,15 @@ def _expected(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
     return list(llm.generate([prompt], params)[0].token_ids)
 
 
-def _asks_what_to_skip_and_reuses(cluster: Cluster, llm: LLM, prompt: list[int]) -> None:
+def _asks_what_to_skip_and_reuses(cluster: Cluster, llm: LLM, prompt: list[int],
+                                  expected: list[int] | None = None) -> None:
     """``prompt``, whose first two blocks the decode worker holds, through the router: the
     Reserve's reply (what to skip) comes before the Prefill goes out, the worker reuses
-    them, and the tokens are ``engine.LLM``'s."""
+    them, and the tokens are ``engine.LLM``'s (``expected``, if computed already)."""
     decode = cluster.decode[0]
     reused = _metric(decode, "pdserve:kv_blocks_reused_total{}")
     tokens, trace = _traced(cluster.address, prompt, 6)
-    assert tokens == _expected(llm, prompt, 6)
+    assert tokens == (expected if expected is not None else _expected(llm, prompt, 6))
     marks = trace["marks_ms"]
     assert marks["reserve_sent"] < marks["reserved"] < marks["prefill_started"], marks
     assert _metric(decode, "pdserve:kv_blocks_reused_total{}") - reused >= 2
@@ -114,14 +115,16 @@ def test_a_next_turn_the_index_does_not_list_yet_still_reuses_the_decode_workers
     following = first + [(3 * i + 8) % 300 + 5 for i in range(30)]
     wait_until(lambda: _metric(router, "pdserve:router_kv_index_trusted{}") == 1, 30.0,
                "the router to trust its KV index")
+    expected = _expected(llm, first, 6), _expected(llm, following, 6)
     events = PauseDir(cluster.pause_dir(decode.name))
     events.arm("kv_events.publish")  # the decode worker's next batch (first's blocks) waits
     try:
         tokens, _ = _traced(cluster.address, first, 6)
-        assert tokens == _expected(llm, first, 6)
         events.wait_paused("kv_events.publish", TIMEOUT_S)
-        # by the index the worker holds none of it, but the router saw first's KV land
-        _asks_what_to_skip_and_reuses(cluster, llm, following)
+        # at once (the router's note of first's KV lasts 2 s): by the index the worker
+        # holds none of it, but the router saw first's KV land there
+        _asks_what_to_skip_and_reuses(cluster, llm, following, expected[1])
+        assert tokens == expected[0]
     finally:
         events.disarm("kv_events.publish")
         events.release("kv_events.publish")
