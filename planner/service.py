@@ -9,7 +9,9 @@ policy decides is made with ``SetRole`` on that worker (``cluster.worker_control
 logged with its reason and counted (``planner.metrics``). A scale step (``--max-workers``)
 is written as the cluster's scale target (``cluster.scale``) for the launcher that adds and
 removes workers to act on. Draining workers (leaving) are left out. A round in which a
-registered worker's ``/metrics`` did not answer (or answered what could not be parsed)
+registered worker's ``/metrics`` (scraped at once, ``SCRAPE_THREADS`` at a time, so that
+a round's samples are of one moment and a hung worker costs one timeout, not one each)
+did not answer (or answered what could not be parsed)
 decides nothing and is not kept in the window: the policy would read that worker as gone
 (its role short of a worker, its counters from nothing at the next round). A switch a
 worker refuses is logged and counted, and the policy's dwell time still applies. A round
@@ -29,6 +31,7 @@ import urllib.request
 import uuid
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import prometheus_client
@@ -50,6 +53,7 @@ from planner.scaling import ADD, ScaleChange
 
 log = logging.getLogger(__name__)
 SCRAPE_TIMEOUT_S = 2.0
+SCRAPE_THREADS = 16
 LOCK_NAME = "planner"
 
 
@@ -124,9 +128,13 @@ class PlannerService:
     def _sample(self, records: list[WorkerRecord]) -> list[WorkerSample] | None:
         """Every registered worker's scrape, or None when one did not answer."""
         samples, missing = [], []
-        for record in records:
+        with ThreadPoolExecutor(max_workers=max(1, min(SCRAPE_THREADS, len(records))),
+                                thread_name_prefix="pdserve-scrape") as pool:
+            scrapes = [pool.submit(scrape, r.metrics_address) if r.metrics_address else None
+                       for r in records]
+        for record, scraped in zip(records, scrapes, strict=True):
             try:
-                metrics = scrape(record.metrics_address) if record.metrics_address else {}
+                metrics = scraped.result() if scraped is not None else {}
             except Exception as exc:  # noqa: BLE001 - unreachable, cut short or unparsable
                 missing.append(f"{record.worker_id} ({exc})")
                 continue

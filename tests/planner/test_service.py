@@ -6,6 +6,7 @@ tests/e2e/test_planner.py)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -54,17 +55,16 @@ def test_an_unscraped_round_decides_nothing_and_stays_out_of_the_window(
     policy = Policy()
     planner = service.PlannerService(policy, Registry(), Election(),  # type: ignore[arg-type]
                                      PlannerMetrics(), window_s=10.0, clock=lambda: now[0])
-    served = {"prefill_tokens": 0.0}
+    served: dict[str, float] = {}  # prompt tokens by worker: 100 more at each scrape
     failing: set[str] = set()
 
     def scrape(address: str) -> dict[str, float]:
         assert address != "127.0.0.1:13", "a draining worker was scraped"
         if address in failing:
             raise ValueError("a reply that does not parse")  # not only OSError
-        served["prefill_tokens"] += 100.0
-        return {"vllm:prompt_tokens_total{}": served["prefill_tokens"],
-                "vllm:request_success_total{finished_reason=prefilled}":
-                    served["prefill_tokens"] / 100}
+        served[address] = served.get(address, 0.0) + 100.0
+        return {"vllm:prompt_tokens_total{}": served[address],
+                "vllm:request_success_total{finished_reason=prefilled}": served[address] / 100}
 
     monkeypatch.setattr(service, "scrape", scrape)
     failing.add("127.0.0.1:12")  # the decode worker does not answer the first round
@@ -76,9 +76,10 @@ def test_an_unscraped_round_decides_nothing_and_stays_out_of_the_window(
     assert len(policy.seen) == 1  # the first complete round opened the window
     obs = policy.seen[0]
     assert sorted(w.worker_id for w in obs.workers) == ["decode-0", "prefill-0"]
-    # counted from the first complete round (t = 1), not from nothing: 2 prompts more at
-    # each worker over 5 s
-    assert obs.traffic.rate == pytest.approx(4 / 5.0)
+    # counted from the first complete round (t = 1), not from nothing (5 prompts) nor from
+    # the prefill worker's scrape in the round that failed (3): 1 prompt more at each
+    # worker over 5 s
+    assert obs.traffic.rate == pytest.approx(2 / 5.0)
     failing.add("127.0.0.1:11")  # the prefill worker stops answering: no decision
     now[0] = 7.0
     assert planner.tick() == [] and len(policy.seen) == 1
@@ -114,3 +115,22 @@ def test_a_change_is_made_only_while_the_lock_is_still_held(
     assert planner.tick() == [] and switched == []
     now[0] = 13.0
     assert len(planner.tick()) == 1 and switched == ["prefill"]
+
+
+def test_a_round_scrapes_every_worker_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not one after another: a round's samples are of one moment, and a hung worker
+    costs the round one timeout, not one per worker after it."""
+    now = [0.0]
+    policy = Policy()
+    planner = service.PlannerService(policy, Registry(), Election(),  # type: ignore[arg-type]
+                                     PlannerMetrics(), window_s=10.0, clock=lambda: now[0])
+    together = threading.Barrier(2, timeout=5.0)  # passes only with both scrapes in flight
+
+    def scrape(address: str) -> dict[str, float]:
+        together.wait()
+        return {}
+
+    monkeypatch.setattr(service, "scrape", scrape)
+    for now[0] in (0.0, 6.0):
+        planner.tick()
+    assert len(policy.seen) == 1 and not together.broken
