@@ -84,7 +84,8 @@ class Incoming:
         with self.lock:
             if self.state is not TransferState.PENDING:
                 return False
-            self.state, self.error = TransferState.FAILED, error
+            self.error = error  # before the state: a reader seeing FAILED sees why
+            self.state = TransferState.FAILED
             return True
 
     def time_out(self) -> bool:
@@ -165,8 +166,8 @@ class Incoming:
         deadline fails here), or None while it is pending."""
         now = time.monotonic()
         if self.state is TransferState.PENDING and now > self.deadline:
-            self.state = TransferState.FAILED
             self.error = TransferTimeout("KV incomplete at the deadline", self.transfer_id)
+            self.state = TransferState.FAILED
             return Status.NOT_EXPECTED
         if self.state is TransferState.PENDING:
             if self.started_at is None:

@@ -30,7 +30,7 @@ import torch
 from engine.kvcache.layout import KVLayout
 from engine.tp.distributed import StoreAddress, backend_for, create_store_server
 from kvtransfer.config import TransferConfig
-from kvtransfer.errors import ChannelError, TransferError, TransferRejected
+from kvtransfer.errors import ChannelError, TransferError, TransferRejected, TransferTimeout
 from kvtransfer.plan import check_tp_size
 from kvtransfer.receive.accept import Acceptor
 from kvtransfer.receive.incoming import Incoming, RankShard
@@ -156,8 +156,8 @@ class KVReceiver:
             self._notify(record.time_out())
             self._close_stalled(record)
         self._forget(record)
-        if record.error is not None:
-            raise record.error
+        if record.state is not TransferState.DONE:
+            raise record.error or TransferTimeout("ended without its KV", transfer_id)
         return record.trailer
 
     def done(self, transfer_id: int) -> bool:
