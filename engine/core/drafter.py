@@ -64,7 +64,7 @@ from engine.config import (
 )
 from engine.core.draft_kv import DraftBlocks
 from engine.core.request import Request
-from engine.core.runner import ModelRunner
+from engine.core.runner import ModelRunner, kv_bytes_per_block
 from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 from engine.core.speculative import may_speculate
 from engine.kernels.choice import choose_kernel_plan
@@ -100,6 +100,28 @@ def draft_model_config(config: EngineConfig) -> ModelConfig:
     return model
 
 
+def draft_engine_config(config: EngineConfig) -> EngineConfig:
+    """The engine configuration the draft model of ``config`` runs under: one rank, its KV
+    in the model's dtype, its own quantisation (speculative_config's), with the target's
+    forced linear kernel where that one multiplies such weights."""
+    quantization = config.scheduler.draft_quantization
+    linear = config.linear_kernel if config.linear_kernel.startswith("int8_") == (
+        quantization == "int8") else "auto"
+    return EngineConfig(
+        model=draft_model_config(config),
+        cache=replace(config.cache, kv_cache_dtype="auto", kv_transfer_dtype="auto"),
+        parallel=ParallelConfig(), scheduler=SchedulerConfig(),
+        device=config.device, linear_kernel=linear, quantization=quantization)
+
+
+def draft_kv_bytes_per_block(config: EngineConfig) -> int:
+    """Bytes the draft model's KV of one block takes (its cache is indexed by the target's
+    block ids, on the first rank): 0 without a draft model."""
+    if config.scheduler.speculative_method != "draft_model":
+        return 0
+    return kv_bytes_per_block(draft_engine_config(config))
+
+
 @dataclass
 class _Progress:
     """A request's draft KV: right for its first ``valid`` tokens, as long as it has not
@@ -119,17 +141,7 @@ class DraftModel:
     it cannot draft for that target (another vocabulary, a shorter context)."""
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
-        model = draft_model_config(config)
-        # its own quantisation (speculative_config's), with the target's forced linear
-        # kernel where that one multiplies such weights
-        quantization = config.scheduler.draft_quantization
-        linear = config.linear_kernel if config.linear_kernel.startswith("int8_") == (
-            quantization == "int8") else "auto"
-        draft = EngineConfig(
-            model=model, cache=replace(config.cache, kv_cache_dtype="auto",
-                                       kv_transfer_dtype="auto"),
-            parallel=ParallelConfig(), scheduler=SchedulerConfig(),
-            device=config.device, linear_kernel=linear, quantization=quantization)
+        draft = draft_engine_config(config)
         try:
             plan = choose_kernel_plan(draft, torch.get_num_threads())
         except ValueError as exc:  # a kernel forced by the environment it cannot use

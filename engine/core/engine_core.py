@@ -23,7 +23,7 @@ from engine.attention.metadata import LayerHook
 from engine.config import EngineConfig
 from engine.core.choose import HistoryCache, choose_tokens
 from engine.core.constrain import Constraints
-from engine.core.drafter import DraftModel
+from engine.core.drafter import DraftModel, draft_kv_bytes_per_block
 from engine.core.logprobs import delivered_prompt_logprobs, prompt_logprobs
 from engine.core.request import FinishReason, Request
 from engine.core.runner import resolve_num_kv_blocks
@@ -153,7 +153,8 @@ class EngineCore:
         self.config = config
         self.tokenizer = tokenizer
         if executor is None:
-            num_blocks = resolve_num_kv_blocks(config)
+            # the draft model's cache has a block for each of the target's: both fit
+            num_blocks = resolve_num_kv_blocks(config, draft_kv_bytes_per_block(config))
             tp = config.parallel.tensor_parallel_size
             executor = LocalExecutor(config, num_blocks) if tp == 1 else TPExecutor(config, num_blocks)
         self.executor = executor

@@ -64,12 +64,13 @@ def kv_cache_torch_dtype(config: EngineConfig) -> torch.dtype:
                                                   config.model.dtype))
 
 
-def resolve_num_kv_blocks(config: EngineConfig) -> int:
+def resolve_num_kv_blocks(config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
     """The KV pool size: the configured one, else what fits the memory budget, capped at
-    what ``max_num_seqs`` full-length sequences could use."""
+    what ``max_num_seqs`` full-length sequences could use. ``extra_bytes_per_block``:
+    what else each block costs on the first rank (a draft model's KV of it)."""
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
-    per_block = kv_bytes_per_block(config)
+    per_block = kv_bytes_per_block(config) + extra_bytes_per_block
     if torch.device(config.device).type == "cuda":
         free, _ = torch.cuda.mem_get_info()
         budget = int(free * config.cache.memory_fraction)

@@ -16,7 +16,13 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.config import ConfigError
+from engine.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+    load_model_config,
+)
 from engine.core.drafter import CATCH_UP_TOKENS
 from engine.core.engine_core import EngineCore
 from engine.core.scheduler import ScheduledChunk
@@ -57,6 +63,31 @@ def test_a_draft_it_cannot_use_is_refused(model_factory: Factory, llama_dir: Pat
                         "positions")):
         with pytest.raises(ConfigError, match=match):
             LLM(llama_dir, speculative_config=bad)
+
+
+def test_a_pool_sized_to_memory_holds_the_drafts_kv_within_the_same_budget(
+        model_factory: Factory, llama_dir: Path) -> None:
+    budget = 1 << 20  # bytes for the KV (max_kv_bytes on CPU)
+
+    def core(**speculative: Any) -> EngineCore:
+        return EngineCore(EngineConfig(
+            model=load_model_config(llama_dir), cache=CacheConfig(max_kv_bytes=budget),
+            scheduler=SchedulerConfig(max_num_seqs=4096, **speculative)))
+
+    alone = core()
+    drafting = core(speculative_method="draft_model", num_speculative_tokens=2,
+                    speculative_model=str(other_draft(model_factory)))
+    try:
+        assert drafting.drafter is not None
+        target_kv = drafting.executor.runner.kv_cache  # type: ignore[attr-defined]
+        draft_kv = drafting.drafter.runner.kv_cache
+        per_block = (target_kv.nbytes + draft_kv.nbytes) // drafting.executor.num_kv_blocks
+        assert target_kv.nbytes + draft_kv.nbytes <= budget < (
+            target_kv.nbytes + draft_kv.nbytes + per_block)
+        assert drafting.executor.num_kv_blocks < alone.executor.num_kv_blocks
+    finally:
+        alone.shutdown()
+        drafting.shutdown()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
