@@ -6,7 +6,8 @@
   ``no_traffic``, ``bounds``, ``gain``, ``dwell``, ``scaling``), ``action="add"`` / ``"remove"`` with
   the worker's role (a scale step, ``--max-workers``), ``action="failed"`` when a worker
   refused or did not answer a switch, or Redis did not take a scale target
-  (``reason="refused"`` / ``"unreachable"``);
+  (``reason="refused"`` / ``"unreachable"``), or a switch made could not move the
+  worker's decoding requests (``reason="moves"``; the switch is counted too);
 - ``pdserve:planner_workers{role}`` and ``pdserve:planner_desired_workers{role}``
   (gauges): the workers serving each role now, and the split the planner wants (with
   ``--max-workers``, their sum is the cluster size it wants: an autoscaler's input);

@@ -161,11 +161,16 @@ class PlannerService:
             asyncio.run(set_role(record.grpc_address, change.to_role, token=self._token,
                                  tls=self._tls, move_decoding=True))  # its streams move
         except RoleSwitchError as exc:
-            self.metrics.decisions.labels("failed", "refused" if exc.refused
-                                          else "unreachable").inc()
-            log.warning("%s -> %s not made: %s (%s)", change.worker_id, change.to_role, exc,
-                        change.reason)
-            return
+            if exc.switched_to != change.to_role:
+                self.metrics.decisions.labels("failed", "refused" if exc.refused
+                                              else "unreachable").inc()
+                log.warning("%s -> %s not made: %s (%s)", change.worker_id, change.to_role,
+                            exc, change.reason)
+                return
+            # made: the requests not offered a move decode on where they are
+            self.metrics.decisions.labels("failed", "moves").inc()
+            log.warning("%s -> %s made, but its decoding requests did not move: %s",
+                        change.worker_id, change.to_role, exc)
         self.metrics.decisions.labels("switch", f"to_{change.to_role}").inc()
         log.info("switched %s: %s -> %s: %s", change.worker_id, change.from_role,
                  change.to_role, change.reason)

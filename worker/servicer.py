@@ -16,6 +16,7 @@ import grpc
 
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.kv_events import pack_hashes
+from cluster.worker_control import SWITCHED_TO_KEY
 from engine.sampling_params import SamplingParams, StructuredOutput, TokenLogprobs
 from worker.commands import (
     CALL_TIMEOUT_S,
@@ -45,9 +46,10 @@ async def attempt_of(request: Any, context: grpc.aio.ServicerContext) -> str:
     return str(request.attempt_id)
 
 
-async def abort_with(context: grpc.aio.ServicerContext, error: WorkerError) -> NoReturn:
+async def abort_with(context: grpc.aio.ServicerContext, error: WorkerError,
+                     trailing_metadata: tuple[tuple[str, str], ...] = ()) -> NoReturn:
     """Ends the RPC with ``error``'s status (raises)."""
-    await context.abort(error.code, error.message)
+    await context.abort(error.code, error.message, trailing_metadata)
     raise AssertionError("unreachable: context.abort raises")
 
 
@@ -118,7 +120,7 @@ class LoopServicerMixin:
                     await abort_with(context, WorkerError(
                         grpc.StatusCode.FAILED_PRECONDITION,
                         f"switched to {request.role}, but its decoding requests cannot move: "
-                        f"{exc}"))
+                        f"{exc}"), ((SWITCHED_TO_KEY, request.role),))
             return pb.SetRoleReply(role=request.role, previous_role=previous,
                                    roles=list(self.loop.roles))
 

@@ -89,3 +89,78 @@ def test_overlapping_switches_reach_the_listeners_in_the_loops_order() -> None:
 
     asyncio.run(both())
     assert loop.role == "decode" and loop.heard == ["prefill", "decode"]
+
+
+class _MovesFail:
+    """A loop that switches, but whose decoding requests cannot move."""
+
+    roles = ("decode", "prefill")
+    role_listeners: list[object] = []
+
+    def __init__(self) -> None:
+        self.role = "decode"
+
+    async def acall(self, command: object, timeout_s: float | None = None) -> str:
+        from worker.commands import OfferMoves, SetRole
+
+        if isinstance(command, OfferMoves):
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the move offer timed out")
+        assert isinstance(command, SetRole)
+        previous, self.role = self.role, command.role
+        return previous
+
+
+def test_a_switch_made_whose_moves_failed_says_it_was_made() -> None:
+    """Over gRPC (the worker's SetRole servicer, a loop stand-in, the planner's and the
+    CLI's client): the call fails, naming the role the worker serves now, so the planner
+    counts the switch it made (and the moves' failure), not a switch not made."""
+    import asyncio
+
+    from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
+    from cluster.worker_control import RoleSwitchError, set_role
+    from planner import service
+    from planner.metrics import PlannerMetrics
+    from planner.policy import RoleChange
+    from tests.router.test_workers import make_record
+    from worker.servicer import LoopServicerMixin
+
+    class Servicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
+        pass
+
+    loop = _MovesFail()
+
+    async def switch() -> RoleSwitchError:
+        server = grpc.aio.server()
+        pb_grpc.add_DecodeWorkerServicer_to_server(Servicer(loop, None), server)  # type: ignore[arg-type]
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            with pytest.raises(RoleSwitchError) as failed:
+                await set_role(f"127.0.0.1:{port}", "prefill", move_decoding=True,
+                               timeout_s=10.0)
+            return failed.value
+        finally:
+            await server.stop(None)
+
+    error = asyncio.run(switch())
+    assert loop.role == "prefill" and error.switched_to == "prefill" and not error.refused
+    assert "cannot move" in str(error)
+
+    metrics = PlannerMetrics()
+    planner = service.PlannerService(None, None, None, metrics,  # type: ignore[arg-type]
+                                     window_s=10.0)
+
+    async def raises(*args: object, **kwargs: object) -> None:
+        raise error
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(service, "set_role", raises)
+        planner._switch(make_record("decode-0", "decode", "127.0.0.1:1"),
+                        RoleChange(0.0, "decode-0", "decode", "prefill", "test", 0.1, 0.9))
+
+    def counted(action: str, reason: str) -> float | None:
+        return metrics.registry.get_sample_value("pdserve:planner_decisions_total",
+                                                 {"action": action, "reason": reason})
+
+    assert counted("switch", "to_prefill") == 1 and counted("failed", "moves") == 1
+    assert counted("failed", "unreachable") is None
