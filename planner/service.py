@@ -31,6 +31,7 @@ import urllib.request
 import uuid
 from collections import deque
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -128,12 +129,20 @@ class PlannerService:
     def _sample(self, records: list[WorkerRecord]) -> list[WorkerSample] | None:
         """Every registered worker's scrape, or None when one did not answer."""
         samples, missing = [], []
-        with ThreadPoolExecutor(max_workers=max(1, min(SCRAPE_THREADS, len(records))),
-                                thread_name_prefix="pdserve-scrape") as pool:
-            scrapes = [pool.submit(scrape, r.metrics_address) if r.metrics_address else None
-                       for r in records]
+        pool = ThreadPoolExecutor(max_workers=max(1, min(SCRAPE_THREADS, len(records))),
+                                  thread_name_prefix="pdserve-scrape")
+        scrapes = [pool.submit(scrape, r.metrics_address) if r.metrics_address else None
+                   for r in records]
+        # the socket timeout bounds each read, not a reply that trickles in: the round
+        # waits for them all at most this long (a scrape still going is not waited for)
+        rounds = -(-len(records) // SCRAPE_THREADS)
+        futures.wait([s for s in scrapes if s is not None],
+                     timeout=rounds * SCRAPE_TIMEOUT_S + 1.0)
+        pool.shutdown(wait=False, cancel_futures=True)
         for record, scraped in zip(records, scrapes, strict=True):
             try:
+                if scraped is not None and not scraped.done():
+                    raise TimeoutError(f"no whole reply within {SCRAPE_TIMEOUT_S} s")
                 metrics = scraped.result() if scraped is not None else {}
             except Exception as exc:  # noqa: BLE001 - unreachable, cut short or unparsable
                 missing.append(f"{record.worker_id} ({exc})")

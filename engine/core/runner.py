@@ -72,7 +72,7 @@ def resolve_num_kv_blocks(config: EngineConfig, extra_bytes_per_block: int = 0) 
         return config.cache.num_kv_blocks
     per_block = kv_bytes_per_block(config) + extra_bytes_per_block
     if torch.device(config.device).type == "cuda":
-        free, _ = torch.cuda.mem_get_info()
+        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
         budget = int(free * config.cache.memory_fraction)
     else:
         budget = min(config.cache.max_kv_bytes, int(_available_ram() * config.cache.memory_fraction))

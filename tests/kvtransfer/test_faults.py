@@ -47,9 +47,13 @@ def _stopped_at(agent: Agent, timeout_s: float = 30.0) -> float:
     """When ``agent``'s process was seen stopped (SIGSTOP), polling ``/proc``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with open(f"/proc/{agent.proc.pid}/stat") as f:
-            if f.read().rpartition(")")[2].split()[0] == "T":
-                return time.monotonic()
+        try:
+            with open(f"/proc/{agent.proc.pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            raise AssertionError("the sender died instead of stopping") from None
+        if state in "Tt":  # stopped (t: and traced)
+            return time.monotonic()
         time.sleep(0.005)
     raise AssertionError(f"the sender did not stop within {timeout_s}s")
 

@@ -75,8 +75,12 @@ def test_a_pool_sized_to_memory_holds_the_drafts_kv_within_the_same_budget(
             scheduler=SchedulerConfig(max_num_seqs=4096, **speculative)))
 
     alone = core()
-    drafting = core(speculative_method="draft_model", num_speculative_tokens=2,
-                    speculative_model=str(other_draft(model_factory)))
+    try:
+        drafting = core(speculative_method="draft_model", num_speculative_tokens=2,
+                        speculative_model=str(other_draft(model_factory)))
+    except BaseException:
+        alone.shutdown()
+        raise
     try:
         assert drafting.drafter is not None
         target_kv = drafting.executor.runner.kv_cache  # type: ignore[attr-defined]
