@@ -12,8 +12,9 @@ carries them without knowing they are there, and a checksum over the bytes cover
 A scale per token and head, not per block: a block fills one decode token at a time, so
 a per-block scale would have to re-quantise what the block already holds whenever a new
 token is larger; per token, nothing once written is touched again. Attention reads the
-cache dequantised (``dequantize``), the step's own K/V included (written first); only a
-prefill chunk with nothing cached before it attends to its K/V as computed.
+cache dequantised (``dequantize``), the step's own K/V included (written first); a
+prefill chunk with nothing cached before it attends to its K/V quantised and back, the
+values the cache holds, so a prompt's KV is the same however it was chunked.
 
 **fp8**: a tensor of torch's fp8 dtype, shaped as a full-precision cache, one byte per
 value and no scale (vLLM's default, a scale of 1): values round to the nearest fp8 number

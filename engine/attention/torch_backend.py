@@ -58,6 +58,12 @@ class TorchAttentionBackend:
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q ``[T, Hq, D]``, k/v ``[T, Hk, D]`` → output ``[T, Hq, D]``; writes k/v to the cache."""
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.prefills and is_quantized(kv_cache):
+            # a chunk with nothing cached before it attends to its K/V as the cache holds
+            # them, as later chunks and decode steps do: a prompt's KV then does not depend
+            # on how it was cut into chunks, or on what the prefix cache held
+            k = _read(quantize(k, kv_cache.dtype), q.dtype)
+            v = _read(quantize(v, kv_cache.dtype), q.dtype)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:  # a decode-only step: no output rows to assemble
             return self._decode(q, kv_cache, meta, scale)
