@@ -85,7 +85,7 @@ class SimResult:
     requests: list[SimRequest]
     workers: list[SimWorker]
     routers: list[SimRouter]
-    duration_s: float  # first arrival to the last event
+    duration_s: float  # first arrival to the last response (or the last event, if none)
     num_events: int
     role_changes: list[RoleChange] = field(default_factory=list)  # the planner's, in order
     scale_steps: list[ScaleChange] = field(default_factory=list)  # likewise
@@ -167,8 +167,11 @@ def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest]) ->
         planner.start()
     events.run()
     start = ordered[0].arrival_s if ordered else 0.0
-    worker_seconds = (planner.worker_seconds(start, events.now) if planner is not None
-                      else len(workers) * (events.now - start))
-    return SimResult(list(requests), workers, routers, events.now - start, events.num_events,
+    # the run ends with its last response, as vllm bench serve's duration does (events
+    # after it: a planner tick, a KV event read, a retry timer)
+    end = shared.last_end_s if shared.last_end_s is not None else events.now
+    worker_seconds = (planner.worker_seconds(start, end) if planner is not None
+                      else len(workers) * (end - start))
+    return SimResult(list(requests), workers, routers, end - start, events.num_events,
                      planner.changes if planner is not None else [],
                      planner.scale_steps if planner is not None else [], worker_seconds)

@@ -34,10 +34,8 @@ from collections import deque
 
 import grpc
 
-from engine.core.request import Request
 from engine.core.scheduler import StepUpdate
 from engine.kvcache.block_hash import compute_block_hashes
-from engine.sampling_params import SamplingParams
 from engine.tp.sharding import num_blocks_for
 from router.admission import RETRY_PLACEMENT_S, Admission
 from router.config import AdmissionConfig, HandoffConfig
@@ -158,9 +156,9 @@ class SimRouter:
             self._start(request, worker)
             worker.add(request.engine_request(request.attempt))
             return True
+        attempt = f"{request.request_id}#{request.num_attempts}"
         for decode_id in order:
             worker = self._worker(decode_id)
-            attempt = f"{request.request_id}#{request.num_attempts}"
             # the Prefill goes out with the pass's first Reserve where, by a trusted index,
             # the decode worker holds none of the prompt and its registered free blocks
             # hold the request, and no KV of a prompt starting as this one was seen landing
@@ -189,7 +187,7 @@ class SimRouter:
         request.ticket.placed()
         request.attempt = f"{request.request_id}#{request.num_attempts}"
         request.num_attempts += 1
-        request.prefilled = False
+        request.attempt_from = len(request.output_ids)
         request.decode_worker = decode.worker_id
         self.inflight[decode.worker_id] += 1
         self.attempts[request.attempt] = request
@@ -212,9 +210,16 @@ class SimRouter:
         loads = {w.worker_id: self.inflight[w.worker_id] for w in live(self.prefill)
                  if w.worker_id != request.decode_worker}
         if not loads:  # every prefill worker died (or is that one) after the reservation
-            self._retry(request)
+            if self.handoff.local_prefill == "never" and not any(
+                    w.worker_id == request.decode_worker for w in live(self.prefill)):
+                self._abort_attempt(request)  # as prefill.prefill: nothing to retry on
+                self._fail(request, grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+            else:  # its decode worker prefills now, or the next attempt prefills locally
+                self._retry(request)
             return
         mode = self.handoff.prefill_routing
+        if mode == "round-robin" and request.turn is None:
+            request.turn = next(self._turns)
         trusted = self.kv_index is not None and self.kv_index.trusted()
         choice = choose_prefill(
             mode, key=affinity_key(request.block_hashes, request.prompt_token_ids,
@@ -222,7 +227,7 @@ class SimRouter:
             loads=loads, queued_tokens=self.queued_tokens if trusted else {},
             num_prompt_tokens=len(request.sequence()), block_size=self.block_size,
             cached=self.shared.cached(request, list(loads)) if trusted else None,
-            turn=next(self._turns) if mode == "round-robin" else 0,
+            turn=request.turn or 0,
             epsilon=self.handoff.load_epsilon)
         worker = self._worker(choice.order[0])
         request.prefill_worker = worker.worker_id
@@ -231,13 +236,11 @@ class SimRouter:
         request.prefill_tokens = uncached_tokens(len(request.sequence()), self.block_size,
                                                  choice.cached.get(worker.worker_id, 0))
         self.queued_tokens[worker.worker_id] += request.prefill_tokens
-        worker.add(Request(request.attempt, list(request.sequence()),
-                           SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True))
+        worker.add(request.engine_request(request.attempt, prefill_only=True))
 
     def _prompt_block(self, request: SimRequest) -> list[bytes]:
-        """The hash of the prompt's first full block, if it has one (the router hashes the
-        prompt; a migrated attempt's hashes cover the tokens streamed too)."""
-        return request.block_hashes[:1] if request.prompt_len >= self.block_size else []
+        """The hash of the prompt's first full block, if it has one."""
+        return request.block_hashes[:1]
 
     def _num_blocks(self, request: SimRequest) -> int:
         return num_blocks_for(request.prompt_len + request.max_tokens, self.block_size)
@@ -255,9 +258,6 @@ class SimRouter:
             return  # an attempt that failed meanwhile
         assert update.new_token_id is not None
         if update.request.prefill_only:  # by the request: the worker's role may have changed
-            self.inflight[worker.worker_id] -= 1
-            self.queued_tokens[worker.worker_id] -= request.prefill_tokens
-            request.prefilled = True
             if not request.output_ids:
                 request.cached_tokens = update.request.num_cached_tokens
             delay = self.profile.transfer_s(request.kv_bytes) + self.profile.handoff_overhead_s / 2
@@ -273,6 +273,9 @@ class SimRouter:
         if request.attempt != attempt or prefill.dead:
             return  # the attempt failed meanwhile (and was retried or ended)
         prefill.release_pinned(attempt)
+        # the Prefill's reply, once the decode side has the KV: its loads are given back
+        self.inflight[prefill.worker_id] -= 1
+        self.queued_tokens[prefill.worker_id] -= request.prefill_tokens
         request.prefill_worker = None  # its part is done: its death no longer matters
         decode = self._worker(request.decode_worker or "")
         wait = decode.residual_s()  # its loop notices the KV once the step in flight ends
@@ -316,20 +319,34 @@ class SimRouter:
                 self._retry(request)
 
     def _retry(self, request: SimRequest) -> None:
-        for worker_id in (request.prefill_worker, request.decode_worker):
-            if worker_id is not None and not self._worker(worker_id).dead:
-                self._worker(worker_id).abort(request.attempt)
-        self._drop_attempt(request)
-        if request.first_token_s is not None:
+        """The current attempt failed: migrated if it streamed tokens (within
+        ``migration_limit``), else retried (within ``max_attempts`` since the last
+        migration), as the handoff's loop does."""
+        self._abort_attempt(request)
+        if len(request.output_ids) > request.attempt_from:
             request.migrations += 1
+            request.failures = 0
             if request.migrations > self.handoff.migration_limit:
                 self._fail(request, grpc.StatusCode.UNAVAILABLE,
                            f"its decode worker failed after {len(request.output_ids)} "
                            f"streamed tokens, {request.migrations - 1} migrations already")
                 return
-        request.block_hashes = compute_block_hashes(request.sequence(), self.block_size)
+        else:
+            request.failures += 1
+            if request.failures >= self.handoff.max_attempts:
+                self._fail(request, grpc.StatusCode.UNAVAILABLE,
+                           f"the workers failed {request.failures} times before the first "
+                           "token")
+                return
         self.queue.appendleft(request)  # it keeps its turn
         self._capacity_changed()
+
+    def _abort_attempt(self, request: SimRequest) -> None:
+        """The current attempt's blocks freed on the live workers that hold them."""
+        for worker_id in (request.prefill_worker, request.decode_worker):
+            if worker_id is not None and not self._worker(worker_id).dead:
+                self._worker(worker_id).abort(request.attempt)
+        self._drop_attempt(request)
 
     def _drop_attempt(self, request: SimRequest) -> None:
         """The current attempt ends: the loads it counted are given back."""
@@ -341,6 +358,7 @@ class SimRouter:
         self._end(request)
 
     def _end(self, request: SimRequest) -> None:
+        self.shared.last_end_s = self.events.now
         self.unfinished -= 1
         self.shared.unfinished -= 1
         if request.ticket is not None:

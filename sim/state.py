@@ -48,11 +48,13 @@ class SimRequest:
     decode_worker: str | None = None
     kv_bytes: int = 0  # KV moved from prefill to decode
     ticket: Ticket | None = None
-    block_hashes: list[bytes] = field(default_factory=list)  # of the current attempt's prompt
+    block_hashes: list[bytes] = field(default_factory=list)  # of its prompt (as the router's)
     attempt: str = ""  # the current attempt's id on the workers
     num_attempts: int = 0
     migrations: int = 0  # attempts after its first token (its decode worker died)
-    prefilled: bool = False  # the current attempt's prefill is done
+    attempt_from: int = 0  # tokens streamed when the current attempt started
+    failures: int = 0  # attempts failed before their first token since the last migration
+    turn: int | None = None  # its round-robin turn, drawn once (as Placement's)
     no_ahead: bool = False  # a Reserve its Prefill went out with was refused
     landed: str = ""  # the attempt whose KV was last seen landing (router.recent_kv)
     output_ids: list[int] = field(default_factory=list)  # streamed so far
@@ -62,12 +64,16 @@ class SimRequest:
         (a migrated stream resumes after them)."""
         return self.prompt_token_ids + tuple(self.output_ids)
 
-    def engine_request(self, attempt: str) -> Request:
-        """Its current attempt as a worker's engine sees it."""
-        return Request(attempt, list(self.sequence()),
-                       SamplingParams(max_tokens=self.max_tokens, ignore_eos=True,
-                                      temperature=0.0),
-                       num_resumed_tokens=len(self.output_ids))
+    def engine_request(self, attempt: str, prefill_only: bool = False) -> Request:
+        """Its current attempt as a worker's engine sees it (the prompt's block hashes
+        given: the engine's own, seed 0 and no salt, extended past them as it goes)."""
+        request = Request(attempt, list(self.sequence()),
+                          SamplingParams(max_tokens=1 if prefill_only else self.max_tokens,
+                                         ignore_eos=True, temperature=0.0),
+                          num_resumed_tokens=0 if prefill_only else len(self.output_ids),
+                          prefill_only=prefill_only)
+        request.block_hashes = list(self.block_hashes)
+        return request
 
     @property
     def prompt_len(self) -> int:
@@ -95,6 +101,8 @@ class SharedView:
         self.owner: dict[str, RouterSide] = {}  # attempt id -> the router that made it
         self._interval = interval_s
         self._seq: Counter[str] = Counter()
+        self._feeding = False  # a read of the KV events is due
+        self.last_end_s: float | None = None  # when the last request ended
         self.kv_index: KVIndex | None = None
         if prefill_routing == "kv-aware":
             self.kv_index = KVIndex(clock=events.clock)
@@ -136,7 +144,7 @@ class SharedView:
 
     def release(self, request: SimRequest) -> None:
         """``request``'s current attempt ended: the loads it counted are given back."""
-        if request.prefill_worker is not None and not request.prefilled:
+        if request.prefill_worker is not None:  # its Prefill had not returned
             self.inflight[request.prefill_worker] -= 1
             self.queued_tokens[request.prefill_worker] -= request.prefill_tokens
         if request.decode_worker is not None:
@@ -147,7 +155,11 @@ class SharedView:
 
     def arrived(self) -> None:
         self.unfinished += 1
-        if self.unfinished == 1 and self.kv_index is not None:
+        if self.kv_index is not None and not self._feeding:
+            # the feed stops while nothing is in flight (so that the run can end); a real
+            # router's reads went on meanwhile: its index is as current as the workers'
+            self._feeding = True
+            self.kv_index.heard()
             self.events.after(self._interval, self._feed)
 
     def _feed(self) -> None:
@@ -160,5 +172,6 @@ class SharedView:
                 self.kv_index.apply(EventBatch(worker.worker_id, 1, self._seq[worker.worker_id],
                                                tuple(ops)))
         self.kv_index.heard()
-        if self.unfinished:
+        self._feeding = bool(self.unfinished)
+        if self._feeding:
             self.events.after(self._interval, self._feed)

@@ -45,11 +45,11 @@ class KVEventLog:
 
     def drain(self, limit: int | None = None) -> list[KVOp]:
         """The operations appended so far (at most ``limit``), oldest first; they leave
-        the log."""
-        ops: list[KVOp] = []
-        while self._ops and (limit is None or len(ops) < limit):
-            ops.append(self._ops.popleft())
-        return ops
+        the log. Safe against another thread appending meanwhile (what was appended after
+        the count stays for the next drain)."""
+        count = len(self._ops) if limit is None else min(limit, len(self._ops))
+        pop = self._ops.popleft
+        return [pop() for _ in range(count)]
 
     def __len__(self) -> int:
         return len(self._ops)

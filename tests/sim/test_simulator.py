@@ -18,6 +18,7 @@ from loadtest.workloads import Request
 from router.config import AdmissionConfig, HandoffConfig
 from sim import router as sim_router
 from sim import runs as sim_runs
+from sim import state as sim_state
 from sim.cluster import SimSpec, simulate
 from sim.profile import from_json
 from sim.state import SimRequest
@@ -254,6 +255,81 @@ def test_a_prefill_worker_killed_while_its_kv_travels_has_the_attempt_retried() 
     (r,) = result.requests
     # retried at once, prefilled on the decode worker (no prefill worker left)
     assert not r.error and r.num_attempts == 2 and 0.3 < r.first_token_s < 0.4
+
+
+def test_a_prefill_worker_counts_an_attempt_until_its_kv_has_arrived(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # as the real router, whose Prefill call returns once the decode side has the KV: a
+    # prefill worker's load counts the attempt while its KV travels, not only while it
+    # computes (before, the sampled first token gave it back)
+    seen: list[dict[str, int]] = []
+
+    def spy(*args: object, **kwargs: object) -> router.policy.PrefillChoice:
+        seen.append(dict(kwargs["loads"]))  # type: ignore[call-overload]
+        return router.policy.choose_prefill(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sim_router, "choose_prefill", spy)
+    slow = profile_json()
+    slow["transfer"] = {"latency_s": 0.001, "bytes_per_s": 1e5}  # 64 tokens: ~0.65 s
+    reqs = [SimRequest("a", 0.0, tuple(range(100, 164)), 4),
+            SimRequest("b", 0.2, tuple(range(1000, 1064)), 4)]
+    result = simulate(from_json(slow), SimSpec(num_prefill=2, num_decode=2), reqs)
+    result.check()
+    a = result.requests[0]
+    assert a.first_token_s is not None and a.first_token_s > 0.6  # still travelling at 0.2
+    assert seen[0] == {"prefill-0": 0, "prefill-1": 0}
+    assert sorted(seen[1].values()) == [0, 1]  # b saw a's prefill worker holding it
+
+
+def test_an_attempt_that_fails_before_its_first_token_is_a_retry_not_a_migration() -> None:
+    # as the handoff's loop: a stream migrates when the attempt serving it had streamed;
+    # the next attempt failing before its own first token (its prefill worker killed while
+    # the KV travels) is a retry, counted against max_attempts, not the migration limit
+    slow = profile_json()
+    slow["transfer"] = {"latency_s": 0.001, "bytes_per_s": 1e5}
+    spec = SimSpec(num_prefill=1, num_decode=2, kills=(("decode-0", 1.0), ("prefill-0", 1.3)),
+                   handoff=HandoffConfig(local_prefill="fallback", migration_limit=1))
+    result = simulate(from_json(slow), spec, [SimRequest("r", 0.0, tuple(range(100, 164)), 300)])
+    result.check()
+    (r,) = result.requests
+    # migrated once (decode-0), retried once (prefill-0), then prefilled locally
+    assert not r.error and r.migrations == 1 and r.num_attempts == 3
+    # retries are bounded too: with none left to retry on, the request fails
+    spec = replace(spec, handoff=HandoffConfig(local_prefill="never", migration_limit=1))
+    (r,) = simulate(from_json(slow), spec,
+                    [SimRequest("r", 0.0, tuple(range(100, 164)), 300)]).requests
+    assert r.error == "UNAVAILABLE: no healthy prefill worker" and r.migrations == 1
+
+
+def test_a_run_lasts_from_its_first_arrival_to_its_last_response() -> None:
+    # as vllm bench serve's duration: not to the last event (here a kill long after)
+    reqs = requests(20)
+    result = simulate(small_profile(), SimSpec(num_prefill=1, num_decode=2,
+                                               kills=(("decode-1", 100.0),)), reqs)
+    result.check()
+    last = max(r.finished_s for r in result.requests if r.finished_s is not None)
+    assert result.duration_s == pytest.approx(last - reqs[0].arrival_s)
+
+
+def test_the_kv_index_is_read_every_interval_once_whatever_the_arrivals(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the feed stops while nothing is in flight; arrivals just after it went idle must not
+    # start a second chain of reads beside the first
+    reads: list[float] = []
+    feed = sim_state.SharedView._feed
+
+    def counted(self: sim_state.SharedView) -> None:
+        reads.append(self.events.now)
+        feed(self)
+
+    monkeypatch.setattr(sim_state.SharedView, "_feed", counted)
+    # one at a time (each takes about 9 ms here), the next arriving before the read due
+    reqs = [SimRequest(f"r{i}", 0.015 * i, tuple(range(100 + i, 164 + i)), 2)
+            for i in range(10)]
+    spec = SimSpec(num_prefill=1, num_decode=1, handoff=HandoffConfig(prefill_routing="kv-aware"))
+    simulate(small_profile(), spec, reqs).check()
+    gaps = [b - a for a, b in zip(reads, reads[1:], strict=False)]
+    assert reads and min(gaps) >= 0.02 - 1e-9, gaps
 
 
 def test_a_decode_worker_switched_to_prefill_never_prefills_its_own_reservation(
