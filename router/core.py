@@ -68,8 +68,8 @@ and every worker call of the request is bounded by it)."""
 def token_bound(request: ClientRequest, limits: ModelLimits) -> int:
     """An upper bound of the prompt's tokens, without tokenizing (a byte-level BPE makes
     at most one token per byte, plus a few special ones)."""
-    if request.token_ids is not None:
-        return len(request.token_ids)
+    if request.token_ids is not None:  # a longer prompt is refused (400) by validation
+        return min(len(request.token_ids), limits.context_length)
     return min(len((request.text or "").encode("utf-8", "replace")) + 4, limits.context_length)
 
 

@@ -162,7 +162,7 @@ def validate(request: ClientRequest, limits: ModelLimits,
         raise InvalidRequest(f"resume.token_ids holds {len(request.resume_token_ids)} "
                              f"tokens; a stream of max_tokens={sampling.max_tokens} that "
                              "was not whole has fewer")
-    _check_vocab("resumed token id", request.resume_token_ids, limits.vocab_size)
+    check_vocab("resumed token id", request.resume_token_ids, limits.vocab_size)
     return ValidRequest(request_id, token_ids, sampling, request.resume_token,
                         request.resume_token_ids)
 
@@ -183,7 +183,7 @@ def _prompt_token_ids(request: ClientRequest, limits: ModelLimits,
     if request.token_ids is not None:
         token_ids = request.token_ids
         _check_length(len(token_ids), limits)  # the cheap check first: then item by item
-        _check_vocab("prompt token id", token_ids, limits.vocab_size)
+        check_vocab("prompt token id", token_ids, limits.vocab_size)
     else:
         text = request.text or ""
         if len(text) > 64 * limits.context_length:  # cheap bound before tokenizing
@@ -231,11 +231,11 @@ def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
     if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # counted before checked one by one
         raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
                              f"{len(request.stop_token_ids)}")
-    _check_vocab("stop token id", request.stop_token_ids, limits.vocab_size)
+    check_vocab("stop token id", request.stop_token_ids, limits.vocab_size)
     if len(request.logit_bias) > MAX_LOGIT_BIAS:  # counted before checked one by one
         raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got "
                              f"{len(request.logit_bias)}")
-    _check_vocab("logit_bias token id", [t for t, _ in request.logit_bias], limits.vocab_size)
+    check_vocab("logit_bias token id", [t for t, _ in request.logit_bias], limits.vocab_size)
     bias = tuple((t, _as_float32("a logit_bias value", max(-LOGIT_BIAS_LIMIT, min(
         LOGIT_BIAS_LIMIT, b)) if b == b else b, 0.0)) for t, b in request.logit_bias)
     try:
@@ -244,7 +244,8 @@ def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature, top_p=top_p,
-            top_k=-1 if request.top_k is None else request.top_k,
+            # vLLM: 0 (or -1) considers every token
+            top_k=-1 if request.top_k is None or request.top_k == 0 else request.top_k,
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos, min_p=min_p,
             min_tokens=0 if request.min_tokens is None else request.min_tokens,
@@ -255,7 +256,7 @@ def _sampling(request: ClientRequest, limits: ModelLimits) -> SamplingParams:
         raise InvalidRequest(str(exc)) from None
 
 
-def _check_vocab(what: str, token_ids: Sequence[int], vocab_size: int) -> None:
+def check_vocab(what: str, token_ids: Sequence[int], vocab_size: int) -> None:
     for position, token_id in enumerate(token_ids):
         if not 0 <= token_id < vocab_size:
             raise InvalidRequest(f"{what} {token_id} at position {position} is outside the "

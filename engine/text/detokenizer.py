@@ -133,6 +133,9 @@ class TextStream:
         )
         self._stop = tuple(stop)
         self._pending = ""  # decoded but withheld: might begin a stop string
+        # the end of the text released while no stop string was looked for (min_tokens),
+        # as far as a stop string could reach back into it: a match may start there
+        self._guard = ""
         self._chunks: list[str] = []
         self._stopped = False
 
@@ -151,7 +154,9 @@ class TextStream:
     def add(self, token_ids: Sequence[int], *, may_stop: bool = True) -> tuple[str, bool]:
         """Append output ids; return ``(delta, stopped)``. ``may_stop`` False (the
         request's ``min_tokens`` are not out yet, as vLLM rules): no stop string is
-        looked for and nothing is withheld for one."""
+        looked for and nothing is withheld for one; a stop string starting in that text and
+        ending after it still stops the stream (as vLLM looks back), what was sent staying
+        sent."""
         if self._stopped:
             return "", True
         self._pending += self._detokenizer.add(token_ids)
@@ -159,6 +164,8 @@ class TextStream:
             delta, self._pending = self._pending, ""
             if delta:
                 self._chunks.append(delta)
+                reach = max((len(s) for s in self._stop), default=1) - 1
+                self._guard = (self._guard + delta)[-reach:] if reach else ""
             return delta, False
         return self._release(final=False), self._stopped
 
@@ -170,29 +177,33 @@ class TextStream:
         return self._release(final=True)
 
     def _release(self, *, final: bool) -> str:
-        match = self._earliest_match()
+        guard = len(self._guard)
+        text = self._guard + self._pending  # the guard was sent: only the rest is released
+        match = self._earliest_match(text)
         if match is not None:
-            delta, self._pending, self._stopped = self._pending[:match], "", True
+            delta, self._pending, self._stopped = text[guard:max(guard, match)], "", True
+            self._guard = ""
         else:
-            keep = 0 if final else self._partial_match_length()
-            cut = len(self._pending) - keep
-            delta, self._pending = self._pending[:cut], self._pending[cut:]
+            keep = 0 if final else self._partial_match_length(text)
+            cut = len(text) - keep
+            delta, self._pending = text[guard:max(guard, cut)], text[max(guard, cut):]
+            self._guard = self._guard[cut:]  # what may still begin a stop string
         if delta:
             self._chunks.append(delta)
         return delta
 
-    def _earliest_match(self) -> int | None:
-        """Start of the earliest stop string in the withheld text, or None.
+    def _earliest_match(self, text: str) -> int | None:
+        """Start of the earliest stop string in ``text`` (the guard, then the withheld
+        text), or None.
 
-        Emitted text never ends with a proper prefix of a stop string, so every match
-        lies wholly inside the withheld text.
+        Emitted text never ends with a proper prefix of a stop string (but for the guard,
+        searched with it), so every match lies wholly inside the text searched.
         """
-        positions = [p for p in (self._pending.find(s) for s in self._stop) if p >= 0]
+        positions = [p for p in (text.find(s) for s in self._stop) if p >= 0]
         return min(positions) if positions else None
 
-    def _partial_match_length(self) -> int:
-        """Length of the longest suffix of the withheld text that begins a stop string."""
-        text = self._pending
+    def _partial_match_length(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that begins a stop string."""
         longest = 0
         for s in self._stop:
             for n in range(min(len(s) - 1, len(text)), longest, -1):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +36,9 @@ from router.http.errors import ApiError
 from router.http.logprobs import LogprobsWriter
 from router.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, parse
 from router.http.relay import REQUEST_ID_HEADER, Relay, parse_event_id
-from router.validation import ClientRequest, InvalidRequest
+from router.validation import ClientRequest, InvalidRequest, check_vocab
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = "x-request-timeout"
 MAX_CHAT_MESSAGES = 4096  # messages of one chat request (each is rendered by the template)
@@ -91,8 +94,7 @@ def build_app(api: HttpApi) -> FastAPI:
                                      max_tokens=body.max_tokens, text=text, token_ids=token_ids)
         echo = None
         if body.echo:
-            echo = text if text is not None else api.tokenizer.decode(
-                list(token_ids or ()), skip_special_tokens=False)
+            echo = text if text is not None else _echoed(api, list(token_ids or ()))
         return _relay(api, request, body, client, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
@@ -130,7 +132,23 @@ def _add_open_routes(app: FastAPI, api: HttpApi) -> None:
         return Response(data, media_type=content_type)
 
 
+def _echoed(api: HttpApi, token_ids: list[int]) -> str:
+    """A token-id prompt's text for ``echo`` (ids outside the vocabulary: 400, as the
+    request would get; a prompt past the context is refused later, not decoded)."""
+    limits = api.core.limits
+    check_vocab("prompt token id", token_ids, limits.vocab_size)
+    if len(token_ids) >= limits.context_length:
+        return ""
+    return str(api.tokenizer.decode(token_ids, skip_special_tokens=False))
+
+
 def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> Response:  # a bug: OpenAI's shape
+        log.exception("the HTTP API failed on %s", request.url.path)
+        error = ApiError(500, f"the server failed: {type(exc).__name__}", code="internal")
+        return JSONResponse(error.body(), status_code=500)
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
         return JSONResponse(exc.body(), status_code=exc.status)

@@ -25,7 +25,9 @@ from router.validation import ClientRequest
 INT64 = Field(ge=-(1 << 63), le=(1 << 63) - 1)
 Int64 = Annotated[int, INT64]
 Int32 = Annotated[int, Field(ge=-(1 << 31), le=(1 << 31) - 1)]
-Seed = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
+# vLLM takes any int64 (-1 included); the gRPC API's seed is a uint64, which a negative
+# seed is mapped to (two's complement: distinct seeds stay distinct)
+Seed = Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
 M = TypeVar("M", bound=BaseModel)
 
 # parameter -> the values that mean "not used" (anything else: 400)
@@ -34,6 +36,10 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (),  # chat's (a field there); completions take logprobs (an integer)
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "use_beam_search": (False,),
+    # vLLM's own extensions pdserve does not implement
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "allowed_token_ids": ([],),
+    "bad_words": ([],), "truncate_prompt_tokens": (), "continue_final_message": (False,),
 }
 # vLLM's older names of structured outputs -> the kind they set
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -47,6 +53,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (not implemented)
 
 
 class SamplingRequest(BaseModel):
@@ -107,6 +114,10 @@ class SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ApiError.invalid("stream_options can only be given with stream=true",
                                    "stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise ApiError.invalid("stream_options.continuous_usage_stats is not supported by "
+                                   "pdserve (usage comes in the last chunk with include_usage)",
+                                   "stream_options", code="unsupported_parameter")
 
     def logprobs_asked(self) -> int | None:
         """How many alternatives per token the request's logprobs ask for (None: none)."""
@@ -128,7 +139,8 @@ class SamplingRequest(BaseModel):
         return ClientRequest(
             request_id=request_id, model=self.model or "", text=text, token_ids=token_ids,
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, seed=self.seed, stop=stop,
+            top_k=self.top_k, seed=None if self.seed is None else self.seed & ((1 << 64) - 1),
+            stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             min_p=self.min_p, min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -255,6 +267,14 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, INT64] | None = None
+    echo: bool = False  # vLLM's (the last message's text first): not implemented
+
+    def check_extras(self) -> None:
+        super().check_extras()
+        if self.echo:
+            raise ApiError.invalid("echo is not supported by pdserve on chat completions "
+                                   "(got true); leave it unset or false", "echo",
+                                   code="unsupported_parameter")
 
     def logprobs_asked(self) -> int | None:
         if not self.logprobs:

@@ -264,7 +264,6 @@ def _bad_requests() -> list[tuple[str, dict[str, object], str]]:
         ("top_p 0", {"top_p": 0.0}, "top_p"),
         ("top_p > 1", {"top_p": 1.5}, "top_p"),
         ("top_k -2", {"top_k": -2}, "top_k"),
-        ("top_k 0", {"top_k": 0}, "top_k"),
         ("too many stops", {"stop": [f"s{i}" for i in range(17)]}, "16"),
         ("empty stop", {"stop": [""]}, "stop"),
         ("long stop", {"stop": ["x" * 257]}, "256"),
@@ -292,6 +291,13 @@ def test_bad_input_is_invalid_argument(client: Client, case: str, kwargs: dict[s
     assert excinfo.value.code == INVALID, excinfo.value
     assert needle in excinfo.value.details, excinfo.value.details
     assert client.complete("still serving", max_tokens=2, timeout=TIMEOUT_S).finish_reason
+
+
+def test_top_k_0_considers_every_token_as_vllm_does(client: Client) -> None:
+    seeded = {"max_tokens": 6, "temperature": 1.0, "seed": 7, "ignore_eos": True,
+              "timeout": TIMEOUT_S}
+    assert client.complete("all tokens", top_k=0, **seeded).text == client.complete(  # type: ignore[arg-type]
+        "all tokens", top_k=-1, **seeded).text  # type: ignore[arg-type]
 
 
 def _raw_generate(cluster: Cluster, payload: bytes) -> grpc.RpcError:

@@ -410,3 +410,23 @@ def test_an_sse_event_is_one_line_to_any_line_splitter() -> None:
     lines = [line for line in event.splitlines() if line]
     assert len(lines) == 1 and lines[0].startswith("data: ")
     assert json.loads(lines[0].removeprefix("data: ")) == {"content": text}
+
+
+def test_an_echoed_prompt_of_bad_token_ids_is_a_400_and_a_server_bug_a_json_500(
+        fake: FakeRouterCore, llama_dir: Path) -> None:
+    class Broken:
+        def decode(self, *args: Any, **kwargs: Any) -> str:
+            raise RuntimeError("a bug")
+
+    app = build_app(make_api(fake, llama_dir))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        for ids in ([-1], [1 << 40]):  # decoded before, these failed as a text/plain 500
+            error = error_of(c.post("/v1/completions", json={"prompt": ids, "echo": True}),
+                             400)
+            assert "outside the vocabulary" in error["message"]
+    app = build_app(make_api(fake, llama_dir, tokenizer=Broken()))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        error = error_of(c.post("/v1/completions", json={"prompt": [5], "echo": True}), 500)
+        assert error["message"] == "the server failed: RuntimeError"
+        assert error["code"] == "internal" and error["type"] == "server_error"
+    assert fake.opened == 0

@@ -86,7 +86,13 @@ def test_unsupported_parameters_are_refused_unless_at_their_default(name: str) -
                                    "min_p": 0.1, "min_tokens": 3, "use_beam_search": True,
                                    "guided_json": {}, "guided_regex": "a+",
                                    "guided_choice": ["a"], "guided_grammar": "g",
-                                   "structured_outputs": {"json": {}}}
+                                   "structured_outputs": {"json": {}},
+                                   "include_stop_str_in_output": True,
+                                   "skip_special_tokens": False,
+                                   "spaces_between_special_tokens": False,
+                                   "allowed_token_ids": [5], "bad_words": ["no"],
+                                   "truncate_prompt_tokens": 8,
+                                   "continue_final_message": True}
     error = refused(CompletionRequest, prompt="hi", **{name: non_default[name]})
     assert error.param == name and error.code == "unsupported_parameter"
     assert error.message.startswith(f"{name} is not supported by pdserve")
@@ -116,7 +122,7 @@ def test_other_unknown_fields_are_ignored() -> None:
     ({"max_tokens": "5"}, "max_tokens", "valid integer"),
     ({"temperature": "hot"}, "temperature", "valid number"),
     ({"stop": [1]}, "stop", "valid string"),
-    ({"seed": -1}, "seed", "greater than or equal to 0"),
+    ({"seed": -(1 << 63) - 1}, "seed", "greater than or equal to"),
     ({"seed": 1 << 64}, "seed", "less than or equal to"),
     ({"top_k": 1 << 40}, "top_k", "less than or equal to"),
     ({"stream": "yes"}, "stream", "valid boolean"),
@@ -206,3 +212,26 @@ def test_logprobs_map_to_the_client_request_and_bad_ones_are_refused() -> None:
     with pytest.raises(ApiError) as info:
         completion(logprobs=-1).client_request(request_id="r", max_tokens=4)
     assert info.value.param == "logprobs" and "[0, 20]" in info.value.message
+
+
+def test_vllm_s_top_k_0_and_negative_seeds_are_taken() -> None:
+    """As vLLM: top_k 0 considers every token (as -1), any int64 is a seed (a negative one
+    as its unsigned 64-bit pattern, which the gRPC API carries)."""
+    from router.validation import ModelLimits, validate
+
+    limits = ModelLimits(name="m", context_length=64, vocab_size=100, eos_token_ids=(2,))
+    client = completion(prompt=[5, 6], top_k=0, seed=-1).client_request(
+        request_id="", max_tokens=4, text=None, token_ids=(5, 6))
+    assert client.seed == (1 << 64) - 1
+    sampling = validate(client, limits, None).sampling  # type: ignore[arg-type]
+    assert sampling.top_k == -1 and sampling.seed == (1 << 64) - 1
+
+
+def test_vllm_extensions_pdserve_lacks_are_refused_where_they_would_change_the_output() -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    error = refused(ChatCompletionRequest, **chat, echo=True)
+    assert error.param == "echo" and error.code == "unsupported_parameter"
+    parse(ChatCompletionRequest, json.dumps({**chat, "echo": False}).encode()).check_extras()
+    error = refused(CompletionRequest, prompt="hi", stream=True,
+                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert error.param == "stream_options" and "continuous_usage_stats" in error.message

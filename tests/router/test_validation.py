@@ -76,7 +76,6 @@ BAD_INPUT: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("top-p-over-one", {"token_ids": _ids(4), "top_p": 1.5}, ("top_p", "(0, 1]", "1.5")),
     ("top-p-nan", {"token_ids": _ids(4), "top_p": math.nan}, ("top_p", "nan")),
     ("top-k-minus-two", {"token_ids": _ids(4), "top_k": -2}, ("top_k", "-1", ">= 1", "-2")),
-    ("top-k-zero", {"token_ids": _ids(4), "top_k": 0}, ("top_k", ">= 1", "got 0")),
     ("too-many-stop-strings", {"token_ids": _ids(4), "stop": tuple("abcdefghijklmnopq")},
      ("at most 16 stop strings", "17")),
     ("empty-stop-string", {"token_ids": _ids(4), "stop": ("ok", "")}, ("1..256",)),
@@ -330,3 +329,14 @@ def test_to_response_sets_usage_only_on_the_last_chunk() -> None:
     assert last.HasField("usage")
     assert (last.usage.prompt_tokens, last.usage.completion_tokens,
             last.usage.cached_tokens) == (3, 3, 2)
+
+
+def test_the_admission_bound_of_a_prompt_is_capped_at_the_context() -> None:
+    """A token-id prompt longer than the context is refused by validation (400), never by
+    the queued-token budget (a 429 the client would retry for ever)."""
+    from router.core import token_bound
+
+    assert token_bound(ClientRequest(token_ids=tuple(range(5, 100_005))), SMALL) == \
+        SMALL.context_length
+    assert token_bound(ClientRequest(token_ids=(5, 6)), SMALL) == 2
+    assert token_bound(ClientRequest(text="x" * 10_000), SMALL) == SMALL.context_length

@@ -293,3 +293,23 @@ def test_prompt_context_keeps_leading_space_for_metaspace() -> None:
     deltas = stream_deltas(without_prompt, [[t] for t in output_ids])
     assert "".join(deltas) == tokenizer.decode(output_ids) == "hello world 龍é"
     assert deltas[-6:] == [" ", "", "", "龍", "é", ""]  # byte-fallback tokens held until complete
+
+
+def test_a_stop_string_begun_within_min_tokens_still_stops_the_stream(
+        tokenizer: Tokenizer) -> None:
+    """As vLLM, which looks back a stop string's length: text released while no stop
+    string was looked for (min_tokens) may hold its beginning; what was sent stays sent."""
+    ids = tokenizer.encode("say STOP now").ids
+    split = len(tokenizer.encode("say ST").ids)
+    assert tokenizer.decode(ids[:split]) == "say ST"  # the stop string straddles the split
+    stream = TextStream(tokenizer, stop=["STOP"])
+    sent = "".join(stream.add([t], may_stop=False)[0] for t in ids[:split])
+    assert sent == "say ST"
+    results = [stream.add([t]) for t in ids[split:]]
+    assert stream.stopped and stream.text == "say ST" and results[-1][1]
+    # no stop string there: the guarded text holds nothing back, and flush releases the rest
+    stream = TextStream(tokenizer, stop=["STOP"])
+    for t in tokenizer.encode("say ST").ids:
+        stream.add([t], may_stop=False)
+    rest = "".join(stream.add([t])[0] for t in tokenizer.encode("OCK up").ids) + stream.flush()
+    assert not stream.stopped and stream.text == "say STOCK up" and rest == "OCK up"
