@@ -15,6 +15,7 @@ and mean TTFT.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -60,6 +61,8 @@ class SimPlanner:
         self.settings = settings
         self._workers = workers
         self._requests = sorted(requests, key=lambda r: r.arrival_s)
+        self._arrivals = [r.arrival_s for r in self._requests]
+        self._first_open = 0  # every request before it ended before the last window
         self._events = events
         self._running = running  # whether requests are still to come or in flight
         self._spawn = spawn  # a new worker of a role, serving from now on
@@ -112,19 +115,23 @@ class SimPlanner:
         """The window ending now."""
         now = self._events.now
         since = now - self.settings.window_s
-        arrived = [r for r in self._requests if since < r.arrival_s <= now]
+        requests, end = self._requests, bisect.bisect_right(self._arrivals, now)
+        arrived = requests[bisect.bisect_right(self._arrivals, since):end]
         traffic = Traffic(len(arrived) / self.settings.window_s,
                           _mean([r.prompt_len for r in arrived]),
                           _mean([r.max_tokens for r in arrived]))
-        workers = tuple(WorkerState(w.worker_id, w.role, _held(w), _mean(
-            [wait for at, wait in w.queue_waits if at > since])) for w in serving(self._workers))
+        workers = tuple(WorkerState(w.worker_id, w.role, _held(w), _mean([
+            wait for _, wait in w.queue_waits[
+                bisect.bisect_right(w.queue_waits, since, key=lambda q: q[0]):]]))
+            for w in serving(self._workers))
         gaps: list[float] = []
         ttfts: list[float] = []
-        for r in self._requests:
-            if r.arrival_s > now:
-                break
-            if r.finished_s is not None and r.finished_s <= since or r.error:
-                continue  # ended before the window
+        # windows only move on: a request that ended before this one did before the next
+        while self._first_open < end and _ended_before(requests[self._first_open], since):
+            self._first_open += 1
+        for r in requests[self._first_open:end]:
+            if _ended_before(r, since):
+                continue
             if r.first_token_s is not None and since < r.first_token_s <= now:
                 ttfts.append(r.first_token_s - r.arrival_s)
             times, i = r.token_times_s, len(r.token_times_s) - 1
@@ -133,6 +140,10 @@ class SimPlanner:
                 i -= 1
         return Observation(workers, traffic, itl_s=_mean(gaps) if gaps else None,
                            ttft_s=_mean(ttfts) if ttfts else None)
+
+
+def _ended_before(request: SimRequest, since: float) -> bool:
+    return request.finished_s is not None and request.finished_s <= since or bool(request.error)
 
 
 def serving(workers: Sequence[SimWorker]) -> list[SimWorker]:
