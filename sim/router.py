@@ -70,6 +70,9 @@ class SimRouter:
         self.inflight, self.queued_tokens = shared.inflight, shared.queued_tokens
         self.kv_index = shared.kv_index
         self.recent = RecentKV(events.clock)  # KV seen landing, maybe not indexed yet
+        # decode workers that refused a Reserve (for want of room: the only refusal here)
+        # and accepted none since: none gets a Prefill ahead (router.lifecycle.ahead.AheadGate)
+        self.refusing: set[str] = set()
         self.attempts: dict[str, SimRequest] = {}
         self.unfinished = 0
         self._turns = itertools.count()
@@ -162,15 +165,19 @@ class SimRouter:
             # the Prefill goes out with the pass's first Reserve where, by a trusted index,
             # the decode worker holds none of the prompt and its registered free blocks
             # hold the request, and no KV of a prompt starting as this one was seen landing
-            # there lately (router.lifecycle.ahead.ahead_target)
+            # there lately, nor did it refuse a Reserve since it last accepted one
+            # (router.lifecycle.ahead.ahead_target)
             ahead = decode_id == order[0] and not request.no_ahead and not held.get(
                 decode_id, 0) and self.kv_index is not None and self.kv_index.trusted() \
                 and worker.reported_free_blocks() >= self._num_blocks(request) \
+                and decode_id not in self.refusing \
                 and not self.recent.may_hold(decode_id, self._prompt_block(request))
             reserved = worker.reserve(request.engine_request(attempt), 0 if ahead else None)
             if reserved is None:
                 request.no_ahead = request.no_ahead or ahead
+                self.refusing.add(decode_id)
                 continue
+            self.refusing.discard(decode_id)
             self._start(request, worker)
             full = num_blocks_for(len(request.sequence()), self.block_size)
             request.kv_bytes = (full - reserved) * self.profile.block_bytes()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,7 @@ from router.config import AdmissionConfig, HandoffConfig
 from sim import router as sim_router
 from sim import runs as sim_runs
 from sim import state as sim_state
+from sim import worker as sim_worker
 from sim.cluster import SimSpec, simulate
 from sim.profile import from_json
 from sim.state import SimRequest
@@ -330,6 +332,31 @@ def test_the_kv_index_is_read_every_interval_once_whatever_the_arrivals(
     simulate(small_profile(), spec, reqs).check()
     gaps = [b - a for a, b in zip(reads, reads[1:], strict=False)]
     assert reads and min(gaps) >= 0.02 - 1e-9, gaps
+
+
+def test_a_decode_worker_that_refused_a_reserve_gets_no_prefill_ahead_until_it_accepts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # router.lifecycle.ahead.AheadGate: decode-0 is full while its reported free blocks (a
+    # heartbeat's, 3 s old) say it is not; after it refused d's Reserve, e's Reserve there
+    # waits for its reply rather than sending e's Prefill with it
+    calls: list[tuple[str, str, int | None, bool]] = []
+    reserve = sim_worker.SimWorker.reserve
+
+    def spy(self: sim_worker.SimWorker, request: Any, expected: int | None) -> int | None:
+        out = reserve(self, request, expected)
+        calls.append((request.request_id, self.worker_id, expected, out is not None))
+        return out
+
+    monkeypatch.setattr(sim_worker.SimWorker, "reserve", spy)
+    reqs = [SimRequest("a", 0.0, tuple(range(100, 300)), 50),  # 15 of decode-0's 16 blocks
+            SimRequest("c", 0.08, tuple(range(2000, 2100)), 4),
+            SimRequest("d", 0.09, tuple(range(3000, 3100)), 4),
+            SimRequest("e", 0.092, tuple(range(4000, 4100)), 4)]
+    spec = SimSpec(num_prefill=1, num_decode=2, handoff=HandoffConfig(prefill_routing="kv-aware"))
+    simulate(small_profile(num_kv_blocks=16), spec, reqs).check()
+    assert ("d#0", "decode-0", 0, False) in calls  # sent ahead, refused
+    first_of_e = next(c for c in calls if c[0] == "e#0")
+    assert first_of_e == ("e#0", "decode-0", None, False)  # not ahead: the gate held it
 
 
 def test_a_decode_worker_switched_to_prefill_never_prefills_its_own_reservation(
