@@ -130,24 +130,25 @@ class LocalLauncher(Launcher):
         return [r.ready for r in self.routers if r.ready is not None]
 
     def _stop_processes(self) -> None:
+        """Each group is forgotten once it stopped (a second Ctrl-C midway leaves the rest
+        to a later stop, never untracked)."""
         grace = self.spec.stop_grace_s
-        routers, self.routers = self.routers, []
-        workers, self.workers = self.workers, []
-        planners, self.planners = self.planners, []
+        stopped: list[Child] = []
+        # the planner first: it must not switch a role while the rest stops
+        for group in ("planners", "routers", "workers"):
+            children: list[Child] = getattr(self, group)
+            if children:
+                terminate_all([c.proc for c in children], grace)
+            stopped += children
+            setattr(self, group, [])
         redis_server, self._redis = self._redis, None
-        if planners:  # first: it must not switch a role while the rest stops
-            terminate_all([p.proc for p in planners], grace)
-        if routers:
-            terminate_all([r.proc for r in routers], grace)
-        if workers:
-            terminate_all([w.proc for w in workers], grace)
         if redis_server is not None:
             try:
                 redis_server.stop()
             finally:
                 if self.log_dir is not None:  # its URL, password included, no longer serves
                     (self.log_dir / "redis.url").unlink(missing_ok=True)
-        for child in [*workers, *routers, *planners]:
+        for child in stopped:
             child.ready_path.unlink(missing_ok=True)  # it no longer tells the truth
 
     # ------------------------------------------------------------------ restarts
@@ -169,8 +170,8 @@ class LocalLauncher(Launcher):
             argv += ["--port", str(old.ready["grpc_address"]).rpartition(":")[2]]
             if "http_address" in old.ready:
                 argv += ["--http-port", str(old.ready["http_address"]).rpartition(":")[2]]
+        group = next(g for g in (self.routers, self.workers, self.planners) if old in g)
         new = self._spawn(name, argv)
-        group = self.routers if name in self.spec.router_names else self.workers
         group[group.index(old)] = new
         self._wait_ready([new], self._describe_worker)
         return new

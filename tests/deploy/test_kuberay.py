@@ -176,3 +176,30 @@ def test_images_ray_version_and_security(manifests: dict[str, dict]) -> None:
     build_arg = f"--build-arg RAY_VERSION={cluster['rayVersion']}"
     assert build_arg in (REPO_ROOT / "docs" / "operations" / "deployment.md").read_text()
     assert build_arg in (REPO_ROOT / "deploy" / "docker" / "Dockerfile.cuda").read_text()
+
+
+def test_only_the_ray_pods_the_submitter_and_the_operator_reach_ray(
+        manifests: dict[str, dict]) -> None:
+    """Ray's dashboard is its Jobs API, unauthenticated: another pod reaching it (or the
+    GCS, or the Ray client port) could run code on the cluster. The pdserve API stays open."""
+    from tests.deploy.netpol import Pod, ingress_allowed
+
+    policies = [manifests["NetworkPolicy"]]
+    labels = {"app.kubernetes.io/name": "pdserve"}
+    head = Pod({**labels, "app.kubernetes.io/component": "ray-head"}, "pdserve")
+    gpu = Pod({**labels, "app.kubernetes.io/component": "ray-gpu-worker"}, "pdserve")
+    submitter_labels = manifests["RayJob"]["spec"]["submitterPodTemplate"]["metadata"]["labels"]
+    submitter = Pod(submitter_labels, "pdserve")
+    operator = Pod({"app.kubernetes.io/name": "kuberay-operator"}, "kuberay-system")
+    stranger = Pod({"app": "something-else"}, "pdserve")
+    for port in (6379, 8265, 10001):
+        assert not ingress_allowed(policies, head, stranger, port), port
+        assert ingress_allowed(policies, head, gpu, port), port
+    assert ingress_allowed(policies, gpu, head, 12345)  # the workers' own ports
+    assert not ingress_allowed(policies, gpu, stranger, 12345)
+    assert ingress_allowed(policies, head, submitter, 8265)
+    assert not ingress_allowed(policies, head, submitter, 6379)
+    assert ingress_allowed(policies, head, operator, 8265)
+    for port in (50051, 8000):  # the pdserve API, as the RayJob's --port and the HTTP one
+        assert ingress_allowed(policies, head, stranger, port)
+    assert "--port 50051" in manifests["RayJob"]["spec"]["entrypoint"]

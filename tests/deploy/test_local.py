@@ -431,3 +431,35 @@ def test_up_with_the_planner_runs_it_beside_the_cluster(llama_dir: Path, tmp_pat
         pids = list(cluster.pids().values())
     assert any(line.startswith("planner ready") for line in lines), lines
     assert not any(alive(pid) for pid in pids)  # every child, the planner included, stopped
+
+
+def test_a_restarted_planner_is_tracked_and_a_stop_forgets_only_what_it_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's bookkeeping alone (processes stood in for): ``restart`` puts the new
+    planner where the old one was (it raised ValueError once the new one was spawned), and
+    a stop interrupted midway keeps the groups it did not stop."""
+    import deploy.local as local
+
+    def child(name: str) -> local.Child:
+        return local.Child(name, None, tmp_path / f"{name}.log",  # type: ignore[arg-type]
+                           tmp_path / f"{name}.ready.json")
+
+    launcher = LocalLauncher(ClusterSpec())
+    old, worker = child("planner"), child("decode-0")
+    launcher.planners, launcher.workers = [old], [worker]
+    spawned = child("planner")
+    monkeypatch.setattr(local, "terminate_all", lambda procs, grace: None)
+    monkeypatch.setattr(launcher, "_spawn", lambda name, argv: spawned)
+    monkeypatch.setattr(launcher, "_wait_ready", lambda children, describe: None)
+    assert launcher.restart("planner") is spawned and launcher.planners == [spawned]
+
+    def interrupted(procs: list[object], grace: float) -> None:
+        if len(procs) == 1 and launcher.workers and procs[0] is worker.proc \
+                and not launcher.planners:
+            raise KeyboardInterrupt  # a second Ctrl-C while the workers stop
+
+    monkeypatch.setattr(local, "terminate_all", interrupted)
+    worker.proc = object()  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        launcher._stop_processes()
+    assert launcher.planners == [] and launcher.workers == [worker]  # still tracked
