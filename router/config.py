@@ -54,7 +54,8 @@ class HandoffConfig:
     # frees an attempt whose lease has been gone this long
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     # a stream whose decode worker fails after its first token continues on another one
-    # (the prompt and the tokens sent prefilled), at most this often; 0: never
+    # (the prompt and the tokens sent prefilled), at most this often; 0: never (a move a
+    # draining worker offers is planned, not counted: router.lifecycle.handoff)
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
 
     def __post_init__(self) -> None:

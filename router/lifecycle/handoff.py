@@ -55,6 +55,8 @@ from router.lifecycle.relay import prefill_and_relay, relay, start_generate
 from router.outputs import OutputChunk
 from router.worker_calls import Prefilled
 
+# planned moves of one stream at most (each off a draining worker): a bound, never a policy
+MAX_PLANNED_MOVES = 16
 
 class Handoff:
     """Drives one validated, admitted request to completion; iterate ``stream()`` once."""
@@ -68,7 +70,8 @@ class Handoff:
         self.sent: list[int] = list(resumed)  # the tokens the client has, in order
         if resumed:
             ctx.calls.resume(resumed)
-        self.migrations = 0
+        self.migrations = 0  # after a failure (counted against the migration limit)
+        self.planned_moves = 0  # offered by a draining worker (not counted against it)
         self._last_chunk_at: float | None = None
         self._migrated_at: float | None = None  # the last token before the last migration
         self._migrating: str | None = None  # why the last migration left its worker
@@ -143,8 +146,20 @@ class Handoff:
 
     def _migrate(self, attempt_id: str, migrate: Migrate) -> None:
         """Continue after ``migrate`` on another decode worker (the next attempt resumes
-        after ``sent``), or UNAVAILABLE past the migration limit."""
+        after ``sent``), or UNAVAILABLE past the migration limit. A move a draining worker
+        offered is planned, not a failure: it does not count against the limit (with the
+        limit 0 a drain would fail every stream it moves), only against
+        ``MAX_PLANNED_MOVES``."""
         ctx, limit = self.ctx, self.ctx.config.migration_limit
+        if migrate.move is not None and self.planned_moves < MAX_PLANNED_MOVES:
+            self.planned_moves += 1
+            ctx.metrics.migrations.labels(migrate.cause).inc()
+            ctx.log.info("attempt %s: %s after %d streamed tokens (%s); moving (planned move "
+                         "%d)", attempt_id, migrate, len(self.sent), migrate.detail,
+                         self.planned_moves)
+            self._migrated_at = self._last_chunk_at
+            ctx.calls.resume(tuple(self.sent))
+            return
         if self.migrations >= limit:
             ctx.log.warning("attempt %s: %s (%s); migration limit %d reached", attempt_id,
                             migrate, migrate.detail, limit)
