@@ -118,7 +118,20 @@ async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int) -> Prefill
 
 async def _move(attempt: Attempt, move: MoveOffer) -> Prefilled | None:
     """The planned move's Prefill on the draining worker: its reply, or None when the
-    worker refused it having sent nothing (see the module docstring)."""
+    worker refused it having sent nothing (see the module docstring). However it ends but
+    moved, an Abort of the parked request frees its KV at once (a refusal may leave it
+    parked, and a drain waits for every parked request until its offer ends)."""
+    moved = False
+    try:
+        reply = await _move_call(attempt, move)
+        moved = reply is not None
+        return reply
+    finally:
+        if not moved:
+            _abort_parked(attempt.ctx, move)
+
+
+async def _move_call(attempt: Attempt, move: MoveOffer) -> Prefilled | None:
     ctx = attempt.ctx
     assert attempt.target is not None
     try:
@@ -160,8 +173,13 @@ def release_move(ctx: RequestContext) -> None:
     """A move offered and never asked for (the request ended first: cancelled, past its
     deadline): an Abort of the parked attempt frees its KV now, not at the offer's end."""
     move, ctx.pending_move = ctx.pending_move, None
-    if move is None:
-        return
+    if move is not None:
+        _abort_parked(ctx, move)
+
+
+def _abort_parked(ctx: RequestContext, move: MoveOffer) -> None:
+    """An Abort of the request ``move`` parked on the draining worker, in the background
+    (a no-op there once it moved or its offer ended)."""
     call = ctx.calls.start_abort(move.worker_id, "decode", move.attempt_id)
     if call is not None:
         ctx.background(asyncio.ensure_future(_quietly(call)))
