@@ -60,9 +60,10 @@ class LeaseBook:
             with self._lock:
                 self._watched[attempt_id] = Watched(key, ttl_s)
 
-    def forget(self, attempt_id: str) -> None:
+    def forget(self, attempt_id: str) -> bool:
+        """Stop watching ``attempt_id``'s lease; whether it was watched."""
         with self._lock:
-            self._watched.pop(attempt_id, None)
+            return self._watched.pop(attempt_id, None) is not None
 
     def retain(self, attempt_ids: set[str]) -> None:
         """Forget the leases of attempts not in ``attempt_ids`` (those the worker holds)."""
@@ -132,12 +133,16 @@ class LeaseWatcher:
             since = self._missing_since.setdefault(attempt_id, now)
             if now - since >= watched[attempt_id].ttl_s:
                 freed.append(attempt_id)
-        for attempt_id in freed:
-            log.warning("the lease %s of attempt %s is gone (its router died or lost it): "
-                        "freeing it", watched[attempt_id].key, attempt_id)
-            self._book.forget(attempt_id)
+        for attempt_id in list(freed):
             self._missing_since.pop(attempt_id, None)
             self._seen_in.pop(attempt_id, None)
+            if not self._book.forget(attempt_id):
+                # forgotten since the snapshot: its call ended and its router closed the
+                # lease (a stream ended with a move offer, say), not died: not ours to free
+                freed.remove(attempt_id)
+                continue
+            log.warning("the lease %s of attempt %s is gone (its router died or lost it): "
+                        "freeing it", watched[attempt_id].key, attempt_id)
             self._book.num_aborted += 1
             self._abort(attempt_id)
         return freed

@@ -183,6 +183,29 @@ def test_watcher_keeps_a_lease_written_late_and_frees_it_once_it_lapses(
     watcher.stop()
 
 
+def test_watcher_never_frees_an_attempt_forgotten_while_it_looked(
+        redis_server: RedisServer, raw_redis: redis.Redis) -> None:
+    """Its call ended (a stream ended with a move offer) and its router closed the lease
+    while the watcher's read of Redis was out: the lease is gone, but the attempt is no
+    longer the watcher's to free (it would have freed a request parked for its move)."""
+    clock, book, freed = ManualClock(), LeaseBook(), list[str]()
+
+    class Racing(LeaseStore):
+        def exist(self, keys: Sequence[str]) -> tuple[str, list[bool]]:
+            found = super().exist(keys)
+            if not found[1][0]:
+                book.forget("a")  # the call's end, between the snapshot and the answer
+            return found
+
+    watcher = LeaseWatcher(Racing(redis_server.url), book, freed.append, clock)
+    book.watch("a", "pdserve:default:lease:r:8", 2.0)
+    raw_redis.set("pdserve:default:lease:r:8", "{}")
+    assert watcher.check() == []  # seen in this Redis
+    raw_redis.delete("pdserve:default:lease:r:8")  # closed by its router
+    assert watcher.check() == [] and freed == [] and book.num_aborted == 0
+    watcher.stop()
+
+
 def test_watcher_forgets_what_it_saw_when_redis_restarts(
         redis_server: RedisServer, raw_redis: redis.Redis) -> None:
     clock, book, freed, watcher = _watching_r1(redis_server, raw_redis)
