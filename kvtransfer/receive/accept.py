@@ -104,8 +104,16 @@ class Acceptor:
                 request = OpenRequest.decode(raw)
             except ValueError:
                 continue  # not ours to answer: without a channel id there is no reply key
-            reply = self._reply(request)
-            store.set(reply_key(request.channel_id), reply.encode())
+            reply: OpenReply | None = None
+            try:
+                reply = self._reply(request)
+                store.set(reply_key(request.channel_id), reply.encode())
+            except Exception:  # noqa: BLE001 - one request must not end the accepting
+                log.exception("answering the open request of channel %d failed",
+                              request.channel_id)
+                if reply is not None and reply.status is OpenStatus.ACCEPTED:
+                    self.pool.cancel()  # the slot its reply held
+                continue
             if reply.status is OpenStatus.ACCEPTED:
                 joiner = threading.Thread(
                     target=self._join_accepted, args=(request, reply.nonce), daemon=True,

@@ -145,7 +145,7 @@ class SendLane:
                     ack = self._send_message(channel, job)
             except ChannelClosed as exc:
                 self.ctx.pool.discard(channel, str(exc))
-                if reused and attempt == 0:
+                if reused and attempt == 0 and record.error is None:  # not for a failed one
                     self.ctx.stats.retries += 1
                     continue
                 self.ctx.forget_peer(record.dest)
