@@ -149,14 +149,16 @@ _SPAWNER = _SpawnThread()
 
 def child_env(base: Mapping[str, str], *, threads: int, host: str) -> dict[str, str]:
     """A child's environment: ``base``, its torch thread count (``OMP_NUM_THREADS``, unless
-    ``base`` sets it), unbuffered output, and gloo bound to loopback when ``host`` (what the
-    child binds) is a loopback address."""
+    ``base`` sets it), unbuffered output, and gloo and NCCL bound to loopback when ``host`` (what
+    the child binds) is a loopback address (NCCL's bootstrap sockets would pick another
+    interface)."""
     env = dict(base)
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
     if is_loopback(host):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     return env
 
 

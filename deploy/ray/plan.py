@@ -262,7 +262,7 @@ def child_argv(spec: ChildSpec, *, node_ip: str, model_dir: str, ready_path: str
 def child_env(spec: ChildSpec, *, base: Mapping[str, str], node_ip: str,
               gpu_ids: Sequence[str]) -> dict[str, str]:
     """The child's environment: ``base`` (the actor's) without secrets it was not given,
-    plus its own secrets, its thread count, gloo on loopback when the node's IP is, and its
+    plus its own secrets, its thread count, gloo and NCCL on loopback when the node's IP is, and its
     ranks' GPUs (``gpu_ids``, the actor's, in rank order)."""
     strip = (REDIS_URL_ENV, API_KEY_ENV, CLUSTER_TOKEN_ENV, RANK_GPUS_ENV, "OMP_NUM_THREADS")
     env = base_child_env({k: v for k, v in base.items() if k not in strip},

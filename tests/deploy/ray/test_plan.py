@@ -180,6 +180,7 @@ def test_worker_environment_secrets_threads_gloo_and_one_gpu_per_rank() -> None:
     env = child_env(spec, base=base, node_ip="127.0.0.1", gpu_ids=["4", "5", "6", "7"])
     assert env["PDSERVE_REDIS_URL"] == REDIS_URL and "PDSERVE_API_KEY" not in env
     assert env["OMP_NUM_THREADS"] == "2" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert env["NCCL_SOCKET_IFNAME"] == "lo"
     # the leader sees rank 0's GPU only; each follower narrows to its own (engine.config)
     assert env["CUDA_VISIBLE_DEVICES"] == "4" and env["PDSERVE_RANK_GPUS"] == "4,5,6,7"
     remote = child_env(spec, base={}, node_ip="10.0.0.7", gpu_ids=[])
