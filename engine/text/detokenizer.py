@@ -199,7 +199,9 @@ class TextStream:
         Emitted text never ends with a proper prefix of a stop string (but for the guard,
         searched with it), so every match lies wholly inside the text searched.
         """
-        positions = [p for p in (text.find(s) for s in self._stop) if p >= 0]
+        guard = len(self._guard)  # a match must end past it: one inside it was sent as is
+        positions = [p for p in (text.find(s, max(0, guard - len(s) + 1)) for s in self._stop)
+                     if p >= 0]
         return min(positions) if positions else None
 
     def _partial_match_length(self, text: str) -> int:

@@ -136,9 +136,9 @@ def _echoed(api: HttpApi, token_ids: list[int]) -> str:
     """A token-id prompt's text for ``echo`` (ids outside the vocabulary: 400, as the
     request would get; a prompt past the context is refused later, not decoded)."""
     limits = api.core.limits
-    check_vocab("prompt token id", token_ids, limits.vocab_size)
     if len(token_ids) >= limits.context_length:
         return ""
+    check_vocab("prompt token id", token_ids, limits.vocab_size)
     return str(api.tokenizer.decode(token_ids, skip_special_tokens=False))
 
 

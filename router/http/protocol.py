@@ -25,8 +25,8 @@ from router.validation import ClientRequest
 INT64 = Field(ge=-(1 << 63), le=(1 << 63) - 1)
 Int64 = Annotated[int, INT64]
 Int32 = Annotated[int, Field(ge=-(1 << 31), le=(1 << 31) - 1)]
-# vLLM takes any int64 (-1 included); the gRPC API's seed is a uint64, which a negative
-# seed is mapped to (two's complement: distinct seeds stay distinct)
+# vLLM takes any int64, -1 meaning unseeded; the gRPC API's seed is a uint64, which another
+# negative seed is mapped to (its two's complement bit pattern)
 Seed = Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
 M = TypeVar("M", bound=BaseModel)
 
@@ -53,7 +53,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (not implemented)
+    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk (not implemented)
 
 
 class SamplingRequest(BaseModel):
@@ -139,7 +139,8 @@ class SamplingRequest(BaseModel):
         return ClientRequest(
             request_id=request_id, model=self.model or "", text=text, token_ids=token_ids,
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, seed=None if self.seed is None else self.seed & ((1 << 64) - 1),
+            top_k=self.top_k,
+            seed=None if self.seed in (None, -1) else self.seed & ((1 << 64) - 1),
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             min_p=self.min_p, min_tokens=self.min_tokens,
@@ -267,7 +268,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, INT64] | None = None
-    echo: bool = False  # vLLM's (the last message's text first): not implemented
+    echo: bool | None = None  # vLLM's (the last message's text first): not implemented
 
     def check_extras(self) -> None:
         super().check_extras()

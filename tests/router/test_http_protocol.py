@@ -220,11 +220,14 @@ def test_vllm_s_top_k_0_and_negative_seeds_are_taken() -> None:
     from router.validation import ModelLimits, validate
 
     limits = ModelLimits(name="m", context_length=64, vocab_size=100, eos_token_ids=(2,))
-    client = completion(prompt=[5, 6], top_k=0, seed=-1).client_request(
+    client = completion(prompt=[5, 6], top_k=0, seed=-2).client_request(
         request_id="", max_tokens=4, text=None, token_ids=(5, 6))
-    assert client.seed == (1 << 64) - 1
+    assert client.seed == (1 << 64) - 2
     sampling = validate(client, limits, None).sampling  # type: ignore[arg-type]
-    assert sampling.top_k == -1 and sampling.seed == (1 << 64) - 1
+    assert sampling.top_k == -1 and sampling.seed == (1 << 64) - 2
+    unseeded = completion(prompt=[5], seed=-1).client_request(
+        request_id="", max_tokens=4, text=None, token_ids=(5,))
+    assert unseeded.seed is None  # vLLM's -1
 
 
 def test_vllm_extensions_pdserve_lacks_are_refused_where_they_would_change_the_output() -> None:

@@ -313,3 +313,15 @@ def test_a_stop_string_begun_within_min_tokens_still_stops_the_stream(
         stream.add([t], may_stop=False)
     rest = "".join(stream.add([t])[0] for t in tokenizer.encode("OCK up").ids) + stream.flush()
     assert not stream.stopped and stream.text == "say STOCK up" and rest == "OCK up"
+
+
+def test_a_short_stop_string_wholly_within_min_tokens_does_not_stop_the_stream(
+        tokenizer: Tokenizer) -> None:
+    """Only a match ending after the min_tokens text counts (as vLLM's look-back): with a
+    longer stop string beside it, the guarded text reaches back past a short one's end."""
+    stream = TextStream(tokenizer, stop=["\n", "###"])
+    sent = "".join(stream.add([t], may_stop=False)[0] for t in tokenizer.encode("a\n").ids)
+    assert sent == "a\n"
+    rest = "".join(stream.add([t])[0] for t in tokenizer.encode("bc").ids)
+    assert not stream.stopped and rest == "bc" and stream.text == "a\nbc"
+    assert stream.add(tokenizer.encode("d\ne").ids) == ("d", True)  # a new one still stops
