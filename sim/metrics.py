@@ -126,7 +126,11 @@ def metrics(outcomes: Sequence[Outcome], duration_s: float, *,
             slo_ms: Mapping[str, float] | None = None,
             percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, Any]:
     """vLLM's result keys for these outcomes (``request_goodput`` and ``slo_attainment``
-    only with ``slo_ms``)."""
+    only with ``slo_ms``); rates are 0 over a run that lasted no time (every request
+    refused at once, say)."""
+    def per_s(n: float) -> float:
+        return n / duration_s if duration_s > 0 else 0.0
+
     done = [o for o in outcomes if o.success]
     total_in = sum(o.prompt_len for o in done)
     total_out = sum(o.output_len for o in done)
@@ -134,15 +138,15 @@ def metrics(outcomes: Sequence[Outcome], duration_s: float, *,
     result: dict[str, Any] = {
         "duration": duration_s, "completed": len(done), "failed": len(outcomes) - len(done),
         "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": len(done) / duration_s,
-        "output_throughput": total_out / duration_s,
-        "total_token_throughput": (total_in + total_out) / duration_s,
+        "request_throughput": per_s(len(done)),
+        "output_throughput": per_s(total_out),
+        "total_token_throughput": per_s(total_in + total_out),
         "max_output_tokens_per_s": peak_tokens, "max_concurrent_requests": peak_requests,
         "total_cached_tokens": sum(o.cached_tokens for o in done),
     }
     if slo_ms:
         good = sum(o.meets(slo_ms) for o in outcomes)
-        result["request_goodput"] = good / duration_s
+        result["request_goodput"] = per_s(good)
         result["slo_attainment"] = good / len(outcomes) if outcomes else math.nan
     tpots = [t for o in done if (t := o.tpot) is not None]
     series = {"ttft": [o.ttft for o in done], "tpot": tpots,

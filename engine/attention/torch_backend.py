@@ -31,6 +31,14 @@ def _read(cached: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize(cached, dtype) if is_quantized(cached) else cached
 
 
+def _as_cached(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """K or V rows ``[T, Hk, D]`` as a quantised ``kv_cache`` holds them once written
+    (quantised and back: the same values its reads give); as they are otherwise."""
+    if not is_quantized(kv_cache):
+        return x
+    return _read(quantize(x.contiguous(), kv_cache.dtype), x.dtype)
+
+
 def fresh_runs(spans: list[PrefillSpan]) -> list[list[PrefillSpan]]:
     """``spans`` in order, grouped into runs attention can batch: consecutive chunks of
     equal length with nothing cached before them (``context_len == num_query_tokens``),
@@ -58,12 +66,6 @@ class TorchAttentionBackend:
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q ``[T, Hq, D]``, k/v ``[T, Hk, D]`` → output ``[T, Hq, D]``; writes k/v to the cache."""
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
-        if meta.prefills and is_quantized(kv_cache):
-            # a chunk with nothing cached before it attends to its K/V as the cache holds
-            # them, as later chunks and decode steps do: a prompt's KV then does not depend
-            # on how it was cut into chunks, or on what the prefix cache held
-            k = _read(quantize(k, kv_cache.dtype), q.dtype)
-            v = _read(quantize(v, kv_cache.dtype), q.dtype)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:  # a decode-only step: no output rows to assemble
             return self._decode(q, kv_cache, meta, scale)
@@ -73,10 +75,17 @@ class TorchAttentionBackend:
         for run in fresh_runs(meta.prefills):
             n = run[0].num_query_tokens
             rows = slice(run[0].query_start, run[0].query_start + len(run) * n)
-            if len(run) == 1:
+            if not _fresh(run[0]):  # it reads its K/V from the cache
                 out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, run[0], scale)
+                continue
+            # nothing cached before it: it attends to its K/V as the cache holds them, as
+            # later chunks and decode steps do, so a prompt's KV does not depend on how it
+            # was cut into chunks or on what the prefix cache held
+            keys, values = _as_cached(k[rows], kv_cache), _as_cached(v[rows], kv_cache)
+            if len(run) == 1:
+                out[rows] = self._prefill(q[rows], keys, values, kv_cache, run[0], scale)
             else:
-                out[rows] = self._prefill_fresh(q[rows], k[rows], v[rows], len(run), scale)
+                out[rows] = self._prefill_fresh(q[rows], keys, values, len(run), scale)
         return out
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -104,6 +104,9 @@ def test_metrics_follow_vllms_definitions() -> None:
     assert m["mean_ttft_ms"] == pytest.approx(200.0) and m["median_itl_ms"] == pytest.approx(200)
     assert m["request_goodput"] == 0.5 and m["slo_attainment"] == pytest.approx(1 / 3)  # a only
     assert m["output_throughput"] == 2.0 and m["total_token_throughput"] == 17.0
+    # a run that lasted no time (every request refused at once): rates 0, not a crash
+    instant = metrics([c], 0.0, slo_ms={"ttft": 200})
+    assert instant["request_throughput"] == 0.0 and instant["request_goodput"] == 0.0
     assert parse_goodput(["ttft:5", "e2el:7.5"]) == {"ttft": 5.0, "e2el": 7.5}
     with pytest.raises(ValueError, match="NAME:MS"):
         parse_goodput(["itl:5"])
