@@ -40,8 +40,11 @@ from engine.kvcache.events import STORED
 DEFAULT_MAX_BLOCKS = 1_000_000
 DEFAULT_STALE_AFTER_S = 10.0
 MAX_PENDING = 1024
-"""Batches of one worker kept while it waits for its snapshot; past it they are dropped
-(the snapshot, once it comes, supersedes them; a gap after it asks again)."""
+MAX_PENDING_OPS = 65_536
+"""Batches of one worker kept while it waits for its snapshot, at most ``MAX_PENDING`` of
+them and ``MAX_PENDING_OPS`` block operations in all (a batch holds up to 4,096); past it
+they are dropped (the snapshot, once it comes, supersedes them; a gap after it asks
+again)."""
 
 # outcomes of ``apply`` / ``load_snapshot`` (metric labels)
 APPLIED, DUPLICATE, WAITING, GAP, NEW_EPOCH = "applied", "duplicate", "waiting", "gap", "new_epoch"
@@ -58,6 +61,7 @@ class _Worker:
     asked: bool = False  # a snapshot was asked for and has not come
     blocks: set[bytes] = field(default_factory=set)
     pending: list[EventBatch] = field(default_factory=list)
+    pending_ops: int = 0  # the block operations of ``pending``
 
 
 class KVIndex:
@@ -111,7 +115,8 @@ class KVIndex:
             self._clear(batch.worker_id)
             state.epoch, state.seq, state.synced = batch.epoch, 0, False
             if batch.seq == 1:
-                state.synced, state.wanted, state.pending = True, False, []
+                state.synced, state.wanted, state.pending, state.pending_ops = \
+                    True, False, [], 0
                 self._apply_ops(batch.worker_id, state, batch)
                 return NEW_EPOCH
             self._want(state, batch)
@@ -151,6 +156,7 @@ class KVIndex:
         pending = sorted(state.pending, key=lambda b: (b.epoch, b.seq))
         state.epoch, state.seq, state.synced, state.wanted, state.pending = \
             epoch, seq, True, False, []
+        state.pending_ops = 0
         for block_hash in block_hashes:
             self._store(worker_id, state, block_hash)
         self.resyncs += 1
@@ -216,8 +222,10 @@ class KVIndex:
     # ------------------------------------------------------------------ internals
     def _want(self, state: _Worker, batch: EventBatch) -> None:
         state.wanted = True
-        if len(state.pending) < MAX_PENDING:
+        if len(state.pending) < MAX_PENDING \
+                and state.pending_ops + len(batch.ops) <= MAX_PENDING_OPS:
             state.pending.append(batch)
+            state.pending_ops += len(batch.ops)
 
     def _apply_ops(self, worker_id: str, state: _Worker, batch: EventBatch) -> None:
         for op, block_hash in batch.ops:

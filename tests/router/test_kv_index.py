@@ -163,3 +163,24 @@ def test_after_a_snapshot_a_waiting_batch_past_a_gap_is_dropped_not_waited_for()
     index.load_snapshot("a", 1, 1, HASHES[:1])
     assert index.wanted() == [] and index.seq_of("a") == 1  # no endless resync
     assert index.apply(stored("a", 2, HASHES[1:2])) == APPLIED
+
+
+def test_batches_kept_for_a_snapshot_are_bounded_by_their_operations_too() -> None:
+    """A worker waiting for its snapshot keeps the batches that follow, at most 65,536
+    block operations of them (a batch holds up to 4,096: 1,024 full ones were 4 million);
+    the snapshot applies those kept, and a gap past the dropped ones asks again."""
+    from router import kv_index as kv_index_module
+
+    index = KVIndex()
+    index.watch(["a"])
+    index.wanted()  # asked for "a"'s snapshot
+    big = compute_block_hashes(list(range(16 * 4096)), 16)  # 4,096 blocks
+    for seq in range(2, 2 + 20):  # 20 x 4,096 ops: only 16 batches fit
+        outcome = index.apply(EventBatch("a", 1, seq, tuple((STORED, h) for h in big)))
+        assert outcome == (NEW_EPOCH if seq == 2 else WAITING)
+    state = index._workers["a"]
+    assert len(state.pending) == 16
+    assert state.pending_ops == 16 * 4096 == kv_index_module.MAX_PENDING_OPS
+    index.load_snapshot("a", 1, 1, [])
+    assert state.pending_ops == 0 and index.seq_of("a") == 17  # those kept, in order
+    assert index.apply(stored("a", 22, HASHES[:1])) == GAP  # the dropped ones: a gap
