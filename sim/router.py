@@ -203,9 +203,14 @@ class SimRouter:
     def _decode_order(self, request: SimRequest) -> tuple[list[str], dict[str, int]]:
         workers = live(self.decode)
         held = self.shared.cached(request, [w.worker_id for w in workers])
+        trusted = self.kv_index is not None and self.kv_index.trusted()
+        first = self._prompt_block(request) if trusted else []
+        # as Placement._decode_ranking: KV seen landing lately counts as one block held
         candidates = [DecodeCandidate(w.worker_id, self.inflight[w.worker_id],
                                       w.reported_free_blocks(), w.blocks.num_blocks,
-                                      held.get(w.worker_id, 0)) for w in workers]
+                                      held.get(w.worker_id, 0)
+                                      or int(self.recent.may_hold(w.worker_id, first)))
+                      for w in workers]
         return rank_decode(candidates, self._num_blocks(request),
                            self.handoff.load_epsilon), held
 

@@ -2,7 +2,9 @@
 and the order in which prefill workers are asked.
 
 - Decode: within the load bound, the longest cached prefix of the prompt (kv-aware, with a
-  trusted KV index), then least in flight, then most free blocks
+  trusted KV index; a worker this router saw the prompt's first block land on in the last
+  seconds counts as holding one, ``router.recent_kv``), then least in flight, then most
+  free blocks
   (``router.routing.rank_decode``), among the routable decode workers that did not fail
   this request; the later choices of one
   request (n > 1) ask the first choice's decode worker first (``SharedDecode``: its prefix
@@ -92,9 +94,14 @@ class Placement:
         ctx = self.ctx
         records = [r for r in ctx.pool.routable("decode") if r.worker_id not in ctx.excluded]
         cached = self.prompt_kv.cached_blocks([r.worker_id for r in records], salt)
-        candidates = [DecodeCandidate(r.worker_id, ctx.pool.cluster_inflight(r.worker_id),
-                                      r.free_kv_blocks, r.total_kv_blocks,
-                                      cached.get(r.worker_id, 0)) for r in records]
+        # a worker this router saw KV of a prompt starting as this one land on lately
+        # ranks as holding one block where the index shows none yet (router.recent_kv):
+        # a chat's next turn goes where its last one is; the Reserve's reply says how many
+        hashes = self.prompt_kv.block_hashes(salt) if self.prompt_kv.trusted() else []
+        candidates = [DecodeCandidate(
+            r.worker_id, ctx.pool.cluster_inflight(r.worker_id), r.free_kv_blocks,
+            r.total_kv_blocks, cached.get(r.worker_id, 0)
+            or int(self._gate.recent.may_hold(r.worker_id, hashes))) for r in records]
         return rank_decode(candidates, ctx.request.num_blocks(ctx.block_size),
                            ctx.config.load_epsilon), cached
 

@@ -146,3 +146,21 @@ def test_over_a_lossy_wire_decode_workers_are_matched_on_the_blocks_they_receive
     # the same holdings without the salt in play: the plain blocks decide
     placement, _ = _placement(prompt, index, pool)
     assert placement.decode_order() == ["d-0", "d-1"]
+
+
+def test_a_decode_worker_the_prompt_just_landed_on_ranks_first_before_the_index_says_so(
+        ) -> None:
+    """router.recent_kv: the KV index lists a chat's last turn a moment after it landed;
+    its next turn, sent at once, still goes to that decode worker (and, within the load
+    bound only, before one with less in flight)."""
+    prompt = [3 + (7 * i) % 400 for i in range(100)]
+    pool = Pool(decode=("d-0", "d-1"))
+    placement, _ = _placement(prompt, _index({}), pool)
+    assert placement.decode_order() == ["d-0", "d-1"]  # nothing known: by id
+    placement._gate.recent.landed("d-1", compute_block_hashes(prompt[:32], BLOCK))
+    assert placement.decode_order() == ["d-1", "d-0"]
+    assert placement._decode_held == {"d-0": 0, "d-1": 0}  # the Reserve's reply says
+    other = [5 + (11 * i) % 400 for i in range(100)]  # another first block: no hint
+    placement, _ = _placement(other, _index({}), pool)
+    placement._gate.recent.landed("d-1", compute_block_hashes(prompt[:32], BLOCK))
+    assert placement.decode_order() == ["d-0", "d-1"]
