@@ -41,6 +41,7 @@ from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import reraise_if_we_are_cancelled
 from router.lifecycle.prompt_kv import PromptKV
 from router.policy import choose_prefill, short_tail
+from router.recent_kv import RecentKV
 from router.routing import DecodeCandidate, rank_decode, uncached_tokens
 from router.worker_calls import Failure, Prefilled, WorkerCalls
 
@@ -94,14 +95,8 @@ class Placement:
         ctx = self.ctx
         records = [r for r in ctx.pool.routable("decode") if r.worker_id not in ctx.excluded]
         cached = self.prompt_kv.cached_blocks([r.worker_id for r in records], salt)
-        # a worker this router saw KV of a prompt starting as this one land on lately
-        # ranks as holding one block where the index shows none yet (router.recent_kv):
-        # a chat's next turn goes where its last one is; the Reserve's reply says how many
         hashes = self.prompt_kv.block_hashes(salt) if self.prompt_kv.trusted() else []
-        candidates = [DecodeCandidate(
-            r.worker_id, ctx.pool.cluster_inflight(r.worker_id), r.free_kv_blocks,
-            r.total_kv_blocks, cached.get(r.worker_id, 0)
-            or int(self._gate.recent.may_hold(r.worker_id, hashes))) for r in records]
+        candidates = _decode_candidates(ctx, records, cached, self._gate.recent, hashes)
         return rank_decode(candidates, ctx.request.num_blocks(ctx.block_size),
                            ctx.config.load_epsilon), cached
 
@@ -310,3 +305,15 @@ def _prefill_len(ctx: RequestContext) -> int:
     stream's tokens sent before it."""
     return len(ctx.request.prompt_token_ids) + ctx.calls.num_resumed
 
+
+def _decode_candidates(ctx: RequestContext, records: list[Any], cached: dict[str, int],
+                       recent: RecentKV, hashes: list[bytes]) -> list[DecodeCandidate]:
+    """``rank_decode``'s view of ``records``: a worker this router saw KV of a prompt
+    starting as this one (``hashes``) land on lately ranks as holding one block where the
+    index shows none yet (``router.recent_kv``): a chat's next turn goes where its last
+    one is, and the Reserve's reply says how many it holds."""
+    return [DecodeCandidate(r.worker_id, ctx.pool.cluster_inflight(r.worker_id),
+                            r.free_kv_blocks, r.total_kv_blocks,
+                            cached.get(r.worker_id, 0) or int(recent.may_hold(r.worker_id,
+                                                                              hashes)))
+            for r in records]
