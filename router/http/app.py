@@ -36,7 +36,7 @@ from router.http.errors import ApiError
 from router.http.logprobs import LogprobsWriter
 from router.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, parse
 from router.http.relay import REQUEST_ID_HEADER, Relay, parse_event_id
-from router.validation import ClientRequest, InvalidRequest, check_vocab
+from router.validation import REQUEST_ID_RE, ClientRequest, InvalidRequest, check_vocab
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def failed(request: Request, exc: Exception) -> Response:  # a bug: OpenAI's shape
         log.exception("the HTTP API failed on %s", request.url.path)
         error = ApiError(500, f"the server failed: {type(exc).__name__}", code="internal")
-        return JSONResponse(error.body(), status_code=500)
+        given = request.headers.get(REQUEST_ID_HEADER, "")  # echoed, as on every answer
+        headers = {REQUEST_ID_HEADER: given} if REQUEST_ID_RE.fullmatch(given) else None
+        return JSONResponse(error.body(), status_code=500, headers=headers)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:

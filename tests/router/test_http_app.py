@@ -426,7 +426,10 @@ def test_an_echoed_prompt_of_bad_token_ids_is_a_400_and_a_server_bug_a_json_500(
             assert "outside the vocabulary" in error["message"]
     app = build_app(make_api(fake, llama_dir, tokenizer=Broken()))
     with TestClient(app, raise_server_exceptions=False) as c:
-        error = error_of(c.post("/v1/completions", json={"prompt": [5], "echo": True}), 500)
+        response = c.post("/v1/completions", json={"prompt": [5], "echo": True},
+                          headers={"x-request-id": "bug-1"})
+        assert response.headers["x-request-id"] == "bug-1"
+        error = error_of(response, 500)
         assert error["message"] == "the server failed: RuntimeError"
         assert error["code"] == "internal" and error["type"] == "server_error"
     assert fake.opened == 0
