@@ -40,8 +40,8 @@ from engine.tp.sharding import num_blocks_for
 from router.admission import RETRY_PLACEMENT_S, Admission
 from router.config import AdmissionConfig, HandoffConfig
 from router.errors import RouteError
+from router.lifecycle.ahead import AheadGate
 from router.policy import choose_prefill, short_tail
-from router.recent_kv import RecentKV
 from router.routing import DecodeCandidate, affinity_key, rank_decode, uncached_tokens
 from sim.events import EventQueue
 from sim.profile import Profile
@@ -69,10 +69,10 @@ class SimRouter:
         shared.routers.append(self)
         self.inflight, self.queued_tokens = shared.inflight, shared.queued_tokens
         self.kv_index = shared.kv_index
-        self.recent = RecentKV(events.clock)  # KV seen landing, maybe not indexed yet
-        # decode workers that refused a Reserve (for want of room: the only refusal here)
-        # and accepted none since: none gets a Prefill ahead (router.lifecycle.ahead.AheadGate)
-        self.refusing: set[str] = set()
+        # the router's own rule of which decode worker gets a Prefill ahead: not one that
+        # refused a Reserve since it last accepted one, nor one this router saw KV of a
+        # prompt starting as the request's land on lately (router.recent_kv)
+        self.gate = AheadGate(events.clock)
         self.attempts: dict[str, SimRequest] = {}
         self.unfinished = 0
         self._turns = itertools.count()
@@ -170,14 +170,14 @@ class SimRouter:
             ahead = decode_id == order[0] and not request.no_ahead and not held.get(
                 decode_id, 0) and self.kv_index is not None and self.kv_index.trusted() \
                 and worker.reported_free_blocks() >= self._num_blocks(request) \
-                and decode_id not in self.refusing \
-                and not self.recent.may_hold(decode_id, self._prompt_block(request))
+                and self.gate.allows(decode_id, self._prompt_block(request))
             reserved = worker.reserve(request.engine_request(attempt), 0 if ahead else None)
+            # refused here only for want of room
+            self.gate.reserve_answered(decode_id, reserved=reserved is not None,
+                                       for_want_of_room=True)
             if reserved is None:
                 request.no_ahead = request.no_ahead or ahead
-                self.refusing.add(decode_id)
                 continue
-            self.refusing.discard(decode_id)
             self._start(request, worker)
             full = num_blocks_for(len(request.sequence()), self.block_size)
             request.kv_bytes = (full - reserved) * self.profile.block_bytes()
@@ -209,7 +209,7 @@ class SimRouter:
         candidates = [DecodeCandidate(w.worker_id, self.inflight[w.worker_id],
                                       w.reported_free_blocks(), w.blocks.num_blocks,
                                       held.get(w.worker_id, 0)
-                                      or int(self.recent.may_hold(w.worker_id, first)))
+                                      or int(self.gate.recent.may_hold(w.worker_id, first)))
                       for w in workers]
         return rank_decode(candidates, self._num_blocks(request),
                            self.handoff.load_epsilon), held
@@ -309,7 +309,7 @@ class SimRouter:
         if (request.landed != request.attempt or finished) and self.kv_index is not None \
                 and request.decode_worker is not None:  # as Placement.kv_landed
             request.landed = request.attempt
-            self.recent.landed(request.decode_worker, self._prompt_block(request))
+            self.gate.recent.landed(request.decode_worker, self._prompt_block(request))
         if request.first_token_s is None:
             request.first_token_s = now
             request.ticket.first_token()

@@ -42,16 +42,21 @@ class AheadGate:
         return decode_id not in self._refusing \
             and not self.recent.may_hold(decode_id, block_hashes)
 
+    def reserve_answered(self, decode_id: str, *, reserved: bool,
+                         for_want_of_room: bool) -> None:
+        """A Reserve on ``decode_id`` was answered (the simulator calls this directly)."""
+        if reserved:
+            self._refusing.discard(decode_id)
+        elif for_want_of_room:
+            self._refusing.add(decode_id)
+
     def answered(self, attempt: Attempt, refusal: tuple[str, bool] | None) -> bool:
         """The outcome of ``attempt``'s Reserve (None: reserved; else why not, and whether
         for want of room); whether it was refused with its Prefill sent ahead (its request
         sends none ahead from then on)."""
-        if refusal is None:
-            self._refusing.discard(attempt.decode_id)
-            return False
-        if refusal[1]:
-            self._refusing.add(attempt.decode_id)
-        if attempt.ahead is None:
+        self.reserve_answered(attempt.decode_id, reserved=refusal is None,
+                              for_want_of_room=refusal is not None and refusal[1])
+        if refusal is None or attempt.ahead is None:
             return False
         attempt.ctx.log.info("attempt %s: %s did not reserve (%s); its Prefill, sent ahead, is "
                              "aborted", attempt.id, attempt.decode_id, refusal[0])

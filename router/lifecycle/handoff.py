@@ -58,6 +58,7 @@ from router.worker_calls import Prefilled
 # planned moves of one stream at most (each off a draining worker): a bound, never a policy
 MAX_PLANNED_MOVES = 16
 
+
 class Handoff:
     """Drives one validated, admitted request to completion; iterate ``stream()`` once."""
 
@@ -151,27 +152,25 @@ class Handoff:
         limit 0 a drain would fail every stream it moves), only against
         ``MAX_PLANNED_MOVES``."""
         ctx, limit = self.ctx, self.ctx.config.migration_limit
-        if migrate.move is not None and self.planned_moves < MAX_PLANNED_MOVES:
-            self.planned_moves += 1
-            ctx.metrics.migrations.labels(migrate.cause).inc()
-            ctx.log.info("attempt %s: %s after %d streamed tokens (%s); moving (planned move "
-                         "%d)", attempt_id, migrate, len(self.sent), migrate.detail,
-                         self.planned_moves)
-            self._migrated_at = self._last_chunk_at
-            ctx.calls.resume(tuple(self.sent))
-            return
-        if self.migrations >= limit:
+        planned = migrate.move is not None and self.planned_moves < MAX_PLANNED_MOVES
+        if not planned and self.migrations >= limit:
             ctx.log.warning("attempt %s: %s (%s); migration limit %d reached", attempt_id,
                             migrate, migrate.detail, limit)
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"{migrate} after {len(self.sent)} streamed tokens"
                              + (f" ({self.migrations} migrations, the limit)" if limit else ""),
                              detail=migrate.detail)
-        self.migrations += 1
         ctx.metrics.migrations.labels(migrate.cause).inc()
-        ctx.log.warning("attempt %s: %s after %d streamed tokens (%s); migrating (%d of %d)",
-                        attempt_id, migrate, len(self.sent), migrate.detail, self.migrations,
-                        limit)
+        if planned:
+            self.planned_moves += 1
+            ctx.log.info("attempt %s: %s after %d streamed tokens (%s); moving (planned move "
+                         "%d)", attempt_id, migrate, len(self.sent), migrate.detail,
+                         self.planned_moves)
+        else:
+            self.migrations += 1
+            ctx.log.warning("attempt %s: %s after %d streamed tokens (%s); migrating (%d of "
+                            "%d)", attempt_id, migrate, len(self.sent), migrate.detail,
+                            self.migrations, limit)
         self._migrated_at = self._last_chunk_at
         ctx.calls.resume(tuple(self.sent))
 
