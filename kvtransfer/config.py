@@ -20,7 +20,8 @@ class TransferConfig:
       near the link's bandwidth), fewer only where a message is smaller. Memory: a
       receiver keeps 3 such buffers posted per open channel, a sender 3 per busy lane.
     - ``bind_host``: the address every group of this process binds to.
-    - ``idle_timeout_s``: a channel unused this long closes itself.
+    - ``idle_timeout_s``: a channel unused this long closes itself; a sender forgets a
+      route nothing went over this long (its connection to the receiver's store).
     - ``park_timeout_s``: how long a receiver holds a part of a transfer it was not told
       about yet before ignoring it (default ``timeout_s / 3``, so the sender's wait on
       that part ends well within its own timeout).

@@ -91,6 +91,7 @@ class SendLane:
         self._jobs: deque[Job] = deque()
         self._thread: threading.Thread | None = None
         self._store: Any = None  # client of the receiver's store, kept across channel opens
+        self._idle_since = time.monotonic()  # when its thread last ran out of jobs
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -110,12 +111,26 @@ class SendLane:
         """Forget the rendezvous connection (the sender is closing)."""
         self._store = None
 
+    def retire_if_idle(self, idle_timeout_s: float) -> bool:
+        """True (its rendezvous connection dropped) when the lane has had no job and no
+        thread for ``idle_timeout_s``: a destination nothing was sent to for that long may
+        be a decode worker that is gone, and the lane's connection to its store an open
+        socket held for nothing. The sender then forgets the lane (and submits nothing
+        more to it); a later transfer to that address makes a new one."""
+        with self._lock:
+            if self._thread is not None or self._jobs \
+                    or time.monotonic() - self._idle_since <= idle_timeout_s:
+                return False
+            self._store = None
+            return True
+
     def _next_job(self) -> Job | None:
         """The next job; None (and the lane has no thread any more) when there is none."""
         with self._lock:
             if self._jobs:
                 return self._jobs.popleft()
             self._thread = None
+            self._idle_since = time.monotonic()
             return None
 
     def _main(self) -> None:
@@ -148,10 +163,12 @@ class SendLane:
                 if reused and attempt == 0 and record.error is None:  # not for a failed one
                     self.ctx.stats.retries += 1
                     continue
+                self._store = None  # reconnect next time: the receiver may be gone
                 self.ctx.forget_peer(record.dest)
                 raise ChannelClosed(str(exc), record.transfer_id) from exc
             except ChannelError as exc:
                 self.ctx.pool.discard(channel, str(exc))
+                self._store = None
                 self.ctx.forget_peer(record.dest)
                 raise ChannelError(str(exc), record.transfer_id) from exc
             except BaseException:

@@ -8,7 +8,9 @@ queues the transfer's ``Trailer`` behind its layers for the receiver's rank 0.
 transfer's states and transitions are ``kvtransfer.send.outgoing``'s; the sender keeps the set
 of them. Each route of the plan (``kvtransfer.plan``) has a lane: a thread that exists
 while the lane has work, owns the lane's messages in order, and moves them over the
-lane's channel (see ``kvtransfer.send.send_lane``).
+lane's channel (see ``kvtransfer.send.send_lane``). A lane idle for ``idle_timeout_s`` is
+forgotten when the next transfer starts, with its connection to the receiver's store (a
+decode worker that went away leaves nothing open here).
 
 Ownership of the KV blocks: from the first ``send()`` of a transfer until ``wait()``
 returns or raises, or ``abort()`` returns, the sender may read the given blocks of
@@ -230,6 +232,7 @@ class KVSender:
             num_tokens=num_tokens, num_blocks=num_blocks, num_layers=self.layout.num_layers,
             changed=self._cond)
         self._records[transfer_id] = record
+        self._retire_idle_lanes()
         peer = self._peers.get(dest)
         if peer is not None:
             self._resolve(record, peer)
@@ -278,6 +281,22 @@ class KVSender:
             lane = self._lanes[key] = SendLane(self._lane_context, key,
                                                backend_for(job.record.kv_cache.device))
         lane.submit(job)
+
+    def _retire_idle_lanes(self) -> None:
+        """Forget the lanes idle for ``config.idle_timeout_s`` (lock held), and what the
+        sender kept of a destination none of whose lanes is left: a decode worker that
+        went away leaves no connection or record behind."""
+        idle_s = self.config.idle_timeout_s
+        for key in [k for k, lane in self._lanes.items() if lane.retire_if_idle(idle_s)]:
+            del self._lanes[key]
+            if not any(k.dest == key.dest for k in self._lanes):
+                self._peers.pop(key.dest, None)
+
+    @property
+    def num_lanes(self) -> int:
+        """Routes with a lane: each holds a connection to its receiver's store."""
+        with self._cond:
+            return len(self._lanes)
 
     def _forget_peer(self, dest: StoreAddress) -> None:
         """A lane's channel to ``dest`` broke: re-read its layout before the next transfer."""

@@ -217,6 +217,8 @@ class AgentState:
         if role is not None:
             out.update(open_channels=role.num_open_channels, max_channels=role.config.max_channels,
                        pending=role.num_pending, stats=vars(role.stats).copy())
+        if self.sender is not None:
+            out.update(lanes=self.sender.num_lanes, fds=len(os.listdir("/proc/self/fd")))
         return out
 
     def reset(self) -> dict[str, Any]:

@@ -124,6 +124,30 @@ def test_receiver_killed_while_sender_waits(agents: AgentsFactory) -> None:
     assert_received(decode2, req2)
 
 
+def test_a_decode_worker_gone_leaves_nothing_open_on_the_sender(agents: AgentsFactory) -> None:
+    """A route idle for ``idle_timeout_s`` is forgotten, with its connection to the
+    receiver's store, when the next transfer starts: a prefill rank that served decode
+    workers which went away (a scale-down, a restart on a new port) holds no socket to
+    them."""
+    config = dataclasses.replace(CONFIG, idle_timeout_s=0.5)
+    sender, r1, r2 = agents(3)
+    prefill = make_prefill([sender], config=config)
+    transfer(prefill, make_decode([r1], config=config), make_request(67, 40))
+    first = sender.call("report")
+    assert first["lanes"] == 1
+    r1.signal(signal.SIGKILL)
+    _wait_dead(r1)
+    time.sleep(config.idle_timeout_s + 0.3)
+    req = make_request(68, 40)
+    decode2 = make_decode([r2], config=config)
+    transfer(prefill, decode2, req)
+    assert_received(decode2, req)
+    after = sender.call("report")
+    assert after["lanes"] == 1  # the second decode worker's only
+    assert after["open_channels"] == 1
+    assert after["fds"] <= first["fds"], (first["fds"], after["fds"])
+
+
 def test_corrupted_payload_is_detected_and_not_used(agents: AgentsFactory) -> None:
     sender, receiver = agents(2)
     decode = make_decode([receiver])
