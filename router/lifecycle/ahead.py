@@ -13,7 +13,9 @@ worker's registered free blocks hold the request.
 ``AheadGate`` (one per router) keeps it from costing the prefill workers while a decode
 worker is full: one that refused a Reserve for want of room (its free blocks as the router
 saw them were stale, or it is at its request limit; or it is draining, or serves the
-other role now) gets no Prefill ahead of its replies until it accepts a Reserve again. A refused Reserve aborts the Prefill that went with it
+other role now) gets no Prefill ahead of its replies until it accepts a Reserve again, or
+for ``REFUSAL_MEMORY_S`` (then a worker still full refuses one more; one that left the
+cluster is forgotten, so the gate holds only recent refusals). A refused Reserve aborts the Prefill that went with it
 (and the decode worker refuses its transfer id, as it does when such a Reserve's call
 fails or is cancelled, so KV already on its way is dropped; the Prefill's own failure
 then blames no worker), and that request's later Reserves wait for their reply.
@@ -28,27 +30,40 @@ from cluster.kv_target import KVTarget
 from router.lifecycle.attempt import Attempt
 from router.recent_kv import RecentKV
 
+REFUSAL_MEMORY_S = 60.0  # how long a refusal for want of room keeps Prefills from going ahead
+
 
 class AheadGate:
     """Which decode workers get a Prefill ahead of their Reserve's reply (see the module
     docstring); fed every Reserve's outcome and where KV landed (``recent``)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._refusing: set[str] = set()  # refused for want of room, not accepted since
+        self._clock = clock
+        # decode worker -> when it refused for want of room (not accepted since)
+        self._refusing: dict[str, float] = {}
         self.recent = RecentKV(clock)
 
     def allows(self, decode_id: str, block_hashes: Sequence[bytes] = ()) -> bool:
         """Whether a prompt with these full-block hashes may go ahead to ``decode_id``."""
-        return decode_id not in self._refusing \
-            and not self.recent.may_hold(decode_id, block_hashes)
+        refused = self._refusing.get(decode_id)
+        if refused is not None and self._clock() - refused <= REFUSAL_MEMORY_S:
+            return False
+        return not self.recent.may_hold(decode_id, block_hashes)
 
     def reserve_answered(self, decode_id: str, *, reserved: bool,
                          for_want_of_room: bool) -> None:
         """A Reserve on ``decode_id`` was answered (the simulator calls this directly)."""
         if reserved:
-            self._refusing.discard(decode_id)
+            self._refusing.pop(decode_id, None)
         elif for_want_of_room:
-            self._refusing.add(decode_id)
+            now = self._clock()
+            for worker_id in [w for w, t in self._refusing.items() if now - t > REFUSAL_MEMORY_S]:
+                del self._refusing[worker_id]
+            self._refusing[decode_id] = now
+
+    def __len__(self) -> int:
+        """Refusals remembered (expired ones go with the next refusal)."""
+        return len(self._refusing)
 
     def answered(self, attempt: Attempt, refusal: tuple[str, bool] | None) -> bool:
         """The outcome of ``attempt``'s Reserve (None: reserved; else why not, and whether

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from router.lifecycle.ahead import AheadGate, ahead_target
+from router.lifecycle.ahead import REFUSAL_MEMORY_S, AheadGate, ahead_target
 from router.recent_kv import RecentKV
 
 
@@ -71,3 +71,20 @@ def test_the_prefill_waits_for_the_reply_where_the_router_saw_the_prompt_land() 
     assert ahead_target(_attempt(), gate, 0, [b"q"]) is not None  # type: ignore[arg-type]
     clock.now += 5.0  # the index has long listed it (held_blocks would say so)
     assert ahead_target(_attempt(), gate, 0, hashes) is not None  # type: ignore[arg-type]
+
+
+def test_a_refusal_holds_prefills_back_until_an_acceptance_or_its_memory_ends() -> None:
+    clock = Clock()
+    gate = AheadGate(clock)
+    gate.reserve_answered("d-0", reserved=False, for_want_of_room=True)
+    gate.reserve_answered("d-1", reserved=False, for_want_of_room=False)  # not for room
+    assert not gate.allows("d-0") and gate.allows("d-1")
+    gate.reserve_answered("d-0", reserved=True, for_want_of_room=False)
+    assert gate.allows("d-0") and len(gate) == 0
+    for i in range(50):  # workers that refused, then left the cluster
+        gate.reserve_answered(f"gone-{i}", reserved=False, for_want_of_room=True)
+    assert not gate.allows("gone-0")
+    clock.now += REFUSAL_MEMORY_S + 1
+    assert gate.allows("gone-0")  # still full, it refuses the next one itself
+    gate.reserve_answered("d-2", reserved=False, for_want_of_room=True)
+    assert len(gate) == 1  # the others forgotten
