@@ -80,6 +80,17 @@ class LaneContext:
     forget_peer: Callable[[StoreAddress], None]
 
 
+def retire_idle_lanes(lanes: dict[LaneKey, SendLane], peers: dict[StoreAddress, Any],
+                      idle_timeout_s: float) -> None:
+    """Forget the ``lanes`` idle for ``idle_timeout_s`` (``SendLane.retire_if_idle``), and
+    the ``peers`` entry of a destination none of whose lanes is left: a decode worker that
+    went away leaves no connection or record behind (the sender's lock held)."""
+    for key in [k for k, lane in lanes.items() if lane.retire_if_idle(idle_timeout_s)]:
+        del lanes[key]
+        if not any(k.dest == key.dest for k in lanes):
+            peers.pop(key.dest, None)
+
+
 class SendLane:
     """Jobs of one route; its thread runs while there are any (see module doc)."""
 

@@ -36,7 +36,13 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.errors import ChannelError, LayoutMismatch, TransferError, TransferTimeout
 from kvtransfer.plan import check_tp_size, routes_from
 from kvtransfer.send.outgoing import Job, Outgoing
-from kvtransfer.send.send_lane import FaultHook, LaneContext, LaneKey, SendLane
+from kvtransfer.send.send_lane import (
+    FaultHook,
+    LaneContext,
+    LaneKey,
+    SendLane,
+    retire_idle_lanes,
+)
 from kvtransfer.states import TransferState
 from kvtransfer.stats import SenderStats
 from kvtransfer.transport.buffers import BufferPool
@@ -232,7 +238,7 @@ class KVSender:
             num_tokens=num_tokens, num_blocks=num_blocks, num_layers=self.layout.num_layers,
             changed=self._cond)
         self._records[transfer_id] = record
-        self._retire_idle_lanes()
+        retire_idle_lanes(self._lanes, self._peers, self.config.idle_timeout_s)
         peer = self._peers.get(dest)
         if peer is not None:
             self._resolve(record, peer)
@@ -281,16 +287,6 @@ class KVSender:
             lane = self._lanes[key] = SendLane(self._lane_context, key,
                                                backend_for(job.record.kv_cache.device))
         lane.submit(job)
-
-    def _retire_idle_lanes(self) -> None:
-        """Forget the lanes idle for ``config.idle_timeout_s`` (lock held), and what the
-        sender kept of a destination none of whose lanes is left: a decode worker that
-        went away leaves no connection or record behind."""
-        idle_s = self.config.idle_timeout_s
-        for key in [k for k, lane in self._lanes.items() if lane.retire_if_idle(idle_s)]:
-            del self._lanes[key]
-            if not any(k.dest == key.dest for k in self._lanes):
-                self._peers.pop(key.dest, None)
 
     @property
     def num_lanes(self) -> int:
