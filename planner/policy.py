@@ -232,20 +232,26 @@ class Planner:
         down = _best(downs, p) if downs else None
         choice = scale_choice(current, best, up, down, min_gain=self.config.min_gain,
                               slack=self.config.scale_down_slack)
-        if n < low and ups:  # below the minimum size: grow whatever the gain
+        below = n < low and bool(ups)
+        if below:  # below the minimum size: grow whatever the gain
             choice = (ADD, ups[0])
-        if choice is None or choice[0] == REMOVE and (
+        if choice is None or not below and (
                 best.attainment >= current.attainment + self.config.min_gain):
-            return None  # nothing to add or remove, or a switch comes first
+            # nothing to add or remove, or a switch comes first: it takes effect at once,
+            # where a new worker takes minutes to load (and a step still in flight may
+            # never land); the step is weighed again from the split it leaves
+            return None
         action, target = choice
-        self.desired, self.wanted = target, (target.num_prefill, target.num_decode)
+        role = step_role(action, p, target)
+        delta = 1 if action == ADD else -1
+        split = (p + delta, n - p) if role == "prefill" else (p, n - p + delta)
+        # the gauges (and an autoscaler reading them) ask for this step, one worker at a
+        # time, not for the far size the target has
+        self.desired, self.wanted = target, split
         if self.pending is not None:
             return self._hold("scaling")  # the last step is not observed yet
         if now - self.last_change_at < self.config.dwell_s:
             return self._hold("dwell")
-        role = step_role(action, p, target)
-        delta = 1 if action == ADD else -1
-        split = (p + delta, n - p) if role == "prefill" else (p, n - p + delta)
         step = next((o for o in self.predictions(obs, n + delta) if o.num_prefill == split[0]),
                     None)
         if step is None:  # one worker of that role would leave its bounds: switch first

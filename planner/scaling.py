@@ -4,6 +4,7 @@ asks when ``PlannerConfig.max_workers`` is set).
 
     up = best split of n + 1 .. max_workers    here = best of n    down = best of n - 1
     add a worker     when up   >= max(current, here) + min_gain  (switching is not enough)
+                     and no switch gains min_gain (a switch, at once, comes first)
     remove a worker  when down >= here - scale_down_slack, down > 0  (it is not needed)
 
 ``min_gain`` > ``scale_down_slack`` is the hysteresis: a worker added because it gained

@@ -85,23 +85,29 @@ class PlannerService:
         self.window_s = window_s
         self._token, self._tls, self._clock = token, tls, clock
         self._history: deque[tuple[float, list[WorkerSample]]] = deque()
+        self._leading = False  # the desired gauges hold this term's figures
 
     def tick(self) -> list[Decision]:
         """Lead (or wait), sample, and decide once there is a window; the changes made."""
         if not self.election.lead():
-            self.metrics.leader.set(0)
-            self._history.clear()  # a leader again later starts a fresh window
+            self._step_down()
             return []
-        self.metrics.leader.set(1)
         try:
             # a draining worker is leaving: neither capacity nor one to switch
             records = [r for r in self.registry.list_workers() if not r.draining]
         except RegistryError as exc:
             log.warning("cannot read the registry: %s", exc)
             return []
-        now, samples = self._clock(), self._sample(records)
         for role in ROLES:
-            self.metrics.workers.labels(role).set(sum(1 for r in records if r.role == role))
+            count = sum(1 for r in records if r.role == role)
+            self.metrics.workers.labels(role).set(count)
+            if not self._leading:  # a new term: until it decides, it wants what there is
+                self.metrics.desired.labels(role).set(count)
+        # leading only once the desired gauges say so: an autoscaler reading them where
+        # the leader is 1 must never see zeros (or a former term's figures)
+        self._leading = True
+        self.metrics.leader.set(1)
+        now, samples = self._clock(), self._sample(records)
         if samples is None:
             return []
         self._history.append((now, samples))
@@ -115,8 +121,7 @@ class PlannerService:
         if changes and not self.election.lead():  # the round outlasted the lock: not ours
             log.warning("lost the planner lock during this round; %d change(s) not made",
                         len(changes))
-            self.metrics.leader.set(0)
-            self._history.clear()
+            self._step_down()
             return []
         by_id = {r.worker_id: r for r in records}
         for change in changes:
@@ -125,6 +130,11 @@ class PlannerService:
             else:
                 self._scale(change)
         return changes
+
+    def _step_down(self) -> None:
+        self.metrics.leader.set(0)
+        self._leading = False
+        self._history.clear()  # a leader again later starts a fresh window
 
     def _sample(self, records: list[WorkerRecord]) -> list[WorkerSample] | None:
         """Every registered worker's scrape, or None when one did not answer."""

@@ -163,3 +163,24 @@ def test_a_cluster_larger_than_the_caps_allow_sheds_a_worker_of_the_role_over_it
     fixed = Planner(dataclasses.replace(config, min_workers=None, max_workers=None), _model(),
                     _Clock())
     assert fixed.decide(_observe(2, LIGHT, n=5)) == [] and fixed.held == "bounds"
+
+
+def test_a_switch_worth_its_gain_comes_before_an_add_and_the_gauges_ask_one_step() -> None:
+    """A switch takes effect at once, a new worker in minutes (or never, where the
+    launcher cannot place it): where switching gains ``min_gain``, the switch comes first
+    and the add is weighed again from the split it leaves. The wanted split (what the
+    gauges, and an autoscaler, read) is the step's: one worker more, not the largest size."""
+    config = dataclasses.replace(SCALING, max_workers=8)
+    heavy = Traffic(rate=38, prompt_tokens=2000, output_tokens=32)
+    clock = _Clock()
+    planner = Planner(config, _model(), clock)
+    # 1P+3D fails it; 2P+2D serves 0.4 of it, and 5 workers or more almost all
+    [switch] = planner.decide(_observe(1, heavy, n=4))
+    assert isinstance(switch, RoleChange) and switch.to_role == "prefill"
+    clock.t = config.dwell_s + 1
+    add = _one(planner.decide(_observe(2, heavy, n=4)))  # no switch gains: a worker comes
+    assert add.action == "add" and add.num_prefill + add.num_decode == 5
+    assert planner.wanted == (add.num_prefill, add.num_decode)
+    clock.t += 10  # not seen yet: the gauges still ask for that one worker more
+    assert planner.decide(_observe(2, heavy, n=4)) == [] and planner.held == "scaling"
+    assert planner.wanted == (add.num_prefill, add.num_decode)

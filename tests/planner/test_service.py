@@ -134,3 +134,29 @@ def test_a_round_scrapes_every_worker_at_once(monkeypatch: pytest.MonkeyPatch) -
     for now[0] in (0.0, 6.0):
         planner.tick()
     assert len(policy.seen) == 1 and not together.broken
+
+
+def test_a_new_leader_wants_what_there_is_until_it_decides(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An autoscaler reads the desired gauges where ``pdserve:planner_leader`` is 1: from
+    the first round of a term (even one whose scrapes failed) they hold the workers there
+    are, never the zeros they start at or a former term's figures."""
+    def scrape(address: str) -> dict[str, float]:
+        raise OSError("connection refused")  # no round completes
+
+    monkeypatch.setattr(service, "scrape", scrape)
+    metrics = PlannerMetrics()
+    election = Election([True, False, True])
+    planner = service.PlannerService(Policy(), Registry(), election,  # type: ignore[arg-type]
+                                     metrics, window_s=10.0, clock=lambda: 0.0)
+
+    def gauges() -> tuple[float | None, ...]:
+        value = metrics.registry.get_sample_value
+        return (value("pdserve:planner_leader"),
+                *(value("pdserve:planner_desired_workers", {"role": r})
+                  for r in ("prefill", "decode")))
+
+    assert planner.tick() == [] and gauges() == (1.0, 1.0, 1.0)  # the draining one left out
+    metrics.desired.labels("decode").set(5)  # what this term went on to want
+    assert planner.tick() == [] and gauges()[0] == 0.0  # another planner leads meanwhile
+    assert planner.tick() == [] and gauges() == (1.0, 1.0, 1.0)  # a new term starts afresh
