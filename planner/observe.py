@@ -34,6 +34,10 @@ GENERATED = "vllm:generation_tokens_total{}"
 ITL = "vllm:inter_token_latency_seconds"
 TTFT = "vllm:time_to_first_token_seconds"
 QUEUE = "pdserve:prefill_queue_seconds"
+# the counters read (a histogram's sum and count only grow too): one that went down says
+# the worker restarted under the same id (a pod's name, a Ray slot's) since ``before``
+COUNTERS = (PREFILLED, *FINISHED, PROMPT_TOKENS, GENERATED,
+            *(f"{h}_{part}{{}}" for h in (ITL, TTFT, QUEUE) for part in ("sum", "count")))
 
 
 @dataclass(frozen=True)
@@ -51,10 +55,15 @@ class WorkerSample:
 def observation(before: Sequence[WorkerSample], after: Sequence[WorkerSample],
                 seconds: float) -> Observation:
     """The window between two scrapes (a worker missing from ``before`` counts from 0:
-    it just joined; one missing from ``after`` is left out: it left)."""
+    it just joined, as does one whose counters went down: it restarted; one missing from
+    ``after`` is left out: it left)."""
     if seconds <= 0:
         raise ValueError(f"a window lasts more than 0 seconds, got {seconds}")
     was = {s.worker_id: s.metrics for s in before}
+    for s in after:
+        old = was.get(s.worker_id)
+        if old is not None and any(s.metrics.get(c, 0.0) < old.get(c, 0.0) for c in COUNTERS):
+            del was[s.worker_id]  # restarted: everything it counted is the window's
 
     def delta(sample: WorkerSample, name: str) -> float:
         return max(0.0, sample.metrics.get(name, 0.0) - was.get(sample.worker_id, {}).get(name, 0.0))

@@ -57,6 +57,19 @@ def test_a_worker_that_joined_counts_from_zero_and_idle_windows_have_no_latency(
         observation([], [], 0.0)
 
 
+def test_a_worker_restarted_under_its_id_counts_from_zero() -> None:
+    """Worker ids survive restarts (a pod's name, a Ray slot's): counters that went down
+    are a new process's, all counted, not read as nothing done."""
+    before = [_prefill({PREFILLED: 10_000, PROMPT_TOKENS: 2_000_000}),
+              _decode({STOP: 10, GENERATED: 1000})]
+    after = [_prefill({PREFILLED: 100, PROMPT_TOKENS: 20_000}),  # restarted
+             _decode({STOP: 110, GENERATED: 11_000})]
+    obs = observation(before, after, 20.0)
+    assert obs.traffic.rate == pytest.approx(5.0)  # 100 prompts in 20 s
+    assert obs.traffic.prompt_tokens == pytest.approx(200.0)
+    assert obs.traffic.output_tokens == pytest.approx(100.0)
+
+
 def test_the_output_is_the_windows_generated_tokens_per_prompt() -> None:
     """Decode demand as generated (rate × output = tokens generated a second), whether or
     not the requests finished within the window (found in review: per finished request it
