@@ -323,13 +323,22 @@ def check_cache(layout: KVLayout, tp_rank: int, tp_size: int, kv_cache: torch.Te
 def read_peer(dest: StoreAddress, layout: KVLayout, config: TransferConfig
               ) -> ReceiverInfo | TransferError:
     """The receiving worker's advertised layout and TP size, read from its store, or why
-    not (unreachable, or a layout other than ``layout``)."""
+    not (unreachable, a layout other than ``layout``, an advertisement it cannot parse);
+    never raises: the resolver thread hands the answer to every transfer waiting for it."""
     try:
         store = connect_store(dest, timeout_s=config.timeout_s)
         info = read_receiver_info(store, config.timeout_s)
+    except ValueError as exc:  # another protocol version, or not an advertisement at all
+        return LayoutMismatch(f"decode worker at {dest.host}:{dest.port} advertises what this "
+                              f"sender cannot read (another pdserve version?): "
+                              f"{str(exc).splitlines()[0][:200]}")
     except RuntimeError as exc:
         return ChannelError(f"decode worker at {dest.host}:{dest.port} unreachable: "
                             f"{str(exc).splitlines()[0][:200]}")
+    except Exception as exc:  # noqa: BLE001 - the transfers waiting for it must hear of it
+        log.exception("reading the advertisement of %s:%d failed", dest.host, dest.port)
+        return ChannelError(f"decode worker at {dest.host}:{dest.port}: its advertisement "
+                            f"could not be read: {exc!r}"[:300])
     diff = layout.diff(info.layout)
     if diff is not None:
         return LayoutMismatch(f"decode worker at {dest.host}:{dest.port} has another "

@@ -45,6 +45,7 @@ from kvtransfer.receive.recv_channel import RecvChannel
 from kvtransfer.send.sender import KVSender
 from kvtransfer.transport.channel import (
     KEY_NEXT_CHANNEL,
+    KEY_RECEIVER_INFO,
     Channel,
     Pending,
     accept_key,
@@ -112,6 +113,7 @@ class AgentState:
         self.cache: torch.Tensor | None = None
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
+        self.advertising: Any = None  # host_advertisement's store
 
     def pid(self) -> int:
         return os.getpid()
@@ -228,7 +230,7 @@ class AgentState:
             if role is not None:
                 role.close()
         self.sender = self.receiver = None
-        self.cache = None
+        self.cache = self.advertising = None
         gc.collect()
         after = self.report()
         return {"before": before, "after": after}
@@ -272,6 +274,13 @@ class AgentState:
             original(rc, header, status)
 
         RecvChannel._acknowledge = acknowledge  # type: ignore[method-assign,assignment]
+
+    def host_advertisement(self, payload: bytes) -> StoreAddress:
+        """A rendezvous store advertising ``payload`` where a receiver's description is
+        (another protocol version, or junk); no receiver behind it."""
+        self.advertising = create_store_server(LOOPBACK, 0, timeout_s=30.0)
+        self.advertising.set(KEY_RECEIVER_INFO, payload)
+        return StoreAddress(LOOPBACK, int(self.advertising.port))
 
     # ------------------------------------------------ spike: a raw group, no kvtransfer
 

@@ -14,6 +14,8 @@ from tests.kvtransfer.agent import Agent, RemoteError
 from tests.kvtransfer.conftest import AgentsFactory
 from tests.kvtransfer.topology import (
     CONFIG,
+    LAYOUT,
+    Decode,
     assert_received,
     expect,
     make_decode,
@@ -146,6 +148,22 @@ def test_a_decode_worker_gone_leaves_nothing_open_on_the_sender(agents: AgentsFa
     assert after["lanes"] == 1  # the second decode worker's only
     assert after["open_channels"] == 1
     assert after["fds"] <= first["fds"], (first["fds"], after["fds"])
+
+
+def test_an_advertisement_the_sender_cannot_read_fails_its_transfers_at_once(
+        agents: AgentsFactory) -> None:
+    """A decode worker of another protocol version (or anything that is not a receiver's
+    advertisement) fails each transfer to it at once with LayoutMismatch, every time:
+    the thread reading it died on the parse error before, and every transfer to that
+    address waited for it for good."""
+    sender, host = agents(2)
+    prefill = make_prefill([sender])
+    dest = Decode([], host.call("host_advertisement", b"junk"), LAYOUT)
+    for transfer_id in (69, 70):
+        req = make_request(transfer_id, 40)
+        send(prefill, dest, req)
+        message, elapsed = _raises(sender, "send_wait", transfer_id, "LayoutMismatch")
+        assert "cannot read" in message and elapsed < CONFIG.timeout_s
 
 
 def test_corrupted_payload_is_detected_and_not_used(agents: AgentsFactory) -> None:
