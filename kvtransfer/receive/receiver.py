@@ -152,8 +152,9 @@ class KVReceiver:
                 if time.monotonic() >= deadline:
                     break
                 self.cond.wait(deadline - time.monotonic())
-        if record.state is TransferState.PENDING:
-            self._notify(record.time_out())
+        if record.state is TransferState.PENDING and record.time_out():
+            # (not when its last part landed since the check: its channels are sound)
+            self._notify(True)
             self._close_stalled(record)
         self._forget(record)
         if record.state is not TransferState.DONE:
