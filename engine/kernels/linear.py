@@ -184,6 +184,10 @@ def _packed_apply(x: torch.Tensor, prepared: _PackedPrepared,
 
 def _int8_torch_apply(x: torch.Tensor, weight: Int8Weight,
                       bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dtype == torch.float16:
+        # scaled before the product: the unscaled sums (up to 127 / a row's largest
+        # weight times the output) pass float16's 65504 and become inf
+        return F.linear(x, weight.dequantize(x.dtype), bias)
     y = F.linear(x, weight.q.to(x.dtype)) * weight.scales.to(x.dtype)
     return y if bias is None else y + bias
 

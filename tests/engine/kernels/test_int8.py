@@ -107,6 +107,16 @@ def test_the_int8_gemv_and_gemm_are_the_linear_on_the_dequantised_weight(
         torch.set_num_threads(before)
 
 
+def test_int8_torch_in_float16_does_not_overflow_before_its_scales() -> None:
+    """Each output is 127 / the row's largest weight times its value before the row's
+    scale: in float16 that passes 65504 (here 1024 x 127) and became inf."""
+    kernel = KERNELS["int8_torch"]
+    weight = kernel.prepare(torch.full((2, 1024), 0.01, dtype=torch.float16))
+    y = kernel.apply(torch.ones(3, 1024, dtype=torch.float16), weight, None)
+    assert y.dtype == torch.float16 and torch.isfinite(y).all()
+    assert torch.allclose(y.float(), torch.full((3, 2), 10.24), rtol=1e-2)
+
+
 def test_the_int8_kernels_leave_what_they_do_not_take_to_torch(kernels: NativeKernels) -> None:
     w = quantize_int8(torch.randn(8, 16))
     panels = kernels.pack_panels(w.q)
