@@ -134,7 +134,10 @@ class Handoff:
             finally:
                 attempt.end()
         raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                         f"the workers failed {len(failures)} times before the first token",
+                         f"the workers failed {len(failures)} times before the first token"
+                         if not self.sent else
+                         f"{self._migrating} after {len(self.sent)} streamed tokens, and the "
+                         f"workers failed {len(failures)} times to continue it",
                          detail="; ".join(failures))
 
     def _relayed(self, chunk: OutputChunk) -> None:
