@@ -55,6 +55,7 @@ from planner.scaling import ADD, ScaleChange
 log = logging.getLogger(__name__)
 SCRAPE_TIMEOUT_S = 2.0
 SCRAPE_THREADS = 16
+KEEP_DECISIONS = 1000  # the policy's own record of its changes, the newest kept
 LOCK_NAME = "planner"
 
 
@@ -117,6 +118,7 @@ class PlannerService:
         if now - start < self.window_s / 2 or not samples:  # too short a window to judge
             return []
         changes = self.planner.decide(observation(first, samples, now - start))
+        del self.planner.decisions[:-KEEP_DECISIONS]  # the log has them all; a service runs for months
         self._record()
         if changes and not self.election.lead():  # the round outlasted the lock: not ours
             log.warning("lost the planner lock during this round; %d change(s) not made",

@@ -43,9 +43,11 @@ class Policy:
 
     def __init__(self) -> None:
         self.seen: list[Observation] = []
+        self.decisions: list[Any] = []
 
     def decide(self, obs: Observation) -> list[Any]:
         self.seen.append(obs)
+        self.decisions.append(("held", len(self.seen)))  # as the policy's record grows
         return []
 
 
@@ -160,3 +162,16 @@ def test_a_new_leader_wants_what_there_is_until_it_decides(
     metrics.desired.labels("decode").set(5)  # what this term went on to want
     assert planner.tick() == [] and gauges()[0] == 0.0  # another planner leads meanwhile
     assert planner.tick() == [] and gauges() == (1.0, 1.0, 1.0)  # a new term starts afresh
+
+
+def test_the_policys_record_of_its_decisions_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service, "scrape", lambda address: {})
+    monkeypatch.setattr(service, "KEEP_DECISIONS", 3)
+    now = [0.0]
+    policy = Policy()
+    planner = service.PlannerService(policy, Registry(), Election(),  # type: ignore[arg-type]
+                                     PlannerMetrics(), window_s=2.0, clock=lambda: now[0])
+    for t in range(10):
+        now[0] = float(t)
+        planner.tick()
+    assert len(policy.seen) == 9 and policy.decisions == [("held", n) for n in (7, 8, 9)]
