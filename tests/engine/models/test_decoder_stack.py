@@ -513,3 +513,16 @@ def test_a_model_off_the_compiled_backend_never_loads_the_kernels_for_it(
     monkeypatch.setattr(decoder_stack, "native", refuse)
     model = build_model(_config(llama_dir).model, Group.single(), TorchAttentionBackend())
     assert decoder_stack.CompiledDecoderStack.build(model) is None
+
+
+def test_a_model_is_built_in_its_dtype(llama_dir: Path) -> None:
+    """Parameters made in the model's dtype from the start (built in float32 and
+    converted, a bfloat16 model took twice its bytes at its peak); torch's default dtype
+    is as it was after."""
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.models import build_model
+
+    config = load_model_config(llama_dir, dtype="bfloat16")
+    model = build_model(config, Group.single(), TorchAttentionBackend())
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
