@@ -143,7 +143,9 @@ class DraftModel:
     def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
         draft = draft_engine_config(config)
         try:
-            plan = choose_kernel_plan(draft, torch.get_num_threads())
+            # PDSERVE_LINEAR_KERNEL, set for the target, forces the draft's kernel only
+            # where it multiplies the draft's weights (as linear_kernel does)
+            plan = choose_kernel_plan(draft, torch.get_num_threads(), env_fits_only=True)
         except ValueError as exc:  # a kernel forced by the environment it cannot use
             raise ConfigError(f"speculative_config's draft model: {exc}") from None
         self.runner = ModelRunner(draft, Group.single(), num_kv_blocks, plan)

@@ -145,16 +145,22 @@ def linear_shapes(config: EngineConfig, rank: int = 0) -> list[LinearShape]:
 
 def choose_kernel_plan(config: EngineConfig, threads: int, *,
                        cache_path: Path | None = None,
-                       measure: Measure | None = None) -> KernelPlan:
+                       measure: Measure | None = None, env_fits_only: bool = False
+                       ) -> KernelPlan:
     """The plan for ``config``'s ranks, run with ``threads`` torch threads each (see the
     module docstring for the order of precedence). Raises ``ValueError`` for a forced
-    kernel that is unknown or cannot run on this device and dtype."""
+    kernel that is unknown or cannot run on this device and dtype. ``env_fits_only``: a
+    kernel the environment forces applies only where it multiplies ``config``'s weights
+    (a draft model's, quantised otherwise than its target's), else it is not asked for."""
     device = torch.device(config.device)
     dtype = _dtype(config)
     shapes = linear_shapes(config)
     pairs = [(s.out_features, s.in_features) for s in shapes]
     candidates = available_kernels(device, dtype, config.quantization)
-    for source, wanted in (("config", config.linear_kernel), ("env", os.environ.get(KERNEL_ENV))):
+    env = os.environ.get(KERNEL_ENV)
+    if env_fits_only and env in KERNELS and KERNELS[env].quantization != config.quantization:
+        env = None
+    for source, wanted in (("config", config.linear_kernel), ("env", env)):
         if wanted not in (None, "", "auto"):
             _check_forced(wanted, candidates, source, config.quantization)
             return KernelPlan.uniform(pairs, str(wanted), source)

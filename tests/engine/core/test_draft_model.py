@@ -392,3 +392,16 @@ def test_requests_catching_up_by_different_lengths_get_right_draft_kv(llama_dir:
                     kept += sum(u.request.request_id == "r0" for u in updates) - 1
         assert not core.drafter.runner.kv_cache.isnan().any()
     assert guessed > 40 and kept >= 0.95 * guessed
+
+
+def test_a_kernel_the_environment_forces_for_the_target_leaves_a_draft_quantised_otherwise(
+        llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PDSERVE_LINEAR_KERNEL=int8_torch with int8 target weights and a draft in float32:
+    the draft's kernel is chosen as without it (it refused to start, the forced kernel
+    not multiplying the draft's weights); the target's is the one forced."""
+    monkeypatch.setenv("PDSERVE_LINEAR_KERNEL", "int8_torch")
+    with LLM(llama_dir, num_kv_blocks=64, quantization="int8",
+             speculative_config=draft(llama_dir, k=2)) as llm:
+        [out] = llm.generate([[5, 6, 7, 8] * 4], GREEDY)
+        assert len(out.token_ids) == GREEDY.max_tokens
+        assert llm.core.executor.runner.linear_kernel == "int8_torch"
