@@ -95,7 +95,8 @@ class CacheConfig:
     hash_seed: int = 0
     # Fraction of free memory the KV pool may take when num_kv_blocks is None.
     memory_fraction: float = 0.25
-    max_kv_bytes: int = 512 << 20  # CPU only: cap of the KV pool when num_kv_blocks is None
+    # CPU only: cap of the KV pool (all TP ranks' together) when num_kv_blocks is None
+    max_kv_bytes: int = 512 << 20
     # "auto": the model's dtype; "int8": int8 values and an fp32 scale per token and head;
     # "fp8" / "fp8_e4m3" (the same: kept as "fp8_e4m3") or "fp8_e5m2": one byte per value
     kv_cache_dtype: str = "auto"

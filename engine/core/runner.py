@@ -67,7 +67,9 @@ def kv_cache_torch_dtype(config: EngineConfig) -> torch.dtype:
 def resolve_num_kv_blocks(config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
     """The KV pool size: the configured one, else what fits the memory budget, capped at
     what ``max_num_seqs`` full-length sequences could use. ``extra_bytes_per_block``:
-    what else each block costs on the first rank (a draft model's KV of it)."""
+    what else each block costs on the first rank (a draft model's KV of it). On CUDA each
+    rank has a GPU of its own and the budget is the first rank's; on the CPU the ranks of a
+    TP group share the host's memory, and the budget is the whole group's."""
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
     per_block = kv_bytes_per_block(config) + extra_bytes_per_block
@@ -76,6 +78,8 @@ def resolve_num_kv_blocks(config: EngineConfig, extra_bytes_per_block: int = 0) 
         budget = int(free * config.cache.memory_fraction)
     else:
         budget = min(config.cache.max_kv_bytes, int(_available_ram() * config.cache.memory_fraction))
+        per_block += sum(kv_bytes_per_block(config, rank)
+                         for rank in range(1, config.parallel.tensor_parallel_size))
     blocks_per_seq = -(-config.model.max_model_len // config.cache.block_size)
     useful = config.scheduler.max_num_seqs * blocks_per_seq
     return max(1, min(budget // per_block, useful))

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engine import SamplingParams
 from engine.core.chunks import ScheduledChunk
 from engine.core.draft_kv import DraftBlocks
@@ -48,3 +50,19 @@ def test_a_write_into_a_block_forgets_it_until_recorded_again() -> None:
     # a write made around the drafter names its blocks: their records go
     blocks.forget([3])
     assert blocks.prefix(request, table, limit=12) == 4
+
+
+def test_on_the_cpu_a_tp_groups_pool_fits_the_budget_all_ranks_together(llama_dir: Path) -> None:
+    """The ranks of a CPU TP group share the host's memory: max_kv_bytes bounds their KV
+    together (each rank's pool was sized to all of it, TP times the budget in all)."""
+    from engine.config import CacheConfig, EngineConfig, ParallelConfig, load_model_config
+    from engine.core.runner import kv_bytes_per_block, resolve_num_kv_blocks
+
+    budget = 1 << 20
+    for tp in (1, 2):
+        config = EngineConfig(model=load_model_config(llama_dir),
+                              cache=CacheConfig(max_kv_bytes=budget),
+                              parallel=ParallelConfig(tensor_parallel_size=tp))
+        group = sum(kv_bytes_per_block(config, rank) for rank in range(tp))
+        blocks = resolve_num_kv_blocks(config)
+        assert blocks * group <= budget < (blocks + 1) * group, tp
