@@ -168,12 +168,14 @@ class Acceptor:
                         str(exc).splitlines()[0][:300])
             self._done_joining()
             return
+        # borrowed until its first message is through (the reader gives it back): idle,
+        # another sender's open request could close it to make room before the sender,
+        # told ACCEPTED, sent anything
         self.pool.add(request.channel_id, channel)
-        self.pool.checkin(channel)
         reader = self._adopt(request.channel_id, channel)
         self._done_joining()  # after adopt: a closing receiver sees the reader or this thread
         if reader is None:
-            channel.close("receiver closed")
+            self.pool.discard(channel, "receiver closed")
             return
         self.stats.channels_accepted += 1
         reader.start()

@@ -130,7 +130,10 @@ class RecvChannel:
         rx, cfg = self.receiver, self.receiver.config
         seq, mid_message, message_status = 0, False, Status.OK
         while True:
-            header, buffer = ring.wait(seq, cfg.timeout_s if mid_message else cfg.idle_timeout_s)
+            # the first message follows the opening at once (the channel is borrowed for
+            # it meanwhile: the acceptor's); later ones may wait for work, idle
+            header, buffer = ring.wait(seq, cfg.timeout_s if mid_message or seq == 0
+                                       else cfg.idle_timeout_s)
             if seq == 0:
                 self.channel.forget_rendezvous()
             if header.kind == Kind.CLOSE:
@@ -138,7 +141,7 @@ class RecvChannel:
                     raise ValueError(f"part {seq} (a close) failed its MAC")
                 self._acknowledge(header, Status.OK)
                 return None
-            if not mid_message and rx.pool.checkout(self.channel_id) is None:
+            if not mid_message and seq and rx.pool.checkout(self.channel_id) is None:
                 return None  # closed meanwhile (to make room, or idle)
             status = self._handle(header, buffer)
             message_status = max(message_status, status, key=_SEVERITY.index)

@@ -360,6 +360,8 @@ def _fault_hook(kind: str, transfer_id: int, part: int, abort: Any) -> Any:
         elif kind == "forge":  # what an injected part looks like: valid checksum, no MAC
             payload[payload.numel() // 2] ^= 0x10
             _forge_next_part()
+        elif kind.startswith("sleep:"):  # the part goes out N seconds late
+            time.sleep(float(kind.partition(":")[2]))
         elif kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "stop":

@@ -284,6 +284,30 @@ def test_more_peers_than_the_channel_bound(agents: AgentsFactory) -> None:
     assert [s["channels_accepted"] for s in stats[2:]] == [4, 4]  # type: ignore[index]
 
 
+def test_a_channel_just_accepted_is_not_closed_to_make_room_before_its_first_message(
+        agents: AgentsFactory) -> None:
+    """A receiver with one channel slot: the channel it accepted for one sender stays that
+    sender's until its first message is through (it was idle, so another sender's open
+    request closed it to make room, and the first transfer failed); the other sender is
+    told BUSY meanwhile and gets the slot after."""
+    config = dataclasses.replace(CONFIG, max_channels=1)
+    s1, s2, r = agents(3)
+    decode = make_decode([r], config=config)
+    slow = make_prefill([s1], fault=("sleep:1.0", 73, 0))  # its first part goes out late
+    other = make_prefill([s2])
+    first, second = make_request(73, 40), make_request(74, 40)
+    expect(decode, first)
+    expect(decode, second)
+    send(slow, decode, first)
+    time.sleep(0.5)  # its channel is open and waiting for the part
+    send(other, decode, second)
+    wait_all(slow, decode, first)
+    wait_all(other, decode, second)
+    assert_received(decode, first)
+    assert_received(decode, second)
+    assert r.call("report")["stats"]["busy_replies"] >= 1
+
+
 def test_unknown_and_late_parts_are_ignored_and_counted(agents: AgentsFactory) -> None:
     sender, receiver = agents(2)
     decode, prefill = make_decode([receiver]), make_prefill([sender])
