@@ -40,11 +40,11 @@ async def move_out(loop: EngineLoop, heartbeat: Heartbeat, worker_id: str, wait_
     try:
         if not await asyncio.to_thread(heartbeat.set_draining):
             raise RuntimeError("its record was not written")
-        others = await asyncio.to_thread(heartbeat.registry.list_workers, "decode")
+        serving = await asyncio.to_thread(others_decoding, heartbeat, worker_id)
     except Exception as exc:  # noqa: BLE001 - Redis down: nowhere known to move to
         log.warning("draining: the registry did not answer (%s); streams finish in place", exc)
         return 0
-    if not any(r.worker_id != worker_id and not r.draining for r in others):
+    if not serving:
         log.info("draining: no other decode worker is serving; streams finish here")
         return 0
     try:
@@ -68,3 +68,10 @@ async def move_out(loop: EngineLoop, heartbeat: Heartbeat, worker_id: str, wait_
     log.info("draining: %d requests offered to move, %d still pending after %.2fs",
              offered, pending, time.monotonic() - started)
     return offered
+
+
+def others_decoding(heartbeat: Heartbeat, worker_id: str) -> bool:
+    """Whether the registry lists a decode worker other than ``worker_id`` that is not
+    draining: somewhere a move can go (raises what the registry raises)."""
+    return any(r.worker_id != worker_id and not r.draining
+               for r in heartbeat.registry.list_workers("decode"))

@@ -26,6 +26,9 @@ class RoleState:
         if self.role not in self.roles:
             raise ValueError(f"this loop serves {' or '.join(self.roles)}, not {self.role!r}")
         self.role_listeners: list[Callable[[str], object]] = []
+        # whether another decode worker serves, to move decoding requests to (off the loop
+        # thread; the registration's, None without a registry: nothing known to move to)
+        self.move_targets: Callable[[], bool] | None = None
         self.draining = False  # set once at drain: no new work of any role
 
     @property

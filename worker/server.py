@@ -15,6 +15,7 @@ a health check, an ``Abort``, an ``Info`` or a ``Reserve``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import signal
@@ -39,7 +40,7 @@ from cluster.records import WorkerLoad, WorkerRecord
 from cluster.registry import FingerprintMismatch, Registry
 from cluster.token import ClusterToken
 from engine.kvcache.layout import KVLayout
-from worker.drain import move_out
+from worker.drain import move_out, others_decoding
 from worker.leases import LeaseWatcher
 from worker.loop import Abort, EngineLoop
 from worker.metrics import WorkerMetrics
@@ -197,6 +198,7 @@ async def _serve(args: Any, loop: EngineLoop, endpoint: Endpoint, metrics_addres
             if heartbeat is None:
                 return 3
             loop.role_listeners.append(heartbeat.set_role)  # the record follows a switch
+            loop.move_targets = functools.partial(others_decoding, heartbeat, identity.worker_id)
             leases = start_lease_watcher(args, loop)
         await health_.set(True)
         watcher = asyncio.create_task(watch_progress(health_, loop, args.stall_timeout))

@@ -114,6 +114,7 @@ class LoopServicerMixin:
                 await asyncio.to_thread(listener, request.role)
             if request.move_decoding and request.role != "decode":  # after the record says so
                 try:
+                    await self._check_move_targets()
                     await self.loop.acall(OfferMoves(SWITCH_MOVE_WAIT_S, draining=False),
                                           call_timeout(context))
                 except (WorkerError, TypeError) as exc:  # TypeError: a loop that cannot move
@@ -123,6 +124,19 @@ class LoopServicerMixin:
                         f"{exc}"), ((SWITCHED_TO_KEY, request.role),))
             return pb.SetRoleReply(role=request.role, previous_role=previous,
                                    roles=list(self.loop.roles))
+
+    async def _check_move_targets(self) -> None:
+        """``WorkerError`` unless another decode worker serves (the registry's word): a
+        move offered with none would fail every stream it parks, where they finish here."""
+        check = self.loop.move_targets
+        try:
+            serving = check is not None and await asyncio.to_thread(check)
+        except Exception as exc:  # noqa: BLE001 - Redis down: nowhere known to move to
+            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"the registry did not answer ({exc}); they finish here") from None
+        if not serving:
+            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "no other decode worker is serving; they finish here")
 
     async def KVSnapshot(self, request: pb.KVSnapshotRequest,  # noqa: N802 - gRPC name
                          context: grpc.aio.ServicerContext) -> pb.KVSnapshotReply:

@@ -92,42 +92,39 @@ def test_overlapping_switches_reach_the_listeners_in_the_loops_order() -> None:
 
 
 class _MovesFail:
-    """A loop that switches, but whose decoding requests cannot move."""
+    """A loop that switches, but whose decoding requests cannot move (another decode
+    worker serves, by ``move_targets``; ``offered``: moves it was asked to offer)."""
 
     roles = ("decode", "prefill")
     role_listeners: list[object] = []
 
-    def __init__(self) -> None:
+    def __init__(self, others_serving: bool = True) -> None:
         self.role = "decode"
+        self.offered = 0
+        self.move_targets = lambda: others_serving
 
     async def acall(self, command: object, timeout_s: float | None = None) -> str:
         from worker.commands import OfferMoves, SetRole
 
         if isinstance(command, OfferMoves):
+            self.offered += 1
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the move offer timed out")
         assert isinstance(command, SetRole)
         previous, self.role = self.role, command.role
         return previous
 
 
-def test_a_switch_made_whose_moves_failed_says_it_was_made() -> None:
-    """Over gRPC (the worker's SetRole servicer, a loop stand-in, the planner's and the
-    CLI's client): the call fails, naming the role the worker serves now, so the planner
-    counts the switch it made (and the moves' failure), not a switch not made."""
+def _switch_to_prefill_moving(loop: _MovesFail) -> object:
+    """``set_role(..., "prefill", move_decoding=True)`` over gRPC against the worker's
+    SetRole servicer on ``loop``: the RoleSwitchError it raises."""
     import asyncio
 
     from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
     from cluster.worker_control import RoleSwitchError, set_role
-    from planner import service
-    from planner.metrics import PlannerMetrics
-    from planner.policy import RoleChange
-    from tests.router.test_workers import make_record
     from worker.servicer import LoopServicerMixin
 
     class Servicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
         pass
-
-    loop = _MovesFail()
 
     async def switch() -> RoleSwitchError:
         server = grpc.aio.server()
@@ -142,9 +139,24 @@ def test_a_switch_made_whose_moves_failed_says_it_was_made() -> None:
         finally:
             await server.stop(None)
 
-    error = asyncio.run(switch())
+    return asyncio.run(switch())
+
+
+def test_a_switch_made_whose_moves_failed_says_it_was_made() -> None:
+    """Over gRPC (the worker's SetRole servicer, a loop stand-in, the planner's and the
+    CLI's client): the call fails, naming the role the worker serves now, so the planner
+    counts the switch it made (and the moves' failure), not a switch not made."""
+    from cluster.worker_control import RoleSwitchError
+    from planner import service
+    from planner.metrics import PlannerMetrics
+    from planner.policy import RoleChange
+    from tests.router.test_workers import make_record
+
+    loop = _MovesFail()
+    error = _switch_to_prefill_moving(loop)
+    assert isinstance(error, RoleSwitchError)
     assert loop.role == "prefill" and error.switched_to == "prefill" and not error.refused
-    assert "cannot move" in str(error)
+    assert "cannot move" in str(error) and loop.offered == 1
 
     metrics = PlannerMetrics()
     planner = service.PlannerService(None, None, None, metrics,  # type: ignore[arg-type]
@@ -164,3 +176,15 @@ def test_a_switch_made_whose_moves_failed_says_it_was_made() -> None:
 
     assert counted("switch", "to_prefill") == 1 and counted("failed", "moves") == 1
     assert counted("failed", "unreachable") is None
+
+
+def test_a_switch_with_moves_and_no_other_decode_worker_offers_none() -> None:
+    """The last decode worker switched to prefill with moves: nothing is parked (every
+    stream offered would fail, with nowhere to go); they finish where they are, and the
+    switch stands, saying so."""
+    from cluster.worker_control import RoleSwitchError
+
+    loop = _MovesFail(others_serving=False)
+    error = _switch_to_prefill_moving(loop)
+    assert isinstance(error, RoleSwitchError) and error.switched_to == "prefill"
+    assert loop.offered == 0 and "no other decode worker is serving" in str(error)
