@@ -52,7 +52,8 @@ class MovingLoop(PrefillLoop, DecodeLoop):
         if isinstance(command, OfferMoves):
             return self._offer(command.wait_s, command.draining)
         if isinstance(command, MovesPending):
-            return len(self._parked) + sum(1 for rid in self._moving.values() if rid in self._held)
+            return len(self._parked) + sum(1 for rid in self._moving.values() if rid in self._held) \
+                + (len(self._live) if self.draining else 0)
         return super()._handle_own(command)
 
     def _offer(self, wait_s: float, draining: bool) -> int:

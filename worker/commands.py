@@ -66,7 +66,8 @@ class OfferMoves(Command[int]):
 
 @dataclass(frozen=True)
 class MovesPending(Command[int]):
-    """Requests parked for a move, or moving (their KV not yet acknowledged)."""
+    """Requests parked for a move, or moving (their KV not yet acknowledged), and while
+    draining, every decoding request not parked yet (it may be offered once it runs)."""
 
 
 @dataclass(frozen=True)

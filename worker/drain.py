@@ -30,12 +30,14 @@ async def move_out(loop: EngineLoop, heartbeat: Heartbeat, worker_id: str, wait_
     """Offer the moves of ``loop``'s decoding requests (each parked at most ``wait_s``)
     and wait until none is pending, at most ``wait_s`` (the drain's grace: what is left of
     it then goes to the server's stop, so a drain takes the grace at most, as without
-    moves; a move still sending then is cut, and replayed). Returns how many were offered; 0
-    when no other decode worker is registered, or the loop cannot move (it is not a
-    ``role_worker`` loop) — never raises for that. Only a worker serving decode offers:
-    one switched to prefill keeps what it still decodes (it moved it at the switch, if
-    asked to)."""
+    moves; a move still sending then is cut, and replayed). A request that starts decoding
+    meanwhile (its KV arrived for a reservation made before the drain) is offered too.
+    Returns how many were offered; 0 when no other decode worker is registered, or the
+    loop cannot move (it is not a ``role_worker`` loop) — never raises for that. Only a
+    worker serving decode offers: one switched to prefill keeps what it still decodes,
+    and waits only for what it parked at the switch (if asked to move)."""
     if getattr(loop, "role", "decode") != "decode":
+        await _wait_pending(loop, time.monotonic() + wait_s, offer=False)
         return 0
     try:
         if not await asyncio.to_thread(heartbeat.set_draining):
@@ -47,27 +49,39 @@ async def move_out(loop: EngineLoop, heartbeat: Heartbeat, worker_id: str, wait_
     if not serving:
         log.info("draining: no other decode worker is serving; streams finish here")
         return 0
+    started = time.monotonic()
     try:
         offered = await loop.acall(OfferMoves(wait_s), OFFER_TIMEOUT_S)
     except (WorkerError, TypeError) as exc:
         log.warning("draining: no planned moves: %s", exc)
         return 0
-    if not offered:
-        log.info("draining: no decoding request to move")
-        return 0
-    started = time.monotonic()
-    deadline = started + wait_s
-    pending = offered
-    while pending and time.monotonic() < deadline:
-        await asyncio.sleep(POLL_S)
-        try:
-            pending = await loop.acall(MovesPending(), CALL_TIMEOUT_S)
-        except WorkerError as exc:  # the loop died or hangs: the drain goes on without it
-            log.warning("draining: the engine loop did not answer: %s", exc)
-            break
+    offered, pending = await _wait_pending(loop, started + wait_s, offered=offered)
     log.info("draining: %d requests offered to move, %d still pending after %.2fs",
              offered, pending, time.monotonic() - started)
     return offered
+
+
+async def _wait_pending(loop: EngineLoop, deadline: float, *, offer: bool = True,
+                        offered: int = 0) -> tuple[int, int]:
+    """Poll ``MovesPending`` until nothing is pending or ``deadline``; ``offer``: first
+    offering what started decoding since (each its move parked until ``deadline``). The
+    requests offered in all, and those still pending."""
+    pending = 1
+    while time.monotonic() < deadline:
+        try:
+            if offer:
+                offered += await loop.acall(OfferMoves(deadline - time.monotonic()),
+                                            CALL_TIMEOUT_S)
+            pending = await loop.acall(MovesPending(), CALL_TIMEOUT_S)
+        except TypeError:  # a loop that cannot move: nothing of it is pending
+            return offered, 0
+        except WorkerError as exc:  # the loop died or hangs: the drain goes on without it
+            log.warning("draining: the engine loop did not answer: %s", exc)
+            break
+        if not pending:
+            break
+        await asyncio.sleep(POLL_S)
+    return offered, pending
 
 
 def others_decoding(heartbeat: Heartbeat, worker_id: str) -> bool:
