@@ -148,6 +148,11 @@ class DecodeLoop(EngineLoop):
         self._failed: OrderedDict[str, str] = OrderedDict()
         # streams given their first token since the last step, and when
         self._first_chunks: list[tuple[OutputStream[RequestOutput], float]] = []
+        # prompts to prefill here (colocated) not yet scheduled, and when they came: their
+        # queue wait is pdserve:prefill_queue_seconds, as a prefill worker's is (the
+        # planner reads it to see a colocated cluster's prefills queue)
+        self._local_queued: dict[str, float] = {}
+        self._step_at = 0.0
 
     # --- commands -----------------------------------------------------------------
     def _handle_own(self, command: Command) -> object:
@@ -263,9 +268,11 @@ class DecodeLoop(EngineLoop):
         self._live[cmd.attempt_id] = _Live(Phase.RUNNING, cmd.params.max_tokens,
                                            stream=cmd.stream, local=True)
         self.timings.received(cmd.attempt_id)
+        self._local_queued[cmd.attempt_id] = time.monotonic()
 
     def _abort(self, attempt_id: str, code: grpc.StatusCode, reason: str) -> bool:
         self._failed.pop(attempt_id, None)
+        self._local_queued.pop(attempt_id, None)
         live = self._live.pop(attempt_id, None)
         if live is None:
             return super()._abort(attempt_id, code, reason)
@@ -334,6 +341,18 @@ class DecodeLoop(EngineLoop):
     def _before_step(self) -> None:
         self._release_first_chunks()
         super()._before_step()
+        self._step_at = time.monotonic()
+
+    def _after_step(self) -> None:
+        if self._local_queued:
+            requests, observe = self.core.scheduler.requests, \
+                self.metrics.prefill_queue.labels(self.metrics.model_name).observe
+            for rid, came in list(self._local_queued.items()):
+                request = requests.get(rid)  # (None: it ended in its first step)
+                if request is None or request.num_computed_tokens:  # its first chunk ran
+                    del self._local_queued[rid]
+                    observe(max(0.0, self._step_at - came))
+        super()._after_step()
 
     def _release_first_chunks(self) -> None:
         """Wait (bounded, see the module docstring) until each stream given its first token

@@ -27,7 +27,7 @@ direction of the transfer, not by the worker's role: any worker may send and rec
 ``pdserve:kv_checksum_failures_total``,
 ``pdserve:kv_unexpected_acks_total`` (acknowledgements a sender counted and ignored),
 ``pdserve:prefill_queue_seconds`` (histogram: a prefill's wait from its arrival to its
-first chunk's step, what the planner watches),
+first chunk's step, a decode worker's local prefills' too; what the planner watches),
 ``pdserve:kv_blocks_reused_total`` (prompt blocks a decode worker's prefix cache held
 at a reservation, so the sender skipped them), ``pdserve:kv_pinned_blocks``,
 ``pdserve:kv_open_channels`` (gauges), and

@@ -25,7 +25,7 @@ from cluster.internal.v1 import worker_pb2 as wpb
 from engine import LLM, SamplingParams
 from pdserve.client import Client, PdserveError
 from pdserve.v1 import generate_pb2 as pb
-from tests.e2e.cluster import NUM_KV_BLOCKS, Cluster
+from tests.e2e.cluster import NUM_KV_BLOCKS, Cluster, scrape_metrics
 from tests.factories import PROMPTS
 from tests.processes import wait_until
 from tests.worker.kv.faults import CORRUPT_NUM_TOKENS
@@ -473,6 +473,9 @@ def test_colocated_mode(cluster: Cluster, llm: LLM, tmp_path: Path) -> None:
     expected = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0,
                                                     ignore_eos=True))
     before = [cluster.info(p).kv for p in cluster.prefill]
+    decode_metrics = cluster.decode[0].ready["metrics_address"]
+    queued = "pdserve:prefill_queue_seconds_count{}"
+    waits_before = scrape_metrics(decode_metrics).get(queued, 0.0)
     try:
         with Client(router.address) as colocated, ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda p: list(colocated.complete(
@@ -483,6 +486,9 @@ def test_colocated_mode(cluster: Cluster, llm: LLM, tmp_path: Path) -> None:
     assert got == [r.token_ids for r in expected]
     assert [cluster.info(p).kv for p in cluster.prefill] == before  # untouched
     assert router.log_tail().count("prefilling locally on decode-0 (colocated mode)") == 4
+    # each local prefill's queue wait is counted, as a prefill worker's is (the planner
+    # reads it to see a colocated cluster's prompts queue)
+    assert scrape_metrics(decode_metrics)[queued] == waits_before + 4
     cluster.assert_no_leaks()
 
 
