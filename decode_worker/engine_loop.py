@@ -21,7 +21,7 @@ recorded in one place, the request's ``_Live.phase``:
 
 A request's first token is its time to first token: before the next step takes the core
 (and the GIL) from the gRPC side, the loop waits — at most ``FIRST_CHUNK_WAIT_S`` after it
-put it — for each stream given its first token to have sent it on (``_release_first_chunks``).
+put it — for each stream given its first token to have sent it on (``release_first_chunks``).
 
 ``Local`` (colocated mode) starts a request RUNNING: it is prefilled here. ``Abort`` at
 any point stops the transfer (if one is pending), frees everything and fails an open
@@ -50,6 +50,7 @@ import grpc
 
 from cluster import pause_points
 from cluster.kv_target import KVTarget
+from decode_worker.local_waits import LocalPrefillWaits
 from engine.core.engine_core import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.wire.protocol import Trailer
@@ -148,11 +149,8 @@ class DecodeLoop(EngineLoop):
         self._failed: OrderedDict[str, str] = OrderedDict()
         # streams given their first token since the last step, and when
         self._first_chunks: list[tuple[OutputStream[RequestOutput], float]] = []
-        # prompts to prefill here (colocated) not yet scheduled, and when they came: their
-        # queue wait is pdserve:prefill_queue_seconds, as a prefill worker's is (the
-        # planner reads it to see a colocated cluster's prefills queue)
-        self._local_queued: dict[str, float] = {}
-        self._step_at = 0.0
+        self._local_waits = LocalPrefillWaits(
+            self.metrics.prefill_queue.labels(self.metrics.model_name).observe)
 
     # --- commands -----------------------------------------------------------------
     def _handle_own(self, command: Command) -> object:
@@ -268,11 +266,11 @@ class DecodeLoop(EngineLoop):
         self._live[cmd.attempt_id] = _Live(Phase.RUNNING, cmd.params.max_tokens,
                                            stream=cmd.stream, local=True)
         self.timings.received(cmd.attempt_id)
-        self._local_queued[cmd.attempt_id] = time.monotonic()
+        self._local_waits.came(cmd.attempt_id)
 
     def _abort(self, attempt_id: str, code: grpc.StatusCode, reason: str) -> bool:
         self._failed.pop(attempt_id, None)
-        self._local_queued.pop(attempt_id, None)
+        self._local_waits.dropped(attempt_id)
         live = self._live.pop(attempt_id, None)
         if live is None:
             return super()._abort(attempt_id, code, reason)
@@ -339,28 +337,13 @@ class DecodeLoop(EngineLoop):
             self._failed[rid] = "no Generate stream opened before the transfer deadline"
 
     def _before_step(self) -> None:
-        self._release_first_chunks()
+        release_first_chunks(self._first_chunks)
         super()._before_step()
-        self._step_at = time.monotonic()
+        self._local_waits.step_starts()
 
     def _after_step(self) -> None:
-        if self._local_queued:
-            requests, observe = self.core.scheduler.requests, \
-                self.metrics.prefill_queue.labels(self.metrics.model_name).observe
-            for rid, came in list(self._local_queued.items()):
-                request = requests.get(rid)  # (None: it ended in its first step)
-                if request is None or request.num_computed_tokens:  # its first chunk ran
-                    del self._local_queued[rid]
-                    observe(max(0.0, self._step_at - came))
+        self._local_waits.step_ended(self.core.scheduler.requests)
         super()._after_step()
-
-    def _release_first_chunks(self) -> None:
-        """Wait (bounded, see the module docstring) until each stream given its first token
-        since the last step has handed it on: sleeping here leaves the core to the gRPC
-        side, where the step would otherwise share it with the chunk's sending."""
-        for stream, put_at in self._first_chunks:
-            stream.wait_taken(max(0.0, put_at + FIRST_CHUNK_WAIT_S - time.monotonic()))
-        self._first_chunks.clear()
 
     def _admit(self, attempt_id: str, live: _Live) -> None:
         assert live.trailer is not None
@@ -398,3 +381,14 @@ class DecodeLoop(EngineLoop):
             for n in range(first + 1, live.num_streamed + 1):
                 pause_points.record("decode.token", attempt_id=out.request_id, n=n)
                 pause_points.pause("decode.token", attempt_id=out.request_id, n=n)
+
+
+def release_first_chunks(first_chunks: list[tuple[OutputStream[RequestOutput], float]]
+                         ) -> None:
+    """Wait (bounded, see the module docstring) until each stream given its first token
+    since the last step (when) has handed it on, and forget them: sleeping here leaves the
+    core to the gRPC side, where the step would otherwise share it with the chunk's
+    sending."""
+    for stream, put_at in first_chunks:
+        stream.wait_taken(max(0.0, put_at + FIRST_CHUNK_WAIT_S - time.monotonic()))
+    first_chunks.clear()

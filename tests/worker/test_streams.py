@@ -10,12 +10,11 @@ import asyncio
 import dataclasses
 import threading
 import time
-from types import SimpleNamespace
 
 import grpc
 import pytest
 
-from decode_worker.engine_loop import FIRST_CHUNK_WAIT_S, DecodeLoop
+from decode_worker.engine_loop import FIRST_CHUNK_WAIT_S, release_first_chunks
 from engine.core.engine_core import RequestOutput, merge_outputs
 from engine.sampling_params import TokenLogprobs
 from worker.commands import WorkerError
@@ -111,11 +110,10 @@ def test_the_decode_loop_waits_for_first_chunks_no_longer_than_its_bound() -> No
     async def run() -> tuple[float, int]:
         stream: OutputStream[RequestOutput] = OutputStream(4)
         stream.put(_out(0))
-        loop = SimpleNamespace(_first_chunks=[(stream, time.monotonic()),
-                                              (stream, time.monotonic() - 10.0)])
+        first_chunks = [(stream, time.monotonic()), (stream, time.monotonic() - 10.0)]
         start = time.monotonic()
-        DecodeLoop._release_first_chunks(loop)  # type: ignore[arg-type]
-        return time.monotonic() - start, len(loop._first_chunks)
+        release_first_chunks(first_chunks)
+        return time.monotonic() - start, len(first_chunks)
 
     waited, left = asyncio.run(run())
     assert FIRST_CHUNK_WAIT_S <= 0.01
