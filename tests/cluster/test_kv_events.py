@@ -18,7 +18,7 @@ from deploy.redis_server import RedisServer
 from engine.kvcache.block_hash import compute_block_hashes
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.events import REMOVED, STORED, KVEventLog
-from worker.kv_events import KVEventPublisher
+from worker.kv_events import MAX_OPS_PER_BATCH, KVEventPublisher
 
 HASHES = compute_block_hashes(list(range(64)), 16)
 
@@ -99,6 +99,30 @@ def test_a_batch_redis_does_not_take_is_dropped_and_leaves_a_gap() -> None:
     assert (publisher.published, publisher.dropped) == (0, 1)
     assert publisher.snapshot().seq == 1  # the snapshot has it: a router resyncs to it
     publisher.stop()
+
+
+def test_while_redis_does_not_answer_the_log_goes_into_the_snapshot_in_one_try() -> None:
+    """A slow or absent Redis: each period one (empty) batch is tried and everything the
+    log held goes into the snapshot, which routers resynchronise to after the gap (the
+    log grew faster than a failing try every period drained it, and its backlog flooded
+    the stream when Redis came back)."""
+    class Slow:
+        tries = 0
+
+        def publish_kv_events(self, fields: object, maxlen: int) -> None:
+            self.tries += 1
+            raise RegistryUnavailable("Redis does not answer")
+
+        def close(self) -> None:
+            pass
+
+    registry, events = Slow(), KVEventLog()
+    publisher = KVEventPublisher(registry, "w-1", events)  # type: ignore[arg-type]
+    assert publisher.publish_once() == 1 and registry.tries == 1  # batch 1 fails: failing
+    many = [bytes([i % 256, i // 256]) * 8 for i in range(3 * MAX_OPS_PER_BATCH + 1)]
+    events.stored_all(many)
+    assert publisher.publish_once() == 1 and registry.tries == 2
+    assert len(events) == 0 and set(many) <= set(publisher.snapshot().block_hashes)
 
 
 def test_while_batches_are_dropped_an_empty_one_goes_each_period_so_routers_see_the_gap(
