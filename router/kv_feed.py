@@ -99,7 +99,8 @@ class KVFeed:
             if self._failing:
                 logger.info("KV events readable again")
             self._failing = False
-            self.index.heard()
+            if len(entries) < READ_COUNT:  # caught up: the index is as current as the stream
+                self.index.heard()  # (a full page is a backlog: trust ages while it is read)
             for entry_id, fields in entries:
                 after = entry_id
                 try:

@@ -66,3 +66,42 @@ def test_snapshots_are_asked_for_only_once_the_stream_position_is_read() -> None
             await feed.stop()
 
     asyncio.run(go())
+
+
+class Backlog:
+    """A stream whose every read is a full page: a router behind by more than it reads."""
+
+    def kv_events_tail(self) -> str:
+        return "0-0"
+
+    def read_kv_events(self, after: str, *, block_ms: int, count: int) -> list[object]:
+        time.sleep(0.005)
+        return [(f"{after}-{i}", {}) for i in range(count)]  # (entries it cannot decode)
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_index_reading_a_backlog_is_not_trusted_past_its_staleness_bound() -> None:
+    """Trust means the index is as current as the stream: reads of full pages (a backlog,
+    after an outage or a stall) do not renew it, so the index ages out of trust until the
+    feed catches up (every successful read renewed it, and a router falling behind was
+    trusted for ever)."""
+    now = [100.0]
+    index = KVIndex(clock=lambda: now[0])
+
+    async def go() -> None:
+        feed = KVFeed(index, Backlog(), Pool(), RouterMetrics())  # type: ignore[arg-type]
+        task = asyncio.create_task(feed.run())
+        try:
+            await asyncio.sleep(0.1)
+            assert index.trusted()  # the position was read at the start
+            now[0] += index.stale_after_s + 1
+            await asyncio.sleep(0.1)  # more full pages read meanwhile
+            assert not index.trusted()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await feed.stop()
+
+    asyncio.run(go())
