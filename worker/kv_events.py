@@ -10,8 +10,11 @@ worker serves it (``KVSnapshot`` RPC) to a router that must resynchronise.
 Redis down: a batch that cannot be published is dropped (its sequence number is used),
 so every router sees a gap at the next batch that gets through and resynchronises. While
 the last batch did not get through, an empty one is sent every period, so that gap shows
-as soon as Redis answers again, even from a worker whose cache then stays unchanged. The
-publisher never blocks the engine: it only drains a deque.
+as soon as Redis answers again, even from a worker whose cache then stays unchanged. A
+batch Redis took and then lost (a restart, a failover, a router behind by more than the
+stream keeps) shows too: with nothing to say for ``KEEPALIVE_S``, an empty batch goes, so
+a quiet worker's routers see the gap within that. The publisher never blocks the engine:
+it only drains a deque.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from engine.kvcache.events import STORED, KVEventLog
 log = logging.getLogger(__name__)
 
 DEFAULT_PERIOD_S = 0.02
+KEEPALIVE_S = 5.0  # an empty batch after this long without one (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class KVEventPublisher:
         self.published = 0  # batches Redis took
         self.dropped = 0  # batches it did not (routers resynchronise)
         self._failing = False
+        self._sent_at = time.monotonic()  # its last batch
 
     def start(self) -> KVEventPublisher:
         self._thread.start()
@@ -88,7 +93,8 @@ class KVEventPublisher:
         while True:
             failing = self._failing
             ops = self._events.drain(None if failing else MAX_OPS_PER_BATCH)
-            if not ops and (made or (self._seq and not failing)):
+            quiet = time.monotonic() - self._sent_at >= KEEPALIVE_S
+            if not ops and (made or (self._seq and not failing and not quiet)):
                 return made
             if ops and pause_points.enabled():
                 pause_points.pause("kv_events.publish", ops=len(ops))
@@ -102,6 +108,7 @@ class KVEventPublisher:
                 batch = EventBatch(self.worker_id, self.epoch, self._seq,
                                    () if failing else tuple(ops), time.time())
             self._send(batch)
+            self._sent_at = time.monotonic()
             made += 1
             if failing:
                 return made

@@ -101,6 +101,23 @@ def test_a_batch_redis_does_not_take_is_dropped_and_leaves_a_gap() -> None:
     publisher.stop()
 
 
+def test_a_quiet_worker_sends_an_empty_batch_now_and_then(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch Redis took and lost (a restart, a failover) must show as a gap even from a
+    worker whose cache stays unchanged after it: a quiet one keeps numbering batches."""
+    from worker import kv_events
+
+    registry = Registry(redis_server.url, cluster="kvquiet")
+    publisher = KVEventPublisher(registry, "w-1", KVEventLog())
+    try:
+        assert publisher.publish_once() == 1  # batch 1
+        assert publisher.publish_once() == 0  # nothing new, not quiet for long: none
+        monkeypatch.setattr(kv_events, "KEEPALIVE_S", 0.0)
+        assert publisher.publish_once() == 1 and publisher.snapshot().seq == 2
+    finally:
+        publisher.stop()
+
+
 def test_while_redis_does_not_answer_the_log_goes_into_the_snapshot_in_one_try() -> None:
     """A slow or absent Redis: each period one (empty) batch is tried and everything the
     log held goes into the snapshot, which routers resynchronise to after the gap (the
