@@ -243,14 +243,16 @@ class Registry:
 
     def assert_fingerprint(self, layout: KVLayout) -> str | None:
         """Make ``layout`` the cluster fingerprint, overwriting whatever is there (one
-        atomic ``SET … GET``). Only the router calls this, with the layout it pinned.
+        atomic ``GETSET``: ``SET … GET`` needs Redis 6.2, and an older one refused every
+        refresh's, leaving the router's worker view frozen). Only the router calls this,
+        with the layout it pinned.
 
         Returns ``None`` when the key already held ``layout``, else what was replaced:
         ``"missing"``, ``"malformed"`` or the first differing field (``"field: ours !=
         theirs"``, as ``KVLayout.diff`` names it).
         """
         with self._errors("re-asserting the cluster fingerprint"):
-            raw = self._client.set(self.keys.fingerprint, layout_to_json(layout), get=True)
+            raw = self._client.getset(self.keys.fingerprint, layout_to_json(layout))
         if raw is None:
             return "missing"
         try:

@@ -332,3 +332,25 @@ def test_a_password_protected_redis_works_and_a_wrong_password_is_clear() -> Non
             assert "refused authentication" in str(info.value)
             assert "wrong-pw" not in str(info.value) and "s3cret" not in str(info.value)
             assert not WorkerView(registry).refresh().workers  # the view still never raises
+
+
+def test_the_fingerprint_is_reasserted_without_set_get(registry: Registry) -> None:
+    """``SET … GET`` needs Redis 6.2: on an older external Redis every router refresh's
+    re-assertion failed, and its worker view stayed frozen at the first one."""
+    real = registry._client
+
+    class Redis60:  # refuses SET's GET option, as Redis before 6.2 does
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def set(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("get"):
+                raise redis.ResponseError("syntax error")
+            return real.set(*args, **kwargs)
+
+    registry._client = Redis60()  # type: ignore[assignment]
+    try:
+        assert registry.assert_fingerprint(LAYOUT) == "missing"
+        assert registry.assert_fingerprint(LAYOUT) is None  # held ours since
+    finally:
+        registry._client = real
