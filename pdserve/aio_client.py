@@ -32,7 +32,13 @@ from pdserve.client import (
     model_info_from_proto,
     open_channels,
 )
-from pdserve.failover import DEFAULT_MAX_RESUMES, RouterTurns, StreamProgress, as_addresses
+from pdserve.failover import (
+    CLOSED,
+    DEFAULT_MAX_RESUMES,
+    RouterTurns,
+    StreamProgress,
+    as_addresses,
+)
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 __all__ = ["AsyncClient", "AsyncGenerationStream"]
@@ -76,6 +82,9 @@ class AsyncGenerationStream:
             raise StopAsyncIteration
         while True:
             if self._call is None:
+                if self._client_closed():  # close() during a failover's wait
+                    self._finished = True
+                    raise PdserveError(grpc.StatusCode.CANCELLED, CLOSED)
                 progress = self._progress
                 self._call = self._stubs[self._router].Generate(
                     progress.next_request(), timeout=progress.timeout(),
@@ -115,6 +124,11 @@ class AsyncGenerationStream:
                                    self._progress.ready_wait_s())
         except TimeoutError:
             pass
+        except Exception:  # noqa: BLE001 - grpc's UsageError: close() during the wait
+            if not (self._closed or self._client_closed()):
+                raise
+            self._finished = True
+            raise PdserveError(grpc.StatusCode.CANCELLED, CLOSED) from None
 
     async def _read(self) -> Any:
         """The current call's next message (or EOF); a cancel under this task is

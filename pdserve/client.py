@@ -25,7 +25,13 @@ from typing import Any, TypedDict, Unpack
 
 import grpc
 
-from pdserve.failover import DEFAULT_MAX_RESUMES, RouterTurns, StreamProgress, as_addresses
+from pdserve.failover import (
+    CLOSED,
+    DEFAULT_MAX_RESUMES,
+    RouterTurns,
+    StreamProgress,
+    as_addresses,
+)
 from pdserve.results import (
     Completion,
     CompletionBuilder,
@@ -321,9 +327,12 @@ class Client:
         progress = StreamProgress(request, timeout, self.max_resumes)
         router = self._turns.first()
         while True:
-            call = self._stubs[router].Generate(progress.next_request(),
-                                                timeout=progress.timeout(),
-                                                metadata=self._metadata)
+            try:
+                call = self._stubs[router].Generate(progress.next_request(),
+                                                    timeout=progress.timeout(),
+                                                    metadata=self._metadata)
+            except ValueError:  # its channel closed: close() during a failover's wait
+                raise PdserveError(grpc.StatusCode.CANCELLED, CLOSED) from None
             try:
                 for response in call:
                     progress.received(response)
@@ -340,9 +349,14 @@ class Client:
             finally:
                 call.cancel()  # a no-op once the call has ended; frees the server otherwise
             router = self._turns.after(router)
-            try:  # a router that is back, its channel still reconnecting: a moment for it
-                grpc.channel_ready_future(self._channels[router]).result(
-                    timeout=progress.ready_wait_s())
+            if self.closed:  # close() during the wait
+                raise PdserveError(grpc.StatusCode.CANCELLED, CLOSED)
+            # a router that is back, its channel still reconnecting: a moment for it
+            ready = grpc.channel_ready_future(self._channels[router])
+            try:
+                ready.result(timeout=progress.ready_wait_s())
             except grpc.FutureTimeoutError:
                 pass  # the call fails fast (UNAVAILABLE) and counts as one more try
+            finally:
+                ready.cancel()  # (subscribed to the channel for good otherwise)
 

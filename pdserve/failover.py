@@ -26,6 +26,8 @@ import grpc
 
 from pdserve.v1 import generate_pb2
 
+CLOSED = "the client was closed"  # a stream's error after close() (CANCELLED)
+
 DEFAULT_MAX_RESUMES = 3
 BACKOFF_S = 0.05
 MAX_BACKOFF_S = 1.0
@@ -100,9 +102,8 @@ class StreamProgress:
         the resume); ``closed``: the client closed the stream or its channels, so a
         CANCELLED is its own doing, not the router's."""
         code = error.code() if hasattr(error, "code") else None
-        broken = code is grpc.StatusCode.UNAVAILABLE or (
-            code is grpc.StatusCode.CANCELLED and not closed)
-        if self.finished or not broken or self.resumes >= self.max_resumes:
+        broken = code is grpc.StatusCode.UNAVAILABLE or code is grpc.StatusCode.CANCELLED
+        if closed or self.finished or not broken or self.resumes >= self.max_resumes:
             return False
         if self.token_ids and not self.resume_token:  # a router that gives no tokens
             return False

@@ -253,3 +253,43 @@ def test_with_n_choices_a_failure_after_the_first_choice_ended_is_raised(
         assert caught.value.code == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(PdserveError):
             list(client.generate("Hi", n=2, timeout=RPC_TIMEOUT_S))
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_closing_the_client_during_a_failovers_wait_ends_the_stream_cancelled(
+        kind: str, fakes: list[FakeGeneration], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``close()`` while a broken stream waits to go on: ``PdserveError(CANCELLED)``, as
+    documented (grpc's own closed-channel error escaped, a ValueError or a UsageError)."""
+    import threading
+
+    from pdserve import failover
+
+    monkeypatch.setattr(failover, "BACKOFF_S", 1.0)  # a wait of 0.5-1 s to close during
+    first, second = fakes
+    first.handler, second.handler = sealed(stop=1, fail=True), sealed(start=1)
+    addresses = [first.address, second.address]
+    if kind == "sync":
+        client = Client(addresses)
+        stream = client.generate("Hi", max_tokens=8, timeout=RPC_TIMEOUT_S)
+        next(stream)
+        threading.Timer(0.2, client.close).start()
+        with pytest.raises(PdserveError) as info:
+            list(stream)
+    else:
+        async def main() -> None:
+            client = AsyncClient(addresses)
+            stream = client.generate("Hi", max_tokens=8, timeout=RPC_TIMEOUT_S)
+            await stream.__anext__()
+            closing = asyncio.get_running_loop().call_later(
+                0.2, lambda: asyncio.ensure_future(client.close()))
+            try:
+                async for _ in stream:
+                    pass
+            finally:
+                closing.cancel()
+                await client.close()
+
+        with pytest.raises(PdserveError) as info:
+            asyncio.run(main())
+    assert info.value.code is grpc.StatusCode.CANCELLED, info.value
+    assert second.requests == []  # nothing went on
