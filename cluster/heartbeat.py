@@ -18,11 +18,11 @@ from types import TracebackType
 
 from cluster.records import WorkerLoad, WorkerRecord
 from cluster.registry import (
+    ClusterTokenRequired,
     FingerprintMismatch,
     Registry,
     RegistryAuthError,
     RegistryError,
-    RegistryUnavailable,
 )
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,9 @@ class Heartbeat:
         self._started_at = self._progress_at = self._clock()
         try:
             self._write()
-        except RegistryUnavailable as exc:  # not an auth or fingerprint error: wait to join
+        except (RegistryAuthError, FingerprintMismatch, ClusterTokenRequired):
+            raise  # refused: retrying would not change it
+        except RegistryError as exc:  # unreachable, or full, read-only (a failover): wait
             self.failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             logger.warning("%s has not joined the cluster yet: waiting for Redis (retrying "
@@ -197,8 +199,8 @@ class Heartbeat:
             now = self._clock()
             if now - self._progress_at >= PROGRESS_S:
                 self._progress_at = now
-                logger.warning("%s still waiting to join the cluster: Redis unreachable for "
-                               "%.0fs: %s", self._record.worker_id, now - self._started_at, exc)
+                logger.warning("%s still waiting to join the cluster, for %.0fs: %s",
+                               self._record.worker_id, now - self._started_at, exc)
             self.last_error = message
             return
         if message != self.last_error:  # once per outage, not once per beat

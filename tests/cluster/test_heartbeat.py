@@ -73,6 +73,27 @@ def test_a_worker_started_while_redis_is_down_waits_and_joins(
     assert listed(registry) == []
 
 
+def test_a_worker_starting_while_redis_refuses_writes_waits_and_joins(
+        registry: Registry, raw_redis: redis.Redis) -> None:
+    """Redis full (maxmemory under noeviction) or read-only (a failover) at the first
+    registration: the worker waits to join, as while Redis is down (it raised, and the
+    worker died after loading its model)."""
+    before = raw_redis.config_get("maxmemory")["maxmemory"]
+    raw_redis.set("ballast", "x" * 100_000)
+    raw_redis.config_set("maxmemory", 1)
+    heartbeat = Heartbeat(registry, make_record("decode-oom", "decode"))
+    try:
+        heartbeat.start()  # does not raise
+        assert not heartbeat.joined and "maxmemory" in (heartbeat.last_error or "")
+        raw_redis.config_set("maxmemory", before)
+        wait_until(lambda: heartbeat.joined, 10.0, "the worker to join")
+        assert listed(registry) == ["decode-oom"]
+    finally:
+        raw_redis.config_set("maxmemory", before)
+        raw_redis.delete("ballast")
+        heartbeat.stop()
+
+
 def test_a_lasting_mismatch_at_a_later_beat_gives_up_a_passing_one_does_not(
         registry: Registry, raw_redis: redis.Redis) -> None:
     clock = FakeClock()
