@@ -19,7 +19,8 @@ Key schema — built only by ``Keys``; everything lives under ``pdserve:{cluster
                         it first after Redis lost its data does not keep it; nobody deletes it.
     resume_key          64 hex digits, no TTL: the routers' shared key of resume tokens in a
                         cluster without a cluster token (``router.resume``); ``SET NX`` by
-                        the first router, read by every one.
+                        the first router, read by every one, and ``SET NX`` again with the
+                        key it seals with by each router's refresh (Redis lost its data).
     load:{router_id}    one router's load on each worker, short TTL (``cluster.router_loads``).
     kv_events           Redis stream, ``MAXLEN ~``: every worker's KV events, one entry per
                         batch (``cluster.kv_events``); every router reads all of it.
@@ -202,10 +203,13 @@ class Registry:
         if required:
             raise ClusterTokenRequired(self.keys.cluster)
 
-    def resume_key(self) -> bytes:
-        """The routers' shared resume key (see the key schema), made by the first to ask."""
+    def resume_key(self, ours: bytes | None = None) -> bytes:
+        """The routers' shared resume key (see the key schema), made by the first to ask;
+        ``ours``: the key this router seals with, written if the key is missing (Redis lost
+        its data: a router starting then takes the one the others use, not a new one)."""
         with self._errors("reading the resume key"):
-            self._client.set(self.keys.resume_key, secrets.token_hex(32), nx=True)
+            self._client.set(self.keys.resume_key,
+                             ours.hex() if ours is not None else secrets.token_hex(32), nx=True)
             raw = self._client.get(self.keys.resume_key)
         try:
             key = bytes.fromhex(raw.decode() if isinstance(raw, bytes) else str(raw))

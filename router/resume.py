@@ -68,6 +68,10 @@ class ResumeSeal:
             keys = (secrets.token_bytes(KEY_BYTES),)
         self._keys = tuple(keys)
 
+    @property
+    def sealing_key(self) -> bytes:
+        return self._keys[0]
+
     def with_key(self, key: bytes) -> ResumeSeal:
         """A seal that seals with ``key`` and still accepts this one's keys."""
         return ResumeSeal([key, *self._keys])

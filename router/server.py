@@ -241,21 +241,26 @@ class Router:
             await asyncio.sleep(self.config.discovery.refresh_interval_s)
             try:
                 await self._refresh()
-                if self._own_resume_key:
+                if self.config.cluster_token is None:
                     await self._share_resume_key()
             except Exception:  # the loop must survive anything; log and go on
                 logger.exception("refreshing the worker view failed")
 
     async def _share_resume_key(self) -> None:
         """Takes up the cluster's shared resume key once Redis answers (its own, which
-        sealed the streams served meanwhile, stays accepted)."""
+        sealed the streams served meanwhile, stays accepted); after, writes the key it
+        seals with back where Redis lost it (a restart without persistence), so a router
+        started then shares it rather than making another, under which it could not resume
+        the others' streams."""
+        seal = self.core.seal
         try:
-            shared = await asyncio.to_thread(self.registry.resume_key)
+            shared = await asyncio.to_thread(self.registry.resume_key, seal.sealing_key)
         except Exception:  # noqa: BLE001 - Redis still away: next refresh
             return
-        self.core.seal = self.core.seal.with_key(shared)
+        if shared != seal.sealing_key:
+            self.core.seal = seal.with_key(shared)
+            logger.info("resume tokens now use the cluster's shared key")
         self._own_resume_key = False
-        logger.info("resume tokens now use the cluster's shared key")
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops accepting (health NOT_SERVING; a new request gets UNAVAILABLE, on both

@@ -354,3 +354,30 @@ def test_the_fingerprint_is_reasserted_without_set_get(registry: Registry) -> No
         assert registry.assert_fingerprint(LAYOUT) is None  # held ours since
     finally:
         registry._client = real
+
+
+def test_routers_share_one_resume_key_across_a_redis_that_lost_its_data(
+        redis_server: RedisServer) -> None:
+    """Redis restarted without persistence: the routers' refresh writes back the key they
+    seal with, so a router started then takes it up (it made another, and could not
+    resume the others' streams: "the resume token does not seal this request")."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from router.resume import ResumeSeal
+    from router.server import Router
+    from tests.router.test_resume import REQUEST, _tokens
+
+    def router(registry: Registry) -> SimpleNamespace:
+        """What ``Router._share_resume_key`` reads of a router without a token."""
+        return SimpleNamespace(core=SimpleNamespace(seal=ResumeSeal([registry.resume_key()])),
+                               registry=registry, _own_resume_key=False)
+
+    with Registry(redis_server.url, cluster="resume") as registry:
+        a = router(registry)
+        registry._client.flushall()  # Redis lost its data
+        asyncio.run(Router._share_resume_key(a))  # type: ignore[arg-type]
+        b = router(registry)  # a router started after
+        assert b.core.seal.sealing_key == a.core.seal.sealing_key
+        sent, token = _tokens(a.core.seal)[0]
+        b.core.seal.check(REQUEST, token, sent)

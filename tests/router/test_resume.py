@@ -98,3 +98,4 @@ def test_a_seal_takes_up_a_new_key_and_keeps_accepting_the_old() -> None:
     shared.check(REQUEST, token, sent)  # sealed before the switch
     sent, token = _tokens(shared)[0]
     ResumeSeal([OTHER]).check(REQUEST, token, sent)  # sealed after: the shared key's
+
