@@ -247,8 +247,7 @@ class Registry:
 
     def assert_fingerprint(self, layout: KVLayout) -> str | None:
         """Make ``layout`` the cluster fingerprint, overwriting whatever is there (one
-        atomic ``GETSET``: ``SET … GET`` needs Redis 6.2, and an older one refused every
-        refresh's, leaving the router's worker view frozen). Only the router calls this,
+        atomic ``GETSET``; ``SET … GET`` needs Redis 6.2). Only the router calls this,
         with the layout it pinned.
 
         Returns ``None`` when the key already held ``layout``, else what was replaced:
