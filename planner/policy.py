@@ -298,6 +298,9 @@ class Planner:
             shrink, grow = "prefill", "decode"
         elif n > max_p + max_d and c.max_workers is not None:  # too many for the caps
             return self._shrink_to_caps(obs, now, "prefill" if prefill > max_p else "decode")
+        elif n < c.size_bounds(n)[0] and (prefill < c.min_prefill or decode < c.min_decode):
+            return self._grow_to_floor(obs, now, "prefill" if prefill < c.min_prefill
+                                       else "decode")  # too few, and no switch can help
         else:
             return self._hold("bounds")
         worker = _least_held(obs, shrink)
@@ -307,6 +310,18 @@ class Planner:
                                      f"{prefill}P+{decode}D is outside {_bounds(c)}",
                                      0.0, 0.0),
                           now)
+
+    def _grow_to_floor(self, obs: Observation, now: float, role: str) -> list[Decision]:
+        """Fewer workers than ``min_workers`` and ``role`` under its floor, which no switch
+        can lift (the other role is at its own): a worker of ``role`` is added, once the
+        last scale step is seen."""
+        if self.pending is not None:
+            return self._hold("scaling")
+        n, prefill = len(obs.workers), len(obs.of_role("prefill"))
+        split = (prefill + 1, n - prefill) if role == "prefill" else (prefill, n - prefill + 1)
+        self.wanted, self.pending = split, (n + 1, now)
+        return self._made(ScaleChange(now, ADD, role, None, f"{prefill}P+{n - prefill}D is "
+                                      f"under {_bounds(self.config)}", 0.0, 0.0, *split), now)
 
     def _shrink_to_caps(self, obs: Observation, now: float, role: str) -> list[Decision]:
         """More workers than the roles' caps allow together: one of ``role`` (over its

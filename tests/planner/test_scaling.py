@@ -184,3 +184,17 @@ def test_a_switch_worth_its_gain_comes_before_an_add_and_the_gauges_ask_one_step
     clock.t += 10  # not seen yet: the gauges still ask for that one worker more
     assert planner.decide(_observe(2, heavy, n=4)) == [] and planner.held == "scaling"
     assert planner.wanted == (add.num_prefill, add.num_decode)
+
+
+def test_a_cluster_below_its_minimum_with_a_role_under_its_floor_grows_that_role() -> None:
+    """1P+1D where min_decode is 2 and min_workers 3 (a decode worker gone, not back): no
+    switch can lift the decode floor (prefill is at its own), so a decode worker is added
+    (it held "bounds" for ever)."""
+    config = dataclasses.replace(SCALING, min_decode=2, min_workers=3, max_workers=5)
+    clock = _Clock()
+    planner = Planner(config, _model(), clock)
+    add = _one(planner.decide(_observe(1, LIGHT, n=2)))
+    assert (add.action, add.role, add.num_prefill, add.num_decode) == ("add", "decode", 1, 2)
+    assert "under" in add.reason and planner.wanted == (1, 2)
+    clock.t = 10.0  # not seen yet: no second step
+    assert planner.decide(_observe(1, LIGHT, n=2)) == [] and planner.held == "scaling"
