@@ -214,10 +214,10 @@ class KVSender:
         self.pool.close_all("sender closed")
         for thread in self.threads():
             thread.join(timeout=self.config.timeout_s)
+        self.pool.close_all("sender closed")  # again: one a lane was opening meanwhile
         with self._cond:
-            lanes = list(self._lanes.values())
-        for lane in lanes:
-            lane.drop_store()  # the rendezvous connections
+            for lane in self._lanes.values():
+                lane.drop_store()  # the rendezvous connections
         self.buffers.clear()
 
     # ---------------------------------------------------------------- internals
