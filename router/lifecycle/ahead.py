@@ -61,8 +61,10 @@ class AheadGate:
                 del self._refusing[worker_id]
             self._refusing[decode_id] = now
 
-    def __len__(self) -> int:
-        """Refusals remembered (expired ones go with the next refusal)."""
+    @property
+    def num_refusals(self) -> int:
+        """Refusals remembered (expired ones go with the next refusal). Not ``__len__``: an
+        empty gate must not be falsy (``gate or AheadGate()`` would replace it)."""
         return len(self._refusing)
 
     def answered(self, attempt: Attempt, refusal: tuple[str, bool] | None) -> bool:

@@ -56,7 +56,7 @@ class Placement:
     def __init__(self, ctx: RequestContext, ids: AttemptIds, transfer_ids: Iterator[int],
                  turns: Iterator[int] | None = None, gate: AheadGate | None = None) -> None:
         self.ctx = ctx
-        self._gate = gate or AheadGate()
+        self._gate = gate if gate is not None else AheadGate()
         self._ids = ids
         self._transfer_ids = transfer_ids
         self._turns = turns

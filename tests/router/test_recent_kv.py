@@ -80,11 +80,11 @@ def test_a_refusal_holds_prefills_back_until_an_acceptance_or_its_memory_ends() 
     gate.reserve_answered("d-1", reserved=False, for_want_of_room=False)  # not for room
     assert not gate.allows("d-0") and gate.allows("d-1")
     gate.reserve_answered("d-0", reserved=True, for_want_of_room=False)
-    assert gate.allows("d-0") and len(gate) == 0
+    assert gate.allows("d-0") and gate.num_refusals == 0
     for i in range(50):  # workers that refused, then left the cluster
         gate.reserve_answered(f"gone-{i}", reserved=False, for_want_of_room=True)
     assert not gate.allows("gone-0")
     clock.now += REFUSAL_MEMORY_S + 1
     assert gate.allows("gone-0")  # still full, it refuses the next one itself
     gate.reserve_answered("d-2", reserved=False, for_want_of_room=True)
-    assert len(gate) == 1  # the others forgotten
+    assert gate.num_refusals == 1  # the others forgotten
