@@ -173,7 +173,6 @@ class SendLane:
                 self.ctx.pool.discard(channel, str(exc))
                 if reused and attempt == 0 and record.error is None:  # not for a failed one
                     self.ctx.stats.retries += 1
-                    self._store = None  # a receiver restarted at its address: reconnect
                     continue
                 self._store = None  # reconnect next time: the receiver may be gone
                 self.ctx.forget_peer(record.dest)

@@ -15,7 +15,6 @@ from tests.kvtransfer.conftest import AgentsFactory
 from tests.kvtransfer.topology import (
     CONFIG,
     LAYOUT,
-    NUM_BLOCKS,
     Decode,
     assert_received,
     expect,
@@ -165,25 +164,6 @@ def test_an_advertisement_the_sender_cannot_read_fails_its_transfers_at_once(
         send(prefill, dest, req)
         message, elapsed = _raises(sender, "send_wait", transfer_id, "LayoutMismatch")
         assert "cannot read" in message and elapsed < CONFIG.timeout_s
-
-
-def test_a_decode_worker_restarted_at_its_address_is_reached_on_the_retry(
-        agents: AgentsFactory) -> None:
-    """A decode worker restarted at the same address (a fixed --kv-port): the sender's
-    idle channel to it is found closed, and the retry on a fresh channel reconnects to
-    the new store instead of asking the dead one."""
-    sender, r1, r2 = agents(3)
-    prefill = make_prefill([sender])
-    decode = make_decode([r1])
-    transfer(prefill, decode, make_request(71, 40))
-    r1.signal(signal.SIGKILL)
-    _wait_dead(r1)
-    r2.call("make_receiver", LAYOUT, decode.address, 0, 1, CONFIG, NUM_BLOCKS)
-    again = Decode([r2], decode.address, LAYOUT)
-    req = make_request(72, 40)
-    transfer(prefill, again, req)
-    assert_received(again, req)
-    assert sender.call("report")["stats"]["retries"] == 1
 
 
 def test_corrupted_payload_is_detected_and_not_used(agents: AgentsFactory) -> None:
