@@ -174,12 +174,10 @@ class SendLane:
                 if reused and attempt == 0 and record.error is None:  # not for a failed one
                     self.ctx.stats.retries += 1
                     continue
-                self._store = None  # reconnect next time: the receiver may be gone
                 self.ctx.forget_peer(record.dest)
                 raise ChannelClosed(str(exc), record.transfer_id) from exc
             except ChannelError as exc:
                 self.ctx.pool.discard(channel, str(exc))
-                self._store = None
                 self.ctx.forget_peer(record.dest)
                 raise ChannelError(str(exc), record.transfer_id) from exc
             except BaseException:
