@@ -1,9 +1,8 @@
 """Cluster state in Redis: the ``Registry`` client, its key schema and its errors.
 
-Torch-free (imports ``redis``, ``cluster.records`` and ``engine.kvcache.layout`` only), so the
-router can use it. The records' JSON is ``cluster.records``; ``cluster.heartbeat`` keeps a
-worker's record alive and ``cluster.view`` is the router's view of the live workers, both
-built on a ``Registry``.
+Torch-free (imports ``redis``, ``cluster.records`` and ``engine.kvcache.layout`` only). The
+records' JSON is ``cluster.records``; ``cluster.heartbeat`` keeps a worker's record alive
+and ``cluster.view`` is the router's view of the live workers, both on a ``Registry``.
 
 Key schema — built only by ``Keys``; everything lives under ``pdserve:{cluster}:``::
 
@@ -68,8 +67,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_CLUSTER = "default"
 DEFAULT_TTL_S = 10.0
 DEFAULT_HEARTBEAT_S = 3.0
-DEFAULT_TIMEOUT_S = 1.0
-"""Socket connect and read timeout of every Redis call."""
+MAX_HEARTBEAT_S = 5.0  # routers keep a worker missing from Redis a second longer (a restart)
+DEFAULT_TIMEOUT_S = 1.0  # socket connect and read timeout of every Redis call
 
 
 class RegistryError(Exception):
@@ -164,8 +163,9 @@ class Registry:
     def __init__(self, redis_url: str, *, cluster: str = DEFAULT_CLUSTER,
                  ttl_s: float = DEFAULT_TTL_S, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        if not 0 < heartbeat_s < ttl_s:
-            raise ValueError(f"need 0 < heartbeat_s < ttl_s, got {heartbeat_s} and {ttl_s}")
+        if not 0 < heartbeat_s < ttl_s or heartbeat_s > MAX_HEARTBEAT_S:
+            raise ValueError(f"need 0 < heartbeat_s < ttl_s, heartbeat_s <= {MAX_HEARTBEAT_S} (the "
+                             f"routers' grace for a missing worker), got {heartbeat_s}, {ttl_s}")
         if ttl_s < 0.001 or timeout_s <= 0:
             raise ValueError(f"ttl_s and timeout_s must be positive, got {ttl_s}, {timeout_s}")
         self.keys = Keys(cluster)

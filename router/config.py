@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.internal_tls import InternalTLS
+from cluster.registry import MAX_HEARTBEAT_S
 from cluster.token import ClusterToken
 
 DEFAULT_PORT = 50051
@@ -113,7 +114,9 @@ class DiscoveryConfig:
     redis_url: str
     cluster: str = "default"
     refresh_interval_s: float = 0.5
-    keep_missing_s: float = 6.0  # a worker gone from Redis stays routable this long
+    # a worker gone from Redis stays routable this long (past a restart's re-registration:
+    # a worker's heartbeat comes at most every MAX_HEARTBEAT_S)
+    keep_missing_s: float = MAX_HEARTBEAT_S + 1.0
     suspect_s: float = 5.0  # a worker whose call failed in transport is skipped this long
 
 

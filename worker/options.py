@@ -73,7 +73,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                              "unregistered)")
     parser.add_argument("--cluster", default="default", help="Redis key namespace")
     parser.add_argument("--heartbeat-interval", type=float,
-                        help="seconds between registration heartbeats (default: 3)")
+                        help="seconds between registration heartbeats (default: 3; at most "
+                             "5, so routers keep a worker past a Redis restart)")
     parser.add_argument("--registration-ttl", type=float,
                         help="seconds the record outlives the last heartbeat (default: 10)")
     parser.add_argument("--worker-id", help="default: ROLE-<random>")

@@ -381,3 +381,16 @@ def test_routers_share_one_resume_key_across_a_redis_that_lost_its_data(
         assert b.core.seal.sealing_key == a.core.seal.sealing_key
         sent, token = _tokens(a.core.seal)[0]
         b.core.seal.check(REQUEST, token, sent)
+
+
+def test_a_heartbeat_slower_than_the_routers_grace_is_refused() -> None:
+    """Routers forget a worker missing from Redis after keep_missing_s (6 s): a worker
+    beating every 8 s (with a 20 s TTL, accepted before) dropped out of every router at
+    each Redis restart until it registered again."""
+    from cluster.registry import MAX_HEARTBEAT_S
+    from router.config import DiscoveryConfig
+
+    with pytest.raises(ValueError, match="routers' grace"):
+        Registry("redis://127.0.0.1:1", ttl_s=20.0, heartbeat_s=8.0)
+    Registry("redis://127.0.0.1:1", ttl_s=20.0, heartbeat_s=MAX_HEARTBEAT_S).close()
+    assert DiscoveryConfig("redis://x").keep_missing_s > MAX_HEARTBEAT_S
