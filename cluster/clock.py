@@ -16,6 +16,10 @@ import threading
 import time
 from typing import Protocol
 
+# the slowest heartbeat a worker may have: routers keep a worker missing from Redis a second
+# longer (``router.config.DiscoveryConfig.keep_missing_s``), past a restart's re-registration
+MAX_HEARTBEAT_S = 5.0
+
 
 class Clock(Protocol):
     def monotonic(self) -> float: ...

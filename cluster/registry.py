@@ -52,6 +52,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from cluster.clock import MAX_HEARTBEAT_S
 from cluster.records import (
     ROLES,
     RecordFormatError,
@@ -67,7 +68,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_CLUSTER = "default"
 DEFAULT_TTL_S = 10.0
 DEFAULT_HEARTBEAT_S = 3.0
-MAX_HEARTBEAT_S = 5.0  # routers keep a worker missing from Redis a second longer (a restart)
 DEFAULT_TIMEOUT_S = 1.0  # socket connect and read timeout of every Redis call
 
 

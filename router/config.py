@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.clock import MAX_HEARTBEAT_S
 from cluster.internal_tls import InternalTLS
-from cluster.registry import MAX_HEARTBEAT_S
 from cluster.token import ClusterToken
 
 DEFAULT_PORT = 50051

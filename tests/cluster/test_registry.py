@@ -387,7 +387,7 @@ def test_a_heartbeat_slower_than_the_routers_grace_is_refused() -> None:
     """Routers forget a worker missing from Redis after keep_missing_s (6 s): a worker
     beating every 8 s (with a 20 s TTL, accepted before) dropped out of every router at
     each Redis restart until it registered again."""
-    from cluster.registry import MAX_HEARTBEAT_S
+    from cluster.clock import MAX_HEARTBEAT_S
     from router.config import DiscoveryConfig
 
     with pytest.raises(ValueError, match="routers' grace"):
