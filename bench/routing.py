@@ -74,6 +74,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=4, help="prefill workers")
     p.add_argument("--routers", default="1,4", help="router replica counts, comma-separated")
     p.add_argument("--arms", default=",".join(ARMS), help=f"any of {', '.join(ARMS)}")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=None,
+                   help="the kv-aware arm's routers' --local-prefill-max-tokens (default: "
+                        "the router's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--plot", default=None, help="also draw the arms side by side here (PNG)")
@@ -85,6 +88,7 @@ class Turn:
     prompt: list[int]
     sent_at: float
     ttft_s: float = 0.0
+    tpot_s: float = 0.0  # the mean time between its tokens after the first
     cached_tokens: int = 0
 
 
@@ -102,6 +106,7 @@ class ArmResult:
                                                                 key=lambda t: t.sent_at)])
         cached = sum(t.cached_tokens for t in self.turns)
         ttfts = sorted(t.ttft_s for t in self.turns)
+        tpots = sorted(t.tpot_s for t in self.turns if t.tpot_s)
         loads = list(self.computed.values())
         mean = statistics.fmean(loads) if loads else 0.0
         return {"requests": len(self.turns), "cached_tokens": cached,
@@ -109,6 +114,8 @@ class ArmResult:
                 "prefill_imbalance": max(loads) / mean if mean else 0.0,
                 "ttft_p50_ms": _quantile(ttfts, 0.5) * 1e3,
                 "ttft_p90_ms": _quantile(ttfts, 0.9) * 1e3,
+                "tpot_p50_ms": _quantile(tpots, 0.5) * 1e3,
+                "tpot_p90_ms": _quantile(tpots, 0.9) * 1e3,
                 "kv_bytes_per_request": self.kv_bytes / max(1, len(self.turns)),
                 "wall_s": self.wall_s}
 
@@ -159,13 +166,18 @@ async def _chats(addresses: list[str], system: list[int], users: list[list[list[
             turn = Turn(prompt, time.perf_counter())
             turns.append(turn)
             reply: list[int] = []
+            last = 0.0
             async for chunk in client.generate(prompt_token_ids=prompt, max_tokens=reply_tokens,
                                                temperature=0.0, ignore_eos=True, timeout=600.0):
-                if not reply and chunk.token_ids:
-                    turn.ttft_s = time.perf_counter() - turn.sent_at
+                if chunk.token_ids:
+                    last = time.perf_counter() - turn.sent_at
+                    if not reply:
+                        turn.ttft_s = last
                 reply.extend(chunk.token_ids)
                 if chunk.usage is not None:
                     turn.cached_tokens = chunk.usage.cached_tokens
+            if len(reply) > 1:
+                turn.tpot_s = (last - turn.ttft_s) / (len(reply) - 1)
             history = prompt + reply
 
     try:
@@ -180,8 +192,11 @@ def run_arm(args: argparse.Namespace, arm: str, routers: int) -> ArmResult:
     system, users = chat_script(args)
     result = ArmResult(arm, routers)
     routing, decode_args = ARMS[arm]
+    router_args: tuple[str, ...] = ("--prefill-routing", routing)
+    if routing == "kv-aware" and args.local_prefill_max_tokens is not None:
+        router_args += ("--local-prefill-max-tokens", str(args.local_prefill_max_tokens))
     with cluster(bench_model(args.quick), num_prefill=args.prefill, num_decode=1,
-                 num_routers=routers, router_args=("--prefill-routing", routing),
+                 num_routers=routers, router_args=router_args,
                  worker_args=("--metrics-port", "0"), decode_args=decode_args) as running:
         time.sleep(1.5)  # the routers' KV feeds take their first snapshots
         before, sent0 = settled_prefill_counters(running, tries=40, pause_s=0.1)
@@ -248,10 +263,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.append({"arm": r.arm, "routers": r.routers, **f, "computed_per_worker": r.computed})
         rows.append([r.arm, str(r.routers), f"{f['cached_over_oracle']:.3f}",
                      f"{f['prefill_imbalance']:.2f}", f"{f['ttft_p50_ms']:.1f}",
-                     f"{f['ttft_p90_ms']:.1f}", f"{f['kv_bytes_per_request'] / 1024:.1f}",
+                     f"{f['ttft_p90_ms']:.1f}", f"{f['tpot_p50_ms']:.1f}",
+                     f"{f['tpot_p90_ms']:.1f}", f"{f['kv_bytes_per_request'] / 1024:.1f}",
                      f"{f['wall_s']:.1f}"])
     print(format_table(rows, ["arm", "routers", "cached/oracle", "prefill imbalance",
-                              "TTFT p50 ms", "TTFT p90 ms", "KV KiB/request", "wall s"]))
+                              "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "TPOT p90 ms",
+                              "KV KiB/request", "wall s"]))
     fewer = kv_bytes_fewer(out)
     for routers, by_arm in fewer.items():
         print(f"KV bytes per request at {routers} router(s), against affinity-no-reuse (no "

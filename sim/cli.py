@@ -102,7 +102,8 @@ def add_simulation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default=None,
                    help="default: never, or always without prefill workers")
     p.add_argument("--prefill-routing", choices=PREFILL_ROUTING, default="kv-aware")
-    p.add_argument("--local-prefill-max-tokens", type=int, default=0)
+    p.add_argument("--local-prefill-max-tokens", type=int,
+                   default=HandoffConfig.local_prefill_max_tokens)
     p.add_argument("--max-inflight", type=int, default=AdmissionConfig.max_inflight)
     p.add_argument("--max-queued-tokens", type=int, default=AdmissionConfig.max_queued_tokens)
     # the workers' defaults: the engine's scheduler configuration

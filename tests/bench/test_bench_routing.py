@@ -42,6 +42,8 @@ def test_quick_reports_an_arm(tmp_path: Path) -> None:
     assert arm["oracle_tokens"] >= 5 * 48
     assert 0 < arm["cached_tokens"] <= arm["oracle_tokens"] + 6 * 4
     assert sum(arm["computed_per_worker"].values()) > 0 and arm["kv_bytes_per_request"] > 0
+    # 4 tokens a reply: each turn's time between tokens is measured
+    assert 0 < arm["tpot_p50_ms"] <= arm["tpot_p90_ms"] < arm["wall_s"] * 1e3
     assert report["decision"]["p99_ms"] > 0
     with pytest.raises(SystemExit, match="unknown arm"):
         routing.main(["--quick", "--arms", "kv-aware,nearest"])

@@ -154,7 +154,10 @@ def test_kv_aware_routing_counts_the_tokens_a_prefill_worker_lacks_as_queued(
     reqs = [SimRequest("first", 0.0, prefix + tuple(range(1000, 1032)), 4),
             SimRequest("second", 1.0, prefix + tuple(range(2000, 2032)), 4),
             SimRequest("third", 1.0 + 1e-6, prefix + tuple(range(3000, 3032)), 4)]
-    result = simulate(small_profile(), SimSpec(num_prefill=2, num_decode=1), reqs)
+    # (0: the decode worker holding the prefix does not take the short tails itself)
+    spec = SimSpec(num_prefill=2, num_decode=1,
+                   handoff=HandoffConfig(local_prefill_max_tokens=0))
+    result = simulate(small_profile(), spec, reqs)
     result.check()
     assert [r.cached_tokens for r in result.requests] == [0, 128, 128]
     holder = seen[0][1]

@@ -122,7 +122,9 @@ def test_a_short_tail_on_a_decode_worker_is_prefilled_there() -> None:
     assert _placement(prompt, index, Pool(), local_prefill_max_tokens=32)[0].prefills_locally()
     assert not _placement(prompt, index, Pool(),
                           local_prefill_max_tokens=16)[0].prefills_locally()
-    assert not _placement(prompt, index, Pool())[0].prefills_locally()  # off by default
+    assert not _placement(prompt, index, Pool(),
+                          local_prefill_max_tokens=0)[0].prefills_locally()  # 0: never
+    assert _placement(prompt, index, Pool())[0].prefills_locally()  # the default: 64
     placement, _ = _placement(prompt, index, Pool(), local_prefill_max_tokens=32)
     assert placement.decode_order() == ["d-0"]
 
