@@ -38,7 +38,7 @@ from cluster.fingerprint import fingerprint_model_dir
 from cluster.internal_tls import internal_tls
 from cluster.keepalive import SERVER_OPTIONS as KEEPALIVE_SERVER_OPTIONS
 from cluster.leases import LeaseKeeper, LeaseStore
-from cluster.registry import ClusterTokenRequired, Registry, RegistryAuthError
+from cluster.registry import ClusterTokenRequired, Registry, RegistryAuthError, RegistryError
 from cluster.token import load_cluster_token
 from engine.text.tokenizer import load_tokenizer
 from router.auth import api_key_interceptor, load_api_key
@@ -243,8 +243,19 @@ class Router:
                 await self._refresh()
                 if self.config.cluster_token is None:
                     await self._share_resume_key()
+                else:
+                    await self._mark_token_required()
             except Exception:  # the loop must survive anything; log and go on
                 logger.exception("refreshing the worker view failed")
+
+    async def _mark_token_required(self) -> None:
+        """Marks the cluster as requiring the token again where Redis lost the mark (a
+        restart without persistence) or never had it (Redis away when this router
+        started): else a worker started without the token could join it."""
+        try:
+            await asyncio.to_thread(self.registry.check_token, True)
+        except RegistryError:
+            pass  # Redis still away: next refresh
 
     async def _share_resume_key(self) -> None:
         """Takes up the cluster's shared resume key once Redis answers (its own, which

@@ -6,7 +6,8 @@ has the cluster token (``$PDSERVE_CLUSTER_TOKEN``, two tokens: rotation under wa
 - an internal call without the token, or with another, is refused UNAUTHENTICATED before
   it does anything; health checks stay open;
 - a router or a worker started without the token is refused at start with a message
-  naming what to give; a router that sends the other of the two tokens is served;
+  naming what to give, also after Redis lost its data (the router marks the cluster
+  again); a router that sends the other of the two tokens is served;
 - the debug port listens on loopback even when ``--host`` is a wildcard, and requires the
   API key when one is set.
 """
@@ -18,6 +19,7 @@ import sys
 
 import grpc
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.internal.v1 import worker_pb2 as wpb
@@ -26,7 +28,7 @@ from cluster.token import CLUSTER_TOKEN_ENV, TOKEN_METADATA
 from pdserve.client import Client
 from tests.e2e.cluster import Cluster
 from tests.factories import PROMPTS, REPO_ROOT
-from tests.processes import spawn
+from tests.processes import spawn, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -119,3 +121,18 @@ def test_the_debug_port_is_loopback_and_needs_the_api_key(cluster: Cluster,
             assert held.router_id
     finally:
         assert router.stop() == 0, router.log_tail()
+
+
+def test_the_routers_mark_the_cluster_again_after_redis_lost_its_data(
+        cluster: Cluster) -> None:
+    # (last: it empties Redis) the mark a worker without the token is refused by is
+    # written again by the router, so such a worker still cannot join
+    cluster.redis.restart()
+    client = redis.Redis.from_url(cluster.redis.url)
+    try:
+        wait_until(lambda: bool(client.keys("*token_required")), 30.0,
+                   "the router to mark the cluster as requiring the token again")
+    finally:
+        client.close()
+    output = _refused_at_start(cluster, ["decode", "--worker-id", "d-y"])
+    assert "requires the cluster token" in output, output
