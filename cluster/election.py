@@ -5,6 +5,9 @@
         ...
     election.resign()     # on a clean stop: the next candidate takes over at once
 
+A leader leaves what the next one must know in the lock's note (``leave_note``, a string
+kept a day; ``note`` reads it): the planner, when it last changed the cluster.
+
 A leader that stops renewing (killed, hung, cut off from Redis) loses the lock when its
 TTL lapses; a waiting candidate's next ``lead`` then wins it. A leader that finds the lock
 taken by another (it lapsed meanwhile) learns it has lost at its next ``lead``. Redis
@@ -25,6 +28,7 @@ from redis.retry import Retry
 from cluster.registry import DEFAULT_CLUSTER, Keys, redact_url
 
 log = logging.getLogger(__name__)
+NOTE_TTL_S = 86_400  # a note outlives any leader's term that could still care about it
 
 
 class Election:
@@ -37,6 +41,7 @@ class Election:
         self.holder = holder
         self.ttl_s = ttl_s
         self.key = Keys(cluster).lock(name)
+        self._note_key = Keys(cluster).lock(name, "note")
         self._where = redact_url(redis_url)
         self._client = redis.Redis.from_url(
             redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -66,8 +71,27 @@ class Election:
 
     def leader(self) -> str | None:
         """Who holds the lock now (None: nobody, or Redis did not answer)."""
+        return self._read(self.key)
+
+    def leave_note(self, note: str) -> bool:
+        """While leading: leave ``note`` for the next leader (replacing the last); whether
+        Redis took it (errors logged)."""
+        if not self.leading:
+            return False
         try:
-            value = self._client.get(self.key)
+            self._client.set(self._note_key, note, ex=NOTE_TTL_S)
+        except RedisError as exc:
+            log.warning("%s: the lock's note was not written: %s", self.holder, exc)
+            return False
+        return True
+
+    def note(self) -> str | None:
+        """The note a leader left (None: none, or Redis did not answer)."""
+        return self._read(self._note_key)
+
+    def _read(self, key: str) -> str | None:
+        try:
+            value = self._client.get(key)
         except RedisError:
             return None
         return value.decode() if isinstance(value, bytes) else value

@@ -27,9 +27,9 @@ Key schema — built only by ``Keys``; everything lives under ``pdserve:{cluster
                         planner wants; written by it at each scale step, read by the launcher
                         that adds and removes workers (``pdserve up --ray``).
     token_required      "1", no TTL: set by every router and worker started with a cluster
-                        token (``cluster.token``); one started without refuses to join a
-                        cluster that has it (``ClusterTokenRequired``). Delete it by hand to
-                        run a cluster without a token again.
+                        token (``cluster.token``), and by such a router's every refresh; one
+                        started without refuses to join a cluster that has it. Stop those
+                        routers and delete it to run a cluster without a token again.
 
 Redis down: ``Registry`` methods raise ``RegistryUnavailable`` after at most a few socket
 timeouts (no retries inside); ``Heartbeat`` logs and retries on its next beat; ``WorkerView``
@@ -139,10 +139,10 @@ class Keys:
     def scale_target(self) -> str:
         return f"{self.prefix}scale_target"
 
-    def lock(self, name: str) -> str:
-        """A cluster-wide lock's key (``cluster.election``)."""
+    def lock(self, name: str, beside: str = "") -> str:
+        """A cluster-wide lock's key (``cluster.election``), or (``beside``) a key next to it."""
         check_name("lock", name)
-        return f"{self.prefix}lock:{name}"
+        return f"{self.prefix}lock:{name}" + (f":{beside}" if beside else "")
 
     def worker(self, worker_id: str) -> str:
         check_name("worker_id", worker_id)

@@ -6,7 +6,8 @@ requests), scrapes every worker's ``/metrics``, and once it has a window
 (``--window`` seconds; right after it took over, at least half of that) hands
 ``planner.observe.observation`` of it to ``planner.policy.Planner``. A role change the
 policy decides is made with ``SetRole`` on that worker (``cluster.worker_control``),
-logged with its reason and counted (``planner.metrics``). A scale step (``--max-workers``)
+logged with its reason and counted (``planner.metrics``); its time is noted on the lock
+(``Election.leave_note``), so a planner that takes over keeps the dwell it started. A scale step (``--max-workers``)
 is written as the cluster's scale target (``cluster.scale``) for the launcher that adds and
 removes workers to act on. Draining workers (leaving) are left out. A round in which a
 registered worker's ``/metrics`` (scraped at once, ``SCRAPE_THREADS`` at a time, so that
@@ -22,6 +23,7 @@ lock (the next planner takes over at its next tick) and exit 0.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -78,13 +80,14 @@ class PlannerService:
     def __init__(self, planner: Planner, registry: Registry, election: Election,
                  metrics: PlannerMetrics, *, window_s: float,
                  token: ClusterToken | None = None, tls: InternalTLS | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         self.planner = planner
         self.registry = registry
         self.election = election
         self.metrics = metrics
         self.window_s = window_s
-        self._token, self._tls, self._clock = token, tls, clock
+        self._token, self._tls, self._clock, self._wall = token, tls, clock, wall
         self._history: deque[tuple[float, list[WorkerSample]]] = deque()
         self._leading = False  # the desired gauges hold this term's figures
 
@@ -99,11 +102,14 @@ class PlannerService:
         except RegistryError as exc:
             log.warning("cannot read the registry: %s", exc)
             return []
+        new_term = not self._leading
         for role in ROLES:
             count = sum(1 for r in records if r.role == role)
             self.metrics.workers.labels(role).set(count)
-            if not self._leading:  # a new term: until it decides, it wants what there is
+            if new_term:  # until it decides, it wants what there is
                 self.metrics.desired.labels(role).set(count)
+        if new_term:
+            self._take_over()
         # leading only once the desired gauges say so: an autoscaler reading them where
         # the leader is 1 must never see zeros (or a former term's figures)
         self._leading = True
@@ -125,6 +131,8 @@ class PlannerService:
                         len(changes))
             self._step_down()
             return []
+        if changes:
+            self._leave_note()
         by_id = {r.worker_id: r for r in records}
         for change in changes:
             if isinstance(change, RoleChange):
@@ -132,6 +140,25 @@ class PlannerService:
             else:
                 self._scale(change)
         return changes
+
+    def _take_over(self) -> None:
+        """A new term: the dwell runs from the cluster's last change, which the former
+        leader noted on the lock (wall-clock time: planners on hosts whose clocks differ
+        by seconds shift it by as much), not from this planner's own last change."""
+        raw = self.election.note()
+        try:
+            changed_at = float(json.loads(raw)["last_change_at"]) if raw else None
+        except (ValueError, KeyError, TypeError):
+            log.warning("the planner lock's note is not one of ours: %r", raw[:200] if raw else raw)
+            return
+        if changed_at is not None:
+            at = self.planner.clock() - max(0.0, self._wall() - changed_at)
+            self.planner.last_change_at = max(self.planner.last_change_at, at)
+
+    def _leave_note(self) -> None:
+        """The policy's last change, in wall-clock time, for the next leader's dwell."""
+        age = self.planner.clock() - self.planner.last_change_at
+        self.election.leave_note(json.dumps({"last_change_at": self._wall() - age}))
 
     def _step_down(self) -> None:
         self.metrics.leader.set(0)

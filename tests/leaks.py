@@ -7,7 +7,8 @@ back to baseline after a scenario.
 - every live router holds nothing (its ``RouterDebug.Holdings``: no request in flight, no
   live attempt, no pending abort, no lease kept or left to write);
 - Redis holds exactly the cluster's fingerprint, its KV event stream and one record per
-  live worker: no lease, no record of a worker that is gone.
+  live worker (and the marks that last: the token rule, the resume key, the planner's
+  note): no lease, no record of a worker that is gone.
 
 Each part is retried until ``timeout_s`` (freeing travels asynchronously: aborts, lease
 expiry, a dead worker's record expiring); the failure names what is still held.
@@ -50,9 +51,11 @@ def worker_problem(info: pb.WorkerInfo) -> str | None:
 def redis_problem(client: redis.Redis, cluster: str, live_worker_ids: Sequence[str]) -> str | None:
     prefix = f"pdserve:{cluster}:"
     # the cluster's lasting marks (its fingerprint, that it requires a token, the routers'
-    # resume key and the bounded KV event stream of every cluster in this Redis) may stay
+    # resume key, the bounded KV event stream of every cluster in this Redis and the
+    # planner's note of its last change, kept a day) may stay
     keys = {k.decode() for k in client.scan_iter(match="*", count=1000)
-            if not k.endswith((b":resume_key", b":kv_events"))} - {f"{prefix}token_required"}
+            if not k.endswith((b":resume_key", b":kv_events"))} - {
+        f"{prefix}token_required", f"{prefix}lock:planner:note"}
     expected = {f"{prefix}fingerprint", *(f"{prefix}worker:{w}" for w in live_worker_ids)}
     if keys == expected:
         return None

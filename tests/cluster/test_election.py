@@ -1,7 +1,7 @@
 """``cluster.election.Election`` on a real redis-server: one leader at a time, a leader
 renews while it leads, a waiting candidate takes over once the leader's TTL lapses (it
-was killed or hung) or at once when it resigns, and a leader whose lock lapsed learns it
-lost."""
+was killed or hung) or at once when it resigns, a leader whose lock lapsed learns it
+lost, and the note a leader leaves is read by the next."""
 
 from __future__ import annotations
 
@@ -40,6 +40,19 @@ def test_a_resigning_leader_hands_over_at_once(redis_server: RedisServer) -> Non
         assert a.lead()
         a.resign()
         assert a.leader() is None and b.lead()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_next_leader_reads_the_note_the_last_one_left(redis_server: RedisServer) -> None:
+    a, b = _pair(redis_server)
+    try:
+        assert a.note() is None
+        assert a.lead() and a.leave_note('{"last_change_at": 12.5}')
+        assert not b.lead() and not b.leave_note("not the leader's")  # only the leader's
+        a.resign()
+        assert b.lead() and b.note() == '{"last_change_at": 12.5}'
     finally:
         a.close()
         b.close()

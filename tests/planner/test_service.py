@@ -6,6 +6,7 @@ tests/e2e/test_planner.py)."""
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -29,11 +30,20 @@ class Registry:
 
 
 class Election:
-    def __init__(self, answers: list[bool] | None = None) -> None:
+    def __init__(self, answers: list[bool] | None = None,
+                 notes: dict[str, str] | None = None) -> None:
         self.answers = answers
+        self.notes = notes if notes is not None else {}  # the lock's note, if shared
 
     def lead(self) -> bool:
         return self.answers.pop(0) if self.answers else True
+
+    def leave_note(self, note: str) -> bool:
+        self.notes["note"] = note
+        return True
+
+    def note(self) -> str | None:
+        return self.notes.get("note")
 
 
 class Policy:
@@ -41,9 +51,14 @@ class Policy:
 
     held, current, wanted = "", None, None
 
-    def __init__(self) -> None:
+    def __init__(self, now: list[float] | None = None) -> None:
         self.seen: list[Observation] = []
         self.decisions: list[Any] = []
+        self.now = now if now is not None else [0.0]
+        self.last_change_at = -math.inf
+
+    def clock(self) -> float:
+        return self.now[0]
 
     def decide(self, obs: Observation) -> list[Any]:
         self.seen.append(obs)
@@ -175,3 +190,42 @@ def test_the_policys_record_of_its_decisions_is_bounded(monkeypatch: pytest.Monk
         now[0] = float(t)
         planner.tick()
     assert len(policy.seen) == 9 and policy.decisions == [("held", n) for n in (7, 8, 9)]
+
+
+def test_a_new_leader_keeps_the_dwell_of_the_last_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader notes each change's time on the lock; a planner that takes over counts
+    its dwell from there, on its own monotonic clock, and ignores a note not its own."""
+    from planner.policy import RoleChange
+
+    class Decides(Policy):
+        def decide(self, obs: Observation) -> list[Any]:
+            super().decide(obs)
+            self.last_change_at = self.clock()
+            return [RoleChange(0.0, "decode-0", "decode", "prefill", "test", 0.1, 0.9)]
+
+    async def set_role(address: str, role: str, **kwargs: Any) -> None:
+        pass
+
+    monkeypatch.setattr(service, "scrape", lambda address: {})
+    monkeypatch.setattr(service, "set_role", set_role)
+    wall, notes = [1000.0], {}
+    first = Decides([0.0])
+    leader = service.PlannerService(first, Registry(), Election(notes=notes),  # type: ignore[arg-type]
+                                    PlannerMetrics(), window_s=10.0,
+                                    clock=lambda: first.now[0], wall=lambda: wall[0])
+    leader.tick()
+    first.now[0], wall[0] = 6.0, 1006.0
+    assert len(leader.tick()) == 1  # a change at wall-clock 1006
+    # another planner, whose monotonic clock reads 500, takes over 10 s later
+    second = Policy([500.0])
+    wall[0] = 1016.0
+    follower = service.PlannerService(second, Registry(), Election(notes=notes),  # type: ignore[arg-type]
+                                      PlannerMetrics(), window_s=10.0,
+                                      clock=lambda: second.now[0], wall=lambda: wall[0])
+    follower.tick()
+    assert second.last_change_at == pytest.approx(490.0)
+    third = Policy([0.0])
+    notes["note"] = "not json"
+    service.PlannerService(third, Registry(), Election(notes=notes),  # type: ignore[arg-type]
+                           PlannerMetrics(), window_s=10.0, clock=lambda: 0.0).tick()
+    assert third.last_change_at == -math.inf
