@@ -23,11 +23,11 @@ from here.
 Redis outages must not kill healthy work: the router keeps every live lease in memory
 and re-writes all of them every ``ttl / 3`` (``LeaseKeeper``), so a Redis that came back
 empty holds them again within one renewal period; a worker acts on a missing lease only
-while Redis answers, and only after it has been missing for a full TTL since Redis was
-last seen healthy (``worker.leases.LeaseWatcher``) — unless the worker saw the key in the
-same Redis process (same ``run_id``, no outage or stall since): then it expired or was
-deleted because its router stopped renewing it, and the worker frees at once. Redis must
-not evict keys (``maxmemory-policy noeviction``, its default).
+while Redis answers and takes writes, and only after it has been missing for a full TTL
+since Redis was last seen healthy (``worker.leases.LeaseWatcher``) — unless the worker saw
+the key in the same Redis process (same ``run_id``, no outage or stall since): then it
+expired or was deleted because its router stopped renewing it, and the worker frees at
+once. Redis must not evict keys (``maxmemory-policy noeviction``, its default).
 """
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ class LeaseKeys:
     def lease(self, attempt_id: str) -> str:
         return f"pdserve:{self.cluster}:lease:{attempt_id}"
 
+    def probe(self, name: str) -> str:
+        """A key never written (``SET … XX`` of a key that is not there), asked to learn
+        whether Redis takes writes."""
+        return f"pdserve:{self.cluster}:lease_probe:{name}"
+
 
 class LeaseStore:
     """Lease keys in one Redis: write (SET PX), delete, exist, list. Thread-safe; every
@@ -92,6 +97,7 @@ class LeaseStore:
     def __init__(self, redis_url: str, *, cluster: str = "default",
                  timeout_s: float = TIMEOUT_S) -> None:
         self.keys = LeaseKeys(cluster)
+        self._probe = self.keys.probe(secrets.token_hex(8))
         self._client = redis.Redis.from_url(
             redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0), protocol=2, health_check_interval=0)
@@ -113,16 +119,24 @@ class LeaseStore:
             with _errors("deleting leases"):
                 self._client.delete(*keys)
 
-    def exist(self, keys: Sequence[str]) -> tuple[str, list[bool]]:
+    def exist(self, keys: Sequence[str], *, writable: bool = False) -> tuple[str, list[bool]]:
         """Whether each key is in Redis now, and the ``run_id`` of the Redis process that
         answered ("" if it does not say), in one round trip. A different ``run_id`` is a
-        different Redis (restarted, or failed over): keys seen in another may be lost."""
+        different Redis (restarted, or failed over): keys seen in another may be lost.
+        ``writable``: also ``LeaseStoreUnavailable`` when Redis refuses a write such as a
+        lease's renewal (out of memory, a read-only replica): a lease missing then may
+        be one its router could not renew."""
         with _errors("reading leases"):
             pipe = self._client.pipeline(transaction=False)
             pipe.info("server")
+            if writable:
+                pipe.set(self._probe, "", px=1, xx=True)  # refused as a SET is; writes nothing
             for key in keys:
                 pipe.exists(key)
             info, *present = pipe.execute(raise_on_error=False)
+        if writable and isinstance(present[0], Exception):
+            raise LeaseStoreUnavailable(f"Redis refuses writes: {present.pop(0)}")
+        del present[:int(writable)]
         for answer in present:
             if isinstance(answer, Exception):
                 raise LeaseStoreUnavailable(f"Redis failed while reading leases: {answer}")

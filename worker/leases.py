@@ -15,7 +15,11 @@ quarter TTL, 1 s) of its last renewal. Otherwise — never seen, or seen only be
 restarted, failed over, was unreachable, or answered a check slower than a check period —
 the rule for Redis outages holds: any check Redis did not answer restarts every missing
 clock, and an attempt is freed once its lease has been missing in every check for a full
-TTL since Redis was last seen healthy. A router re-writes its live leases every
+TTL since Redis was last seen healthy. A Redis that answers reads but refuses writes (out
+of memory, a read-only replica) is not healthy: its routers cannot renew their leases, so
+each check also asks for a write (``SET … XX`` of a key that is not there, which writes
+nothing) and a refusal counts as an outage.
+A router re-writes its live leases every
 ``ttl / 3``, so a Redis that came back empty holds them again long before that. Redis must
 not evict keys (``maxmemory-policy noeviction``, its default; the watcher warns at start
 when it is not).
@@ -109,7 +113,7 @@ class LeaseWatcher:
         ids = list(watched)
         started = self._clock.monotonic()
         try:
-            run_id, present = self._store.exist([watched[a].key for a in ids])
+            run_id, present = self._store.exist([watched[a].key for a in ids], writable=True)
         except LeaseStoreUnavailable as exc:
             if self._missing_since:
                 log.warning("Redis unreachable (%s): %d missing leases get a new TTL once it "

@@ -191,8 +191,9 @@ def test_watcher_never_frees_an_attempt_forgotten_while_it_looked(
     clock, book, freed = ManualClock(), LeaseBook(), list[str]()
 
     class Racing(LeaseStore):
-        def exist(self, keys: Sequence[str]) -> tuple[str, list[bool]]:
-            found = super().exist(keys)
+        def exist(self, keys: Sequence[str], *, writable: bool = False
+                  ) -> tuple[str, list[bool]]:
+            found = super().exist(keys, writable=writable)
             if not found[1][0]:
                 book.forget("a")  # the call's end, between the snapshot and the answer
             return found
@@ -227,6 +228,28 @@ def test_watcher_forgets_what_it_saw_when_redis_restarts(
         watcher.stop()
 
 
+def test_watcher_frees_nothing_while_redis_refuses_writes(
+        redis_server: RedisServer, raw_redis: redis.Redis) -> None:
+    """Out of memory (or a read-only replica), Redis answers reads but refuses the
+    routers' renewals: a lease that lapses then is not a dead router's. That counts as an
+    outage; once writes are taken again, the full TTL applies."""
+    clock, book, freed, watcher = _watching_r1(redis_server, raw_redis)
+    try:
+        assert watcher.check() == []  # seen in this Redis
+        raw_redis.config_set("maxmemory", 1)  # noeviction: writes refused, reads answered
+        raw_redis.delete("pdserve:default:lease:r:1")  # lapsed: its router could not renew
+        clock.advance(20.0)
+        assert watcher.check() == [] and not freed
+        raw_redis.config_set("maxmemory", 0)
+        assert watcher.check() == []  # missing: a full TTL from now
+        clock.advance(10.1)
+        assert watcher.check() == ["r-1"]
+        assert not raw_redis.keys("pdserve:default:lease_probe:*")  # the probe writes nothing
+    finally:
+        raw_redis.config_set("maxmemory", 0)
+        watcher.stop()
+
+
 class _StallingStore(LeaseStore):
     """A store whose next answer comes ``stall_s`` late (on the watcher's clock)."""
 
@@ -234,8 +257,8 @@ class _StallingStore(LeaseStore):
         super().__init__(url)
         self.clock, self.stall_s = clock, 0.0
 
-    def exist(self, keys: Sequence[str]) -> tuple[str, list[bool]]:
-        answer = super().exist(keys)
+    def exist(self, keys: Sequence[str], *, writable: bool = False) -> tuple[str, list[bool]]:
+        answer = super().exist(keys, writable=writable)
         self.clock.advance(self.stall_s)
         self.stall_s = 0.0
         return answer
