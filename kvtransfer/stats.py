@@ -19,6 +19,7 @@ class ReceiverStats:
     channels_accepted: int = 0
     channels_refused: int = 0
     busy_replies: int = 0
+    opens_abandoned: int = 0  # open requests whose sender gave up before they were taken
     parts_received: int = 0
     bytes_received: int = 0
     late_parts: int = 0  # for transfers already finished (completed, failed or aborted)

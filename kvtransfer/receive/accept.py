@@ -3,8 +3,9 @@ queue on the worker's rendezvous store and builds each accepted channel, then ha
 the receiver (``adopt``), which reads it.
 
 One accept thread per rank polls its queue (a blocking ``queue_pop`` confuses the store's
-other waiters: replies and group rendezvous then time out at random). An open request is
-refused when the sender's layout or TP size cannot exchange KV with this receiver
+other waiters: replies and group rendezvous then time out at random). An open request
+whose sender gave up waiting for the answer (it marked it abandoned) is dropped unanswered.
+Another is refused when the sender's layout or TP size cannot exchange KV with this receiver
 (LAYOUT_MISMATCH) or every channel slot is taken (BUSY: the sender retries); otherwise it is
 ACCEPTED and a joiner thread of its own builds the channel's groups — joining blocks until
 the sender joins too (at most the timeout), so a sender that dies mid-open holds up no one
@@ -34,6 +35,7 @@ from kvtransfer.stats import ReceiverStats
 from kvtransfer.transport.channel import (
     RECEIVER,
     Channel,
+    abandoned_key,
     accept_key,
     join_channel,
     layout_refusal,
@@ -104,6 +106,11 @@ class Acceptor:
                 request = OpenRequest.decode(raw)
             except ValueError:
                 continue  # not ours to answer: without a channel id there is no reply key
+            try:
+                if self._abandoned(store, request.channel_id):
+                    continue
+            except RuntimeError:
+                return  # the store went away
             reply: OpenReply | None = None
             try:
                 reply = self._reply(request)
@@ -121,6 +128,16 @@ class Acceptor:
                 with self._lock:
                     self._joiners.add(joiner)
                 joiner.start()
+
+    def _abandoned(self, store: Any, channel_id: int) -> bool:
+        """Whether the sender gave up waiting for this open request's answer
+        (``open_channel``): then it gets none, and no slot is held for it."""
+        key = abandoned_key(channel_id)
+        if not store.check([key]):
+            return False
+        store.delete_key(key)
+        self.stats.opens_abandoned += 1
+        return True
 
     def _reply(self, request: OpenRequest) -> OpenReply:
         """The answer to an open request (an ACCEPTED one holds a channel slot)."""

@@ -57,6 +57,11 @@ def reply_key(channel_id: int) -> str:
     return f"kvtransfer/reply/{channel_id}"
 
 
+def abandoned_key(channel_id: int) -> str:
+    """Set by a sender that gave up waiting for its open request's answer."""
+    return f"kvtransfer/abandoned/{channel_id}"
+
+
 def proof_key(channel_id: int) -> str:
     return f"kvtransfer/proof/{channel_id}"
 
@@ -278,7 +283,11 @@ def open_channel(store: Any, address: StoreAddress, request: OpenRequest, device
                                       nonce=auth.nonce() if keys else "")
             store.queue_push(accept_key(request.receiver_rank), req.encode())
             remaining = max(0.001, deadline - time.monotonic())
-            store.wait([reply_key(channel_id)], datetime.timedelta(seconds=remaining))
+            try:
+                store.wait([reply_key(channel_id)], datetime.timedelta(seconds=remaining))
+            except RuntimeError:
+                _abandon(store, channel_id)
+                raise
             reply = OpenReply.decode(store.get(reply_key(channel_id)))
             store.delete_key(reply_key(channel_id))
             if reply.status != OpenStatus.BUSY:
@@ -309,6 +318,18 @@ def open_channel(store: Any, address: StoreAddress, request: OpenRequest, device
     channel = join_channel(store, channel_id, SENDER, device, config)
     channel.mac = mac
     return channel, reply
+
+
+def _abandon(store: Any, channel_id: int) -> None:
+    """No answer in time: tell the receiver to drop the open request if it has not taken
+    it yet (else it would answer it later, holding a channel slot for a sender that left,
+    and leave the reply's key in its store); an answer that came meanwhile is deleted."""
+    try:
+        store.set(abandoned_key(channel_id), b"")
+        if store.check([reply_key(channel_id)]):
+            store.delete_key(reply_key(channel_id))
+    except RuntimeError:
+        pass  # the store went away: nothing is left in it
 
 
 def join_channel(store: Any, channel_id: int, role: int, device: torch.device,

@@ -48,6 +48,7 @@ from kvtransfer.transport.channel import (
     KEY_RECEIVER_INFO,
     Channel,
     Pending,
+    abandoned_key,
     accept_key,
     open_channel,
 )
@@ -249,11 +250,16 @@ class AgentState:
         channel.close("done", graceful=True)
         return "accepted"
 
-    def ghost_open(self, address: StoreAddress, layout: KVLayout) -> None:
+    def ghost_open(self, address: StoreAddress, layout: KVLayout, abandoned: bool = False
+                   ) -> None:
         """Ask receiver rank 0 for a channel and never join it: what a sender that dies
-        between its open request and the group rendezvous leaves behind."""
+        between its open request and the group rendezvous leaves behind; ``abandoned``:
+        one that gave up waiting for the answer before the receiver took the request (it
+        marks it abandoned, as ``open_channel`` does)."""
         store = connect_store(address, timeout_s=10.0)
         channel_id = int(store.add(KEY_NEXT_CHANNEL, 1))
+        if abandoned:  # first, so that the receiver cannot take the request before
+            store.set(abandoned_key(channel_id), b"")
         store.queue_push(accept_key(0),
                          OpenRequest(channel_id, "ghost", 0, 1, 0, "gloo", layout).encode())
 

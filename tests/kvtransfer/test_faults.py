@@ -5,11 +5,18 @@ parts. Each failure must surface within the timeout, and the next transfer succe
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import signal
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from engine.tp.distributed import StoreAddress, connect_store
+from kvtransfer.errors import ChannelError
+from kvtransfer.transport.channel import abandoned_key, open_channel
+from kvtransfer.wire.protocol import OpenRequest
 from tests.kvtransfer.agent import Agent, RemoteError
 from tests.kvtransfer.conftest import AgentsFactory
 from tests.kvtransfer.topology import (
@@ -370,3 +377,33 @@ def test_a_sender_dead_mid_open_does_not_hold_up_other_opens(agents: AgentsFacto
     time.sleep(CONFIG.timeout_s + SLACK_S - (time.monotonic() - start))
     report = receiver.call("report")
     assert report["open_channels"] == 1, report
+
+
+def test_an_open_request_its_sender_gave_up_on_is_dropped_unanswered(
+        agents: AgentsFactory) -> None:
+    # a sender that gave up waiting for the answer marked its request abandoned: the
+    # receiver answers nothing and reserves no slot for it (before: a slot held for the
+    # timeout, waiting on a sender that had left, and a reply nobody reads)
+    receiver, ghost = agents(2)
+    decode = make_decode([receiver])
+    ghost.call("ghost_open", decode.address, decode.layout, True)
+    deadline = time.monotonic() + 5.0
+    while (report := receiver.call("report"))["stats"]["opens_abandoned"] < 1:
+        assert time.monotonic() < deadline, report
+        time.sleep(0.02)
+    assert report["open_channels"] == 0 and report["stats"]["channels_accepted"] == 0, report
+
+
+def test_a_sender_that_gives_up_marks_its_open_request_abandoned() -> None:
+    # nobody answers the open request (no receiver accepts on this store): after the
+    # timeout the sender fails and marks the request, so a receiver that takes it later
+    # drops it (the test above)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    address = StoreAddress("127.0.0.1", server.port)
+    store = connect_store(address, timeout_s=10.0)
+    request = OpenRequest(0, "sender", 0, 1, 0, "gloo", LAYOUT)
+    with pytest.raises(ChannelError):
+        open_channel(store, address, request, torch.device("cpu"),
+                     dataclasses.replace(CONFIG, timeout_s=0.3))
+    assert store.check([abandoned_key(1)])  # the first channel id the store gave out
