@@ -12,7 +12,9 @@ numbers are reserved every part is sent (a part of an aborted transfer goes out 
 header marked cancelled, without payload), so the receiver's stream never has a gap;
 any failure in between closes the channel instead. The lane owns its queue of jobs (under
 its own lock); it knows its sender only through a ``LaneContext`` and reports each job's
-end to the job's transfer (``kvtransfer.send.outgoing``).
+end to the job's transfer (``kvtransfer.send.outgoing``). A message whose receiver stays
+silent for a whole timeout (or cannot be reached) fails, and so do the jobs queued behind
+it at once, rather than each after a timeout of its own.
 """
 
 from __future__ import annotations
@@ -150,6 +152,10 @@ class SendLane:
                 self._run(job)
             except TransferError as exc:
                 job.record.fail(exc)
+                if type(exc) is ChannelError:  # silent for a whole timeout, or unreachable
+                    with self._lock:
+                        queued, self._jobs = list(self._jobs), deque()
+                    _fail_behind(queued, exc)
             except Exception as exc:  # a bug must fail the transfer, not kill the lane
                 log.exception("send lane %s failed", self.key)
                 job.record.fail(TransferError(f"sender error: {exc!r}", job.record.transfer_id))
@@ -332,6 +338,17 @@ class SendLane:
             deadline = now + self.ctx.config.timeout_s if deadline is None else deadline
             op = channel.recv_ack(seq)
             channel.wait(op, max(0.001, deadline - now))
+
+
+def _fail_behind(queued: list[Job], cause: ChannelError) -> None:
+    """Fail the jobs that were queued behind one whose receiver stayed silent for a whole
+    timeout (or could not be reached): each would wait out a timeout of its own on the
+    same receiver, the last of k queued ones k timeouts late. Jobs submitted after this
+    try the receiver again."""
+    for job in queued:
+        job.record.fail(ChannelError(f"not sent: an earlier message on this route failed "
+                                     f"({cause})", job.record.transfer_id))
+        job.record.job_done()
 
 
 def _decode_ack(op: Pending, channel: Channel) -> Ack | None:

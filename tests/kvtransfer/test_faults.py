@@ -116,6 +116,29 @@ def test_sender_hung_mid_transfer(agents: AgentsFactory) -> None:
     assert sender.call("report")["stats"]["channels_opened"] == 2
 
 
+def test_transfers_queued_to_a_hung_receiver_fail_within_one_timeout(
+        agents: AgentsFactory) -> None:
+    # three transfers queued behind one another on the route to a stopped decode rank:
+    # the first waits out the timeout, the two behind it fail with it (before, each
+    # waited a timeout of its own: the third failed three timeouts late)
+    sender, receiver = agents(2)
+    decode, prefill = make_decode([receiver]), make_prefill([sender])
+    transfer(prefill, decode, make_request(80, 64))  # the route's channel is open
+    receiver.signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        for transfer_id in (81, 82, 83):
+            send(prefill, decode, make_request(transfer_id, 64))
+        for transfer_id in (81, 82, 83):
+            _raises(sender, "send_wait", transfer_id, *CHANNEL_ERRORS)
+        assert time.monotonic() - start < CONFIG.timeout_s + SLACK_S
+    finally:
+        receiver.signal(signal.SIGCONT)
+    req = make_request(84, 64)  # the receiver is back: the route is tried again
+    transfer(prefill, decode, req)
+    assert_received(decode, req)
+
+
 def test_receiver_killed_while_sender_waits(agents: AgentsFactory) -> None:
     sender, receiver = agents(2)
     decode, prefill = make_decode([receiver]), make_prefill([sender])
