@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from engine.kvcache.layout import KVLayout
-from engine.tp.distributed import StoreAddress, connect_store
+from engine.tp.distributed import StoreAddress
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import (
     ChannelClosed,
@@ -41,10 +41,11 @@ from kvtransfer.errors import (
     TransferRejected,
 )
 from kvtransfer.plan import local_heads
+from kvtransfer.send.open_route import open_route
 from kvtransfer.send.outgoing import Job, Outgoing
 from kvtransfer.stats import SenderStats
 from kvtransfer.transport.buffers import BufferPool
-from kvtransfer.transport.channel import Channel, Pending, open_channel
+from kvtransfer.transport.channel import Channel, Pending
 from kvtransfer.transport.pool import ChannelPool
 from kvtransfer.wire.checksum import algo_for, checksum
 from kvtransfer.wire.packing import gather_for_wire, split_rows
@@ -205,10 +206,8 @@ class SendLane:
         request = OpenRequest(0, c.name, c.tp_rank, c.tp_size, self.key.receiver_rank,
                               self.backend, c.layout)
         try:
-            if self._store is None:
-                self._store = connect_store(self.key.dest, timeout_s=cfg.timeout_s)
-            channel, reply = open_channel(self._store, self.key.dest, request,
-                                          record.kv_cache.device, cfg)
+            self._store, channel, reply = open_route(self._store, self.key.dest, request,
+                                                      record.kv_cache.device, cfg)
         except BaseException as exc:
             pool.cancel()
             if not isinstance(exc, LayoutMismatch):

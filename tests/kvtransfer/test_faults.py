@@ -22,6 +22,7 @@ from tests.kvtransfer.conftest import AgentsFactory
 from tests.kvtransfer.topology import (
     CONFIG,
     LAYOUT,
+    NUM_BLOCKS,
     Decode,
     assert_received,
     expect,
@@ -137,6 +138,24 @@ def test_transfers_queued_to_a_hung_receiver_fail_within_one_timeout(
     req = make_request(84, 64)  # the receiver is back: the route is tried again
     transfer(prefill, decode, req)
     assert_received(decode, req)
+
+
+def test_a_decode_worker_restarted_at_the_same_address_gets_the_next_transfer(
+        agents: AgentsFactory) -> None:
+    # the sender keeps its connection to the decode rank's store across transfers; after
+    # a restart at the same address that connection is broken, and the first transfer
+    # there must not fail for it
+    sender, receiver = agents(2)
+    decode, prefill = make_decode([receiver]), make_prefill([sender])
+    transfer(prefill, decode, make_request(90, 64))
+    receiver.signal(signal.SIGKILL)
+    _wait_dead(receiver)
+    again = agents(2)[1]  # a new process in the dead one's place
+    address = again.call("make_receiver", LAYOUT, decode.address, 0, 1, CONFIG, NUM_BLOCKS)
+    assert address == decode.address
+    req = make_request(91, 64)
+    transfer(prefill, Decode([again], address, LAYOUT), req)
+    assert_received(Decode([again], address, LAYOUT), req)
 
 
 def test_receiver_killed_while_sender_waits(agents: AgentsFactory) -> None:
