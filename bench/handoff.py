@@ -295,9 +295,12 @@ def measure_overhead(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     model_dir = overhead_model()
     vocab = model_facts(model_dir)["vocab_size"]
     found = {}
-    # no queued-token limit: a backlog shows in to_first_worker_call instead of refusals
+    # no queued-token limit: a backlog shows in to_first_worker_call instead of refusals;
+    # every prompt through the prefill worker, as before conditional disaggregation's
+    # default took tails this short to the decode worker that holds the rest
     with cluster(model_dir, num_prefill=1, num_decode=1, num_kv_blocks=32768,
-                 router_args=("--max-queued-tokens", "0")) as running:
+                 router_args=("--max-queued-tokens", "0", "--local-prefill-max-tokens", "0")
+                 ) as running:
         pids = {k: v for k, v in running.pids().items() if k != "redis"}
         for length in args.lengths:
             spec = WorkloadSpec("prefix-repetition", prefix_len=length - SUFFIX_LEN,
