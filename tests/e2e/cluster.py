@@ -37,6 +37,10 @@ RPC_TIMEOUT_S = 30.0
 WORKER_FLAGS = ("--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-batched-tokens", "32",
                 "--transfer-timeout", "10", "--grace", "2", "--heartbeat-interval", "0.5",
                 "--registration-ttl", "3")
+# conditional disaggregation off: these clusters' tests send a prompt again and expect a
+# prefill worker to compute it (a test of the local path gives its own threshold, which
+# comes later on the command line and wins); ``pdserve up`` in tests keeps the default
+ROUTER_FLAGS = ("--local-prefill-max-tokens", "0")
 
 
 @dataclass
@@ -68,10 +72,12 @@ class Cluster:
     def start_router(self, *extra: str, name: str = "router",
                      env: dict[str, str] | None = None) -> Proc:
         """A router (the cluster's ``router`` unless ``name`` differs): debug port, pause
-        directory ``pause_dir(name)``, the cluster's lease TTL; ``env`` over the cluster's."""
+        directory ``pause_dir(name)``, the cluster's lease TTL, ``ROUTER_FLAGS``; ``env``
+        over the cluster's."""
         router = spawn(name, ["router", "--model", str(self.model_dir), "--port", "0",
                               "--redis-url", self.redis.url, "--grace", "2", "--debug-port",
-                              "0", "--lease-ttl", str(self.lease_ttl_s), *extra], self.tmp,
+                              "0", "--lease-ttl", str(self.lease_ttl_s), *ROUTER_FLAGS,
+                              *extra], self.tmp,
                        {**self.env, PAUSE_ENV: str(self.pause_dir(name)), **(env or {})})
         self.routers.append(router)
         if name == "router":

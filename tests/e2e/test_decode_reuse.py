@@ -31,10 +31,7 @@ from tests.e2e.cluster import Cluster, scrape_metrics
 pytestmark = pytest.mark.timeout(300)
 
 TIMEOUT_S = 60.0
-# the repeated prompts' short tails would be prefilled on the decode worker by default
-# (conditional disaggregation); these tests are about what the prefill worker sends
-CLUSTER = {"num_prefill": 1, "num_decode": 2, "decode_tp": 2,
-           "router_args": ("--local-prefill-max-tokens", "0")}
+CLUSTER = {"num_prefill": 1, "num_decode": 2, "decode_tp": 2}
 BLOCK = 16  # the workers' --block-size
 
 

@@ -43,9 +43,7 @@ pytestmark = pytest.mark.timeout(300)
 TIMEOUT_S = 60.0
 BLOCK = 16  # the workers' --block-size
 CLUSTER = {"num_prefill": 1, "num_decode": 1, "decode_tp": 1,
-           # the tests' repeated prompts would go local (conditional disaggregation)
-           "router_args": ("--metrics-port", "0", "--local-prefill-max-tokens", "0"),
-           "decode_args": ("--max-requests", "1")}
+           "router_args": ("--metrics-port", "0"), "decode_args": ("--max-requests", "1")}
 FIRST = [(7 * i + 3) % 200 + 5 for i in range(40)]  # 2 full blocks and 8 tokens
 NEXT = FIRST + [(11 * i + 1) % 200 + 5 for i in range(30)]  # the next turn: FIRST, then more
 

@@ -38,10 +38,7 @@ TIMEOUT_S = 60.0
 PREFILLS = ("prefill-0", "prefill-1")
 
 
-# a prompt sent again must go through a prefill worker, not be prefilled on the decode
-# worker that holds all of it but a short tail (conditional disaggregation)
-CLUSTER = {"num_prefill": 2, "num_decode": 1, "decode_tp": 1,
-           "router_args": ("--local-prefill-max-tokens", "0")}
+CLUSTER = {"num_prefill": 2, "num_decode": 1, "decode_tp": 1}
 
 
 def _router_log(cluster: Cluster) -> str:
