@@ -27,9 +27,9 @@ Key schema — built only by ``Keys``; everything lives under ``pdserve:{cluster
                         planner wants; written by it at each scale step, read by the launcher
                         that adds and removes workers (``pdserve up --ray``).
     token_required      "1", no TTL: set by every router and worker started with a cluster
-                        token (``cluster.token``), and by such a router's every refresh; one
-                        started without refuses to join a cluster that has it. Stop those
-                        routers and delete it to run a cluster without a token again.
+                        token (``cluster.token``), and by such a router again in each new
+                        Redis process (run_id); one started without refuses to join a
+                        cluster that has it. Delete it to run a cluster without a token.
 
 Redis down: ``Registry`` methods raise ``RegistryUnavailable`` after at most a few socket
 timeouts (no retries inside); ``Heartbeat`` logs and retries on its next beat; ``WorkerView``
@@ -203,6 +203,13 @@ class Registry:
         if required:
             raise ClusterTokenRequired(self.keys.cluster)
 
+    def run_id(self) -> str:
+        """The ``run_id`` of the Redis process answering ("" if unsaid): a new one lost
+        what the last one held, unless it persisted or replicated it."""
+        with self._errors("reading Redis's run id"):
+            info = self._client.info("server")
+        return str(info.get("run_id", ""))
+
     def resume_key(self, ours: bytes | None = None) -> bytes:
         """The routers' shared resume key (see the key schema), made by the first to ask;
         ``ours``: the key this router seals with, written if the key is missing (Redis lost
@@ -227,11 +234,9 @@ class Registry:
         return None if raw is None else self._decode_fingerprint(raw)
 
     def claim_fingerprint(self, layout: KVLayout) -> None:
-        """Set the cluster fingerprint to ``layout`` unless one is set (``SET NX``).
-
-        Raises ``FingerprintMismatch`` naming the first differing field when the existing
-        fingerprint differs. Tensor-parallel sizes are not part of the layout.
-        """
+        """Set the cluster fingerprint to ``layout`` unless one is set (``SET NX``);
+        ``FingerprintMismatch`` naming the first differing field when the one set differs.
+        Tensor-parallel sizes are not part of the layout."""
         with self._errors("claiming the cluster fingerprint"):
             for _ in range(3):  # the key may vanish (Redis restart) between SET NX and GET
                 if self._client.set(self.keys.fingerprint, layout_to_json(layout), nx=True):
@@ -247,13 +252,10 @@ class Registry:
 
     def assert_fingerprint(self, layout: KVLayout) -> str | None:
         """Make ``layout`` the cluster fingerprint, overwriting whatever is there (one
-        atomic ``GETSET``; ``SET … GET`` needs Redis 6.2). Only the router calls this,
-        with the layout it pinned.
-
-        Returns ``None`` when the key already held ``layout``, else what was replaced:
-        ``"missing"``, ``"malformed"`` or the first differing field (``"field: ours !=
-        theirs"``, as ``KVLayout.diff`` names it).
-        """
+        atomic ``GETSET``; ``SET … GET`` needs Redis 6.2); only the router calls this, with
+        the layout it pinned. ``None`` when the key already held ``layout``, else what was
+        replaced: ``"missing"``, ``"malformed"`` or the first differing field (``"field:
+        ours != theirs"``, as ``KVLayout.diff`` names it)."""
         with self._errors("re-asserting the cluster fingerprint"):
             raw = self._client.getset(self.keys.fingerprint, layout_to_json(layout))
         if raw is None:
@@ -280,12 +282,10 @@ class Registry:
             self._client.delete(self.keys.worker(worker_id))
 
     def list_workers(self, role: str | None = None) -> list[WorkerRecord]:
-        """Live workers (of ``role``) sorted by id, via SCAN + MGET.
-
-        Skips, logging once per key and reason: malformed records, records whose key and
-        id disagree, and records whose layout differs from the cluster fingerprint (all of
-        them while no fingerprint is set: they cannot be checked; heartbeats restore it).
-        """
+        """Live workers (of ``role``) sorted by id, via SCAN + MGET. Skips, logging once
+        per key and reason: malformed records, records whose key and id disagree, and
+        records whose layout differs from the cluster fingerprint (all of them while no
+        fingerprint is set: they cannot be checked; heartbeats restore it)."""
         if role is not None and role not in ROLES:
             raise ValueError(f"role must be one of {ROLES} or None, got {role!r}")
         with self._errors("listing workers"):

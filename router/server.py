@@ -117,6 +117,7 @@ class Router:
         self.debug_address: str | None = None
         self.address = config.address
         self._own_resume_key = False  # resume tokens sealed with this router's own key
+        self._token_marked_in: str | None = None  # run_id of the Redis it last marked
 
     async def start(self) -> str:
         """Binds, reads the workers once, starts serving; returns ``host:port``."""
@@ -249,11 +250,14 @@ class Router:
                 logger.exception("refreshing the worker view failed")
 
     async def _mark_token_required(self) -> None:
-        """Marks the cluster as requiring the token again where Redis lost the mark (a
-        restart without persistence) or never had it (Redis away when this router
-        started): else a worker started without the token could join it."""
+        """Marks the cluster as requiring the token once in each Redis process (one that
+        restarted without its data lost the mark, or Redis was away at this router's start),
+        so no worker without it joins; a mark deleted from a running Redis stays deleted."""
         try:
-            await asyncio.to_thread(self.registry.check_token, True)
+            run_id = await asyncio.to_thread(self.registry.run_id)
+            if run_id != self._token_marked_in:
+                await asyncio.to_thread(self.registry.check_token, True)
+                self._token_marked_in = run_id
         except RegistryError:
             pass  # Redis still away: next refresh
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -126,7 +127,8 @@ def test_the_debug_port_is_loopback_and_needs_the_api_key(cluster: Cluster,
 def test_the_routers_mark_the_cluster_again_after_redis_lost_its_data(
         cluster: Cluster) -> None:
     # (last: it empties Redis) the mark a worker without the token is refused by is
-    # written again by the router, so such a worker still cannot join
+    # written again by the router into the restarted Redis, so such a worker still
+    # cannot join
     cluster.redis.restart()
     client = redis.Redis.from_url(cluster.redis.url)
     try:
@@ -136,3 +138,11 @@ def test_the_routers_mark_the_cluster_again_after_redis_lost_its_data(
         client.close()
     output = _refused_at_start(cluster, ["decode", "--worker-id", "d-y"])
     assert "requires the cluster token" in output, output
+    # deleted from a running Redis (to run without a token again), it stays deleted
+    client = redis.Redis.from_url(cluster.redis.url)
+    try:
+        assert client.delete(*client.keys("*token_required")) == 1
+        time.sleep(2.0)  # four of the router's refreshes
+        assert not client.keys("*token_required")
+    finally:
+        client.close()
