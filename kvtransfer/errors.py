@@ -21,6 +21,11 @@ class ChannelError(TransferError):
     is destroyed and a later transfer opens a new one."""
 
 
+class PeerUnresponsive(ChannelError):
+    """The peer did not answer for a whole timeout, or could not be reached: what is
+    queued behind it for the same peer would wait as long."""
+
+
 class ChannelClosed(ChannelError):
     """The connection was closed (by the peer, or here) rather than timing out: a
     transfer that had not started on it can be retried on a new channel."""

@@ -37,6 +37,7 @@ from kvtransfer.errors import (
     ChannelError,
     ChecksumMismatch,
     LayoutMismatch,
+    PeerUnresponsive,
     TransferError,
     TransferRejected,
 )
@@ -153,7 +154,7 @@ class SendLane:
                 self._run(job)
             except TransferError as exc:
                 job.record.fail(exc)
-                if type(exc) is ChannelError:  # silent for a whole timeout, or unreachable
+                if isinstance(exc, PeerUnresponsive):
                     with self._lock:
                         queued, self._jobs = list(self._jobs), deque()
                     _fail_behind(queued, exc)
@@ -186,7 +187,7 @@ class SendLane:
             except ChannelError as exc:
                 self.ctx.pool.discard(channel, str(exc))
                 self.ctx.forget_peer(record.dest)
-                raise ChannelError(str(exc), record.transfer_id) from exc
+                raise type(exc)(str(exc), record.transfer_id) from exc
             except BaseException:
                 self.ctx.pool.discard(channel, "sender error mid-message")
                 raise
@@ -213,8 +214,9 @@ class SendLane:
             if not isinstance(exc, LayoutMismatch):
                 self._store = None  # reconnect next time: the receiver may have restarted
             if isinstance(exc, RuntimeError) and not isinstance(exc, TransferError):
-                raise ChannelError(f"decode worker at {self.key.dest.host}:{self.key.dest.port}"
-                                   f" unreachable: {str(exc).splitlines()[0][:200]}") from exc
+                dest = self.key.dest
+                raise PeerUnresponsive(f"decode worker at {dest.host}:{dest.port} unreachable: "
+                                       f"{str(exc).splitlines()[0][:200]}") from exc
             raise
         if reply.receiver_tp_size != record.receiver_tp:
             channel.close("receiver TP size changed")
@@ -339,14 +341,14 @@ class SendLane:
             channel.wait(op, max(0.001, deadline - now))
 
 
-def _fail_behind(queued: list[Job], cause: ChannelError) -> None:
+def _fail_behind(queued: list[Job], cause: PeerUnresponsive) -> None:
     """Fail the jobs that were queued behind one whose receiver stayed silent for a whole
     timeout (or could not be reached): each would wait out a timeout of its own on the
     same receiver, the last of k queued ones k timeouts late. Jobs submitted after this
     try the receiver again."""
     for job in queued:
-        job.record.fail(ChannelError(f"not sent: an earlier message on this route failed "
-                                     f"({cause})", job.record.transfer_id))
+        job.record.fail(PeerUnresponsive(f"not sent: an earlier message on this route "
+                                         f"failed ({cause})", job.record.transfer_id))
         job.record.job_done()
 
 

@@ -31,7 +31,7 @@ import torch
 from engine.kvcache.layout import KVLayout
 from engine.tp.distributed import Group, StoreAddress, backend_for, make_group
 from kvtransfer.config import TransferConfig
-from kvtransfer.errors import ChannelClosed, ChannelError, LayoutMismatch
+from kvtransfer.errors import ChannelClosed, ChannelError, LayoutMismatch, PeerUnresponsive
 from kvtransfer.wire import auth
 from kvtransfer.wire.protocol import (
     HEADER_BYTES,
@@ -201,7 +201,7 @@ class Channel:
                 self.closed_by_error = True
                 self.close(reason)
             timed_out = "timed out" in str(exc).lower() and not closed_here
-            cls = ChannelError if timed_out else ChannelClosed
+            cls = PeerUnresponsive if timed_out else ChannelClosed
             raise cls(f"channel {self.channel_id}: {self.closed_reason}") from exc
         self.last_used = time.monotonic()
 
@@ -298,7 +298,7 @@ def open_channel(store: Any, address: StoreAddress, request: OpenRequest, device
     except RuntimeError as exc:
         if isinstance(exc, ChannelError):
             raise
-        raise ChannelError(f"no channel to {address.host}:{address.port} rank "
+        raise PeerUnresponsive(f"no channel to {address.host}:{address.port} rank "
                            f"{request.receiver_rank}: {str(exc).splitlines()[0][:200]}") from exc
     if reply.status == OpenStatus.LAYOUT_MISMATCH:
         raise LayoutMismatch(f"receiver refused the channel: {reply.reason}")
@@ -323,11 +323,14 @@ def open_channel(store: Any, address: StoreAddress, request: OpenRequest, device
 def _abandon(store: Any, channel_id: int) -> None:
     """No answer in time: tell the receiver to drop the open request if it has not taken
     it yet (else it would answer it later, holding a channel slot for a sender that left,
-    and leave the reply's key in its store); an answer that came meanwhile is deleted."""
+    and leave the reply's key in its store); an answer that came meanwhile is deleted.
+    A receiver between its check of the mark and its answer still answers (its reply's
+    key stays, and an accepted channel's slot is held until its join times out)."""
     try:
         store.set(abandoned_key(channel_id), b"")
-        if store.check([reply_key(channel_id)]):
+        if store.check([reply_key(channel_id)]):  # taken before the mark: not read there
             store.delete_key(reply_key(channel_id))
+            store.delete_key(abandoned_key(channel_id))
     except RuntimeError:
         pass  # the store went away: nothing is left in it
 

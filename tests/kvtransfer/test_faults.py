@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(120)
 SLACK_S = 2.0  # scheduling noise on a shared 2-core machine
 
 
-CHANNEL_ERRORS = ("ChannelError", "ChannelClosed")
+CHANNEL_ERRORS = ("ChannelError", "PeerUnresponsive", "ChannelClosed")
 
 
 def _raises(agent: Agent, method: str, transfer_id: int, *kinds: str) -> tuple[str, float]:
