@@ -81,7 +81,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "request prefilled on its decode worker (default: never). In "
                              "every mode the later choices of n > 1 prefill on choice 0's "
                              "decode worker, whose prefix cache holds their prompt but its "
-                             "last block")
+                             "last block, and a prompt a decode worker holds all but a short "
+                             "tail of is prefilled there (--local-prefill-max-tokens)")
     parser.add_argument("--prefill-routing", choices=PREFILL_ROUTING, default="kv-aware",
                         help="kv-aware: the prefill worker with the least predicted work "
                              "(prompt tokens queued there plus this prompt's tokens it does "

@@ -113,6 +113,14 @@ def test_colocated_mode_may_run_without_prefill_workers(helm: Path) -> None:
     assert chart.flag_value(args, "--local-prefill") == "always"
 
 
+def test_conditional_disaggregation_is_a_value(helm: Path) -> None:
+    args = chart.main_container(chart.workload(chart.render(helm, None), "router"))["args"]
+    assert chart.flag_value(args, "--local-prefill-max-tokens") == "64"  # the router's
+    docs = chart.render(helm, None, "router.localPrefillMaxTokens=0")
+    args = chart.main_container(chart.workload(docs, "router"))["args"]
+    assert chart.flag_value(args, "--local-prefill-max-tokens") == "0"
+
+
 def test_notes_say_how_to_reach_the_api(helm: Path) -> None:
     """NOTES.txt (rendered by a client-side dry-run install, which needs no cluster)."""
     done = chart.run_helm(helm, "install", chart.RELEASE, str(chart.CHART_DIR), "--dry-run=client",
