@@ -70,13 +70,14 @@ class Cluster:
         return proc
 
     def start_router(self, *extra: str, name: str = "router",
-                     env: dict[str, str] | None = None) -> Proc:
+                     env: dict[str, str] | None = None,
+                     flags: tuple[str, ...] = ROUTER_FLAGS) -> Proc:
         """A router (the cluster's ``router`` unless ``name`` differs): debug port, pause
-        directory ``pause_dir(name)``, the cluster's lease TTL, ``ROUTER_FLAGS``; ``env``
-        over the cluster's."""
+        directory ``pause_dir(name)``, the cluster's lease TTL, ``flags`` (``ROUTER_FLAGS``;
+        ``()``: the router's defaults); ``env`` over the cluster's."""
         router = spawn(name, ["router", "--model", str(self.model_dir), "--port", "0",
                               "--redis-url", self.redis.url, "--grace", "2", "--debug-port",
-                              "0", "--lease-ttl", str(self.lease_ttl_s), *ROUTER_FLAGS,
+                              "0", "--lease-ttl", str(self.lease_ttl_s), *flags,
                               *extra], self.tmp,
                        {**self.env, PAUSE_ENV: str(self.pause_dir(name)), **(env or {})})
         self.routers.append(router)

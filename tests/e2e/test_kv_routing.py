@@ -224,8 +224,8 @@ def test_a_short_uncached_tail_is_prefilled_on_the_decode_worker(
     names = [p.name for p in cluster.prefill]
     first = _fresh_prompt_routed_to(cluster, names[0], names, salt=3)  # 2 blocks + 8
     turn = first + [7 + i for i in range(10)]  # the decode worker holds all but 18 tokens
-    router = cluster.start_router("--metrics-port", "0", "--local-prefill-max-tokens", "64",
-                                  name="router-local-tail")
+    # the router's own default threshold (64), not the test clusters' 0
+    router = cluster.start_router("--metrics-port", "0", name="router-local-tail", flags=())
     try:
         cluster.wait_serving()
         _complete(router.address, first)
