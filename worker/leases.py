@@ -116,8 +116,8 @@ class LeaseWatcher:
             run_id, present = self._store.exist([watched[a].key for a in ids], writable=True)
         except LeaseStoreUnavailable as exc:
             if self._missing_since:
-                log.warning("Redis unreachable (%s): %d missing leases get a new TTL once it "
-                            "answers", exc, len(self._missing_since))
+                log.warning("Redis unreachable or refusing writes (%s): %d missing leases get a "
+                            "new TTL once it serves", exc, len(self._missing_since))
             self._missing_since.clear()  # Redis not seen healthy: start over
             self._seen_in.clear()  # and what was seen before may have expired meanwhile
             return []
