@@ -66,10 +66,13 @@ def prompt_logprobs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
             prompt, start = request.prompt_token_ids, chunk.start_position
             # row j predicts position start + j + 1, a prompt token while that is < len
             num = min(num_rows, len(prompt) - 1 - start)
-            if num > 0 and len(request.prompt_logprobs) == start:
+            # recorded up to here already (a recompute after a preemption, whose chunks
+            # need not end where the first run's did): only the rows past that
+            skip = len(request.prompt_logprobs) - start
+            if 0 <= skip < num:
                 request.prompt_logprobs.extend(token_logprobs(
-                    logits[row:row + num], prompt[start + 1:start + 1 + num],
-                    [request.params.prompt_logprobs or 0] * num))
+                    logits[row + skip:row + num], prompt[start + 1 + skip:start + 1 + num],
+                    [request.params.prompt_logprobs or 0] * (num - skip)))
         if chunk.sample:  # a speculated chunk samples from each of its rows
             keep.extend(range(row + num_rows - 1 - chunk.num_draft_tokens, row + num_rows))
         row += num_rows

@@ -90,7 +90,11 @@ class Scheduler:
         """Reserve blocks for ``num_tokens`` tokens whose KV will be written from outside,
         led by ``cached_block_ids`` (from ``cached_prefix``: KV already here, never
         written). Returns the whole block table, or None (nothing held) when it does not
-        fit now."""
+        fit now, or while a preempted request waits to be readmitted: the blocks freed go
+        to it first (else reservations arriving between steps would take every block that
+        frees up, and it would wait until its deadline)."""
+        if self.waiting and self.waiting[0].num_preemptions:
+            return None
         if self.blocks.allocate(request.request_id, num_tokens, cached_block_ids) is None:
             return None
         request.status = RequestStatus.WAITING_FOR_KV

@@ -108,3 +108,28 @@ def test_prompt_logprobs_equal_hugging_faces_over_chunks_and_a_cached_prefix(
         assert lp.rank == int((reference[i] > reference[i, lp.token_id] + 1e-5).sum()) + 1
         assert [v for _, v in lp.top] == pytest.approx(reference[i].topk(3).values.tolist(),
                                                        abs=1e-4)
+
+
+def test_prompt_logprobs_recorded_once_whatever_a_recompute_s_chunks() -> None:
+    # a request preempted after its first 8-token chunk is recomputed from position 0 in
+    # chunks that need not end where the first run's did: the positions already recorded
+    # are kept, the rest recorded from the first chunk that reaches past them
+    from engine.core.chunks import ScheduledChunk
+    from engine.core.logprobs import prompt_logprobs
+    from engine.core.request import Request
+
+    vocab, prompt = 50, list(range(3, 23))  # 20 tokens: 19 positions to predict
+    request = Request("r", prompt, SamplingParams(max_tokens=2, prompt_logprobs=0),
+                      eos_token_ids=(1,))
+    logits = torch.randn(20, vocab, generator=torch.Generator().manual_seed(0))
+
+    def chunk(start: int, end: int) -> None:
+        piece = ScheduledChunk("r", tuple(prompt[start:end]), start, (), end == 20, True)
+        prompt_logprobs(logits[start:end], [piece], {"r": request})
+
+    chunk(0, 8)  # the first run, then preempted
+    first = list(request.prompt_logprobs)
+    for start, end in ((0, 6), (6, 13), (13, 20)):  # the recompute
+        chunk(start, end)
+    assert len(request.prompt_logprobs) == 19 and request.prompt_logprobs[:8] == first
+    assert request.prompt_logprobs == token_logprobs(logits[:19], prompt[1:], [0] * 19)

@@ -308,6 +308,22 @@ def test_preemption_frees_newest_request_and_recomputes_it() -> None:
     assert_all_released(sched)
 
 
+def test_a_preempted_request_gets_the_freed_blocks_before_new_reservations() -> None:
+    # a decode worker near capacity: KV arriving for new requests between steps must not
+    # take every block that frees up while a preempted request waits to be readmitted
+    prompts = {"a": range(100, 107), "b": range(200, 207)}  # 7 tokens: 2 blocks each
+    sched = make_scheduler(num_blocks=4, enable_prefix_caching=False)
+    a, b = (make_request(rid, prompt=p, max_tokens=6) for rid, p in prompts.items())
+    sched.add(a)
+    sched.add(b)
+    for _ in range(3):
+        out, _ = step(sched)
+    assert out.preempted == ["b"] and list(sched.waiting) == [b]
+    assert sched.reserve(make_request("new", 3), 3) is None  # one block free, but b waits
+    drain(sched)
+    assert b.is_finished and sched.reserve(make_request("later", 3), 3) is not None
+
+
 def test_tight_pool_never_deadlocks() -> None:
     lengths = [3, 9, 5, 14, 7, 11]
     prompts = {f"r{i}": range(1000 * (i + 1), 1000 * (i + 1) + n) for i, n in enumerate(lengths)}
