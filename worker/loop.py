@@ -171,9 +171,13 @@ class EngineLoop(RoleState):
 
     def _serve_commands(self) -> bool:
         """Run queued commands (block for one when idle), then ``_poll`` if polling.
-        False once asked to stop."""
-        block = not self.core.has_unfinished()
-        timeout = IDLE_POLL_S if self._is_polling() else None
+        False once asked to stop. Work the last step could schedule none of (blocks held
+        for KV on its way, say) waits as an idle loop does, not in a spin of empty steps
+        (each polling every rank)."""
+        busy = self.core.has_unfinished()
+        stuck = busy and not self.core.last_step_chunks
+        block = stuck or not busy
+        timeout = IDLE_POLL_S if self._is_polling() or stuck else None
         while True:
             try:
                 item = self._commands.get(block=block, timeout=timeout if block else None)

@@ -167,6 +167,7 @@ class EngineCore:
         self.drafter = DraftModel(config, executor.num_kv_blocks) if (
             config.scheduler.speculative_method == "draft_model") else None
         self.layer_hook: LayerHook | None = None
+        self.last_step_chunks = 0  # chunks the last step computed (0: it could do nothing)
         # Builds the payload every rank's plugin step_hook receives with a step (or None).
         self.step_payload: Callable[[SchedulerOutput], bytes] | None = None
         self._streams: dict[str, TextStream] = {}
@@ -266,6 +267,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute and sample one step; returns the outputs it produced."""
         out = self.scheduler.schedule()
+        self.last_step_chunks = len(out.chunks)
         sampled = self._execute(out) if out.chunks else []
         updates = self.scheduler.update(out, sampled)
         if self.drafter is not None:
