@@ -127,8 +127,9 @@ class Admission:
 
     async def wait_turn(self, deadline: float) -> None:
         self.num_waiting += 1
-        try:
-            await asyncio.wait_for(self._turn.acquire(), timeout=max(0.0, deadline - self.clock()))
+        try:  # asyncio.timeout, not wait_for: on 3.11 that can swallow a cancel
+            async with asyncio.timeout(max(0.0, deadline - self.clock())):
+                await self._turn.acquire()
         except TimeoutError:
             raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
                              "the request's deadline passed while it waited in the router's "
@@ -159,6 +160,7 @@ class Admission:
                              "the request's deadline passed while no worker could take it")
         async with self._capacity:
             try:
-                await asyncio.wait_for(self._capacity.wait(), min(RETRY_PLACEMENT_S, remaining))
+                async with asyncio.timeout(min(RETRY_PLACEMENT_S, remaining)):
+                    await self._capacity.wait()
             except TimeoutError:
                 pass
