@@ -166,3 +166,17 @@ def test_a_decode_worker_the_prompt_just_landed_on_ranks_first_before_the_index_
     placement, _ = _placement(other, _index({}), pool)
     placement._gate.recent.landed("d-1", compute_block_hashes(prompt[:32], BLOCK))
     assert placement.decode_order() == ["d-0", "d-1"]
+
+
+def test_later_choices_prefill_on_choice_0s_decode_worker_unless_its_kv_came_lossy() -> None:
+    # n > 1: the later choices prefill locally where choice 0's KV is; KV that crossed a
+    # lossy wire is keyed apart there, so a local prefill would compute the whole prompt
+    from router.lifecycle.context import SharedDecode
+
+    prompt = _prompt_by_affinity("p-0")
+    for salt, received, shared in (("", True, "d-0"), (LOSSY_WIRE_SALT, True, None),
+                                   (LOSSY_WIRE_SALT, False, "d-0")):
+        placement, _ = _placement(prompt, None, Pool(), salt)
+        placement.ctx.shared_decode = SharedDecode()
+        placement._share("d-0", received=received)
+        assert placement.ctx.shared_decode.worker_id == shared, (salt, received)
