@@ -101,14 +101,18 @@ class Admission:
         self._capacity = asyncio.Condition()
         self.num_waiting = 0  # queued for their turn (the one holding it not counted)
 
-    def check(self, num_tokens: int) -> None:
-        """RESOURCE_EXHAUSTED when a request of ``num_tokens`` (an upper bound is enough)
-        could not be admitted now; cheap, before the router tokenizes anything."""
+    def check(self, num_tokens: int, *, upper_bound: bool = False) -> None:
+        """RESOURCE_EXHAUSTED when a request of ``num_tokens`` could not be admitted now;
+        cheap, before the router tokenizes anything. ``upper_bound``: ``num_tokens`` may
+        be far more than the prompt's tokens (its bytes, say), so the queued tokens refuse
+        it only when they leave no room at all (``enter`` checks the real count)."""
         if self.inflight >= self.max_inflight:
             raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"{self.inflight} requests queued or running, the router's limit "
                              f"(--max-inflight {self.max_inflight}); retry later", "max_inflight")
         limit = self.max_queued_tokens
+        if upper_bound:
+            num_tokens = 1
         if limit is not None and self.queued_tokens and self.queued_tokens + num_tokens > limit:
             raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"{self.queued_tokens} prompt tokens wait for their first token; "

@@ -186,7 +186,7 @@ class RouterCore:
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
                              f"the request's deadline is {timeout_s:.3g}s away; at most "
                              f"{MAX_TIMEOUT_S:g}s (24 hours) is allowed", "deadline")
-        self.admission.check(num_tokens)
+        self.admission.check(num_tokens, upper_bound=True)
 
     async def run_text_work(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` — tokenizing, rendering a chat template — on the router's text

@@ -28,3 +28,18 @@ def test_a_request_cancelled_as_the_turn_reaches_it_does_not_keep_the_turn() -> 
         await asyncio.wait_for(admission.wait_turn(deadline), 1.0)
 
     asyncio.run(scenario())
+
+
+def test_an_upper_bound_of_the_prompt_is_refused_only_when_no_token_fits() -> None:
+    # the cheap check before tokenizing has only an upper bound (a text's bytes, about
+    # 4 times its tokens): it must not refuse a prompt that would fit once counted
+    from router.errors import RouteError
+
+    admission = Admission(8, 100)
+    admission.enter("queued", 90)
+    admission.check(50, upper_bound=True)  # 50 bytes may be 10 tokens: tokenize first
+    with pytest.raises(RouteError, match="max-queued-tokens"):
+        admission.check(50)  # 50 tokens do not fit
+    admission.enter("more", 10)
+    with pytest.raises(RouteError, match="max-queued-tokens"):
+        admission.check(50, upper_bound=True)  # no room at all
