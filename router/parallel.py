@@ -58,7 +58,11 @@ class ParallelRequest:
         return self.choices[0].trace  # the first choice's (traces are per request)
 
     async def chunks(self) -> AsyncGenerator[OutputChunk, None]:
-        queue: asyncio.Queue[tuple[int, OutputChunk | BaseException | None]] = asyncio.Queue()
+        # bounded: a choice waits for the client to read, so each choice's own bound on
+        # buffered chunks (and "client too slow") holds, and its admission lasts until
+        # the client read its end
+        queue: asyncio.Queue[tuple[int, OutputChunk | BaseException | None]] = \
+            asyncio.Queue(maxsize=len(self.choices))
 
         first_out = asyncio.Event()  # choice 0's prompt is computed (and cached)
         started: set[int] = set()  # the choices whose chunks() runs (it leaves admission)
@@ -70,14 +74,14 @@ class ParallelRequest:
                 started.add(index)
                 async with aclosing(served.chunks()) as chunks:
                     async for chunk in chunks:
-                        queue.put_nowait((index, chunk))
                         if not index:
                             first_out.set()
-                queue.put_nowait((index, None))
+                        await queue.put((index, chunk))
+                await queue.put((index, None))
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the reader
-                queue.put_nowait((index, exc))
+                await queue.put((index, exc))
             finally:
                 if not index:
                     first_out.set()

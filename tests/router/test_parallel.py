@@ -93,3 +93,36 @@ def test_a_failed_choice_fails_the_stream_and_leaving_early_lets_all_go() -> Non
     parallel = ParallelRequest(_request(2), waiting)  # type: ignore[arg-type]
     assert len(_run(parallel, stop_after=1)) == 1
     assert [c.ticket.left >= 1 for c in waiting] == [True, True]  # however far each got
+
+
+def test_a_client_that_stops_reading_holds_back_every_choice() -> None:
+    # each choice waits for the client to read its chunks (its own bound on buffered
+    # chunks then holds, and so does its admission) instead of running to its end into
+    # the router's memory
+    log: list[str] = []
+    made = [0, 0, 0]
+
+    class Counting(FakeChoice):
+        def __init__(self, i: int) -> None:
+            super().__init__([OutputChunk((i,), "a")] * 5000, log, f"c{i}")
+            self.i = i
+
+        async def chunks(self) -> AsyncGenerator[OutputChunk, None]:
+            async for chunk in super().chunks():
+                made[self.i] += 1
+                yield chunk
+
+    choices = [Counting(i) for i in range(3)]
+    parallel = ParallelRequest(_request(3), choices)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        stream = parallel.chunks()
+        await stream.__anext__()  # the client reads one chunk, then stops reading
+        for _ in range(200):
+            await asyncio.sleep(0)
+        assert max(made) <= 10, made
+        assert [c.ticket.left for c in choices] == [0, 0, 0]  # still admitted
+        await stream.aclose()
+
+    asyncio.run(main())
+    assert [c.ticket.left for c in choices] == [1, 1, 1]
