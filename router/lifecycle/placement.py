@@ -150,7 +150,7 @@ class Placement:
         decode_id = self.decode_order(received=False)[0]
         ctx.metrics.routed.labels("decode", decode_id).inc()
         attempt = Attempt(ctx, self._ids.new(), decode_id, local=True)
-        self._share(decode_id, received=False)
+        self._share(decode_id)
         why = ("colocated mode" if ctx.config.local_prefill == "always"
                else "its prompt is cached there" if self._sibling_worker() == decode_id
                else "it holds the prompt but a short tail" if self._short_tail()
@@ -167,12 +167,10 @@ class Placement:
             salt = "" if attempt.local else self.ctx.received_kv_salt
             self._gate.recent.landed(attempt.decode_id, self.prompt_kv.block_hashes(salt))
 
-    def _share(self, decode_id: str, *, received: bool) -> None:
+    def _share(self, decode_id: str, lossy: bool = False) -> None:
         """Choice 0 of n > 1 runs on ``decode_id``: the later choices go there, unless its
-        KV arrived over a lossy wire (keyed apart there: a local prefill finds none of it,
-        and would compute the whole prompt on the decode worker)."""
+        KV arrived over a ``lossy`` wire (keyed apart there: a local prefill finds none)."""
         if self.ctx.shared_decode is not None and not self.ctx.choice:
-            lossy = received and bool(self.ctx.received_kv_salt)
             self.ctx.shared_decode.worker_id = None if lossy else decode_id
 
     async def _reserve(self, ahead: PrefillStarter | None) -> Attempt:
@@ -264,7 +262,7 @@ class Placement:
             return f"it reserved {reply.target}, not the target its Prefill named", True
         ctx.trace.mark("reserved")
         attempt.reserved(reply.target)
-        self._share(decode_id, received=True)
+        self._share(decode_id, lossy=bool(ctx.received_kv_salt))
         ctx.metrics.routed.labels("decode", decode_id).inc()
         ctx.log.info("attempt %s: %d blocks reserved on %s (transfer %d, %d held there)",
                      attempt.id, reply.num_blocks, decode_id, attempt.transfer_id,

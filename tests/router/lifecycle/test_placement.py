@@ -174,9 +174,8 @@ def test_later_choices_prefill_on_choice_0s_decode_worker_unless_its_kv_came_los
     from router.lifecycle.context import SharedDecode
 
     prompt = _prompt_by_affinity("p-0")
-    for salt, received, shared in (("", True, "d-0"), (LOSSY_WIRE_SALT, True, None),
-                                   (LOSSY_WIRE_SALT, False, "d-0")):
-        placement, _ = _placement(prompt, None, Pool(), salt)
+    for lossy, shared in ((False, "d-0"), (True, None)):
+        placement, _ = _placement(prompt, None, Pool(), LOSSY_WIRE_SALT if lossy else "")
         placement.ctx.shared_decode = SharedDecode()
-        placement._share("d-0", received=received)
-        assert placement.ctx.shared_decode.worker_id == shared, (salt, received)
+        placement._share("d-0", lossy=lossy)
+        assert placement.ctx.shared_decode.worker_id == shared, lossy
