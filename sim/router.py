@@ -164,12 +164,13 @@ class SimRouter:
             worker = self._worker(decode_id)
             # the Prefill goes out with the pass's first Reserve where, by a trusted index,
             # the decode worker holds none of the prompt and its registered free blocks
-            # hold the request, and no KV of a prompt starting as this one was seen landing
+            # hold the prompt (what a Reserve takes), and no KV of a prompt starting as this one was seen landing
             # there lately, nor did it refuse a Reserve since it last accepted one
             # (router.lifecycle.ahead.ahead_target)
             ahead = decode_id == order[0] and not request.no_ahead and not held.get(
                 decode_id, 0) and self.kv_index is not None and self.kv_index.trusted() \
-                and worker.reported_free_blocks() >= self._num_blocks(request) \
+                and worker.reported_free_blocks() >= num_blocks_for(request.prompt_len,
+                                                                    self.block_size) \
                 and self.gate.allows(decode_id, self._prompt_block(request))
             reserved = worker.reserve(request.engine_request(attempt), 0 if ahead else None)
             # refused here only for want of room

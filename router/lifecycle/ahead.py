@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from cluster.kv_target import KVTarget
+from engine.tp.sharding import num_blocks_for
 from router.lifecycle.attempt import Attempt
 from router.recent_kv import RecentKV
 
@@ -85,8 +86,9 @@ def ahead_target(attempt: Attempt, gate: AheadGate, held_blocks: int,
     """The target a Prefill sent ahead of ``attempt``'s Reserve names, or None (it waits
     for the reply): ``held_blocks``, the prompt's leading blocks the decode worker holds by
     a trusted index, must be 0, the gate must allow it (``block_hashes``: the prompt's, as
-    the worker would key them), its registered free blocks hold the request, and no planned
-    move be pending (its Prefill goes to the draining worker)."""
+    the worker would key them), its registered free blocks hold the prompt (what a Reserve
+    takes: not its ``max_tokens``, which a chat request without one sets to the whole
+    context), and no planned move be pending (its Prefill goes to the draining worker)."""
     ctx = attempt.ctx
     if held_blocks or ctx.pending_move is not None \
             or not gate.allows(attempt.decode_id, block_hashes):
@@ -94,6 +96,7 @@ def ahead_target(attempt: Attempt, gate: AheadGate, held_blocks: int,
     record = next((r for r in ctx.pool.routable("decode") if r.worker_id == attempt.decode_id),
                   None)
     if record is None or not record.kv_address \
-            or record.free_kv_blocks < ctx.request.num_blocks(ctx.block_size):
+            or record.free_kv_blocks < num_blocks_for(len(ctx.request.prompt_token_ids),
+                                                      ctx.block_size):
         return None
     return KVTarget(attempt.transfer_id, record.kv_address, record.tensor_parallel_size, 0)

@@ -51,13 +51,24 @@ def test_notes_past_the_window_or_the_cap_are_dropped_oldest_first() -> None:
     assert len(recent) == 1
 
 
-def _attempt(decode_id: str = "d-0") -> SimpleNamespace:
+def _attempt(decode_id: str = "d-0", free_blocks: int = 64,
+             max_tokens: int = 16) -> SimpleNamespace:
     record = SimpleNamespace(worker_id=decode_id, kv_address="127.0.0.1:1",
-                             tensor_parallel_size=1, free_kv_blocks=64)
-    ctx = SimpleNamespace(pending_move=None, block_size=16,
-                          request=SimpleNamespace(num_blocks=lambda _: 4),
+                             tensor_parallel_size=1, free_kv_blocks=free_blocks)
+    prompt = list(range(40))  # 3 blocks of 16
+    request = SimpleNamespace(prompt_token_ids=prompt,
+                              num_blocks=lambda size: -(-(len(prompt) + max_tokens) // size))
+    ctx = SimpleNamespace(pending_move=None, block_size=16, request=request,
                           pool=SimpleNamespace(routable=lambda role: [record]))
     return SimpleNamespace(ctx=ctx, decode_id=decode_id, transfer_id=7)
+
+
+def test_the_prefill_goes_ahead_where_the_prompt_fits_whatever_max_tokens() -> None:
+    # a Reserve takes the prompt's blocks: a chat request without max_tokens (the whole
+    # context) still sends its Prefill ahead where its prompt fits, not where it does not
+    gate = AheadGate(Clock())
+    assert ahead_target(_attempt(free_blocks=3, max_tokens=8000), gate, 0) is not None  # type: ignore[arg-type]
+    assert ahead_target(_attempt(free_blocks=2), gate, 0) is None  # type: ignore[arg-type]
 
 
 def test_the_prefill_waits_for_the_reply_where_the_router_saw_the_prompt_land() -> None:
