@@ -404,7 +404,8 @@ def test_two_routers_serve_and_a_rolling_restart_fails_no_request(
 
         thread = threading.Thread(target=load, daemon=True)
         thread.start()
-        try:
+        try:  # the restart begins once requests flow (the client has connected)
+            wait_until(lambda: bool(results or failures), TIMEOUT_S, "the load's first request")
             cluster.rolling_restart(settle_s=1.0)
         finally:
             done.set()
