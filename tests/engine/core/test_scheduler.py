@@ -279,12 +279,19 @@ def test_waiting_request_admitted_while_another_decodes() -> None:
 
 
 # ---------------------------------------------------------------------- preemption
-def test_preemption_frees_newest_request_and_recomputes_it() -> None:
-    prompts = {"a": range(100, 107), "b": range(200, 207)}  # 7 tokens: 2 blocks each
+def _two_requests_in_four_blocks() -> tuple[dict[str, range], Scheduler, Request, Request]:
+    """Requests a and b of 7 tokens (2 blocks each) in a pool of 4 blocks, added in that
+    order: the third step preempts b."""
+    prompts = {"a": range(100, 107), "b": range(200, 207)}
     sched = make_scheduler(num_blocks=4, enable_prefix_caching=False)
     a, b = (make_request(rid, prompt=p, max_tokens=6) for rid, p in prompts.items())
     sched.add(a)
     sched.add(b)
+    return prompts, sched, a, b
+
+
+def test_preemption_frees_newest_request_and_recomputes_it() -> None:
+    prompts, sched, a, b = _two_requests_in_four_blocks()
     # 1. both prefill, then both decode: the 4 blocks are all held
     step(sched)
     step(sched)
@@ -311,11 +318,7 @@ def test_preemption_frees_newest_request_and_recomputes_it() -> None:
 def test_a_preempted_request_gets_the_freed_blocks_before_new_reservations() -> None:
     # a decode worker near capacity: KV arriving for new requests between steps must not
     # take every block that frees up while a preempted request waits to be readmitted
-    prompts = {"a": range(100, 107), "b": range(200, 207)}  # 7 tokens: 2 blocks each
-    sched = make_scheduler(num_blocks=4, enable_prefix_caching=False)
-    a, b = (make_request(rid, prompt=p, max_tokens=6) for rid, p in prompts.items())
-    sched.add(a)
-    sched.add(b)
+    _, sched, _, b = _two_requests_in_four_blocks()
     for _ in range(3):
         out, _ = step(sched)
     assert out.preempted == ["b"] and list(sched.waiting) == [b]
