@@ -13,8 +13,10 @@ header marked cancelled, without payload), so the receiver's stream never has a 
 any failure in between closes the channel instead. The lane owns its queue of jobs (under
 its own lock); it knows its sender only through a ``LaneContext`` and reports each job's
 end to the job's transfer (``kvtransfer.send.outgoing``). A message whose receiver stays
-silent for a whole timeout (or cannot be reached) fails, and so do the jobs queued behind
-it at once, rather than each after a timeout of its own.
+silent for a whole timeout (or cannot be reached) fails, and so do the jobs that have
+waited behind it for half a timeout or more, at once, rather than each after a timeout of
+its own; a job queued more recently tries the receiver again (a stalled decode worker may
+have resumed meanwhile).
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class SendLane:
         self.key = key
         self.backend = backend
         self._lock = threading.Lock()
-        self._jobs: deque[Job] = deque()
+        self._jobs: deque[tuple[float, Job]] = deque()  # (when queued, job)
         self._thread: threading.Thread | None = None
         self._store: Any = None  # client of the receiver's store, kept across channel opens
         self._idle_since = time.monotonic()  # when its thread last ran out of jobs
@@ -116,7 +118,7 @@ class SendLane:
     def submit(self, job: Job) -> None:
         """Queue ``job`` behind the lane's others; start the thread if it has none."""
         with self._lock:
-            self._jobs.append(job)
+            self._jobs.append((time.monotonic(), job))
             if self._thread is None:
                 name = f"kvtransfer-send-{self.key.dest.port}/{self.key.receiver_rank}"
                 self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -143,7 +145,7 @@ class SendLane:
         """The next job; None (and the lane has no thread any more) when there is none."""
         with self._lock:
             if self._jobs:
-                return self._jobs.popleft()
+                return self._jobs.popleft()[1]
             self._thread = None
             self._idle_since = time.monotonic()
             return None
@@ -155,14 +157,20 @@ class SendLane:
             except TransferError as exc:
                 job.record.fail(exc)
                 if isinstance(exc, PeerUnresponsive):
-                    with self._lock:
-                        queued, self._jobs = list(self._jobs), deque()
-                    _fail_behind(queued, exc)
+                    _fail_behind(self._take_waiting(self.ctx.config.timeout_s / 2), exc)
             except Exception as exc:  # a bug must fail the transfer, not kill the lane
                 log.exception("send lane %s failed", self.key)
                 job.record.fail(TransferError(f"sender error: {exc!r}", job.record.transfer_id))
             finally:
                 job.record.job_done()
+
+    def _take_waiting(self, min_wait_s: float) -> list[Job]:
+        """Remove and return the queued jobs that have waited ``min_wait_s`` or longer."""
+        queued_before, taken = time.monotonic() - min_wait_s, []
+        with self._lock:
+            while self._jobs and self._jobs[0][0] <= queued_before:
+                taken.append(self._jobs.popleft()[1])
+        return taken
 
     def _run(self, job: Job) -> None:
         """Send one message; retried once on a fresh channel when a reused idle channel
@@ -342,10 +350,11 @@ class SendLane:
 
 
 def _fail_behind(queued: list[Job], cause: PeerUnresponsive) -> None:
-    """Fail the jobs that were queued behind one whose receiver stayed silent for a whole
+    """Fail the jobs that waited behind one whose receiver stayed silent for a whole
     timeout (or could not be reached): each would wait out a timeout of its own on the
-    same receiver, the last of k queued ones k timeouts late. Jobs submitted after this
-    try the receiver again."""
+    same receiver, the last of k queued ones k timeouts late. Jobs queued later (and
+    those submitted after this) try the receiver again: a receiver that was only stalled
+    (paused, swapping) serves them, a dead one fails them within one more timeout."""
     for job in queued:
         job.record.fail(PeerUnresponsive(f"not sent: an earlier message on this route "
                                          f"failed ({cause})", job.record.transfer_id))

@@ -140,6 +140,34 @@ def test_transfers_queued_to_a_hung_receiver_fail_within_one_timeout(
     assert_received(decode, req)
 
 
+def test_a_transfer_queued_late_behind_a_silent_message_gets_its_own_try(
+        agents: AgentsFactory) -> None:
+    # a stopped decode rank leaves a message unacknowledged for the whole timeout; a
+    # transfer queued behind it late in that timeout is not failed with it but tries the
+    # receiver again, which is back by then (CI once saw the case: the next request to a
+    # decode worker resumed from SIGSTOP failed with the one its stop had timed out)
+    sender, receiver = agents(2)
+    decode, prefill = make_decode([receiver]), make_prefill([sender])
+    transfer(prefill, decode, make_request(85, 64))  # the route's channel is open
+    first, late = make_request(86, 64), make_request(87, 64)
+    expect(decode, first, timeout_s=60)
+    expect(decode, late, timeout_s=60)
+    receiver.signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        send(prefill, decode, first)
+        time.sleep(0.7 * CONFIG.timeout_s)
+        send(prefill, decode, late)
+        _raises(sender, "send_wait", 86, *CHANNEL_ERRORS)
+        assert time.monotonic() - start < CONFIG.timeout_s + SLACK_S
+    finally:
+        receiver.signal(signal.SIGCONT)
+    wait_all(prefill, decode, late)
+    assert_received(decode, late)
+    assert sender.call("report")["stats"]["channels_opened"] == 2
+    _raises(receiver, "recv_wait", 86, *CHANNEL_ERRORS)  # the broken channel's message
+
+
 def test_a_decode_worker_restarted_at_the_same_address_gets_the_next_transfer(
         agents: AgentsFactory) -> None:
     # the sender keeps its connection to the decode rank's store across transfers; after
