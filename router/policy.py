@@ -11,8 +11,13 @@ two drivers, so what the simulator predicts is what the router does.
   prompt tokens it lacks, ``router.routing.rank_by_cost``); else rendezvous order of the
   affinity key with bounded load (``affinity``, or ``kv-aware`` while the index cannot be
   trusted: ``index_stale``).
-- ``short_tail``: conditional disaggregation — prefill on the decode worker that holds
-  all but at most ``limit`` tokens of the prompt.
+- Conditional disaggregation, the decode worker prefilling the prompt itself:
+  ``short_tail`` — it holds all but at most ``limit`` tokens of the prompt;
+  ``queue_outwaits_local`` — every prefill worker's queue is longer than what the decode
+  worker lacks of the prompt.
+
+Predictions are in prompt tokens: every worker is taken to compute them as fast as the
+others (one model, one kind of accelerator per cluster).
 """
 
 from __future__ import annotations
@@ -53,6 +58,18 @@ def choose_prefill(mode: str, *, key: bytes, loads: Mapping[str, int],
         return PrefillChoice(order, reason, cached)
     order = pick_prefill(key, loads, epsilon)
     return PrefillChoice(order, "affinity" if mode == "affinity" else "index_stale")
+
+
+def queue_outwaits_local(limit: int, prefill_queued: Mapping[str, int],
+                         local_tokens: int) -> bool:
+    """Whether the decode worker should prefill the prompt itself because every prefill
+    worker is busier: even the shortest prefill queue (``prefill_queued``: prompt tokens
+    queued on each prefill worker, cluster-wide) holds more tokens than the decode worker
+    lacks of the prompt (``local_tokens``), so waiting there would take longer than
+    computing them where the KV goes. ``limit`` 0 (conditional disaggregation off) or no
+    prefill worker: never."""
+    return bool(limit) and bool(prefill_queued) \
+        and min(prefill_queued.values()) > local_tokens
 
 
 def short_tail(limit: int, num_prompt_tokens: int, block_size: int, held_blocks: int) -> bool:

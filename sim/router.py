@@ -10,7 +10,8 @@ driven by the simulator's events instead of gRPC calls.
   counts, their allocatable blocks, the KV index's cached prefix); the first that can
   reserve the prompt's blocks takes it (``SimWorker.reserve``, the engine's own
   reservation). Local prefill (``local_prefill`` always, fallback without prefill
-  workers, or ``router.policy.short_tail``) puts the whole request on it instead.
+  workers, or conditional disaggregation: ``router.policy.short_tail`` and
+  ``queue_outwaits_local``) puts the whole request on it instead.
 - Prefill: ``router.policy.choose_prefill`` — the function ``Placement`` calls.
 - Shared by every router (``SharedView``): the attempts on each worker and the prompt
   tokens queued prefills will compute there (less what the KV index says it holds, as
@@ -41,7 +42,7 @@ from router.admission import RETRY_PLACEMENT_S, Admission
 from router.config import AdmissionConfig, HandoffConfig
 from router.errors import RouteError
 from router.lifecycle.ahead import AheadGate
-from router.policy import choose_prefill, short_tail
+from router.policy import choose_prefill, queue_outwaits_local, short_tail
 from router.routing import DecodeCandidate, affinity_key, rank_decode, uncached_tokens
 from sim.events import EventQueue
 from sim.profile import Profile
@@ -153,7 +154,12 @@ class SimRouter:
                                                 and not live(self.prefill)) or (
             self.kv_index is not None and self.kv_index.trusted()
             and short_tail(h.local_prefill_max_tokens, request.prompt_len, self.block_size,
-                           held.get(order[0], 0)))
+                           held.get(order[0], 0))) or (
+            h.prefill_routing == "kv-aware" and queue_outwaits_local(
+                h.local_prefill_max_tokens,
+                {w.worker_id: self.queued_tokens[w.worker_id] for w in live(self.prefill)},
+                uncached_tokens(len(request.sequence()), self.block_size,
+                                held.get(order[0], 0))))
         if local:
             worker = self._worker(order[0])
             self._start(request, worker)

@@ -40,10 +40,13 @@ from router.lifecycle.attempt import Attempt, AttemptIds
 from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import reraise_if_we_are_cancelled
 from router.lifecycle.prompt_kv import PromptKV
-from router.policy import choose_prefill, short_tail
+from router.policy import choose_prefill, queue_outwaits_local, short_tail
 from router.recent_kv import RecentKV
 from router.routing import DecodeCandidate, rank_decode, uncached_tokens
 from router.worker_calls import Failure, Prefilled, WorkerCalls
+
+_WHY_LOCAL = {"local_short_tail": "it holds the prompt but a short tail",
+              "local_queue_wait": "every prefill queue is longer than what it lacks"}
 
 # starts an attempt's Prefill (``router.lifecycle.prefill.prefill``): what goes ahead
 PrefillStarter = Callable[[Attempt], Coroutine[Any, Any, Prefilled]]
@@ -103,29 +106,27 @@ class Placement:
     def prefills_locally(self) -> bool:
         """Colocated this attempt (never while a planned move is pending: its KV goes to a
         reservation): always, (fallback) when no prefill worker is left, a
-        later choice that its first choice's decode worker can take, or a prompt whose
-        part no decode worker holds is short (``local_prefill_max_tokens``)."""
+        later choice that its first choice's decode worker can take, or conditional
+        disaggregation's choice (``_conditional``)."""
         mode = self.ctx.config.local_prefill
         if self.ctx.pending_move is not None:
             return False  # the KV moves to a reservation (router.lifecycle.prefill)
         return mode == "always" or self._sibling_worker() is not None or (
             mode == "fallback" and not any(r.worker_id not in self.ctx.excluded
                                            for r in self.ctx.pool.routable("prefill"))
-        ) or self._short_tail()
+        ) or self._conditional() is not None
 
-    def _short_tail(self) -> bool:
-        """Conditional disaggregation: a decode worker holds all of the prompt but at
-        most ``local_prefill_max_tokens`` of it (kv-aware, a trusted index, not a resumed
-        stream) — the one a local attempt would take, within the load bound — so
-        computing that tail where the KV is beats a round trip through a prefill
-        worker."""
+    def _conditional(self) -> str | None:
+        """Conditional disaggregation's reason to prefill on the decode worker a local
+        attempt would take (``_conditional_reason``), or None (also when off: not
+        kv-aware, ``local_prefill_max_tokens`` 0, or a resumed stream)."""
         ctx = self.ctx
-        limit = ctx.config.local_prefill_max_tokens
-        if not limit or ctx.calls.num_resumed or not self.prompt_kv.trusted():
-            return False
-        order, held = self._decode_ranking()  # the worker a local attempt would take
-        return bool(order) and short_tail(limit, len(ctx.request.prompt_token_ids),
-                                          ctx.block_size, held.get(order[0], 0))
+        if not ctx.config.local_prefill_max_tokens or ctx.calls.num_resumed \
+                or ctx.config.prefill_routing != "kv-aware":
+            return None
+        order, held = self._decode_ranking()
+        return _conditional_reason(ctx, held.get(order[0], 0), self.prompt_kv.trusted()) \
+            if order else None
 
     def _sibling_worker(self) -> str | None:
         """The decode worker holding a later choice's prompt (``SharedDecode``), if it is
@@ -151,12 +152,13 @@ class Placement:
         ctx.metrics.routed.labels("decode", decode_id).inc()
         attempt = Attempt(ctx, self._ids.new(), decode_id, local=True)
         self._share(decode_id)
-        why = ("colocated mode" if ctx.config.local_prefill == "always"
-               else "its prompt is cached there" if self._sibling_worker() == decode_id
-               else "it holds the prompt but a short tail" if self._short_tail()
-               else "no prefill worker left")
-        if why.startswith("it holds"):
-            ctx.metrics.decisions.labels("prefill", "local_short_tail").inc()
+        colocated, sibling = ctx.config.local_prefill == "always", self._sibling_worker()
+        conditional = None if colocated or sibling == decode_id else self._conditional()
+        if conditional is not None:
+            ctx.metrics.decisions.labels("prefill", conditional).inc()
+        why = ("colocated mode" if colocated else "its prompt is cached there"
+               if sibling == decode_id else _WHY_LOCAL.get(conditional or "",
+                                                           "no prefill worker left"))
         ctx.log.info("attempt %s: prefilling locally on %s (%s)", attempt.id, decode_id, why)
         return attempt
 
@@ -299,6 +301,23 @@ class Placement:
         knows (kv-aware: the KV index's word on its prefix cache; else all of them)."""
         return uncached_tokens(_prefill_len(self.ctx), self.ctx.block_size,
                                self._prefill_cached.get(prefill_id, 0))
+
+
+def _conditional_reason(ctx: RequestContext, held_blocks: int, trusted: bool) -> str | None:
+    """Why the decode worker holding ``held_blocks`` leading prompt blocks should prefill
+    the prompt itself, if it should. ``local_short_tail``: it holds all of the prompt but
+    at most ``local_prefill_max_tokens`` (by a ``trusted`` index), so computing that tail
+    where the KV is beats a round trip through a prefill worker; ``local_queue_wait``:
+    every prefill worker's queue is longer than what it lacks of the prompt
+    (``router.policy.queue_outwaits_local``)."""
+    limit = ctx.config.local_prefill_max_tokens
+    if trusted and short_tail(limit, len(ctx.request.prompt_token_ids), ctx.block_size,
+                              held_blocks):
+        return "local_short_tail"
+    queued = {r.worker_id: ctx.pool.cluster_tokens(r.worker_id)
+              for r in ctx.pool.routable("prefill") if r.worker_id not in ctx.excluded}
+    lacks = uncached_tokens(_prefill_len(ctx), ctx.block_size, held_blocks)
+    return "local_queue_wait" if queue_outwaits_local(limit, queued, lacks) else None
 
 
 def _prefill_len(ctx: RequestContext) -> int:

@@ -11,7 +11,8 @@ default, serving metrics).
 - routers see each other's load (``cluster.router_loads``): one with nothing in flight
   routes away from the prefill worker another router keeps busy;
 - a prompt a decode worker holds all but a short tail of is prefilled there
-  (``--local-prefill-max-tokens``), counted by reason, its tokens the engine's;
+  (``--local-prefill-max-tokens``), counted by reason, its tokens the engine's; so is
+  one that every prefill worker's queue would keep waiting longer than it takes there;
 - after Redis restarts empty, the events flow again through the new stream;
 - a lost batch (a sequence gap) makes the router resynchronise that worker; a worker
   restarted empty leaves the index (its new epoch).
@@ -79,6 +80,13 @@ def _complete(address: str, prompt: list[int]) -> list[int]:
     with Client(address) as client:
         return list(client.complete(prompt_token_ids=prompt, max_tokens=2, temperature=0.0,
                                     ignore_eos=True, timeout=TIMEOUT_S).token_ids)
+
+
+def _engine_tokens(llama_dir: Path, prompt: list[int]) -> list[int]:
+    """``engine.LLM``'s 6 greedy tokens for ``prompt``: what the cluster must stream."""
+    with LLM(llama_dir) as llm:
+        return list(llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
+                                                          ignore_eos=True))[0].token_ids)
 
 
 def _holder(cluster: Cluster, prompt: list[int]) -> str:
@@ -241,10 +249,47 @@ def test_a_short_uncached_tail_is_prefilled_on_the_decode_worker(
                                "{kind=prefill,reason=local_short_tail}") == 1
     finally:
         router.stop()
-    with LLM(llama_dir) as llm:
-        expected = llm.generate([turn], SamplingParams(max_tokens=6, temperature=0.0,
-                                                       ignore_eos=True))[0].token_ids
-    assert list(got.token_ids) == expected
+    assert list(got.token_ids) == _engine_tokens(llama_dir, turn)
+    cluster.assert_no_leaks()
+
+
+def test_a_prompt_is_prefilled_on_the_decode_worker_while_every_prefill_queue_is_longer(
+        cluster: Cluster, llama_dir: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster.pause_points import PauseDir
+
+    names = [p.name for p in cluster.prefill]
+    longs = [_fresh_prompt_routed_to(cluster, name, names, salt=10 + i, num_tokens=120)
+             for i, name in enumerate(names)]
+    short = [500 + (7 * i) % 150 for i in range(20)]
+    # the router's defaults (conditional disaggregation on), not the test clusters'
+    router = cluster.start_router("--metrics-port", "0", name="router-queue-wait", flags=())
+    pauses = [PauseDir(cluster.pause_dir(name)) for name in names]
+    try:
+        cluster.wait_serving()
+        for pause in pauses:
+            pause.arm("prefill.started")
+        with ThreadPoolExecutor(2) as pool:
+            # one long prompt held on each prefill worker: 120 tokens queued on both
+            held = [pool.submit(_complete, router.address, prompt) for prompt in longs]
+            for pause in pauses:
+                pause.wait_paused("prefill.started", TIMEOUT_S)
+            before = _prefill_figures(cluster)
+            with Client(router.address) as client:
+                got = client.complete(prompt_token_ids=short, max_tokens=6, temperature=0.0,
+                                      ignore_eos=True, timeout=TIMEOUT_S)
+            assert _metric(router, "pdserve:router_decisions_total"
+                                   "{kind=prefill,reason=local_queue_wait}") == 1
+            assert _prefill_figures(cluster) == before  # no prefill worker computed it
+            for pause in pauses:
+                pause.release("prefill.started")
+            assert [len(h.result(TIMEOUT_S)) for h in held] == [2, 2]
+    finally:
+        for pause in pauses:
+            pause.release("prefill.started")
+        router.stop()
+    assert list(got.token_ids) == _engine_tokens(llama_dir, short)
     cluster.assert_no_leaks()
 
 

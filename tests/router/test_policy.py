@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from router.policy import PrefillChoice, choose_prefill, short_tail
+from router.policy import (
+    PrefillChoice,
+    choose_prefill,
+    queue_outwaits_local,
+    short_tail,
+)
 from router.routing import pick_prefill, rendezvous_order
 
 LOADS = {"p0": 0, "p1": 0, "p2": 0}
@@ -43,3 +48,12 @@ def test_short_tail_needs_a_holder_and_a_short_rest() -> None:
     assert not short_tail(16, 100, 16, held_blocks=5)
     assert not short_tail(32, 100, 16, held_blocks=0)
     assert not short_tail(0, 100, 16, held_blocks=6)  # 0: off
+
+
+def test_the_decode_worker_prefills_when_every_prefill_queue_waits_longer() -> None:
+    # 100 tokens the decode worker lacks; the shortest prefill queue decides
+    assert queue_outwaits_local(64, {"p0": 500, "p1": 101}, 100)
+    assert not queue_outwaits_local(64, {"p0": 500, "p1": 100}, 100)
+    assert not queue_outwaits_local(0, {"p0": 500}, 100)  # conditional disaggregation off
+    assert not queue_outwaits_local(64, {}, 100)  # no prefill worker
+

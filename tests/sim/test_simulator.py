@@ -113,7 +113,9 @@ def test_admission_refuses_over_its_budget_as_the_router_does() -> None:
 
 def test_a_queued_deadline_passes_as_deadline_exceeded() -> None:
     # room for one request at a time: 12 of 40 tokens each cannot all start within 50 ms
-    spec = SimSpec(timeout_s=0.05)
+    # (each waits for its Reserve; conditional disaggregation off, whose local attempts
+    # queue in the decode worker's engine instead)
+    spec = SimSpec(timeout_s=0.05, handoff=HandoffConfig(local_prefill_max_tokens=0))
     result = simulate(small_profile(num_kv_blocks=16), spec, requests(12, rate=10_000.0,
                                                                       output=40))
     result.check()

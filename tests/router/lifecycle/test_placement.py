@@ -100,6 +100,29 @@ def test_another_routers_queue_moves_it_elsewhere() -> None:
     assert _decisions(metrics, "prefill", "kv_cost") == 1
 
 
+def test_a_prompt_is_prefilled_on_the_decode_worker_when_every_prefill_queue_is_longer(
+        ) -> None:
+    prompt = _prompt_by_affinity("p-0")  # 100 tokens, none of them cached anywhere
+    placement, _ = _placement(prompt, _index({}), Pool({"p-0": 1000, "p-1": 150}))
+    assert placement.prefills_locally()
+    assert placement._conditional() == "local_queue_wait"  # the reason counted
+    # one prefill worker's queue is shorter than the prompt: it goes there
+    assert not _placement(prompt, _index({}), Pool({"p-0": 1000, "p-1": 90}))[0] \
+        .prefills_locally()
+    # conditional disaggregation off
+    assert not _placement(prompt, _index({}), Pool({"p-0": 1000, "p-1": 150}),
+                          local_prefill_max_tokens=0)[0].prefills_locally()
+    # the decode worker holds 5 of its blocks: it lacks 20 tokens, fewer than any queue
+    hashes = compute_block_hashes(prompt, BLOCK)
+    placement, _ = _placement(prompt, _index({"d-0": hashes[:5]}), Pool({"p-0": 30, "p-1": 25}),
+                              local_prefill_max_tokens=8)
+    assert placement._conditional() == "local_queue_wait"
+    # a migrated stream's attempt keeps the prefill path (as for a short tail)
+    placement, _ = _placement(prompt, _index({}), Pool({"p-0": 1000, "p-1": 150}))
+    placement.ctx.calls.num_resumed = 10
+    assert not placement.prefills_locally()
+
+
 def test_an_untrusted_index_falls_back_to_affinity() -> None:
     prompt = _prompt_by_affinity("p-0")
     hashes = compute_block_hashes(prompt, BLOCK)
