@@ -8,7 +8,9 @@ side): the same model (``bench55m``, fp32), the same router, workload and arriva
 same seeded prompts at the same Poisson send times), one torch thread per worker process,
 the same KV block budget per worker (so per core), each worker pinned to its own core:
 
-- disaggregated: ``prefill-0`` on the first core, ``decode-0`` on the last;
+- disaggregated: ``prefill-0`` on the first core, ``decode-0`` on the last, the router
+  without conditional disaggregation (``--local-prefill-max-tokens 0``: every prompt
+  through the prefill worker);
 - colocated: ``decode-0`` on the first core and ``decode-1`` on the last, the router in
   ``--local-prefill always`` (each request prefilled on the decode worker that streams it).
 
@@ -120,7 +122,8 @@ def arm_layout(arm: str, cpus: tuple[int, int]) -> dict[str, Any]:
     first, last = cpus
     if arm == "disaggregated":
         return {"num_prefill": 1, "num_decode": 1, "local_prefill": "never",
-                "cpu_affinity": {"prefill-0": (first,), "decode-0": (last,)}}
+                "cpu_affinity": {"prefill-0": (first,), "decode-0": (last,)},
+                "router_args": ("--local-prefill-max-tokens", "0")}
     return {"num_prefill": 0, "num_decode": 2, "local_prefill": "always",
             "cpu_affinity": {"decode-0": (first,), "decode-1": (last,)}}
 

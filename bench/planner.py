@@ -12,6 +12,9 @@ still serves), on the same seeded arrivals:
 - ``planner``: starts 1 + 1, with ``pdserve planner`` (``--min-prefill 0``) switching
   roles live.
 
+The routers run without conditional disaggregation (``--local-prefill-max-tokens 0``):
+its queue rule would make the fixed split adaptive on its own.
+
 The workload: ``long-prompt`` (1,024 → 64 tokens), then ``sharegpt-like`` made
 decode-heavy (ShareGPT's length distribution clipped to prompts of at most 256 and outputs
 of at most 256 tokens), then ``long-prompt`` again, ``--phase-seconds`` each (Poisson
@@ -84,6 +87,10 @@ from sim.metrics import CUT_OFF, Outcome
 ARMS = ("disaggregated", "colocated", "planner")
 PHASES = ("long-prompt", "sharegpt-like", "long-prompt")
 GAIN_GOAL = 0.10
+# the arms' routers: conditional disaggregation off, so a split stays the split (its queue
+# rule alone prefills on the decode worker whenever the prefill queue is the longer wait:
+# the static disaggregated arm would no longer be one)
+ARM_ROUTER_ARGS = ("--local-prefill-max-tokens", "0")
 SWITCHED = re.compile(r"^(\S+ \S+) .*switched (\S+): (\w+) -> (\w+): (.*)$")
 
 
@@ -129,8 +136,10 @@ def arm_layout(arm: str, cpus: tuple[int, int]) -> dict[str, Any]:
     if arm == "colocated":
         return {"num_prefill": 0, "num_decode": 2, "local_prefill": "always",
                 "cpu_affinity": {"decode-0": (first,), "decode-1": (last,)}}
+    # a split is the split: no conditional disaggregation (``ARM_ROUTER_ARGS``)
     return {"num_prefill": 1, "num_decode": 1, "local_prefill": "fallback",
-            "cpu_affinity": {"prefill-0": (first,), "decode-0": (last,)}}
+            "cpu_affinity": {"prefill-0": (first,), "decode-0": (last,)},
+            "router_args": ARM_ROUTER_ARGS}
 
 
 def measure_profile(args: argparse.Namespace, model_dir: Path, out: Path) -> Path:
