@@ -61,9 +61,11 @@ class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
         finally:
             if held:
                 self.on_call_end(attempt, "the Prefill call ended")
+        rate = self.loop.figures.prefill_rate.tokens_per_s  # worker.prefill_rate
         response = pb.PrefillResponse(first_token_id=done.first_token_id,
                                       num_cached_tokens=done.num_cached_tokens,
-                                      num_prompt_tokens=done.num_prompt_tokens)
+                                      num_prompt_tokens=done.num_prompt_tokens,
+                                      prefill_tokens_per_s=rate)
         if done.first_token_logprobs is not None:
             response.first_token_logprobs.CopyFrom(logprobs_to_proto(done.first_token_logprobs))
         response.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in done.prompt_logprobs)

@@ -86,6 +86,7 @@ class RouterCore:
         self.limits = limits
         self.config = admission
         self.metrics = metrics or RouterMetrics()
+        self.metrics.watch_rates(pool.reported_rates)
         self.admission = Admission(admission.max_inflight, admission.max_queued_tokens)
         self.router_id = router_id or new_router_id()
         self.attempt_ids = AttemptIds(self.router_id)

@@ -44,13 +44,19 @@ streamed chunks, end-to-end, and the time a request waited in the router's queue
   it falls back to affinity (the stream unread for 10 s),
   ``pdserve:router_kv_event_lag_seconds`` (histogram): publish to apply;
 - ``pdserve:router_event_loop_lag_seconds`` (histogram): how much later than asked the
-  router's event loop ran a task that wakes every 50 ms (``router.loop_lag``): its stalls.
+  router's event loop ran a task that wakes every 50 ms (``router.loop_lag``): its stalls;
+- ``pdserve:router_worker_prefill_rate{worker}`` (gauge): the prompt tokens per second each
+  worker last reported computing (``worker.prefill_rate``; kv-aware routing's speeds).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0, 600.0)
@@ -124,6 +130,27 @@ class RouterMetrics:
                                   "How much later than asked the event loop woke a task",
                                   registry=r, buckets=LAG_BUCKETS)
 
+    def watch_rates(self, read: Callable[[], Mapping[str, float]]) -> None:
+        """Export ``pdserve:router_worker_prefill_rate{worker}``: at each scrape, the
+        prefill rates (prompt tokens per second) ``read()`` returns, as workers reported
+        them (``WorkerPool.reported_rates``)."""
+        self.registry.register(_RatesCollector(read))
+
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _RatesCollector(Collector):
+    """``RouterMetrics.watch_rates``'s gauge, read at scrape time."""
+
+    def __init__(self, read: Callable[[], Mapping[str, float]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("pdserve:router_worker_prefill_rate",
+                                   "Prompt tokens per second a worker last reported "
+                                   "computing (kv-aware routing's speeds)", labels=["worker"])
+        for worker_id, rate in sorted(self._read().items()):
+            family.add_metric([worker_id], rate)
+        yield family

@@ -16,16 +16,24 @@ two drivers, so what the simulator predicts is what the router does.
   ``queue_outwaits_local`` — every prefill worker's queue is longer than what the decode
   worker lacks of the prompt.
 
-Predictions are in prompt tokens: every worker is taken to compute them as fast as the
-others (one model, one kind of accelerator per cluster).
+Predictions are in prompt tokens over each worker's relative speed
+(``relative_speeds``): workers report the rate at which they drain a backlog
+(``worker.prefill_rate``); one clearly slower than the fastest candidate (another
+accelerator, another TP size) has its tokens count for more, while workers alike — their
+rates within ``ALIKE`` of each other, as measurement noise leaves them — count as equally
+fast, so noise never reorders them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from router.routing import pick_prefill, rank_by_cost, round_robin, uncached_tokens
+
+ALIKE = 1.5
+"""Workers whose measured prefill rates are within this factor of the fastest's count as
+equally fast (``relative_speeds``)."""
 
 
 @dataclass(frozen=True)
@@ -41,18 +49,19 @@ class PrefillChoice:
 def choose_prefill(mode: str, *, key: bytes, loads: Mapping[str, int],
                    queued_tokens: Mapping[str, int], num_prompt_tokens: int,
                    block_size: int, cached: Mapping[str, int] | None,
-                   turn: int = 0, epsilon: float) -> PrefillChoice:
+                   turn: int = 0, epsilon: float,
+                   speeds: Mapping[str, float] | None = None) -> PrefillChoice:
     """The prefill decision (see the module doc). ``loads``: requests in flight on each
     candidate (the whole cluster's, as far as this router knows); ``queued_tokens``:
     prompt tokens waiting there for their first token; ``cached``: the KV index's leading
     blocks per worker, or None when it cannot be trusted (or is not kept); ``turn``: the
-    request's round-robin turn."""
+    request's round-robin turn; ``speeds``: ``relative_speeds`` (None: all alike)."""
     if mode == "round-robin":
         return PrefillChoice(round_robin(list(loads), turn), "round_robin")
     if mode == "kv-aware" and cached is not None:
-        costs = {w: queued_tokens.get(w, 0)
-                 + uncached_tokens(num_prompt_tokens, block_size, cached.get(w, 0))
-                 for w in loads}
+        costs = {w: (queued_tokens.get(w, 0)
+                     + uncached_tokens(num_prompt_tokens, block_size, cached.get(w, 0)))
+                 / _speed(speeds, w) for w in loads}
         order = rank_by_cost(key, costs)
         reason = "kv_hit" if order and cached.get(order[0]) else "kv_cost"
         return PrefillChoice(order, reason, cached)
@@ -60,16 +69,31 @@ def choose_prefill(mode: str, *, key: bytes, loads: Mapping[str, int],
     return PrefillChoice(order, "affinity" if mode == "affinity" else "index_stale")
 
 
+def relative_speeds(worker_ids: Sequence[str], rates: Mapping[str, float]
+                    ) -> dict[str, float]:
+    """Each worker's prefill speed against the fastest of ``worker_ids`` that reported a
+    rate (``rates``, prompt tokens per second): its rate over the fastest's when that is
+    more than ``ALIKE`` times its own, else 1.0 (alike, or no rate reported)."""
+    fastest = max((rates.get(w, 0.0) for w in worker_ids), default=0.0)
+    return {w: rates[w] / fastest if 0.0 < rates.get(w, 0.0) and rates[w] * ALIKE < fastest
+            else 1.0 for w in worker_ids}
+
+
 def queue_outwaits_local(limit: int, prefill_queued: Mapping[str, int],
-                         local_tokens: int) -> bool:
+                         local_tokens: float, speeds: Mapping[str, float] | None = None
+                         ) -> bool:
     """Whether the decode worker should prefill the prompt itself because every prefill
     worker is busier: even the shortest prefill queue (``prefill_queued``: prompt tokens
-    queued on each prefill worker, cluster-wide) holds more tokens than the decode worker
-    lacks of the prompt (``local_tokens``), so waiting there would take longer than
-    computing them where the KV goes. ``limit`` 0 (conditional disaggregation off) or no
-    prefill worker: never."""
-    return bool(limit) and bool(prefill_queued) \
-        and min(prefill_queued.values()) > local_tokens
+    queued on each prefill worker, cluster-wide, over its ``speeds``) is longer than what
+    the decode worker has to compute for it (``local_tokens``, over its own speed), so
+    waiting there would take longer than computing them where the KV goes. ``limit`` 0
+    (conditional disaggregation off) or no prefill worker: never."""
+    return bool(limit) and bool(prefill_queued) and min(
+        tokens / _speed(speeds, w) for w, tokens in prefill_queued.items()) > local_tokens
+
+
+def _speed(speeds: Mapping[str, float] | None, worker_id: str) -> float:
+    return speeds.get(worker_id, 1.0) if speeds else 1.0
 
 
 def short_tail(limit: int, num_prompt_tokens: int, block_size: int, held_blocks: int) -> bool:

@@ -13,9 +13,10 @@ second choice instead of overloading one worker. ``--prefill-routing round-robin
 Prefill, ``kv-aware`` (``rank_by_cost``): the least predicted work before this prompt's
 first token — the prompt tokens already queued on the worker plus those of this prompt
 it does not hold (the KV index, ``router.kv_index``, says how many leading blocks each
-holds) — ties in rendezvous order, so an idle cluster with nothing cached routes as
-``affinity`` does. Affinity follows from the cost: the worker holding a prompt's prefix
-computes least.
+holds), over the worker's relative speed (``router.policy.relative_speeds``) — ties
+in rendezvous order, so an idle cluster with nothing cached routes as ``affinity``
+does. Affinity follows from the cost: the worker holding a prompt's prefix computes
+least.
 
 Decode: among the workers within the same bounded load, the one holding the longest
 prefix of the prompt (decode-side reuse: only the blocks it lacks travel), then the least
@@ -81,7 +82,7 @@ def uncached_tokens(num_prompt_tokens: int, block_size: int, cached_blocks: int)
     return num_prompt_tokens - usable * block_size
 
 
-def rank_by_cost(key: bytes, costs: Mapping[str, int]) -> list[str]:
+def rank_by_cost(key: bytes, costs: Mapping[str, float]) -> list[str]:
     """Worker ids from the least cost to the most, ties in rendezvous order of ``key``."""
     return sorted(rendezvous_order(key, list(costs)), key=costs.__getitem__)
 

@@ -39,6 +39,7 @@ class Reservation:
     num_blocks: int = 0
     target: KVTarget | None = None
     reason: str = ""
+    prefill_tokens_per_s: float = 0.0  # the decode worker's measured rate (0: none yet)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Prefilled:
     times: PrefillTimes | None = None  # the prefill worker's report (router.trace)
     first_token_logprobs: TokenLogprobs | None = None  # when the request asked for them
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # prompt tokens 1.., when asked for
+    prefill_tokens_per_s: float = 0.0  # the prefill worker's measured rate (0: none yet)
 
 
 class Failure(enum.Enum):
@@ -158,10 +160,12 @@ class WorkerCalls:
     @staticmethod
     def reserved(reply: pb.ReserveResponse) -> Reservation:
         if not reply.accepted:
-            return Reservation(False, reason=reply.reason)
+            return Reservation(False, reason=reply.reason,
+                               prefill_tokens_per_s=reply.prefill_tokens_per_s)
         t = reply.target
         return Reservation(True, reply.num_blocks, KVTarget(
-            t.transfer_id, t.kv_address, t.tensor_parallel_size, t.num_cached_blocks))
+            t.transfer_id, t.kv_address, t.tensor_parallel_size, t.num_cached_blocks),
+            prefill_tokens_per_s=reply.prefill_tokens_per_s)
 
     def start_prefill(self, prefill_id: str, attempt_id: str, lease: Lease, target: KVTarget,
                       timeout_s: float, moved_from: str = "") -> grpc.aio.UnaryUnaryCall:
@@ -186,7 +190,8 @@ class WorkerCalls:
         return Prefilled(reply.first_token_id, reply.num_cached_tokens, reply.num_prompt_tokens,
                          times, _logprobs(reply.first_token_logprobs)
                          if reply.HasField("first_token_logprobs") else None,
-                         tuple(_logprobs(m) for m in reply.prompt_logprobs))
+                         tuple(_logprobs(m) for m in reply.prompt_logprobs),
+                         reply.prefill_tokens_per_s)
 
     def start_generate(self, decode_id: str, attempt_id: str, lease: Lease, timeout_s: float
                        ) -> grpc.aio.UnaryStreamCall:

@@ -41,6 +41,7 @@ from cluster.registry import Registry
 from cluster.token import ClusterToken
 from cluster.view import WorkerView
 from engine.kvcache.layout import PROTOCOL_VERSION, KVLayout
+from router.load_book import LoadBook
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,9 @@ class _Known:
     gone: bool = False  # missing longer than keep_missing_s; kept for its calls in flight
 
 
-class WorkerPool:
-    """Routable workers of one model, their channels and the router's load on them."""
+class WorkerPool(LoadBook):
+    """Routable workers of one model, their channels and (``LoadBook``) the router's load
+    on them."""
 
     def __init__(self, registry: Registry, model_fingerprint: str, *,
                  keep_missing_s: float = 6.0, suspect_s: float = 5.0,
@@ -81,9 +83,7 @@ class WorkerPool:
         self._credentials = None if tls is None else tls.channel_credentials()
         self._known: dict[str, _Known] = {}
         self._suspect_until: dict[str, float] = {}
-        self._inflight: dict[str, int] = {}
-        self._tokens: dict[str, int] = {}  # see ``busy``
-        self._others: dict[str, tuple[int, int]] = {}  # see ``others_loads``
+        super().__init__()
         self._calls: dict[str, set[grpc.aio.Call]] = {}  # see ``watched``
         self._heard_from: dict[str, float] = {}  # worker id -> clock() of its last answer
         self._foreign: set[str] = set()  # ids logged as serving another model
@@ -128,6 +128,7 @@ class WorkerPool:
             return
         del self._known[worker_id]
         self._heard_from.pop(worker_id, None)
+        self._rates.pop(worker_id, None)
         logger.info("worker %s left the registry; closing its channel", worker_id)
         await known.channel.close()
 
@@ -244,50 +245,11 @@ class WorkerPool:
         and their aborts, until none is left)."""
         return self._known[worker_id].channel
 
-    def inflight(self, worker_id: str) -> int:
-        return self._inflight.get(worker_id, 0)
-
-    def queued_tokens(self, worker_id: str) -> int:
-        """Prompt tokens the router's requests in flight on ``worker_id`` have it compute."""
-        return self._tokens.get(worker_id, 0)
-
-    def own_loads(self) -> dict[str, tuple[int, int]]:
-        """(requests in flight, prompt tokens) of this router on each worker it uses."""
-        return {w: (n, self._tokens.get(w, 0)) for w, n in self._inflight.items()}
-
-    def others_loads(self, loads: dict[str, tuple[int, int]]) -> None:
-        """The other routers' figures (``cluster.router_loads``), as last read."""
-        self._others = loads
-
-    def cluster_inflight(self, worker_id: str) -> int:
-        """Requests in flight on ``worker_id``: this router's and, as last read, the
-        other routers'."""
-        return self.inflight(worker_id) + self._others.get(worker_id, (0, 0))[0]
-
-    def cluster_tokens(self, worker_id: str) -> int:
-        """``queued_tokens`` of every router, as ``cluster_inflight``."""
-        return self.queued_tokens(worker_id) + self._others.get(worker_id, (0, 0))[1]
-
-    @contextmanager
-    def busy(self, worker_id: str, tokens: int = 0) -> Iterator[None]:
-        """Counts one request of the router's in flight on ``worker_id`` while inside,
-        and the ``tokens`` it has the worker compute."""
-        self._inflight[worker_id] = self._inflight.get(worker_id, 0) + 1
-        self._tokens[worker_id] = self._tokens.get(worker_id, 0) + tokens
-        try:
-            yield
-        finally:
-            left = self._inflight[worker_id] - 1
-            if left:
-                self._inflight[worker_id] = left
-                self._tokens[worker_id] -= tokens
-            else:
-                del self._inflight[worker_id]
-                del self._tokens[worker_id]
-
-    def heard_from(self, worker_id: str) -> None:
-        """A call to ``worker_id`` just answered (a streamed chunk, a reply): it is alive."""
+    def heard_from(self, worker_id: str, prefill_tokens_per_s: float = 0.0) -> None:
+        """A call to ``worker_id`` just answered (a streamed chunk, a reply): it is alive;
+        a reply carrying the worker's measured prefill rate (> 0) updates the router's."""
         self._heard_from[worker_id] = self._clock()
+        self.note_rate(worker_id, prefill_tokens_per_s)
 
     @contextmanager
     def watched(self, worker_id: str, call: grpc.aio.Call) -> Iterator[None]:
@@ -302,10 +264,6 @@ class WorkerPool:
             calls.discard(call)
             if not calls:
                 del self._calls[worker_id]
-
-    @property
-    def total_inflight(self) -> int:
-        return sum(self._inflight.values())
 
     async def close(self) -> None:
         known, self._known = self._known, {}

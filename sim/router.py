@@ -150,21 +150,19 @@ class SimRouter:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no decode worker can hold "
                              f"{self._num_blocks(request)} KV blocks")
         h = self.handoff
+        lacks = uncached_tokens(len(request.sequence()), self.block_size, held.get(order[0], 0))
         local = h.local_prefill == "always" or (h.local_prefill == "fallback"
-                                                and not live(self.prefill)) or (
-            self.kv_index is not None and self.kv_index.trusted()
-            and short_tail(h.local_prefill_max_tokens, request.prompt_len, self.block_size,
-                           held.get(order[0], 0))) or (
-            h.prefill_routing == "kv-aware" and queue_outwaits_local(
-                h.local_prefill_max_tokens,
-                {w.worker_id: self.queued_tokens[w.worker_id] for w in live(self.prefill)},
-                uncached_tokens(len(request.sequence()), self.block_size,
-                                held.get(order[0], 0))))
+                                                and not live(self.prefill)) \
+            or self._conditional(request, order[0], held.get(order[0], 0), lacks)
         if local:
             worker = self._worker(order[0])
             self._start(request, worker)
+            # its prompt counts on the decode worker until its first token, as the handoff's
+            request.local_tokens = lacks
+            self.queued_tokens[worker.worker_id] += lacks
             worker.add(request.engine_request(request.attempt))
             return True
+        request.remote_attempt = request.num_attempts  # decided: it waits for a Reserve
         attempt = f"{request.request_id}#{request.num_attempts}"
         for decode_id in order:
             worker = self._worker(decode_id)
@@ -195,6 +193,21 @@ class SimRouter:
                               self._prefill, request, request.attempt)
             return True
         return False
+
+    def _conditional(self, request: SimRequest, decode_id: str, held_blocks: int,
+                     lacks: int) -> bool:
+        """Conditional disaggregation, as ``Placement._conditional`` (kv-aware, not a
+        migrated stream): ``short_tail`` or ``queue_outwaits_local``, decided once per
+        attempt (an attempt waiting for a Reserve does not turn local)."""
+        h, limit = self.handoff, self.handoff.local_prefill_max_tokens
+        if h.prefill_routing != "kv-aware" or not limit or request.output_ids \
+                or request.remote_attempt == request.num_attempts:
+            return False
+        if self.kv_index is not None and self.kv_index.trusted() and short_tail(
+                limit, request.prompt_len, self.block_size, held_blocks):
+            return True
+        queued = {w.worker_id: self.queued_tokens[w.worker_id] for w in live(self.prefill)}
+        return queue_outwaits_local(limit, queued, lacks + self.queued_tokens[decode_id])
 
     def _start(self, request: SimRequest, decode: SimWorker) -> None:
         assert request.ticket is not None
@@ -285,6 +298,8 @@ class SimRouter:
             return
         if request.first_token_s is None:  # a local attempt's first token
             request.cached_tokens = update.request.num_cached_tokens
+        if request.local_tokens:
+            self.shared.local_prefilled(request)
         self._token(request, update.new_token_id, update.finished)
 
     def _kv_arrived(self, request: SimRequest, attempt: str, prefill: SimWorker,

@@ -58,6 +58,8 @@ class SimRequest:
     no_ahead: bool = False  # a Reserve its Prefill went out with was refused
     landed: str = ""  # the attempt whose KV was last seen landing (router.recent_kv)
     output_ids: list[int] = field(default_factory=list)  # streamed so far
+    local_tokens: int = 0  # its local attempt's prompt tokens, until its first token
+    remote_attempt: int = -1  # the attempt conditional disaggregation sent to a Reserve
 
     def sequence(self) -> tuple[int, ...]:
         """What its current attempt computes: the prompt, and the tokens streamed before
@@ -142,8 +144,16 @@ class SharedView:
             return {}
         return index.match(request.block_hashes, worker_ids)
 
+    def local_prefilled(self, request: SimRequest) -> None:
+        """``request``'s local attempt computed its prompt (its first token came, or it
+        ended): its tokens no longer count on its decode worker."""
+        if request.local_tokens and request.decode_worker is not None:
+            self.queued_tokens[request.decode_worker] -= request.local_tokens
+        request.local_tokens = 0
+
     def release(self, request: SimRequest) -> None:
         """``request``'s current attempt ended: the loads it counted are given back."""
+        self.local_prefilled(request)
         if request.prefill_worker is not None:  # its Prefill had not returned
             self.inflight[request.prefill_worker] -= 1
             self.queued_tokens[request.prefill_worker] -= request.prefill_tokens

@@ -1,6 +1,7 @@
 """``LoopFigures``: what an engine loop reports of itself — the metrics' snapshot of its
-gauges and data-plane totals, the preemption counter, and ``Info`` — computed on the loop
-thread from the engine, the KV plane and the loop's own counters."""
+gauges and data-plane totals, the preemption counter, ``Info``, and the prefill rate its
+steps ran at (``worker.prefill_rate``, timed in ``step``) — computed on the loop thread
+from the engine, the KV plane and the loop's own counters."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import TYPE_CHECKING
 from worker.commands import LoopInfo
 from worker.leases import LeaseBook
 from worker.metrics import Snapshot, WorkerMetrics
+from worker.prefill_rate import PrefillRate
 
 if TYPE_CHECKING:
-    from engine.core.engine_core import EngineCore
+    from engine.core.engine_core import EngineCore, RequestOutput
     from worker.kv.plane import KVPlane
     from worker.kv.reports import RankTotals
 
@@ -29,8 +31,17 @@ class LoopFigures:
         self._snapshot_at = self._totals_at = 0.0
         self._totals: RankTotals | None = None
         self._counted: dict[str, int] = {}  # the scheduler's totals already counted
+        # measured on its steps of half its token budget or more (worker.prefill_rate)
+        self.prefill_rate = PrefillRate(core.config.scheduler.max_num_batched_tokens // 2)
         # the last snapshot was taken idle, with the ranks' totals, and nothing ran since
         self.settled = False
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step, its time measured into ``prefill_rate``."""
+        started = time.monotonic()
+        outputs = self.core.step()
+        self.prefill_rate.add(*self.core.last_step_tokens, time.monotonic() - started)
+        return outputs
 
     def due(self, idle: bool) -> bool:
         """Whether to refresh now: the snapshot is older than ``SNAPSHOT_S``, or the loop

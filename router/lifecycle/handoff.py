@@ -40,7 +40,7 @@ went out with the Reserve is under way by then),
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from contextlib import ExitStack, aclosing
 
 import grpc
 
@@ -49,7 +49,7 @@ from router.errors import RouteError
 from router.lifecycle.attempt import Attempt
 from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import Busy, Migrate, Retry
-from router.lifecycle.placement import Placement
+from router.lifecycle.placement import Placement, local_tokens
 from router.lifecycle.prefill import prefill, release_move
 from router.lifecycle.relay import prefill_and_relay, relay, start_generate
 from router.outputs import OutputChunk
@@ -211,9 +211,13 @@ class Handoff:
         if not attempt.local and pause_points.enabled():
             await pause_points.apause("router.before_prefill",
                                       request_id=ctx.client_request_id, attempt_id=attempt.id)
-        with ctx.pool.busy(attempt.decode_id):
+        with ctx.pool.busy(attempt.decode_id), ExitStack() as prefilling:
+            if attempt.local:  # its prompt counts on the decode worker until its first token
+                prefilling.enter_context(ctx.pool.prefilling(
+                    attempt.decode_id, local_tokens(self.placement, attempt.decode_id)))
             chunks_of = (relay(attempt, start_generate(attempt)) if attempt.local
                          else prefill_and_relay(attempt, self.placement))
             async with aclosing(chunks_of) as relayed:
                 async for chunk in relayed:
+                    prefilling.close()
                     yield chunk

@@ -125,8 +125,8 @@ class Placement:
                 or ctx.config.prefill_routing != "kv-aware":
             return None
         order, held = self._decode_ranking()
-        return _conditional_reason(ctx, held.get(order[0], 0), self.prompt_kv.trusted()) \
-            if order else None
+        return _conditional_reason(ctx, order[0], held.get(order[0], 0),
+                                   self.prompt_kv.trusted()) if order else None
 
     def _sibling_worker(self) -> str | None:
         """The decode worker holding a later choice's prompt (``SharedDecode``), if it is
@@ -235,7 +235,7 @@ class Placement:
             # counted by concurrent choices already; cancelled if the worker is hung
             with ctx.pool.busy(decode_id), ctx.pool.watched(decode_id, call):
                 reply = WorkerCalls.reserved(await call)
-            ctx.pool.heard_from(decode_id)
+            ctx.pool.heard_from(decode_id, reply.prefill_tokens_per_s)
         except KeyError:  # left the registry meanwhile (its channel is closed)
             attempt.decode_holds_nothing()
             return "left the registry", False
@@ -290,7 +290,8 @@ class Placement:
             queued_tokens={w: ctx.pool.cluster_tokens(w) for w in loads} if trusted else {},
             num_prompt_tokens=_prefill_len(ctx), block_size=ctx.block_size,
             cached=self.prompt_kv.cached_blocks(list(loads)) if trusted else None,
-            turn=self._turn or 0, epsilon=ctx.config.load_epsilon)
+            turn=self._turn or 0, epsilon=ctx.config.load_epsilon,
+            speeds=ctx.pool.prefill_speeds(loads))
         self._prefill_cached = dict(choice.cached)
         if choice.order:
             ctx.metrics.decisions.labels("prefill", choice.reason).inc()
@@ -303,21 +304,33 @@ class Placement:
                                self._prefill_cached.get(prefill_id, 0))
 
 
-def _conditional_reason(ctx: RequestContext, held_blocks: int, trusted: bool) -> str | None:
-    """Why the decode worker holding ``held_blocks`` leading prompt blocks should prefill
-    the prompt itself, if it should. ``local_short_tail``: it holds all of the prompt but
-    at most ``local_prefill_max_tokens`` (by a ``trusted`` index), so computing that tail
-    where the KV is beats a round trip through a prefill worker; ``local_queue_wait``:
-    every prefill worker's queue is longer than what it lacks of the prompt
-    (``router.policy.queue_outwaits_local``)."""
+def _conditional_reason(ctx: RequestContext, decode_id: str, held_blocks: int,
+                        trusted: bool) -> str | None:
+    """Why the decode worker ``decode_id``, holding ``held_blocks`` leading prompt blocks,
+    should prefill the prompt itself, if it should. ``local_short_tail``: it holds all of
+    the prompt but at most ``local_prefill_max_tokens`` (by a ``trusted`` index), so
+    computing that tail where the KV is beats a round trip through a prefill worker;
+    ``local_queue_wait``: every prefill worker's queue is longer than what it lacks of the
+    prompt plus the local prefills already under way there (all routers'), each side
+    over its relative speed (``router.policy.queue_outwaits_local``)."""
     limit = ctx.config.local_prefill_max_tokens
     if trusted and short_tail(limit, len(ctx.request.prompt_token_ids), ctx.block_size,
                               held_blocks):
         return "local_short_tail"
     queued = {r.worker_id: ctx.pool.cluster_tokens(r.worker_id)
               for r in ctx.pool.routable("prefill") if r.worker_id not in ctx.excluded}
-    lacks = uncached_tokens(_prefill_len(ctx), ctx.block_size, held_blocks)
-    return "local_queue_wait" if queue_outwaits_local(limit, queued, lacks) else None
+    speeds = ctx.pool.prefill_speeds([*queued, decode_id])
+    local = (uncached_tokens(_prefill_len(ctx), ctx.block_size, held_blocks)
+             + ctx.pool.cluster_tokens(decode_id)) / speeds[decode_id]
+    return "local_queue_wait" if queue_outwaits_local(limit, queued, local, speeds) else None
+
+
+def local_tokens(placement: Placement, decode_id: str) -> int:
+    """The prompt tokens a local attempt of ``placement``'s request on ``decode_id``
+    computes, as far as the router knows (kv-aware: less the leading blocks the KV index
+    says it holds)."""
+    held = placement.prompt_kv.cached_blocks([decode_id]).get(decode_id, 0)
+    return uncached_tokens(_prefill_len(placement.ctx), placement.ctx.block_size, held)
 
 
 def _prefill_len(ctx: RequestContext) -> int:

@@ -83,7 +83,7 @@ async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int) -> Prefill
     try:
         with ctx.pool.busy(prefill_id, tokens), ctx.pool.watched(prefill_id, call):
             reply = WorkerCalls.prefilled(await call)
-        ctx.pool.heard_from(prefill_id)
+        ctx.pool.heard_from(prefill_id, reply.prefill_tokens_per_s)
     except asyncio.CancelledError:
         reraise_if_we_are_cancelled()
         ctx.excluded.add(prefill_id)

@@ -285,6 +285,9 @@ def test_a_prompt_is_prefilled_on_the_decode_worker_while_every_prefill_queue_is
             for pause in pauses:
                 pause.release("prefill.started")
             assert [len(h.result(TIMEOUT_S)) for h in held] == [2, 2]
+        # each prefill worker reported the rate its full steps ran at (the router's speeds)
+        for name in names:
+            assert _metric(router, f"pdserve:router_worker_prefill_rate{{worker={name}}}") > 0
     finally:
         for pause in pauses:
             pause.release("prefill.started")

@@ -8,6 +8,7 @@ from router.policy import (
     PrefillChoice,
     choose_prefill,
     queue_outwaits_local,
+    relative_speeds,
     short_tail,
 )
 from router.routing import pick_prefill, rendezvous_order
@@ -57,3 +58,16 @@ def test_the_decode_worker_prefills_when_every_prefill_queue_waits_longer() -> N
     assert not queue_outwaits_local(0, {"p0": 500}, 100)  # conditional disaggregation off
     assert not queue_outwaits_local(64, {}, 100)  # no prefill worker
 
+
+
+def test_only_a_clearly_slower_worker_gets_a_speed_below_one() -> None:
+    ids = ["p0", "p1", "p2", "p3"]
+    speeds = relative_speeds(ids, {"p0": 400.0, "p1": 300.0, "p2": 100.0})
+    assert speeds == {"p0": 1.0, "p1": 1.0, "p2": 0.25, "p3": 1.0}  # p3: none reported
+    assert relative_speeds(ids, {}) == dict.fromkeys(ids, 1.0)
+    slow = choose_prefill("kv-aware", key=b"k", loads=LOADS, queued_tokens={"p0": 40},
+                          num_prompt_tokens=100, block_size=16, cached={}, epsilon=0.25,
+                          speeds={"p1": 0.25, "p2": 0.25})
+    assert slow.order == ["p0", *rendezvous_order(b"k", ["p1", "p2"])]  # 140 < 400
+    assert queue_outwaits_local(64, {"p0": 30}, 100, {"p0": 0.25})  # 120 > 100
+    assert not queue_outwaits_local(64, {"p0": 30}, 100)

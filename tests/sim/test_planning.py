@@ -6,6 +6,8 @@ at rates no fixed split of four workers serves in every phase: the planner, star
 2P+2D, moves roles with each phase and beats every static split's SLO attainment by more
 than 0.1, moving roles both ways, never undoing a change within its dwell time, and with
 every request conserved (``SimResult.check``); a load that only flickers moves nothing.
+These runs pin conditional disaggregation off; the last test shows what its queue rule
+does to a fixed split on its own.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ CONFIG = PlannerConfig(ttft_slo_s=TTFT_SLO_S, tpot_slo_s=TPOT_SLO_S, dwell_s=6.0
 SETTINGS = PlannerSettings(CONFIG, interval_s=1.0, window_s=4.0)
 # conditional disaggregation off: a split stays the split. (Its queue rule alone, which
 # prefills on a decode worker whenever every prefill queue is the longer wait, lifts the
-# static 1P+3D split's attainment on this workload to 0.999: a test of the router, not of
-# the planner.)
+# static 1P+3D split's attainment on this workload from 0.03 to 1.0 in the simulator: a
+# test of the router, not of the planner.)
 HANDOFF = HandoffConfig(local_prefill="fallback", local_prefill_max_tokens=0)
 
 
@@ -113,3 +115,20 @@ def test_scale_steps_add_workers_under_a_surge_and_retire_one_when_it_passes() -
     assert 2 * result.duration_s < result.worker_seconds < 4 * result.duration_s
     with pytest.raises(ValueError, match="startup_s"):
         PlannerSettings(config, startup_s=-1.0)
+
+
+def test_conditional_disaggregation_lets_a_fixed_split_prefill_on_its_decode_workers() -> None:
+    # long prompts at a rate one prefill worker cannot keep up with: with the queue rule
+    # (the router's default) the three decode workers prefill whatever would wait longer
+    # in the prefill queue, and TTFT holds; pinned off, the prefill queue grows
+    by_limit, num_requests = {}, len(_workload([(8.0, 30.0, LONG)]))
+    for limit in (0, 64):
+        spec = SimSpec(num_prefill=1, num_decode=3, handoff=HandoffConfig(
+            local_prefill="fallback", local_prefill_max_tokens=limit))
+        result = simulate(small_profile(num_kv_blocks=2048), spec,
+                          _workload([(8.0, 30.0, LONG)]))
+        result.check()
+        local = sum(r.kv_bytes == 0 for r in result.requests)  # no KV came over the wire
+        by_limit[limit] = (_attainment(result), local)
+    assert by_limit[64][0] >= by_limit[0][0] + 0.5, by_limit
+    assert by_limit[0][1] == 0 < by_limit[64][1] < num_requests, by_limit

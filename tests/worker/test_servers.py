@@ -123,6 +123,8 @@ def test_concurrent_requests_through_both_workers_match_llm(cluster: Cluster, ll
     for (tokens, last, first), prompt in zip(results, prompts, strict=True):
         assert last.usage.completion_tokens == len(tokens)
         assert last.usage.prompt_tokens == first.num_prompt_tokens == len(prompt)
+        if len(prompt) >= 32:  # its own steps filled the token budget: measured by then
+            assert first.prefill_tokens_per_s > 0  # (worker.prefill_rate)
     assert_idle(cluster.d, cluster.p)
 
 

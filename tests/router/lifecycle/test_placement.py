@@ -5,6 +5,7 @@ choice of workers); the real processes are tests/e2e/test_kv_routing.py."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,7 @@ from router.config import HandoffConfig
 from router.kv_index import KVIndex
 from router.lifecycle.placement import Placement
 from router.metrics import RouterMetrics
+from router.policy import relative_speeds
 from router.routing import affinity_key, rendezvous_order
 
 BLOCK = 16
@@ -27,6 +29,7 @@ class Pool:
 
     tokens: dict[str, int] = field(default_factory=dict)  # every router's, per worker
     decode: tuple[str, ...] = ("d-0",)
+    rates: dict[str, float] = field(default_factory=dict)  # as the workers reported them
 
     def routable(self, role: str) -> list[Any]:
         names = ["p-0", "p-1"] if role == "prefill" else list(self.decode)
@@ -38,6 +41,9 @@ class Pool:
 
     def cluster_tokens(self, worker_id: str) -> int:
         return self.tokens.get(worker_id, 0)
+
+    def prefill_speeds(self, worker_ids: Iterable[str]) -> dict[str, float]:
+        return relative_speeds(list(worker_ids), self.rates)
 
 
 def _placement(prompt: list[int], index: KVIndex | None, pool: Pool, salt: str = "",
@@ -109,6 +115,9 @@ def test_a_prompt_is_prefilled_on_the_decode_worker_when_every_prefill_queue_is_
     # one prefill worker's queue is shorter than the prompt: it goes there
     assert not _placement(prompt, _index({}), Pool({"p-0": 1000, "p-1": 90}))[0] \
         .prefills_locally()
+    # local prefills under way on the decode worker (any router's) count on its side
+    assert not _placement(prompt, _index({}), Pool({"p-0": 1000, "p-1": 150, "d-0": 60}))[0] \
+        .prefills_locally()
     # conditional disaggregation off
     assert not _placement(prompt, _index({}), Pool({"p-0": 1000, "p-1": 150}),
                           local_prefill_max_tokens=0)[0].prefills_locally()
@@ -121,6 +130,28 @@ def test_a_prompt_is_prefilled_on_the_decode_worker_when_every_prefill_queue_is_
     placement, _ = _placement(prompt, _index({}), Pool({"p-0": 1000, "p-1": 150}))
     placement.ctx.calls.num_resumed = 10
     assert not placement.prefills_locally()
+
+
+def test_a_clearly_slower_prefill_worker_counts_its_tokens_for_more() -> None:
+    prompt = _prompt_by_affinity("p-0")
+    queued = {"p-0": 200, "p-1": 200}
+    # equal queues: affinity decides while the rates reported are alike (noise), or
+    # missing
+    for rates in ({}, {"p-0": 100.0}, {"p-0": 100.0, "p-1": 140.0}):
+        assert _placement(prompt, _index({}), Pool(queued, rates=rates))[0] \
+            .prefill_order() == ["p-0", "p-1"]
+    # p-0 computes at a quarter of p-1's rate: its 300 tokens take 4x as long
+    placement, metrics = _placement(prompt, _index({}), Pool(queued, rates={
+        "p-0": 100.0, "p-1": 400.0}))
+    assert placement.prefill_order() == ["p-1", "p-0"]
+    assert _decisions(metrics, "prefill", "kv_cost") == 1
+    # and its queue counts 4x toward conditional disaggregation's rule: the prompt's
+    # 100 tokens take less on the decode worker than 30 queued on p-0 (or 110 on p-1)
+    queued = {"p-0": 30, "p-1": 110}
+    assert not _placement(prompt, _index({}), Pool(queued))[0].prefills_locally()
+    placement, _ = _placement(prompt, _index({}), Pool(queued, rates={
+        "p-0": 100.0, "p-1": 400.0}))
+    assert placement._conditional() == "local_queue_wait"
 
 
 def test_an_untrusted_index_falls_back_to_affinity() -> None:
