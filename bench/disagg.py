@@ -120,12 +120,14 @@ def workload_spec(args: argparse.Namespace, name: str) -> WorkloadSpec:
 def arm_layout(arm: str, cpus: tuple[int, int]) -> dict[str, Any]:
     """The processes of one arm and the cores they are pinned to."""
     first, last = cpus
+    router_args = ("--local-prefill-max-tokens", "0")  # the same router in both arms
     if arm == "disaggregated":
         return {"num_prefill": 1, "num_decode": 1, "local_prefill": "never",
                 "cpu_affinity": {"prefill-0": (first,), "decode-0": (last,)},
-                "router_args": ("--local-prefill-max-tokens", "0")}
+                "router_args": router_args}
     return {"num_prefill": 0, "num_decode": 2, "local_prefill": "always",
-            "cpu_affinity": {"decode-0": (first,), "decode-1": (last,)}}
+            "cpu_affinity": {"decode-0": (first,), "decode-1": (last,)},
+            "router_args": router_args}
 
 
 def unloaded(outcomes: Sequence[Outcome]) -> dict[str, float]:

@@ -135,7 +135,8 @@ def arm_layout(arm: str, cpus: tuple[int, int]) -> dict[str, Any]:
     first, last = cpus
     if arm == "colocated":
         return {"num_prefill": 0, "num_decode": 2, "local_prefill": "always",
-                "cpu_affinity": {"decode-0": (first,), "decode-1": (last,)}}
+                "cpu_affinity": {"decode-0": (first,), "decode-1": (last,)},
+                "router_args": ARM_ROUTER_ARGS}
     # a split is the split: no conditional disaggregation (``ARM_ROUTER_ARGS``)
     return {"num_prefill": 1, "num_decode": 1, "local_prefill": "fallback",
             "cpu_affinity": {"prefill-0": (first,), "decode-0": (last,)},
