@@ -56,8 +56,7 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
                 else None),
                 call_timeout(context))
             if isinstance(target, str):
-                return pb.ReserveResponse(accepted=False, reason=target,
-                                          prefill_tokens_per_s=self._rate())
+                return pb.ReserveResponse(accepted=False, reason=target)
             self.watch_lease(attempt, request.lease)
             if pause_points.enabled():
                 pause_points.record("decode.reserved", request_id=request.client_request_id,
@@ -82,12 +81,7 @@ class DecodeServicer(LoopServicerMixin, pb_grpc.DecodeWorkerServicer):
             target=pb.KVTarget(kv_address=target.kv_address,
                                tensor_parallel_size=target.tensor_parallel_size,
                                transfer_id=target.transfer_id,
-                               num_cached_blocks=target.num_cached_blocks),
-            prefill_tokens_per_s=self._rate())
-
-    def _rate(self) -> float:
-        """The prefill rate its steps ran at lately (``worker.prefill_rate``)."""
-        return self.loop.figures.prefill_rate.tokens_per_s
+                               num_cached_blocks=target.num_cached_blocks))
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 - gRPC name
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:

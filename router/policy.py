@@ -72,22 +72,25 @@ def choose_prefill(mode: str, *, key: bytes, loads: Mapping[str, int],
 def relative_speeds(worker_ids: Sequence[str], rates: Mapping[str, float]
                     ) -> dict[str, float]:
     """Each worker's prefill speed against the fastest of ``worker_ids`` that reported a
-    rate (``rates``, prompt tokens per second): its rate over the fastest's when that is
-    more than ``ALIKE`` times its own, else 1.0 (alike, or no rate reported)."""
+    rate (``rates``, prompt tokens per second): 1.0 within ``ALIKE`` of it (alike: the
+    difference is noise) or without a rate; below, ``ALIKE`` times its rate over the
+    fastest's (continuous: a few percent of noise moves a speed by a few percent, never
+    across a step)."""
     fastest = max((rates.get(w, 0.0) for w in worker_ids), default=0.0)
-    return {w: rates[w] / fastest if 0.0 < rates.get(w, 0.0) and rates[w] * ALIKE < fastest
-            else 1.0 for w in worker_ids}
+    return {w: min(1.0, ALIKE * rates[w] / fastest) if rates.get(w, 0.0) > 0.0 else 1.0
+            for w in worker_ids}
 
 
 def queue_outwaits_local(limit: int, prefill_queued: Mapping[str, int],
-                         local_tokens: float, speeds: Mapping[str, float] | None = None
+                         local_tokens: int, speeds: Mapping[str, float] | None = None
                          ) -> bool:
     """Whether the decode worker should prefill the prompt itself because every prefill
     worker is busier: even the shortest prefill queue (``prefill_queued``: prompt tokens
     queued on each prefill worker, cluster-wide, over its ``speeds``) is longer than what
-    the decode worker has to compute for it (``local_tokens``, over its own speed), so
-    waiting there would take longer than computing them where the KV goes. ``limit`` 0
-    (conditional disaggregation off) or no prefill worker: never."""
+    the decode worker has to compute for it (``local_tokens``: the decode worker is taken
+    to compute as fast as the fastest prefill worker, the same model on the same kind of
+    accelerator), so waiting there would take longer than computing them where the KV
+    goes. ``limit`` 0 (conditional disaggregation off) or no prefill worker: never."""
     return bool(limit) and bool(prefill_queued) and min(
         tokens / _speed(speeds, w) for w, tokens in prefill_queued.items()) > local_tokens
 

@@ -39,7 +39,6 @@ class Reservation:
     num_blocks: int = 0
     target: KVTarget | None = None
     reason: str = ""
-    prefill_tokens_per_s: float = 0.0  # the decode worker's measured rate (0: none yet)
 
 
 @dataclass(frozen=True)
@@ -160,12 +159,10 @@ class WorkerCalls:
     @staticmethod
     def reserved(reply: pb.ReserveResponse) -> Reservation:
         if not reply.accepted:
-            return Reservation(False, reason=reply.reason,
-                               prefill_tokens_per_s=reply.prefill_tokens_per_s)
+            return Reservation(False, reason=reply.reason)
         t = reply.target
         return Reservation(True, reply.num_blocks, KVTarget(
-            t.transfer_id, t.kv_address, t.tensor_parallel_size, t.num_cached_blocks),
-            prefill_tokens_per_s=reply.prefill_tokens_per_s)
+            t.transfer_id, t.kv_address, t.tensor_parallel_size, t.num_cached_blocks))
 
     def start_prefill(self, prefill_id: str, attempt_id: str, lease: Lease, target: KVTarget,
                       timeout_s: float, moved_from: str = "") -> grpc.aio.UnaryUnaryCall:

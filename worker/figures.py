@@ -31,16 +31,20 @@ class LoopFigures:
         self._snapshot_at = self._totals_at = 0.0
         self._totals: RankTotals | None = None
         self._counted: dict[str, int] = {}  # the scheduler's totals already counted
-        # measured on its steps of half its token budget or more (worker.prefill_rate)
+        # measured on its steps of half its token budget in prompt tokens or more
         self.prefill_rate = PrefillRate(core.config.scheduler.max_num_batched_tokens // 2)
         # the last snapshot was taken idle, with the ranks' totals, and nothing ran since
         self.settled = False
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step, its time measured into ``prefill_rate``."""
+    def step(self, prefill: bool) -> list[RequestOutput]:
+        """One engine step; while the loop serves ``prefill``, its time measured into
+        ``prefill_rate`` (else the rate is forgotten: a decode step's figure is not one)."""
         started = time.monotonic()
         outputs = self.core.step()
-        self.prefill_rate.add(*self.core.last_step_tokens, time.monotonic() - started)
+        if prefill:
+            self.prefill_rate.add(self.core.last_step_prompt_tokens, time.monotonic() - started)
+        elif self.prefill_rate.tokens_per_s:
+            self.prefill_rate.reset()
         return outputs
 
     def due(self, idle: bool) -> bool:

@@ -156,7 +156,7 @@ class EngineLoop(RoleState):
             while self._serve_commands():
                 if self.core.has_unfinished():
                     self._before_step()
-                    for out in self.figures.step():
+                    for out in self.figures.step(self.role == "prefill"):
                         self._deliver(out)
                     self._after_step()
                 self.progress_at = time.monotonic()

@@ -168,7 +168,7 @@ class EngineCore:
             config.scheduler.speculative_method == "draft_model") else None
         self.layer_hook: LayerHook | None = None
         self.last_step_chunks = 0  # chunks the last step computed (0: it could do nothing)
-        self.last_step_tokens = (0, 0)  # (prompt tokens, all tokens) the last step computed
+        self.last_step_prompt_tokens = 0  # prompt tokens the last step computed
         # Builds the payload every rank's plugin step_hook receives with a step (or None).
         self.step_payload: Callable[[SchedulerOutput], bytes] | None = None
         self._streams: dict[str, TextStream] = {}
@@ -269,7 +269,7 @@ class EngineCore:
         """Schedule, execute and sample one step; returns the outputs it produced."""
         out = self.scheduler.schedule()
         self.last_step_chunks = len(out.chunks)
-        self.last_step_tokens = (sum(len(c.token_ids) for c in out.prefills), out.num_tokens)
+        self.last_step_prompt_tokens = sum(len(c.token_ids) for c in out.prefills)
         sampled = self._execute(out) if out.chunks else []
         updates = self.scheduler.update(out, sampled)
         if self.drafter is not None:

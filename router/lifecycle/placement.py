@@ -235,7 +235,7 @@ class Placement:
             # counted by concurrent choices already; cancelled if the worker is hung
             with ctx.pool.busy(decode_id), ctx.pool.watched(decode_id, call):
                 reply = WorkerCalls.reserved(await call)
-            ctx.pool.heard_from(decode_id, reply.prefill_tokens_per_s)
+            ctx.pool.heard_from(decode_id)
         except KeyError:  # left the registry meanwhile (its channel is closed)
             attempt.decode_holds_nothing()
             return "left the registry", False
@@ -311,17 +311,17 @@ def _conditional_reason(ctx: RequestContext, decode_id: str, held_blocks: int,
     the prompt but at most ``local_prefill_max_tokens`` (by a ``trusted`` index), so
     computing that tail where the KV is beats a round trip through a prefill worker;
     ``local_queue_wait``: every prefill worker's queue is longer than what it lacks of the
-    prompt plus the local prefills already under way there (all routers'), each side
-    over its relative speed (``router.policy.queue_outwaits_local``)."""
+    prompt plus the local prefills already under way there (all routers'), each prefill
+    queue over its worker's relative speed (``router.policy.queue_outwaits_local``)."""
     limit = ctx.config.local_prefill_max_tokens
     if trusted and short_tail(limit, len(ctx.request.prompt_token_ids), ctx.block_size,
                               held_blocks):
         return "local_short_tail"
     queued = {r.worker_id: ctx.pool.cluster_tokens(r.worker_id)
               for r in ctx.pool.routable("prefill") if r.worker_id not in ctx.excluded}
-    speeds = ctx.pool.prefill_speeds([*queued, decode_id])
-    local = (uncached_tokens(_prefill_len(ctx), ctx.block_size, held_blocks)
-             + ctx.pool.cluster_tokens(decode_id)) / speeds[decode_id]
+    local = uncached_tokens(_prefill_len(ctx), ctx.block_size, held_blocks) \
+        + ctx.pool.cluster_tokens(decode_id)
+    speeds = ctx.pool.prefill_speeds(queued)
     return "local_queue_wait" if queue_outwaits_local(limit, queued, local, speeds) else None
 
 

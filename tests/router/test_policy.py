@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import pytest
+
 from router.policy import (
     PrefillChoice,
     choose_prefill,
@@ -63,7 +65,10 @@ def test_the_decode_worker_prefills_when_every_prefill_queue_waits_longer() -> N
 def test_only_a_clearly_slower_worker_gets_a_speed_below_one() -> None:
     ids = ["p0", "p1", "p2", "p3"]
     speeds = relative_speeds(ids, {"p0": 400.0, "p1": 300.0, "p2": 100.0})
-    assert speeds == {"p0": 1.0, "p1": 1.0, "p2": 0.25, "p3": 1.0}  # p3: none reported
+    # p1 within 1.5x of p0: alike; p2 4x slower: 1.5 x 1/4; p3 reported none
+    assert speeds == {"p0": 1.0, "p1": 1.0, "p2": 0.375, "p3": 1.0}
+    near = relative_speeds(ids, {"p0": 400.0, "p1": 260.0, "p2": 270.0})  # no step
+    assert near["p1"] == pytest.approx(0.975) and near["p2"] == 1.0
     assert relative_speeds(ids, {}) == dict.fromkeys(ids, 1.0)
     slow = choose_prefill("kv-aware", key=b"k", loads=LOADS, queued_tokens={"p0": 40},
                           num_prompt_tokens=100, block_size=16, cached={}, epsilon=0.25,

@@ -17,7 +17,7 @@ class StuckCore:
     """Unfinished work of which no step schedules anything."""
 
     last_step_chunks = 0
-    last_step_tokens = (0, 0)
+    last_step_prompt_tokens = 0
     config = SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=32))
 
     def __init__(self) -> None:
@@ -42,7 +42,7 @@ def test_work_that_cannot_be_scheduled_waits_instead_of_spinning() -> None:
     core = StuckCore()
     loop = Loop("test-loop", core, None, WorkerMetrics("m", "decode", "w"))  # type: ignore[arg-type]
     loop.figures = SimpleNamespace(due=lambda idle: False, settled=False,  # type: ignore[assignment]
-                                   step=core.step)
+                                   step=lambda prefill: core.step())
     loop.start()
     try:
         time.sleep(0.3)

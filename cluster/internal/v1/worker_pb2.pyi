@@ -116,18 +116,16 @@ class ReserveRequest(_message.Message):
     def __init__(self, client_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[int] = ..., wait_ms: _Optional[int] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., num_resumed_tokens: _Optional[int] = ..., expected_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "num_blocks", "target", "prefill_tokens_per_s")
+    __slots__ = ("accepted", "reason", "num_blocks", "target")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     num_blocks: int
     target: KVTarget
-    prefill_tokens_per_s: float
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., num_blocks: _Optional[int] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., num_blocks: _Optional[int] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("client_request_id", "attempt_id")

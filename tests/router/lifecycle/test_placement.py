@@ -145,9 +145,10 @@ def test_a_clearly_slower_prefill_worker_counts_its_tokens_for_more() -> None:
         "p-0": 100.0, "p-1": 400.0}))
     assert placement.prefill_order() == ["p-1", "p-0"]
     assert _decisions(metrics, "prefill", "kv_cost") == 1
-    # and its queue counts 4x toward conditional disaggregation's rule: the prompt's
-    # 100 tokens take less on the decode worker than 30 queued on p-0 (or 110 on p-1)
-    queued = {"p-0": 30, "p-1": 110}
+    # and its queue counts for more toward conditional disaggregation's rule (speed 1.5
+    # x 1/4): the prompt's 100 tokens take less on the decode worker than 40 queued on
+    # p-0 (or 110 on p-1)
+    queued = {"p-0": 40, "p-1": 110}
     assert not _placement(prompt, _index({}), Pool(queued))[0].prefills_locally()
     placement, _ = _placement(prompt, _index({}), Pool(queued, rates={
         "p-0": 100.0, "p-1": 400.0}))
