@@ -86,7 +86,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-routing", choices=PREFILL_ROUTING, default="kv-aware",
                         help="kv-aware: the prefill worker with the least predicted work "
                              "(prompt tokens queued there plus this prompt's tokens it does "
-                             "not hold, from the workers' KV events), and the decode worker "
+                             "not hold, from the workers' KV events, over its measured "
+                             "prefill speed), and the decode worker "
                              "holding the longest prefix within the load bound; affinity "
                              "while the events do not flow (default). affinity: by prefix "
                              "affinity (rendezvous hashing of the prompt's leading blocks, "

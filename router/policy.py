@@ -8,9 +8,9 @@ two drivers, so what the simulator predicts is what the router does.
 - ``choose_prefill``: the prefill workers to ask, best first, and why the first won
   (``pdserve:router_decisions_total{kind="prefill"}``): in turn (``round-robin``); the
   least predicted work (``kv-aware`` with a trusted index: tokens queued there plus the
-  prompt tokens it lacks, ``router.routing.rank_by_cost``); else rendezvous order of the
-  affinity key with bounded load (``affinity``, or ``kv-aware`` while the index cannot be
-  trusted: ``index_stale``).
+  prompt tokens it lacks, over its ``relative_speeds``, ``router.routing.rank_by_cost``);
+  else rendezvous order of the affinity key with bounded load (``affinity``, or
+  ``kv-aware`` while the index cannot be trusted: ``index_stale``).
 - Conditional disaggregation, the decode worker prefilling the prompt itself:
   ``short_tail`` — it holds all but at most ``limit`` tokens of the prompt;
   ``queue_outwaits_local`` — every prefill worker's queue is longer than what the decode

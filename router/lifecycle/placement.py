@@ -17,9 +17,9 @@ and the order in which prefill workers are asked.
   worker is left for the request, or a later choice of n > 1 whose first choice's
   decode worker can take it: the attempt prefills on the decode worker.
 - Prefill: kv-aware, the least predicted work (tokens queued there plus this prompt's
-  tokens it does not hold: ``router.routing.rank_by_cost``); affinity, and kv-aware while
-  the KV index cannot be trusted, rendezvous order of the prompt's affinity key with
-  bounded load (``router.routing.pick_prefill``); or in turn (``prefill_routing``
+  tokens it does not hold, over its measured speed: ``router.policy.choose_prefill``);
+  affinity, and kv-aware while the KV index cannot be trusted, rendezvous order of the
+  prompt's affinity key with bounded load (``router.routing.pick_prefill``); or in turn (``prefill_routing``
   "round-robin"). The decision itself is ``router.policy`` (I/O-free: the simulator runs
   it too); this class feeds it and makes the calls. Each decision is counted by why its
   first choice won (``pdserve:router_decisions_total``).
