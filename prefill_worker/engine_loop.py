@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import grpc
 
 from cluster import pause_points
+from cluster.prefill_queue import queue_refusal
 from engine.core.engine_core import RequestOutput
 from engine.core.request import RequestStatus
 from engine.sampling_params import SamplingParams, TokenLogprobs
@@ -80,6 +81,9 @@ class Submit(Command[None]):
     # a planned move: the parked request (attempt id) whose KV goes, not a prefill
     # (``role_worker.moves``); the prompt must be its tokens
     moved_from: str = ""
+    # refused (RESOURCE_EXHAUSTED, ``cluster.prefill_queue``) while more prompt tokens
+    # than this wait here (``PrefillLoop.queued_prompt_tokens``); 0: never
+    max_queued_tokens: int = 0
 
 
 @dataclass
@@ -122,6 +126,10 @@ class PrefillLoop(EngineLoop):
             raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"busy: {len(self._held)} requests held, the worker's limit "
                               "(--max-requests)")
+        if cmd.max_queued_tokens and (queued := self.queued_prompt_tokens()) \
+                > cmd.max_queued_tokens:
+            raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              queue_refusal(queued, cmd.max_queued_tokens))
         try:
             self.sending.submit(cmd.attempt_id, cmd.prompt_token_ids, cmd.params, cmd.transfer_id,
                                 cmd.dest, num_resumed_tokens=cmd.num_resumed_tokens,
@@ -130,6 +138,20 @@ class PrefillLoop(EngineLoop):
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self.named(cmd.attempt_id, cmd.client_request_id)
         self.hold(cmd.attempt_id, cmd.stream, cmd.transfer_id, cmd.deadline)
+
+    def queued_prompt_tokens(self) -> int:
+        """The prompt tokens this worker has yet to compute for the prefills it holds:
+        each one's prompt less what it computed, or (not started) less its prefix in the
+        prefix cache now."""
+        scheduler, total = self.core.scheduler, 0
+        for rid in self._held:
+            request = scheduler.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            done = request.num_computed_tokens or \
+                len(scheduler.cached_prefix(request)) * scheduler.blocks.block_size
+            total += max(0, request.num_prompt_tokens - done)
+        return total
 
     def hold(self, request_id: str, stream: OutputStream[PrefillDone], transfer_id: int,
              deadline: float | None = None) -> None:

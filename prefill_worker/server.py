@@ -48,7 +48,8 @@ class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
                                 request.target.transfer_id, _dest(request.target), stream,
                                 None if remaining is None else time.monotonic() + remaining,
                                 request.client_request_id, request.num_resumed_tokens,
-                                request.target.num_cached_blocks, request.moved_from)
+                                request.target.num_cached_blocks, request.moved_from,
+                                request.max_queued_tokens)
                 await self.loop.acall(submit, call_timeout(context))
             except WorkerError as exc:
                 held = exc.code not in REFUSALS

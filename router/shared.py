@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from cluster import pause_points
 from cluster.registry import DEFAULT_TIMEOUT_S, Registry, RegistryError
 from cluster.router_loads import DEFAULT_TTL_S, RouterLoads
 from router.config import RouterConfig
@@ -56,6 +57,8 @@ class SharedState:
         router's load out and the others' in (Redis down: its own figures alone)."""
         if self.kv_feed is not None:
             self.kv_feed.watch(self._pool.records())
+        if pause_points.enabled():
+            await pause_points.apause("router.load_exchange")
         self._exchange = asyncio.get_running_loop().run_in_executor(
             None, self.loads.exchange, self._pool.own_loads())
         try:

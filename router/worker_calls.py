@@ -21,6 +21,7 @@ from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from cluster.kv_events import unpack_hashes
 from cluster.kv_target import KVTarget
 from cluster.leases import Lease
+from cluster.prefill_queue import is_queue_refusal
 from engine.sampling_params import TokenLogprobs
 from router.outputs import OutputChunk, Usage
 from router.trace import PrefillTimes
@@ -57,6 +58,7 @@ class Prefilled:
 class Failure(enum.Enum):
     RETRY = "retry"  # this worker failed the call: another attempt (elsewhere) may succeed
     BUSY = "busy"  # the worker is at a limit (RESOURCE_EXHAUSTED): wait or go elsewhere
+    QUEUED = "queued"  # a Prefill's queue was over its limit (``cluster.prefill_queue``)
     ALREADY_EXISTS = "already exists"  # the request id is held there by another request
     DEADLINE = "deadline"  # the request's own deadline passed
     REFUSED = "refused"  # the worker refused what the router sent: a router bug (INTERNAL)
@@ -97,6 +99,8 @@ def classify(exc: grpc.aio.AioRpcError, *, deadline_passed: bool) -> CallFailure
         kind = Failure.ALREADY_EXISTS
     elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in lowered:
         kind = Failure.REFUSED  # a message over a size limit is no "busy": it never fits
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and is_queue_refusal(details):
+        kind = Failure.QUEUED
     elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         kind = Failure.BUSY
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -165,9 +169,11 @@ class WorkerCalls:
             t.transfer_id, t.kv_address, t.tensor_parallel_size, t.num_cached_blocks))
 
     def start_prefill(self, prefill_id: str, attempt_id: str, lease: Lease, target: KVTarget,
-                      timeout_s: float, moved_from: str = "") -> grpc.aio.UnaryUnaryCall:
+                      timeout_s: float, moved_from: str = "", max_queued_tokens: int = 0
+                      ) -> grpc.aio.UnaryUnaryCall:
         """The attempt's Prefill (``moved_from``: a planned move of that parked attempt's
-        KV, ``cluster.moves``)."""
+        KV, ``cluster.moves``; ``max_queued_tokens``: refused if the worker has more to
+        compute, ``cluster.prefill_queue``)."""
         stub = pb_grpc.PrefillWorkerStub(self._pool.channel(prefill_id))
         return stub.Prefill(pb.PrefillRequest(
             client_request_id=self._req.request_id, prompt_token_ids=self._prompt,
@@ -175,7 +181,7 @@ class WorkerCalls:
             sampling=self._sampling, target=pb.KVTarget(
                 kv_address=target.kv_address, tensor_parallel_size=target.tensor_parallel_size,
                 transfer_id=target.transfer_id, num_cached_blocks=target.num_cached_blocks),
-            attempt_id=attempt_id, moved_from=moved_from,
+            attempt_id=attempt_id, moved_from=moved_from, max_queued_tokens=max_queued_tokens,
             lease=self._lease(lease)), timeout=timeout_s)
 
     @staticmethod

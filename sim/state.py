@@ -89,7 +89,8 @@ class SimRequest:
 class SharedView:
     """What every router of the cluster knows alike: the attempts in flight and the prompt
     tokens queued prefills will compute on each worker (the routers' shared loads, here
-    exchanged at once: the real routers' exchange at each refresh is not modelled), and
+    exchanged at once: the real routers' exchange at each refresh is not modelled, nor
+    the prefill workers' queue refusals that correct its lag, ``cluster.prefill_queue``), and
     the KV index, fed every ``interval_s`` with each worker's KV events."""
 
     def __init__(self, events: EventQueue, workers: list[SimWorker], prefill_routing: str,

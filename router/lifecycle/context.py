@@ -68,6 +68,8 @@ class RequestContext:
     received_kv_salt: str = ""
     # a draining decode worker's offer, for the next attempt's Prefill (router.lifecycle.prefill)
     pending_move: MoveOffer | None = None
+    # why the next attempt prefills on its decode worker, set by a ``QueueRefused``
+    local_reason: str | None = None
     log: logging.LoggerAdapter = field(init=False)
 
     def __post_init__(self) -> None:

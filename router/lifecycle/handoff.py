@@ -11,7 +11,10 @@ reaches the client:
   the blocks free) and starts a new attempt excluding the failed worker, up to
   ``max_attempts`` failed attempts; then UNAVAILABLE naming every failure;
 - a worker at a limit — ``Busy`` — aborts the attempt, waits for capacity and tries again
-  without spending an attempt.
+  without spending an attempt;
+- a prefill worker whose queue is longer than the decode worker's own prefill would
+  take — ``QueueRefused`` — aborts the attempt and places one that prefills on a decode
+  worker, without spending an attempt.
 
 After the first token, a decode worker that fails the stream (the call fails, it stops
 answering health checks, it ends the stream without a finish reason) — ``Migrate`` — is
@@ -48,7 +51,7 @@ from cluster import pause_points
 from router.errors import RouteError
 from router.lifecycle.attempt import Attempt
 from router.lifecycle.context import RequestContext
-from router.lifecycle.outcomes import Busy, Migrate, Retry
+from router.lifecycle.outcomes import Busy, Migrate, QueueRefused, Retry
 from router.lifecycle.placement import Placement, local_tokens
 from router.lifecycle.prefill import prefill, release_move
 from router.lifecycle.relay import prefill_and_relay, relay, start_generate
@@ -118,6 +121,11 @@ class Handoff:
                     attempt.decode_holds_nothing()
                 self._migrating = str(migrate)
                 ctx.pending_move = migrate.move
+            except QueueRefused as refused:  # the next attempt prefills on a decode worker
+                ctx.log.info("attempt %s: %s; prefilling on the decode worker", attempt.id,
+                             refused)
+                await attempt.abort_decode_now()
+                ctx.local_reason = "local_queue_refused"
             except Busy as busy:  # not the worker's fault: wait, then place again
                 ctx.metrics.retries.labels("busy").inc()
                 ctx.log.info("attempt %s: %s; waiting for capacity", attempt.id, busy)

@@ -1,7 +1,8 @@
 """How an attempt ends short of the client's error: ``Retry`` (it failed before any token
 reached the client; another attempt may succeed), ``Busy`` (a worker was at a limit:
-wait for capacity, then try again; the worker is not suspected, the attempt not spent)
-and ``Migrate`` (its decode worker failed after tokens reached the client: the stream
+wait for capacity, then try again; the worker is not suspected, the attempt not spent),
+``QueueRefused`` (a prefill worker's queue was longer than the decode worker's own
+prefill would take: place again, prefilling there) and ``Migrate`` (its decode worker failed after tokens reached the client: the stream
 may continue on another one). A failure the client sees is a ``router.errors.RouteError``."""
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ class Retry(Exception):
 class Busy(Exception):
     """A worker answered "busy" (RESOURCE_EXHAUSTED) before any token reached the client:
     wait for capacity and try again; the worker is not suspected, the attempt not spent."""
+
+
+class QueueRefused(Exception):
+    """The prefill worker refused the attempt's Prefill: it has more prompt tokens to
+    compute than the router's limit (``cluster.prefill_queue``). The next attempt
+    prefills on a decode worker; no worker is suspected, no attempt spent."""
 
 
 class Migrate(Exception):

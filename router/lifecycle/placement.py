@@ -46,7 +46,9 @@ from router.routing import DecodeCandidate, rank_decode, uncached_tokens
 from router.worker_calls import Failure, Prefilled, WorkerCalls
 
 _WHY_LOCAL = {"local_short_tail": "it holds the prompt but a short tail",
-              "local_queue_wait": "every prefill queue is longer than what it lacks"}
+              "local_queue_wait": "every prefill queue is longer than what it lacks",
+              "local_queue_refused": "the prefill worker's queue was longer than what it "
+                                     "lacks"}
 
 # starts an attempt's Prefill (``router.lifecycle.prefill.prefill``): what goes ahead
 PrefillStarter = Callable[[Attempt], Coroutine[Any, Any, Prefilled]]
@@ -114,7 +116,7 @@ class Placement:
         return mode == "always" or self._sibling_worker() is not None or (
             mode == "fallback" and not any(r.worker_id not in self.ctx.excluded
                                            for r in self.ctx.pool.routable("prefill"))
-        ) or self._conditional() is not None
+        ) or self.ctx.local_reason is not None or self._conditional() is not None
 
     def _conditional(self) -> str | None:
         """Conditional disaggregation's reason to prefill on the decode worker a local
@@ -153,13 +155,13 @@ class Placement:
         attempt = Attempt(ctx, self._ids.new(), decode_id, local=True)
         self._share(decode_id)
         colocated, sibling = ctx.config.local_prefill == "always", self._sibling_worker()
-        conditional = None if colocated or sibling == decode_id else self._conditional()
+        refused, ctx.local_reason = ctx.local_reason, None  # for this attempt only
+        conditional = None if colocated or sibling == decode_id else \
+            refused or self._conditional()
         if conditional is not None:
             ctx.metrics.decisions.labels("prefill", conditional).inc()
-        why = ("colocated mode" if colocated else "its prompt is cached there"
-               if sibling == decode_id else _WHY_LOCAL.get(conditional or "",
-                                                           "no prefill worker left"))
-        ctx.log.info("attempt %s: prefilling locally on %s (%s)", attempt.id, decode_id, why)
+        ctx.log.info("attempt %s: prefilling locally on %s (%s)", attempt.id, decode_id,
+                     _why_local(colocated, sibling == decode_id, conditional))
         return attempt
 
     def kv_landed(self, attempt: Attempt) -> None:
@@ -323,6 +325,31 @@ def _conditional_reason(ctx: RequestContext, decode_id: str, held_blocks: int,
         + ctx.pool.cluster_tokens(decode_id)
     speeds = ctx.pool.prefill_speeds(queued)
     return "local_queue_wait" if queue_outwaits_local(limit, queued, local, speeds) else None
+
+
+def _why_local(colocated: bool, sibling: bool, conditional: str | None) -> str:
+    """Why an attempt prefills on its decode worker, for the log."""
+    if colocated:
+        return "colocated mode"
+    if sibling:
+        return "its prompt is cached there"
+    return _WHY_LOCAL.get(conditional or "", "no prefill worker left")
+
+
+def queue_limit(placement: Placement, decode_id: str, prefill_id: str) -> int:
+    """The most prompt tokens the attempt's Prefill on ``prefill_id`` may wait behind
+    there (``cluster.prefill_queue``): the local side of the queue rule (what
+    ``decode_id`` lacks of the prompt plus the local prefills under way there) at that
+    worker's relative speed; 0 (no limit) where conditional disaggregation is off and
+    for a resumed stream (as ``Placement._conditional``)."""
+    ctx = placement.ctx
+    if not ctx.config.local_prefill_max_tokens or ctx.calls.num_resumed \
+            or ctx.config.prefill_routing != "kv-aware":
+        return 0
+    local = local_tokens(placement, decode_id) + ctx.pool.cluster_tokens(decode_id)
+    workers = {r.worker_id for r in ctx.pool.routable("prefill")} | {prefill_id}
+    speed = ctx.pool.prefill_speeds(workers).get(prefill_id, 1.0)
+    return max(1, int(local * speed))
 
 
 def local_tokens(placement: Placement, decode_id: str) -> int:

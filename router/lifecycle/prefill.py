@@ -5,6 +5,10 @@ acknowledged the KV and the first token (``Prefilled``). It may go out together 
 the attempt's Reserve, naming the target the router expects (``Placement``); the decode
 worker's receiver parks KV that arrives before its reservation.
 
+A Prefill that conditional disaggregation may keep local carries the most prompt tokens
+it may wait behind (``placement.queue_limit``); a worker with more refuses it
+(``QueueRefused``) and the next attempt prefills on its decode worker.
+
 Failures: a worker that failed is excluded and the attempt is retried (``Retry``); one
 that refused what the router sent is INTERNAL (a router bug); no prefill worker left is
 UNAVAILABLE, or (``local_prefill`` "fallback", or "always" after a failed move) a retry
@@ -26,8 +30,13 @@ import grpc
 from router.errors import RouteError
 from router.lifecycle.attempt import Attempt
 from router.lifecycle.context import RequestContext
-from router.lifecycle.outcomes import MoveOffer, Retry, reraise_if_we_are_cancelled
-from router.lifecycle.placement import Placement
+from router.lifecycle.outcomes import (
+    MoveOffer,
+    QueueRefused,
+    Retry,
+    reraise_if_we_are_cancelled,
+)
+from router.lifecycle.placement import Placement, queue_limit
 from router.worker_calls import Failure, Prefilled, WorkerCalls
 
 # how long a Generate stream that failed before its first chunk waits for the Prefill's
@@ -57,16 +66,19 @@ async def prefill(attempt: Attempt, placement: Placement) -> Prefilled:
                 raise Retry("no prefill worker left", "no_prefill")
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         for prefill_id in order:
-            reply = await _prefill_on(attempt, prefill_id, placement.prefill_tokens(prefill_id))
+            reply = await _prefill_on(attempt, prefill_id, placement.prefill_tokens(prefill_id),
+                                      queue_limit(placement, attempt.decode_id, prefill_id))
             if reply is not None:
                 return reply
         ctx.log.info("every prefill worker is busy; waiting for capacity")
         await ctx.ticket.admission.capacity_changed(ctx.deadline)
 
 
-async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int) -> Prefilled | None:
-    """The Prefill call on ``prefill_id`` (which computes about ``tokens`` of the prompt):
-    its reply, or None when it answered busy."""
+async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int, limit: int = 0
+                      ) -> Prefilled | None:
+    """The Prefill call on ``prefill_id`` (which computes about ``tokens`` of the prompt;
+    refused with more than ``limit`` to compute before it, ``QueueRefused``): its reply,
+    or None when it answered busy."""
     ctx = attempt.ctx
     assert attempt.target is not None
     ctx.metrics.routed.labels("prefill", prefill_id).inc()
@@ -74,7 +86,7 @@ async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int) -> Prefill
     attempt.prefill_started(prefill_id)
     try:
         call = ctx.calls.start_prefill(prefill_id, attempt.id, attempt.lease, attempt.target,
-                                       ctx.timeout())
+                                       ctx.timeout(), max_queued_tokens=limit)
     except KeyError:
         attempt.prefill_released()
         ctx.excluded.add(prefill_id)
@@ -95,6 +107,9 @@ async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int) -> Prefill
         if failure.kind is Failure.BUSY:
             attempt.prefill_released()  # it took nothing
             return None
+        if failure.kind is Failure.QUEUED:
+            attempt.prefill_released()  # it took nothing
+            raise QueueRefused(f"prefill worker {prefill_id}: {failure.details}") from None
         if failure.kind is Failure.ALREADY_EXISTS:  # the worker did not fail
             attempt.prefill_released()  # the id's holder there is not ours to abort
             raise ctx.id_in_use(" on a prefill worker") from None

@@ -12,7 +12,9 @@ default, serving metrics).
   routes away from the prefill worker another router keeps busy;
 - a prompt a decode worker holds all but a short tail of is prefilled there
   (``--local-prefill-max-tokens``), counted by reason, its tokens the engine's; so is
-  one that every prefill worker's queue would keep waiting longer than it takes there;
+  one that every prefill worker's queue would keep waiting longer than it takes there,
+  and one whose prefill worker refuses it for that (its router had not read the other
+  router's load);
 - after Redis restarts empty, the events flow again through the new stream;
 - a lost batch (a sequence gap) makes the router resynchronise that worker; a worker
   restarted empty leaves the index (its new epoch).
@@ -27,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -80,6 +83,12 @@ def _complete(address: str, prompt: list[int]) -> list[int]:
     with Client(address) as client:
         return list(client.complete(prompt_token_ids=prompt, max_tokens=2, temperature=0.0,
                                     ignore_eos=True, timeout=TIMEOUT_S).token_ids)
+
+
+def _complete_six(address: str, prompt: list[int]) -> Any:
+    with Client(address) as client:
+        return client.complete(prompt_token_ids=prompt, max_tokens=6, temperature=0.0,
+                               ignore_eos=True, timeout=TIMEOUT_S)
 
 
 def _engine_tokens(llama_dir: Path, prompt: list[int]) -> list[int]:
@@ -292,6 +301,62 @@ def test_a_prompt_is_prefilled_on_the_decode_worker_while_every_prefill_queue_is
         for pause in pauses:
             pause.release("prefill.started")
         router.stop()
+    assert list(got.token_ids) == _engine_tokens(llama_dir, short)
+    cluster.assert_no_leaks()
+
+
+def test_a_prefill_worker_refuses_a_prompt_its_queue_would_keep_waiting_longer(
+        cluster: Cluster, llama_dir: Path) -> None:
+    """A router that has not yet read the other router's load sends the Prefill: the
+    prefill worker, holding the other router's long prompts, refuses it over the limit
+    it carries, and the decode worker prefills it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster.pause_points import PauseDir
+
+    names = [p.name for p in cluster.prefill]
+    longs = [_fresh_prompt_routed_to(cluster, name, names, salt=20 + i, num_tokens=200)
+             for i, name in enumerate(names)]
+    short = [450 + (11 * i) % 150 for i in range(20)]
+    # conditional disaggregation on (the router's defaults); the cluster's router has it off
+    late = cluster.start_router("--metrics-port", "0", name="router-refused", flags=())
+    pauses = [PauseDir(cluster.pause_dir(name)) for name in names]
+    exchange = PauseDir(cluster.pause_dir("router-refused"))
+    try:
+        cluster.wait_serving()
+        exchange.arm("router.load_exchange")  # its view of the other router's load: none
+        exchange.wait_paused("router.load_exchange", TIMEOUT_S)
+        before = _settled(lambda: _prefill_figures(cluster))
+        for pause in pauses:
+            pause.arm("prefill.started")
+        with ThreadPoolExecutor(3) as pool:
+            # the cluster's router holds a 200-token prompt on each prefill worker
+            held = [pool.submit(_complete, cluster.address, prompt) for prompt in longs]
+            for pause in pauses:
+                pause.wait_paused("prefill.started", TIMEOUT_S)
+            asked = pool.submit(_complete_six, late.address, short)
+            wait_until(lambda: sum(_metric(late, "pdserve:router_routed_total{role=prefill,"
+                                                 f"worker={w}}}") for w in names) == 1,
+                       TIMEOUT_S, "the late router to send its Prefill")
+            time.sleep(0.5)  # the Prefill reaches its worker, queued behind the held step
+            for pause in pauses:
+                pause.release("prefill.started")
+            got = asked.result(TIMEOUT_S)
+            assert [len(h.result(TIMEOUT_S)) for h in held] == [2, 2]
+        assert _metric(late, "pdserve:router_decisions_total"
+                             "{kind=prefill,reason=local_queue_refused}") == 1
+        assert _metric(late, "pdserve:router_decisions_total"
+                             "{kind=prefill,reason=local_queue_wait}") == 0
+        assert _metric(late, "pdserve:router_attempts_total{}") == 2  # no retry spent
+        after = _settled(lambda: _prefill_figures(cluster))
+        computed = sum(after[f"{w} prompt_tokens"] - before[f"{w} prompt_tokens"]
+                       for w in names)
+        assert computed == 2 * 200  # the long prompts only: the short one was refused
+    finally:
+        for pause in pauses:
+            pause.release("prefill.started")
+        exchange.release("router.load_exchange")
+        late.stop()
     assert list(got.token_ids) == _engine_tokens(llama_dir, short)
     cluster.assert_no_leaks()
 

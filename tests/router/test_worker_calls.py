@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from cluster.prefill_queue import queue_refusal
 from router.worker_calls import Failure, classify
 
 S = grpc.StatusCode
@@ -19,6 +20,8 @@ def error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
     (S.UNAVAILABLE, "Socket closed", False, Failure.RETRY, True),
     (S.UNAVAILABLE, "the engine loop is not running", False, Failure.RETRY, False),
     (S.RESOURCE_EXHAUSTED, "busy", False, Failure.BUSY, False),
+    # a prefill queue over the Prefill's limit: prefill elsewhere (cluster.prefill_queue)
+    (S.RESOURCE_EXHAUSTED, queue_refusal(300, 40), False, Failure.QUEUED, False),
     # a message over a size limit never fits: a refusal, never "busy" (waiting would loop)
     (S.RESOURCE_EXHAUSTED, "Received message larger than max (4194400 vs. 4194304)", False,
      Failure.REFUSED, False),

@@ -186,7 +186,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("client_request_id", "prompt_token_ids", "sampling", "target", "attempt_id", "lease", "num_resumed_tokens", "moved_from")
+    __slots__ = ("client_request_id", "prompt_token_ids", "sampling", "target", "attempt_id", "lease", "num_resumed_tokens", "moved_from", "max_queued_tokens")
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class PrefillRequest(_message.Message):
     LEASE_FIELD_NUMBER: _ClassVar[int]
     NUM_RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MOVED_FROM_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     client_request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -203,7 +204,8 @@ class PrefillRequest(_message.Message):
     lease: Lease
     num_resumed_tokens: int
     moved_from: str
-    def __init__(self, client_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., num_resumed_tokens: _Optional[int] = ..., moved_from: _Optional[str] = ...) -> None: ...
+    max_queued_tokens: int
+    def __init__(self, client_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., attempt_id: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., num_resumed_tokens: _Optional[int] = ..., moved_from: _Optional[str] = ..., max_queued_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "num_cached_tokens", "num_prompt_tokens", "timings", "first_token_logprobs", "prompt_logprobs", "prefill_tokens_per_s")

@@ -501,7 +501,9 @@ class PrefillWorkerServicer:
         with DEADLINE_EXCEEDED and never computed (`WorkerInfo.num_expired_requests`).
         Errors: INVALID_ARGUMENT (empty prompt, bad target or sampling params),
         ALREADY_EXISTS, RESOURCE_EXHAUSTED (the worker holds its limit of requests,
-        `--max-requests`: busy, not failed; the router tries another or waits),
+        `--max-requests`: busy, not failed; the router tries another or waits; or the
+        prompt tokens it has yet to compute for the requests it holds exceed the request's
+        `max_queued_tokens`, the details then carrying `cluster.prefill_queue`'s marker),
         UNAVAILABLE (the KV target was unreachable or the transfer failed), ABORTED (Abort
         was called while the request was queued or running).
         """

@@ -13,7 +13,7 @@ import pytest
 
 from router.errors import RouteError
 from router.lifecycle.handoff import Handoff
-from router.lifecycle.outcomes import Migrate, Retry
+from router.lifecycle.outcomes import Migrate, QueueRefused, Retry
 from router.outputs import OutputChunk
 
 
@@ -67,3 +67,43 @@ def test_attempts_spent_after_a_migration_name_the_tokens_streamed() -> None:
     assert "before the first token" not in message  # the client has a token already
     assert "after 1 streamed tokens" in message and "failed 3 times" in message
     assert "its decode worker died" in message and handoff.placed == 4
+
+
+class RefusedThenLocal(Scripted):
+    """Attempt 0's prefill worker refuses it for its queue; attempt 1 streams its token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ctx.local_reason = None
+        self.aborted: list[str] = []
+        self.reasons: list[str | None] = []
+
+    async def _place_after(self, failures: list[str]) -> Attempt:  # type: ignore[override]
+        self.reasons.append(self.ctx.local_reason)
+        attempt = await super()._place_after(failures)
+        outer = self
+
+        async def abort_decode_now() -> None:
+            outer.aborted.append(attempt.id)
+
+        attempt.abort_decode_now = abort_decode_now  # type: ignore[method-assign]
+        return attempt
+
+    async def _run(self, attempt: Attempt) -> AsyncGenerator[OutputChunk, None]:  # type: ignore[override]
+        if attempt.id == "a#0":
+            raise QueueRefused("prefill worker p-0: queue: longer than the caller's limit")
+        yield OutputChunk((7,), "x", finish_reason="length")
+
+
+def test_a_queue_refusal_places_a_local_attempt_without_spending_one() -> None:
+    handoff = RefusedThenLocal()
+
+    async def drain() -> list[OutputChunk]:
+        return [chunk async for chunk in handoff._attempts()]
+
+    chunks = asyncio.run(drain())
+    assert [c.token_ids for c in chunks] == [(7,)]
+    # attempt 0's reservation is freed; attempt 1 is told why it prefills locally
+    assert handoff.aborted == ["a#0"] and handoff.placed == 2
+    assert handoff.reasons == [None, "local_queue_refused"]
+    handoff.ctx.metrics.retries.labels.assert_not_called()  # not a failure

@@ -15,7 +15,7 @@ from engine.kvcache.block_hash import LOSSY_WIRE_SALT, compute_block_hashes
 from engine.kvcache.events import STORED
 from router.config import HandoffConfig
 from router.kv_index import KVIndex
-from router.lifecycle.placement import Placement
+from router.lifecycle.placement import Placement, queue_limit
 from router.metrics import RouterMetrics
 from router.policy import relative_speeds
 from router.routing import affinity_key, rendezvous_order
@@ -55,7 +55,8 @@ def _placement(prompt: list[int], index: KVIndex | None, pool: Pool, salt: str =
                           config=HandoffConfig(**config), kv_index=index, metrics=metrics,
                           excluded=set(), block_size=BLOCK, hash_seed=0, shared_decode=None,
                           choice=0, calls=SimpleNamespace(num_resumed=0),
-                          received_kv_salt=salt, pending_move=None)
+                          received_kv_salt=salt, pending_move=None,
+                          local_reason=None)
     return Placement(ctx, None, itertools.count()), metrics  # type: ignore[arg-type]
 
 
@@ -130,6 +131,34 @@ def test_a_prompt_is_prefilled_on_the_decode_worker_when_every_prefill_queue_is_
     placement, _ = _placement(prompt, _index({}), Pool({"p-0": 1000, "p-1": 150}))
     placement.ctx.calls.num_resumed = 10
     assert not placement.prefills_locally()
+
+
+def test_a_prefill_carries_the_queue_its_worker_may_refuse_it_over() -> None:
+    prompt = _prompt_by_affinity("p-0")  # 100 tokens, none of them cached anywhere
+    hashes = compute_block_hashes(prompt, BLOCK)
+    # the local side: what the decode worker lacks, plus its local prefills under way
+    placement, _ = _placement(prompt, _index({"d-0": hashes[:2]}), Pool({"d-0": 30}))
+    assert queue_limit(placement, "d-0", "p-0") == 100 - 2 * BLOCK + 30
+    # at a slower worker's speed (1.5 x 100/400): the same wait is fewer of its tokens
+    placement, _ = _placement(prompt, _index({}), Pool(rates={"p-0": 100.0, "p-1": 400.0}))
+    assert queue_limit(placement, "d-0", "p-0") == int(100 * 1.5 * 100 / 400)
+    assert queue_limit(placement, "d-0", "p-1") == 100
+    # none where the router would never prefill it locally for its queue
+    assert queue_limit(_placement(prompt, _index({}), Pool(), local_prefill_max_tokens=0)[0],
+                       "d-0", "p-0") == 0
+    assert queue_limit(_placement(prompt, _index({}), Pool(), prefill_routing="affinity")[0],
+                       "d-0", "p-0") == 0
+    placement, _ = _placement(prompt, _index({}), Pool())
+    placement.ctx.calls.num_resumed = 10
+    assert queue_limit(placement, "d-0", "p-0") == 0
+
+
+def test_after_a_queue_refusal_the_next_attempt_prefills_on_the_decode_worker() -> None:
+    prompt = _prompt_by_affinity("p-0")
+    placement, _ = _placement(prompt, _index({}), Pool())
+    assert not placement.prefills_locally()  # by the router's own view: no queue
+    placement.ctx.local_reason = "local_queue_refused"  # what the handoff sets
+    assert placement.prefills_locally()  # (the e2e test counts its reason, once)
 
 
 def test_a_clearly_slower_prefill_worker_counts_its_tokens_for_more() -> None:

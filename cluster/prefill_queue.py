@@ -1,0 +1,29 @@
+"""The words of a prefill worker's queue refusal, shared by the router and the workers,
+torch-free.
+
+Conditional disaggregation has the decode worker prefill a prompt itself when every
+prefill queue would keep it waiting longer than that takes (``router.policy``). A router
+judges the queues from its own requests and, as last exchanged, the other routers'
+(``cluster.router_loads``), a view that lags when requests arrive together at several
+routers. So a Prefill may carry the most prompt tokens the router would have it wait
+behind (``PrefillRequest.max_queued_tokens``); the prefill worker, which holds every
+router's requests, refuses it over that with RESOURCE_EXHAUSTED and ``QUEUE_REFUSAL`` in
+the details, holding nothing, and the router prefills the prompt on the decode worker.
+"""
+
+from __future__ import annotations
+
+# the Prefill's status details start with it
+QUEUE_REFUSAL = "queue: longer than the caller's limit"
+
+
+def queue_refusal(queued_tokens: int, limit: int) -> str:
+    """The details of a refusal of a Prefill with ``limit`` by a worker with
+    ``queued_tokens`` to compute."""
+    return (f"{QUEUE_REFUSAL} ({queued_tokens} prompt tokens to compute here, the limit "
+            f"{limit})")
+
+
+def is_queue_refusal(details: str | None) -> bool:
+    """Whether a Prefill's failure details are a queue refusal."""
+    return details is not None and details.startswith(QUEUE_REFUSAL)
