@@ -178,6 +178,7 @@ class WorkerPool(LoadBook):
                 task.add_done_callback(self._closing.discard)
                 self._suspect_until.pop(record.worker_id, None)
                 self._heard_from.pop(record.worker_id, None)
+                self._rates.pop(record.worker_id, None)  # another process, maybe machine
             channel = (grpc.aio.insecure_channel(record.grpc_address, options=CHANNEL_OPTIONS,
                                                  interceptors=self._interceptors)
                        if self._credentials is None else
@@ -190,6 +191,8 @@ class WorkerPool(LoadBook):
         else:
             if known.gone:
                 logger.info("worker %s is back in the registry", record.worker_id)
+            if record.role != known.record.role:  # its rate was measured in the other role
+                self._rates.pop(record.worker_id, None)
             known.record, known.last_seen, known.gone = record, now, False
 
     @property

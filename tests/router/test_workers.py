@@ -591,6 +591,31 @@ def test_a_worker_restarted_at_a_new_address_is_no_longer_suspect(registry: Regi
     run(body())
 
 
+def test_a_prefill_rate_is_forgotten_when_its_worker_restarts_or_switches_role(
+        registry: Registry) -> None:
+    async def body() -> None:
+        async with fake_worker() as old, fake_worker() as new:
+            registry.register(make_record("prefill-0", "prefill", old.address))
+            registry.register(make_record("prefill-1", "prefill", old.address))
+            pool = new_pool(registry, FakeClock())
+            try:
+                await pool.refresh()
+                pool.heard_from("prefill-0", 900.0)
+                pool.heard_from("prefill-1", 400.0)
+                registry.register(make_record("prefill-0", "prefill", old.address))
+                await pool.refresh()  # the same process: what it reported holds
+                assert pool.reported_rates() == {"prefill-0": 900.0, "prefill-1": 400.0}
+                # a new process under prefill-0's id; prefill-1 now serves decode
+                registry.register(make_record("prefill-0", "prefill", new.address))
+                registry.register(make_record("prefill-1", "decode", old.address))
+                await pool.refresh()
+                assert pool.reported_rates() == {}
+            finally:
+                await pool.close()
+
+    run(body())
+
+
 def test_busy_counts_nested_and_failing_requests(registry: Registry) -> None:
     pool = new_pool(registry, FakeClock())  # no worker needed: counting only
     assert pool.inflight("decode-0") == 0 and pool.total_inflight == 0
