@@ -98,8 +98,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="kv-aware: a prompt that a decode worker holds all of but at most "
                              "this many tokens is prefilled there, not on a prefill worker "
                              "(conditional disaggregation), and so is one whose missing "
-                             "tokens are fewer than even the shortest prefill queue's; 0: "
-                             f"never (default {DEFAULT_LOCAL_PREFILL_MAX_TOKENS})")
+                             "tokens are fewer than even the shortest prefill queue's (as "
+                             "this router sees the queues, or as the prefill worker asked "
+                             "counts its own, refusing the Prefill); 0: never (default "
+                             f"{DEFAULT_LOCAL_PREFILL_MAX_TOKENS})")
     parser.add_argument("--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT,
                         help="how often one stream may move to another decode worker when "
                              "its own fails after tokens were streamed (the prompt and the "
