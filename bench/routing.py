@@ -25,7 +25,10 @@ worker receives every turn's whole prompt, the baseline of the KV bytes. Per arm
 - prefill imbalance: max ÷ mean of the prompt tokens each prefill worker computed
   (``vllm:prompt_tokens`` less ``vllm:prefix_cache_hits``);
 - TTFT p50/p90 (client side), KV bytes the prefill workers sent per request
-  (``pdserve:kv_transfer_bytes_total``).
+  (``pdserve:kv_transfer_bytes_total``);
+- the prompts the decode worker prefilled itself, by conditional disaggregation's reason
+  (short tail, queue wait as the router saw it, refused by the prefill worker for its
+  queue: the routers' ``pdserve:router_decisions_total``).
 
 The decision's cost is measured on the policy objects alone (``router.kv_index`` and
 ``router.routing``): ``--prefill`` workers with 10,000 indexed blocks each, 2,000 prompts
@@ -41,6 +44,7 @@ import random
 import statistics
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +52,7 @@ from typing import Any
 from bench.clusters import bench_model, cluster, settled_prefill_counters
 from bench.common import format_table, machine_info, write_json
 from cluster.kv_events import EventBatch
+from deploy.local import LocalLauncher
 from engine.kvcache.block_hash import compute_block_hashes
 from engine.kvcache.events import STORED
 from pdserve.aio_client import AsyncClient
@@ -57,6 +62,8 @@ from router.routing import rank_by_cost, uncached_tokens
 BLOCK = 16
 VOCAB = 500  # token ids drawn below this (both models' vocabularies are larger)
 # arm -> (the routers' --prefill-routing, the decode worker's own flags)
+# conditional disaggregation's reasons (``pdserve:router_decisions_total``), in the table
+LOCAL_REASONS = ("local_short_tail", "local_queue_wait", "local_queue_refused")
 ARMS = {"kv-aware": ("kv-aware", ()), "affinity": ("affinity", ()),
         "round-robin": ("round-robin", ()),
         "affinity-no-reuse": ("affinity", ("--no-enable-prefix-caching",))}
@@ -100,6 +107,8 @@ class ArmResult:
     computed: dict[str, float] = field(default_factory=dict)  # per prefill worker
     kv_bytes: float = 0.0
     wall_s: float = 0.0
+    # prompts the decode worker prefilled itself, by conditional disaggregation's reason
+    local: dict[str, float] = field(default_factory=dict)
 
     def figures(self) -> dict[str, float]:
         oracle = oracle_cached_tokens([t.prompt for t in sorted(self.turns,
@@ -117,7 +126,7 @@ class ArmResult:
                 "tpot_p50_ms": _quantile(tpots, 0.5) * 1e3,
                 "tpot_p90_ms": _quantile(tpots, 0.9) * 1e3,
                 "kv_bytes_per_request": self.kv_bytes / max(1, len(self.turns)),
-                "wall_s": self.wall_s}
+                "wall_s": self.wall_s, "local_prefills": dict(self.local)}
 
 
 def oracle_cached_tokens(prompts: Sequence[Sequence[int]]) -> int:
@@ -192,7 +201,7 @@ def run_arm(args: argparse.Namespace, arm: str, routers: int) -> ArmResult:
     system, users = chat_script(args)
     result = ArmResult(arm, routers)
     routing, decode_args = ARMS[arm]
-    router_args: tuple[str, ...] = ("--prefill-routing", routing)
+    router_args: tuple[str, ...] = ("--prefill-routing", routing, "--metrics-port", "0")
     if routing == "kv-aware" and args.local_prefill_max_tokens is not None:
         router_args += ("--local-prefill-max-tokens", str(args.local_prefill_max_tokens))
     with cluster(bench_model(args.quick), num_prefill=args.prefill, num_decode=1,
@@ -205,9 +214,25 @@ def run_arm(args: argparse.Namespace, arm: str, routers: int) -> ArmResult:
                                           args.reply_tokens))
         result.wall_s = time.perf_counter() - start
         after, sent1 = settled_prefill_counters(running, tries=40, pause_s=0.1)
+        result.local = local_prefills(running)
     result.computed = {w: after[w] - before.get(w, 0.0) for w in after}
     result.kv_bytes = sent1 - sent0
     return result
+
+
+def local_prefills(running: LocalLauncher) -> dict[str, float]:
+    """The routers' prefill decisions that kept a prompt on its decode worker
+    (``pdserve:router_decisions_total{kind="prefill"}``, summed), by reason."""
+    totals = dict.fromkeys(LOCAL_REASONS, 0.0)
+    for router in running.routers:
+        assert router.ready is not None
+        url = f"http://{router.ready['metrics_address']}/metrics"
+        for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+            if line.startswith("pdserve:router_decisions_total") and 'kind="prefill"' in line:
+                for reason in LOCAL_REASONS:
+                    if f'reason="{reason}"' in line:
+                        totals[reason] += float(line.rsplit(" ", 1)[-1])
+    return totals
 
 
 def decision_cost(num_workers: int, blocks_per_worker: int = 10_000,
@@ -265,10 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"{f['prefill_imbalance']:.2f}", f"{f['ttft_p50_ms']:.1f}",
                      f"{f['ttft_p90_ms']:.1f}", f"{f['tpot_p50_ms']:.1f}",
                      f"{f['tpot_p90_ms']:.1f}", f"{f['kv_bytes_per_request'] / 1024:.1f}",
+                     "/".join(f"{r.local.get(k, 0):.0f}" for k in LOCAL_REASONS),
                      f"{f['wall_s']:.1f}"])
     print(format_table(rows, ["arm", "routers", "cached/oracle", "prefill imbalance",
                               "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "TPOT p90 ms",
-                              "KV KiB/request", "wall s"]))
+                              "KV KiB/request", "local tail/wait/refused", "wall s"]))
     fewer = kv_bytes_fewer(out)
     for routers, by_arm in fewer.items():
         print(f"KV bytes per request at {routers} router(s), against affinity-no-reuse (no "

@@ -45,5 +45,9 @@ def test_quick_reports_an_arm(tmp_path: Path) -> None:
     # 4 tokens a reply: each turn's time between tokens is measured
     assert 0 < arm["tpot_p50_ms"] <= arm["tpot_p90_ms"] < arm["wall_s"] * 1e3
     assert report["decision"]["p99_ms"] > 0
+    # the prompts kept on the decode worker, by reason: never without kv-aware routing
+    assert set(arm["local_prefills"]) == set(routing.LOCAL_REASONS)
+    assert sum(arm["local_prefills"].values()) <= 6
+    assert sum(whole["local_prefills"].values()) == 0
     with pytest.raises(SystemExit, match="unknown arm"):
         routing.main(["--quick", "--arms", "kv-aware,nearest"])
