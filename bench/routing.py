@@ -126,7 +126,7 @@ class ArmResult:
                 "tpot_p50_ms": _quantile(tpots, 0.5) * 1e3,
                 "tpot_p90_ms": _quantile(tpots, 0.9) * 1e3,
                 "kv_bytes_per_request": self.kv_bytes / max(1, len(self.turns)),
-                "wall_s": self.wall_s, "local_prefills": dict(self.local)}
+                "wall_s": self.wall_s}
 
 
 def oracle_cached_tokens(prompts: Sequence[Sequence[int]]) -> int:
@@ -227,7 +227,9 @@ def local_prefills(running: LocalLauncher) -> dict[str, float]:
     for router in running.routers:
         assert router.ready is not None
         url = f"http://{router.ready['metrics_address']}/metrics"
-        for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        for line in text.splitlines():
             if line.startswith("pdserve:router_decisions_total") and 'kind="prefill"' in line:
                 for reason in LOCAL_REASONS:
                     if f'reason="{reason}"' in line:
@@ -285,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, out = [], []
     for r in results:
         f = r.figures()
-        out.append({"arm": r.arm, "routers": r.routers, **f, "computed_per_worker": r.computed})
+        out.append({"arm": r.arm, "routers": r.routers, **f, "computed_per_worker": r.computed,
+                    "local_prefills": r.local})
         rows.append([r.arm, str(r.routers), f"{f['cached_over_oracle']:.3f}",
                      f"{f['prefill_imbalance']:.2f}", f"{f['ttft_p50_ms']:.1f}",
                      f"{f['ttft_p90_ms']:.1f}", f"{f['tpot_p50_ms']:.1f}",

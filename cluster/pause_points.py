@@ -36,6 +36,8 @@ id of one attempt). Points, in the order of a request's life (what pauses where)
   command (``command``: its class name, e.g. "Reserve", "Submit"; ``attempt_id``: the
   attempt it names, "" if none) and runs it once released: its caller may time out or
   leave meanwhile (the loop thread is held).
+- ``prefill.received`` (record; attempt_id): a prefill worker received the attempt's
+  Prefill call and queues it for its engine loop.
 - ``prefill.before_step`` (pause; held): the prefill engine loop is about to step while
   it holds ``held`` requests; paused there, new requests queue up behind it.
 - ``prefill.started`` (pause, record; attempt_id, transfer_id): the first chunk of the

@@ -13,6 +13,7 @@ import time
 
 import grpc
 
+from cluster import pause_points
 from cluster.internal.v1 import worker_pb2 as pb
 from cluster.internal.v1 import worker_pb2_grpc as pb_grpc
 from cluster.kv_target import KVTarget
@@ -50,6 +51,8 @@ class PrefillServicer(LoopServicerMixin, pb_grpc.PrefillWorkerServicer):
                                 request.client_request_id, request.num_resumed_tokens,
                                 request.target.num_cached_blocks, request.moved_from,
                                 request.max_queued_tokens)
+                if pause_points.enabled():
+                    pause_points.record("prefill.received", attempt_id=attempt)
                 await self.loop.acall(submit, call_timeout(context))
             except WorkerError as exc:
                 held = exc.code not in REFUSALS

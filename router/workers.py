@@ -191,8 +191,8 @@ class WorkerPool(LoadBook):
         else:
             if known.gone:
                 logger.info("worker %s is back in the registry", record.worker_id)
-            if record.role != known.record.role:  # its rate was measured in the other role
-                self._rates.pop(record.worker_id, None)
+            if (record.role, record.started_at) != (known.record.role, known.record.started_at):
+                self._rates.pop(record.worker_id, None)  # another role, or another process
             known.record, known.last_seen, known.gone = record, now, False
 
     @property

@@ -15,7 +15,11 @@ and the order in which prefill workers are asked.
   reply, when the router can name the target (``router.lifecycle.ahead``).
 - Local: colocated mode (``local_prefill`` "always"), or "fallback" once no prefill
   worker is left for the request, or a later choice of n > 1 whose first choice's
-  decode worker can take it: the attempt prefills on the decode worker.
+  decode worker can take it, or conditional disaggregation (kv-aware, every mode): the
+  decode worker holds all of the prompt but a short tail, or every prefill queue is
+  longer than what it lacks (as the router sees them, or as the prefill workers count
+  their own, refusing the attempt's Prefill: ``queue_limit``, ``QueueRefused``): the
+  attempt prefills on the decode worker.
 - Prefill: kv-aware, the least predicted work (tokens queued there plus this prompt's
   tokens it does not hold, over its measured speed: ``router.policy.choose_prefill``);
   affinity, and kv-aware while the KV index cannot be trusted, rendezvous order of the
@@ -347,7 +351,8 @@ def queue_limit(placement: Placement, decode_id: str, prefill_id: str) -> int:
             or ctx.config.prefill_routing != "kv-aware":
         return 0
     local = local_tokens(placement, decode_id) + ctx.pool.cluster_tokens(decode_id)
-    workers = {r.worker_id for r in ctx.pool.routable("prefill")} | {prefill_id}
+    workers = {r.worker_id for r in ctx.pool.routable("prefill")
+               if r.worker_id not in ctx.excluded} | {prefill_id}
     speed = ctx.pool.prefill_speeds(workers).get(prefill_id, 1.0)
     return max(1, int(local * speed))
 

@@ -6,8 +6,10 @@ the attempt's Reserve, naming the target the router expects (``Placement``); the
 worker's receiver parks KV that arrives before its reservation.
 
 A Prefill that conditional disaggregation may keep local carries the most prompt tokens
-it may wait behind (``placement.queue_limit``); a worker with more refuses it
-(``QueueRefused``) and the next attempt prefills on its decode worker.
+it may wait behind (``placement.queue_limit``); a worker with more refuses it, and the
+next one in the order is asked. When every worker asked refused it so or was busy, and
+one at least for its queue, the attempt ends with ``QueueRefused``: the next prefills on
+its decode worker.
 
 Failures: a worker that failed is excluded and the attempt is retried (``Retry``); one
 that refused what the router sent is INTERNAL (a router bug); no prefill worker left is
@@ -65,20 +67,24 @@ async def prefill(attempt: Attempt, placement: Placement) -> Prefilled:
             if ctx.config.local_prefill != "never":  # the next attempt prefills locally
                 raise Retry("no prefill worker left", "no_prefill")
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        queued: list[str] = []  # why each worker that refused for its queue did
         for prefill_id in order:
             reply = await _prefill_on(attempt, prefill_id, placement.prefill_tokens(prefill_id),
-                                      queue_limit(placement, attempt.decode_id, prefill_id))
+                                      queue_limit(placement, attempt.decode_id, prefill_id),
+                                      queued)
             if reply is not None:
                 return reply
+        if queued:  # the others were busy: the decode worker computes it sooner
+            raise QueueRefused("; ".join(queued))
         ctx.log.info("every prefill worker is busy; waiting for capacity")
         await ctx.ticket.admission.capacity_changed(ctx.deadline)
 
 
-async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int, limit: int = 0
-                      ) -> Prefilled | None:
-    """The Prefill call on ``prefill_id`` (which computes about ``tokens`` of the prompt;
-    refused with more than ``limit`` to compute before it, ``QueueRefused``): its reply,
-    or None when it answered busy."""
+async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int, limit: int = 0,
+                      queued: list[str] | None = None) -> Prefilled | None:
+    """The Prefill call on ``prefill_id`` (which computes about ``tokens`` of the prompt):
+    its reply, or None when it answered busy, or refused it for having more than
+    ``limit`` prompt tokens to compute before it (why, appended to ``queued``)."""
     ctx = attempt.ctx
     assert attempt.target is not None
     ctx.metrics.routed.labels("prefill", prefill_id).inc()
@@ -109,7 +115,9 @@ async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int, limit: int
             return None
         if failure.kind is Failure.QUEUED:
             attempt.prefill_released()  # it took nothing
-            raise QueueRefused(f"prefill worker {prefill_id}: {failure.details}") from None
+            if queued is not None:
+                queued.append(f"prefill worker {prefill_id}: {failure.details}")
+            return None
         if failure.kind is Failure.ALREADY_EXISTS:  # the worker did not fail
             attempt.prefill_released()  # the id's holder there is not ours to abort
             raise ctx.id_in_use(" on a prefill worker") from None

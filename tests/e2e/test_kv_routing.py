@@ -322,6 +322,7 @@ def test_a_prefill_worker_refuses_a_prompt_its_queue_would_keep_waiting_longer(
     late = cluster.start_router("--metrics-port", "0", name="router-refused", flags=())
     pauses = [PauseDir(cluster.pause_dir(name)) for name in names]
     exchange = PauseDir(cluster.pause_dir("router-refused"))
+    got = None
     try:
         cluster.wait_serving()
         exchange.arm("router.load_exchange")  # its view of the other router's load: none
@@ -329,16 +330,17 @@ def test_a_prefill_worker_refuses_a_prompt_its_queue_would_keep_waiting_longer(
         before = _settled(lambda: _prefill_figures(cluster))
         for pause in pauses:
             pause.arm("prefill.started")
+        received = sum(len(p.records("prefill.received")) for p in pauses)
         with ThreadPoolExecutor(3) as pool:
             # the cluster's router holds a 200-token prompt on each prefill worker
             held = [pool.submit(_complete, cluster.address, prompt) for prompt in longs]
             for pause in pauses:
                 pause.wait_paused("prefill.started", TIMEOUT_S)
             asked = pool.submit(_complete_six, late.address, short)
-            wait_until(lambda: sum(_metric(late, "pdserve:router_routed_total{role=prefill,"
-                                                 f"worker={w}}}") for w in names) == 1,
-                       TIMEOUT_S, "the late router to send its Prefill")
-            time.sleep(0.5)  # the Prefill reaches its worker, queued behind the held step
+            # its Prefill reaches a prefill worker and waits there behind the held step
+            wait_until(lambda: sum(len(p.records("prefill.received"))
+                                   for p in pauses) == received + 3,
+                       TIMEOUT_S, "the late router's Prefill to reach a prefill worker")
             for pause in pauses:
                 pause.release("prefill.started")
             got = asked.result(TIMEOUT_S)
@@ -357,7 +359,7 @@ def test_a_prefill_worker_refuses_a_prompt_its_queue_would_keep_waiting_longer(
             pause.release("prefill.started")
         exchange.release("router.load_exchange")
         late.stop()
-    assert list(got.token_ids) == _engine_tokens(llama_dir, short)
+    assert got is not None and list(got.token_ids) == _engine_tokens(llama_dir, short)
     cluster.assert_no_leaks()
 
 

@@ -610,6 +610,12 @@ def test_a_prefill_rate_is_forgotten_when_its_worker_restarts_or_switches_role(
                 registry.register(make_record("prefill-1", "decode", old.address))
                 await pool.refresh()
                 assert pool.reported_rates() == {}
+                # a new process at the same address (a fixed port, a stable host name)
+                pool.heard_from("prefill-0", 900.0)
+                registry.register(make_record("prefill-0", "prefill", new.address,
+                                              started_at=1_700_000_100.0))
+                await pool.refresh()
+                assert pool.reported_rates() == {}
             finally:
                 await pool.close()
 

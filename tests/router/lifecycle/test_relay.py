@@ -108,3 +108,58 @@ def test_a_move_given_up_frees_the_parked_request_at_once(
     monkeypatch.setattr(prefill_module.WorkerCalls, "prefilled", staticmethod(lambda r: r))
     assert asyncio.run(prefill_module._move(attempt(made), move)) is made
     assert aborted == []
+
+
+def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prefill.prefill`` (the calls stood in for): a prefill worker that refuses the
+    Prefill for its queue (``cluster.prefill_queue``) is passed over for the next one;
+    when every one asked refused so, the attempt ends with ``QueueRefused``."""
+    import grpc
+
+    from cluster.prefill_queue import queue_refusal
+    from router.lifecycle import prefill as prefill_module
+    from router.lifecycle.outcomes import QueueRefused
+    from router.worker_calls import classify
+
+    asked: list[tuple[str, int]] = []
+
+    def attempt(refusing: set[str]) -> Any:
+        def start_prefill(worker: str, *args: Any, max_queued_tokens: int = 0,
+                          **kwargs: Any) -> Any:
+            asked.append((worker, max_queued_tokens))
+
+            async def answered() -> Any:
+                if worker in refusing:
+                    raise grpc.aio.AioRpcError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
+                        grpc.aio.Metadata(), queue_refusal(500, max_queued_tokens))
+                return SimpleNamespace(worker=worker, prefill_tokens_per_s=0.0, times=None,
+                                       num_cached_tokens=0, num_prompt_tokens=2)
+            return answered()
+
+        counter = SimpleNamespace(inc=lambda: None)
+        pool = SimpleNamespace(busy=lambda worker, tokens=0: contextlib.nullcontext(),
+                               watched=lambda worker, call: contextlib.nullcontext(),
+                               heard_from=lambda worker, rate=0.0: None)
+        ctx = SimpleNamespace(
+            calls=SimpleNamespace(start_prefill=start_prefill), timeout=lambda: 5.0,
+            log=SimpleNamespace(info=lambda *a: None), pending_move=None, pool=pool,
+            metrics=SimpleNamespace(routed=SimpleNamespace(labels=lambda *a: counter)),
+            trace=SimpleNamespace(mark=lambda name: None, prefill=None),
+            failure=lambda exc: classify(exc, deadline_passed=False),
+            check_deadline=lambda failure: None)
+        return SimpleNamespace(ctx=ctx, id="a-3", lease=None, target=object(),
+                               decode_id="d-0", prefill_started=lambda worker: None,
+                               track=lambda call: None, prefill_released=lambda: None)
+
+    placement = SimpleNamespace(prefill_order=lambda decode_id: ["p-0", "p-1"],
+                                prefill_tokens=lambda worker: 2)
+    monkeypatch.setattr(prefill_module, "queue_limit", lambda placement, d, p: 40)
+    monkeypatch.setattr(prefill_module.WorkerCalls, "prefilled", staticmethod(lambda r: r))
+    reply = asyncio.run(prefill_module.prefill(attempt({"p-0"}), placement))  # type: ignore[arg-type]
+    assert reply.worker == "p-1" and asked == [("p-0", 40), ("p-1", 40)]
+    asked.clear()
+    with pytest.raises(QueueRefused, match="p-0.*p-1"):
+        asyncio.run(prefill_module.prefill(attempt({"p-0", "p-1"}), placement))  # type: ignore[arg-type]
+    assert asked == [("p-0", 40), ("p-1", 40)]
