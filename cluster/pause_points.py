@@ -21,6 +21,9 @@ id of one attempt). Points, in the order of a request's life (what pauses where)
 - ``router.load_exchange`` (apause): a router is about to share its load with the other
   routers (``router.shared``, at each refresh of its view); held, its view of theirs
   stays as last read (and its view of the workers is not refreshed).
+- ``router.prefix_wait`` (record; request_id): the request waits for a prompt the router
+  is bringing to a decode worker that covers it but a short tail
+  (``router.lifecycle.coalesce``); it has not taken its turn in the router's queue.
 - ``router.queued`` (apause; request_id): the router admitted the request and it waits
   in the router's queue for its turn; nothing is held on any worker yet.
 - ``router.before_prefill`` (apause; request_id, attempt_id): the attempt's decode

@@ -36,6 +36,9 @@ streamed chunks, end-to-end, and the time a request waited in the router's queue
   fell back to affinity), ``load``; conditional disaggregation's prefills on the decode
   worker: ``local_short_tail``, ``local_queue_wait`` (``router.lifecycle.placement``),
   ``local_queue_refused`` (its prefill worker refused it: ``cluster.prefill_queue``);
+- ``pdserve:router_prefix_waits_total{outcome}``: requests that waited for a prompt on its
+  way to a decode worker that covers theirs but a short tail (``router.lifecycle.coalesce``),
+  ``landed`` or ``timeout``;
 - ``pdserve:router_kv_events_total{outcome}``: KV event batches read (``router.kv_index``'s
   outcomes; bad ones: ``malformed``, ``hash_length``, ``op``, ``unknown_worker``,
   ``epoch_backwards``), ``pdserve:router_kv_resyncs_total``: snapshots loaded,
@@ -113,6 +116,9 @@ class RouterMetrics:
                                          registry=r, buckets=LATENCY_BUCKETS)
         self.decisions = Counter(p + "decisions", "Routing decisions by why the first "
                                  "choice won", ["kind", "reason"], registry=r)
+        self.prefix_waits = Counter(p + "prefix_waits", "Requests that waited for a prompt "
+                                    "in flight covering theirs, by outcome", ["outcome"],
+                                    registry=r)
         self.kv_events = Counter(p + "kv_events", "KV event batches read, by outcome",
                                  ["outcome"], registry=r)
         self.kv_resyncs = Counter(p + "kv_resyncs", "KV index snapshots loaded", registry=r)

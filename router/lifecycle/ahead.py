@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 from cluster.kv_target import KVTarget
 from engine.tp.sharding import num_blocks_for
+from router.inflight_kv import InFlightKV
 from router.lifecycle.attempt import Attempt
 from router.recent_kv import RecentKV
 
@@ -43,6 +44,7 @@ class AheadGate:
         # decode worker -> when it refused for want of room (not accepted since)
         self._refusing: dict[str, float] = {}
         self.recent = RecentKV(clock)
+        self.in_flight = InFlightKV()  # prompts on their way (``router.lifecycle.coalesce``)
 
     def allows(self, decode_id: str, block_hashes: Sequence[bytes] = ()) -> bool:
         """Whether a prompt with these full-block hashes may go ahead to ``decode_id``."""

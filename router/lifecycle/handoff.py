@@ -49,6 +49,7 @@ import grpc
 
 from cluster import pause_points
 from router.errors import RouteError
+from router.lifecycle import coalesce
 from router.lifecycle.attempt import Attempt
 from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import Busy, Migrate, QueueRefused, Retry
@@ -101,6 +102,7 @@ class Handoff:
                              ) from exc
         finally:
             release_move(self.ctx)  # a move offered and never asked for (cancel, deadline)
+            coalesce.ended(self.placement)  # the requests waiting for its KV go on
 
     async def _attempts(self) -> AsyncGenerator[OutputChunk, None]:
         ctx, failures = self.ctx, list[str]()
@@ -112,6 +114,7 @@ class Handoff:
                         self._relayed(chunk)
                         if chunk.worker_s is not None or chunk.finish_reason is not None:
                             self.placement.kv_landed(attempt)
+                            coalesce.ended(self.placement)
                         yield chunk
                 return
             except Migrate as migrate:
@@ -204,6 +207,7 @@ class Handoff:
             return await self.placement.place(self._prefill)
         if pause_points.enabled():
             await pause_points.apause("router.queued", request_id=ctx.client_request_id)
+        await coalesce.wait_for_prefix(self.placement)  # before its turn: never holding it
         async with ctx.ticket.turn(ctx.deadline):
             ctx.trace.mark("turn")
             attempt = await self.placement.place(self._prefill)

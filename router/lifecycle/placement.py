@@ -65,7 +65,7 @@ class Placement:
     def __init__(self, ctx: RequestContext, ids: AttemptIds, transfer_ids: Iterator[int],
                  turns: Iterator[int] | None = None, gate: AheadGate | None = None) -> None:
         self.ctx = ctx
-        self._gate = gate if gate is not None else AheadGate()
+        self.gate = gate if gate is not None else AheadGate()
         self._ids = ids
         self._transfer_ids = transfer_ids
         self._turns = turns
@@ -103,9 +103,10 @@ class Placement:
         leading prompt blocks each holds under ``salt``'s keys)."""
         ctx = self.ctx
         records = [r for r in ctx.pool.routable("decode") if r.worker_id not in ctx.excluded]
-        cached = self.prompt_kv.cached_blocks([r.worker_id for r in records], salt)
         hashes = self.prompt_kv.block_hashes(salt) if self.prompt_kv.trusted() else []
-        candidates = _decode_candidates(ctx, records, cached, self._gate.recent, hashes)
+        cached = self.prompt_kv.cached_blocks([r.worker_id for r in records], salt,
+                                              self.gate.recent)
+        candidates = _decode_candidates(ctx, records, cached, self.gate.recent, hashes)
         return rank_decode(candidates, ctx.request.num_blocks(ctx.block_size),
                            ctx.config.load_epsilon), cached
 
@@ -160,8 +161,7 @@ class Placement:
         self._share(decode_id)
         colocated, sibling = ctx.config.local_prefill == "always", self._sibling_worker()
         refused, ctx.local_reason = ctx.local_reason, None  # for this attempt only
-        conditional = None if colocated or sibling == decode_id else \
-            refused or self._conditional()
+        conditional = None if colocated or sibling == decode_id else refused or self._conditional()
         if conditional is not None:
             ctx.metrics.decisions.labels("prefill", conditional).inc()
         ctx.log.info("attempt %s: prefilling locally on %s (%s)", attempt.id, decode_id,
@@ -173,7 +173,7 @@ class Placement:
         prompt's blocks, which the KV index may not list yet (``router.recent_kv``)."""
         if self.ctx.config.prefill_routing == "kv-aware":  # else nothing goes ahead
             salt = "" if attempt.local else self.ctx.received_kv_salt
-            self._gate.recent.landed(attempt.decode_id, self.prompt_kv.block_hashes(salt))
+            self.gate.recent.landed(attempt.decode_id, self.prompt_kv.block_hashes(salt))
 
     def _share(self, decode_id: str, lossy: bool = False) -> None:
         """Choice 0 of n > 1 runs on ``decode_id``: the later choices go there, unless its
@@ -203,7 +203,7 @@ class Placement:
             attempt = Attempt(self.ctx, self._ids.new(), decode_id,
                               transfer_id=next(self._transfer_ids))
             target = None if ahead is None or self._no_ahead or not self.prompt_kv.trusted() \
-                else ahead_target(attempt, self._gate, self._decode_held.get(decode_id, 0),
+                else ahead_target(attempt, self.gate, self._decode_held.get(decode_id, 0),
                                   self.prompt_kv.block_hashes(self.ctx.received_kv_salt))
             starter, ahead = ahead, None  # later choices of the pass wait for their reply
             try:
@@ -211,7 +211,7 @@ class Placement:
             except BaseException:
                 attempt.end()  # it may hold a reservation there
                 raise
-            self._no_ahead |= self._gate.answered(attempt, refusal)
+            self._no_ahead |= self.gate.answered(attempt, refusal)
             if refusal is None:
                 return attempt, refusals, True
             attempt.end()
@@ -294,7 +294,7 @@ class Placement:
         choice = choose_prefill(
             mode, key=b"" if mode == "round-robin" else self.prompt_kv.affinity_key(), loads=loads,
             queued_tokens={w: ctx.pool.cluster_tokens(w) for w in loads} if trusted else {},
-            num_prompt_tokens=_prefill_len(ctx), block_size=ctx.block_size,
+            num_prompt_tokens=prefill_len(ctx), block_size=ctx.block_size,
             cached=self.prompt_kv.cached_blocks(list(loads)) if trusted else None,
             turn=self._turn or 0, epsilon=ctx.config.load_epsilon,
             speeds=ctx.pool.prefill_speeds(loads))
@@ -306,7 +306,7 @@ class Placement:
     def prefill_tokens(self, prefill_id: str) -> int:
         """The prompt tokens ``prefill_id`` computes for this request, as far as the router
         knows (kv-aware: the KV index's word on its prefix cache; else all of them)."""
-        return uncached_tokens(_prefill_len(self.ctx), self.ctx.block_size,
+        return uncached_tokens(prefill_len(self.ctx), self.ctx.block_size,
                                self._prefill_cached.get(prefill_id, 0))
 
 
@@ -325,7 +325,7 @@ def _conditional_reason(ctx: RequestContext, decode_id: str, held_blocks: int,
         return "local_short_tail"
     queued = {r.worker_id: ctx.pool.cluster_tokens(r.worker_id)
               for r in ctx.pool.routable("prefill") if r.worker_id not in ctx.excluded}
-    local = uncached_tokens(_prefill_len(ctx), ctx.block_size, held_blocks) \
+    local = uncached_tokens(prefill_len(ctx), ctx.block_size, held_blocks) \
         + ctx.pool.cluster_tokens(decode_id)
     speeds = ctx.pool.prefill_speeds(queued)
     return "local_queue_wait" if queue_outwaits_local(limit, queued, local, speeds) else None
@@ -362,10 +362,10 @@ def local_tokens(placement: Placement, decode_id: str) -> int:
     computes, as far as the router knows (kv-aware: less the leading blocks the KV index
     says it holds)."""
     held = placement.prompt_kv.cached_blocks([decode_id]).get(decode_id, 0)
-    return uncached_tokens(_prefill_len(placement.ctx), placement.ctx.block_size, held)
+    return uncached_tokens(prefill_len(placement.ctx), placement.ctx.block_size, held)
 
 
-def _prefill_len(ctx: RequestContext) -> int:
+def prefill_len(ctx: RequestContext) -> int:
     """The tokens an attempt's prefill computes at most: the prompt, and a migrated
     stream's tokens sent before it."""
     return len(ctx.request.prompt_token_ids) + ctx.calls.num_resumed

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from engine.kvcache.block_hash import compute_block_hashes
 from router.lifecycle.context import RequestContext
+from router.recent_kv import RecentKV
 from router.routing import affinity_key
 
 
@@ -24,13 +25,19 @@ class PromptKV:
         return self.ctx.config.prefill_routing == "kv-aware" and index is not None \
             and index.trusted()
 
-    def cached_blocks(self, worker_ids: list[str], salt: str = "") -> dict[str, int]:
+    def cached_blocks(self, worker_ids: list[str], salt: str = "",
+                      recent: RecentKV | None = None) -> dict[str, int]:
         """Leading prompt blocks each worker holds, under ``salt``'s keys (kv-aware with a
-        trusted index; else none known)."""
+        trusted index; else none known), or by what ``recent`` saw land there, which the
+        index may not list yet."""
         if not self.trusted():
             return {}
         assert self.ctx.kv_index is not None
-        return self.ctx.kv_index.match(self.block_hashes(salt), worker_ids)
+        hashes = self.block_hashes(salt)
+        found = self.ctx.kv_index.match(hashes, worker_ids)
+        if recent is not None:
+            found = {w: max(n, recent.held_blocks(w, hashes)) for w, n in found.items()}
+        return found
 
     def block_hashes(self, salt: str = "") -> list[bytes]:
         if salt not in self._hashes:

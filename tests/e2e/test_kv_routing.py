@@ -14,7 +14,8 @@ default, serving metrics).
   (``--local-prefill-max-tokens``), counted by reason, its tokens the engine's; so is
   one that every prefill worker's queue would keep waiting longer than it takes there,
   and one whose prefill worker refuses it for that (its router had not read the other
-  router's load);
+  router's load); and one that a prompt the router is bringing to the decode worker
+  covers but a short tail, once that KV has landed there;
 - after Redis restarts empty, the events flow again through the new stream;
 - a lost batch (a sequence gap) makes the router resynchronise that worker; a worker
   restarted empty leaves the index (its new epoch).
@@ -330,19 +331,26 @@ def test_a_prefill_worker_refuses_a_prompt_its_queue_would_keep_waiting_longer(
         before = _settled(lambda: _prefill_figures(cluster))
         for pause in pauses:
             pause.arm("prefill.started")
-        received = sum(len(p.records("prefill.received")) for p in pauses)
+        received = [len(p.records("prefill.received")) for p in pauses]
+
+        def arrived(i: int) -> int:  # Prefills prefill worker i received since
+            return len(pauses[i].records("prefill.received")) - received[i]
+
         with ThreadPoolExecutor(3) as pool:
             # the cluster's router holds a 200-token prompt on each prefill worker
             held = [pool.submit(_complete, cluster.address, prompt) for prompt in longs]
             for pause in pauses:
                 pause.wait_paused("prefill.started", TIMEOUT_S)
             asked = pool.submit(_complete_six, late.address, short)
-            # its Prefill reaches a prefill worker and waits there behind the held step
-            wait_until(lambda: sum(len(p.records("prefill.received"))
-                                   for p in pauses) == received + 3,
-                       TIMEOUT_S, "the late router's Prefill to reach a prefill worker")
-            for pause in pauses:
-                pause.release("prefill.started")
+            # its Prefill reaches a prefill worker and waits there behind the held step;
+            # refused there, it goes to the other, held until it is there too
+            wait_until(lambda: arrived(0) + arrived(1) == 3, TIMEOUT_S,
+                       "the late router's Prefill to reach a prefill worker")
+            first = 0 if arrived(0) == 2 else 1
+            pauses[first].release("prefill.started")
+            wait_until(lambda: arrived(1 - first) == 2, TIMEOUT_S,
+                       "the refused Prefill to reach the other prefill worker")
+            pauses[1 - first].release("prefill.started")
             got = asked.result(TIMEOUT_S)
             assert [len(h.result(TIMEOUT_S)) for h in held] == [2, 2]
         assert _metric(late, "pdserve:router_decisions_total"
@@ -360,6 +368,56 @@ def test_a_prefill_worker_refuses_a_prompt_its_queue_would_keep_waiting_longer(
         exchange.release("router.load_exchange")
         late.stop()
     assert got is not None and list(got.token_ids) == _engine_tokens(llama_dir, short)
+    cluster.assert_no_leaks()
+
+
+def test_a_prompt_waits_for_one_in_flight_covering_it_and_computes_its_tail_locally(
+        cluster: Cluster, llama_dir: Path) -> None:
+    """``router.lifecycle.coalesce``: the router is bringing a prompt to the decode worker
+    that covers a second one but a short tail; the second waits for that KV to land, then
+    the decode worker computes its tail: no prefill worker computes it, none of its KV
+    travels."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster.pause_points import PauseDir
+
+    names = [p.name for p in cluster.prefill]
+    first = _fresh_prompt_routed_to(cluster, names[0], names, salt=30, num_tokens=64)
+    second = first + [9 + i for i in range(12)]  # 4 blocks in flight, then 12 tokens
+    router = cluster.start_router("--metrics-port", "0", name="router-coalesce", flags=())
+    pause, waits = PauseDir(cluster.pause_dir(names[0])), PauseDir(
+        cluster.pause_dir("router-coalesce"))
+    got = None
+    try:
+        cluster.wait_serving()
+        wait_until(lambda: _metric(router, "pdserve:router_kv_index_trusted{}") == 1,
+                   TIMEOUT_S, "the router's KV index to be trusted")
+        before = _settled(lambda: _prefill_figures(cluster))
+        sent_before = _metric(cluster.prefill[0], "pdserve:kv_transfer_bytes_total"
+                                                  "{direction=sent}")
+        pause.arm("prefill.started")
+        with ThreadPoolExecutor(2) as pool:
+            held = pool.submit(_complete, router.address, first)
+            pause.wait_paused("prefill.started", TIMEOUT_S)
+            asked = pool.submit(_complete_six, router.address, second)
+            wait_until(lambda: len(waits.records("router.prefix_wait")) == 1, TIMEOUT_S,
+                       "the second request to wait for the first's KV")
+            pause.release("prefill.started")
+            got = asked.result(TIMEOUT_S)
+            assert len(held.result(TIMEOUT_S)) == 2
+        assert _metric(router, "pdserve:router_prefix_waits_total{outcome=landed}") == 1
+        assert _metric(router, "pdserve:router_decisions_total"
+                               "{kind=prefill,reason=local_short_tail}") == 1
+        after = _settled(lambda: _prefill_figures(cluster))
+        assert sum(after[f"{w} prompt_tokens"] - before[f"{w} prompt_tokens"]
+                   for w in names) == len(first)  # the second: on the decode worker only
+        sent = _metric(cluster.prefill[0], "pdserve:kv_transfer_bytes_total{direction=sent}")
+        assert sent > sent_before  # the first's KV, once
+        assert got is not None and got.usage.cached_tokens == len(first)
+    finally:
+        pause.release("prefill.started")
+        router.stop()
+    assert list(got.token_ids) == _engine_tokens(llama_dir, second)
     cluster.assert_no_leaks()
 
 

@@ -37,6 +37,20 @@ def test_a_prompt_starting_with_a_landed_block_may_be_held_there_for_the_window(
     assert not recent.may_hold("d-0", [b"a"])
 
 
+def test_the_blocks_held_are_the_longest_run_shared_with_a_prompt_that_landed() -> None:
+    clock = Clock()
+    recent = RecentKV(clock, window_s=2.0)
+    recent.landed("d-0", [b"s", b"t", b"a0", b"a1"])  # two chats' turns, one system prompt
+    recent.landed("d-0", [b"s", b"t", b"b0"])
+    assert recent.held_blocks("d-0", [b"s", b"t", b"a0", b"a1", b"a2"]) == 4
+    assert recent.held_blocks("d-0", [b"s", b"t", b"b0", b"b1"]) == 3
+    assert recent.held_blocks("d-0", [b"s", b"t", b"c0"]) == 2  # the system prompt
+    assert recent.held_blocks("d-1", [b"s", b"t"]) == 0  # another worker
+    assert recent.held_blocks("d-0", [b"x", b"t"]) == 0 and recent.held_blocks("d-0", []) == 0
+    clock.now += 2.0
+    assert recent.held_blocks("d-0", [b"s", b"t"]) == 0  # past the window
+
+
 def test_notes_past_the_window_or_the_cap_are_dropped_oldest_first() -> None:
     clock = Clock()
     recent = RecentKV(clock, window_s=2.0, max_notes=3)

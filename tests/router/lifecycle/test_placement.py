@@ -243,12 +243,13 @@ def test_a_decode_worker_the_prompt_just_landed_on_ranks_first_before_the_index_
     pool = Pool(decode=("d-0", "d-1"))
     placement, _ = _placement(prompt, _index({}), pool)
     assert placement.decode_order() == ["d-0", "d-1"]  # nothing known: by id
-    placement._gate.recent.landed("d-1", compute_block_hashes(prompt[:32], BLOCK))
+    placement.gate.recent.landed("d-1", compute_block_hashes(prompt[:32], BLOCK))
     assert placement.decode_order() == ["d-1", "d-0"]
-    assert placement._decode_held == {"d-0": 0, "d-1": 0}  # the Reserve's reply says
+    # the 2 blocks it shares with the prompt that landed (held, by recent_kv)
+    assert placement._decode_held == {"d-0": 0, "d-1": 2}
     other = [5 + (11 * i) % 400 for i in range(100)]  # another first block: no hint
     placement, _ = _placement(other, _index({}), pool)
-    placement._gate.recent.landed("d-1", compute_block_hashes(prompt[:32], BLOCK))
+    placement.gate.recent.landed("d-1", compute_block_hashes(prompt[:32], BLOCK))
     assert placement.decode_order() == ["d-0", "d-1"]
 
 
