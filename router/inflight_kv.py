@@ -20,6 +20,7 @@ import asyncio
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from router.recent_kv import common_run
 from router.routing import uncached_tokens
 
 MAX_WAIT_S = 1.0  # a request waits at most this long for a prefix in flight to land
@@ -70,11 +71,7 @@ class InFlightKV:
         best, best_run = None, 0
         for key in self._by_first.get(block_hashes[0], ()):
             entry = self._by_key[key]
-            run = 0
-            for a, b in zip(entry.block_hashes, block_hashes, strict=False):
-                if a != b:
-                    break
-                run += 1
+            run = common_run(entry.block_hashes, block_hashes)
             if run > best_run:
                 best, best_run = entry, run
         if best is None or uncached_tokens(num_prompt_tokens, block_size, best_run) > limit:

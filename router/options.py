@@ -100,7 +100,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "(conditional disaggregation), and so is one whose missing "
                              "tokens are fewer than even the shortest prefill queue's (as "
                              "this router sees the queues, or as the prefill worker asked "
-                             "counts its own, refusing the Prefill); 0: never (default "
+                             "counts its own, refusing the Prefill); a prompt that one on its "
+                             "way to a decode worker covers but this many tokens waits for it "
+                             "to land (at most 1 s), then is prefilled there; 0: never (default "
                              f"{DEFAULT_LOCAL_PREFILL_MAX_TOKENS})")
     parser.add_argument("--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT,
                         help="how often one stream may move to another decode worker when "

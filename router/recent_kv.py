@@ -73,7 +73,7 @@ class RecentKV:
         """How many leading blocks of a prompt with these full-block hashes ``worker_id``
         holds by the prompts noted to have landed there in the window."""
         prompts = self._note(worker_id, block_hashes) or ()
-        return max((_common_run(noted, block_hashes) for noted in prompts), default=0)
+        return max((common_run(noted, block_hashes) for noted in prompts), default=0)
 
     def _note(self, worker_id: str, block_hashes: Sequence[bytes]
               ) -> list[tuple[bytes, ...]] | None:
@@ -87,7 +87,7 @@ class RecentKV:
         return len(self._noted)
 
 
-def _common_run(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+def common_run(a: Sequence[bytes], b: Sequence[bytes]) -> int:
     """The number of leading hashes ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
