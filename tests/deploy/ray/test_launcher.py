@@ -11,6 +11,7 @@ after the tests that use it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -249,9 +250,17 @@ def test_a_dead_worker_is_restarted_and_reregisters(served: Any, llm: Any) -> No
                ignore=(PdserveError,))
 
 
+_ROUNDS = itertools.count()
+
+
 def _prefill_gets_traffic(cluster: Any, address: str, prompts: list[str]) -> bool:
+    """Whether new prompts reach the prefill worker at ``address``: fresh ones each call,
+    so none is held by the decode worker, which computes a prompt it holds all but a
+    short tail of itself (conditional disaggregation)."""
     before = _info(address, cluster.cluster_token).kv.cached_blocks
-    complete_all(cluster.router_address, [f"again {p}" for p in prompts], max_tokens=1)
+    round_ = next(_ROUNDS)
+    complete_all(cluster.router_address, [f"again {round_} {p}" for p in prompts],
+                 max_tokens=1)
     return bool(_info(address, cluster.cluster_token).kv.cached_blocks > before)
 
 
