@@ -81,6 +81,7 @@ class KVReceiver:
         self._finished: OrderedDict[int, bool] = OrderedDict()  # id -> completed
         self._dropped: OrderedDict[int, bool] = OrderedDict()  # never expected in time
         self._channels: dict[int, RecvChannel] = {}
+        self._ending: list[threading.Thread] = []  # ended channels' threads, till they exit
         self._closed = False
         self._server: Any = None
         if tp_rank == 0 if host_store is None else host_store:
@@ -194,7 +195,8 @@ class KVReceiver:
 
     def threads(self) -> list[threading.Thread]:
         with self.cond:
-            found = [t for c in self._channels.values() for t in c.threads()]
+            self._ending = [t for t in self._ending if t.is_alive()]
+            found = [t for c in self._channels.values() for t in c.threads()] + self._ending
         return [*self._acceptor.threads(), *(t for t in found if t.is_alive())]
 
     def close(self) -> None:
@@ -251,7 +253,9 @@ class KVReceiver:
     def channel_closed(self, channel_id: int, reason: str | None) -> None:
         """A channel ended; with a ``reason`` (it broke), its unfinished transfers fail."""
         with self.cond:
-            self._channels.pop(channel_id, None)
+            ended = self._channels.pop(channel_id, None)
+            if ended is not None:  # its thread runs on a moment (it is calling this)
+                self._ending = [t for t in self._ending if t.is_alive()] + ended.threads()
             affected = [r for r in self._expected.values()
                         if r.state is TransferState.PENDING and channel_id in r.channels]
         for record in affected:
