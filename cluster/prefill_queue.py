@@ -9,9 +9,15 @@ routers. So a Prefill may carry the most prompt tokens the router would have it 
 behind (``PrefillRequest.max_queued_tokens``); the prefill worker, which holds every
 router's requests, refuses it over that with RESOURCE_EXHAUSTED and ``QUEUE_REFUSAL`` in
 the details, holding nothing, and the router prefills the prompt on the decode worker.
+
+The router also bounds a Prefill by what its view assumed of that worker's queue
+(``router.policy.queue_bounds``): a worker refused only for that may be asked again
+with the decode worker's side of the limit alone, so a refusal says how much it holds.
 """
 
 from __future__ import annotations
+
+import re
 
 # the Prefill's status details start with it
 QUEUE_REFUSAL = "queue: longer than the caller's limit"
@@ -22,6 +28,16 @@ def queue_refusal(queued_tokens: int, limit: int) -> str:
     ``queued_tokens`` to compute."""
     return (f"{QUEUE_REFUSAL} ({queued_tokens} prompt tokens to compute here, the limit "
             f"{limit})")
+
+
+_QUEUED = re.compile(r"\((\d+) prompt tokens to compute here")
+
+
+def refused_queue(details: str | None) -> int | None:
+    """The prompt tokens a queue refusal (``details``) says its worker has to compute, or
+    None for other details."""
+    found = _QUEUED.search(details or "") if is_queue_refusal(details) else None
+    return int(found.group(1)) if found else None
 
 
 def is_queue_refusal(details: str | None) -> bool:

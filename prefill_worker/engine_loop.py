@@ -123,8 +123,8 @@ class PrefillLoop(EngineLoop):
             raise WorkerError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request {cmd.attempt_id!r} is already being prefilled")
         # before the busy check: a queue refusal sends the request to its decode worker
-        if cmd.max_queued_tokens and (queued := self.queued_prompt_tokens(
-                cmd.max_queued_tokens)) > cmd.max_queued_tokens:
+        if cmd.max_queued_tokens and (queued := self.queued_prompt_tokens()) \
+                > cmd.max_queued_tokens:
             raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               queue_refusal(queued, cmd.max_queued_tokens))
         if len(self._held) >= self.max_prefills:
@@ -140,12 +140,12 @@ class PrefillLoop(EngineLoop):
         self.named(cmd.attempt_id, cmd.client_request_id)
         self.hold(cmd.attempt_id, cmd.stream, cmd.transfer_id, cmd.deadline)
 
-    def queued_prompt_tokens(self, enough: int | None = None) -> int:
+    def queued_prompt_tokens(self) -> int:
         """The prompt tokens this worker has yet to compute for the prefills it holds:
         each one's prompt (a resumed one's output included) less what it computed, or
-        (not started, or preempted) less its prefix in the prefix cache now; counting
-        stops once past ``enough``. Decode work it still finishes after a switch to
-        prefill is not counted."""
+        (not started, or preempted) less its prefix in the prefix cache now (all of them:
+        a refusal says how many, ``cluster.prefill_queue.refused_queue``). Decode work it
+        still finishes after a switch to prefill is not counted."""
         scheduler, total = self.core.scheduler, 0
         for rid in self._held:
             request = scheduler.requests.get(rid)
@@ -154,8 +154,6 @@ class PrefillLoop(EngineLoop):
             done = request.num_computed_tokens or \
                 len(scheduler.cached_prefix(request)) * scheduler.blocks.block_size
             total += max(0, request.num_prompt_tokens - done)
-            if enough is not None and total > enough:
-                break
         return total
 
     def hold(self, request_id: str, stream: OutputStream[PrefillDone], transfer_id: int,

@@ -11,6 +11,12 @@ two drivers, so what the simulator predicts is what the router does.
   prompt tokens it lacks, over its ``relative_speeds``, ``router.routing.rank_by_cost``);
   else rendezvous order of the affinity key with bounded load (``affinity``, or
   ``kv-aware`` while the index cannot be trusted: ``index_stale``).
+- ``PrefillChoice.queue_bounds`` (kv-aware): how much each worker but the last may really
+  have queued for its place in the order to hold. A router sees the other routers' load
+  as last exchanged: requests that reach several routers at once all look at idle
+  workers and, tied, rank them alike. The worker, which holds every router's requests,
+  refuses a Prefill over its bound (``cluster.prefill_queue``), and the router asks the
+  next.
 - Conditional disaggregation, the decode worker prefilling the prompt itself:
   ``short_tail`` — it holds all but at most ``limit`` tokens of the prompt;
   ``queue_outwaits_local`` — every prefill worker's queue is longer than what the decode
@@ -39,11 +45,13 @@ equally fast (``relative_speeds``)."""
 @dataclass(frozen=True)
 class PrefillChoice:
     """The order to ask prefill workers in, why its first won, and (kv-aware) the leading
-    prompt blocks each holds."""
+    prompt blocks each holds and its ``queue_bounds``."""
 
     order: list[str]
     reason: str
     cached: Mapping[str, int] = field(default_factory=dict)
+    # prompt tokens each worker but the last may really have queued for the order to hold
+    queue_bounds: Mapping[str, int] = field(default_factory=dict)
 
 
 def choose_prefill(mode: str, *, key: bytes, loads: Mapping[str, int],
@@ -64,9 +72,23 @@ def choose_prefill(mode: str, *, key: bytes, loads: Mapping[str, int],
                  / _speed(speeds, w) for w in loads}
         order = rank_by_cost(key, costs)
         reason = "kv_hit" if order and cached.get(order[0]) else "kv_cost"
-        return PrefillChoice(order, reason, cached)
+        return PrefillChoice(order, reason, cached, queue_bounds(
+            order, costs, queued_tokens, speeds, slack=block_size))
     order = pick_prefill(key, loads, epsilon)
     return PrefillChoice(order, "affinity" if mode == "affinity" else "index_stale")
+
+
+def queue_bounds(order: Sequence[str], costs: Mapping[str, float],
+                 queued_tokens: Mapping[str, int], speeds: Mapping[str, float] | None,
+                 slack: int) -> dict[str, int]:
+    """For each worker of ``order`` (ranked by ``costs``, in tokens over speed) but the
+    last, the most prompt tokens it may really have queued for it still to cost no more
+    than the next one: its queue as this router sees it (``queued_tokens``) plus its
+    margin over the next, in its own tokens, plus ``slack`` (a block: the router and the
+    worker count a prefix cache's share a little apart). At least 1 (0 means none)."""
+    return {w: max(1, int(queued_tokens.get(w, 0) + (costs[nxt] - costs[w]) * _speed(speeds, w))
+                   + slack)
+            for w, nxt in zip(order, order[1:], strict=False)}
 
 
 def relative_speeds(worker_ids: Sequence[str], rates: Mapping[str, float]

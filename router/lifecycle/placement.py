@@ -44,7 +44,7 @@ from router.lifecycle.attempt import Attempt, AttemptIds
 from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import reraise_if_we_are_cancelled
 from router.lifecycle.prompt_kv import PromptKV
-from router.policy import choose_prefill, queue_outwaits_local, short_tail
+from router.policy import PrefillChoice, choose_prefill, queue_outwaits_local, short_tail
 from router.recent_kv import RecentKV
 from router.routing import DecodeCandidate, rank_decode, uncached_tokens
 from router.worker_calls import Failure, Prefilled, WorkerCalls
@@ -71,7 +71,7 @@ class Placement:
         self._turns = turns
         self._turn: int | None = None  # this request's round-robin turn, once drawn
         self.prompt_kv = PromptKV(ctx)
-        self._prefill_cached: dict[str, int] = {}  # blocks each prefill worker holds
+        self.prefill_choice = PrefillChoice([], "")  # the last ``prefill_order``'s
         self._decode_held: dict[str, int] = {}  # blocks each decode worker holds (index)
         self._no_ahead = False  # a Reserve with its Prefill sent ahead failed: no more
 
@@ -298,7 +298,7 @@ class Placement:
             cached=self.prompt_kv.cached_blocks(list(loads)) if trusted else None,
             turn=self._turn or 0, epsilon=ctx.config.load_epsilon,
             speeds=ctx.pool.prefill_speeds(loads))
-        self._prefill_cached = dict(choice.cached)
+        self.prefill_choice = choice
         if choice.order:
             ctx.metrics.decisions.labels("prefill", choice.reason).inc()
         return choice.order
@@ -307,7 +307,7 @@ class Placement:
         """The prompt tokens ``prefill_id`` computes for this request, as far as the router
         knows (kv-aware: the KV index's word on its prefix cache; else all of them)."""
         return uncached_tokens(prefill_len(self.ctx), self.ctx.block_size,
-                               self._prefill_cached.get(prefill_id, 0))
+                               self.prefill_choice.cached.get(prefill_id, 0))
 
 
 def _conditional_reason(ctx: RequestContext, decode_id: str, held_blocks: int,

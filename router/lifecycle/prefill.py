@@ -6,10 +6,11 @@ the attempt's Reserve, naming the target the router expects (``Placement``); the
 worker's receiver parks KV that arrives before its reservation.
 
 A Prefill that conditional disaggregation may keep local carries the most prompt tokens
-it may wait behind (``placement.queue_limit``); a worker with more refuses it, and the
-next one in the order is asked. When every worker asked refused it so or was busy, and
-one at least for its queue, the attempt ends with ``QueueRefused``: the next prefills on
-its decode worker.
+it may wait behind (``placement.queue_limit``), lowered to what this router's view
+assumed of that worker's queue (``router.policy.queue_bounds``); a worker with more
+refuses it, and the next one in the order is asked (``_prefill_in_order``). When every
+worker asked refused it so or was busy, and one at least for its queue, the attempt ends
+with ``QueueRefused``: the next prefills on its decode worker.
 
 Failures: a worker that failed is excluded and the attempt is retried (``Retry``); one
 that refused what the router sent is INTERNAL (a router bug); no prefill worker left is
@@ -29,6 +30,7 @@ import asyncio
 
 import grpc
 
+from cluster.prefill_queue import refused_queue
 from router.errors import RouteError
 from router.lifecycle.attempt import Attempt
 from router.lifecycle.context import RequestContext
@@ -67,24 +69,49 @@ async def prefill(attempt: Attempt, placement: Placement) -> Prefilled:
             if ctx.config.local_prefill != "never":  # the next attempt prefills locally
                 raise Retry("no prefill worker left", "no_prefill")
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
-        queued: list[str] = []  # why each worker that refused for its queue did
-        for prefill_id in order:
-            reply = await _prefill_on(attempt, prefill_id, placement.prefill_tokens(prefill_id),
-                                      queue_limit(placement, attempt.decode_id, prefill_id),
-                                      queued)
-            if reply is not None:
-                return reply
-        if queued:  # the others were busy: the decode worker computes it sooner
-            raise QueueRefused("; ".join(queued))
+        reply = await _prefill_in_order(attempt, placement, order)
+        if reply is not None:
+            return reply
         ctx.log.info("every prefill worker is busy; waiting for capacity")
         await ctx.ticket.admission.capacity_changed(ctx.deadline)
 
 
+async def _prefill_in_order(attempt: Attempt, placement: Placement, order: list[str]
+                            ) -> Prefilled | None:
+    """The Prefill on the first worker of ``order`` that takes it: each is asked with its
+    queue limit, the lesser of the local side (``queue_limit``) and its queue bound
+    (``router.policy.queue_bounds``). When none took it, those refused over their bound
+    but holding no more than the local side are asked again with that alone, the least
+    queued first. Then None when all were busy; ``QueueRefused`` when one at least
+    refused for its queue (the decode worker computes it sooner)."""
+    refusals: dict[str, str] = {}  # worker -> its queue refusal's details
+    local_side: dict[str, int] = {}
+    for prefill_id in order:
+        local = local_side[prefill_id] = queue_limit(placement, attempt.decode_id, prefill_id)
+        bound = placement.prefill_choice.queue_bounds.get(prefill_id, 0) if local else 0
+        reply = await _prefill_on(attempt, prefill_id, placement.prefill_tokens(prefill_id),
+                                  min(local, bound) if bound else local, refusals)
+        if reply is not None:
+            return reply
+    held = {w: n for w, why in refusals.items()
+            if (n := refused_queue(why)) is not None and n <= local_side[w]}
+    for prefill_id in sorted(held, key=held.__getitem__):
+        attempt.ctx.log.info("asking %s again: it holds %s prompt tokens, more than this "
+                             "router saw", prefill_id, held[prefill_id])
+        reply = await _prefill_on(attempt, prefill_id, placement.prefill_tokens(prefill_id),
+                                  local_side[prefill_id], refusals)
+        if reply is not None:
+            return reply
+    if refusals:
+        raise QueueRefused("; ".join(f"prefill worker {w}: {why}" for w, why in refusals.items()))
+    return None
+
+
 async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int, limit: int = 0,
-                      queued: list[str] | None = None) -> Prefilled | None:
+                      refusals: dict[str, str] | None = None) -> Prefilled | None:
     """The Prefill call on ``prefill_id`` (which computes about ``tokens`` of the prompt):
     its reply, or None when it answered busy, or refused it for having more than
-    ``limit`` prompt tokens to compute before it (why, appended to ``queued``)."""
+    ``limit`` prompt tokens to compute before it (its details, in ``refusals``)."""
     ctx = attempt.ctx
     assert attempt.target is not None
     ctx.metrics.routed.labels("prefill", prefill_id).inc()
@@ -115,8 +142,8 @@ async def _prefill_on(attempt: Attempt, prefill_id: str, tokens: int, limit: int
             return None
         if failure.kind is Failure.QUEUED:
             attempt.prefill_released()  # it took nothing
-            if queued is not None:
-                queued.append(f"prefill worker {prefill_id}: {failure.details}")
+            if refusals is not None:
+                refusals[prefill_id] = failure.details
             return None
         if failure.kind is Failure.ALREADY_EXISTS:  # the worker did not fail
             attempt.prefill_released()  # the id's holder there is not ours to abort

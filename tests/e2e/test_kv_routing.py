@@ -199,6 +199,24 @@ def _fresh_prompt_routed_to(cluster: Cluster, worker: str, workers: list[str], s
     raise AssertionError(f"no prompt routes to {worker}")
 
 
+def _random_prompt_routed_to(cluster: Cluster, worker: str, workers: list[str], seed: str,
+                             num_tokens: int) -> list[int]:
+    """A random prompt (sharing no block with any other test's) whose affinity (all idle,
+    nothing cached) is ``worker``."""
+    import random
+
+    with Registry(cluster.redis.url) as registry:
+        layout = registry.cluster_layout()
+    assert layout is not None
+    rng = random.Random(seed)
+    for _ in range(200):
+        prompt = [rng.randrange(100, 700) for _ in range(num_tokens)]
+        hashes = compute_block_hashes(prompt, BLOCK, seed=layout.hash_seed)
+        if rendezvous_order(affinity_key(hashes, prompt), workers)[0] == worker:
+            return prompt
+    raise AssertionError(f"no prompt routes to {worker}")
+
+
 def test_routers_see_each_others_load(cluster: Cluster) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -368,6 +386,72 @@ def test_a_prefill_worker_refuses_a_prompt_its_queue_would_keep_waiting_longer(
         exchange.release("router.load_exchange")
         late.stop()
     assert got is not None and list(got.token_ids) == _engine_tokens(llama_dir, short)
+    cluster.assert_no_leaks()
+
+
+def test_a_prefill_worker_busier_than_the_router_saw_refuses_and_the_next_one_computes_it(
+        cluster: Cluster, llama_dir: Path) -> None:
+    """``router.policy.queue_bounds``: a router that has not read the other router's load
+    sees every prefill worker idle and asks the first in its order, which holds the other
+    router's long prompt. Its queue is within the decode worker's side of the limit (the
+    queue rule alone would have it wait there), but over what this router's choice
+    assumed: it refuses, and the idle worker computes the prompt at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster.pause_points import PauseDir
+
+    names = [p.name for p in cluster.prefill]
+    held = _random_prompt_routed_to(cluster, names[0], names, "bounded", 200)
+    # conditional disaggregation on (the router's defaults); the cluster's router has it off
+    late = cluster.start_router("--metrics-port", "0", name="router-bounded", flags=())
+    pauses = {w: PauseDir(cluster.pause_dir(w)) for w in names}
+    exchange = PauseDir(cluster.pause_dir("router-bounded"))
+    got = None
+    try:
+        cluster.wait_serving()
+        wait_until(lambda: _metric(late, "pdserve:router_kv_index_trusted{}") == 1,
+                   TIMEOUT_S, "the router's KV index to be trusted")
+        exchange.arm("router.load_exchange")  # its view of the other router's load: none
+        exchange.wait_paused("router.load_exchange", TIMEOUT_S)
+        before = _settled(lambda: _prefill_figures(cluster))
+        started = {w: len(pause.records("prefill.started")) for w, pause in pauses.items()}
+        for pause in pauses.values():
+            pause.arm("prefill.started")
+        with ThreadPoolExecutor(2) as pool:
+            # the cluster's router's choice (its figures of the workers' speeds may differ)
+            first = pool.submit(_complete, cluster.address, held)
+            wait_until(lambda: any(len(pause.records("prefill.started")) > started[w]
+                                   for w, pause in pauses.items()), TIMEOUT_S,
+                       "the long prompt's prefill to start")
+            busy = next(w for w, pause in pauses.items()
+                        if len(pause.records("prefill.started")) > started[w])
+            idle = next(w for w in names if w != busy)
+            pauses[idle].disarm("prefill.started")
+            pauses[busy].wait_paused("prefill.started", TIMEOUT_S)  # 32 of 200 computed
+            asked = _random_prompt_routed_to(cluster, busy, names, "bounded-asked", 200)
+            received = len(pauses[busy].records("prefill.received"))
+            second = pool.submit(_complete_six, late.address, asked)
+            wait_until(lambda: len(pauses[busy].records("prefill.received")) > received,
+                       TIMEOUT_S, "the late router's Prefill to reach the busy worker")
+            pauses[busy].release("prefill.started")  # it counts 168 queued: over the bound
+            got = second.result(TIMEOUT_S)
+            assert len(first.result(TIMEOUT_S)) == 2
+        routed = {w: _metric(late, f"pdserve:router_routed_total{{role=prefill,worker={w}}}")
+                  for w in names}
+        assert routed == {busy: 1.0, idle: 1.0}  # asked the busy one first, then the idle
+        assert _metric(late, "pdserve:router_attempts_total{}") == 1  # no retry spent
+        for reason in ("local_short_tail", "local_queue_wait", "local_queue_refused"):
+            assert _metric(late, "pdserve:router_decisions_total"
+                                 f"{{kind=prefill,reason={reason}}}") == 0
+        after = _settled(lambda: _prefill_figures(cluster))
+        assert {w: after[f"{w} prompt_tokens"] - before[f"{w} prompt_tokens"]
+                for w in names} == {busy: len(held), idle: len(asked)}
+    finally:
+        for pause in pauses.values():
+            pause.release("prefill.started")
+        exchange.release("router.load_exchange")
+        late.stop()
+    assert got is not None and list(got.token_ids) == _engine_tokens(llama_dir, asked)
     cluster.assert_no_leaks()
 
 

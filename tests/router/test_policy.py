@@ -46,6 +46,24 @@ def test_without_a_trusted_index_it_is_affinity_and_round_robin_takes_turns() ->
     assert turns == ["p0", "p1", "p2", "p0"]
 
 
+def test_queue_bounds_say_how_much_more_queued_a_worker_may_hold_than_this_router_saw(
+        ) -> None:
+    # tied and idle, as every router sees a burst's workers: any queue there is one too
+    # many (a block's slack); the last worker has no bound
+    tied = choose("kv-aware", {})
+    assert tied.queue_bounds == dict.fromkeys(tied.order[:-1], 16)
+    # p2 holds 4 blocks (64 tokens): it costs 36, the next 100; it saw 10 queued there
+    hit = choose("kv-aware", {"p2": 4}, queued={"p2": 10})
+    assert hit.order[0] == "p2" and hit.queue_bounds["p2"] == 10 + (100 - 46) + 16
+    # a worker at a quarter speed: its margin over the next counts in its own tokens
+    slow = choose_prefill("kv-aware", key=b"k", loads={"p0": 0, "p1": 0},
+                          queued_tokens={"p1": 500}, num_prompt_tokens=100, block_size=16,
+                          cached={}, epsilon=0.25, speeds={"p0": 0.25})
+    # p0 costs 100 / 0.25 = 400, p1 600: 200 of margin is 50 of p0's tokens
+    assert slow.order == ["p0", "p1"] and slow.queue_bounds == {"p0": 50 + 16}
+    assert choose("affinity", None).queue_bounds == {}  # kv-aware only
+
+
 def test_short_tail_needs_a_holder_and_a_short_rest() -> None:
     assert short_tail(32, 100, 16, held_blocks=5)  # 100 - 80 = 20 <= 32
     assert not short_tail(16, 100, 16, held_blocks=5)

@@ -114,26 +114,29 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``prefill.prefill`` (the calls stood in for): a prefill worker that refuses the
     Prefill for its queue (``cluster.prefill_queue``) is passed over for the next one;
-    when every one asked refused so, the attempt ends with ``QueueRefused``."""
+    the first is asked below its queue bound (``router.policy.queue_bounds``), and one
+    refused over that alone is asked again with the local side of the limit; when every
+    one asked refused, the attempt ends with ``QueueRefused``."""
     import grpc
 
     from cluster.prefill_queue import queue_refusal
     from router.lifecycle import prefill as prefill_module
     from router.lifecycle.outcomes import QueueRefused
+    from router.policy import PrefillChoice
     from router.worker_calls import classify
 
     asked: list[tuple[str, int]] = []
 
-    def attempt(refusing: set[str]) -> Any:
+    def attempt(holding: dict[str, int]) -> Any:  # prompt tokens queued on each worker
         def start_prefill(worker: str, *args: Any, max_queued_tokens: int = 0,
                           **kwargs: Any) -> Any:
             asked.append((worker, max_queued_tokens))
 
             async def answered() -> Any:
-                if worker in refusing:
+                if max_queued_tokens and holding[worker] > max_queued_tokens:
                     raise grpc.aio.AioRpcError(
                         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
-                        grpc.aio.Metadata(), queue_refusal(500, max_queued_tokens))
+                        grpc.aio.Metadata(), queue_refusal(holding[worker], max_queued_tokens))
                 return SimpleNamespace(worker=worker, prefill_tokens_per_s=0.0, times=None,
                                        num_cached_tokens=0, num_prompt_tokens=2)
             return answered()
@@ -154,12 +157,24 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
                                track=lambda call: None, prefill_released=lambda: None)
 
     placement = SimpleNamespace(prefill_order=lambda decode_id: ["p-0", "p-1"],
-                                prefill_tokens=lambda worker: 2)
+                                prefill_tokens=lambda worker: 2,
+                                prefill_choice=PrefillChoice(["p-0", "p-1"], "kv_cost",
+                                                             queue_bounds={"p-0": 10}))
     monkeypatch.setattr(prefill_module, "queue_limit", lambda placement, d, p: 40)
     monkeypatch.setattr(prefill_module.WorkerCalls, "prefilled", staticmethod(lambda r: r))
-    reply = asyncio.run(prefill_module.prefill(attempt({"p-0"}), placement))  # type: ignore[arg-type]
-    assert reply.worker == "p-1" and asked == [("p-0", 40), ("p-1", 40)]
-    asked.clear()
+
+    def run(holding: dict[str, int]) -> Any:
+        asked.clear()
+        return asyncio.run(prefill_module.prefill(attempt(holding), placement))  # type: ignore[arg-type]
+
+    assert run({"p-0": 500, "p-1": 0}).worker == "p-1"
+    assert asked == [("p-0", 10), ("p-1", 40)]
+    # p-0 holds more than this router saw (10) but less than the local side: asked again
+    assert run({"p-0": 30, "p-1": 500}).worker == "p-0"
+    assert asked == [("p-0", 10), ("p-1", 40), ("p-0", 40)]
     with pytest.raises(QueueRefused, match="p-0.*p-1"):
-        asyncio.run(prefill_module.prefill(attempt({"p-0", "p-1"}), placement))  # type: ignore[arg-type]
-    assert asked == [("p-0", 40), ("p-1", 40)]
+        run({"p-0": 500, "p-1": 500})
+    assert asked == [("p-0", 10), ("p-1", 40)]  # both over the local side: not again
+    # with the decode worker's side off (0), nothing is bounded
+    monkeypatch.setattr(prefill_module, "queue_limit", lambda placement, d, p: 0)
+    assert run({"p-0": 500, "p-1": 500}).worker == "p-0" and asked == [("p-0", 0)]
