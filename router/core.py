@@ -262,6 +262,12 @@ class RouterCore:
         """Worker Aborts sent in the background and not answered yet."""
         return len(self._background)
 
+    @property
+    def num_prompts_in_flight(self) -> int:
+        """Prompts on their way to a decode worker that requests may wait for
+        (``router.inflight_kv``)."""
+        return len(self._ahead_gate.in_flight)
+
     def _keep(self, future: asyncio.Future[object]) -> None:
         self._background.add(future)
         future.add_done_callback(self._background.discard)

@@ -37,7 +37,7 @@ def holdings(core: RouterCore) -> pb.RouterHoldings:
         pending_aborts=core.num_pending_aborts,
         open_channels=core.pool.num_channels,
         lease_keys=sorted(lease.key for lease in live if lease.key),
-        unwritten_leases=leases.num_unwritten)
+        unwritten_leases=leases.num_unwritten, prompts_in_flight=core.num_prompts_in_flight)
 
 
 async def start_debug_server(core: RouterCore, host: str, port: int,

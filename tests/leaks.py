@@ -5,7 +5,8 @@ back to baseline after a scenario.
   nothing pinned, pending, running or waiting) and holds no attempt, watches no lease and
   has no engine-loop command queued;
 - every live router holds nothing (its ``RouterDebug.Holdings``: no request in flight, no
-  live attempt, no pending abort, no lease kept or left to write);
+  live attempt, no pending abort, no lease kept or left to write, no prompt in flight
+  that requests could wait for);
 - Redis holds exactly the cluster's fingerprint, its KV event stream and one record per
   live worker (and the marks that last: the token rule, the resume key, the planner's
   note): no lease, no record of a worker that is gone.
@@ -34,10 +35,10 @@ IDLE_TIMEOUT_S = 15.0
 def router_problem(holdings: pb.RouterHoldings) -> str | None:
     """What a router still holds (None: nothing)."""
     held = (holdings.inflight_requests, len(holdings.attempt_ids), holdings.pending_aborts,
-            len(holdings.lease_keys), holdings.unwritten_leases)
-    return None if held == (0, 0, 0, 0, 0) else (
+            len(holdings.lease_keys), holdings.unwritten_leases, holdings.prompts_in_flight)
+    return None if held == (0, 0, 0, 0, 0, 0) else (
         f"router {holdings.router_id} still holds (requests, attempts, pending aborts, "
-        f"leases, unwritten leases) = {held}: {holdings}")
+        f"leases, unwritten leases, prompts in flight) = {held}: {holdings}")
 
 
 def worker_problem(info: pb.WorkerInfo) -> str | None:

@@ -42,6 +42,7 @@ from engine.kvcache.block_hash import compute_block_hashes
 from pdserve import Client
 from router.routing import affinity_key, rendezvous_order
 from tests.e2e.cluster import Cluster, scrape_metrics
+from tests.leaks import router_holdings
 from tests.processes import Proc, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -469,6 +470,8 @@ def test_a_prompt_waits_for_one_in_flight_covering_it_and_computes_its_tail_loca
     first = _fresh_prompt_routed_to(cluster, names[0], names, salt=30, num_tokens=64)
     second = first + [9 + i for i in range(12)]  # 4 blocks in flight, then 12 tokens
     router = cluster.start_router("--metrics-port", "0", name="router-coalesce", flags=())
+    assert router.ready is not None
+    debug = router.ready["debug_address"]
     pause, waits = PauseDir(cluster.pause_dir(names[0])), PauseDir(
         cluster.pause_dir("router-coalesce"))
     got = None
@@ -486,9 +489,12 @@ def test_a_prompt_waits_for_one_in_flight_covering_it_and_computes_its_tail_loca
             asked = pool.submit(_complete_six, router.address, second)
             wait_until(lambda: len(waits.records("router.prefix_wait")) == 1, TIMEOUT_S,
                        "the second request to wait for the first's KV")
+            assert router_holdings(debug).prompts_in_flight == 1  # the first's: waited for
             pause.release("prefill.started")
             got = asked.result(TIMEOUT_S)
             assert len(held.result(TIMEOUT_S)) == 2
+        wait_until(lambda: router_holdings(debug).prompts_in_flight == 0, TIMEOUT_S,
+                   "the router to forget the prompt in flight")
         assert _metric(router, "pdserve:router_prefix_waits_total{outcome=landed}") == 1
         assert _metric(router, "pdserve:router_decisions_total"
                                "{kind=prefill,reason=local_short_tail}") == 1

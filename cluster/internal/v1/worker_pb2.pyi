@@ -310,7 +310,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv: _Optional[_Union[KVCacheUsage, _Mapping]] = ..., pending_transfers: _Optional[int] = ..., open_kv_channels: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_expired_requests: _Optional[int] = ..., num_started_requests: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., attempt_ids: _Optional[_Iterable[str]] = ..., watched_leases: _Optional[int] = ..., queued_commands: _Optional[int] = ..., num_lease_aborts: _Optional[int] = ..., num_expired_commands: _Optional[int] = ..., num_unexpected_acks: _Optional[int] = ...) -> None: ...
 
 class RouterHoldings(_message.Message):
-    __slots__ = ("router_id", "inflight_requests", "request_ids", "attempt_ids", "pending_aborts", "open_channels", "lease_keys", "unwritten_leases")
+    __slots__ = ("router_id", "inflight_requests", "request_ids", "attempt_ids", "pending_aborts", "open_channels", "lease_keys", "unwritten_leases", "prompts_in_flight")
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +319,7 @@ class RouterHoldings(_message.Message):
     OPEN_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     LEASE_KEYS_FIELD_NUMBER: _ClassVar[int]
     UNWRITTEN_LEASES_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     inflight_requests: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -327,7 +328,8 @@ class RouterHoldings(_message.Message):
     open_channels: int
     lease_keys: _containers.RepeatedScalarFieldContainer[str]
     unwritten_leases: int
-    def __init__(self, router_id: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., attempt_ids: _Optional[_Iterable[str]] = ..., pending_aborts: _Optional[int] = ..., open_channels: _Optional[int] = ..., lease_keys: _Optional[_Iterable[str]] = ..., unwritten_leases: _Optional[int] = ...) -> None: ...
+    prompts_in_flight: int
+    def __init__(self, router_id: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., attempt_ids: _Optional[_Iterable[str]] = ..., pending_aborts: _Optional[int] = ..., open_channels: _Optional[int] = ..., lease_keys: _Optional[_Iterable[str]] = ..., unwritten_leases: _Optional[int] = ..., prompts_in_flight: _Optional[int] = ...) -> None: ...
 
 class KVSnapshotRequest(_message.Message):
     __slots__ = ()
