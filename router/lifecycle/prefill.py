@@ -46,6 +46,9 @@ from router.worker_calls import Failure, Prefilled, WorkerCalls
 # how long a Generate stream that failed before its first chunk waits for the Prefill's
 # own failure, which says whose fault a failed transfer was
 PREFILL_VERDICT_S = 2.0
+# at most this many workers an attempt asks with their queue bound: a stale view costs that
+# many refusals at most, however many workers the cluster runs
+MAX_BOUNDED_ASKS = 4
 # what a refused move answers: the draining worker sent nothing (replay within the attempt)
 MOVE_REFUSALS = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
                            grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS,
@@ -80,15 +83,16 @@ async def _prefill_in_order(attempt: Attempt, placement: Placement, order: list[
                             ) -> Prefilled | None:
     """The Prefill on the first worker of ``order`` that takes it: each is asked with its
     queue limit, the lesser of the local side (``queue_limit``) and its queue bound
-    (``router.policy.queue_bounds``). When none took it, those refused over their bound
-    but holding no more than the local side are asked again with that alone, the least
-    queued first. Then None when all were busy; ``QueueRefused`` when one at least
+    (``router.policy.queue_bounds``; the first ``MAX_BOUNDED_ASKS`` only). When none took
+    it, those refused over their bound but holding no more than the local side are asked
+    again with that alone, the least queued first. Then None when all were busy; ``QueueRefused`` when one at least
     refused for its queue (the decode worker computes it sooner)."""
     refusals: dict[str, str] = {}  # worker -> its queue refusal's details
     local_side: dict[str, int] = {}
-    for prefill_id in order:
+    for i, prefill_id in enumerate(order):
         local = local_side[prefill_id] = queue_limit(placement, attempt.decode_id, prefill_id)
-        bound = placement.prefill_choice.queue_bounds.get(prefill_id, 0) if local else 0
+        bound = placement.prefill_choice.queue_bounds.get(prefill_id, 0) \
+            if local and i < MAX_BOUNDED_ASKS else 0
         reply = await _prefill_on(attempt, prefill_id, placement.prefill_tokens(prefill_id),
                                   min(local, bound) if bound else local, refusals)
         if reply is not None:

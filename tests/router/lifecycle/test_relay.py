@@ -175,6 +175,12 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
     with pytest.raises(QueueRefused, match="p-0.*p-1"):
         run({"p-0": 500, "p-1": 500})
     assert asked == [("p-0", 10), ("p-1", 40)]  # both over the local side: not again
+    # only the first MAX_BOUNDED_ASKS workers asked carry their bound
+    monkeypatch.setattr(prefill_module, "MAX_BOUNDED_ASKS", 1)
+    placement.prefill_choice = PrefillChoice(["p-0", "p-1"], "kv_cost",
+                                             queue_bounds={"p-0": 10, "p-1": 10})
+    assert run({"p-0": 30, "p-1": 30}).worker == "p-1"
+    assert asked == [("p-0", 10), ("p-1", 40)]
     # with the decode worker's side off (0), nothing is bounded
     monkeypatch.setattr(prefill_module, "queue_limit", lambda placement, d, p: 0)
     assert run({"p-0": 500, "p-1": 500}).worker == "p-0" and asked == [("p-0", 0)]
