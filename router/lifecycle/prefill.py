@@ -102,6 +102,7 @@ async def _prefill_in_order(attempt: Attempt, placement: Placement, order: list[
     for prefill_id in sorted(held, key=held.__getitem__):
         attempt.ctx.log.info("asking %s again: it holds %s prompt tokens, more than this "
                              "router saw", prefill_id, held[prefill_id])
+        del refusals[prefill_id]  # its answer now stands: busy, as any, waits for capacity
         reply = await _prefill_on(attempt, prefill_id, placement.prefill_tokens(prefill_id),
                                   local_side[prefill_id], refusals)
         if reply is not None:

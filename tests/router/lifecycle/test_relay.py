@@ -127,7 +127,8 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
 
     asked: list[tuple[str, int]] = []
 
-    def attempt(holding: dict[str, int]) -> Any:  # prompt tokens queued on each worker
+    def attempt(holding: dict[str, int], busy: frozenset[str] = frozenset()) -> Any:
+        # prompt tokens queued on each worker; busy: at its limit of requests
         def start_prefill(worker: str, *args: Any, max_queued_tokens: int = 0,
                           **kwargs: Any) -> Any:
             asked.append((worker, max_queued_tokens))
@@ -137,6 +138,10 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
                     raise grpc.aio.AioRpcError(
                         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
                         grpc.aio.Metadata(), queue_refusal(holding[worker], max_queued_tokens))
+                if worker in busy:  # checked after the queue, as the worker does
+                    raise grpc.aio.AioRpcError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
+                        grpc.aio.Metadata(), "busy: 4 requests held")
                 return SimpleNamespace(worker=worker, prefill_tokens_per_s=0.0, times=None,
                                        num_cached_tokens=0, num_prompt_tokens=2)
             return answered()
@@ -167,6 +172,11 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
         asked.clear()
         return asyncio.run(prefill_module.prefill(attempt(holding), placement))  # type: ignore[arg-type]
 
+    def in_order(holding: dict[str, int], busy: frozenset[str]) -> Any:
+        asked.clear()
+        return asyncio.run(prefill_module._prefill_in_order(  # type: ignore[arg-type]
+            attempt(holding, busy), placement, ["p-0", "p-1"]))
+
     assert run({"p-0": 500, "p-1": 0}).worker == "p-1"
     assert asked == [("p-0", 10), ("p-1", 40)]
     # p-0 holds more than this router saw (10) but less than the local side: asked again
@@ -175,6 +185,9 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
     with pytest.raises(QueueRefused, match="p-0.*p-1"):
         run({"p-0": 500, "p-1": 500})
     assert asked == [("p-0", 10), ("p-1", 40)]  # both over the local side: not again
+    # asked again, p-0 is busy and p-1 was too: that is no queue refusal, it waits
+    assert in_order({"p-0": 30, "p-1": 0}, frozenset({"p-0", "p-1"})) is None
+    assert asked == [("p-0", 10), ("p-1", 40), ("p-0", 40)]
     # only the first MAX_BOUNDED_ASKS workers asked carry their bound
     monkeypatch.setattr(prefill_module, "MAX_BOUNDED_ASKS", 1)
     placement.prefill_choice = PrefillChoice(["p-0", "p-1"], "kv_cost",
