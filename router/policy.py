@@ -52,6 +52,7 @@ class PrefillChoice:
     cached: Mapping[str, int] = field(default_factory=dict)
     # prompt tokens each worker but the last may really have queued for the order to hold
     queue_bounds: Mapping[str, int] = field(default_factory=dict)
+    speeds: Mapping[str, float] = field(default_factory=dict)  # ``relative_speeds``, kv-aware
 
 
 def choose_prefill(mode: str, *, key: bytes, loads: Mapping[str, int],
@@ -72,22 +73,24 @@ def choose_prefill(mode: str, *, key: bytes, loads: Mapping[str, int],
                  / _speed(speeds, w) for w in loads}
         order = rank_by_cost(key, costs)
         reason = "kv_hit" if order and cached.get(order[0]) else "kv_cost"
+        slack = {w: block_size * (1 + loads[w]) for w in loads}
         return PrefillChoice(order, reason, cached, queue_bounds(
-            order, costs, queued_tokens, speeds, slack=block_size))
+            order, costs, queued_tokens, speeds, slack), dict(speeds or {}))
     order = pick_prefill(key, loads, epsilon)
     return PrefillChoice(order, "affinity" if mode == "affinity" else "index_stale")
 
 
 def queue_bounds(order: Sequence[str], costs: Mapping[str, float],
                  queued_tokens: Mapping[str, int], speeds: Mapping[str, float] | None,
-                 slack: int) -> dict[str, int]:
+                 slack: Mapping[str, int]) -> dict[str, int]:
     """For each worker of ``order`` (ranked by ``costs``, in tokens over speed) but the
     last, the most prompt tokens it may really have queued for it still to cost no more
     than the next one: its queue as this router sees it (``queued_tokens``) plus its
-    margin over the next, in its own tokens, plus ``slack`` (a block: the router and the
-    worker count a prefix cache's share a little apart). At least 1 (0 means none)."""
+    margin over the next, in its own tokens, plus its ``slack`` (a block per request this
+    router sees there, and one: the router and the worker count a prefix cache's share a
+    little apart, a request at a time). At least 1 (0 means none)."""
     return {w: max(1, int(queued_tokens.get(w, 0) + (costs[nxt] - costs[w]) * _speed(speeds, w))
-                   + slack)
+                   + slack.get(w, 0))
             for w, nxt in zip(order, order[1:], strict=False)}
 
 

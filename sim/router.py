@@ -23,8 +23,9 @@ driven by the simulator's events instead of gRPC calls.
 Not modelled: a request waiting for a prompt in flight that covers it but a short tail
 (``router.lifecycle.coalesce``), and the prefill workers' queue refusals
 (``cluster.prefill_queue``, with the bounds of ``router.policy.queue_bounds``), which
-correct a lag of the shared view that the simulator does not have. A burst of prompts sharing a prefix is prefilled on the prefill workers
-here where the real router computes most of their tails on the decode worker.
+correct a lag of the shared view that the simulator does not have. A burst of prompts
+sharing a prefix is prefilled on the prefill workers here where the real router computes
+most of their tails on the decode worker.
 
 Costs outside the workers' steps come from the profile: ``router.overhead_s`` per request
 before admission, ``handoff.overhead_s`` for the attempt's calls (before the prefill

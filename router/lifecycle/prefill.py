@@ -27,6 +27,7 @@ that failed after (the KV transfer) is retried as a new attempt, which replays.
 from __future__ import annotations
 
 import asyncio
+import math
 
 import grpc
 
@@ -81,27 +82,43 @@ async def prefill(attempt: Attempt, placement: Placement) -> Prefilled:
 
 async def _prefill_in_order(attempt: Attempt, placement: Placement, order: list[str]
                             ) -> Prefilled | None:
-    """The Prefill on the first worker of ``order`` that takes it: each is asked with its
-    queue limit, the lesser of the local side (``queue_limit``) and its queue bound
-    (``router.policy.queue_bounds``; the first ``MAX_BOUNDED_ASKS`` only). When none took
-    it, those refused over their bound but holding no more than the local side are asked
-    again with that alone, the least queued first. Then None when all were busy; ``QueueRefused`` when one at least
-    refused for its queue (the decode worker computes it sooner)."""
+    """The Prefill on the first worker of ``order`` that takes it. Each is asked with a
+    queue limit (where conditional disaggregation sets one): the local side
+    (``queue_limit``), lowered to its queue bound (``router.policy.queue_bounds``; the
+    first ``MAX_BOUNDED_ASKS`` asked only) and, once a worker refused saying what it
+    holds, to what still costs less than that one really does (a worker that cannot, even
+    idle, is passed over). When none took it, those refused holding no more than the local
+    side are asked again with that alone, the least cost first. Then None when all were
+    busy; ``QueueRefused`` when one at least refused for its queue (the decode worker
+    computes it sooner)."""
     refusals: dict[str, str] = {}  # worker -> its queue refusal's details
     local_side: dict[str, int] = {}
+    choice, block = placement.prefill_choice, attempt.ctx.block_size
+
+    def cost(worker: str, queued: int) -> float:  # as ``router.policy.choose_prefill``'s
+        return (queued + placement.prefill_tokens(worker)) / choice.speeds.get(worker, 1.0)
+
+    best = math.inf  # the least cost of a worker that refused, by what it said it holds
     for i, prefill_id in enumerate(order):
         local = local_side[prefill_id] = queue_limit(placement, attempt.decode_id, prefill_id)
-        bound = placement.prefill_choice.queue_bounds.get(prefill_id, 0) \
-            if local and i < MAX_BOUNDED_ASKS else 0
+        limit = min(local, choice.queue_bounds.get(prefill_id, 0) or local) \
+            if local and i < MAX_BOUNDED_ASKS else local
+        if local and best < math.inf:
+            limit = min(limit, int(best * choice.speeds.get(prefill_id, 1.0))
+                        - placement.prefill_tokens(prefill_id) + block)
+            if limit < 1:
+                continue  # dearer than a refused worker even idle
         reply = await _prefill_on(attempt, prefill_id, placement.prefill_tokens(prefill_id),
-                                  min(local, bound) if bound else local, refusals)
+                                  limit, refusals)
         if reply is not None:
             return reply
-    held = {w: n for w, why in refusals.items()
-            if (n := refused_queue(why)) is not None and n <= local_side[w]}
-    for prefill_id in sorted(held, key=held.__getitem__):
+        if (held := refused_queue(refusals.get(prefill_id))) is not None:
+            best = min(best, cost(prefill_id, held))
+    again = {w: n for w, why in refusals.items()
+             if (n := refused_queue(why)) is not None and n <= local_side[w]}
+    for prefill_id in sorted(again, key=lambda w: cost(w, again[w])):
         attempt.ctx.log.info("asking %s again: it holds %s prompt tokens, more than this "
-                             "router saw", prefill_id, held[prefill_id])
+                             "router saw", prefill_id, again[prefill_id])
         del refusals[prefill_id]  # its answer now stands: busy, as any, waits for capacity
         reply = await _prefill_on(attempt, prefill_id, placement.prefill_tokens(prefill_id),
                                   local_side[prefill_id], refusals)

@@ -16,6 +16,9 @@ default, serving metrics).
   and one whose prefill worker refuses it for that (its router had not read the other
   router's load); and one that a prompt the router is bringing to the decode worker
   covers but a short tail, once that KV has landed there;
+- a router that has not read the other router's load sends a Prefill to the worker that
+  router keeps busy: over what the choice assumed (``router.policy.queue_bounds``), the
+  worker refuses, and the idle one computes the prompt;
 - after Redis restarts empty, the events flow again through the new stream;
 - a lost batch (a sequence gap) makes the router resynchronise that worker; a worker
   restarted empty leaves the index (its new epoch).
@@ -434,7 +437,9 @@ def test_a_prefill_worker_busier_than_the_router_saw_refuses_and_the_next_one_co
             second = pool.submit(_complete_six, late.address, asked)
             wait_until(lambda: len(pauses[busy].records("prefill.received")) > received,
                        TIMEOUT_S, "the late router's Prefill to reach the busy worker")
-            pauses[busy].release("prefill.started")  # it counts 168 queued: over the bound
+            # it runs one more 32-token step, then counts 136 queued: over the bound (16),
+            # not over the local side (200)
+            pauses[busy].release("prefill.started")
             got = second.result(TIMEOUT_S)
             assert len(first.result(TIMEOUT_S)) == 2
         routed = {w: _metric(late, f"pdserve:router_routed_total{{role=prefill,worker={w}}}")

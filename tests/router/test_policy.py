@@ -52,6 +52,10 @@ def test_queue_bounds_say_how_much_more_queued_a_worker_may_hold_than_this_route
     # many (a block's slack); the last worker has no bound
     tied = choose("kv-aware", {})
     assert tied.queue_bounds == dict.fromkeys(tied.order[:-1], 16)
+    # a block more for each request this router sees there (they are counted apart)
+    loads = {"p0": 2, "p1": 1, "p2": 0}
+    seen = choose("kv-aware", {}, loads=loads)
+    assert seen.queue_bounds == {w: 16 * (1 + loads[w]) for w in seen.order[:-1]}
     # p2 holds 4 blocks (64 tokens): it costs 36, the next 100; it saw 10 queued there
     hit = choose("kv-aware", {"p2": 4}, queued={"p2": 10})
     assert hit.order[0] == "p2" and hit.queue_bounds["p2"] == 10 + (100 - 46) + 16

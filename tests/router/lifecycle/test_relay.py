@@ -156,13 +156,14 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
             metrics=SimpleNamespace(routed=SimpleNamespace(labels=lambda *a: counter)),
             trace=SimpleNamespace(mark=lambda name: None, prefill=None),
             failure=lambda exc: classify(exc, deadline_passed=False),
-            check_deadline=lambda failure: None)
+            check_deadline=lambda failure: None, block_size=16)
         return SimpleNamespace(ctx=ctx, id="a-3", lease=None, target=object(),
                                decode_id="d-0", prefill_started=lambda worker: None,
                                track=lambda call: None, prefill_released=lambda: None)
 
+    tokens = {"p-0": 2, "p-1": 2}  # what each computes of the prompt
     placement = SimpleNamespace(prefill_order=lambda decode_id: ["p-0", "p-1"],
-                                prefill_tokens=lambda worker: 2,
+                                prefill_tokens=tokens.__getitem__,
                                 prefill_choice=PrefillChoice(["p-0", "p-1"], "kv_cost",
                                                              queue_bounds={"p-0": 10}))
     monkeypatch.setattr(prefill_module, "queue_limit", lambda placement, d, p: 40)
@@ -188,6 +189,20 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
     # asked again, p-0 is busy and p-1 was too: that is no queue refusal, it waits
     assert in_order({"p-0": 30, "p-1": 0}, frozenset({"p-0", "p-1"})) is None
     assert asked == [("p-0", 10), ("p-1", 40), ("p-0", 40)]
+    # p-0 said it holds 20 (a cost of 22): p-1 may hold no more than 22 - 2 + a block
+    assert run({"p-0": 20, "p-1": 39}).worker == "p-0"
+    assert asked == [("p-0", 10), ("p-1", 36), ("p-0", 40)]
+    # computing 100, p-1 costs more than p-0 holding 20 even idle: not asked
+    tokens["p-1"] = 100
+    assert run({"p-0": 20, "p-1": 0}).worker == "p-0"
+    assert asked == [("p-0", 10), ("p-0", 40)]
+    tokens["p-1"] = 2
+    # asked again least cost first: p-0 at a quarter speed holding 20 costs 88, p-1 32
+    placement.prefill_choice = PrefillChoice(["p-0", "p-1"], "kv_cost",
+                                             queue_bounds={"p-0": 10, "p-1": 10},
+                                             speeds={"p-0": 0.25})
+    assert run({"p-0": 20, "p-1": 30}).worker == "p-1"
+    assert asked == [("p-0", 10), ("p-1", 10), ("p-1", 40)]
     # only the first MAX_BOUNDED_ASKS workers asked carry their bound
     monkeypatch.setattr(prefill_module, "MAX_BOUNDED_ASKS", 1)
     placement.prefill_choice = PrefillChoice(["p-0", "p-1"], "kv_cost",
