@@ -36,6 +36,10 @@ streamed chunks, end-to-end, and the time a request waited in the router's queue
   fell back to affinity), ``load``; conditional disaggregation's prefills on the decode
   worker: ``local_short_tail``, ``local_queue_wait`` (``router.lifecycle.placement``),
   ``local_queue_refused`` (its prefill worker refused it: ``cluster.prefill_queue``);
+- ``pdserve:router_queue_refusals_total{limit}``: Prefills a prefill worker refused for its
+  queue (``cluster.prefill_queue``), by the limit it was over: ``bound``, what this
+  router's choice assumed of it (``router.policy.queue_bounds``), or ``local``, the queue
+  rule's local side (``router.lifecycle.prefill``);
 - ``pdserve:router_prefix_waits_total{outcome}``: requests that waited for a prompt on its
   way to a decode worker that covers theirs but a short tail (``router.lifecycle.coalesce``),
   ``landed`` or ``timeout``;
@@ -116,6 +120,9 @@ class RouterMetrics:
                                          registry=r, buckets=LATENCY_BUCKETS)
         self.decisions = Counter(p + "decisions", "Routing decisions by why the first "
                                  "choice won", ["kind", "reason"], registry=r)
+        self.queue_refusals = Counter(p + "queue_refusals", "Prefills refused for the prefill "
+                                      "worker's queue, by the limit it was over", ["limit"],
+                                      registry=r)
         self.prefix_waits = Counter(p + "prefix_waits", "Requests that waited for a prompt "
                                     "in flight covering theirs, by outcome", ["outcome"],
                                     registry=r)

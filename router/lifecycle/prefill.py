@@ -94,6 +94,7 @@ async def _prefill_in_order(attempt: Attempt, placement: Placement, order: list[
     refusals: dict[str, str] = {}  # worker -> its queue refusal's details
     local_side: dict[str, int] = {}
     choice, block = placement.prefill_choice, attempt.ctx.block_size
+    refused = attempt.ctx.metrics.queue_refusals  # by the limit it was over
 
     def cost(worker: str, queued: int) -> float:  # as ``router.policy.choose_prefill``'s
         return (queued + placement.prefill_tokens(worker)) / choice.speeds.get(worker, 1.0)
@@ -112,6 +113,8 @@ async def _prefill_in_order(attempt: Attempt, placement: Placement, order: list[
                                   limit, refusals)
         if reply is not None:
             return reply
+        if prefill_id in refusals:
+            refused.labels("bound" if limit < local else "local").inc()
         if (held := refused_queue(refusals.get(prefill_id))) is not None:
             best = min(best, cost(prefill_id, held))
     again = {w: n for w, why in refusals.items()
@@ -124,6 +127,8 @@ async def _prefill_in_order(attempt: Attempt, placement: Placement, order: list[
                                   local_side[prefill_id], refusals)
         if reply is not None:
             return reply
+        if prefill_id in refusals:
+            refused.labels("local").inc()
     if refusals:
         raise QueueRefused("; ".join(f"prefill worker {w}: {why}" for w, why in refusals.items()))
     return None

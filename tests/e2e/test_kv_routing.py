@@ -380,6 +380,9 @@ def test_a_prefill_worker_refuses_a_prompt_its_queue_would_keep_waiting_longer(
         assert _metric(late, "pdserve:router_decisions_total"
                              "{kind=prefill,reason=local_queue_wait}") == 0
         assert _metric(late, "pdserve:router_attempts_total{}") == 2  # no retry spent
+        # the first worker asked was over its bound, the next over the local side
+        assert _metric(late, "pdserve:router_queue_refusals_total{limit=bound}") == 1
+        assert _metric(late, "pdserve:router_queue_refusals_total{limit=local}") == 1
         after = _settled(lambda: _prefill_figures(cluster))
         computed = sum(after[f"{w} prompt_tokens"] - before[f"{w} prompt_tokens"]
                        for w in names)
@@ -446,6 +449,8 @@ def test_a_prefill_worker_busier_than_the_router_saw_refuses_and_the_next_one_co
                   for w in names}
         assert routed == {busy: 1.0, idle: 1.0}  # asked the busy one first, then the idle
         assert _metric(late, "pdserve:router_attempts_total{}") == 1  # no retry spent
+        assert _metric(late, "pdserve:router_queue_refusals_total{limit=bound}") == 1
+        assert _metric(late, "pdserve:router_queue_refusals_total{limit=local}") == 0
         for reason in ("local_short_tail", "local_queue_wait", "local_queue_refused"):
             assert _metric(late, "pdserve:router_decisions_total"
                                  f"{{kind=prefill,reason={reason}}}") == 0

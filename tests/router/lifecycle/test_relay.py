@@ -126,6 +126,7 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
     from router.worker_calls import classify
 
     asked: list[tuple[str, int]] = []
+    refused: list[str] = []  # pdserve:router_queue_refusals_total's labels, in turn
 
     def attempt(holding: dict[str, int], busy: frozenset[str] = frozenset()) -> Any:
         # prompt tokens queued on each worker; busy: at its limit of requests
@@ -153,7 +154,9 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
         ctx = SimpleNamespace(
             calls=SimpleNamespace(start_prefill=start_prefill), timeout=lambda: 5.0,
             log=SimpleNamespace(info=lambda *a: None), pending_move=None, pool=pool,
-            metrics=SimpleNamespace(routed=SimpleNamespace(labels=lambda *a: counter)),
+            metrics=SimpleNamespace(routed=SimpleNamespace(labels=lambda *a: counter),
+                                    queue_refusals=SimpleNamespace(labels=lambda limit: (
+                                        SimpleNamespace(inc=lambda: refused.append(limit))))),
             trace=SimpleNamespace(mark=lambda name: None, prefill=None),
             failure=lambda exc: classify(exc, deadline_passed=False),
             check_deadline=lambda failure: None, block_size=16)
@@ -171,6 +174,7 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
 
     def run(holding: dict[str, int]) -> Any:
         asked.clear()
+        refused.clear()
         return asyncio.run(prefill_module.prefill(attempt(holding), placement))  # type: ignore[arg-type]
 
     def in_order(holding: dict[str, int], busy: frozenset[str]) -> Any:
@@ -183,6 +187,7 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
     # p-0 holds more than this router saw (10) but less than the local side: asked again
     assert run({"p-0": 30, "p-1": 500}).worker == "p-0"
     assert asked == [("p-0", 10), ("p-1", 40), ("p-0", 40)]
+    assert refused == ["bound", "local"]  # each refusal counted by the limit it was over
     with pytest.raises(QueueRefused, match="p-0.*p-1"):
         run({"p-0": 500, "p-1": 500})
     assert asked == [("p-0", 10), ("p-1", 40)]  # both over the local side: not again
