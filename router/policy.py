@@ -68,9 +68,9 @@ def choose_prefill(mode: str, *, key: bytes, loads: Mapping[str, int],
     if mode == "round-robin":
         return PrefillChoice(round_robin(list(loads), turn), "round_robin")
     if mode == "kv-aware" and cached is not None:
-        costs = {w: (queued_tokens.get(w, 0)
-                     + uncached_tokens(num_prompt_tokens, block_size, cached.get(w, 0)))
-                 / _speed(speeds, w) for w in loads}
+        costs = {w: predicted_cost(queued_tokens.get(w, 0), uncached_tokens(
+                     num_prompt_tokens, block_size, cached.get(w, 0)), _speed(speeds, w))
+                 for w in loads}
         order = rank_by_cost(key, costs)
         reason = "kv_hit" if order and cached.get(order[0]) else "kv_cost"
         slack = {w: block_size * (1 + loads[w]) for w in loads}
@@ -78,6 +78,12 @@ def choose_prefill(mode: str, *, key: bytes, loads: Mapping[str, int],
             order, costs, queued_tokens, speeds, slack), dict(speeds or {}))
     order = pick_prefill(key, loads, epsilon)
     return PrefillChoice(order, "affinity" if mode == "affinity" else "index_stale")
+
+
+def predicted_cost(queued_tokens: int, tokens: int, speed: float) -> float:
+    """A prefill worker's predicted work for a prompt: the tokens queued there plus the
+    ``tokens`` it computes of the prompt, over its relative ``speed``."""
+    return (queued_tokens + tokens) / speed
 
 
 def queue_bounds(order: Sequence[str], costs: Mapping[str, float],

@@ -42,6 +42,7 @@ from router.lifecycle.outcomes import (
     reraise_if_we_are_cancelled,
 )
 from router.lifecycle.placement import Placement, queue_limit
+from router.policy import predicted_cost
 from router.worker_calls import Failure, Prefilled, WorkerCalls
 
 # how long a Generate stream that failed before its first chunk waits for the Prefill's
@@ -93,35 +94,31 @@ async def _prefill_in_order(attempt: Attempt, placement: Placement, order: list[
     computes it sooner)."""
     refusals: dict[str, str] = {}  # worker -> its queue refusal's details
     local_side: dict[str, int] = {}
+    again: dict[str, float] = {}  # refused within the local side: its cost, as it said
+    best = math.inf  # the least cost of a worker that refused, by what it said it holds
     choice, block = placement.prefill_choice, attempt.ctx.block_size
     refused = attempt.ctx.metrics.queue_refusals  # by the limit it was over
-
-    def cost(worker: str, queued: int) -> float:  # as ``router.policy.choose_prefill``'s
-        return (queued + placement.prefill_tokens(worker)) / choice.speeds.get(worker, 1.0)
-
-    best = math.inf  # the least cost of a worker that refused, by what it said it holds
     for i, prefill_id in enumerate(order):
         local = local_side[prefill_id] = queue_limit(placement, attempt.decode_id, prefill_id)
+        tokens, speed = placement.prefill_tokens(prefill_id), choice.speeds.get(prefill_id, 1.0)
         limit = min(local, choice.queue_bounds.get(prefill_id, 0) or local) \
             if local and i < MAX_BOUNDED_ASKS else local
         if local and best < math.inf:
-            limit = min(limit, int(best * choice.speeds.get(prefill_id, 1.0))
-                        - placement.prefill_tokens(prefill_id) + block)
+            limit = min(limit, int(best * speed) - tokens + block)
             if limit < 1:
                 continue  # dearer than a refused worker even idle
-        reply = await _prefill_on(attempt, prefill_id, placement.prefill_tokens(prefill_id),
-                                  limit, refusals)
+        reply = await _prefill_on(attempt, prefill_id, tokens, limit, refusals)
         if reply is not None:
             return reply
         if prefill_id in refusals:
             refused.labels("bound" if limit < local else "local").inc()
-        if (held := refused_queue(refusals.get(prefill_id))) is not None:
-            best = min(best, cost(prefill_id, held))
-    again = {w: n for w, why in refusals.items()
-             if (n := refused_queue(why)) is not None and n <= local_side[w]}
-    for prefill_id in sorted(again, key=lambda w: cost(w, again[w])):
-        attempt.ctx.log.info("asking %s again: it holds %s prompt tokens, more than this "
-                             "router saw", prefill_id, again[prefill_id])
+            if (held := refused_queue(refusals[prefill_id])) is not None:
+                best = min(best, cost := predicted_cost(held, tokens, speed))
+                if held <= local:
+                    again[prefill_id] = cost
+    for prefill_id in sorted(again, key=again.__getitem__):
+        attempt.ctx.log.info("asking %s again: it holds more prompt tokens than this router "
+                             "saw", prefill_id)
         del refusals[prefill_id]  # its answer now stands: busy, as any, waits for capacity
         reply = await _prefill_on(attempt, prefill_id, placement.prefill_tokens(prefill_id),
                                   local_side[prefill_id], refusals)
