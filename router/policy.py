@@ -19,8 +19,9 @@ two drivers, so what the simulator predicts is what the router does.
   next.
 - Conditional disaggregation, the decode worker prefilling the prompt itself:
   ``short_tail`` — it holds all but at most ``limit`` tokens of the prompt;
-  ``queue_outwaits_local`` — every prefill worker's queue is longer than what the decode
-  worker lacks of the prompt.
+  ``prefill_outwaits_local`` — every prefill worker's queue and what it lacks of the
+  prompt come to more than ``local_side``: what the decode worker lacks of it, counted
+  twice, and its own backlog.
 
 Predictions are in prompt tokens over each worker's relative speed
 (``relative_speeds``): workers report the rate at which they drain a backlog
@@ -112,18 +113,30 @@ def relative_speeds(worker_ids: Sequence[str], rates: Mapping[str, float]
             for w in worker_ids}
 
 
-def queue_outwaits_local(limit: int, prefill_queued: Mapping[str, int],
-                         local_tokens: int, speeds: Mapping[str, float] | None = None
-                         ) -> bool:
+def local_side(lacks: int, queued: int) -> int:
+    """The queue rule's local side, in prompt tokens: what the decode worker lacks of the
+    prompt counted twice (the request waits for it, and so do the decode worker's streams,
+    whose steps it joins), plus the local prefills already under way there (``queued``).
+    For a prompt that every worker lacks alike, a prefill worker's side is its queue and
+    the same tokens, so the rule reads: its queue is longer than the local backlog and
+    the prompt."""
+    return 2 * lacks + queued
+
+
+def prefill_outwaits_local(limit: int, prefill_work: Mapping[str, int], local: int,
+                           speeds: Mapping[str, float] | None = None) -> bool:
     """Whether the decode worker should prefill the prompt itself because every prefill
-    worker is busier: even the shortest prefill queue (``prefill_queued``: prompt tokens
-    queued on each prefill worker, cluster-wide, over its ``speeds``) is longer than what
-    the decode worker has to compute for it (``local_tokens``: the decode worker is taken
-    to compute as fast as the fastest prefill worker, the same model on the same kind of
-    accelerator), so waiting there would take longer than computing them where the KV
-    goes. ``limit`` 0 (conditional disaggregation off) or no prefill worker: never."""
-    return bool(limit) and bool(prefill_queued) and min(
-        tokens / _speed(speeds, w) for w, tokens in prefill_queued.items()) > local_tokens
+    worker would take longer: even the least predicted work on one (``prefill_work``: the
+    prompt tokens queued there, cluster-wide, plus those of this prompt it would compute,
+    over its ``speeds``: ``predicted_cost``) is more than the ``local`` side
+    (``local_side``; the decode worker is taken to compute as fast as the fastest prefill
+    worker, the same model on the same kind of accelerator). A chat's next turn whose
+    history only its decode worker holds thus stays there, rather than a prefill worker
+    computing that history again. ``limit`` 0 (conditional disaggregation off) or no
+    prefill worker: never."""
+    return bool(limit) and bool(prefill_work) and min(
+        predicted_cost(tokens, 0, _speed(speeds, w))
+        for w, tokens in prefill_work.items()) > local
 
 
 def _speed(speeds: Mapping[str, float] | None, worker_id: str) -> float:

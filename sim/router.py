@@ -11,7 +11,7 @@ driven by the simulator's events instead of gRPC calls.
   reserve the prompt's blocks takes it (``SimWorker.reserve``, the engine's own
   reservation). Local prefill (``local_prefill`` always, fallback without prefill
   workers, or conditional disaggregation: ``router.policy.short_tail`` and
-  ``queue_outwaits_local``) puts the whole request on it instead.
+  ``prefill_outwaits_local``) puts the whole request on it instead.
 - Prefill: ``router.policy.choose_prefill`` — the function ``Placement`` calls.
 - Shared by every router (``SharedView``): the attempts on each worker and the prompt
   tokens queued prefills will compute there (less what the KV index says it holds, as
@@ -49,7 +49,7 @@ from router.admission import RETRY_PLACEMENT_S, Admission
 from router.config import AdmissionConfig, HandoffConfig
 from router.errors import RouteError
 from router.lifecycle.ahead import AheadGate
-from router.policy import choose_prefill, queue_outwaits_local, short_tail
+from router.policy import choose_prefill, local_side, prefill_outwaits_local, short_tail
 from router.routing import DecodeCandidate, affinity_key, rank_decode, uncached_tokens
 from sim.events import EventQueue
 from sim.profile import Profile
@@ -204,17 +204,22 @@ class SimRouter:
     def _conditional(self, request: SimRequest, decode_id: str, held_blocks: int,
                      lacks: int) -> bool:
         """Conditional disaggregation, as ``Placement._conditional`` (kv-aware, not a
-        migrated stream): ``short_tail`` or ``queue_outwaits_local``, decided once per
-        attempt (an attempt waiting for a Reserve does not turn local)."""
+        migrated stream): ``short_tail`` or ``prefill_outwaits_local`` (each prefill
+        worker's queue plus what it lacks of the prompt, by a trusted index), decided once
+        per attempt (an attempt waiting for a Reserve does not turn local)."""
         h, limit = self.handoff, self.handoff.local_prefill_max_tokens
         if h.prefill_routing != "kv-aware" or not limit or request.output_ids \
                 or request.remote_attempt == request.num_attempts:
             return False
-        if self.kv_index is not None and self.kv_index.trusted() and short_tail(
-                limit, request.prompt_len, self.block_size, held_blocks):
+        trusted = self.kv_index is not None and self.kv_index.trusted()
+        if trusted and short_tail(limit, request.prompt_len, self.block_size, held_blocks):
             return True
-        queued = {w.worker_id: self.queued_tokens[w.worker_id] for w in live(self.prefill)}
-        return queue_outwaits_local(limit, queued, lacks + self.queued_tokens[decode_id])
+        workers = [w.worker_id for w in live(self.prefill)]
+        cached = self.shared.cached(request, workers) if trusted else {}
+        work = {w: self.queued_tokens[w] + uncached_tokens(len(request.sequence()),
+                                                           self.block_size, cached.get(w, 0))
+                for w in workers}
+        return prefill_outwaits_local(limit, work, local_side(lacks, self.queued_tokens[decode_id]))
 
     def _start(self, request: SimRequest, decode: SimWorker) -> None:
         assert request.ticket is not None

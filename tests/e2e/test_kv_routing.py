@@ -13,7 +13,8 @@ default, serving metrics).
 - a prompt a decode worker holds all but a short tail of is prefilled there
   (``--local-prefill-max-tokens``), counted by reason, its tokens the engine's; so is
   one that every prefill worker's queue would keep waiting longer than it takes there,
-  and one whose prefill worker refuses it for that (its router had not read the other
+  a chat's next turn whose reply only the decode worker holds (a prefill worker would
+  compute it again), and one whose prefill worker refuses it for that (its router had not read the other
   router's load); and one that a prompt the router is bringing to the decode worker
   covers but a short tail, once that KV has landed there;
 - a router that has not read the other router's load sends a Prefill to the worker that
@@ -325,6 +326,45 @@ def test_a_prompt_is_prefilled_on_the_decode_worker_while_every_prefill_queue_is
             pause.release("prefill.started")
         router.stop()
     assert list(got.token_ids) == _engine_tokens(llama_dir, short)
+    cluster.assert_no_leaks()
+
+
+def test_a_chats_next_turn_stays_where_its_reply_is_rather_than_computed_again(
+        cluster: Cluster, llama_dir: Path) -> None:
+    """The decode worker holds a chat's first turn and the reply it generated; the prefill
+    worker that computed the turn lacks the reply. The next turn's new part is too long
+    for a short tail, and no prefill worker is busy, but every one would compute more than
+    twice what the decode worker lacks: the decode worker prefills it."""
+    import random
+
+    rng = random.Random("next-turn")
+    names = [p.name for p in cluster.prefill]
+    first = _random_prompt_routed_to(cluster, names[0], names, "next-turn", 40)
+    user = [rng.randrange(100, 700) for _ in range(72)]
+    # the router's defaults (a short tail is at most 64 tokens), not the test clusters' 0
+    router = cluster.start_router("--metrics-port", "0", name="router-next-turn", flags=())
+    try:
+        cluster.wait_serving()
+        with Client(router.address) as client:
+            reply = list(client.complete(prompt_token_ids=first, max_tokens=96,
+                                         temperature=0.0, ignore_eos=True,
+                                         timeout=TIMEOUT_S).token_ids)
+        # 136 tokens: the decode worker holds 8 full blocks, the prefill worker 2
+        turn = first + reply + user
+        wait_until(lambda: _indexed(router, "decode-0") >= 8, 10.0,
+                   "the router to index the decode worker's blocks of the reply")
+        before = _settled(lambda: _prefill_figures(cluster))
+        with Client(router.address) as client:
+            got = client.complete(prompt_token_ids=turn, max_tokens=6, temperature=0.0,
+                                  ignore_eos=True, timeout=TIMEOUT_S)
+        # it lacks 208 - 128 = 80 (> 64); the prefill worker 176, more than 2 x 80
+        assert _metric(router, "pdserve:router_decisions_total"
+                               "{kind=prefill,reason=local_queue_wait}") == 1
+        assert _settled(lambda: _prefill_figures(cluster)) == before  # no prefill worker
+        assert got.usage.cached_tokens == 8 * BLOCK
+    finally:
+        router.stop()
+    assert list(got.token_ids) == _engine_tokens(llama_dir, turn)
     cluster.assert_no_leaks()
 
 

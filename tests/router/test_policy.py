@@ -9,7 +9,8 @@ import pytest
 from router.policy import (
     PrefillChoice,
     choose_prefill,
-    queue_outwaits_local,
+    local_side,
+    prefill_outwaits_local,
     relative_speeds,
     short_tail,
 )
@@ -75,12 +76,15 @@ def test_short_tail_needs_a_holder_and_a_short_rest() -> None:
     assert not short_tail(0, 100, 16, held_blocks=6)  # 0: off
 
 
-def test_the_decode_worker_prefills_when_every_prefill_queue_waits_longer() -> None:
-    # 100 tokens the decode worker lacks; the shortest prefill queue decides
-    assert queue_outwaits_local(64, {"p0": 500, "p1": 101}, 100)
-    assert not queue_outwaits_local(64, {"p0": 500, "p1": 100}, 100)
-    assert not queue_outwaits_local(0, {"p0": 500}, 100)  # conditional disaggregation off
-    assert not queue_outwaits_local(64, {}, 100)  # no prefill worker
+def test_the_decode_worker_prefills_when_every_prefill_worker_has_more_to_compute() -> None:
+    # 100 tokens the decode worker lacks; the least work on a prefill worker (its queue and
+    # what it lacks of the prompt) decides
+    assert prefill_outwaits_local(64, {"p0": 500, "p1": 101}, 100)
+    assert not prefill_outwaits_local(64, {"p0": 500, "p1": 100}, 100)
+    assert not prefill_outwaits_local(0, {"p0": 500}, 100)  # conditional disaggregation off
+    assert not prefill_outwaits_local(64, {}, 100)  # no prefill worker
+    # the local side: what the decode worker lacks, twice, and its backlog
+    assert local_side(20, 30) == 70
 
 
 
@@ -96,5 +100,5 @@ def test_only_a_clearly_slower_worker_gets_a_speed_below_one() -> None:
                           num_prompt_tokens=100, block_size=16, cached={}, epsilon=0.25,
                           speeds={"p1": 0.25, "p2": 0.25})
     assert slow.order == ["p0", *rendezvous_order(b"k", ["p1", "p2"])]  # 140 < 400
-    assert queue_outwaits_local(64, {"p0": 30}, 100, {"p0": 0.25})  # 120 > 100
-    assert not queue_outwaits_local(64, {"p0": 30}, 100)
+    assert prefill_outwaits_local(64, {"p0": 30}, 100, {"p0": 0.25})  # 120 > 100
+    assert not prefill_outwaits_local(64, {"p0": 30}, 100)

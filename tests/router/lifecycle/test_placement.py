@@ -113,7 +113,8 @@ def test_a_prompt_is_prefilled_on_the_decode_worker_when_every_prefill_queue_is_
     placement, _ = _placement(prompt, _index({}), Pool({"p-0": 1000, "p-1": 150}))
     assert placement.prefills_locally()
     assert placement._conditional() == "local_queue_wait"  # the reason counted
-    # one prefill worker's queue is shorter than the prompt: it goes there
+    # one prefill worker's queue is shorter than the prompt: it goes there (its side: the
+    # queue and the 100 tokens; the decode worker's: the 100 tokens, twice)
     assert not _placement(prompt, _index({}), Pool({"p-0": 1000, "p-1": 90}))[0] \
         .prefills_locally()
     # local prefills under way on the decode worker (any router's) count on its side
@@ -136,13 +137,19 @@ def test_a_prompt_is_prefilled_on_the_decode_worker_when_every_prefill_queue_is_
 def test_a_prefill_carries_the_queue_its_worker_may_refuse_it_over() -> None:
     prompt = _prompt_by_affinity("p-0")  # 100 tokens, none of them cached anywhere
     hashes = compute_block_hashes(prompt, BLOCK)
-    # the local side: what the decode worker lacks, plus its local prefills under way
+    # the local side: what the decode worker lacks, twice, plus its local prefills under
+    # way; less what the prefill worker lacks (all of it here, then 4 blocks fewer)
     placement, _ = _placement(prompt, _index({"d-0": hashes[:2]}), Pool({"d-0": 30}))
-    assert queue_limit(placement, "d-0", "p-0") == 100 - 2 * BLOCK + 30
-    # at a slower worker's speed (1.5 x 100/400): the same wait is fewer of its tokens
+    assert queue_limit(placement, "d-0", "p-0") == 2 * (100 - 2 * BLOCK) + 30 - 100
+    placement, _ = _placement(prompt, _index({"d-0": hashes[:2], "p-0": hashes[:4]}),
+                              Pool({"d-0": 30}))
+    assert queue_limit(placement, "d-0", "p-0") == 2 * (100 - 2 * BLOCK) + 30 - (100 - 64)
+    # at a slower worker's speed (1.5 x 100/400): the same wait is fewer of its tokens,
+    # here fewer than the prompt, so only an idle one may take it (the least limit is 1)
     placement, _ = _placement(prompt, _index({}), Pool(rates={"p-0": 100.0, "p-1": 400.0}))
-    assert queue_limit(placement, "d-0", "p-0") == int(100 * 1.5 * 100 / 400)
-    assert queue_limit(placement, "d-0", "p-1") == 100
+    assert int(2 * 100 * 1.5 * 100 / 400) < 100
+    assert queue_limit(placement, "d-0", "p-0") == 1
+    assert queue_limit(placement, "d-0", "p-1") == 2 * 100 - 100
     # none where the router would never prefill it locally for its queue
     assert queue_limit(_placement(prompt, _index({}), Pool(), local_prefill_max_tokens=0)[0],
                        "d-0", "p-0") == 0
@@ -202,15 +209,21 @@ def test_an_untrusted_index_falls_back_to_affinity() -> None:
 def test_a_short_tail_on_a_decode_worker_is_prefilled_there() -> None:
     prompt = _prompt_by_affinity("p-0")  # 100 tokens: 6 full blocks and 4
     hashes = compute_block_hashes(prompt, BLOCK)
-    index = _index({"d-0": hashes[:5]})  # all but 20 tokens
-    assert _placement(prompt, index, Pool(), local_prefill_max_tokens=32)[0].prefills_locally()
+    # all but 20 tokens, on the decode worker and (below) the prefill workers alike
+    index = _index({"d-0": hashes[:5], "p-0": hashes[:5], "p-1": hashes[:5]})
+    placement, _ = _placement(prompt, index, Pool(), local_prefill_max_tokens=32)
+    assert placement._conditional() == "local_short_tail"
     assert not _placement(prompt, index, Pool(),
                           local_prefill_max_tokens=16)[0].prefills_locally()
     assert not _placement(prompt, index, Pool(),
                           local_prefill_max_tokens=0)[0].prefills_locally()  # 0: never
     assert _placement(prompt, index, Pool())[0].prefills_locally()  # the default: 64
-    placement, _ = _placement(prompt, index, Pool(), local_prefill_max_tokens=32)
     assert placement.decode_order() == ["d-0"]
+    # the prefill workers lacking all 100 (more than twice 20), the queue rule keeps it
+    # there even past the short tail's limit
+    placement, _ = _placement(prompt, _index({"d-0": hashes[:5]}), Pool(),
+                              local_prefill_max_tokens=16)
+    assert placement._conditional() == "local_queue_wait"
 
 
 def test_over_a_lossy_wire_decode_workers_are_matched_on_the_blocks_they_received() -> None:
