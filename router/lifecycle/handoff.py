@@ -12,8 +12,8 @@ reaches the client:
   ``max_attempts`` failed attempts; then UNAVAILABLE naming every failure;
 - a worker at a limit — ``Busy`` — aborts the attempt, waits for capacity and tries again
   without spending an attempt;
-- a prefill worker whose queue is longer than the decode worker's own prefill would
-  take — ``QueueRefused`` — aborts the attempt and places one that prefills on a decode
+- a prefill worker whose queue, with what it lacks of the prompt, is longer than the
+  decode worker's own prefill would take (``placement.queue_limit``) — ``QueueRefused`` — aborts the attempt and places one that prefills on a decode
   worker, without spending an attempt.
 
 After the first token, a decode worker that fails the stream (the call fails, it stops
