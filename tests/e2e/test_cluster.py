@@ -320,7 +320,8 @@ def test_malformed_messages_are_refused(cluster: Cluster, client: Client) -> Non
     assert _raw_generate(cluster, internal.SerializeToString()).code() == INVALID
     oversized = pb.GenerateRequest(text="x" * (5 << 20)).SerializeToString()
     assert _raw_generate(cluster, oversized).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert client.complete("fine", max_tokens=1, timeout=TIMEOUT_S).finish_reason == "length"
+    assert client.complete("fine", max_tokens=1, ignore_eos=True,
+                           timeout=TIMEOUT_S).finish_reason == "length"
 
 
 def test_a_request_id_in_flight_elsewhere_is_another_request(cluster: Cluster, client: Client,
@@ -352,7 +353,7 @@ def test_model_info(client: Client, llama_dir: Path) -> None:
     info = client.model_info(timeout=TIMEOUT_S)
     assert (info.model, info.context_length, info.vocab_size, info.block_size) == \
         (llama_dir.name, 2048, 704, 16)
-    assert client.complete("named", model=llama_dir.name, max_tokens=1,
+    assert client.complete("named", model=llama_dir.name, max_tokens=1, ignore_eos=True,
                            timeout=TIMEOUT_S).finish_reason == "length"
 
 

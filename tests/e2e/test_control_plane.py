@@ -86,7 +86,7 @@ def test_a_deadline_is_observed_on_the_prefill_worker(cluster: Cluster, client: 
     pause.arm("prefill.before_step", held=1)
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(client.complete, prompt_token_ids=long_prompt, max_tokens=2,
-                            timeout=TIMEOUT_S)
+                            ignore_eos=True, timeout=TIMEOUT_S)
         pause.wait_paused("prefill.before_step", TIMEOUT_S)
         # 2. a short-deadline request arrives behind it; the loop pauses again once it
         #    holds both (before any of the second's prompt is computed)
@@ -121,7 +121,7 @@ def test_a_worker_whose_engine_loop_is_held_stays_registered(
     pause.arm("prefill.before_step", held=1)
     with ThreadPoolExecutor(1) as pool, Registry(cluster.redis.url) as registry:
         future = pool.submit(client.complete, "held for a while " * 3, max_tokens=2,
-                             timeout=TIMEOUT_S)
+                             ignore_eos=True, timeout=TIMEOUT_S)
         pause.wait_paused("prefill.before_step", TIMEOUT_S)
         try:
             deadline = time.monotonic() + 2 * TTL_S

@@ -153,8 +153,10 @@ def test_a_burst_over_the_limit_is_refused_fast_and_memory_stays(
                                 log_dir=tmp_path)
     with LocalLauncher(config, progress=lambda line: None) as cluster:
         pids = [c.proc.pid for c in [*cluster.workers, cluster.router] if c is not None]
-        with Client(cluster.router_address) as client:  # warm every path once
-            assert client.complete(PROMPT, max_tokens=8, timeout=60).finish_reason == "length"
+        with Client(cluster.router_address) as client:  # warm every path once (sampled:
+            # without ignore_eos the random model's EOS can end it early)
+            assert client.complete(PROMPT, max_tokens=8, ignore_eos=True,
+                                   timeout=60).finish_reason == "length"
         before = {pid: _rss_mb(pid) for pid in pids}
 
         async def one(client: AsyncClient, i: int) -> tuple[str, float]:
