@@ -2,7 +2,8 @@
 torch-free.
 
 Conditional disaggregation has the decode worker prefill a prompt itself when every
-prefill queue would keep it waiting longer than that takes (``router.policy``). A router
+prefill worker's queue, with what it lacks of the prompt, would take longer than that
+(``router.lifecycle.conditional``). A router
 judges the queues from its own requests and, as last exchanged, the other routers'
 (``cluster.router_loads``), a view that lags when requests arrive together at several
 routers. So a Prefill may carry the most prompt tokens the router would have it wait

@@ -20,7 +20,7 @@ two drivers, so what the simulator predicts is what the router does.
 - Conditional disaggregation, the decode worker prefilling the prompt itself:
   ``short_tail`` — it holds all but at most ``limit`` tokens of the prompt;
   ``prefill_outwaits_local`` — every prefill worker's queue and what it lacks of the
-  prompt come to more than ``local_side``: what the decode worker lacks of it, counted
+  prompt come to more than ``decode_side``: what the decode worker lacks of it, counted
   twice, and its own backlog.
 
 Predictions are in prompt tokens over each worker's relative speed
@@ -113,13 +113,14 @@ def relative_speeds(worker_ids: Sequence[str], rates: Mapping[str, float]
             for w in worker_ids}
 
 
-def local_side(lacks: int, queued: int) -> int:
-    """The queue rule's local side, in prompt tokens: what the decode worker lacks of the
+def decode_side(lacks: int, queued: int) -> int:
+    """The decode worker's side of the queue rule, in prompt tokens: what it lacks of the
     prompt counted twice (the request waits for it, and so do the decode worker's streams,
     whose steps it joins), plus the local prefills already under way there (``queued``).
-    For a prompt that every worker lacks alike, a prefill worker's side is its queue and
-    the same tokens, so the rule reads: its queue is longer than the local backlog and
-    the prompt."""
+    For a prompt that every worker lacks alike, on prefill workers as fast as the decode
+    worker, a prefill worker's side is its queue and the same tokens, so the rule reads:
+    its queue is longer than the local backlog and the prompt. A slower prefill worker's
+    side is its queue and the prompt, both over its speed."""
     return 2 * lacks + queued
 
 
@@ -129,7 +130,7 @@ def prefill_outwaits_local(limit: int, prefill_work: Mapping[str, int], local: i
     worker would take longer: even the least predicted work on one (``prefill_work``: the
     prompt tokens queued there, cluster-wide, plus those of this prompt it would compute,
     over its ``speeds``: ``predicted_cost``) is more than the ``local`` side
-    (``local_side``; the decode worker is taken to compute as fast as the fastest prefill
+    (``decode_side``; the decode worker is taken to compute as fast as the fastest prefill
     worker, the same model on the same kind of accelerator). A chat's next turn whose
     history only its decode worker holds thus stays there, rather than a prefill worker
     computing that history again. ``limit`` 0 (conditional disaggregation off) or no

@@ -49,7 +49,7 @@ from router.admission import RETRY_PLACEMENT_S, Admission
 from router.config import AdmissionConfig, HandoffConfig
 from router.errors import RouteError
 from router.lifecycle.ahead import AheadGate
-from router.policy import choose_prefill, local_side, prefill_outwaits_local, short_tail
+from router.policy import choose_prefill, decode_side, prefill_outwaits_local, short_tail
 from router.routing import DecodeCandidate, affinity_key, rank_decode, uncached_tokens
 from sim.events import EventQueue
 from sim.profile import Profile
@@ -219,7 +219,7 @@ class SimRouter:
         work = {w: self.queued_tokens[w] + uncached_tokens(len(request.sequence()),
                                                            self.block_size, cached.get(w, 0))
                 for w in workers}
-        return prefill_outwaits_local(limit, work, local_side(lacks, self.queued_tokens[decode_id]))
+        return prefill_outwaits_local(limit, work, decode_side(lacks, self.queued_tokens[decode_id]))
 
     def _start(self, request: SimRequest, decode: SimWorker) -> None:
         assert request.ticket is not None

@@ -21,7 +21,8 @@ import asyncio
 
 from cluster import pause_points
 from router.inflight_kv import MAX_WAIT_S
-from router.lifecycle.placement import Placement, prefill_len
+from router.lifecycle.conditional import prefill_len
+from router.lifecycle.placement import Placement
 from router.policy import short_tail
 
 

@@ -13,8 +13,9 @@ reaches the client:
 - a worker at a limit — ``Busy`` — aborts the attempt, waits for capacity and tries again
   without spending an attempt;
 - a prefill worker whose queue, with what it lacks of the prompt, is longer than the
-  decode worker's own prefill would take (``placement.queue_limit``) — ``QueueRefused`` — aborts the attempt and places one that prefills on a decode
-  worker, without spending an attempt.
+  decode worker's own prefill would take (``conditional.queue_limit``) —
+  ``QueueRefused`` — aborts the attempt and places one that prefills on a decode worker,
+  without spending an attempt.
 
 After the first token, a decode worker that fails the stream (the call fails, it stops
 answering health checks, it ends the stream without a finish reason) — ``Migrate`` — is
@@ -51,9 +52,10 @@ from cluster import pause_points
 from router.errors import RouteError
 from router.lifecycle import coalesce
 from router.lifecycle.attempt import Attempt
+from router.lifecycle.conditional import local_tokens
 from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import Busy, Migrate, QueueRefused, Retry
-from router.lifecycle.placement import Placement, local_tokens
+from router.lifecycle.placement import Placement
 from router.lifecycle.prefill import prefill, release_move
 from router.lifecycle.relay import prefill_and_relay, relay, start_generate
 from router.outputs import OutputChunk

@@ -17,9 +17,9 @@ and the order in which prefill workers are asked.
   worker is left for the request, or a later choice of n > 1 whose first choice's
   decode worker can take it, or conditional disaggregation (kv-aware, every mode): the
   decode worker holds all of the prompt but a short tail, or every prefill worker's queue
-  and what it lacks of the prompt come to more than what the decode worker lacks (as the
-  router sees the queues, or as the prefill workers count their own, refusing the
-  attempt's Prefill: ``queue_limit``, ``QueueRefused``): the attempt prefills on the
+  and what it lacks of the prompt come to more than its own side (as the router sees the
+  queues, or as the prefill workers count their own, refusing the attempt's Prefill:
+  ``QueueRefused``; ``router.lifecycle.conditional``): the attempt prefills on the
   decode worker.
 - Prefill: kv-aware, the least predicted work (tokens queued there plus this prompt's
   tokens it does not hold, over its measured speed: ``router.policy.choose_prefill``);
@@ -42,23 +42,14 @@ from cluster.kv_target import KVTarget
 from router.errors import RouteError
 from router.lifecycle.ahead import AheadGate, ahead_target
 from router.lifecycle.attempt import Attempt, AttemptIds
+from router.lifecycle.conditional import conditional_reason, prefill_len, why_local
 from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import reraise_if_we_are_cancelled
 from router.lifecycle.prompt_kv import PromptKV
-from router.policy import (
-    PrefillChoice,
-    choose_prefill,
-    local_side,
-    prefill_outwaits_local,
-    short_tail,
-)
+from router.policy import PrefillChoice, choose_prefill
 from router.recent_kv import RecentKV
 from router.routing import DecodeCandidate, rank_decode, uncached_tokens
 from router.worker_calls import Failure, Prefilled, WorkerCalls
-
-_WHY_LOCAL = {"local_short_tail": "it holds the prompt but a short tail",
-              "local_queue_wait": "every prefill worker has more to compute first",
-              "local_queue_refused": "the prefill workers had more to compute first"}
 
 # starts an attempt's Prefill (``router.lifecycle.prefill.prefill``): what goes ahead
 PrefillStarter = Callable[[Attempt], Coroutine[Any, Any, Prefilled]]
@@ -131,14 +122,14 @@ class Placement:
 
     def _conditional(self) -> str | None:
         """Conditional disaggregation's reason to prefill on the decode worker a local
-        attempt would take (``_conditional_reason``), or None (also when off: not
+        attempt would take (``conditional.conditional_reason``), or None (also when off: not
         kv-aware, ``local_prefill_max_tokens`` 0, or a resumed stream)."""
         ctx = self.ctx
         if not ctx.config.local_prefill_max_tokens or ctx.calls.num_resumed \
                 or ctx.config.prefill_routing != "kv-aware":
             return None
         order, held = self._decode_ranking()
-        return _conditional_reason(self, order[0], held.get(order[0], 0)) if order else None
+        return conditional_reason(self, order[0], held.get(order[0], 0)) if order else None
 
     def _sibling_worker(self) -> str | None:
         """The decode worker holding a later choice's prompt (``SharedDecode``), if it is
@@ -170,7 +161,7 @@ class Placement:
         if conditional is not None:
             ctx.metrics.decisions.labels("prefill", conditional).inc()
         ctx.log.info("attempt %s: prefilling locally on %s (%s)", attempt.id, decode_id,
-                     _why_local(colocated, sibling == decode_id, conditional))
+                     why_local(colocated, sibling == decode_id, conditional))
         return attempt
 
     def kv_landed(self, attempt: Attempt) -> None:
@@ -313,78 +304,6 @@ class Placement:
         knows (kv-aware: the KV index's word on its prefix cache; else all of them)."""
         return uncached_tokens(prefill_len(self.ctx), self.ctx.block_size,
                                self.prefill_choice.cached.get(prefill_id, 0))
-
-
-def _conditional_reason(placement: Placement, decode_id: str, held_blocks: int
-                        ) -> str | None:
-    """Why the decode worker ``decode_id``, holding ``held_blocks`` leading prompt blocks,
-    should prefill the prompt itself, if it should. ``local_short_tail``: it holds all of
-    the prompt but at most ``local_prefill_max_tokens`` (by a trusted index), so
-    computing that tail where the KV is beats a round trip through a prefill worker;
-    ``local_queue_wait``: every prefill worker's predicted work (its queue, plus what it
-    lacks of the prompt: ``lacked_tokens``), over its relative speed, is more than the
-    local side: what the decode worker lacks, twice, plus the local prefills already under
-    way there, all routers' (``router.policy.prefill_outwaits_local``, ``local_side``)."""
-    ctx = placement.ctx
-    limit = ctx.config.local_prefill_max_tokens
-    if placement.prompt_kv.trusted() and short_tail(
-            limit, len(ctx.request.prompt_token_ids), ctx.block_size, held_blocks):
-        return "local_short_tail"
-    workers = [r.worker_id for r in ctx.pool.routable("prefill")
-               if r.worker_id not in ctx.excluded]
-    work = {w: ctx.pool.cluster_tokens(w) + n for w, n in lacked_tokens(placement, workers).items()}
-    local = local_side(uncached_tokens(prefill_len(ctx), ctx.block_size, held_blocks),
-                       ctx.pool.cluster_tokens(decode_id))
-    speeds = ctx.pool.prefill_speeds(work)
-    return "local_queue_wait" if prefill_outwaits_local(limit, work, local, speeds) else None
-
-
-def _why_local(colocated: bool, sibling: bool, conditional: str | None) -> str:
-    """Why an attempt prefills on its decode worker, for the log."""
-    if colocated:
-        return "colocated mode"
-    if sibling:
-        return "its prompt is cached there"
-    return _WHY_LOCAL.get(conditional or "", "no prefill worker left")
-
-
-def queue_limit(placement: Placement, decode_id: str, prefill_id: str) -> int:
-    """The most prompt tokens the attempt's Prefill on ``prefill_id`` may wait behind
-    there (``cluster.prefill_queue``): the local side of the queue rule
-    (``router.policy.local_side``: what ``decode_id`` lacks of the prompt, twice, plus
-    the local prefills under way there) at that worker's relative speed, less what
-    ``prefill_id`` lacks of the prompt (``lacked_tokens``), and at least 1; 0 (no limit)
-    where conditional disaggregation is off and for a resumed stream (as
-    ``Placement._conditional``)."""
-    ctx = placement.ctx
-    if not ctx.config.local_prefill_max_tokens or ctx.calls.num_resumed \
-            or ctx.config.prefill_routing != "kv-aware":
-        return 0
-    local = local_side(local_tokens(placement, decode_id), ctx.pool.cluster_tokens(decode_id))
-    workers = {r.worker_id for r in ctx.pool.routable("prefill")
-               if r.worker_id not in ctx.excluded} | {prefill_id}
-    speed = ctx.pool.prefill_speeds(workers).get(prefill_id, 1.0)
-    return max(1, int(local * speed) - lacked_tokens(placement, [prefill_id])[prefill_id])
-
-
-def lacked_tokens(placement: Placement, workers: list[str]) -> dict[str, int]:
-    """The prompt tokens each of ``workers`` would compute for ``placement``'s request, as
-    far as the router knows (kv-aware: less the leading blocks the KV index says it holds;
-    all of them while it cannot be trusted)."""
-    held = placement.prompt_kv.cached_blocks(workers)
-    return {w: uncached_tokens(prefill_len(placement.ctx), placement.ctx.block_size,
-                               held.get(w, 0)) for w in workers}
-
-
-def local_tokens(placement: Placement, decode_id: str) -> int:
-    """The prompt tokens a local attempt on ``decode_id`` computes (``lacked_tokens``)."""
-    return lacked_tokens(placement, [decode_id])[decode_id]
-
-
-def prefill_len(ctx: RequestContext) -> int:
-    """The tokens an attempt's prefill computes at most: the prompt, and a migrated
-    stream's tokens sent before it."""
-    return len(ctx.request.prompt_token_ids) + ctx.calls.num_resumed
 
 
 def _decode_candidates(ctx: RequestContext, records: list[Any], cached: dict[str, int],

@@ -6,7 +6,7 @@ the attempt's Reserve, naming the target the router expects (``Placement``); the
 worker's receiver parks KV that arrives before its reservation.
 
 A Prefill that conditional disaggregation may keep local carries the most prompt tokens
-it may wait behind (``placement.queue_limit``), lowered to what this router's view
+it may wait behind (``conditional.queue_limit``), lowered to what this router's view
 assumed of that worker's queue (``router.policy.queue_bounds``); a worker with more
 refuses it, and the next one in the order is asked (``_prefill_in_order``). When every
 worker asked refused it so or was busy, and one at least for its queue, the attempt ends
@@ -34,6 +34,7 @@ import grpc
 from cluster.prefill_queue import refused_queue
 from router.errors import RouteError
 from router.lifecycle.attempt import Attempt
+from router.lifecycle.conditional import DEARER, queue_limit
 from router.lifecycle.context import RequestContext
 from router.lifecycle.outcomes import (
     MoveOffer,
@@ -41,7 +42,7 @@ from router.lifecycle.outcomes import (
     Retry,
     reraise_if_we_are_cancelled,
 )
-from router.lifecycle.placement import Placement, queue_limit
+from router.lifecycle.placement import Placement
 from router.policy import predicted_cost
 from router.worker_calls import Failure, Prefilled, WorkerCalls
 
@@ -100,6 +101,9 @@ async def _prefill_in_order(attempt: Attempt, placement: Placement, order: list[
     refused = attempt.ctx.metrics.queue_refusals  # by the limit it was over
     for i, prefill_id in enumerate(order):
         local = local_side[prefill_id] = queue_limit(placement, attempt.decode_id, prefill_id)
+        if local == DEARER:  # lacks so much of the prompt that the decode worker is sooner
+            refusals[prefill_id] = "it lacks more of the prompt than the decode worker would compute"
+            continue
         tokens, speed = placement.prefill_tokens(prefill_id), choice.speeds.get(prefill_id, 1.0)
         limit = min(local, choice.queue_bounds.get(prefill_id, 0) or local) \
             if local and i < MAX_BOUNDED_ASKS else local

@@ -39,10 +39,11 @@ from typing import Any
 import pytest
 import redis
 
-from cluster.kv_events import EventBatch, decode, encode
+from cluster.kv_events import BadEvent, EventBatch, decode, encode
 from cluster.registry import Keys, Registry
 from engine import LLM, SamplingParams
 from engine.kvcache.block_hash import compute_block_hashes
+from engine.kvcache.events import STORED
 from pdserve import Client
 from router.routing import affinity_key, rendezvous_order
 from tests.e2e.cluster import Cluster, scrape_metrics
@@ -125,6 +126,23 @@ def _last_batch(cluster: Cluster, worker: str) -> EventBatch:
     finally:
         client.close()
     raise AssertionError(f"no KV event of {worker} on the stream")
+
+
+def _published(cluster: Cluster, worker: str, block_hash: bytes) -> bool:
+    """Whether ``worker``'s KV events on the stream say it stored ``block_hash`` (entries
+    that do not decode, as another test adds, are skipped)."""
+    client = redis.Redis.from_url(cluster.redis.url, socket_timeout=5)
+    try:
+        for _, fields in client.xrevrange(STREAM, count=2000):
+            try:
+                batch = decode(fields)
+            except BadEvent:
+                continue
+            if batch.worker_id == worker and (STORED, block_hash) in batch.ops:
+                return True
+        return False
+    finally:
+        client.close()
 
 
 def _add(cluster: Cluster, fields: dict[str, bytes]) -> None:
@@ -351,9 +369,13 @@ def test_a_chats_next_turn_stays_where_its_reply_is_rather_than_computed_again(
                                          timeout=TIMEOUT_S).token_ids)
         # 136 tokens: the decode worker holds 8 full blocks, the prefill worker 2
         turn = first + reply + user
-        wait_until(lambda: _indexed(router, "decode-0") >= 8, 10.0,
-                   "the router to index the decode worker's blocks of the reply")
-        before = _settled(lambda: _prefill_figures(cluster))
+        with Registry(cluster.redis.url) as registry:
+            layout = registry.cluster_layout()
+        assert layout is not None
+        eighth = compute_block_hashes(turn, BLOCK, seed=layout.hash_seed)[7]
+        wait_until(lambda: _published(cluster, "decode-0", eighth), 10.0,
+                   "the decode worker to publish the reply's last full block")
+        before = _settled(lambda: _prefill_figures(cluster))  # the router reads it meanwhile
         with Client(router.address) as client:
             got = client.complete(prompt_token_ids=turn, max_tokens=6, temperature=0.0,
                                   ignore_eos=True, timeout=TIMEOUT_S)

@@ -9,7 +9,7 @@ import pytest
 from router.policy import (
     PrefillChoice,
     choose_prefill,
-    local_side,
+    decode_side,
     prefill_outwaits_local,
     relative_speeds,
     short_tail,
@@ -77,14 +77,14 @@ def test_short_tail_needs_a_holder_and_a_short_rest() -> None:
 
 
 def test_the_decode_worker_prefills_when_every_prefill_worker_has_more_to_compute() -> None:
-    # 100 tokens the decode worker lacks; the least work on a prefill worker (its queue and
-    # what it lacks of the prompt) decides
+    # the decode worker's side 100 (decode_side); the least work on a prefill worker (its
+    # queue and what it lacks of the prompt) decides
     assert prefill_outwaits_local(64, {"p0": 500, "p1": 101}, 100)
     assert not prefill_outwaits_local(64, {"p0": 500, "p1": 100}, 100)
     assert not prefill_outwaits_local(0, {"p0": 500}, 100)  # conditional disaggregation off
     assert not prefill_outwaits_local(64, {}, 100)  # no prefill worker
     # the local side: what the decode worker lacks, twice, and its backlog
-    assert local_side(20, 30) == 70
+    assert decode_side(20, 30) == 70
 
 
 

@@ -15,7 +15,8 @@ from engine.kvcache.block_hash import LOSSY_WIRE_SALT, compute_block_hashes
 from engine.kvcache.events import STORED
 from router.config import HandoffConfig
 from router.kv_index import KVIndex
-from router.lifecycle.placement import Placement, queue_limit
+from router.lifecycle.conditional import DEARER, queue_limit
+from router.lifecycle.placement import Placement
 from router.metrics import RouterMetrics
 from router.policy import relative_speeds
 from router.routing import affinity_key, rendezvous_order
@@ -123,11 +124,15 @@ def test_a_prompt_is_prefilled_on_the_decode_worker_when_every_prefill_queue_is_
     # conditional disaggregation off
     assert not _placement(prompt, _index({}), Pool({"p-0": 1000, "p-1": 150}),
                           local_prefill_max_tokens=0)[0].prefills_locally()
-    # the decode worker holds 5 of its blocks: it lacks 20 tokens, fewer than any queue
+    # every worker holds 5 of its blocks: each lacks 20 tokens, and the queues decide (the
+    # prefill workers' sides 50 and 45, the decode worker's 2 x 20)
     hashes = compute_block_hashes(prompt, BLOCK)
-    placement, _ = _placement(prompt, _index({"d-0": hashes[:5]}), Pool({"p-0": 30, "p-1": 25}),
+    index = _index({w: hashes[:5] for w in ("d-0", "p-0", "p-1")})
+    placement, _ = _placement(prompt, index, Pool({"p-0": 30, "p-1": 25}),
                               local_prefill_max_tokens=8)
     assert placement._conditional() == "local_queue_wait"
+    assert not _placement(prompt, index, Pool({"p-0": 30, "p-1": 20}),
+                          local_prefill_max_tokens=8)[0].prefills_locally()
     # a migrated stream's attempt keeps the prefill path (as for a short tail)
     placement, _ = _placement(prompt, _index({}), Pool({"p-0": 1000, "p-1": 150}))
     placement.ctx.calls.num_resumed = 10
@@ -145,11 +150,16 @@ def test_a_prefill_carries_the_queue_its_worker_may_refuse_it_over() -> None:
                               Pool({"d-0": 30}))
     assert queue_limit(placement, "d-0", "p-0") == 2 * (100 - 2 * BLOCK) + 30 - (100 - 64)
     # at a slower worker's speed (1.5 x 100/400): the same wait is fewer of its tokens,
-    # here fewer than the prompt, so only an idle one may take it (the least limit is 1)
+    # here fewer than the prompt, so it costs more than the decode worker even idle
     placement, _ = _placement(prompt, _index({}), Pool(rates={"p-0": 100.0, "p-1": 400.0}))
     assert int(2 * 100 * 1.5 * 100 / 400) < 100
-    assert queue_limit(placement, "d-0", "p-0") == 1
+    assert queue_limit(placement, "d-0", "p-0") == DEARER
     assert queue_limit(placement, "d-0", "p-1") == 2 * 100 - 100
+    # exactly as dear as the decode worker when idle (lacking 68 = 2 x 20 + 28 queued
+    # there): an idle one may take it
+    placement, _ = _placement(prompt, _index({"d-0": hashes[:5], "p-1": hashes[:2]}),
+                              Pool({"d-0": 28}))
+    assert queue_limit(placement, "d-0", "p-1") == 1
     # none where the router would never prefill it locally for its queue
     assert queue_limit(_placement(prompt, _index({}), Pool(), local_prefill_max_tokens=0)[0],
                        "d-0", "p-0") == 0

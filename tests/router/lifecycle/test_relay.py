@@ -115,12 +115,14 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
     """``prefill.prefill`` (the calls stood in for): a prefill worker that refuses the
     Prefill for its queue (``cluster.prefill_queue``) is passed over for the next one;
     the first is asked below its queue bound (``router.policy.queue_bounds``), and one
-    refused over that alone is asked again with the local side of the limit; when every
-    one asked refused, the attempt ends with ``QueueRefused``."""
+    refused over that alone is asked again with the local side of the limit; one dearer
+    than the decode worker even idle is not asked; when every one asked refused (or none
+    was asked), the attempt ends with ``QueueRefused``."""
     import grpc
 
     from cluster.prefill_queue import queue_refusal
     from router.lifecycle import prefill as prefill_module
+    from router.lifecycle.conditional import DEARER
     from router.lifecycle.outcomes import QueueRefused
     from router.policy import PrefillChoice
     from router.worker_calls import classify
@@ -199,8 +201,7 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
     assert asked == [("p-0", 10), ("p-1", 36), ("p-0", 40)]
     # computing 100, p-1 costs more than p-0 holding 20 even idle: not asked
     tokens["p-1"] = 100
-    assert run({"p-0": 20, "p-1": 0}).worker == "p-0"
-    assert asked == [("p-0", 10), ("p-0", 40)]
+    assert run({"p-0": 20, "p-1": 0}).worker == "p-0" and asked == [("p-0", 10), ("p-0", 40)]
     tokens["p-1"] = 2
     # asked again least cost first: p-0 at a quarter speed holding 20 costs 88, p-1 32
     placement.prefill_choice = PrefillChoice(["p-0", "p-1"], "kv_cost",
@@ -214,6 +215,15 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
                                              queue_bounds={"p-0": 10, "p-1": 10})
     assert run({"p-0": 30, "p-1": 30}).worker == "p-1"
     assert asked == [("p-0", 10), ("p-1", 40)]
+    # a worker dearer than the decode worker even idle (conditional.DEARER) is not asked;
+    # with none left, the decode worker prefills it
+    monkeypatch.setattr(prefill_module, "queue_limit",
+                        lambda placement, d, p: DEARER if p == "p-1" else 40)
+    assert run({"p-0": 30, "p-1": 0}).worker == "p-0" and asked == [("p-0", 10), ("p-0", 40)]
+    monkeypatch.setattr(prefill_module, "queue_limit", lambda placement, d, p: DEARER)
+    with pytest.raises(QueueRefused, match="lacks more of the prompt"):
+        run({"p-0": 0, "p-1": 0})
+    assert asked == []
     # with the decode worker's side off (0), nothing is bounded
     monkeypatch.setattr(prefill_module, "queue_limit", lambda placement, d, p: 0)
     assert run({"p-0": 500, "p-1": 500}).worker == "p-0" and asked == [("p-0", 0)]
