@@ -34,7 +34,8 @@ streamed chunks, end-to-end, and the time a request waited in the router's queue
   longest prefix), ``kv_cost`` (the index was used and it had the least predicted work),
   ``affinity``, ``round_robin``, ``index_stale`` (kv-aware without a trusted index: it
   fell back to affinity), ``load``; conditional disaggregation's prefills on the decode
-  worker: ``local_short_tail``, ``local_queue_wait`` (``router.lifecycle.placement``),
+  worker: ``local_short_tail``, ``local_queue_wait`` (``router.lifecycle.conditional``;
+  also when, the decode worker reserved, no prefill worker was worth asking),
   ``local_queue_refused`` (its prefill worker refused it: ``cluster.prefill_queue``);
 - ``pdserve:router_queue_refusals_total{limit}``: Prefills a prefill worker refused for its
   queue (``cluster.prefill_queue``), by the limit it was over: ``bound``, what this

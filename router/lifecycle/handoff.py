@@ -130,7 +130,8 @@ class Handoff:
                 ctx.log.info("attempt %s: %s; prefilling on the decode worker", attempt.id,
                              refused)
                 await attempt.abort_decode_now()
-                ctx.local_reason = "local_queue_refused"
+                ctx.local_reason = "local_queue_wait" if refused.by_router \
+                    else "local_queue_refused"
             except Busy as busy:  # not the worker's fault: wait, then place again
                 ctx.metrics.retries.labels("busy").inc()
                 ctx.log.info("attempt %s: %s; waiting for capacity", attempt.id, busy)

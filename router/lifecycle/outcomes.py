@@ -27,8 +27,13 @@ class Busy(Exception):
 
 class QueueRefused(Exception):
     """The prefill worker refused the attempt's Prefill: it has more prompt tokens to
-    compute than the router's limit (``cluster.prefill_queue``). The next attempt
-    prefills on a decode worker; no worker is suspected, no attempt spent."""
+    compute than the router's limit (``cluster.prefill_queue``); or (``by_router``) the
+    router found no prefill worker worth asking. The next attempt prefills on a decode
+    worker; no worker is suspected, no attempt spent."""
+
+    def __init__(self, message: str, by_router: bool = False) -> None:
+        super().__init__(message)
+        self.by_router = by_router
 
 
 class Migrate(Exception):

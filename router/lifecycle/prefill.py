@@ -89,28 +89,31 @@ async def _prefill_in_order(attempt: Attempt, placement: Placement, order: list[
     (``queue_limit``), lowered to its queue bound (``router.policy.queue_bounds``; the
     first ``MAX_BOUNDED_ASKS`` asked only) and, once a worker refused saying what it
     holds, to what still costs less than that one really does (a worker that cannot, even
-    idle, is passed over). When none took it, those refused holding no more than the local
-    side are asked again with that alone, the least cost first. Then None when all were
-    busy; ``QueueRefused`` when one at least refused for its queue (the decode worker
-    computes it sooner)."""
+    idle, is passed over, as is one that would cost more than the decode worker even idle:
+    ``conditional.DEARER``). When none took it, those refused holding no more than the
+    local side are asked again with that alone, the least cost first. Then None when all
+    asked were busy; ``QueueRefused`` when one at least refused for its queue, or none was
+    worth asking (the decode worker computes it sooner)."""
     refusals: dict[str, str] = {}  # worker -> its queue refusal's details
     local_side: dict[str, int] = {}
     again: dict[str, float] = {}  # refused within the local side: its cost, as it said
     best = math.inf  # the least cost of a worker that refused, by what it said it holds
     choice, block = placement.prefill_choice, attempt.ctx.block_size
     refused = attempt.ctx.metrics.queue_refusals  # by the limit it was over
-    for i, prefill_id in enumerate(order):
+    asked = dearer = 0
+    for prefill_id in order:
         local = local_side[prefill_id] = queue_limit(placement, attempt.decode_id, prefill_id)
-        if local == DEARER:  # lacks so much of the prompt that the decode worker is sooner
-            refusals[prefill_id] = "it lacks more of the prompt than the decode worker would compute"
+        if local == DEARER:  # even idle, it would take longer than the decode worker
+            dearer += 1
             continue
         tokens, speed = placement.prefill_tokens(prefill_id), choice.speeds.get(prefill_id, 1.0)
         limit = min(local, choice.queue_bounds.get(prefill_id, 0) or local) \
-            if local and i < MAX_BOUNDED_ASKS else local
+            if local and asked < MAX_BOUNDED_ASKS else local
         if local and best < math.inf:
             limit = min(limit, int(best * speed) - tokens + block)
             if limit < 1:
                 continue  # dearer than a refused worker even idle
+        asked += 1
         reply = await _prefill_on(attempt, prefill_id, tokens, limit, refusals)
         if reply is not None:
             return reply
@@ -132,6 +135,9 @@ async def _prefill_in_order(attempt: Attempt, placement: Placement, order: list[
             refused.labels("local").inc()
     if refusals:
         raise QueueRefused("; ".join(f"prefill worker {w}: {why}" for w, why in refusals.items()))
+    if dearer == len(order):
+        raise QueueRefused("every prefill worker would take longer than the decode worker, "
+                           "even idle", by_router=True)
     return None
 
 

@@ -184,8 +184,7 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
         return asyncio.run(prefill_module._prefill_in_order(  # type: ignore[arg-type]
             attempt(holding, busy), placement, ["p-0", "p-1"]))
 
-    assert run({"p-0": 500, "p-1": 0}).worker == "p-1"
-    assert asked == [("p-0", 10), ("p-1", 40)]
+    assert run({"p-0": 500, "p-1": 0}).worker == "p-1" and asked == [("p-0", 10), ("p-1", 40)]
     # p-0 holds more than this router saw (10) but less than the local side: asked again
     assert run({"p-0": 30, "p-1": 500}).worker == "p-0"
     assert asked == [("p-0", 10), ("p-1", 40), ("p-0", 40)]
@@ -220,10 +219,12 @@ def test_a_queue_refusal_asks_the_next_prefill_worker_and_all_of_them_go_local(
     monkeypatch.setattr(prefill_module, "queue_limit",
                         lambda placement, d, p: DEARER if p == "p-1" else 40)
     assert run({"p-0": 30, "p-1": 0}).worker == "p-0" and asked == [("p-0", 10), ("p-0", 40)]
+    # ... but passing it over is no refusal: the one asked being busy, it waits
+    assert in_order({"p-0": 0, "p-1": 0}, frozenset({"p-0"})) is None and asked == [("p-0", 10)]
     monkeypatch.setattr(prefill_module, "queue_limit", lambda placement, d, p: DEARER)
-    with pytest.raises(QueueRefused, match="lacks more of the prompt"):
+    with pytest.raises(QueueRefused, match="even idle") as raised:
         run({"p-0": 0, "p-1": 0})
-    assert asked == []
+    assert raised.value.by_router and asked == []
     # with the decode worker's side off (0), nothing is bounded
     monkeypatch.setattr(prefill_module, "queue_limit", lambda placement, d, p: 0)
     assert run({"p-0": 500, "p-1": 500}).worker == "p-0" and asked == [("p-0", 0)]
