@@ -155,6 +155,10 @@ def test_a_prefill_carries_the_queue_its_worker_may_refuse_it_over() -> None:
     assert int(2 * 100 * 1.5 * 100 / 400) < 100
     assert queue_limit(placement, "d-0", "p-0") == DEARER
     assert queue_limit(placement, "d-0", "p-1") == 2 * 100 - 100
+    # KV this router saw land on the decode worker, not yet in the index, counts too
+    placement, _ = _placement(prompt, _index({}), Pool({"d-0": 30}))
+    placement.gate.recent.landed("d-0", hashes[:2])
+    assert queue_limit(placement, "d-0", "p-0") == 2 * (100 - 2 * BLOCK) + 30 - 100
     # exactly as dear as the decode worker when idle (lacking 68 = 2 x 20 + 28 queued
     # there): an idle one may take it
     placement, _ = _placement(prompt, _index({"d-0": hashes[:5], "p-1": hashes[:2]}),
