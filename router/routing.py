@@ -27,7 +27,6 @@ blocks (from its last heartbeat).
 from __future__ import annotations
 
 import functools
-import math
 import struct
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
@@ -65,9 +64,7 @@ def pick_prefill(key: bytes, loads: Mapping[str, int],
     """
     if not loads:
         return []
-    # Exact arithmetic on epsilon as written: in floats (1 + 0.1) * 50 / 5 is 11.000…02,
-    # which would ceil to 12 and let a worker one request past the bound.
-    bound = math.ceil(_one_plus(epsilon) * (sum(loads.values()) + 1) / len(loads))
+    bound = load_bound(epsilon, sum(loads.values()), len(loads))
     order = rendezvous_order(key, list(loads))
     within = [w for w in order if loads[w] + 1 <= bound]
     return within + [w for w in order if w not in within]
@@ -121,18 +118,28 @@ def rank_decode(candidates: Sequence[DecodeCandidate], num_blocks: int,
     fit = [c for c in candidates if c.total_kv_blocks >= num_blocks]
     if not fit:
         return []
-    bound = math.ceil(_one_plus(epsilon) * (sum(c.inflight for c in fit) + 1)
-                      / len(fit))
+    bound = load_bound(epsilon, sum(c.inflight for c in fit), len(fit))
     fit.sort(key=lambda c: (c.inflight + 1 > bound, -c.cached_blocks, c.inflight,
                             -c.free_kv_blocks, c.worker_id))
     return [c.worker_id for c in fit]
 
 
+def load_bound(epsilon: float, total: int, num_workers: int) -> int:
+    """The most requests a worker may hold with one more placed among ``num_workers``
+    holding ``total``: ``ceil((1 + epsilon) * (total + 1) / num_workers)``, with
+    ``epsilon`` exactly as written (in floats (1 + 0.1) * 50 / 5 is 11.000…02, which would
+    ceil to 12), in integers (a Fraction's arithmetic is slow, and the bound is computed
+    for every request)."""
+    numerator, denominator = _one_plus(epsilon)
+    return -(-numerator * (total + 1) // (denominator * num_workers))
+
+
 @functools.lru_cache(maxsize=16)
-def _one_plus(epsilon: float) -> Fraction:
-    """``1 + epsilon`` exactly as written (one per epsilon: a Fraction of a string is slow
-    to make, and the bounds are computed for every request)."""
-    return 1 + Fraction(str(epsilon))
+def _one_plus(epsilon: float) -> tuple[int, int]:
+    """``1 + epsilon`` exactly as written, as a numerator and a denominator (one per
+    epsilon: a Fraction of a string is slow to make)."""
+    exact = 1 + Fraction(str(epsilon))
+    return exact.numerator, exact.denominator
 
 
 def _weight(key: bytes, worker_id: str) -> int:

@@ -16,6 +16,9 @@ Definitions (``../shared/BENCHMARKS.md``, the same as vLLM's):
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import json
 import math
 import random
@@ -44,7 +47,7 @@ class Outcome:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)  # since sent, one per message
+    token_times: list[float] = field(default_factory=list)  # since sent, one per message, ascending
 
     @property
     def tpot(self) -> float | None:
@@ -94,7 +97,8 @@ def _stats(name: str, values_s: Sequence[float], percentiles: Sequence[float]
            ) -> dict[str, float]:
     """Mean, median, population standard deviation and percentiles in milliseconds (one
     sort, float sums: millions of inter-token gaps take a second, not minutes)."""
-    ms = sorted(v * 1000 for v in values_s)
+    ms = [v * 1000 for v in values_s]
+    ms.sort()
     if not ms:
         return {f"{k}_{name}_ms": math.nan for k in
                 ("mean", "median", "std", *(f"p{p:g}" for p in percentiles))}
@@ -110,9 +114,13 @@ def _peaks(outcomes: Sequence[Outcome]) -> tuple[float, int]:
     bins: dict[int, int] = {}
     events: list[tuple[float, int]] = []
     for o in outcomes:
-        for t in o.token_times:
-            second = int(o.sent_at + t)
-            bins[second] = bins.get(second, 0) + 1
+        # the tokens of each second at once: token_times ascend (in the order streamed)
+        times, end, i = o.token_times, len(o.token_times), 0
+        while i < end:
+            second = int(o.sent_at + times[i])
+            j = bisect.bisect_right(times, second, i, end, key=functools.partial(_second, o.sent_at))
+            bins[second] = bins.get(second, 0) + j - i
+            i = j
         if o.success:
             events += [(o.sent_at, 1), (o.sent_at + o.latency, -1)]
     running = peak = 0
@@ -120,6 +128,11 @@ def _peaks(outcomes: Sequence[Outcome]) -> tuple[float, int]:
         running += step
         peak = max(peak, running)
     return float(max(bins.values(), default=0)), peak
+
+
+def _second(sent_at: float, t: float) -> int:
+    """The one-second bin of a token received ``t`` after a send at ``sent_at``."""
+    return int(sent_at + t)
 
 
 def metrics(outcomes: Sequence[Outcome], duration_s: float, *,
@@ -150,7 +163,8 @@ def metrics(outcomes: Sequence[Outcome], duration_s: float, *,
         result["slo_attainment"] = good / len(outcomes) if outcomes else math.nan
     tpots = [t for o in done if (t := o.tpot) is not None]
     series = {"ttft": [o.ttft for o in done], "tpot": tpots,
-              "itl": [g for o in done for g in o.itl], "e2el": [o.latency for o in done]}
+              "itl": list(itertools.chain.from_iterable(o.itl for o in done)),
+              "e2el": [o.latency for o in done]}
     for name in METRICS:
         result.update(_stats(name, series[name], percentiles))
     return result

@@ -38,6 +38,7 @@ costs 0). ``steps`` is keyed by tensor-parallel size; ``multi_token_s`` and
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ from typing import Any
 from engine.core.scheduler import SchedulerOutput
 
 SCHEMA = "pdserve.sim.profile/1"
+_START = operator.attrgetter("start_position")  # of a ScheduledChunk
 SOURCES = ("measured", "derived")
 STEP_TERMS = ("base_s", "multi_token_s", "prefill_step_s", "per_prefill_token_s",
               "per_prefill_attention_s", "per_decode_seq_s", "per_decode_context_s")
@@ -92,7 +94,7 @@ def step_quantities(out: SchedulerOutput) -> tuple[float, ...]:
         prefill_tokens += n
         attention += n * (chunk.start_position + n / 2)
     decodes = out.decodes
-    context = sum(chunk.start_position + 1 for chunk in decodes)
+    context = sum(map(_START, decodes)) + len(decodes)  # each attends to its start + 1
     return (1.0, float(prefill_tokens + len(decodes) > 1), float(bool(out.prefills)),
             prefill_tokens, attention, float(len(decodes)), float(context))
 

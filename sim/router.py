@@ -238,10 +238,11 @@ class SimRouter:
         trusted = self.kv_index is not None and self.kv_index.trusted()
         first = self._prompt_block(request) if trusted else []
         # as Placement._decode_ranking: KV seen landing lately counts as one block held
-        candidates = [DecodeCandidate(w.worker_id, self.inflight[w.worker_id],
+        inflight, held_at, may_hold = self.inflight, held.get, self.gate.recent.may_hold
+        candidates = [DecodeCandidate(w.worker_id, inflight[w.worker_id],
                                       w.reported_free_blocks(), w.blocks.num_blocks,
-                                      held.get(w.worker_id, 0)
-                                      or int(self.gate.recent.may_hold(w.worker_id, first)))
+                                      held_at(w.worker_id, 0)
+                                      or int(bool(first) and may_hold(w.worker_id, first)))
                       for w in workers]
         return rank_decode(candidates, self._num_blocks(request),
                            self.handoff.load_epsilon), held
@@ -307,6 +308,13 @@ class SimRouter:
             delay = self.profile.transfer_s(request.kv_bytes) + self.profile.handoff_overhead_s / 2
             self.events.after(delay, self._kv_arrived, request, request.attempt, worker,
                               update.new_token_id)
+            return
+        if not update.finished and request.first_token_s is not None \
+                and not request.local_tokens and (request.landed == request.attempt
+                                                  or self.kv_index is None):
+            # a token mid-stream (most updates): all that _token does with it
+            request.token_times_s.append(self.events.now)
+            request.output_ids.append(update.new_token_id)
             return
         if request.first_token_s is None:  # a local attempt's first token
             request.cached_tokens = update.request.num_cached_tokens

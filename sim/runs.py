@@ -5,6 +5,8 @@ run (``sim.metrics``): ``run`` (``pdserve simulate``, ``sim.cli``, and
 from __future__ import annotations
 
 import gc
+import itertools
+import operator
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,8 +39,9 @@ def outcomes(result: SimResult) -> list[Outcome]:
             o.cached_tokens = r.cached_tokens
             o.ttft = r.first_token_s - r.arrival_s
             o.latency = r.finished_s - r.arrival_s
-            o.token_times = [t - r.arrival_s for t in r.token_times_s]
-            o.itl = [b - a for a, b in zip(r.token_times_s, r.token_times_s[1:], strict=False)]
+            times = r.token_times_s
+            o.token_times = list(map(operator.sub, times, itertools.repeat(r.arrival_s)))
+            o.itl = list(map(operator.sub, times[1:], times))  # each gap: b - a
         out.append(o)
     return out
 
@@ -51,12 +54,14 @@ def run(profile: Profile, spec: SimSpec, requests: Sequence[Request], times: Seq
     (``sim.metrics``), ``simulation`` (wall and virtual seconds, events, each worker's busy
     share and steps) and, ``detailed``, the per-request lists (``sim.metrics.details``)."""
     started = time.perf_counter()
-    with _fewer_collections():
+    with _fewer_collections():  # measuring makes millions of objects too
         result = simulate(profile, spec, sim_requests(requests, times))
-    wall = time.perf_counter() - started
-    result.check()
-    done = outcomes(result)
-    return {**metrics(done, result.duration_s, slo_ms=slo_ms or None, percentiles=percentiles),
+        wall = time.perf_counter() - started
+        result.check()
+        done = outcomes(result)
+        figures = metrics(done, result.duration_s, slo_ms=slo_ms or None,
+                          percentiles=percentiles)
+    return {**figures,
             "simulation": {"wall_s": wall, "events": result.num_events,
                            "virtual_s": result.duration_s,
                            "workers": {w.worker_id: {"busy": w.busy_s / result.duration_s

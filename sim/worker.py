@@ -159,9 +159,10 @@ class SimWorker:
             return
         # a made-up sampled token per sampling chunk, from its request and position
         # (deterministic: the same run samples the same ids)
-        sampled = [FIRST_TOKEN_ID + (_id_sum(c.request_id) * 7919
-                                     + (c.start_position + len(c.token_ids)) * 104729)
-                   % NUM_TOKEN_IDS for c in out.chunks if c.sample]
+        chunks = out.chunks
+        sampled = [FIRST_TOKEN_ID + (_id_sum(request_id) * 7919
+                                     + (start + len(token_ids)) * 104729) % NUM_TOKEN_IDS
+                   for request_id, token_ids, start, _, sample, _, _ in chunks if sample]
         self._beat()
         updates = self.scheduler.update(out, sampled)
         finished = [u.request.request_id for u in updates if u.finished]

@@ -45,6 +45,18 @@ class ScheduledChunk(NamedTuple):
         return int(self.sample)
 
 
+def decode_chunk(request: Request, block_ids: tuple[int, ...],
+                 block_size: int) -> ScheduledChunk | None:
+    """``request``'s next chunk when it is one decode token whose KV has room in
+    ``block_ids`` (the usual chunk: nothing to allocate, made once per running request
+    per step), as ``next_chunk`` makes it; else None."""
+    start = request.num_computed_tokens
+    if start + 1 != len(request.all_token_ids) or start >= len(block_ids) * block_size:
+        return None
+    return ScheduledChunk(request.request_id, (request.all_token_ids[start],), start,
+                          block_ids, True)
+
+
 def next_chunk(request: Request, num_new: int, drafts: Sequence[int],
                block_ids: tuple[int, ...]) -> ScheduledChunk:
     """The chunk of ``request``'s next ``num_new`` tokens to compute (then ``drafts``, its

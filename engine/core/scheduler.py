@@ -19,10 +19,18 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.chunks import ScheduledChunk, blocks_completed, next_block_hash, next_chunk
+from engine.core.chunks import (
+    ScheduledChunk,
+    blocks_completed,
+    decode_chunk,
+    next_block_hash,
+    next_chunk,
+)
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.speculative import accepted, blocks_wanted_after, drafts_for
 from engine.kvcache import BlockManager
+
+SEQUENCES = (tuple, list)  # a speculated chunk's tokens come as one of these
 
 
 @dataclass
@@ -156,8 +164,13 @@ class Scheduler:
         speculate = bool(self.config.speculative_method) and (
             limit is None or len(self.running) <= limit)
         later_blocks = blocks_wanted_after(self.running, self.blocks, budget) if speculate else []
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        running, table, size = self.running, self.blocks.block_table, self.blocks.block_size
+        while i < len(running) and budget > 0:
+            request = running[i]  # the usual chunk first, without the general case's calls
+            if not speculate and (chunk := decode_chunk(request, table(request.request_id), size)):
+                out.decodes.append(chunk)
+                budget, i = budget - 1, i + 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = drafts_for(request, self.config, self.blocks, budget, self.max_model_len,
                                 len(self.running) - i - 1, later_blocks[i]) if (
@@ -170,7 +183,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self._emit(out, request, num_new - len(drafts), drafts)
+                _emit(out, request, num_new - len(drafts), table(request.request_id), drafts)
                 budget -= num_new
                 i += 1
         return budget
@@ -204,7 +217,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self.stats.num_admissions_during_decode += decoding
-            self._emit(out, request, num_new)
+            _emit(out, request, num_new, self.blocks.block_table(request.request_id))
             budget -= num_new
             if coming is not None:
                 coming |= blocks_completed(out.prefills[-1:], self.requests, size, seed)
@@ -220,15 +233,6 @@ class Scheduler:
         num_blocks = (request.num_tokens - 1) // self.blocks.block_size
         hashes = request.full_block_hashes(num_blocks, self.blocks.block_size, self.cache.hash_seed)
         return self.blocks.get_cached_prefix(hashes)
-
-    def _emit(self, out: SchedulerOutput, request: Request, num_new: int,
-              drafts: Sequence[int] = ()) -> None:
-        chunk = next_chunk(request, num_new, drafts, self.blocks.block_table(request.request_id))
-        if chunk.is_decode or drafts:  # a speculated chunk's tokens are decode rows
-            out.decodes.append(chunk)
-        else:
-            request.num_prefill_chunks += 1
-            out.prefills.append(chunk)
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks; it is recomputed from scratch when re-admitted."""
@@ -250,6 +254,7 @@ class Scheduler:
         samples = iter(sampled)
         updates: list[StepUpdate] = []
         find, running = self.requests.get, RequestStatus.RUNNING
+        block_size, max_model_len = self.blocks.block_size, self.max_model_len
         for chunk in out.chunks:
             request = find(chunk.request_id)
             token = next(samples) if chunk.sample else None
@@ -259,15 +264,17 @@ class Scheduler:
                 assert isinstance(token, tuple | list)
                 updates += self._update_speculated(request, chunk, token)
                 continue
-            assert not isinstance(token, tuple | list)  # concrete types: ABCs cost per token
+            assert not isinstance(token, SEQUENCES)  # concrete types: ABCs cost per token
             token = cast(int | None, token)
             request.num_computed_tokens += len(chunk.token_ids)
-            key_full_blocks(request, self.blocks, self.cache)
+            if len(chunk.token_ids) > 1 or not request.num_computed_tokens % block_size:
+                key_full_blocks(request, self.blocks, self.cache)  # one token fills a block
+                # only as its last (the blocks before were keyed, or cached and keyed)
             if token is None:
                 continue
             request.append_output(token)
             reason = FinishReason.PREFILLED if request.prefill_only else request.check_token_stop(
-                self.max_model_len)
+                max_model_len)
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)
@@ -309,6 +316,17 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is not None and request.is_finished:
                 del self.requests[rid]
+
+
+def _emit(out: SchedulerOutput, request: Request, num_new: int, block_ids: tuple[int, ...],
+          drafts: Sequence[int] = ()) -> None:
+    """Adds ``request``'s next chunk (``num_new`` tokens, then ``drafts``) to ``out``."""
+    chunk = next_chunk(request, num_new, drafts, block_ids)
+    if chunk.is_decode or drafts:  # a speculated chunk's tokens are decode rows
+        out.decodes.append(chunk)
+    else:
+        request.num_prefill_chunks += 1
+        out.prefills.append(chunk)
 
 
 def key_full_blocks(request: Request, blocks: BlockManager, cache: CacheConfig) -> None:

@@ -18,6 +18,7 @@ from router.config import AFFINITY_BLOCKS, HandoffConfig
 from router.routing import (
     DecodeCandidate,
     affinity_key,
+    load_bound,
     pick_prefill,
     rank_by_cost,
     rank_decode,
@@ -157,6 +158,13 @@ def test_float_epsilon_does_not_widen_the_bound() -> None:
     loads = {"a": 11, "b": 10, "c": 10, "d": 10, "e": 8}
     for key in _keys(20, seed=5):
         assert pick_prefill(key, loads, epsilon=0.1)[-1] == "a"
+
+
+@given(total=st.integers(0, 10_000), num_workers=st.integers(1, 1024),
+       epsilon=st.sampled_from([0.0, 0.05, 0.1, 1 / 3, 0.25, 0.5, 1.0, 2.5]))
+def test_load_bound_is_the_exact_ceiling(total: int, num_workers: int, epsilon: float) -> None:
+    loads = {str(i): 0 for i in range(num_workers)} | {"0": total}
+    assert load_bound(epsilon, total, num_workers) == _bound(loads, epsilon)
 
 
 @given(loads=st.dictionaries(worker_ids, st.integers(0, 1000), min_size=1, max_size=8),

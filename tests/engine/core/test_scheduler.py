@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core.chunks import decode_chunk, next_chunk
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, StepUpdate
 from engine.kvcache import BlockManager
@@ -653,3 +654,18 @@ def test_a_guess_never_takes_the_blocks_a_later_prefill_needs() -> None:
     out = sched.schedule()
     assert out.preempted == []
     assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 1), ("b", 5)]
+
+
+def test_decode_chunk_is_next_chunks_decode_token_while_its_block_has_room() -> None:
+    request = make_request(num_prompt_tokens=6)
+    assert decode_chunk(request, (0, 1), BLOCK_SIZE) is None  # its prompt is still to compute
+    request.num_computed_tokens = 6
+    request.append_output(50)  # 7 tokens: the 7th is the decode token, 8 fit in 2 blocks
+    chunk = decode_chunk(request, (0, 1), BLOCK_SIZE)
+    assert chunk == next_chunk(request, 1, (), (0, 1)) and chunk is not None and chunk.is_decode
+    request.num_computed_tokens = 7
+    request.append_output(51)  # the 8th token: the last place in block 1
+    assert decode_chunk(request, (0, 1), BLOCK_SIZE) == next_chunk(request, 1, (), (0, 1))
+    request.num_computed_tokens = 8
+    request.append_output(52)  # the 9th needs a third block: allocate first
+    assert decode_chunk(request, (0, 1), BLOCK_SIZE) is None
