@@ -16,8 +16,8 @@ measures one on this machine and ``--derive`` derives one from a GPU's datasheet
 router's and the workers' flags do (they build the same config dataclasses); ``--kill
 decode-0@30`` kills a worker at 30 virtual seconds (its requests are retried or migrated,
 as the router does). Prompts are drawn below ``--vocab-size`` (their ids only feed the
-block hashes). Prints the result table, then what the simulation did (virtual duration,
-events, wall time); ``--json PATH`` writes every figure under vLLM's key names
+block hashes). A run that lasts says how far it is on stderr every ten seconds. Prints
+the result table, then what the simulation did (virtual duration, events, wall time); ``--json PATH`` writes every figure under vLLM's key names
 (``median_ttft_ms``, ``p90_tpot_ms``, ``request_goodput``, …) plus ``simulation``, and
 with ``--save-detailed`` the per-request lists. The same profile, flags and seed give the
 same figures.
@@ -187,7 +187,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
                     "local_prefill": args.local_prefill,
                     "prefill_routing": args.prefill_routing},
         **run(profile, args.sim_spec, requests, times, args.slo_ms, args.percentiles,
-              detailed=args.save_detailed)}
+              detailed=args.save_detailed, progress=print_progress)}
     print(render(result, title=f"Simulated Serving Result ({profile.source} profile)"))
     sim = result["simulation"]
     print(f"simulated {sim['virtual_s']:.1f} s of serving ({sim['events']} events) in "
@@ -195,6 +195,12 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     if args.json:
         write_json(args.json, result)
     return result
+
+
+def print_progress(virtual_s: float, ended: int, total: int) -> None:
+    """A long run's progress line, on stderr (``sim.cluster.Progress``)."""
+    print(f"simulating: {ended:,} of {total:,} requests ended, {virtual_s:,.1f} s of serving "
+          "simulated", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- the command

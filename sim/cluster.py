@@ -14,7 +14,7 @@ and requests give the same result.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -119,8 +119,13 @@ class SimResult:
             shared.inflight, shared.queued_tokens)
 
 
-def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest]) -> SimResult:
-    """Runs ``requests`` (each arriving at its ``arrival_s``) on the cluster of ``spec``."""
+Progress = Callable[[float, int, int], None]  # (virtual seconds, requests ended, requests)
+
+
+def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest], *,
+             progress: Progress | None = None) -> SimResult:
+    """Runs ``requests`` (each arriving at its ``arrival_s``) on the cluster of ``spec``;
+    ``progress``, if given, hears how far the run is about every ten seconds of wall time."""
     events = EventQueue()
     workers: list[SimWorker] = []
     shared: SharedView | None = None
@@ -165,7 +170,8 @@ def simulate(profile: Profile, spec: SimSpec, requests: Sequence[SimRequest]) ->
                              workers, ordered, events, lambda: events.now < last
                              or any(r.unfinished for r in routers), spawn)
         planner.start()
-    events.run()
+    events.run(progress=None if progress is None else lambda: progress(
+        events.now, sum(r.done for r in ordered), len(ordered)))
     start = ordered[0].arrival_s if ordered else 0.0
     # the run ends with its last response, as vllm bench serve's duration does (events
     # after it: a planner tick, a KV event read, a retry timer)

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
+
+PROGRESS_S = 10.0  # wall seconds between progress calls
+PROGRESS_CHECK_EVENTS = 20_000  # events between looks at the wall clock
 
 
 class EventQueue:
@@ -34,14 +39,33 @@ class EventQueue:
     def after(self, dt: float, fn: Callable[..., Any], *args: Any) -> None:
         self.at(self.now + max(0.0, dt), fn, *args)
 
-    def run(self, until: float | None = None) -> None:
-        """Runs events until none is left (or the next is past ``until``)."""
+    def run(self, until: float | None = None, *, progress: Callable[[], None] | None = None,
+            progress_s: float | None = None) -> None:
+        """Runs events until none is left (or the next is past ``until``); ``progress``, if
+        given, is called between events about every ``progress_s`` seconds of wall time
+        (default ``PROGRESS_S``: a long run's progress output; it changes nothing in the
+        run)."""
+        if progress is None:
+            self._run_some(until, sys.maxsize)
+            return
+        interval = PROGRESS_S if progress_s is None else progress_s
+        next_s = time.perf_counter() + interval
+        while self._run_some(until, PROGRESS_CHECK_EVENTS):
+            if time.perf_counter() >= next_s:
+                progress()
+                next_s = time.perf_counter() + interval
+
+    def _run_some(self, until: float | None, count: int) -> bool:
+        """Runs at most ``count`` events; whether any is left to run."""
         queue = self._queue
-        while queue and (until is None or queue[0][0] <= until):
+        for _ in range(count):
+            if not queue or (until is not None and queue[0][0] > until):
+                return False
             t, _, fn, args = heapq.heappop(queue)
             self.now = t
             self.num_events += 1
             fn(*args)
+        return True
 
     def __len__(self) -> int:
         return len(self._queue)

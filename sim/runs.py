@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from loadtest.workloads import Request
-from sim.cluster import SimResult, SimSpec, simulate
+from sim.cluster import Progress, SimResult, SimSpec, simulate
 from sim.metrics import DEFAULT_PERCENTILES, Outcome, details, metrics
 from sim.profile import Profile
 from sim.state import SimRequest
@@ -49,13 +49,14 @@ def outcomes(result: SimResult) -> list[Outcome]:
 def run(profile: Profile, spec: SimSpec, requests: Sequence[Request], times: Sequence[float],
         slo_ms: dict[str, float] | None = None,
         percentiles: Sequence[float] = DEFAULT_PERCENTILES, *,
-        detailed: bool = False) -> dict[str, Any]:
+        detailed: bool = False, progress: Progress | None = None) -> dict[str, Any]:
     """One simulation of ``requests`` arriving at ``times``: ``bench.serve``'s metrics
     (``sim.metrics``), ``simulation`` (wall and virtual seconds, events, each worker's busy
-    share and steps) and, ``detailed``, the per-request lists (``sim.metrics.details``)."""
+    share and steps) and, ``detailed``, the per-request lists (``sim.metrics.details``);
+    ``progress``: as ``sim.cluster.simulate``'s."""
     started = time.perf_counter()
     with _fewer_collections():  # measuring makes millions of objects too
-        result = simulate(profile, spec, sim_requests(requests, times))
+        result = simulate(profile, spec, sim_requests(requests, times), progress=progress)
         wall = time.perf_counter() - started
         result.check()
         done = outcomes(result)

@@ -47,6 +47,22 @@ def test_simulate_prints_the_table_and_writes_the_json(profile_path: Path, tmp_p
     assert "itls" not in saved  # the per-request lists only with --save-detailed (vLLM's)
 
 
+def test_a_long_run_says_how_far_it_is_on_stderr(profile_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import sim.cli
+    import sim.events
+
+    monkeypatch.setattr(sim.events, "PROGRESS_S", 0.0)  # as if every look were 10 s apart
+    monkeypatch.setattr(sim.events, "PROGRESS_CHECK_EVENTS", 100)
+    assert sim.cli.main(["--profile", str(profile_path), "--num-prompts", str(NUM_PROMPTS),
+                         "--request-rate", "20"]) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("simulating: ")]
+    assert lines and all(f"of {NUM_PROMPTS} requests ended" in line for line in lines)
+    assert "simulating:" not in captured.out  # the table's stdout stays clean
+
+
 def test_save_detailed_adds_the_per_request_lists(profile_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     result = pdserve_simulate("--profile", str(profile_path), "--num-prompts", "6",

@@ -53,6 +53,24 @@ def test_the_same_inputs_give_the_same_run() -> None:
     assert fates(a) != fates(c)
 
 
+def test_a_runs_progress_reports_change_nothing_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sim.events
+
+    spec = SimSpec(num_prefill=1, num_decode=2)
+    quiet = simulate(small_profile(), spec, requests(seed=5))
+    monkeypatch.setattr(sim.events, "PROGRESS_S", 0.0)  # a report at each look
+    monkeypatch.setattr(sim.events, "PROGRESS_CHECK_EVENTS", 50)
+    heard: list[tuple[float, int, int]] = []
+    told = simulate(small_profile(), spec, requests(seed=5),
+                    progress=lambda *report: heard.append(report))
+    assert fates(told) == fates(quiet) and told.num_events == quiet.num_events
+    assert len(heard) >= told.num_events // 50 - 1 >= 2
+    assert all(total == 60 for _, _, total in heard)
+    assert [t for t, _, _ in heard] == sorted(t for t, _, _ in heard)
+    ended = [n for _, n, _ in heard]
+    assert ended == sorted(ended) and ended[0] < 60 and ended[-1] <= 60
+
+
 def test_the_simulator_runs_the_real_router_and_scheduler_code() -> None:
     result = simulate(small_profile(), SimSpec(num_prefill=1, num_decode=1), requests(5))
     worker = result.workers[0]
@@ -403,9 +421,9 @@ def test_a_run_collects_garbage_less_often_and_leaves_the_collector_as_it_was() 
     loads = [Request(r.prompt_token_ids, r.max_tokens) for r in requests(5)]
     before = gc.get_threshold()
 
-    def watched(*args: object) -> object:  # the collector as the simulation sees it
+    def watched(*args: object, **kwargs: object) -> object:  # the collector as it sees it
         seen.append(gc.get_threshold())
-        return simulate(*args)  # type: ignore[arg-type]
+        return simulate(*args, **kwargs)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sim_runs, "simulate", watched)
