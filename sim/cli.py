@@ -17,9 +17,10 @@ router's and the workers' flags do (they build the same config dataclasses); ``-
 decode-0@30`` kills a worker at 30 virtual seconds (its requests are retried or migrated,
 as the router does). Prompts are drawn below ``--vocab-size`` (their ids only feed the
 block hashes). A run that lasts says how far it is on stderr every ten seconds. Prints
-the result table, then what the simulation did (virtual duration, events, wall time); ``--json PATH`` writes every figure under vLLM's key names
-(``median_ttft_ms``, ``p90_tpot_ms``, ``request_goodput``, …) plus ``simulation``, and
-with ``--save-detailed`` the per-request lists. The same profile, flags and seed give the
+the result table, then what the simulation did (virtual duration, events, wall time);
+``--json PATH`` writes every figure under vLLM's key names (``median_ttft_ms``,
+``p90_tpot_ms``, ``request_goodput``, …) plus ``simulation``, and with ``--save-detailed``
+the per-request lists. The same profile, flags and seed give the
 same figures.
 """
 
@@ -158,11 +159,14 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
 def load_profile(args: argparse.Namespace) -> Profile:
     """``--profile``, with step models at ``--prefill-tp`` and ``--decode-tp``
     (``ProfileError`` naming the file and what is wrong)."""
-    from sim.profile import load
+    from sim.profile import ProfileError, load
 
     profile = load(args.profile)
-    for tp in {args.prefill_tp, args.decode_tp}:
-        profile.step(tp)
+    for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        if tp not in profile.steps:  # the profile's error, with the flag that asked
+            raise ProfileError(f"{flag} {tp}: {profile.source} profile {args.profile} has "
+                               f"no steps at TP {tp}; it has TP "
+                               f"{', '.join(map(str, sorted(profile.steps)))}")
     return profile
 
 

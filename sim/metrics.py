@@ -47,7 +47,7 @@ class Outcome:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)  # since sent, one per message, ascending
+    token_times: list[float] = field(default_factory=list)  # since sent, one per message (ascending)
 
     @property
     def tpot(self) -> float | None:
@@ -118,7 +118,8 @@ def _peaks(outcomes: Sequence[Outcome]) -> tuple[float, int]:
         times, end, i = o.token_times, len(o.token_times), 0
         while i < end:
             second = int(o.sent_at + times[i])
-            j = bisect.bisect_right(times, second, i, end, key=functools.partial(_second, o.sent_at))
+            j = bisect.bisect_right(times, second, i, end,
+                                    key=functools.partial(_second, o.sent_at))
             bins[second] = bins.get(second, 0) + j - i
             i = j
         if o.success:

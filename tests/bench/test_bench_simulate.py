@@ -90,8 +90,10 @@ def test_a_quick_validation_point_compares_with_a_real_cluster(
 def test_simulate_names_what_the_profile_lacks(tmp_path: Path) -> None:
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile_json()))
-    with pytest.raises(SystemExit, match=r"no steps at TP 8 \(it has TP 1, 2\)"):
+    with pytest.raises(SystemExit, match=r"--decode-tp 8: .* no steps at TP 8; it has TP 1, 2"):
         simulate.main(["--profile", str(path), "--decode-tp", "8", "--num-prompts", "2"])
+    with pytest.raises(SystemExit, match=r"--prefill-tp 4: .* no steps at TP 4"):  # the flag
+        simulate.main(["--profile", str(path), "--prefill-tp", "4", "--num-prompts", "2"])
     with pytest.raises(SystemExit):  # argparse: nothing can prefill
         simulate.main(["--profile", str(path), "--prefill", "0", "--local-prefill", "never"])
 
