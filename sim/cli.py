@@ -81,6 +81,13 @@ def check_workload_args(p: argparse.ArgumentParser, args: argparse.Namespace
         p.error(str(exc))
     if args.num_prompts < 1:
         p.error("--num-prompts must be at least 1")
+    if not args.request_rate > 0:  # inf: all at once
+        p.error(f"--request-rate must be > 0 requests a second, got {args.request_rate:g}")
+    if not args.burstiness > 0:
+        p.error(f"--burstiness must be > 0 (1: Poisson arrivals), got {args.burstiness:g}")
+    if not all(0 <= q <= 100 for q in args.percentiles):
+        p.error(f"--metric-percentiles takes percentiles from 0 to 100, got "
+                f"{args.metric_percentiles!r}")
     return args
 
 
@@ -126,6 +133,10 @@ def check_simulation_args(p: argparse.ArgumentParser, args: argparse.Namespace
     what is wrong), with ``kills``, ``local_prefill``'s default and the ``sim_spec``
     (``SimSpec``) added, besides what ``check_workload_args`` adds."""
     check_workload_args(p, args)
+    try:
+        Workload(args.spec, args.vocab_size)  # the vocabulary checked
+    except ValueError as exc:
+        p.error(f"--vocab-size: {exc}")
     try:
         args.kills = tuple((w, float(t)) for w, _, t in (k.partition("@") for k in args.kill))
     except ValueError:

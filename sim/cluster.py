@@ -54,6 +54,8 @@ class SimSpec:
     planner: PlannerSettings | None = None  # the planner switches roles while it runs
 
     def __post_init__(self) -> None:
+        SchedulerConfig(max_num_seqs=self.max_num_seqs,  # ConfigError (a ValueError) if wrong
+                        max_num_batched_tokens=self.max_num_batched_tokens)
         if self.num_decode < 1:
             raise ValueError(f"a cluster needs at least one decode worker, got {self.num_decode}")
         if self.num_routers < 1:

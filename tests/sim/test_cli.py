@@ -82,6 +82,26 @@ def test_a_missing_profile_is_one_line_naming_it(tmp_path: Path) -> None:
     assert line.startswith("pdserve simulate: ") and str(missing) in line
 
 
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--request-rate", "0"], "--request-rate must be > 0"),
+    (["--request-rate", "-1"], "--request-rate must be > 0"),
+    (["--request-rate", "3", "--burstiness", "0"], "--burstiness must be > 0"),
+    (["--metric-percentiles", "50,120"], "percentiles from 0 to 100"),
+    (["--vocab-size", "5"], "--vocab-size: vocab_size must exceed"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+    (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be >= 1"),
+])
+def test_a_flag_out_of_range_is_a_usage_error_naming_it(
+        profile_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
+        says: str) -> None:
+    import sim.cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        sim.cli.main(["--profile", str(profile_path), "--num-prompts", "2", *flags])
+    assert exit_info.value.code == 2  # argparse's usage error, no traceback
+    assert says in capsys.readouterr().err
+
+
 def test_the_help_describes_the_command() -> None:
     result = pdserve_simulate("--help")
     assert result.returncode == 0, result.stderr
